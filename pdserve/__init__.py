@@ -1,0 +1,24 @@
+"""pdserve: disaggregated prefill/decode LLM serving."""
+
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.llm import LLM
+
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy so that `import pdserve` (e.g. in the proxy or render tier) never pulls in torch.
+    if name == "LLM":
+        from pdserve.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from pdserve.engine.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

@@ -1,0 +1,41 @@
+"""What the engine reports back per request per step. Token ids only: text lives in pdserve.text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    rank: int  # 1-based rank of this token in the full distribution
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float  # time.monotonic() when the engine got the request
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """A delta: the tokens generated since the previous output for this request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None
+    num_output_tokens: int  # total so far, including new_token_ids
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id (or stop string, set by the text layer)
+    error: str | None = None  # set when finish_reason == "error"
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or a remote transfer
+    kv_transfer_params: dict | None = None  # set on the final output of a prefill (P) leg
+    metrics: RequestMetrics | None = None
