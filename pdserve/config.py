@@ -1,0 +1,42 @@
+"""Engine configuration. Field names follow `vllm serve` flags where the meaning is the same."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF folder path or a short name of an embedded model; None = the default
+    served_model_name: str | None = None
+    tokenizer: str | None = None  # defaults to the model folder
+    dtype: str = "auto"  # auto = config.json's torch_dtype on GPU, float32 on CPU
+    device: str = "auto"  # auto = cuda if available else cpu
+    load_format: str = "auto"  # auto (safetensors) | dummy (random weights in the real shapes)
+    seed: int = 0
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # token budget per step (chunked prefill); default 2048 CPU / 8192 GPU
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None  # fix the KV pool size in blocks (tests force tiny pools)
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gb: float = 1.0  # KV pool size on CPU when num_gpu_blocks_override is unset
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    enforce_eager: bool = False  # GPU: disable CUDA graphs
+    max_waiting_requests: int | None = None  # queue bound: beyond it new requests are refused (server: 503)
+    kv_transfer_config: dict[str, Any] | None = None  # vLLM's --kv-transfer-config JSON
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
