@@ -1,0 +1,46 @@
+"""What every paged-attention backend receives per step, and the interface it implements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch: `num_tokens` query tokens from `num_seqs` sequences, flattened.
+
+    Sequence i owns query rows [query_start_loc[i], query_start_loc[i+1]); those are its last q_len_i
+    positions out of seq_lens[i] (cached context + new tokens). New K/V rows go to `slot_mapping`
+    (block_id * block_size + offset in block).
+    """
+
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq], padded with 0
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    block_size: int
+    max_query_len: int
+    max_seq_len: int
+    decode_only: bool  # every sequence has exactly one query token
+    # host copies, so CPU backends never sync on device tensors
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        """Store new k/v rows ([num_tokens, num_kv_heads, head_dim]) into the per-layer cache views
+        ([num_blocks, block_size, num_kv_heads, head_dim], strided views of the block-contiguous pool)."""
+
+    def forward(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """Causal attention of q ([num_tokens, num_heads, head_dim]) over each sequence's cached keys,
+        GQA included. Returns [num_tokens, num_heads, head_dim]."""

@@ -1,0 +1,70 @@
+"""Reference paged attention on torch SDPA: gathers each sequence's blocks, then attends.
+
+This is the CPU path and the oracle GPU kernels are checked against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.attention.base import AttentionMetadata
+
+
+class TorchAttention:
+    name = "torch-sdpa"
+
+    def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
+        slots = meta.slot_mapping
+        block_idx = torch.div(slots, meta.block_size, rounding_mode="floor")
+        offset = slots - block_idx * meta.block_size
+        k_cache[block_idx, offset] = k
+        v_cache[block_idx, offset] = v
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.decode_only:
+            return self._decode(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
+        bs = meta.block_size
+        start = 0
+        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
+            n_blocks = (seq_len + bs - 1) // bs
+            table = meta.block_tables[i, :n_blocks]
+            k = k_cache[table].flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, d]
+            v = v_cache[table].flatten(0, 1)[:seq_len]
+            qi = q[start : start + q_len].transpose(0, 1)  # [heads, q_len, d]
+            if q_len == seq_len:
+                mask = None
+                causal = True
+            else:
+                # Queries are the last q_len positions: query j sees keys [0, seq_len - q_len + j].
+                ctx = seq_len - q_len
+                mask = torch.arange(seq_len)[None, :] <= (ctx + torch.arange(q_len))[:, None]
+                causal = False
+            o = F.scaled_dot_product_attention(
+                qi, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=causal, scale=scale,
+                enable_gqa=True,
+            )
+            out[start : start + q_len] = o.transpose(0, 1)
+            start += q_len
+        return out
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # One padded batched SDPA call for all sequences: much cheaper than a Python loop per sequence.
+        bs = meta.block_size
+        max_blocks = (meta.max_seq_len + bs - 1) // bs
+        tables = meta.block_tables[:, :max_blocks]
+        num_seqs = tables.shape[0]
+        k = k_cache[tables].flatten(1, 2)  # [B, max_blocks*bs, kv_heads, d]
+        v = v_cache[tables].flatten(1, 2)
+        positions = torch.arange(k.shape[1])
+        mask = positions[None, :] < meta.seq_lens.to(positions.dtype)[:, None]  # [B, T]
+        o = F.scaled_dot_product_attention(
+            q.view(num_seqs, 1, q.shape[1], q.shape[2]).transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        return o.transpose(1, 2).reshape(q.shape)

@@ -1,0 +1,162 @@
+"""Runs LLMEngine's step loop in its own thread and hands outputs to asyncio callers.
+
+HTTP handling stays on the event loop; the engine thread spends its time in torch ops, which release
+the GIL, so neither starves the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import EngineStats, LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("pdserve.engine")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its configured bound (the server answers 503)."""
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, connector_factory: Any = None, engine: LLMEngine | None = None):
+        self.engine = engine or LLMEngine(config, connector_factory)
+        self.config = config
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self.dead_error: BaseException | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10)
+        self.engine.shutdown()
+
+    @property
+    def model_config(self):
+        return self.engine.model_cfg
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    # ---- requests ----------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields output deltas; the last has finished=True. Raises ParamError for client mistakes
+        before the first yield. Cancelling the iteration (client gone) aborts the request."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.dead_error}")
+        bound = self.config.max_waiting_requests
+        if bound is not None and len(self.engine.scheduler.waiting) + self._commands.qsize() >= bound:
+            raise QueueFullError(f"the server's waiting queue is full ({bound} requests)")
+        stream: asyncio.Queue = asyncio.Queue()
+        done = asyncio.get_running_loop().create_future()
+        self._streams[request_id] = stream
+        self._commands.put(("add", (request_id, prompt_token_ids, params, kv_transfer_params), done))
+        self._wake.set()
+        finished = False
+        try:
+            await done  # raises the engine's validation error, if any
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id, None))
+                self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id, None))
+        self._wake.set()
+
+    # ---- the engine thread -------------------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _resolve(self, fut: asyncio.Future, error: BaseException | None) -> None:
+        if fut.done():
+            return
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(error)
+
+    def _drain_commands(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        while True:
+            try:
+                cmd, arg, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return outputs
+            if cmd == "add":
+                try:
+                    self.engine.add_request(*arg)
+                    err = None
+                except Exception as e:  # noqa: BLE001 - reported to the caller, engine keeps going
+                    err = e
+                self._loop.call_soon_threadsafe(self._resolve, fut, err)
+            elif cmd == "abort":
+                out = self.engine.abort_request(arg)
+                if out is not None:
+                    outputs.append(out)
+
+    def _run(self) -> None:
+        assert self._loop is not None
+        try:
+            while not self._stop.is_set():
+                outputs = self._drain_commands()
+                if self.engine.has_unfinished() or self.engine.held or self.engine.connector is not None:
+                    outputs.extend(self.engine.step())
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._deliver, outputs)
+                if not self.engine.has_unfinished():
+                    # Idle: sleep until a command arrives (bounded, so held leases still get reaped).
+                    self._wake.wait(0.01 if (self.engine.held or self.engine.scheduler.loading) else 0.05)
+                    self._wake.clear()
+                elif not self.engine.scheduler.has_work():
+                    self._wake.wait(0.001)  # only remote loads in flight
+                    self._wake.clear()
+        except BaseException as e:  # noqa: BLE001 - a dead engine must fail every waiting request
+            log.exception("engine loop died")
+            self.dead_error = e
+            err = EngineDeadError(f"the engine has stopped: {e}")
+            self._loop.call_soon_threadsafe(self._fail_all, err)
+
+    def _fail_all(self, err: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(err)

@@ -1,0 +1,138 @@
+"""Paged KV blocks: allocation, reference counts and prefix caching by chained block hashes.
+
+A block whose ref count drops to zero goes to the back of the free queue but keeps its hash, so a later
+request with the same prefix can revive it; blocks are evicted (hash dropped) from the front, LRU first.
+Only block ids live here: the tensors belong to the model runner.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from pdserve.engine.request import Request
+
+_HASH_SEED = 0x5EED
+
+
+def hash_block(parent: int | None, tokens: Sequence[int]) -> int:
+    return hash((_HASH_SEED if parent is None else parent, tuple(tokens)))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError("the KV pool needs at least one block")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # tokens found there
+
+    # ---- accounting -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    # ---- prefix cache -----------------------------------------------------------------------
+    def _compute_hashes(self, req: Request, upto_tokens: int) -> None:
+        """Extend req.block_hashes to cover every full block within the first `upto_tokens` tokens."""
+        bs = self.block_size
+        full = upto_tokens // bs
+        while len(req.block_hashes) < full:
+            i = len(req.block_hashes)
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            toks = [req.token_at(j) for j in range(i * bs, (i + 1) * bs)]
+            req.block_hashes.append(hash_block(parent, toks))
+
+    def find_cached_prefix(self, req: Request) -> list[int]:
+        """Block ids of the longest cached prefix of req's tokens. At least one token is always left to
+        compute, since the last prompt token's logits are needed."""
+        if not self.enable_prefix_caching:
+            return []
+        max_tokens = req.num_tokens - 1
+        self._compute_hashes(req, max_tokens)
+        hits: list[int] = []
+        for h in req.block_hashes[: max_tokens // self.block_size]:
+            bid = self.cached.get(h)
+            if bid is None:
+                break
+            hits.append(bid)
+        return hits
+
+    def record_prefix_query(self, queried_tokens: int, hit_tokens: int) -> None:
+        self.prefix_queries += queried_tokens
+        self.prefix_hits += hit_tokens
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the hashes of req's blocks that are now completely computed."""
+        if not self.enable_prefix_caching:
+            return
+        self._compute_hashes(req, req.num_computed_tokens)
+        for i in range(req.num_computed_tokens // self.block_size):
+            bid = req.block_ids[i]
+            if self.block_hash[bid] is not None:
+                continue
+            h = req.block_hashes[i]
+            if h in self.cached:
+                continue  # an identical block already exists; this one stays uncached
+            self.block_hash[bid] = h
+            self.cached[h] = bid
+
+    # ---- allocation -------------------------------------------------------------------------
+    def _take_free(self) -> int:
+        bid, _ = self.free.popitem(last=False)
+        h = self.block_hash[bid]
+        if h is not None:  # evict its cached identity
+            self.block_hash[bid] = None
+            if self.cached.get(h) == bid:
+                del self.cached[h]
+        self.ref_cnt[bid] = 1
+        return bid
+
+    def can_allocate(self, req: Request, num_tokens: int, cached: Sequence[int] = ()) -> bool:
+        revived = sum(1 for b in cached if self.ref_cnt[b] == 0)
+        new = self.blocks_needed(num_tokens) - len(req.block_ids) - len(cached)
+        return new + revived <= len(self.free)
+
+    def allocate(self, req: Request, num_tokens: int, cached: Sequence[int] = ()) -> bool:
+        """Grow req.block_ids to cover num_tokens tokens, first sharing `cached` prefix blocks.
+        Returns False (and changes nothing) when the pool is short."""
+        if not self.can_allocate(req, num_tokens, cached):
+            return False
+        for bid in cached:
+            if self.ref_cnt[bid] == 0:
+                del self.free[bid]
+            self.ref_cnt[bid] += 1
+            req.block_ids.append(bid)
+        while len(req.block_ids) < self.blocks_needed(num_tokens):
+            req.block_ids.append(self._take_free())
+        return True
+
+    def free_blocks(self, block_ids: Sequence[int]) -> None:
+        # Tail blocks first, so they are evicted before the shared prefix they extend.
+        for bid in reversed(block_ids):
+            self.ref_cnt[bid] -= 1
+            assert self.ref_cnt[bid] >= 0, f"block {bid} freed twice"
+            if self.ref_cnt[bid] == 0:
+                self.free[bid] = None
+
+    def release(self, req: Request) -> None:
+        self.free_blocks(req.block_ids)
+        req.block_ids = []
+
+    def reset_prefix_cache(self) -> None:
+        for h, bid in list(self.cached.items()):
+            self.block_hash[bid] = None
+            del self.cached[h]

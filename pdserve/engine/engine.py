@@ -1,0 +1,270 @@
+"""The step loop: admit, schedule, run, sample, finish. Synchronous; AsyncEngine drives it from a thread."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve.config import EngineConfig
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.request import Request, Status
+from pdserve.engine.sampling_params import ParamError, SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.model.config import ModelConfig, load_model_config
+
+log = logging.getLogger("pdserve.engine")
+
+
+class PromptTooLongError(ParamError):
+    pass
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_loading: int
+    num_held: int  # finished prefill legs whose blocks are held for a consumer
+    kv_cache_usage: float
+    num_blocks: int
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    if model is not None and Path(model).is_dir():
+        return Path(model)
+    from pdserve.model.default_model import resolve_model  # converts the embedded default on first use
+
+    return resolve_model(model)
+
+
+def read_eos_ids(model_dir: Path | None, model_cfg: ModelConfig) -> frozenset[int]:
+    ids = set(model_cfg.eos_token_ids)
+    gen = model_dir / "generation_config.json" if model_dir else None
+    if gen is not None and gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+    return frozenset(ids)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, connector_factory: Any = None):
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model)
+        self.model_cfg = load_model_config(self.model_dir)
+        self.max_model_len = config.max_model_len or self.model_cfg.max_position_embeddings
+        self.eos_token_ids = read_eos_ids(self.model_dir, self.model_cfg)
+        self.runner = ModelRunner(config, self.model_cfg, self.model_dir)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        default_budget = 8192 if self.runner.device.type == "cuda" else 2048
+        budget = config.max_num_batched_tokens or default_budget
+        if not config.enable_chunked_prefill:
+            budget = max(budget, self.max_model_len)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, budget, config.enable_chunked_prefill)
+        self.requests: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}  # producer: finished P legs whose blocks a consumer may read
+        self.aborted_while_loading: set[str] = set()
+        self.connector = connector_factory(self) if connector_factory else None
+        self.num_finished = 0
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    kv_transfer_params: dict | None = None) -> None:
+        """Raises ParamError for a client mistake; the engine is unaffected."""
+        if request_id in self.requests:
+            raise ParamError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ParamError("the prompt is empty", "prompt")
+        vocab = self.model_cfg.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or t < 0 or t >= vocab), None)
+        if bad is not None:
+            raise ParamError(f"token id {bad} is out of vocabulary (size {vocab})", "prompt")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"request has {n} input tokens; at least one output token must fit.", "prompt"
+            )
+        if self.blocks.blocks_needed(n + 1) > self.blocks.num_blocks:
+            raise PromptTooLongError(
+                f"the prompt needs {self.blocks.blocks_needed(n + 1)} KV blocks but the pool has "
+                f"{self.blocks.num_blocks}", "prompt"
+            )
+        req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, self.max_model_len,
+                      kv_transfer_params)
+        if req.remote_prefill_pending:
+            if self.connector is None:
+                req.remote_prefill_pending = False  # no connector configured: plain local prefill, as vLLM
+            else:
+                self.connector.validate(kv_transfer_params)  # raises ParamError subclasses
+                self.connector.add_waiting(request_id, kv_transfer_params)
+        if req.hold_for_remote_decode and self.connector is None:
+            req.hold_for_remote_decode = False
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return None
+        if req.status == Status.WAITING_FOR_REMOTE_KVS:
+            # The NIXL read may still be writing into these blocks: free them only when it ends.
+            self.aborted_while_loading.add(request_id)
+            req.finish_reason = "abort"
+            return None
+        if req.remote_prefill_pending and self.connector is not None:
+            self.connector.remove_waiting(request_id, release=True)
+        self.scheduler.remove(req)
+        req.finish_reason = "abort"
+        return self._finish(req, hold=False)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        if self.connector is not None:
+            outputs.extend(self._poll_connector())
+        sched = self.scheduler.schedule()
+        for req in sched.start_loads:
+            self._start_load(req, outputs)
+        if not sched.scheduled:
+            return outputs
+        now = time.monotonic()
+        for req, _ in sched.scheduled:
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+        reqs, tokens, logprobs = self.runner.execute(sched.scheduled)
+        for req, n in sched.scheduled:
+            req.num_computed_tokens += n
+            self.blocks.cache_full_blocks(req)
+        now = time.monotonic()
+        for req, tok, lp in zip(reqs, tokens, logprobs, strict=True):
+            req.output_token_ids.append(tok)
+            if lp is not None:
+                req.output_logprobs.append(lp)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
+            if req.check_stop(tok):
+                self.scheduler.remove(req)
+                outputs.append(self._finish(req, hold=req.hold_for_remote_decode))
+            else:
+                outputs.append(self._emit(req))
+        return outputs
+
+    def _emit(self, req: Request, finished: bool = False) -> RequestOutput:
+        new = req.output_token_ids[req.num_emitted :]
+        lps = req.output_logprobs[req.num_emitted :] if req.params.logprobs is not None else None
+        req.num_emitted = len(req.output_token_ids)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            new_token_ids=new,
+            new_logprobs=lps,
+            num_output_tokens=len(req.output_token_ids),
+            finished=finished,
+            finish_reason=req.finish_reason if finished else None,
+            stop_reason=req.stop_reason if finished else None,
+            error=req.error if finished else None,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            kv_transfer_params=req.result_kv_transfer_params if finished else None,
+            metrics=req.metrics,
+        )
+
+    def _finish(self, req: Request, hold: bool) -> RequestOutput:
+        req.status = Status.FINISHED
+        req.metrics.finished_time = time.monotonic()
+        self.requests.pop(req.request_id, None)
+        self.runner.sampler.forget(req.request_id)
+        self.num_finished += 1
+        if hold and req.finish_reason in ("length", "stop") and req.block_ids and self.connector is not None:
+            req.result_kv_transfer_params = self.connector.hold(
+                req.request_id, list(req.block_ids), req.num_computed_tokens, max(req.num_cached_tokens, 0)
+            )
+            self.held[req.request_id] = req
+        else:
+            self.blocks.release(req)
+        return self._emit(req, finished=True)
+
+    # ---- P/D ---------------------------------------------------------------------------------
+    def _start_load(self, req: Request, outputs: list[RequestOutput]) -> None:
+        assert self.connector is not None
+        first_block = req.num_computed_tokens // self.config.block_size
+        self.connector.remove_waiting(req.request_id, release=False)
+        try:
+            self.connector.start_load(req.request_id, req.kv_transfer_params, list(req.block_ids), first_block)
+        except Exception as e:  # noqa: BLE001 - any connector failure goes through the failure policy
+            self._load_failed(req, f"KV load could not start: {e}", outputs)
+
+    def _poll_connector(self) -> list[RequestOutput]:
+        assert self.connector is not None
+        outputs: list[RequestOutput] = []
+        for rid in self.connector.poll_released():
+            req = self.held.pop(rid, None)
+            if req is not None:
+                self.blocks.release(req)
+        for res in self.connector.poll_loads():
+            req = self.scheduler.loading.get(res.request_id)
+            if req is None:
+                continue
+            if res.request_id in self.aborted_while_loading:
+                self.aborted_while_loading.discard(res.request_id)
+                self.scheduler.loading.pop(res.request_id, None)
+                outputs.append(self._finish(req, hold=False))
+                continue
+            if res.ok:
+                req.remote_load_done = True
+                req.num_cached_tokens = req.num_prompt_tokens - 1
+                self.scheduler.finish_load(req, req.num_prompt_tokens - 1)
+                self.blocks.cache_full_blocks(req)
+            else:
+                self._load_failed(req, res.error or "KV transfer failed", outputs)
+        return outputs
+
+    def _load_failed(self, req: Request, error: str, outputs: list[RequestOutput]) -> None:
+        policy = self.connector.config.kv_load_failure_policy if self.connector else "fail"
+        if policy == "recompute":
+            log.warning("request %s: %s; recomputing the prompt locally", req.request_id, error)
+            local = req.num_computed_tokens  # the local prefix-cache hit stays valid
+            req.num_cached_tokens = local
+            self.scheduler.finish_load(req, local)
+            return
+        log.error("request %s: %s", req.request_id, error)
+        self.scheduler.loading.pop(req.request_id, None)
+        req.finish_reason = "error"
+        req.error = error
+        outputs.append(self._finish(req, hold=False))
+
+    # ---- introspection -----------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting) + len(s.loading),
+            num_loading=len(s.loading),
+            num_held=len(self.held),
+            kv_cache_usage=self.blocks.usage,
+            num_blocks=self.blocks.num_blocks,
+            num_free_blocks=self.blocks.num_free_blocks,
+            prefix_cache_queries=self.blocks.prefix_queries,
+            prefix_cache_hits=self.blocks.prefix_hits,
+            num_preemptions=s.num_preemptions,
+        )
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()

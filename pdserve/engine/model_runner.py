@@ -1,0 +1,161 @@
+"""Builds each step's flattened batch, runs the decoder over the paged KV pool and samples.
+
+Decides *how* a step runs, never *what* runs (that is the scheduler's job).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from pdserve.attention.base import AttentionMetadata
+from pdserve.config import EngineConfig
+from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import Sampler
+from pdserve.model.config import ModelConfig
+from pdserve.model.loader import build_model
+
+log = logging.getLogger("pdserve.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # exact against HF on CPU, and CPU bf16 matmuls are not faster here
+    dtype = _DTYPES.get(model_cfg.torch_dtype, torch.bfloat16)
+    return torch.bfloat16 if dtype == torch.float32 else dtype
+
+
+def select_attention_backend(device: torch.device):
+    if device.type == "cuda":
+        try:
+            from pdserve.attention.triton_backend import TritonAttention  # GPU-only, imported lazily
+
+            return TritonAttention()
+        except ImportError:
+            log.warning("GPU attention kernels unavailable; using the torch SDPA reference backend")
+    from pdserve.attention.torch_ref import TorchAttention
+
+    return TorchAttention()
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model_dir: Path | None):
+        self.config = config
+        self.model_cfg = model_cfg
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, model_cfg, self.device)
+        self.block_size = config.block_size
+        torch.manual_seed(config.seed)
+        self.model = build_model(model_cfg, model_dir, self.dtype, self.device, config.load_format, config.seed)
+        self.backend = select_attention_backend(self.device)
+        self.num_blocks = self._decide_num_blocks()
+        # The block-contiguous pool: one block spans every layer, so one NIXL descriptor moves one block.
+        # torch.zeros touches every page now, not during the first transfer.
+        self.kv_pool = torch.zeros(self.pool_shape(self.num_blocks), dtype=self.dtype, device=self.device)
+        self.sampler = Sampler(config.seed)
+
+    # ---- sizing ------------------------------------------------------------------------------
+    def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
+        c = self.model_cfg
+        return (num_blocks, c.num_layers, 2, self.block_size, c.num_kv_heads, c.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        c = self.model_cfg
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return c.num_layers * 2 * self.block_size * c.num_kv_heads * c.head_dim * elem
+
+    def _decide_num_blocks(self) -> int:
+        if self.config.num_gpu_blocks_override:
+            return self.config.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * self.config.gpu_memory_utilization - (total - free)
+            budget -= 2 * 1024**3  # headroom for activations and CUDA graphs
+        else:
+            budget = self.config.cpu_kv_cache_gb * 1024**3
+        blocks = int(budget // self.block_bytes)
+        if blocks < 1:
+            raise RuntimeError("no memory left for the KV cache; lower the model size or raise the memory budget")
+        return blocks
+
+    @property
+    def layout(self) -> str:
+        return "block,layer,kv,token,head,dim"
+
+    # ---- one step ----------------------------------------------------------------------------
+    def _prepare(self, batch: list[tuple[Request, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qlens: list[int] = []
+        seqlens: list[int] = []
+        max_blocks = 0
+        for req, n in batch:
+            start = req.num_computed_tokens
+            end = start + n
+            ids.extend(req.token_at(j) for j in range(start, end))
+            pos.extend(range(start, end))
+            table = req.block_ids
+            slots.extend(table[j // bs] * bs + j % bs for j in range(start, end))
+            qlens.append(n)
+            seqlens.append(end)
+            max_blocks = max(max_blocks, (end + bs - 1) // bs)
+        tables = torch.zeros((len(batch), max_blocks), dtype=torch.int32)
+        for i, (req, _) in enumerate(batch):
+            nb = (seqlens[i] + bs - 1) // bs
+            tables[i, :nb] = torch.tensor(req.block_ids[:nb], dtype=torch.int32)
+        qsl = [0]
+        for q in qlens:
+            qsl.append(qsl[-1] + q)
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seqlens, dtype=torch.int32, device=dev),
+            block_tables=tables.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_size=bs,
+            max_query_len=max(qlens),
+            max_seq_len=max(seqlens),
+            decode_only=all(q == 1 for q in qlens),
+            query_lens_host=qlens,
+            seq_lens_host=seqlens,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        return input_ids, positions, meta
+
+    @torch.inference_mode()
+    def execute(self, batch: list[tuple[Request, int]]) -> tuple[list[Request], list[int], list[TokenLogprob | None]]:
+        """Runs the step; returns the requests that reached their frontier, their sampled tokens and
+        logprobs. Requests mid-way through a chunked prefill sample nothing."""
+        input_ids, positions, meta = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_pool, meta, self.backend)
+        rows: list[int] = []
+        sampling: list[Request] = []
+        end = 0
+        for req, n in batch:
+            end += n
+            if req.num_computed_tokens + n == req.num_tokens:
+                rows.append(end - 1)
+                sampling.append(req)
+        if not sampling:
+            return [], [], []
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        tokens, logprobs = self.sampler.sample(logits, sampling)
+        return sampling, tokens, logprobs

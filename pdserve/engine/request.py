@@ -1,0 +1,94 @@
+"""A request's state as the scheduler sees it: token ids, progress and blocks. No tensors here."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engine.outputs import RequestMetrics, TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # blocks allocated, NIXL read in flight
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    kv_transfer_params: dict[str, Any] | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens not computed here (prefix cache or transfer); -1 = unset
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of this request's full blocks
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    num_emitted: int = 0  # output tokens already reported to the caller
+    metrics: RequestMetrics = field(init=False)
+    # P/D roles, decided per request by kv_transfer_params as vLLM does
+    remote_prefill_pending: bool = False  # consumer: must load the prompt's KV from a producer first
+    remote_load_done: bool = False
+    hold_for_remote_decode: bool = False  # producer: keep blocks after finishing, for a consumer to read
+    result_kv_transfer_params: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        kv = self.kv_transfer_params or {}
+        self.hold_for_remote_decode = bool(kv.get("do_remote_decode"))
+        self.remote_prefill_pending = bool(kv.get("do_remote_prefill"))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, i: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+    @property
+    def max_tokens(self) -> int:
+        budget = self.max_model_len - self.num_prompt_tokens
+        mt = self.params.max_tokens
+        return budget if mt is None else min(mt, budget)
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def check_stop(self, token_id: int) -> bool:
+        """Called after appending a sampled token: sets finish_reason when the request is done."""
+        n = len(self.output_token_ids)
+        p = self.params
+        if n >= p.min_tokens:
+            if token_id in p.stop_token_ids:
+                self.finish_reason, self.stop_reason = "stop", token_id
+                return True
+            if not p.ignore_eos and token_id in self.eos_token_ids:
+                self.finish_reason, self.stop_reason = "stop", None
+                return True
+        if n >= self.max_tokens or self.num_tokens >= self.max_model_len:
+            self.finish_reason = "length"
+            return True
+        return False

@@ -1,0 +1,135 @@
+"""Continuous batching with chunked prefill under a token budget, preemption by recompute, and the
+consumer side's remote-KV wait. Decides *what* runs each step; never touches tensors."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.request import Request, Status
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens this step)
+    start_loads: list[Request] = field(default_factory=list)  # blocks allocated; start the remote read
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.loading: dict[str, Request] = {}  # consumer requests whose KV is being read from a producer
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, req: Request) -> None:
+        """Drop a request from whichever queue holds it (blocks are the caller's business)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req.request_id in self.loading:
+            del self.loading[req.request_id]
+        else:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(req)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.blocks.release(req)
+        req.num_computed_tokens = 0
+        req.status = Status.WAITING
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        # 1. Running requests first: decodes and the rest of chunked prefills.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.blocks.allocate(req, req.num_computed_tokens + num_new):
+                victim = self.running[-1]  # lowest priority: the most recently admitted
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status != Status.RUNNING:  # preempted itself
+                break
+            out.scheduled.append((req, num_new))
+            scheduled_ids.add(req.request_id)
+            budget -= num_new
+            i += 1
+
+        # 2. Admit waiting requests, FIFO, unless this step had to preempt.
+        while self.waiting and not out.preempted and budget > 0:
+            if len(self.running) + len(self.loading) >= self.max_num_seqs:
+                break
+            req = self.waiting[0]
+            cached = self.blocks.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            if req.remote_prefill_pending:
+                # Consumer: allocate the whole prompt, then read what the local prefix cache lacks.
+                if not self.blocks.allocate(req, req.num_prompt_tokens, cached):
+                    break
+                self.waiting.popleft()
+                self._note_prefix(req, len(cached))
+                req.num_computed_tokens = len(cached) * self.blocks.block_size
+                req.status = Status.WAITING_FOR_REMOTE_KVS
+                self.loading[req.request_id] = req
+                out.start_loads.append(req)
+                continue
+            num_computed = req.num_computed_tokens or len(cached) * self.blocks.block_size
+            num_new = req.num_tokens - num_computed
+            if num_new > budget:
+                if not self.enable_chunked_prefill and scheduled_ids:
+                    break
+                num_new = budget
+            if not self.blocks.allocate(req, num_computed + num_new, cached):
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:
+                self._note_prefix(req, len(cached))
+            req.num_computed_tokens = num_computed
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, num_new))
+            scheduled_ids.add(req.request_id)
+            budget -= num_new
+        return out
+
+    def _note_prefix(self, req: Request, num_cached_blocks: int) -> None:
+        hit = num_cached_blocks * self.blocks.block_size
+        self.blocks.record_prefix_query(req.num_prompt_tokens, hit)
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = hit
+
+    def finish_load(self, req: Request, num_computed_tokens: int) -> None:
+        """A remote read ended (or was replaced by local recompute): the request joins the running set."""
+        self.loading.pop(req.request_id, None)
+        req.num_computed_tokens = num_computed_tokens
+        req.status = Status.RUNNING
+        self.running.append(req)

@@ -1,0 +1,52 @@
+"""Rotary position embeddings as Hugging Face computes them (default, linear and llama3 scaling)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pdserve.model.config import ModelConfig
+
+
+def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    # llama3: long wavelengths are divided by `factor`, short ones kept, a smooth ramp in between.
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling.get("original_max_position_embeddings", 8192))
+    low_wavelen = old_len / low
+    high_wavelen = old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # float32 like HF, then cast to the activation dtype.
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim] (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
