@@ -1,0 +1,89 @@
+"""Greedy output must be token-identical to Hugging Face transformers, in every scheduling regime."""
+
+from __future__ import annotations
+
+import pytest
+from engine_utils import hf_greedy, make_engine, mixed_prompts, run_engine
+from tiny_models import VOCAB
+
+from pdserve.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def assert_accounting_clean(engine) -> None:
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert all(c == 0 for c in engine.blocks.ref_cnt)
+    assert not engine.requests and not engine.held
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_batch_matches_transformers(tiny_model_factory, arch):
+    model = tiny_model_factory(arch)
+    prompts = mixed_prompts(VOCAB)
+    engine = make_engine(model)
+    assert run_engine(engine, prompts, GREEDY) == hf_greedy(model, prompts, 16)
+    assert_accounting_clean(engine)
+
+
+def test_tied_embeddings_and_llama3_rope(tiny_model_factory):
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+    model = tiny_model_factory("llama", tie=True, rope_scaling=rope)
+    prompts = mixed_prompts(VOCAB, seed=3, lengths=(70, 9))
+    engine = make_engine(model)
+    assert run_engine(engine, prompts, GREEDY) == hf_greedy(model, prompts, 16)
+
+
+def test_prefix_cache_hits_are_exact(tiny_llama):
+    engine = make_engine(tiny_llama, block_size=8)
+    shared = mixed_prompts(VOCAB, seed=5, lengths=(41,))[0]
+    first = [shared + [7, 8, 9]]
+    second = [shared + [10, 11], shared + [12, 13, 14, 15, 16, 17, 18, 19, 20]]
+    assert run_engine(engine, first, GREEDY) == hf_greedy(tiny_llama, first, 16)
+    hits_before = engine.blocks.prefix_hits
+    assert run_engine(engine, second, GREEDY) == hf_greedy(tiny_llama, second, 16)
+    assert engine.blocks.prefix_hits - hits_before >= 2 * 40  # five full 8-token blocks per prompt
+    assert_accounting_clean(engine)
+
+
+def test_tiny_chunked_prefill_is_exact(tiny_llama):
+    engine = make_engine(tiny_llama, max_num_batched_tokens=5, block_size=4)
+    prompts = mixed_prompts(VOCAB, seed=7)
+    assert run_engine(engine, prompts, GREEDY) == hf_greedy(tiny_llama, prompts, 16)
+    assert_accounting_clean(engine)
+
+
+def test_preemption_by_recompute_is_exact(tiny_llama):
+    # 12 blocks of 4 tokens cannot hold six growing sequences at once: the scheduler must preempt.
+    engine = make_engine(tiny_llama, num_gpu_blocks_override=12, block_size=4, enable_prefix_caching=False)
+    prompts = mixed_prompts(VOCAB, seed=9, lengths=(6, 9, 12, 5, 7, 10))
+    assert run_engine(engine, prompts, GREEDY) == hf_greedy(tiny_llama, prompts, 16)
+    assert engine.scheduler.num_preemptions > 0
+    assert_accounting_clean(engine)
+
+
+def test_prompt_too_long_fails_alone(tiny_llama):
+    engine = make_engine(tiny_llama, max_model_len=64)
+    from pdserve.engine.engine import PromptTooLongError
+
+    with pytest.raises(PromptTooLongError, match="maximum context length is 64"):
+        engine.add_request("too-long", list(range(3, 80)), GREEDY)
+    prompts = mixed_prompts(VOCAB, seed=1, lengths=(10,))
+    assert run_engine(engine, prompts, GREEDY) == hf_greedy(tiny_llama, prompts, 16)
+    assert_accounting_clean(engine)
+
+
+def test_out_of_vocab_token_rejected(tiny_llama):
+    from pdserve.engine.sampling_params import ParamError
+
+    engine = make_engine(tiny_llama)
+    with pytest.raises(ParamError, match="out of vocabulary"):
+        engine.add_request("bad", [1, 2, VOCAB + 5], GREEDY)
+    assert_accounting_clean(engine)
+
+
+def test_max_model_len_caps_generation(tiny_llama):
+    engine = make_engine(tiny_llama, max_model_len=24)
+    out = run_engine(engine, [list(range(3, 20))], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    assert len(out[0]) == 24 - 17

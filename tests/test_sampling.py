@@ -1,0 +1,94 @@
+"""Sampling: seeds reproduce, top-k/top-p/min-p never emit excluded tokens, stop conditions hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_utils import make_engine, run_engine
+
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling_params import ParamError, SamplingParams
+
+
+def _req(params: SamplingParams, rid: str = "r") -> Request:
+    return Request(rid, [1, 2, 3], params, frozenset({2}), 1000)
+
+
+def test_seeded_sampling_reproducible(tiny_llama):
+    engine = make_engine(tiny_llama)
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    a = run_engine(engine, prompts, params)
+    b = run_engine(engine, prompts, params)
+    assert a == b
+    c = run_engine(engine, prompts, SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True))
+    assert c != a
+
+
+@pytest.mark.parametrize("kind", ["top_k", "top_p", "min_p"])
+def test_truncation_never_emits_excluded_tokens(kind):
+    torch.manual_seed(0)
+    logits = torch.randn(1, 50) * 3
+    probs = torch.softmax(logits[0], -1)
+    order = torch.argsort(probs, descending=True)
+    if kind == "top_k":
+        params = SamplingParams(temperature=1.0, top_k=5, seed=1)
+        allowed = set(order[:5].tolist())
+    elif kind == "top_p":
+        params = SamplingParams(temperature=1.0, top_p=0.5, seed=1)
+        cum = torch.cumsum(probs[order], 0)
+        n = int((cum < 0.5).sum()) + 1
+        allowed = set(order[:n].tolist())
+    else:
+        params = SamplingParams(temperature=1.0, min_p=0.2, seed=1)
+        allowed = set(torch.nonzero(probs >= 0.2 * probs.max()).flatten().tolist())
+    sampler = Sampler(0)
+    seen = set()
+    req = _req(params)
+    for _ in range(400):
+        tok, _ = sampler.sample(logits, [req])
+        seen.add(tok[0])
+    assert seen <= allowed
+    assert len(seen) > 1 or len(allowed) == 1
+
+
+def test_logprobs_and_rank():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    sampler = Sampler(0)
+    toks, lps = sampler.sample(logits, [_req(SamplingParams(temperature=0, logprobs=2))])
+    assert toks == [1]
+    lp = lps[0]
+    assert lp.rank == 1 and lp.token_id == 1
+    expect = torch.log_softmax(logits[0], -1)
+    assert lp.logprob == pytest.approx(float(expect[1]))
+    assert [t for t, _ in lp.top] == [1, 2]
+
+
+def test_min_tokens_masks_eos_and_stop_ids():
+    logits = torch.tensor([[0.0, 0.0, 10.0, 9.0, 1.0]])  # EOS (2) then stop id 3 are the favourites
+    sampler = Sampler(0)
+    req = _req(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[3]))
+    toks, _ = sampler.sample(logits, [req])
+    assert toks == [4]
+
+
+def test_stop_token_id_and_eos(tiny_llama):
+    engine = make_engine(tiny_llama)
+    free = run_engine(engine, [[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    stop_at = free[3]
+    idx = free.index(stop_at)
+    out = run_engine(engine, [[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at]))[0]
+    assert out == free[: idx + 1]
+
+
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+     ({"top_k": -5}, "top_k"), ({"min_p": 2}, "min_p"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+     ({"logprobs": 50}, "logprobs")],
+)
+def test_invalid_params(kwargs, param):
+    with pytest.raises(ParamError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param
