@@ -1,0 +1,362 @@
+"""The proxy's aiohttp application: client routes, admin routes, health and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from pdserve.proxy.config import ProxyConfig
+from pdserve.proxy.errors import error_response
+from pdserve.proxy.health import HealthChecker, probe
+from pdserve.proxy.legs import relay_decode, run_prefill
+from pdserve.proxy.pool import ROLES, Instance
+from pdserve.proxy.protocol import (
+    affinity_key,
+    build_decode_body,
+    build_prefill_body,
+    estimate_prompt_tokens,
+    is_batch_prompt,
+    max_output_tokens,
+    prefill_prompt_token_ids,
+    wants_chat_token_ids,
+)
+from pdserve.proxy.state import ProxyState
+
+logger = logging.getLogger("pdserve.proxy")
+
+STATE_KEY = web.AppKey("pdserve_proxy_state", ProxyState)
+MAX_BODY_BYTES = 64 * 1024 * 1024
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+
+
+def _bearer_ok(request: web.Request, key: str | None) -> bool:
+    if key is None:
+        return True
+    given = request.headers.get("Authorization", "")
+    return hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
+
+
+class ProxyHandlers:
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
+        self.config = state.config
+        self.metrics = state.metrics
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _unauthorized(self, request: web.Request, key: str | None) -> web.Response | None:
+        if _bearer_ok(request, key):
+            return None
+        self.metrics.error("unauthorized")
+        return error_response(
+            401,
+            "missing or wrong API key (expected 'Authorization: Bearer <key>')",
+            "AuthenticationError",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+    def _upstream_headers(self, request: web.Request, rid: str) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", "X-Request-Id": rid}
+        if self.config.upstream_api_key:
+            headers["Authorization"] = f"Bearer {self.config.upstream_api_key}"
+        elif self.config.api_key is None and "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+        return headers
+
+    # -- generation routes ---------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, COMPLETIONS)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, CHAT_COMPLETIONS)
+
+    async def _generate(self, request: web.Request, api_path: str) -> web.StreamResponse:
+        denied = self._unauthorized(request, self.config.api_key)
+        if denied is not None:
+            return denied
+        state = self.state
+        if state.in_flight >= self.config.max_inflight:
+            self.metrics.error("overload")
+            return error_response(
+                503,
+                f"proxy overloaded: {state.in_flight} requests in flight (--max-inflight)",
+                "ServiceUnavailableError",
+                headers={"Retry-After": "1"},
+            )
+        started = time.perf_counter()
+        state.in_flight += 1
+        self.metrics.in_flight.inc()
+        try:
+            return await self._route(request, api_path)
+        except asyncio.CancelledError:
+            self.metrics.error("client_disconnect")
+            raise
+        finally:
+            state.in_flight -= 1
+            self.metrics.in_flight.dec()
+            self.metrics.request_seconds.observe(time.perf_counter() - started)
+
+    async def _route(self, request: web.Request, api_path: str) -> web.StreamResponse:
+        cfg = self.config
+        state = self.state
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            self.metrics.error("bad_request")
+            return error_response(400, f"request body is not valid JSON: {exc}", "BadRequestError")
+        if not isinstance(body, dict):
+            self.metrics.error("bad_request")
+            return error_response(400, "request body must be a JSON object", "BadRequestError")
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        headers = self._upstream_headers(request, rid)
+        tokens = estimate_prompt_tokens(body)
+        decode_tokens = tokens + max_output_tokens(body)
+
+        if len(state.prefill) == 0:
+            path = "collocated"
+        elif is_batch_prompt(body) or tokens < cfg.disagg_threshold_tokens:
+            path = "conditional_local"
+        else:
+            return await self._disaggregated(request, api_path, body, raw, headers, tokens, decode_tokens)
+        self.metrics.path[path].inc()
+        logger.debug("request %s: %s (~%d prompt tokens)", rid, path, tokens)
+        return await relay_decode(
+            state, request, api_path, raw, headers, tokens=decode_tokens, kv_claimed=False
+        )
+
+    async def _disaggregated(
+        self,
+        request: web.Request,
+        api_path: str,
+        body: dict[str, Any],
+        raw: bytes,
+        headers: dict[str, str],
+        tokens: int,
+        decode_tokens: int,
+    ) -> web.StreamResponse:
+        cfg = self.config
+        state = self.state
+        rid = headers["X-Request-Id"]
+        token_ids = cfg.chat_token_ids and api_path == CHAT_COMPLETIONS and wants_chat_token_ids(body)
+        prefill_payload = json.dumps(build_prefill_body(body, chat_token_ids=token_ids)).encode()
+        affinity = affinity_key(body, cfg.prefix_affinity_chars) if cfg.prefix_affinity else None
+        result = await run_prefill(state, api_path, prefill_payload, headers, tokens, affinity)
+        if result.passthrough is not None:
+            return result.passthrough
+        if result.kv_params is None:
+            if cfg.on_prefill_failure == "decode-local":
+                logger.warning(
+                    "request %s: prefill failed (%s); decode instance prefills locally "
+                    "(--on-prefill-failure decode-local)",
+                    rid,
+                    result.error,
+                )
+                self.metrics.path["decode_local_fallback"].inc()
+                return await relay_decode(
+                    state, request, api_path, raw, headers, tokens=decode_tokens, kv_claimed=False
+                )
+            self.metrics.error("prefill_failed")
+            logger.warning(
+                "request %s: prefill failed (%s); answering 502 (--on-prefill-failure %s)",
+                rid,
+                result.error,
+                cfg.on_prefill_failure,
+            )
+            return error_response(
+                502, f"prefill leg failed: {result.error}", "BadGatewayError", request_id=rid
+            )
+        assert result.response is not None and result.instance is not None
+        prompt_ids = prefill_prompt_token_ids(result.response) if token_ids else None
+        remote_host = result.instance.host if cfg.rewrite_remote_host else None
+        decode_body = build_decode_body(
+            body, result.kv_params, prompt_token_ids=prompt_ids, remote_host=remote_host
+        )
+        self.metrics.path["disagg"].inc()
+        logger.debug("request %s: disagg via %s", rid, result.instance.url)
+        return await relay_decode(
+            state,
+            request,
+            api_path,
+            json.dumps(decode_body).encode(),
+            headers,
+            tokens=decode_tokens,
+            kv_claimed=True,
+        )
+
+    # -- pass-through routes (served by a decode instance) ---------------------------------------
+
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        denied = self._unauthorized(request, self.config.api_key)
+        if denied is not None:
+            return denied
+        state = self.state
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        headers = self._upstream_headers(request, rid)
+        data = await request.read() if request.can_read_body else None
+        tried: list[Instance] = []
+        last = "no decode instance available"
+        for _ in range(1 + self.config.decode_retries):
+            inst = state.decode.choose(tried)
+            if inst is None:
+                break
+            tried.append(inst)
+            try:
+                async with state.http().request(
+                    request.method,
+                    inst.url + request.path,
+                    data=data,
+                    headers=headers,
+                    timeout=state.prefill_timeout,
+                ) as resp:
+                    body = await resp.read()
+                    ctype = resp.headers.get("Content-Type", "application/json")
+                    status = resp.status
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                last = f"{inst.url}: {type(exc).__name__}: {exc}"
+                inst.record_failure(last, self.config.eject_after)
+                continue
+            return web.Response(status=status, body=body, headers={"Content-Type": ctype})
+        return error_response(502 if tried else 503, last, "BadGatewayError")
+
+    # -- operational routes -----------------------------------------------------------------------
+
+    def _serving_state(self) -> tuple[bool, dict[str, Any]]:
+        state = self.state
+        decode_ok = state.decode.healthy_count() > 0
+        prefill_ok = (
+            len(state.prefill) == 0
+            or state.prefill.healthy_count() > 0
+            or self.config.on_prefill_failure == "decode-local"
+        )
+        info = {
+            "prefill_instances": len(state.prefill),
+            "prefill_healthy": state.prefill.healthy_count(),
+            "decode_instances": len(state.decode),
+            "decode_healthy": state.decode.healthy_count(),
+            "in_flight": state.in_flight,
+        }
+        return decode_ok and prefill_ok, info
+
+    async def health(self, request: web.Request) -> web.Response:
+        ok, info = self._serving_state()
+        return web.json_response({"status": "ok" if ok else "unavailable", **info}, status=200 if ok else 503)
+
+    async def healthcheck(self, request: web.Request) -> web.Response:
+        """vLLM toy proxy's route, for tools that probe it."""
+        _, info = self._serving_state()
+        return web.json_response(
+            {
+                "status": "ok",
+                "prefill_instances": info["prefill_instances"],
+                "decode_instances": info["decode_instances"],
+            }
+        )
+
+    async def metrics_route(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def _listing(self) -> dict[str, list[dict[str, Any]]]:
+        return {pool.role: [inst.to_json() for inst in pool.instances] for pool in self.state.pools()}
+
+    async def list_instances(self, request: web.Request) -> web.Response:
+        denied = self._unauthorized(request, self.config.admin_key)
+        if denied is not None:
+            return denied
+        return web.json_response(self._listing())
+
+    async def change_instances(self, request: web.Request) -> web.Response:
+        """POST {"action": "add"|"remove", "role": "prefill"|"decode", "url": "host:port"}."""
+        denied = self._unauthorized(request, self.config.admin_key)
+        if denied is not None:
+            return denied
+        try:
+            body = await request.json()
+        except ValueError:
+            return error_response(400, "body must be JSON", "BadRequestError")
+        if not isinstance(body, dict):
+            return error_response(400, "body must be a JSON object", "BadRequestError")
+        action, role, url = body.get("action"), body.get("role"), body.get("url")
+        if action not in ("add", "remove") or role not in ROLES or not isinstance(url, str):
+            return error_response(
+                400,
+                'expected {"action": "add"|"remove", "role": "prefill"|"decode", "url": "http://host:port"}',
+                "BadRequestError",
+            )
+        pool = self.state.pool(role)
+        try:
+            if action == "add":
+                inst = pool.add(url, healthy=False)
+                # Admitted at once when it answers /health; otherwise the health loop admits it later.
+                reason = await probe(self.state.http(), inst, self.config.health_timeout)
+                if reason is None:
+                    inst.record_success()
+                else:
+                    inst.last_error = reason
+                logger.warning("admin: added %s instance %s (healthy: %s)", role, inst.url, inst.healthy)
+            else:
+                target = pool.get(url)
+                if target is None:
+                    return error_response(404, f"no {role} instance {url}", "NotFoundError")
+                if role == "decode" and len(pool) == 1:
+                    return error_response(409, "cannot remove the last decode instance", "ConflictError")
+                pool.remove(url)
+                logger.warning(
+                    "admin: removed %s instance %s (%d legs in flight finish)",
+                    role,
+                    target.url,
+                    target.in_flight,
+                )
+        except ValueError as exc:
+            status = 409 if "already registered" in str(exc) else 400
+            return error_response(status, str(exc), "ConflictError" if status == 409 else "BadRequestError")
+        return web.json_response(self._listing())
+
+
+def create_app(config: ProxyConfig) -> web.Application:
+    """The proxy as an aiohttp application (serve it with handler_cancellation=True so that a client
+    disconnect cancels the handler and so closes the upstream connection)."""
+    config.validate()
+    state = ProxyState.from_config(config)
+    handlers = ProxyHandlers(state)
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app[STATE_KEY] = state
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        await state.open()
+        checker = HealthChecker(
+            state.http(),
+            state.pools,
+            interval=config.health_interval,
+            timeout=config.health_timeout,
+            eject_after=config.eject_after,
+        )
+        checker.start()
+        yield
+        await checker.stop()
+        await state.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post(COMPLETIONS, handlers.completions)
+    app.router.add_post(CHAT_COMPLETIONS, handlers.chat_completions)
+    app.router.add_get("/v1/models", handlers.passthrough)
+    app.router.add_post("/tokenize", handlers.passthrough)
+    app.router.add_post("/detokenize", handlers.passthrough)
+    app.router.add_get("/health", handlers.health)
+    app.router.add_get("/healthcheck", handlers.healthcheck)
+    app.router.add_get("/metrics", handlers.metrics_route)
+    app.router.add_get("/pdserve/instances", handlers.list_instances)
+    app.router.add_post("/pdserve/instances", handlers.change_instances)
+    return app

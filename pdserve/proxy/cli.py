@@ -1,0 +1,228 @@
+"""`pdserve proxy`: the production P/D proxy in front of vLLM-compatible prefill and decode instances.
+
+Precedence of settings: built-in defaults < environment (PDSERVE_API_KEY, PDSERVE_ADMIN_KEY,
+PDSERVE_UPSTREAM_API_KEY) < --config FILE < command-line flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from pdserve.proxy.config import PREFILL_FAILURE_POLICIES, ProxyConfig, load_config_file
+
+SHUTDOWN_GRACE_S = 10.0
+_ENV_KEYS = {
+    "api_key": "PDSERVE_API_KEY",
+    "admin_key": "PDSERVE_ADMIN_KEY",
+    "upstream_api_key": "PDSERVE_UPSTREAM_API_KEY",
+}
+_D = ProxyConfig()  # defaults, quoted in the help texts
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    s = argparse.SUPPRESS  # unset flags stay absent, so --config values are not overridden by defaults
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--host", default=s, help=f"bind address (default {_D.host})")
+    parser.add_argument(
+        "--port", type=int, default=s, help=f"bind port, 0 picks a free one (default {_D.port})"
+    )
+    parser.add_argument(
+        "--prefill",
+        nargs="+",
+        action="extend",
+        default=s,
+        metavar="URL",
+        help="prefill instance(s), http://host:port or host:port; none = collocated mode over the decode pool",
+    )
+    parser.add_argument(
+        "--decode", nargs="+", action="extend", default=s, metavar="URL", help="decode instance(s)"
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="YAML (.yaml/.yml) or TOML (.toml) file of these settings",
+    )
+    parser.add_argument("--api-key", default=s, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    parser.add_argument(
+        "--admin-key", default=s, help="require 'Authorization: Bearer KEY' on /pdserve/instances"
+    )
+    parser.add_argument(
+        "--upstream-api-key",
+        default=s,
+        help="send 'Authorization: Bearer KEY' to instances; without it the client's Authorization header "
+        "is forwarded unless --api-key is set",
+    )
+    parser.add_argument(
+        "--on-prefill-failure",
+        choices=PREFILL_FAILURE_POLICIES,
+        default=s,
+        help="when the prefill leg fails or returns no kv_transfer_params: retry = try other prefill "
+        "instances (--prefill-retries) then answer 502; fail = answer 502 at once; decode-local = retry, "
+        f"then let a decode instance prefill locally (default {_D.on_prefill_failure})",
+    )
+    parser.add_argument(
+        "--prefill-retries",
+        type=int,
+        default=s,
+        help=f"other prefill instances to try (default {_D.prefill_retries})",
+    )
+    parser.add_argument(
+        "--decode-retries",
+        type=int,
+        default=s,
+        help="other decode instances to try when a decode leg cannot connect (any failure before a byte "
+        f"was relayed on non-disaggregated paths) (default {_D.decode_retries})",
+    )
+    parser.add_argument(
+        "--disagg-threshold-tokens",
+        type=int,
+        default=s,
+        help="prompts estimated below N tokens go straight to a decode instance (default 0 = always disaggregate)",
+    )
+    parser.add_argument(
+        "--prefix-affinity", action="store_true", default=s, help="consistent prefill choice by prompt prefix"
+    )
+    parser.add_argument(
+        "--prefix-affinity-chars",
+        type=int,
+        default=s,
+        help=f"prefix length hashed (default {_D.prefix_affinity_chars})",
+    )
+    parser.add_argument(
+        "--prefix-affinity-slack",
+        type=int,
+        default=s,
+        help="use the affine instance unless it has more than N requests in flight above the least loaded "
+        f"(default {_D.prefix_affinity_slack})",
+    )
+    parser.add_argument(
+        "--rewrite-remote-host",
+        action="store_true",
+        default=s,
+        help="replace remote_host in the prefill's kv_transfer_params by the host the proxy reached it at",
+    )
+    parser.add_argument(
+        "--no-chat-token-ids",
+        dest="chat_token_ids",
+        action="store_false",
+        default=s,
+        help="do not hand the prefill's prompt_token_ids to the decode leg of chat requests",
+    )
+    parser.add_argument(
+        "--max-inflight",
+        type=int,
+        default=s,
+        help=f"client requests in flight before 503 (default {_D.max_inflight})",
+    )
+    parser.add_argument(
+        "--connect-timeout", type=float, default=s, help=f"seconds (default {_D.connect_timeout})"
+    )
+    parser.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=s,
+        help=f"seconds for a whole prefill leg (default {_D.prefill_timeout})",
+    )
+    parser.add_argument(
+        "--decode-timeout",
+        type=float,
+        default=s,
+        help=f"seconds without a byte from the decode leg (default {_D.decode_timeout})",
+    )
+    parser.add_argument(
+        "--health-interval",
+        type=float,
+        default=s,
+        help=f"seconds between /health probes (default {_D.health_interval})",
+    )
+    parser.add_argument(
+        "--health-timeout", type=float, default=s, help=f"seconds (default {_D.health_timeout})"
+    )
+    parser.add_argument(
+        "--eject-after",
+        type=int,
+        default=s,
+        help=f"consecutive failures (probes or requests) before ejection (default {_D.eject_after})",
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default=s,
+        help=f"(default {_D.log_level})",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    values: dict[str, Any] = {}
+    for name, env in _ENV_KEYS.items():
+        if os.environ.get(env):
+            values[name] = os.environ[env]
+    config_file = getattr(args, "config", None)
+    if config_file:
+        values.update(load_config_file(config_file))
+    for f in dataclasses.fields(ProxyConfig):
+        if hasattr(args, f.name):
+            values[f.name] = getattr(args, f.name)
+    return ProxyConfig(**values).validate()
+
+
+async def serve(config: ProxyConfig) -> None:
+    from aiohttp import web
+
+    from pdserve.proxy.app import create_app
+
+    app = create_app(config)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, backlog=4096)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    for host, port, *_ in runner.addresses:
+        logging.getLogger("pdserve.proxy").info(
+            "pdserve proxy listening on http://%s:%d (prefill: %s; decode: %s; mode: %s)",
+            host,
+            port,
+            ", ".join(config.prefill) or "-",
+            ", ".join(config.decode),
+            "disaggregated" if config.prefill else "collocated",
+        )
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"pdserve proxy: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    except ImportError:
+        loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(serve(config))
+    finally:
+        loop.close()
+    return 0

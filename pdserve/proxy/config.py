@@ -1,0 +1,103 @@
+"""Proxy configuration: one dataclass, filled from the command line and an optional YAML/TOML file."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdserve.proxy.pool import normalize_url
+
+PREFILL_FAILURE_POLICIES = ("retry", "fail", "decode-local")
+
+
+@dataclass
+class ProxyConfig:
+    host: str = "127.0.0.1"
+    port: int = 8192
+    prefill: list[str] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
+    # Client-facing auth: `Authorization: Bearer <api_key>` on /v1 routes.
+    api_key: str | None = None
+    # Admin auth: `Authorization: Bearer <admin_key>` on /pdserve/instances.
+    admin_key: str | None = None
+    # Upstream auth: sent as `Authorization: Bearer <key>` to instances. When unset, the client's
+    # Authorization header is forwarded unless the proxy checks its own --api-key.
+    upstream_api_key: str | None = None
+    on_prefill_failure: str = "retry"
+    prefill_retries: int = 1
+    decode_retries: int = 1
+    disagg_threshold_tokens: int = 0
+    prefix_affinity: bool = False
+    prefix_affinity_chars: int = 1024
+    prefix_affinity_slack: int = 4
+    rewrite_remote_host: bool = False
+    chat_token_ids: bool = True
+    max_inflight: int = 4096
+    connect_timeout: float = 3.0
+    prefill_timeout: float = 300.0
+    decode_timeout: float = 600.0
+    health_interval: float = 5.0
+    health_timeout: float = 2.0
+    eject_after: int = 3
+    log_level: str = "info"
+
+    def validate(self) -> ProxyConfig:
+        """Normalises URLs and checks ranges; raises ValueError with a readable message."""
+        self.prefill = [normalize_url(u) for u in self.prefill]
+        self.decode = [normalize_url(u) for u in self.decode]
+        for role, urls in (("prefill", self.prefill), ("decode", self.decode)):
+            if len(set(urls)) != len(urls):
+                raise ValueError(f"duplicate {role} instance URL in {urls}")
+        if not self.decode:
+            raise ValueError("at least one decode instance is required (--decode URL)")
+        if self.on_prefill_failure not in PREFILL_FAILURE_POLICIES:
+            raise ValueError(
+                f"on_prefill_failure must be one of {PREFILL_FAILURE_POLICIES}, got {self.on_prefill_failure!r}"
+            )
+        for name in ("prefill_retries", "decode_retries", "disagg_threshold_tokens", "prefix_affinity_slack"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        for name in ("prefix_affinity_chars", "max_inflight", "eject_after"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in (
+            "connect_timeout",
+            "prefill_timeout",
+            "decode_timeout",
+            "health_interval",
+            "health_timeout",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        return self
+
+
+FIELD_NAMES = {f.name for f in dataclasses.fields(ProxyConfig)}
+
+
+def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Reads a YAML (.yaml/.yml) or TOML (.toml) mapping of ProxyConfig fields (`-` or `_` in keys)."""
+    file = Path(path)
+    text = file.read_text()
+    if file.suffix == ".toml":
+        import tomllib
+
+        data = tomllib.loads(text)
+    else:
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a mapping at the top level")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in FIELD_NAMES:
+            raise ValueError(f"{file}: unknown key {key!r}")
+        if name in ("prefill", "decode") and isinstance(value, str):
+            value = [value]
+        out[name] = value
+    return out

@@ -1,0 +1,315 @@
+"""The two legs of a request: the prefill call (with retries on other instances) and the decode call
+whose response is relayed to the client byte for byte."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from pdserve.proxy.errors import (
+    SSE_DONE,
+    error_payload,
+    error_response,
+    is_openai_error_body,
+    sse_error_event,
+)
+from pdserve.proxy.pool import Instance
+from pdserve.proxy.protocol import prefill_kv_params
+from pdserve.proxy.state import ProxyState
+
+logger = logging.getLogger("pdserve.proxy")
+
+# Upstream statuses that mean "try elsewhere" rather than "the client's request is wrong".
+_RETRYABLE_4XX = (408, 429)
+_CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+@dataclass
+class PrefillResult:
+    """Outcome of the prefill leg: params (success), a client error to relay verbatim, or a failure."""
+
+    kv_params: dict[str, Any] | None = None
+    response: dict[str, Any] | None = None
+    instance: Instance | None = None
+    passthrough: web.Response | None = None
+    error: str | None = None
+
+
+async def _prefill_once(
+    state: ProxyState, inst: Instance, api_path: str, payload: bytes, headers: dict[str, str], tokens: int
+) -> PrefillResult:
+    started = time.perf_counter()
+    kind: str | None = None
+    reason = ""
+    status = 0
+    data = b""
+    ctype = "application/json"
+    inst.acquire(tokens)
+    try:
+        async with state.http().post(
+            inst.url + api_path, data=payload, headers=headers, timeout=state.prefill_timeout
+        ) as resp:
+            status = resp.status
+            ctype = resp.headers.get("Content-Type", ctype)
+            data = await resp.read()
+    except _CONNECT_ERRORS as exc:
+        kind, reason = "prefill_connect", _describe(exc)
+    except TimeoutError as exc:
+        kind, reason = "prefill_timeout", _describe(exc) or "timeout"
+    except aiohttp.ClientError as exc:
+        kind, reason = "prefill_io", _describe(exc)
+    finally:
+        inst.release(tokens)
+
+    counts_against_instance = True
+    parsed: Any = None
+    if kind is None:
+        if 400 <= status < 500 and status not in _RETRYABLE_4XX:
+            # The client's request is wrong (bad params, prompt too long, ...): say so verbatim.
+            inst.record_success()
+            headers_out = {"Content-Type": ctype, "X-Request-Id": headers["X-Request-Id"]}
+            return PrefillResult(
+                instance=inst, passthrough=web.Response(status=status, body=data, headers=headers_out)
+            )
+        if status != 200:
+            kind, reason = "prefill_status", f"status {status}: {data[:200]!r}"
+            counts_against_instance = status >= 500
+        else:
+            try:
+                parsed = json.loads(data)
+            except ValueError:
+                kind, reason = "prefill_no_params", "response is not JSON"
+    if kind is None:
+        kv_params = prefill_kv_params(parsed)
+        if kv_params is not None:
+            inst.record_success()
+            state.metrics.prefill_seconds.observe(time.perf_counter() - started)
+            return PrefillResult(kv_params=kv_params, response=parsed, instance=inst)
+        kind, reason = "prefill_no_params", "response has no kv_transfer_params"
+    state.metrics.error(kind)
+    if counts_against_instance:
+        inst.record_failure(reason, state.config.eject_after)
+    logger.warning("prefill leg of request %s failed on %s: %s", headers["X-Request-Id"], inst.url, reason)
+    return PrefillResult(instance=inst, error=f"{inst.url}: {reason}")
+
+
+async def run_prefill(
+    state: ProxyState,
+    api_path: str,
+    payload: bytes,
+    headers: dict[str, str],
+    tokens: int,
+    affinity: str | None,
+) -> PrefillResult:
+    """The prefill leg on the chosen instance, then on other instances while retries are allowed
+    (none under --on-prefill-failure fail)."""
+    cfg = state.config
+    attempts = 1 if cfg.on_prefill_failure == "fail" else 1 + cfg.prefill_retries
+    tried: list[Instance] = []
+    last_error = "no prefill instance available"
+    for attempt in range(attempts):
+        inst = state.prefill.choose(tried, affinity=affinity, affinity_slack=cfg.prefix_affinity_slack)
+        if inst is None:
+            break
+        if attempt:
+            state.metrics.retries["prefill"].inc()
+        tried.append(inst)
+        result = await _prefill_once(state, inst, api_path, payload, headers, tokens)
+        if result.kv_params is not None or result.passthrough is not None:
+            return result
+        last_error = result.error or last_error
+    return PrefillResult(error=last_error)
+
+
+async def relay_decode(
+    state: ProxyState,
+    request: web.Request,
+    api_path: str,
+    payload: bytes,
+    headers: dict[str, str],
+    *,
+    tokens: int,
+    kv_claimed: bool,
+) -> web.StreamResponse:
+    """Send the decode leg and relay its response. A leg that never reached an instance (connect
+    failure) is retried on another one; other failures are retried only when `kv_claimed` is False:
+    a P/D decode leg that reached its instance may have claimed the prefill's KV lease."""
+    cfg = state.config
+    rid = headers["X-Request-Id"]
+    tried: list[Instance] = []
+    last_kind: str | None = None
+    last_reason = ""
+    for attempt in range(1 + cfg.decode_retries):
+        inst = state.decode.choose(tried)
+        if inst is None:
+            break
+        if attempt:
+            state.metrics.retries["decode"].inc()
+        tried.append(inst)
+        may_retry = attempt < cfg.decode_retries
+        inst.acquire(tokens)
+        try:
+            started = time.perf_counter()
+            try:
+                resp = await state.http().post(
+                    inst.url + api_path, data=payload, headers=headers, timeout=state.decode_timeout
+                )
+            except _CONNECT_ERRORS as exc:
+                last_kind, last_reason = "decode_connect", _describe(exc)
+            except TimeoutError as exc:
+                last_kind, last_reason = "decode_timeout", _describe(exc) or "timeout"
+            except aiohttp.ClientError as exc:
+                last_kind, last_reason = "decode_io", _describe(exc)
+            else:
+                if resp.status >= 500 and not kv_claimed and may_retry:
+                    body = await _read_quietly(resp)
+                    last_kind, last_reason = "decode_status", f"status {resp.status}: {body[:200]!r}"
+                else:
+                    return await _relay_response(state, request, inst, resp, started, rid)
+            state.metrics.error(last_kind)
+            inst.record_failure(last_reason, cfg.eject_after)
+            logger.warning("decode leg of request %s failed on %s: %s", rid, inst.url, last_reason)
+            if kv_claimed and last_kind != "decode_connect":
+                break
+        finally:
+            inst.release(tokens)
+    if last_kind is None:
+        state.metrics.error("no_instance")
+        return error_response(503, "no decode instance available", "ServiceUnavailableError", request_id=rid)
+    status = 504 if last_kind == "decode_timeout" else 502
+    return error_response(status, f"decode leg failed: {last_reason}", "BadGatewayError", request_id=rid)
+
+
+async def _read_quietly(resp: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await resp.read()
+    except (TimeoutError, aiohttp.ClientError):
+        return b""
+    finally:
+        resp.release()
+
+
+async def _relay_response(
+    state: ProxyState,
+    request: web.Request,
+    inst: Instance,
+    resp: aiohttp.ClientResponse,
+    started: float,
+    rid: str,
+) -> web.StreamResponse:
+    metrics = state.metrics
+    status = resp.status
+    ctype = resp.headers.get("Content-Type", "application/json")
+    finished = False
+    try:
+        if status >= 400 or not ctype.startswith("text/event-stream"):
+            try:
+                data = await resp.read()
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                kind = "decode_timeout" if isinstance(exc, asyncio.TimeoutError) else "decode_io"
+                metrics.error(kind)
+                inst.record_failure(_describe(exc), state.config.eject_after)
+                return error_response(
+                    504 if kind == "decode_timeout" else 502,
+                    f"decode leg failed while reading its response: {_describe(exc)}",
+                    "BadGatewayError",
+                    request_id=rid,
+                )
+            finished = True
+            metrics.decode_ttfb_seconds.observe(time.perf_counter() - started)
+            if status >= 500:
+                metrics.error("decode_status")
+                inst.record_failure(f"status {status}", state.config.eject_after)
+                if not is_openai_error_body(data):
+                    data = json.dumps(
+                        error_payload(
+                            f"decode instance error: {data[:500].decode(errors='replace')}",
+                            "BadGatewayError",
+                            status,
+                        )
+                    ).encode()
+                    ctype = "application/json"
+            else:
+                inst.record_success()
+            return web.Response(
+                status=status, body=data, headers={"Content-Type": ctype, "X-Request-Id": rid}
+            )
+        out, finished = await _relay_stream(state, request, inst, resp, started, rid, ctype)
+        return out
+    finally:
+        if finished:
+            resp.release()
+        else:
+            resp.close()  # closing the connection aborts the request on the decode instance
+
+
+async def _relay_stream(
+    state: ProxyState,
+    request: web.Request,
+    inst: Instance,
+    resp: aiohttp.ClientResponse,
+    started: float,
+    rid: str,
+    ctype: str,
+) -> tuple[web.StreamResponse, bool]:
+    """Relays SSE bytes as they come; returns the response and whether the upstream body was read
+    to its end (so its connection can go back to the pool)."""
+    metrics = state.metrics
+    out = web.StreamResponse(
+        status=resp.status,
+        headers={"Content-Type": ctype, "Cache-Control": "no-cache", "X-Request-Id": rid},
+    )
+    await out.prepare(request)
+    tail = b""
+    first = True
+    failure: str | None = None
+    try:
+        async for chunk in resp.content.iter_any():
+            if first:
+                metrics.decode_ttfb_seconds.observe(time.perf_counter() - started)
+                first = False
+            await out.write(chunk)
+            tail = chunk[-16:] if len(chunk) >= 16 else (tail + chunk)[-16:]
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        if isinstance(exc, ConnectionResetError):  # our write to a client that went away
+            metrics.error("client_disconnect")
+            return out, False
+        failure = _describe(exc) or "timeout"
+    except ConnectionResetError:
+        metrics.error("client_disconnect")
+        return out, False
+    if failure is None and not tail.rstrip().endswith(b"[DONE]"):
+        failure = "stream ended without [DONE]"
+    if failure is None:
+        inst.record_success()
+    else:
+        metrics.error("decode_stream")
+        inst.record_failure(failure, state.config.eject_after)
+        logger.warning("decode stream of request %s from %s broke: %s", rid, inst.url, failure)
+        separator = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
+        try:
+            await out.write(
+                separator
+                + sse_error_event(f"decode instance failed mid-stream: {failure}", "BadGatewayError", 502)
+                + SSE_DONE
+            )
+        except ConnectionResetError:
+            metrics.error("client_disconnect")
+            return out, False
+    try:
+        await out.write_eof()
+    except ConnectionResetError:
+        metrics.error("client_disconnect")
+    return out, failure is None

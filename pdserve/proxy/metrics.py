@@ -1,0 +1,115 @@
+"""Prometheus metrics of the proxy (one registry per proxy app, so several can live in one process)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pdserve.proxy.pool import Pool
+
+PATHS = ("disagg", "conditional_local", "collocated", "decode_local_fallback")
+LEGS = ("prefill", "decode")
+ERROR_KINDS = (
+    "bad_request",
+    "unauthorized",
+    "overload",
+    "prefill_connect",
+    "prefill_timeout",
+    "prefill_io",
+    "prefill_status",
+    "prefill_no_params",
+    "prefill_failed",
+    "decode_connect",
+    "decode_timeout",
+    "decode_io",
+    "decode_status",
+    "decode_stream",
+    "no_instance",
+    "client_disconnect",
+)
+LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+
+
+class _PoolCollector(Collector):
+    """Per-instance gauges and counters read from the pools at scrape time (so removed instances
+    disappear from /metrics instead of lingering as stale label sets)."""
+
+    def __init__(self, pools: Callable[[], list[Pool]]) -> None:
+        self._pools = pools
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        labels = ["role", "url"]
+        in_flight = GaugeMetricFamily(
+            "pdserve_proxy_instance_in_flight", "Legs in flight to the instance", labels=labels
+        )
+        tokens = GaugeMetricFamily(
+            "pdserve_proxy_instance_outstanding_tokens",
+            "Estimated tokens of the legs in flight to the instance",
+            labels=labels,
+        )
+        healthy = GaugeMetricFamily(
+            "pdserve_proxy_instance_healthy", "1 when the instance is admitted, 0 when ejected", labels=labels
+        )
+        requests = CounterMetricFamily(
+            "pdserve_proxy_instance_requests", "Legs sent to the instance", labels=labels
+        )
+        failures = CounterMetricFamily(
+            "pdserve_proxy_instance_failures", "Failed legs and probes of the instance", labels=labels
+        )
+        ejections = CounterMetricFamily(
+            "pdserve_proxy_instance_ejections", "Times the instance was ejected", labels=labels
+        )
+        for pool in self._pools():
+            for inst in pool.instances:
+                values = [inst.role, inst.url]
+                in_flight.add_metric(values, inst.in_flight)
+                tokens.add_metric(values, inst.outstanding_tokens)
+                healthy.add_metric(values, 1.0 if inst.healthy else 0.0)
+                requests.add_metric(values, inst.requests_total)
+                failures.add_metric(values, inst.failures_total)
+                ejections.add_metric(values, inst.ejections_total)
+        yield from (in_flight, tokens, healthy, requests, failures, ejections)
+
+
+class ProxyMetrics:
+    def __init__(self, pools: Callable[[], list[Pool]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        self.in_flight = Gauge("pdserve_proxy_in_flight", "Client requests in flight", registry=reg)
+        paths = Counter("pdserve_proxy_requests", "Client requests by the path taken", ["path"], registry=reg)
+        self.path = {p: paths.labels(p) for p in PATHS}
+        retries = Counter("pdserve_proxy_retries", "Legs retried on another instance", ["leg"], registry=reg)
+        self.retries = {leg: retries.labels(leg) for leg in LEGS}
+        errors = Counter("pdserve_proxy_errors", "Errors by kind", ["kind"], registry=reg)
+        self.errors = {kind: errors.labels(kind) for kind in ERROR_KINDS}
+        self.prefill_seconds = Histogram(
+            "pdserve_proxy_prefill_seconds",
+            "Prefill leg latency (successful legs)",
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.decode_ttfb_seconds = Histogram(
+            "pdserve_proxy_decode_ttfb_seconds",
+            "Decode leg: seconds from sending the request to its first body byte",
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.request_seconds = Histogram(
+            "pdserve_proxy_request_seconds",
+            "Client request latency, arrival to last byte relayed",
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        reg.register(_PoolCollector(pools))
+
+    def error(self, kind: str) -> None:
+        self.errors[kind].inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

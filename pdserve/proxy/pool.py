@@ -1,0 +1,185 @@
+"""Instance pools: membership, load accounting, health state and the choice of an instance."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from yarl import URL
+
+logger = logging.getLogger("pdserve.proxy")
+
+ROLES = ("prefill", "decode")
+
+
+def normalize_url(url: str) -> str:
+    """`host:port`, `http://host:port`, `http://host:port/v1/` -> `http://host:port` (scheme://authority)."""
+    text = url.strip()
+    if not text:
+        raise ValueError("empty instance URL")
+    if "://" not in text:
+        text = "http://" + text
+    parsed = URL(text)
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"bad instance URL {url!r}: expected http://host:port or host:port")
+    if parsed.path not in ("", "/", "/v1", "/v1/"):
+        raise ValueError(f"bad instance URL {url!r}: give the server root, not a path")
+    if parsed.explicit_port is None:
+        raise ValueError(f"bad instance URL {url!r}: the port is required")
+    host = f"[{parsed.host}]" if ":" in parsed.host else parsed.host
+    return f"{parsed.scheme}://{host}:{parsed.explicit_port}"
+
+
+@dataclass(eq=False)
+class Instance:
+    """One prefill or decode server and what the proxy knows of it."""
+
+    url: str
+    role: str
+    healthy: bool = True
+    in_flight: int = 0
+    outstanding_tokens: int = 0
+    consecutive_failures: int = 0
+    requests_total: int = 0
+    failures_total: int = 0
+    ejections_total: int = 0
+    last_error: str | None = None
+    host: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.host = URL(self.url).host or ""
+
+    def acquire(self, tokens: int) -> None:
+        self.in_flight += 1
+        self.outstanding_tokens += tokens
+        self.requests_total += 1
+
+    def release(self, tokens: int) -> None:
+        self.in_flight -= 1
+        self.outstanding_tokens -= tokens
+
+    def record_success(self) -> bool:
+        """A request or probe succeeded; returns True when this re-admits an ejected instance."""
+        self.consecutive_failures = 0
+        if self.healthy:
+            return False
+        self.healthy = True
+        logger.warning("%s instance %s re-admitted", self.role, self.url)
+        return True
+
+    def record_failure(self, reason: str, eject_after: int) -> bool:
+        """A request or probe failed; returns True when this ejects the instance."""
+        self.consecutive_failures += 1
+        self.failures_total += 1
+        self.last_error = reason
+        if self.healthy and self.consecutive_failures >= eject_after:
+            self.healthy = False
+            self.ejections_total += 1
+            logger.warning(
+                "%s instance %s ejected after %d consecutive failures (last: %s)",
+                self.role,
+                self.url,
+                self.consecutive_failures,
+                reason,
+            )
+            return True
+        return False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "in_flight": self.in_flight,
+            "outstanding_tokens": self.outstanding_tokens,
+            "consecutive_failures": self.consecutive_failures,
+            "requests_total": self.requests_total,
+            "failures_total": self.failures_total,
+            "ejections_total": self.ejections_total,
+            "last_error": self.last_error,
+        }
+
+
+def _rendezvous_score(key_digest: bytes, url: str) -> bytes:
+    return hashlib.blake2b(key_digest + url.encode(), digest_size=8).digest()
+
+
+class Pool:
+    """The instances of one role. Choice: least outstanding requests, then least outstanding tokens,
+    ties rotated; optional prefix affinity by rendezvous hashing over the healthy instances."""
+
+    def __init__(self, role: str, urls: Iterable[str] = ()) -> None:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}")
+        self.role = role
+        self._instances: list[Instance] = []
+        self._rotation = 0
+        for url in urls:
+            self.add(url)
+
+    @property
+    def instances(self) -> list[Instance]:
+        return list(self._instances)
+
+    def __len__(self) -> int:
+        return len(self._instances)
+
+    def healthy_count(self) -> int:
+        return sum(1 for inst in self._instances if inst.healthy)
+
+    def get(self, url: str) -> Instance | None:
+        url = normalize_url(url)
+        return next((inst for inst in self._instances if inst.url == url), None)
+
+    def add(self, url: str, *, healthy: bool = True) -> Instance:
+        url = normalize_url(url)
+        if self.get(url) is not None:
+            raise ValueError(f"{self.role} instance {url} is already registered")
+        inst = Instance(url=url, role=self.role, healthy=healthy)
+        self._instances.append(inst)
+        return inst
+
+    def remove(self, url: str) -> Instance | None:
+        inst = self.get(url)
+        if inst is not None:
+            self._instances.remove(inst)
+        return inst
+
+    def choose(
+        self,
+        exclude: Iterable[Instance] = (),
+        *,
+        affinity: str | None = None,
+        affinity_slack: int = 0,
+    ) -> Instance | None:
+        """The instance for the next leg, or None when every instance is excluded. When no instance is
+        healthy, all are candidates (better to try than to refuse everything on a flapping probe)."""
+        excluded = set(exclude)
+        candidates = [inst for inst in self._instances if inst.healthy and inst not in excluded]
+        if not candidates:
+            candidates = [inst for inst in self._instances if inst not in excluded]
+            if not candidates:
+                return None
+        least = self._least_loaded(candidates)
+        if affinity is None or len(candidates) == 1:
+            return least
+        digest = hashlib.blake2b(affinity.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        target = max(candidates, key=lambda inst: _rendezvous_score(digest, inst.url))
+        if target.in_flight - least.in_flight <= affinity_slack:
+            return target
+        return least
+
+    def _least_loaded(self, candidates: list[Instance]) -> Instance:
+        n = len(candidates)
+        start = self._rotation % n
+        self._rotation += 1
+        best = candidates[start]
+        best_key = (best.in_flight, best.outstanding_tokens)
+        for i in range(1, n):
+            inst = candidates[(start + i) % n]
+            key = (inst.in_flight, inst.outstanding_tokens)
+            if key < best_key:
+                best, best_key = inst, key
+        return best
