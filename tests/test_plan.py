@@ -1,0 +1,99 @@
+"""`pdserve plan`: the KV arithmetic against the seed article's numbers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.plan import KVShape, format_plan, make_plan, parse_bandwidth, resolve_shape
+
+
+def test_seed_llama_70b_320_kib_per_token_and_64_ms() -> None:
+    shape = resolve_shape("meta-llama/Llama-3.1-70B-Instruct")
+    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype) == (80, 8, 128, "bfloat16")
+    assert shape.bytes_per_token == 320 * 1024
+    plan = make_plan(shape, 10_000, ["400Gb/s"])
+    assert plan.prompt_bytes == 3_276_800_000  # "about 3 GB"
+    # exact: 3.2768e9 B x 8 / 400e9 bit/s
+    assert plan.links[0].wire_time_s == pytest.approx(0.065536)
+    text = format_plan(plan)
+    assert "320 KiB" in text and "65.5 ms" in text
+    # the seed's own rounding (3.2 GB x 8 / 400 Gb/s) is shown and gives its 64 ms
+    assert "3.2 GB" in text and "64 ms" in text
+    assert "1 GB = 10^9 B" in text and "1 GiB = 2^30 B" in text
+
+
+def test_explicit_shape_matches_table() -> None:
+    explicit = resolve_shape(None, layers=80, kv_heads=8, head_dim=128, dtype="bf16")
+    assert explicit.bytes_per_token == 327_680
+    assert resolve_shape(None, layers=80, kv_heads=8, head_dim=128, dtype="fp8").bytes_per_token == 163_840
+    with pytest.raises(ValueError, match="--kv-heads"):
+        resolve_shape(None, layers=80, head_dim=128)
+
+
+@pytest.mark.parametrize(
+    ("text", "bytes_per_s"),
+    [
+        ("400Gb/s", 50e9),
+        ("400Gbps", 50e9),
+        ("400 Gbit/s", 50e9),
+        ("50GB/s", 50e9),
+        ("1GiB/s", 2**30),
+        ("100 MB/s", 1e8),
+        ("1.6Tb/s", 200e9),
+        ("tcp-fallback", 0.5e9),
+    ],
+)
+def test_parse_bandwidth(text: str, bytes_per_s: float) -> None:
+    assert parse_bandwidth(text) == pytest.approx(bytes_per_s)
+
+
+@pytest.mark.parametrize("text", ["400", "fast", "400Qb/s", "-5GB/s", "0GB/s"])
+def test_parse_bandwidth_rejects(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_bandwidth(text)
+
+
+def test_config_json_and_folder(tmp_path: Path) -> None:
+    cfg = {
+        "architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 28, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "hidden_size": 1024, "head_dim": 128, "torch_dtype": "bfloat16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for source in (tmp_path, tmp_path / "config.json"):
+        shape = resolve_shape(str(source))
+        assert shape.bytes_per_token == 28 * 2 * 8 * 128 * 2
+    # head_dim absent: hidden / heads; kv heads absent: = heads; dtype override
+    del cfg["head_dim"], cfg["num_key_value_heads"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    shape = resolve_shape(str(tmp_path), dtype="float32")
+    assert (shape.num_kv_heads, shape.head_dim, shape.dtype) == (16, 64, "float32")
+    assert shape.bytes_per_token == 28 * 2 * 16 * 64 * 4
+
+
+def test_blocks_round_up() -> None:
+    plan = make_plan(KVShape("x", 2, 2, 16, "float32"), 17, ["5GB/s"], block_size=16)
+    assert plan.num_blocks == 2 and plan.bytes_per_block == 16 * 512
+    assert plan.links[0].wire_time_s == pytest.approx(17 * 512 / 5e9)
+
+
+def test_cli_json_and_errors() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve", "plan", "llama-3.1-70b", "--prompt-len", "10000",
+         "--bandwidth", "400Gb/s", "--bandwidth", "0.5GB/s", "--json"],
+        capture_output=True, text=True, check=True,
+    )
+    data = json.loads(out.stdout)
+    assert data["bytes_per_token"] == 327_680
+    assert [round(link["wire_time_s"], 4) for link in data["links"]] == [0.0655, 6.5536]
+    bad = subprocess.run([sys.executable, "-m", "pdserve", "plan", "no-such-model", "--prompt-len", "10"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "not a known name" in bad.stderr
+    assert "torch" not in subprocess.run(
+        [sys.executable, "-c", "import sys, pdserve.plan; print(' '.join(sys.modules))"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()
