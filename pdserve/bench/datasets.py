@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,11 +20,30 @@ import numpy as np
 
 from pdserve.bench.types import SampleRequest
 
+_ALLOWED: weakref.WeakKeyDictionary[Any, np.ndarray] = weakref.WeakKeyDictionary()
+
 
 def allowed_token_ids(tokenizer: Any) -> np.ndarray:
-    """The base vocabulary minus special tokens, in id order."""
-    special = set(int(i) for i in tokenizer.all_special_ids)
-    return np.array([i for i in range(int(tokenizer.vocab_size)) if i not in special], dtype=np.int64)
+    """The base vocabulary minus special tokens, in id order.
+
+    Unlike vLLM we also drop tokens that decode to nothing or to U+FFFD on their own (byte pieces of a
+    multi-byte character): their text re-encodes as other tokens, so a prompt made of them can be stuck
+    off its target length however it is trimmed.
+    """
+    cached = _ALLOWED.get(tokenizer)
+    if cached is not None:
+        return cached
+    special = {int(i) for i in tokenizer.all_special_ids}
+    ids = [i for i in range(int(tokenizer.vocab_size)) if i not in special]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        texts = backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
+    else:
+        texts = [tokenizer.decode([i]) for i in ids]
+    clean = [i for i, text in zip(ids, texts, strict=True) if text and "\ufffd" not in text]
+    allowed = np.array(clean or ids, dtype=np.int64)
+    _ALLOWED[tokenizer] = allowed
+    return allowed
 
 
 def decode_to_target_len(
