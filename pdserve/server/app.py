@@ -1,0 +1,166 @@
+"""The FastAPI application: OpenAI routes plus vLLM's utility routes, all errors in OpenAI shape."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+
+from pdserve import __version__
+from pdserve.server.errors import APIError, error_body, error_response
+from pdserve.server.http_utils import ClientGone, RequestIdAuthMiddleware, parse_model, read_json
+from pdserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    ModelPermission,
+    TokenizeRequest,
+)
+from pdserve.server.serving_chat import create_chat_completion
+from pdserve.server.serving_completion import create_completion
+from pdserve.server.state import ServerState
+from pdserve.text.chat import ChatTemplateError
+
+log = logging.getLogger("pdserve.server")
+
+# Status for a request whose client went away (nginx's convention; nobody reads it).
+CLIENT_CLOSED = 499
+
+
+def build_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if manage_engine:
+            await state.engine.start()
+        try:
+            yield
+        finally:
+            state.draining = True
+            if manage_engine:
+                await state.engine.shutdown()
+
+    app = FastAPI(title="pdserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        return JSONResponse(error_body(f"{loc or 'body'}: {first.get('msg', 'invalid request')}", 400, loc), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), exc.status_code), exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(f"Internal server error: {exc}", 500), 500)
+
+    async def guarded(request: Request, handler: Callable[[], Awaitable[Any]]) -> Any:
+        try:
+            return await handler()
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+
+    # ---- OpenAI routes -------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        async def run() -> Any:
+            body = await read_json(request, state.max_request_body_bytes)
+            return await create_completion(state, parse_model(CompletionRequest, body), request)
+
+        return await guarded(request, run)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        async def run() -> Any:
+            body = await read_json(request, state.max_request_body_bytes)
+            return await create_chat_completion(state, parse_model(ChatCompletionRequest, body), request)
+
+        return await guarded(request, run)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        cards = [
+            ModelCard(id=name, root=state.model_path, max_model_len=state.max_model_len,
+                      created=int(state.started), permission=[ModelPermission()])
+            for name in state.served_model_names
+        ]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    # ---- utility routes ------------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        if getattr(state.engine, "dead_error", None) is not None:
+            return JSONResponse(error_body("The engine has stopped.", 503), 503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @app.get("/pdserve/info")
+    async def info() -> JSONResponse:
+        return JSONResponse(state.info)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Any:
+        async def run() -> Any:
+            req = parse_model(TokenizeRequest, await read_json(request, state.max_request_body_bytes))
+            state.check_model(req.model)
+            tok = state.tokenizer
+            if req.messages is not None:
+                try:
+                    text = tok.apply_chat_template(
+                        req.messages, req.add_generation_prompt, req.tools,
+                        continue_final_message=req.continue_final_message, chat_template=req.chat_template,
+                        **(req.chat_template_kwargs or {}),
+                    )
+                except ChatTemplateError as e:
+                    raise APIError(str(e), 400, e.param) from e
+                add_special = bool(req.add_special_tokens)
+            elif req.prompt is not None:
+                text = req.prompt
+                add_special = True if req.add_special_tokens is None else req.add_special_tokens
+            else:
+                raise APIError("Either prompt or messages must be provided.", 400, "prompt")
+            ids = tok.encode(text, add_special)
+            body: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+                                    "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+            return JSONResponse(body)
+
+        return await guarded(request, run)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Any:
+        async def run() -> Any:
+            req = parse_model(DetokenizeRequest, await read_json(request, state.max_request_body_bytes))
+            state.check_model(req.model)
+            bad = next((t for t in req.tokens if not 0 <= t < state.tokenizer.vocab_size), None)
+            if bad is not None:
+                raise APIError(f"Token id {bad} is out of vocabulary", 400, "tokens")
+            return JSONResponse({"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+
+        return await guarded(request, run)
+
+    app.add_middleware(RequestIdAuthMiddleware, api_key=state.api_key)
+    return app

@@ -1,0 +1,198 @@
+"""`pdserve serve [MODEL]`: the OpenAI-compatible instance server, with `vllm serve`'s flag names."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("pdserve.server")
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="HF model folder or embedded model name (default: the embedded smollm2-135m)")
+    p.add_argument("--model", dest="model_flag", default=None, help="same as MODEL")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None)
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template, inline or a file path")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--cpu-kv-cache-gb", type=float, default=1.0)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-transfer-config", default=None, help="vLLM's KV transfer JSON")
+    p.add_argument("--side-channel-host", default=None,
+                   help="KV side-channel host (env VLLM_NIXL_SIDE_CHANNEL_HOST as fallback)")
+    p.add_argument("--side-channel-port", type=int, default=None,
+                   help="KV side-channel port (env VLLM_NIXL_SIDE_CHANNEL_PORT as fallback)")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 (env VLLM_API_KEY)")
+    p.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="bound on the waiting queue; requests beyond it get 503")
+    p.add_argument("--max-request-body-bytes", type=int, default=64 * 1024 * 1024)
+    p.add_argument("--tokens-only", action="store_true", help="tokens-in/tokens-out server (render tier)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS[:-1])
+    p.add_argument("--uvicorn-log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    # Accepted for command-line compatibility with `vllm serve`; they change nothing here.
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--disable-log-requests", action="store_true")
+    p.add_argument("--enable-log-requests", action="store_true")
+    p.add_argument("--disable-log-stats", action="store_true")
+
+
+def engine_config(args: argparse.Namespace) -> Any:
+    from pdserve.config import EngineConfig
+
+    kv = json.loads(args.kv_transfer_config) if args.kv_transfer_config else None
+    return EngineConfig(
+        model=args.model_flag or args.model_tag,
+        served_model_name=(args.served_model_name or [None])[0],
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        device=args.device,
+        load_format=args.load_format,
+        seed=args.seed,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        cpu_kv_cache_gb=args.cpu_kv_cache_gb,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        enforce_eager=args.enforce_eager,
+        max_waiting_requests=args.max_waiting_requests,
+        kv_transfer_config=kv,
+    )
+
+
+def _check_args(args: argparse.Namespace) -> str | None:
+    if args.tokens_only:
+        return "--tokens-only is not yet supported by pdserve serve"
+    if args.tensor_parallel_size != 1:
+        return "--tensor-parallel-size other than 1 is not supported"
+    if not 0 < args.port < 65536:
+        return f"--port must be in 1..65535, got {args.port}"
+    if args.max_request_body_bytes < 1024:
+        return "--max-request-body-bytes must be at least 1024"
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        return "--max-waiting-requests must be at least 1"
+    if args.kv_transfer_config is not None:
+        try:
+            if not isinstance(json.loads(args.kv_transfer_config), dict):
+                return "--kv-transfer-config must be a JSON object"
+        except ValueError as e:
+            return f"--kv-transfer-config is not valid JSON: {e}"
+    return None
+
+
+def build_state(args: argparse.Namespace) -> Any:
+    """Loads the model and tokenizer and builds the engine (not started: the app's lifespan starts it)."""
+    from prometheus_client import CollectorRegistry
+
+    from pdserve import __version__
+    from pdserve.engine.async_engine import AsyncEngine
+    from pdserve.model.default_model import DEFAULT_MODEL
+    from pdserve.server.kv import connector_factory, parse_kv_transfer_config
+    from pdserve.server.metrics import ServerMetrics
+    from pdserve.server.params import GenerationDefaults
+    from pdserve.server.state import ServerState
+    from pdserve.text.tokenizer import load_tokenizer
+
+    config = engine_config(args)
+    model_arg = config.model
+    names = args.served_model_name or [model_arg or DEFAULT_MODEL]
+    kv_cfg = parse_kv_transfer_config(args.kv_transfer_config, args.side_channel_host, args.side_channel_port)
+    registry = CollectorRegistry()
+    factory = connector_factory(kv_cfg, registry, names[0]) if kv_cfg is not None else None
+    engine = AsyncEngine(config, factory)
+    inner = engine.engine
+    tokenizer = load_tokenizer(config.tokenizer or inner.model_dir, chat_template=args.chat_template)
+    runner = inner.runner
+    connector = inner.connector
+    cfg = inner.model_cfg
+    info = {
+        "version": __version__,
+        "model": str(model_arg or DEFAULT_MODEL),
+        "served_model_name": names[0],
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "block_size": runner.block_size,
+        "kv_layout": runner.layout() if callable(getattr(runner, "layout", None)) else None,
+        "num_layers": cfg.num_layers,
+        "num_kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "max_model_len": inner.max_model_len,
+        "device": str(runner.device),
+        "kv_role": kv_cfg.kv_role if kv_cfg is not None else None,
+        "engine_id": kv_cfg.engine_id if kv_cfg is not None else None,
+        "side_channel_host": kv_cfg.side_channel_host if kv_cfg is not None else None,
+        "side_channel_port": getattr(connector, "side_channel_port", None) if connector is not None else None,
+        "kv_buffer_device": (kv_cfg.kv_buffer_device if kv_cfg is not None else None)
+        or ("cuda" if runner.device.type == "cuda" else "cpu"),
+        "ucx_tls": os.environ.get("UCX_TLS"),
+        "num_gpu_blocks": runner.num_blocks,
+    }
+    model_path = str(model_arg) if model_arg and Path(model_arg).is_dir() else str(inner.model_dir)
+    metrics = ServerMetrics(names[0], inner.max_model_len, engine.stats, registry=registry)
+    return ServerState(
+        engine=engine,
+        tokenizer=tokenizer,
+        served_model_names=list(names),
+        model_path=model_path,
+        max_model_len=inner.max_model_len,
+        vocab_size=cfg.vocab_size,
+        defaults=GenerationDefaults.from_model_dir(inner.model_dir),
+        metrics=metrics,
+        info=info,
+        api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
+        max_request_body_bytes=args.max_request_body_bytes,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    problem = _check_args(args)
+    if problem:
+        print(f"pdserve serve: error: {problem}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from pdserve.server.app import build_app
+
+    try:
+        state = build_state(args)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"pdserve serve: error: {e}", file=sys.stderr)
+        return 1
+    app = build_app(state)
+    log.info("serving %s on http://%s:%d (max_model_len=%d)", state.model_name, args.host, args.port,
+             state.max_model_len)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_keep_alive=5, loop="auto", http="auto", lifespan="on",
+    ))
+    server.run()
+    return 0 if server.started else 1

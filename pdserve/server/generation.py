@@ -1,0 +1,148 @@
+"""Runs one HTTP request's engine requests (one per prompt per choice) and yields text deltas.
+
+`Generation.start()` submits every engine request and waits for each one's first output, so engine-side
+validation errors (and a full queue) surface before any response byte is sent. Iterating then yields
+`(choice, RequestOutput, TextDelta)` as outputs arrive, merged across choices. Closing the iteration early
+(client gone, task cancelled) aborts every engine request that has not finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.text.output import OutputProcessor, TextDelta
+
+
+@dataclass
+class Choice:
+    index: int  # the choice index in the response
+    prompt_index: int
+    engine_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kv_transfer_params: dict[str, Any] | None
+    processor: OutputProcessor
+    # filled while running
+    num_cached_tokens: int = 0
+    kv_transfer_result: dict[str, Any] | None = None
+    error: str | None = None
+    finished: bool = False
+    first_output: RequestOutput | None = field(default=None, repr=False)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.processor.token_ids)
+
+
+class Generation:
+    def __init__(self, engine: Any, choices: list[Choice]):
+        self.engine = engine
+        self.choices = choices
+        self._gens: list[AsyncIterator[RequestOutput]] = []
+        self._closed = False
+
+    async def start(self) -> None:
+        """Submits all engine requests; raises the first submission error (after aborting the others)."""
+        self._gens = [
+            self.engine.generate(c.engine_id, c.prompt_token_ids, c.params, kv_transfer_params=c.kv_transfer_params)
+            for c in self.choices
+        ]
+        firsts = [asyncio.ensure_future(g.__anext__()) for g in self._gens]
+        try:
+            results = await asyncio.gather(*firsts, return_exceptions=True)
+        except BaseException:  # cancelled while waiting (client went away)
+            for f in firsts:
+                f.cancel()
+            await asyncio.gather(*firsts, return_exceptions=True)
+            await self.close()
+            raise
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is not None:
+            await self.close()
+            if isinstance(error, StopAsyncIteration):
+                raise RuntimeError("the engine ended a request without any output")
+            raise error
+        for choice, first in zip(self.choices, results, strict=True):
+            choice.first_output = first  # type: ignore[assignment]
+
+    def _handle(self, choice: Choice, out: RequestOutput) -> TextDelta:
+        delta = choice.processor.process(out)
+        choice.num_cached_tokens = out.num_cached_tokens
+        if delta.finished:
+            choice.finished = True
+            if out.finished:
+                choice.kv_transfer_result = out.kv_transfer_params
+                if out.finish_reason == "error":
+                    choice.error = out.error or "the engine failed this request"
+        return delta
+
+    async def _one(self, i: int) -> AsyncIterator[tuple[Choice, RequestOutput, TextDelta]]:
+        choice, gen = self.choices[i], self._gens[i]
+        out = choice.first_output
+        choice.first_output = None
+        while out is not None:
+            delta = self._handle(choice, out)
+            yield choice, out, delta
+            if delta.finished:
+                if not out.finished:  # a stop string: the engine is still generating
+                    await self.engine.abort(choice.engine_id)
+                    with contextlib.suppress(Exception):
+                        await gen.aclose()
+                return
+            try:
+                out = await gen.__anext__()
+            except StopAsyncIteration:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[tuple[Choice, RequestOutput, TextDelta]]:
+        try:
+            if len(self.choices) == 1:
+                async for item in self._one(0):
+                    yield item
+                return
+            queue: asyncio.Queue = asyncio.Queue()
+            done = object()
+
+            async def pump(i: int) -> None:
+                try:
+                    async for item in self._one(i):
+                        queue.put_nowait(item)
+                except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                    queue.put_nowait(e)
+                finally:
+                    queue.put_nowait(done)
+
+            tasks = [asyncio.ensure_future(pump(i)) for i in range(len(self.choices))]
+            try:
+                remaining = len(tasks)
+                while remaining:
+                    item = await queue.get()
+                    if item is done:
+                        remaining -= 1
+                    elif isinstance(item, BaseException):
+                        raise item
+                    else:
+                        yield item
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Aborts whatever is unfinished (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for choice, gen in zip(self.choices, self._gens, strict=False):
+            if not choice.finished:
+                await self.engine.abort(choice.engine_id)
+            with contextlib.suppress(Exception):
+                await gen.aclose()

@@ -1,0 +1,45 @@
+"""Wiring `--kv-transfer-config` into the engine: the connector factory and what /pdserve/info reports."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+
+def parse_kv_transfer_config(raw: str | None, side_channel_host: str | None, side_channel_port: int | None) -> Any:
+    """KVTransferConfig or None; raises ValueError with a readable message for a bad config."""
+    if raw is None:
+        return None
+    from pdserve.kv_transfer.config import KVTransferConfig
+
+    return KVTransferConfig.from_json(raw, side_channel_host=side_channel_host, side_channel_port=side_channel_port)
+
+
+def connector_factory(kv_config: Any, registry: CollectorRegistry, model_name: str) -> Callable[[Any], Any]:
+    """`factory(engine) -> KVConnector`, called by LLMEngine once its KV pool exists."""
+
+    def build(engine: Any) -> Any:
+        from pdserve.kv_transfer import KVConnector, make_compat
+
+        runner = engine.runner
+        cfg = engine.model_cfg
+        compat = make_compat(
+            model=model_identity(engine.model_dir),
+            dtype=str(runner.dtype),
+            block_size=runner.block_size,
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+        )
+        return KVConnector(kv_config, runner.kv_pool, compat, runner.block_size, registry=registry,
+                           model_name=model_name)
+
+    return build
+
+
+def model_identity(model_dir: Path | str | None) -> str:
+    """What both sides of a transfer must agree on besides the shapes: the model folder's name."""
+    return Path(model_dir).name if model_dir else "unknown"

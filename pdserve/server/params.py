@@ -1,0 +1,167 @@
+"""OpenAI request fields -> engine SamplingParams, with vLLM's defaults and client-error checks."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve.engine.sampling_params import ParamError, SamplingParams
+from pdserve.server.errors import APIError, bad_request, not_supported
+from pdserve.server.protocol import _SamplingFields
+
+log = logging.getLogger("pdserve.server")
+
+MAX_LOGPROBS = 20
+MAX_N = 128
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """Sampling defaults from the model's generation_config.json, used when a request omits a field
+    (vLLM's `--generation-config auto` behaviour)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_new_tokens: int | None = None
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path | None) -> GenerationDefaults:
+        path = Path(model_dir) / "generation_config.json" if model_dir else None
+        if path is None or not path.is_file():
+            return cls()
+        try:
+            cfg = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return cls()
+        if not isinstance(cfg, dict):
+            return cls()
+
+        def num(key: str, default: float) -> float:
+            value = cfg.get(key)
+            return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+        max_new = cfg.get("max_new_tokens")
+        defaults = cls(
+            temperature=num("temperature", 1.0),
+            top_p=num("top_p", 1.0),
+            top_k=int(num("top_k", 0)),
+            min_p=num("min_p", 0.0),
+            max_new_tokens=max_new if isinstance(max_new, int) and max_new > 0 else None,
+        )
+        if defaults != cls():
+            log.info("default sampling parameters from the model's generation_config.json: %s", defaults)
+        if num("repetition_penalty", 1.0) != 1.0:
+            log.warning("generation_config.json sets repetition_penalty, which pdserve does not implement")
+        return defaults
+
+
+def check_unsupported(req: _SamplingFields) -> None:
+    """Fields vLLM accepts that this engine cannot honour: a clear 400 rather than silently different output."""
+    if req.use_beam_search:
+        raise not_supported("use_beam_search")
+    if req.frequency_penalty not in (None, 0.0):
+        raise not_supported("frequency_penalty", " (only 0 is accepted)")
+    if req.presence_penalty not in (None, 0.0):
+        raise not_supported("presence_penalty", " (only 0 is accepted)")
+    if req.repetition_penalty not in (None, 1.0):
+        raise not_supported("repetition_penalty", " (only 1 is accepted)")
+    if req.logit_bias:
+        raise not_supported("logit_bias")
+    if req.allowed_token_ids is not None:
+        raise not_supported("allowed_token_ids")
+    if req.prompt_logprobs is not None:
+        raise not_supported("prompt_logprobs")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise not_supported("response_format", f" (type {req.response_format.type!r}; structured output)")
+    if req.n < 1:
+        raise bad_request(f"n must be at least 1, got {req.n}.", "n")
+    if req.n > MAX_N:
+        raise bad_request(f"n must be at most {MAX_N}, got {req.n}.", "n")
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if any(not s for s in stops):
+        raise bad_request("stop cannot contain an empty string.", "stop")
+    return stops
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
+                       defaults: GenerationDefaults, param: str) -> int:
+    """min(requested, room left in the context, the model's default cap), as vLLM computes it."""
+    if requested is not None and requested < 1:
+        raise bad_request(f"{param} must be at least 1, got {requested}.", param)
+    if prompt_len >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{prompt_len} input tokens. Please reduce the length of the input.", "prompt"
+        )
+    room = max_model_len - prompt_len
+    value = room if requested is None else min(requested, room)
+    if requested is None and defaults.max_new_tokens is not None:
+        value = min(value, defaults.max_new_tokens)
+    return value
+
+
+def build_sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | None,
+                          defaults: GenerationDefaults, seed: int | None) -> SamplingParams:
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad_request(
+            f"Requested sample logprobs of {logprobs}, which is greater than max allowed: {MAX_LOGPROBS}"
+            if logprobs > MAX_LOGPROBS else f"logprobs must be non-negative, got {logprobs}.", "logprobs"
+        )
+    top_k = defaults.top_k if req.top_k is None else req.top_k
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=defaults.temperature if req.temperature is None else req.temperature,
+            top_p=defaults.top_p if req.top_p is None else req.top_p,
+            top_k=0 if top_k == -1 else top_k,
+            min_p=defaults.min_p if req.min_p is None else req.min_p,
+            seed=seed,
+            stop=stop_list(req.stop),
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+    except ParamError as e:
+        raise APIError(str(e), 400, e.param) from e
+
+
+def child_seed(seed: int | None, index: int) -> int | None:
+    """n > 1: each choice is its own engine request; a fixed seed gives each a distinct, reproducible one."""
+    if seed is None or index == 0:
+        return seed
+    value = seed + index
+    return value if value <= 2**63 - 1 else value - 2**64
+
+
+def validate_token_ids(ids: Any, vocab_size: int, param: str) -> list[int]:
+    if not isinstance(ids, list) or not ids:
+        raise bad_request("Prompt cannot be empty." if isinstance(ids, list) else f"{param} must be a list", param)
+    for t in ids:
+        if type(t) is not int or t < 0:
+            raise bad_request(f"{param} must contain non-negative integers, got {t!r}.", param)
+        if t >= vocab_size:
+            raise bad_request(f"Token id {t} is out of vocabulary", param)
+    return ids
+
+
+def truncate_prompt(ids: list[int], truncate: int | None, max_model_len: int) -> list[int]:
+    if truncate is None:
+        return ids
+    if truncate == -1:
+        truncate = max_model_len
+    if truncate < 1:
+        raise bad_request("truncate_prompt_tokens must be -1 or at least 1.", "truncate_prompt_tokens")
+    return ids[-truncate:]

@@ -1,0 +1,231 @@
+"""POST /v1/chat/completions: messages through the model's chat template -> an assistant message."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request
+
+from pdserve.server.errors import APIError, bad_request, error_body, not_supported, sse_error_frame
+from pdserve.server.generation import Generation
+from pdserve.server.http_utils import SSE_DONE, base_request_id, sse, until_disconnect
+from pdserve.server.params import check_unsupported, resolve_max_tokens, truncate_prompt, validate_token_ids
+from pdserve.server.protocol import ChatCompletionRequest
+from pdserve.server.serving_common import Recorders, engine_error, make_choices, now, start_generation, usage
+from pdserve.server.state import ServerState
+from pdserve.text.chat import ChatTemplateError, message_text
+from pdserve.text.logprobs import LogprobFormatter
+
+PROMPT_IDS_PARAM = "kv_transfer_params.prompt_token_ids"
+
+
+def _text_only(messages: list[dict[str, Any]]) -> bool:
+    for m in messages:
+        content = m.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            return False
+        for part in content:
+            if not (isinstance(part, str) or (isinstance(part, dict) and part.get("type") in ("text", "input_text"))):
+                return False
+    return True
+
+
+def _check_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    tool_choice = req.tool_choice
+    if tool_choice is None and req.tools:
+        tool_choice = "auto"  # OpenAI's default when tools are given, as vLLM applies it
+    if tool_choice in (None, "none"):
+        return req.tools
+    if tool_choice == "auto":
+        raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                          "tool_choice")
+    raise not_supported("tool_choice", f" (value {tool_choice!r} needs structured output)")
+
+
+def chat_role(req: ChatCompletionRequest) -> str:
+    if req.add_generation_prompt:
+        return "assistant"
+    last = req.messages[-1] if req.messages else {}
+    role = last.get("role") if isinstance(last, dict) else None
+    return role if isinstance(role, str) else "assistant"
+
+
+async def _prompt_ids(state: ServerState, req: ChatCompletionRequest,
+                      kv: dict[str, Any] | None) -> list[int]:
+    """The engine prompt: a proxy-provided `kv_transfer_params.prompt_token_ids` (section 2.3 rules), or the
+    rendered template."""
+    if kv is not None and "prompt_token_ids" in kv:
+        given = kv.pop("prompt_token_ids")
+        if not req.echo and _text_only(req.messages):
+            if not isinstance(given, list) or not given:
+                raise bad_request("prompt_token_ids must be a non-empty list of token ids.", PROMPT_IDS_PARAM)
+            return validate_token_ids(given, state.vocab_size, PROMPT_IDS_PARAM)
+    tools = _check_tools(req)
+    tok = state.tokenizer
+    try:
+        text = tok.apply_chat_template(
+            req.messages, req.add_generation_prompt, tools,
+            continue_final_message=req.continue_final_message, documents=req.documents,
+            chat_template=req.chat_template, **(req.chat_template_kwargs or {}),
+        )
+    except ChatTemplateError as e:
+        raise APIError(str(e), 400, e.param) from e
+    from pdserve.server.serving_common import encode
+
+    ids = await encode(state, text, req.add_special_tokens)
+    if not ids:
+        raise bad_request("The rendered chat prompt is empty.", "messages")
+    return ids
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Any:
+    arrival = now()
+    model = state.check_model(req.model)
+    state.check_accepting()
+    check_unsupported(req)
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+    if req.top_logprobs is not None and req.top_logprobs < 0:
+        raise bad_request("`top_logprobs` must be a non-negative value.", "top_logprobs")
+    kv = dict(req.kv_transfer_params) if req.kv_transfer_params is not None else None
+    ids = truncate_prompt(await _prompt_ids(state, req, kv), req.truncate_prompt_tokens, state.max_model_len)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = resolve_max_tokens(requested, len(ids), state.max_model_len, state.defaults, param)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    request_id = f"chatcmpl-{base_request_id(raw, req.request_id)}"
+    choices = make_choices(state, req, request_id, [ids], [max_tokens], logprobs, kv, per_prompt_suffix=False)
+    gen = await start_generation(state, raw, choices)
+    role = chat_role(req)
+    echo = ""
+    if req.echo and req.messages and isinstance(req.messages[-1], dict) and req.messages[-1].get("role") == role:
+        echo = message_text(req.messages[-1])
+    view = _ChatView(state, req, request_id, model, ids, role, echo, kv)
+    recorders = Recorders(state, choices, arrival)
+    if req.stream:
+        return StreamingResponse(view.stream(gen, recorders), media_type="text/event-stream")
+    return await view.collect(gen, recorders, raw)
+
+
+class _ChatView:
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, model: str,
+                 prompt_ids: list[int], role: str, echo: str, kv: dict[str, Any] | None):
+        self.req = req
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.prompt_ids = prompt_ids
+        self.role = role
+        self.echo = echo
+        self.kv = kv
+        self.fmt = LogprobFormatter(state.tokenizer.token_text, bool(req.return_tokens_as_token_ids))
+        self.top = req.top_logprobs or 0
+
+    def _logprobs(self, lps: list[Any] | None) -> dict[str, Any] | None:
+        if not self.req.logprobs or lps is None:
+            return None
+        return self.fmt.chat(lps, self.top)
+
+    async def collect(self, gen: Generation, recorders: Recorders, raw: Request) -> JSONResponse:
+        async def drain() -> None:
+            async for choice, out, delta in gen:
+                recorders.on_output(choice, out, delta.finished)
+
+        try:
+            await until_disconnect(raw, drain())
+        finally:
+            recorders.finish_unfinished(gen.choices)
+        error = engine_error(gen.choices)
+        if error:
+            raise APIError(f"Internal server error: {error}", 500)
+        req = self.req
+        out_choices = []
+        for c in gen.choices:
+            proc = c.processor
+            out_choices.append({
+                "index": c.index,
+                "message": {"role": self.role, "content": self.echo + proc.text, "refusal": None,
+                            "annotations": None, "audio": None, "function_call": None, "tool_calls": [],
+                            "reasoning": None},
+                "logprobs": self._logprobs(proc.logprobs if req.logprobs else None),
+                "finish_reason": proc.finish_reason,
+                "stop_reason": proc.stop_reason,
+                "token_ids": list(proc.token_ids) if req.return_token_ids else None,
+            })
+        body = {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": out_choices,
+            "service_tier": None,
+            "system_fingerprint": None,
+            "usage": usage(gen.choices, [self.prompt_ids], req.n, self.kv),
+            "prompt_logprobs": None,
+            "prompt_token_ids": self.prompt_ids if req.return_token_ids else None,
+            "kv_transfer_params": gen.choices[0].kv_transfer_result,
+        }
+        return JSONResponse(body)
+
+    def _chunk(self, choices: list[dict[str, Any]], extra: str = "") -> str:
+        return (f'data: {{"id": {json.dumps(self.id)}, "object": "chat.completion.chunk", '
+                f'"created": {self.created}, "model": {json.dumps(self.model)}, '
+                f'"choices": {json.dumps(choices)}{extra}}}\n\n')
+
+    async def stream(self, gen: Generation, recorders: Recorders) -> AsyncIterator[str]:
+        req = self.req
+        opts = req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(include_usage and opts and opts.continuous_usage_stats)
+        try:
+            # The role first (one chunk per choice), then the echoed last message if asked.
+            for c in gen.choices:
+                extra = f', "prompt_token_ids": {json.dumps(self.prompt_ids)}' if req.return_token_ids else ""
+                yield self._chunk([{"index": c.index, "delta": {"role": self.role, "content": ""},
+                                    "logprobs": None, "finish_reason": None}], extra)
+                if self.echo:
+                    yield self._chunk([{"index": c.index, "delta": {"content": self.echo},
+                                        "logprobs": None, "finish_reason": None}])
+            async for c, out, delta in gen:
+                recorders.on_output(c, out, delta.finished)
+                if delta.finished and c.error:
+                    yield sse_error_frame(f"Internal server error: {c.error}", 500)
+                    yield SSE_DONE
+                    return
+                choice: dict[str, Any] = {
+                    "index": c.index,
+                    "delta": {"content": delta.text},
+                    "logprobs": self._logprobs(delta.logprobs),
+                    "finish_reason": delta.finish_reason if delta.finished else None,
+                }
+                if delta.finished:
+                    choice["stop_reason"] = delta.stop_reason
+                if req.return_token_ids:
+                    choice["token_ids"] = delta.token_ids
+                extra = ""
+                if delta.finished:
+                    extra += f', "kv_transfer_params": {json.dumps(c.kv_transfer_result)}'
+                if continuous:
+                    extra += f', "usage": {json.dumps(usage([c], [self.prompt_ids], 1, None))}'
+                yield self._chunk([choice], extra)
+            if include_usage:
+                final = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                         "model": self.model, "choices": [],
+                         "usage": usage(gen.choices, [self.prompt_ids], req.n, self.kv)}
+                yield sse(json.dumps(final))
+            yield SSE_DONE
+        except APIError as e:
+            yield f"data: {json.dumps(error_body(e.message, e.status, e.param))}\n\n"
+            yield SSE_DONE
+        except Exception as e:  # noqa: BLE001 - after the 200: the error goes in the stream
+            yield sse_error_frame(f"Internal server error: {e}", 500)
+            yield SSE_DONE
+        finally:
+            recorders.finish_unfinished(gen.choices)
+            await gen.close()

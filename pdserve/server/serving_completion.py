@@ -1,0 +1,205 @@
+"""POST /v1/completions: prompts (text or token ids, one or many) -> text, streamed or whole."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request
+
+from pdserve.server.errors import APIError, bad_request, error_body, not_supported, sse_error_frame
+from pdserve.server.generation import Choice, Generation
+from pdserve.server.http_utils import SSE_DONE, base_request_id, sse
+from pdserve.server.params import check_unsupported, resolve_max_tokens, truncate_prompt, validate_token_ids
+from pdserve.server.protocol import CompletionRequest
+from pdserve.server.serving_common import (
+    Recorders,
+    encode,
+    engine_error,
+    make_choices,
+    now,
+    start_generation,
+    usage,
+)
+from pdserve.server.state import ServerState
+from pdserve.text.logprobs import LogprobFormatter
+
+
+async def _prompts(state: ServerState, req: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
+    prompt = req.prompt
+    if prompt is None:
+        raise bad_request("Either prompt or prompt_embeds must be provided.", "prompt")
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise bad_request("Prompt cannot be empty.", "prompt")
+    ids_list: list[list[int]] = []
+    texts: list[str | None] = []
+    for item in items:
+        if isinstance(item, str):
+            ids = await encode(state, item, req.add_special_tokens)
+            if not ids:
+                raise bad_request("Prompt cannot be empty.", "prompt")
+            texts.append(item)
+        else:
+            ids = validate_token_ids(list(item), state.vocab_size, "prompt")
+            texts.append(None)
+        ids_list.append(truncate_prompt(ids, req.truncate_prompt_tokens, state.max_model_len))
+    return ids_list, texts
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Any:
+    arrival = now()
+    model = state.check_model(req.model)
+    state.check_accepting()
+    check_unsupported(req)
+    if req.suffix is not None:
+        raise not_supported("suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise not_supported("best_of", " (other than equal to n)")
+    prompts, texts = await _prompts(state, req)
+    max_tokens = [resolve_max_tokens(req.max_tokens, len(p), state.max_model_len, state.defaults, "max_tokens")
+                  for p in prompts]
+    request_id = f"cmpl-{base_request_id(raw, req.request_id)}"
+    choices = make_choices(state, req, request_id, prompts, max_tokens, req.logprobs, req.kv_transfer_params,
+                           per_prompt_suffix=True)
+    echo_texts: list[str] = []
+    if req.echo:
+        echo_texts = [t if t is not None else state.tokenizer.decode(p, skip_special_tokens=False)
+                      for p, t in zip(prompts, texts, strict=True)]
+    gen = await start_generation(state, raw, choices)
+    view = _CompletionView(state, req, request_id, model, prompts, echo_texts)
+    recorders = Recorders(state, choices, arrival)
+    if req.stream:
+        return StreamingResponse(view.stream(gen, recorders), media_type="text/event-stream")
+    return await view.collect(gen, recorders, raw)
+
+
+class _CompletionView:
+    def __init__(self, state: ServerState, req: CompletionRequest, request_id: str, model: str,
+                 prompts: list[list[int]], echo_texts: list[str]):
+        self.state = state
+        self.req = req
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.prompts = prompts
+        self.echo_texts = echo_texts
+        self.fmt = LogprobFormatter(state.tokenizer.token_text, bool(req.return_tokens_as_token_ids))
+
+    def _logprobs(self, choice: Choice, ids: list[int], lps: list[Any] | None, echo: bool,
+                  offset: int) -> dict[str, Any] | None:
+        if self.req.logprobs is None or lps is None:
+            return None
+        if echo:
+            prompt = choice.prompt_token_ids
+            return self.fmt.completion([*prompt, *ids], [None] * len(prompt) + list(lps), self.req.logprobs, offset)
+        return self.fmt.completion(ids, lps, self.req.logprobs, offset)
+
+    # ---- whole response --------------------------------------------------------------------------
+    async def collect(self, gen: Generation, recorders: Recorders, raw: Request) -> JSONResponse:
+        from pdserve.server.http_utils import until_disconnect
+
+        async def drain() -> None:
+            async for choice, out, delta in gen:
+                recorders.on_output(choice, out, delta.finished)
+
+        try:
+            await until_disconnect(raw, drain())
+        finally:
+            recorders.finish_unfinished(gen.choices)
+        error = engine_error(gen.choices)
+        if error:
+            raise APIError(f"Internal server error: {error}", 500)
+        req = self.req
+        out_choices = []
+        for c in gen.choices:
+            proc = c.processor
+            echo = self.echo_texts[c.prompt_index] if req.echo else ""
+            out_choices.append({
+                "index": c.index,
+                "text": echo + proc.text,
+                "logprobs": self._logprobs(c, proc.token_ids, proc.logprobs if req.logprobs is not None else None,
+                                           req.echo or False, 0),
+                "finish_reason": proc.finish_reason,
+                "stop_reason": proc.stop_reason,
+                "prompt_logprobs": None,
+                "token_ids": list(proc.token_ids) if req.return_token_ids else None,
+                "prompt_token_ids": c.prompt_token_ids if req.return_token_ids else None,
+            })
+        body = {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": out_choices,
+            "service_tier": None,
+            "system_fingerprint": None,
+            "usage": usage(gen.choices, self.prompts, req.n, req.kv_transfer_params),
+            "kv_transfer_params": gen.choices[0].kv_transfer_result,
+        }
+        return JSONResponse(body)
+
+    # ---- stream ----------------------------------------------------------------------------------
+    async def stream(self, gen: Generation, recorders: Recorders) -> AsyncIterator[str]:
+        req = self.req
+        opts = req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(include_usage and opts and opts.continuous_usage_stats)
+        first_sent: set[int] = set()
+        text_len: dict[int, int] = {}
+        head = f'{{"id": {json.dumps(self.id)}, "object": "text_completion", "created": {self.created}, ' \
+               f'"model": {json.dumps(self.model)}, '
+        try:
+            async for c, out, delta in gen:
+                recorders.on_output(c, out, delta.finished)
+                if delta.finished and c.error:
+                    yield sse_error_frame(f"Internal server error: {c.error}", 500)
+                    yield SSE_DONE
+                    return
+                text = delta.text
+                first = c.index not in first_sent
+                if first:
+                    first_sent.add(c.index)
+                    if req.echo:
+                        text = self.echo_texts[c.prompt_index] + text
+                offset = text_len.get(c.index, 0)
+                text_len[c.index] = offset + len(text)
+                choice: dict[str, Any] = {
+                    "index": c.index,
+                    "text": text,
+                    "logprobs": self._logprobs(c, delta.token_ids, delta.logprobs, bool(req.echo) and first, offset),
+                    "finish_reason": delta.finish_reason if delta.finished else None,
+                    "stop_reason": delta.stop_reason if delta.finished else None,
+                }
+                if req.return_token_ids:
+                    choice["token_ids"] = delta.token_ids
+                    if first:
+                        choice["prompt_token_ids"] = c.prompt_token_ids
+                tail = ""
+                if delta.finished:
+                    tail += f', "kv_transfer_params": {json.dumps(c.kv_transfer_result)}'
+                if continuous:
+                    tail += f', "usage": {json.dumps(usage([c], [c.prompt_token_ids], 1, None))}'
+                yield f"data: {head}\"choices\": [{json.dumps(choice)}]{tail}}}\n\n"
+            if include_usage:
+                final = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                         "choices": [], "usage": usage(gen.choices, self.prompts, req.n, req.kv_transfer_params)}
+                yield sse(json.dumps(final))
+            yield SSE_DONE
+        except APIError as e:
+            yield f"data: {json.dumps(error_body(e.message, e.status, e.param))}\n\n"
+            yield SSE_DONE
+        except Exception as e:  # noqa: BLE001 - after the 200: the error goes in the stream
+            yield sse_error_frame(f"Internal server error: {e}", 500)
+            yield SSE_DONE
+        finally:
+            recorders.finish_unfinished(gen.choices)
+            await gen.close()

@@ -1,0 +1,51 @@
+"""What every route needs: the engine, tokenizer, names, limits and metrics of one server."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.server.errors import APIError
+from pdserve.server.metrics import ServerMetrics
+from pdserve.server.params import GenerationDefaults
+from pdserve.text.tokenizer import Tokenizer
+
+
+@dataclass
+class ServerState:
+    engine: Any  # AsyncEngine (duck-typed so tests can drive the routes with a fake)
+    tokenizer: Tokenizer
+    served_model_names: list[str]
+    model_path: str
+    max_model_len: int
+    vocab_size: int  # the model's: token ids at or above it are refused
+    defaults: GenerationDefaults
+    metrics: ServerMetrics
+    info: dict[str, Any] = field(default_factory=dict)  # GET /pdserve/info
+    api_key: str | None = None
+    max_request_body_bytes: int = 64 * 1024 * 1024
+    randomize_request_ids: bool = field(
+        default_factory=lambda: os.environ.get("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "0") not in ("1", "true")
+    )
+    started: float = field(default_factory=time.time)
+    draining: bool = False  # SIGTERM received: refuse new work
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, name: str | None) -> str:
+        """The name to report back; 404 for a model this server does not serve."""
+        if name is None or name in self.served_model_names:
+            return name or self.model_name
+        raise APIError(f"The model `{name}` does not exist.", 404, "model")
+
+    def check_accepting(self) -> None:
+        if self.draining:
+            raise APIError("The server is shutting down.", 503)
+
+    def engine_request_id(self, base: str) -> str:
+        return f"{base}-{uuid.uuid4().hex[:8]}" if self.randomize_request_ids else base
