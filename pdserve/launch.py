@@ -1,0 +1,324 @@
+"""`pdserve up`: start a local topology (prefill/decode instances or collocated replicas) behind the proxy.
+
+    pdserve up --demo                           # embedded SmolLM2, 1P1D + proxy, one request, Ctrl-C stops
+    pdserve up ./model --topology 2p1d --gpus 0,1,2
+    pdserve up ./model --topology collocated:2 -- --max-model-len 4096    # after --: args of every instance
+    pdserve up --config deploy.yaml --dry-run   # print the equivalent shell commands
+    pdserve up Qwen/Qwen2.5-7B-Instruct --engine vllm --gpus 0,1 --dry-run
+
+Instances start first (each in its own process group, logs in --log-dir), then the proxy once every
+instance answers GET /health. When all is ready a line `PDSERVE_READY proxy=URL ...` is printed for
+scripts. Ctrl-C or SIGTERM stops everything: SIGTERM to every process group, a bounded wait, SIGKILL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+
+from pdserve import launch_procs
+from pdserve.launch_config import ENGINES, LaunchConfig, apply_file, load_file, parse_topology
+from pdserve.launch_spec import Deployment, ProcSpec, build_deployment, cpu_list, format_shell
+
+TAIL_LINES = 25
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("model", nargs="?", default=None,
+                        help="model folder or short name (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--model", dest="model_flag", default=None, help="same as the MODEL argument")
+    parser.add_argument("--topology", default=None,
+                        help="collocated[:N], 1p1d (default) or XpYd, e.g. 2p1d")
+    parser.add_argument("--config", default=None, metavar="FILE", help="YAML or TOML file of these settings")
+    parser.add_argument("--engine", choices=ENGINES, default=None,
+                        help="pdserve (default) or vllm: real `vllm serve` instances with NixlConnector")
+    parser.add_argument("--host", default=None, help="address every process binds (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="proxy port (default 8192, or a free one if busy; 0 = any free port)")
+    parser.add_argument("--base-port", type=int, default=None,
+                        help="instance ports: prefill/collocated at BASE+i, decode at BASE+100+i, side channels "
+                        "at BASE+200+k (default: free ports)")
+    parser.add_argument("--gpus", default=None,
+                        help="GPU ids, assigned round-robin (CUDA_VISIBLE_DEVICES per instance); 'none' = CPU; "
+                        "default auto (all visible GPUs, else CPU)")
+    parser.add_argument("--no-cpu-pinning", action="store_true",
+                        help="CPU mode: do not split the cores among instances")
+    parser.add_argument("--log-dir", default=None, help="where prefill.log, decode.log, proxy.log go "
+                        "(default ./pdserve-logs)")
+    parser.add_argument("--startup-timeout", type=float, default=None,
+                        help="seconds for every instance to become healthy (default 600)")
+    parser.add_argument("--stop-timeout", type=float, default=None,
+                        help="seconds between SIGTERM and SIGKILL at teardown (default 15)")
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="ARGS",
+                        help="arguments for every instance, shell-quoted; repeatable (--serve-arg='--block-size 8')")
+    parser.add_argument("--prefill-arg", action="append", default=[], metavar="ARGS", help="prefill instances only")
+    parser.add_argument("--decode-arg", action="append", default=[], metavar="ARGS", help="decode instances only")
+    parser.add_argument("--collocated-arg", action="append", default=[], metavar="ARGS",
+                        help="collocated replicas only")
+    parser.add_argument("--proxy-arg", action="append", default=[], metavar="ARGS", help="arguments for the proxy")
+    parser.add_argument("--kv-load-failure-policy", choices=("fail", "recompute"), default=None,
+                        help="kv_load_failure_policy of the decode instances (default fail)")
+    parser.add_argument("--dry-run", action="store_true", help="print the equivalent shell commands and exit")
+    parser.add_argument("--demo", action="store_true",
+                        help="once ready, send one request through the proxy; print answer, TTFT, KV transfer line")
+    parser.add_argument("--exit", "--once", dest="exit_after", action="store_true",
+                        help="with --demo: stop everything after the demo (exit 0 if it succeeded)")
+    parser.add_argument("--demo-prompt", default=None, help="prompt of the demo request")
+    parser.add_argument("--demo-max-tokens", type=int, default=24, help="max_tokens of the demo request (default 24)")
+    parser.epilog = "Arguments after -- are added to every instance's serve command."
+    _split_double_dash(parser)
+
+
+def _split_double_dash(parser: argparse.ArgumentParser) -> None:
+    """Make `pdserve up [...] -- ARGS` put ARGS into `args.passthrough` untouched.
+
+    argparse cannot take positionals after options that already filled its positionals, so the words
+    after `--` are cut off before this subparser parses the rest.
+    """
+    original = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):  # type: ignore[no-untyped-def]
+        words = list(sys.argv[1:] if args is None else args)
+        rest: list[str] = []
+        if "--" in words:
+            i = words.index("--")
+            words, rest = words[:i], words[i + 1 :]
+        elif "--" in sys.argv[1:]:  # a parent parser already dropped the `--`
+            after = sys.argv[sys.argv.index("--", 1) + 1 :]
+            if after and words[-len(after) :] == after:
+                words, rest = words[: -len(after)], after
+        ns, extras = original(words, namespace)
+        ns.passthrough = rest
+        return ns, extras
+
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
+
+
+def config_from_args(args: argparse.Namespace) -> LaunchConfig:
+    cfg = LaunchConfig()
+    if args.config:
+        apply_file(cfg, load_file(args.config), args.config)
+    model, extra = args.model, list(getattr(args, "passthrough", []))
+    if model is not None and args.model_flag is not None and model != args.model_flag:
+        raise ValueError(f"two models given: {model!r} and --model {args.model_flag!r}")
+    model = model or args.model_flag
+    if model is not None:
+        cfg.model = model
+    if args.topology is not None:
+        cfg.topology = parse_topology(args.topology)
+    for name in ("engine", "host", "port", "base_port", "gpus", "startup_timeout", "stop_timeout",
+                 "kv_load_failure_policy"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(cfg, name, value)
+    if args.no_cpu_pinning:
+        cfg.cpu_pinning = False
+    if args.log_dir is not None:
+        cfg.log_dir = Path(args.log_dir)
+    cfg.serve_args += [w for a in args.serve_arg for w in shlex.split(a)] + extra
+    for role in ("prefill", "decode", "collocated"):
+        cfg.pools[role].serve_args += [w for a in getattr(args, f"{role}_arg") for w in shlex.split(a)]
+    cfg.proxy_args += [w for a in args.proxy_arg for w in shlex.split(a)]
+    if args.exit_after and not args.demo:
+        raise ValueError("--exit/--once needs --demo")
+    if args.demo_max_tokens < 1:
+        raise ValueError("--demo-max-tokens must be >= 1")
+    return cfg.validate()
+
+
+def _say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def _describe(spec: ProcSpec) -> str:
+    where = f"GPU {spec.gpu}" if spec.gpu is not None else (f"CPUs {cpu_list(spec.cpus)}" if spec.cpus else "CPU")
+    sc = f", side channel :{spec.side_channel_port}" if spec.side_channel_port else ""
+    return f"  {spec.name:<12} {spec.url:<24} ({where}{sc})  log {spec.log_path}"
+
+
+def _model_arg(cfg: LaunchConfig, dry_run: bool) -> str:
+    """What MODEL the instances get. The embedded default is resolved (converted once) here, before the
+    instances start, so that they do not all convert it at once; vLLM gets the converted folder."""
+    from pdserve.model.default_model import DEFAULT_MODEL, MODELS, resolve_model
+
+    name = cfg.model or DEFAULT_MODEL
+    if name not in MODELS or dry_run and cfg.engine == "pdserve":
+        return name
+    _say(f"preparing model {name} (the first run converts the embedded GGUF) ...")
+    folder = str(resolve_model(name))
+    return folder if cfg.engine == "vllm" else name
+
+
+class _Stop:
+    """SIGINT/SIGTERM/SIGHUP set a flag; the launcher's loops poll it and tear down in order."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signum: int | None = None
+        self._old: dict[int, object] = {}
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        self.signum = signum
+        self.event.set()
+
+    def __enter__(self) -> _Stop:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            self._old[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)  # type: ignore[arg-type]
+
+    def __call__(self) -> bool:
+        return self.event.is_set()
+
+
+def _report_death(child: launch_procs.Child, when: str) -> None:
+    code = child.exited()
+    how = f"exited with code {code}" if code is not None and code >= 0 else f"was killed by signal {-(code or 0)}"
+    print(f"pdserve up: {child.name} {how} {when}. Last lines of {child.spec.log_path}:", file=sys.stderr)
+    for line in launch_procs.tail(child.spec.log_path, TAIL_LINES):
+        print(f"  | {line}", file=sys.stderr)
+    sys.stderr.flush()
+
+
+def _ready_line(dep: Deployment, model: str | None, log_dir: Path) -> str:
+    fields = {
+        "proxy": dep.proxy.url,
+        "prefill": ",".join(s.url for s in dep.role("prefill")),
+        "decode": ",".join(s.url for s in dep.role("decode") + dep.role("collocated")),
+        "model": model or dep.model,
+        "log_dir": str(log_dir),
+        "pid": str(os.getpid()),
+    }
+    return "PDSERVE_READY " + " ".join(f"{k}={shlex.quote(v)}" for k, v in fields.items() if v)
+
+
+def _curl(proxy_url: str, model: str | None) -> str:
+    import json
+
+    body = {"prompt": "Say hello.", "max_tokens": 16}
+    if model:
+        body = {"model": model, **body}
+    return (f"curl -s {proxy_url}/v1/completions -H 'Content-Type: application/json' "
+            f"-d {shlex.quote(json.dumps(body))}")
+
+
+def run(cfg: LaunchConfig, dep: Deployment, *, demo: bool, exit_after: bool, demo_prompt: str | None,
+        demo_max_tokens: int, say: Callable[[str], None] = _say) -> int:
+    """Start everything, wait for readiness, optionally run the demo, serve until stopped; tear down."""
+    from pdserve.launch_demo import DEFAULT_PROMPT, run_demo, served_model
+
+    children: list[launch_procs.Child] = []
+    code = 0
+    t0 = time.monotonic()
+    with _Stop() as stopping:
+        watchdog = launch_procs.Watchdog(cfg.stop_timeout)
+
+        def start(spec: ProcSpec) -> None:
+            child = launch_procs.start(spec, env)
+            children.append(child)
+            watchdog.watch(child)
+
+        env = dict(os.environ)
+        try:
+            say(f"pdserve up: topology {cfg.topology}, engine {cfg.engine}, {dep.device}, model {dep.model}")
+            for note in dep.notes:
+                say(f"  note: {note}")
+            for spec in dep.instances:
+                say(_describe(spec))
+            cfg.log_dir.mkdir(parents=True, exist_ok=True)
+            if demo and "VLLM_LOG_STATS_INTERVAL" not in env:
+                env["VLLM_LOG_STATS_INTERVAL"] = "1"  # so the demo can show the log line without waiting 10 s
+            for spec in dep.instances:
+                start(spec)
+            say(f"waiting for {len(children)} instance(s) to answer /health (up to {cfg.startup_timeout:g}s) ...")
+            ready = launch_procs.wait_ready(children, cfg.startup_timeout, stopping=stopping, report=say)
+            if ready.ok:
+                start(dep.proxy)
+                say(_describe(dep.proxy))
+                ready = launch_procs.wait_ready(children[-1:], max(30.0, cfg.startup_timeout / 10),
+                                                stopping=stopping, report=say)
+            if not ready.ok:
+                if ready.failed is not None:
+                    _report_death(ready.failed, "during startup")
+                    code = 1
+                elif ready.timed_out:
+                    for child in ready.timed_out:
+                        print(f"pdserve up: {child.name} not ready after {cfg.startup_timeout:g}s; last lines of "
+                              f"{child.spec.log_path}:", file=sys.stderr)
+                        for line in launch_procs.tail(child.spec.log_path, TAIL_LINES):
+                            print(f"  | {line}", file=sys.stderr)
+                    code = 1
+                else:
+                    code = 130 if stopping.signum == signal.SIGINT else 143
+                return code
+
+            first = (dep.role("decode") + dep.role("collocated"))[0]
+            model = served_model(first.url)
+            say(f"ready in {time.monotonic() - t0:.1f}s. Client endpoint (OpenAI API): {dep.proxy.url}/v1")
+            say(f"  try: {_curl(dep.proxy.url, model)}")
+            say(_ready_line(dep, model, cfg.log_dir))
+            if demo:
+                decodes = dep.role("decode")
+                ok = run_demo(
+                    dep.proxy.url, model, [s.url for s in decodes], [s.log_path for s in decodes],
+                    prompt=demo_prompt or DEFAULT_PROMPT, max_tokens=demo_max_tokens,
+                    wait_log_s=float(env.get("VLLM_LOG_STATS_INTERVAL", "10")) + 2.0, say=say,
+                )
+                if exit_after:
+                    code = 0 if ok else 1
+                    return code
+            say("serving; Ctrl-C stops everything.")
+            while not stopping.event.wait(0.5):
+                dead = next((c for c in children if c.exited() is not None), None)
+                if dead is not None:
+                    _report_death(dead, "while serving")
+                    code = 1
+                    return code
+            code = 0
+            return code
+        finally:
+            if children:
+                say("stopping: " + ", ".join(f"{c.name} (pid {c.pid})" for c in reversed(children)))
+                # the proxy first, so that clients get refusals rather than errors mid-request
+                problems = launch_procs.stop_all(list(reversed(children)), cfg.stop_timeout)
+                for p in problems:
+                    print(f"pdserve up: {p}", file=sys.stderr)
+                say("stopped.")
+            watchdog.close()
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+    except (ValueError, OSError) as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 2
+    if cfg.engine == "vllm" and not args.dry_run and shutil.which("vllm") is None:
+        print("pdserve up: --engine vllm needs the `vllm` command on PATH (pip install vllm nixl); "
+              "--dry-run prints the commands without it", file=sys.stderr)
+        return 2
+    try:
+        model_arg = _model_arg(cfg, args.dry_run)
+        dep = build_deployment(cfg, model_arg=model_arg)
+    except (ValueError, OSError) as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        sys.stdout.write(format_shell(dep, cfg))
+        return 0
+    return run(cfg, dep, demo=args.demo, exit_after=args.exit_after, demo_prompt=args.demo_prompt,
+               demo_max_tokens=args.demo_max_tokens)

@@ -1,0 +1,173 @@
+"""Process management of `pdserve up`: process groups, readiness, teardown without orphans."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from pdserve import launch_procs
+from pdserve.launch_spec import ProcSpec
+
+CHILD = textwrap.dedent(
+    """
+    import http.server, signal, subprocess, sys
+    port, mode = int(sys.argv[1]), sys.argv[2]
+    if mode == "crash":
+        print("fatal: cannot load model", flush=True)
+        sys.exit(3)
+    if mode == "ignore":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    grandchild = subprocess.Popen([sys.executable, "-c",
+        "import signal, sys, time\\n"
+        "if sys.argv[1] == 'ignore': signal.signal(signal.SIGTERM, signal.SIG_IGN)\\n"
+        "time.sleep(600)", mode])
+    print("grandchild", grandchild.pid, flush=True)
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            code = 200 if self.path == "/health" and mode != "never" else 503
+            self.send_response(code)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_free(port: int) -> bool:
+    """No listener on the port (SO_REUSEADDR: connections in TIME_WAIT do not count, as for a restarted server)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def grandchild_pid(log: Path) -> int:
+    for _ in range(200):
+        m = re.search(r"grandchild (\d+)", log.read_text())
+        if m:
+            return int(m.group(1))
+        time.sleep(0.05)
+    raise AssertionError(f"no grandchild pid in {log}: {log.read_text()!r}")
+
+
+def spec(tmp_path: Path, name: str, mode: str) -> ProcSpec:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    port = free_port()
+    return ProcSpec(name, "decode", [sys.executable, str(script), str(port), mode], {"X_TEST": "1"},
+                    "127.0.0.1", port, tmp_path / "logs" / f"{name}.log", cpus=[min(os.sched_getaffinity(0))])
+
+
+def test_start_ready_stop_leaves_nothing(tmp_path: Path) -> None:
+    s = spec(tmp_path, "decode", "normal")
+    child = launch_procs.start(s)
+    try:
+        lines: list[str] = []
+        res = launch_procs.wait_ready([child], 30, stopping=lambda: False, report=lines.append)
+        assert res.ok and any("decode" in ln and "ready" in ln for ln in lines)
+        gc = grandchild_pid(s.log_path)
+        assert os.getpgid(child.pid) == child.pid and os.getpgid(gc) == child.pid  # own group, with its child
+        assert os.sched_getaffinity(child.pid) == set(s.cpus or [])
+        assert launch_procs.pid_alive(gc)
+    finally:
+        problems = launch_procs.stop_all([child], timeout=10)
+    assert problems == []
+    assert not launch_procs.pid_alive(child.pid) and not launch_procs.pid_alive(gc)
+    assert port_free(s.port)
+
+
+def test_sigterm_ignored_escalates_to_sigkill(tmp_path: Path) -> None:
+    s = spec(tmp_path, "prefill", "ignore")
+    child = launch_procs.start(s)
+    try:
+        assert launch_procs.wait_ready([child], 30, stopping=lambda: False, report=lambda _: None).ok
+        gc = grandchild_pid(s.log_path)
+    finally:
+        problems = launch_procs.stop_all([child], timeout=0.5)
+    assert len(problems) == 1 and "killed" in problems[0]
+    assert not launch_procs.pid_alive(child.pid) and not launch_procs.pid_alive(gc)
+    assert port_free(s.port)
+
+
+def test_crash_at_startup_is_reported(tmp_path: Path) -> None:
+    s = spec(tmp_path, "decode", "crash")
+    child = launch_procs.start(s)
+    try:
+        res = launch_procs.wait_ready([child], 30, stopping=lambda: False, report=lambda _: None)
+        assert not res.ok and res.failed is child and child.exited() == 3
+        assert launch_procs.tail(s.log_path) == ["fatal: cannot load model"]
+    finally:
+        assert launch_procs.stop_all([child], timeout=5) == []
+
+
+def test_never_ready_times_out_and_stop_request_interrupts(tmp_path: Path) -> None:
+    s = spec(tmp_path, "decode", "never")
+    child = launch_procs.start(s)
+    try:
+        res = launch_procs.wait_ready([child], 1.0, stopping=lambda: False, report=lambda _: None)
+        assert not res.ok and res.timed_out == [child]
+        res = launch_procs.wait_ready([child], 30, stopping=lambda: True, report=lambda _: None)
+        assert not res.ok and res.interrupted
+    finally:
+        assert launch_procs.stop_all([child], timeout=10) == []
+    assert not launch_procs.pid_alive(child.pid)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
+def test_children_stop_when_launcher_is_killed(tmp_path: Path) -> None:
+    s = spec(tmp_path, "decode", "normal")
+    launcher = tmp_path / "launcher.py"
+    launcher.write_text(textwrap.dedent(
+        f"""
+        import sys, time
+        from pathlib import Path
+        from pdserve import launch_procs
+        from pdserve.launch_spec import ProcSpec
+        watchdog = launch_procs.Watchdog(grace=5)
+        child = launch_procs.start(ProcSpec("decode", "decode", {s.argv!r}, {{}}, "127.0.0.1", {s.port},
+                                            Path({str(s.log_path)!r})))
+        watchdog.watch(child)
+        print(child.pid, watchdog.proc.pid, flush=True)
+        time.sleep(600)
+        """
+    ))
+    proc = subprocess.Popen([sys.executable, str(launcher)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        pid, watchdog = (int(w) for w in proc.stdout.readline().split())
+        gc = grandchild_pid(s.log_path)
+    finally:
+        proc.kill()
+        proc.wait()
+    # the watchdog saw its pipe close and stopped the child's whole group (grandchild included)
+    for _ in range(300):
+        if not any(launch_procs.pid_alive(p) for p in (pid, gc, watchdog)):
+            break
+        time.sleep(0.05)
+    survivors = [p for p in (pid, gc, watchdog) if launch_procs.pid_alive(p)]
+    for p in survivors:  # do not leak them into the rest of the suite, whatever happened
+        os.kill(p, signal.SIGKILL)
+    assert survivors == []
+    assert port_free(s.port)
