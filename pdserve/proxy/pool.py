@@ -163,6 +163,8 @@ class Pool:
             if not candidates:
                 return None
         least = self._least_loaded(candidates)
+        if not excluded:  # rotate ties once per request, not once per retry
+            self._rotation += 1
         if affinity is None or len(candidates) == 1:
             return least
         digest = hashlib.blake2b(affinity.encode("utf-8", "surrogatepass"), digest_size=16).digest()
@@ -174,7 +176,6 @@ class Pool:
     def _least_loaded(self, candidates: list[Instance]) -> Instance:
         n = len(candidates)
         start = self._rotation % n
-        self._rotation += 1
         best = candidates[start]
         best_key = (best.in_flight, best.outstanding_tokens)
         for i in range(1, n):

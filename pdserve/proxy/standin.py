@@ -8,7 +8,7 @@ generated in full, as SSE when `stream` is set (`data: ...` events, `[DONE]`, us
 `stream_options.include_usage`).
 
 Control routes (tests drive these over HTTP): `GET/DELETE /_standin/requests` (what it received:
-path, headers, body), `GET /_standin/stats`, `POST /_standin/behaviour` (JSON merged into the
+path, headers, body, and for prefill legs the response), `GET /_standin/stats`, `POST /_standin/behaviour` (JSON merged into the
 Behaviour below), `POST /_standin/release` (lets held requests go on).
 
     python -m pdserve.proxy.standin --port 0 [--model NAME] [--api-key KEY]
@@ -102,7 +102,8 @@ class Standin:
             body = json.loads(raw)
         except ValueError:
             return _error(400, "invalid JSON")
-        st.received.append({"path": request.path, "headers": dict(request.headers), "body": body})
+        entry: dict[str, Any] = {"path": request.path, "headers": dict(request.headers), "body": body}
+        st.received.append(entry)
         if st.api_key is not None and request.headers.get("Authorization") != f"Bearer {st.api_key}":
             return _error(401, "unauthorized")
         b = st.behaviour
@@ -117,7 +118,9 @@ class Standin:
         kv = body.get("kv_transfer_params")
         if isinstance(kv, dict) and kv.get("do_remote_decode"):
             st.stats["prefill"] += 1
-            return self._prefill(body, chat, rid)
+            out = self._prefill(body, chat, rid)
+            entry["response"] = out
+            return web.json_response(out)
         st.stats["decode"] += 1
         n_tokens = min(int(body.get("max_completion_tokens") or body.get("max_tokens") or 16), b.max_tokens)
         if body.get("stream"):
@@ -153,7 +156,7 @@ class Standin:
             "kv_transfer_params": kv,
         }
 
-    def _prefill(self, body: dict[str, Any], chat: bool, rid: str) -> web.Response:
+    def _prefill(self, body: dict[str, Any], chat: bool, rid: str) -> dict[str, Any]:
         st = self.state
         ids = _prompt_ids(body)
         kv: dict[str, Any] | None = None
@@ -176,7 +179,7 @@ class Standin:
         out = self._final(body, chat, rid, " tok0", 1, kv)
         if chat and body.get("return_token_ids"):
             out["prompt_token_ids"] = ids
-        return web.json_response(out)
+        return out
 
     async def _stream(
         self, request: web.Request, body: dict[str, Any], chat: bool, rid: str, n_tokens: int

@@ -1,0 +1,252 @@
+"""Unit tests of the proxy's pure parts: the P/D protocol bodies, estimates, pools, configuration."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import pytest
+
+from pdserve.proxy import protocol
+from pdserve.proxy.cli import add_arguments, config_from_args
+from pdserve.proxy.config import ProxyConfig, load_config_file
+from pdserve.proxy.pool import Pool, normalize_url
+
+SIX_KEYS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def test_prefill_body_is_vllm_toy_proxy_body() -> None:
+    body = {
+        "model": "m",
+        "prompt": "hello",
+        "max_tokens": 50,
+        "max_completion_tokens": 40,
+        "min_tokens": 3,
+        "min_completion_tokens": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.5,
+        "kv_transfer_params": {"something": "client-sent"},
+    }
+    original = copy.deepcopy(body)
+    prefill = protocol.build_prefill_body(body)
+    assert prefill == {
+        "model": "m",
+        "prompt": "hello",
+        "max_tokens": 1,
+        "max_completion_tokens": 1,
+        "stream": False,
+        "temperature": 0.5,
+        "kv_transfer_params": SIX_KEYS,
+    }
+    assert body == original  # the client's body is not modified
+    # max_completion_tokens is only set when the client sent it; chat asks for token ids on demand.
+    chat = protocol.build_prefill_body({"messages": [], "stream": False}, chat_token_ids=True)
+    assert chat == {
+        "messages": [],
+        "stream": False,
+        "max_tokens": 1,
+        "kv_transfer_params": SIX_KEYS,
+        "return_token_ids": True,
+    }
+
+
+def test_decode_body_carries_params_verbatim() -> None:
+    body = {"model": "m", "prompt": "p", "stream": True, "max_tokens": 9}
+    params = {
+        "do_remote_prefill": True,
+        "remote_block_ids": [[1, 2]],
+        "remote_host": "10.0.0.1",
+        "x": {"y": [1.5]},
+    }
+    decode = protocol.build_decode_body(body, params)
+    assert decode == {**body, "kv_transfer_params": params}
+    assert "kv_transfer_params" not in body
+    handed = protocol.build_decode_body(body, params, prompt_token_ids=[5, 6], remote_host="p-host")
+    assert handed["kv_transfer_params"] == {**params, "prompt_token_ids": [5, 6], "remote_host": "p-host"}
+    assert params["remote_host"] == "10.0.0.1"  # the prefill's dict is not modified
+    # remote_host is only rewritten when the prefill sent one.
+    assert (
+        "remote_host" not in protocol.build_decode_body(body, {"a": 1}, remote_host="h")["kv_transfer_params"]
+    )
+
+
+def test_prefill_response_parsing() -> None:
+    assert protocol.prefill_kv_params({"kv_transfer_params": {"a": 1}}) == {"a": 1}
+    for bad in ({"kv_transfer_params": None}, {"kv_transfer_params": {}}, {}, [], "x"):
+        assert protocol.prefill_kv_params(bad) is None
+    assert protocol.prefill_prompt_token_ids({"prompt_token_ids": [1, 0, 7]}) == [1, 0, 7]
+    for bad_ids in ([], [1, -1], [1, True], [1.0], None, "12"):
+        assert protocol.prefill_prompt_token_ids({"prompt_token_ids": bad_ids}) is None
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"messages": [{"role": "user", "content": "hi"}]}, True),
+        (
+            {
+                "messages": [
+                    {"role": "system", "content": None},
+                    {"role": "user", "content": [{"type": "text", "text": "a"}]},
+                ]
+            },
+            True,
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, False),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            False,
+        ),
+        ({"messages": [[{"role": "user", "content": "batch"}]]}, False),
+        ({"messages": []}, False),
+    ],
+)
+def test_chat_token_id_eligibility(body: dict, expected: bool) -> None:
+    assert protocol.wants_chat_token_ids(body) is expected
+
+
+def test_estimates_and_batch_detection() -> None:
+    assert protocol.estimate_prompt_tokens({"prompt": "a" * 400}) == 101
+    assert protocol.estimate_prompt_tokens({"prompt": [1, 2, 3]}) == 3
+    assert protocol.estimate_prompt_tokens({"prompt": ["a" * 40, "b" * 80]}) == 11 + 21
+    assert protocol.estimate_prompt_tokens({"messages": [{"role": "user", "content": "a" * 40}]}) == 14
+    assert protocol.max_output_tokens({"max_tokens": 5, "max_completion_tokens": 7}) == 7
+    assert protocol.max_output_tokens({}) == 0
+    assert protocol.is_batch_prompt({"prompt": ["a", "b"]})
+    assert protocol.is_batch_prompt({"prompt": [[1, 2], [3]]})
+    assert not protocol.is_batch_prompt({"prompt": [1, 2, 3]})
+    assert not protocol.is_batch_prompt({"prompt": ["only"]})
+    assert not protocol.is_batch_prompt({"prompt": "text"})
+
+
+def test_affinity_key_uses_prefix_only() -> None:
+    a = protocol.affinity_key({"prompt": "x" * 100 + "tail-a"}, 100)
+    b = protocol.affinity_key({"prompt": "x" * 100 + "tail-b"}, 100)
+    assert a == b
+    m1 = {"messages": [{"role": "system", "content": "s" * 50}, {"role": "user", "content": "q1"}]}
+    m2 = {"messages": [{"role": "system", "content": "s" * 50}, {"role": "user", "content": "q2"}]}
+    assert protocol.affinity_key(m1, 30) == protocol.affinity_key(m2, 30)
+    assert protocol.affinity_key(m1, 200) != protocol.affinity_key(m2, 200)
+    assert protocol.affinity_key({}, 10) is None
+
+
+def test_normalize_url() -> None:
+    assert normalize_url("localhost:8100") == "http://localhost:8100"
+    assert normalize_url("http://10.0.0.2:8200/v1/") == "http://10.0.0.2:8200"
+    assert normalize_url("https://[::1]:9000") == "https://[::1]:9000"
+    for bad in ("", "localhost", "ftp://h:1", "http://h:1/other"):
+        with pytest.raises(ValueError):
+            normalize_url(bad)
+
+
+def test_pool_least_loaded_with_rotating_ties() -> None:
+    pool = Pool("decode", ["h:1", "h:2", "h:3"])
+    a, b, c = pool.instances
+    # All idle: ties rotate, so consecutive choices cover every instance.
+    assert {pool.choose().url for _ in range(3)} == {a.url, b.url, c.url}
+    a.acquire(10)
+    b.acquire(10)
+    assert pool.choose() is c
+    c.acquire(100)  # equal in_flight everywhere: fewer outstanding tokens wins
+    assert pool.choose() in (a, b)
+    c.release(100)
+    assert pool.choose(exclude=[c]) in (a, b)
+    assert pool.choose(exclude=[a, b, c]) is None
+
+
+def test_pool_ejection_readmission_and_panic() -> None:
+    pool = Pool("prefill", ["h:1", "h:2"])
+    a, b = pool.instances
+    assert not a.record_failure("boom", eject_after=2)
+    assert a.record_failure("boom", eject_after=2)
+    assert not a.healthy and a.ejections_total == 1
+    assert all(pool.choose() is b for _ in range(4))
+    assert b.record_failure("x", eject_after=1) and not b.healthy
+    # Nothing healthy: every instance is a candidate rather than refusing everything.
+    assert pool.choose() in (a, b)
+    assert a.record_success() and a.healthy and a.consecutive_failures == 0
+    assert not a.record_success()
+
+
+def test_pool_prefix_affinity_is_consistent_and_yields_to_load() -> None:
+    pool = Pool("prefill", ["h:1", "h:2", "h:3", "h:4"])
+    targets = {pool.choose(affinity="shared prefix", affinity_slack=2) for _ in range(8)}
+    assert len(targets) == 1
+    target = targets.pop()
+    spread = {pool.choose(affinity=f"prefix {i}", affinity_slack=2) for i in range(40)}
+    assert len(spread) > 1  # different prefixes land on different instances
+    for _ in range(3):
+        target.acquire(1)
+    assert pool.choose(affinity="shared prefix", affinity_slack=2) is not target  # overloaded: least loaded
+    target.release(1)
+    assert pool.choose(affinity="shared prefix", affinity_slack=2) is target  # within the slack again
+    # Removing another instance does not move this prefix (rendezvous hashing).
+    other = next(inst for inst in pool.instances if inst is not target)
+    pool.remove(other.url)
+    assert pool.choose(affinity="shared prefix", affinity_slack=2) is target
+
+
+def test_pool_membership() -> None:
+    pool = Pool("decode", ["h:1"])
+    with pytest.raises(ValueError):
+        pool.add("http://h:1")
+    pool.add("h:2")
+    assert len(pool) == 2
+    assert pool.remove("http://h:1/v1").url == "http://h:1"
+    assert pool.remove("h:1") is None
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_config_file_and_flag_precedence(tmp_path, monkeypatch) -> None:
+    yaml_file = tmp_path / "proxy.yaml"
+    yaml_file.write_text(
+        "prefill: [127.0.0.1:8100, 127.0.0.1:8101]\ndecode: 127.0.0.1:8200\n"
+        "disagg-threshold-tokens: 64\non_prefill_failure: decode-local\nmax_inflight: 7\n"
+    )
+    monkeypatch.setenv("PDSERVE_ADMIN_KEY", "from-env")
+    cfg = config_from_args(_parse(["--config", str(yaml_file), "--max-inflight", "9"]))
+    assert cfg.prefill == ["http://127.0.0.1:8100", "http://127.0.0.1:8101"]
+    assert cfg.decode == ["http://127.0.0.1:8200"]
+    assert cfg.disagg_threshold_tokens == 64
+    assert cfg.on_prefill_failure == "decode-local"
+    assert cfg.max_inflight == 9  # the flag wins over the file
+    assert cfg.admin_key == "from-env"
+    assert cfg.chat_token_ids and not cfg.prefix_affinity  # defaults where neither says
+    toml_file = tmp_path / "proxy.toml"
+    toml_file.write_text('decode = ["h:1"]\nprefix-affinity = true\n')
+    assert load_config_file(toml_file) == {"decode": ["h:1"], "prefix_affinity": True}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("decode: [h:1]\nno_such_key: 1\n")
+    with pytest.raises(ValueError, match="no_such_key"):
+        load_config_file(bad)
+    no_ids = config_from_args(_parse(["--decode", "h:1", "--no-chat-token-ids", "--prefill", "a:1", "b:2"]))
+    assert not no_ids.chat_token_ids and no_ids.prefill == ["http://a:1", "http://b:2"]
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"decode": []},
+        {"on_prefill_failure": "maybe"},
+        {"prefill": ["h:1", "h:1"]},
+        {"max_inflight": 0},
+        {"prefill_timeout": 0},
+    ],
+)
+def test_config_validation(changes: dict) -> None:
+    values = {"decode": ["h:9"], **changes}
+    with pytest.raises(ValueError):
+        ProxyConfig(**values).validate()
