@@ -1,0 +1,89 @@
+"""The compatibility dict both sides exchange in the handshake.
+
+A mismatch in any field means the consumer would read bytes it cannot interpret, so both the consumer
+(on the handshake reply) and the producer (on the handshake request) refuse, naming the fields.
+Block counts may differ between instances: they are not part of the dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pdserve import __version__
+from pdserve.kv_transfer.errors import CompatibilityError
+
+# Bumped whenever the side-channel messages or the transfer semantics change incompatibly.
+PROTOCOL_VERSION = 1
+
+# The pool is [num_blocks, num_layers, 2 (K,V), block_size, num_kv_heads, head_dim].
+POOL_LAYOUT = "block,layer,kv,token,head,dim"
+
+REQUIRED_FIELDS = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+
+
+def make_compat(
+    *,
+    model: str,
+    dtype: str,
+    block_size: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_layout: str = POOL_LAYOUT,
+) -> dict[str, Any]:
+    """Build the dict the engine passes to `KVConnector` (model = a stable identity of the weights)."""
+    return normalize_compat(
+        {
+            "model": model,
+            "dtype": dtype,
+            "block_size": block_size,
+            "num_layers": num_layers,
+            "num_kv_heads": num_kv_heads,
+            "head_dim": head_dim,
+            "kv_layout": kv_layout,
+        }
+    )
+
+
+def normalize_compat(compat: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate the engine-provided fields and add the version fields this build speaks."""
+    missing = [k for k in REQUIRED_FIELDS if k not in compat]
+    if missing:
+        raise ValueError(f"compatibility dict lacks {', '.join(missing)}")
+    out = dict(compat)
+    out["dtype"] = str(out["dtype"]).removeprefix("torch.")
+    out.setdefault("kv_layout", POOL_LAYOUT)
+    out["pdserve_version"] = __version__
+    out["protocol_version"] = PROTOCOL_VERSION
+    for key in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
+        value = out[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"compatibility field {key} must be a positive int, got {value!r}")
+    if not isinstance(out["model"], str) or not out["model"]:
+        raise ValueError("compatibility field model must be a non-empty string")
+    return out
+
+
+def compat_differences(
+    ours: Mapping[str, Any], theirs: Mapping[str, Any], labels: tuple[str, str] = ("ours", "theirs")
+) -> list[str]:
+    """Human-readable `field: ours=X theirs=Y` entries for every field that differs."""
+    diffs = []
+    for key in sorted(set(ours) | set(theirs)):
+        a, b = ours.get(key, "<missing>"), theirs.get(key, "<missing>")
+        if a != b:
+            diffs.append(f"{key}: {labels[0]}={a!r} {labels[1]}={b!r}")
+    return diffs
+
+
+def check_compat(
+    ours: Mapping[str, Any],
+    theirs: Mapping[str, Any],
+    *,
+    peer: str,
+    labels: tuple[str, str] = ("ours", "theirs"),
+) -> None:
+    diffs = compat_differences(ours, theirs, labels)
+    if diffs:
+        raise CompatibilityError(f"KV layout/model mismatch with {peer}: " + "; ".join(diffs))

@@ -1,0 +1,254 @@
+"""`--kv-transfer-config` parsing (vLLM's JSON keys) plus the side-channel address.
+
+vLLM accepts more keys than we act on (kv_port, kv_rank, ...); those are accepted and ignored so that the
+seed articles' command lines work unchanged. Keys nobody knows are logged, not rejected, for the same reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger("pdserve.kv_transfer")
+
+SUPPORTED_CONNECTORS = ("NixlConnector", "NixlPullConnector")
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+FAILURE_POLICIES = ("fail", "recompute")
+BUFFER_DEVICES = ("cuda", "cpu")
+
+DEFAULT_SIDE_CHANNEL_HOST = "127.0.0.1"
+DEFAULT_SIDE_CHANNEL_PORT = 5600
+ENV_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+ENV_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+ENV_LOG_INTERVAL = "VLLM_LOG_STATS_INTERVAL"
+
+# Top-level keys of vLLM's KVTransferConfig that we accept without acting on them.
+_IGNORED_VLLM_KEYS = frozenset(
+    {
+        "kv_port",
+        "kv_rank",
+        "kv_parallel_size",
+        "kv_ip",
+        "kv_buffer_size",
+        "enable_permute_local_kv",
+        "kv_connector_module_path",
+    }
+)
+_KNOWN_KEYS = frozenset(
+    {
+        "kv_connector",
+        "kv_role",
+        "engine_id",
+        "kv_buffer_device",
+        "kv_load_failure_policy",
+        "kv_connector_extra_config",
+    }
+)
+_KNOWN_EXTRA_KEYS = frozenset(
+    {
+        "backends",
+        "backend_params",
+        "kv_lease_duration",
+        "transfer_timeout_s",
+        "handshake_timeout_s",
+        "transfer_min_gbps",
+        "num_load_workers",
+        # vLLM keys that have no meaning here (single engine, pull mode only).
+        "num_threads",
+        "engine_ttl",
+        "enforce_handshake_compat",
+        "enable_cross_layers_blocks",
+    }
+)
+
+
+def _number(extra: Mapping[str, Any], key: str, default: float, *, minimum: float = 0.0) -> float:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"kv_connector_extra_config.{key} must be a number, got {value!r}")
+    if value <= minimum:
+        raise ValueError(f"kv_connector_extra_config.{key} must be > {minimum:g}, got {value!r}")
+    return float(value)
+
+
+def _port(value: Any, source: str) -> int:
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ValueError(f"{source} must be an integer port, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ValueError(f"{source} must be a port in 0..65535 (0 = any free port), got {value!r}")
+    return value
+
+
+def is_loopback_host(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    kv_connector: str
+    kv_role: str
+    engine_id: str
+    kv_buffer_device: str | None
+    kv_load_failure_policy: str
+    backends: tuple[str, ...]
+    backend_params: Mapping[str, Mapping[str, str]]
+    kv_lease_duration: float
+    transfer_timeout_s: float
+    handshake_timeout_s: float
+    # Floor throughput used to stretch the transfer deadline of big reads (TCP fallback is ~0.5 GB/s).
+    transfer_min_gbps: float
+    num_load_workers: int
+    side_channel_host: str
+    side_channel_port: int
+    log_stats_interval_s: float = 10.0
+    extra_config: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def bind_host(self) -> str:
+        # vLLM binds whatever the env says; "localhost" may resolve to ::1 first, so pin IPv4 loopback.
+        return "127.0.0.1" if self.side_channel_host == "localhost" else self.side_channel_host
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return self.kv_lease_duration / 6.0
+
+    @classmethod
+    def from_json(
+        cls,
+        raw: str | Mapping[str, Any],
+        *,
+        side_channel_host: str | None = None,
+        side_channel_port: int | str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> KVTransferConfig:
+        """Parse `--kv-transfer-config`; explicit side-channel args win over the env variables."""
+        env = os.environ if env is None else env
+        if isinstance(raw, str):
+            try:
+                data = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--kv-transfer-config is not valid JSON: {exc}") from None
+        else:
+            data = dict(raw)
+        if not isinstance(data, dict):
+            raise ValueError("--kv-transfer-config must be a JSON object")
+
+        unknown = set(data) - _KNOWN_KEYS - _IGNORED_VLLM_KEYS
+        if unknown:
+            logger.warning("ignoring unknown --kv-transfer-config keys: %s", ", ".join(sorted(unknown)))
+
+        connector = data.get("kv_connector")
+        if connector == "NixlPushConnector":
+            raise ValueError("kv_connector NixlPushConnector (push mode) is not supported; use NixlConnector")
+        if connector not in SUPPORTED_CONNECTORS:
+            raise ValueError(
+                f"kv_connector must be one of {', '.join(SUPPORTED_CONNECTORS)}, got {connector!r}"
+            )
+        role = data.get("kv_role")
+        if role not in ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(ROLES)}, got {role!r}")
+
+        engine_id = data.get("engine_id")
+        if engine_id is None:
+            engine_id = str(uuid.uuid4())
+        elif not isinstance(engine_id, str) or not engine_id or len(engine_id) > 200:
+            raise ValueError(f"engine_id must be a non-empty string, got {engine_id!r}")
+
+        device = data.get("kv_buffer_device")
+        if device is not None and device not in BUFFER_DEVICES:
+            raise ValueError(f"kv_buffer_device must be one of {', '.join(BUFFER_DEVICES)}, got {device!r}")
+
+        policy = data.get("kv_load_failure_policy", "fail")
+        if policy not in FAILURE_POLICIES:
+            raise ValueError(
+                f"kv_load_failure_policy must be one of {', '.join(FAILURE_POLICIES)}, got {policy!r}"
+            )
+
+        extra = data.get("kv_connector_extra_config") or {}
+        if not isinstance(extra, dict):
+            raise ValueError("kv_connector_extra_config must be a JSON object")
+        unknown_extra = set(extra) - _KNOWN_EXTRA_KEYS
+        if unknown_extra:
+            logger.warning(
+                "ignoring unknown kv_connector_extra_config keys: %s", ", ".join(sorted(unknown_extra))
+            )
+
+        backends = extra.get("backends", ["UCX"])
+        if (
+            not isinstance(backends, list)
+            or not backends
+            or not all(isinstance(b, str) and b for b in backends)
+        ):
+            raise ValueError(
+                f"kv_connector_extra_config.backends must be a non-empty list of names, got {backends!r}"
+            )
+        backend_params = extra.get("backend_params", {})
+        if not isinstance(backend_params, dict) or not all(
+            isinstance(v, dict) and all(isinstance(k2, str) and isinstance(v2, str) for k2, v2 in v.items())
+            for v in backend_params.values()
+        ):
+            raise ValueError(
+                "kv_connector_extra_config.backend_params must map backend name -> {param: string value}"
+            )
+
+        workers = extra.get("num_load_workers", 4)
+        if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= 64:
+            raise ValueError(f"kv_connector_extra_config.num_load_workers must be 1..64, got {workers!r}")
+
+        host = (
+            side_channel_host
+            if side_channel_host is not None
+            else env.get(ENV_HOST, DEFAULT_SIDE_CHANNEL_HOST)
+        )
+        if not isinstance(host, str) or not host.strip():
+            raise ValueError(f"side channel host must be a non-empty string, got {host!r}")
+        if side_channel_port is not None:
+            port = _port(side_channel_port, "--side-channel-port")
+        else:
+            port = _port(env.get(ENV_PORT, DEFAULT_SIDE_CHANNEL_PORT), ENV_PORT)
+
+        interval_raw = env.get(ENV_LOG_INTERVAL, "10")
+        try:
+            interval = float(interval_raw)
+        except ValueError:
+            raise ValueError(
+                f"{ENV_LOG_INTERVAL} must be a number of seconds, got {interval_raw!r}"
+            ) from None
+        if not interval > 0:
+            raise ValueError(f"{ENV_LOG_INTERVAL} must be > 0, got {interval_raw!r}")
+
+        return cls(
+            kv_connector=connector,
+            kv_role=role,
+            engine_id=engine_id,
+            kv_buffer_device=device,
+            kv_load_failure_policy=policy,
+            backends=tuple(backends),
+            backend_params={k: dict(v) for k, v in backend_params.items()},
+            kv_lease_duration=_number(extra, "kv_lease_duration", 30.0),
+            transfer_timeout_s=_number(extra, "transfer_timeout_s", 2.0),
+            handshake_timeout_s=_number(extra, "handshake_timeout_s", 2.0),
+            transfer_min_gbps=_number(extra, "transfer_min_gbps", 0.5),
+            num_load_workers=workers,
+            side_channel_host=host.strip(),
+            side_channel_port=port,
+            log_stats_interval_s=interval,
+            extra_config=dict(extra),
+        )

@@ -1,0 +1,209 @@
+"""`KVConnector`: the one object the engine talks to (see ARCHITECTURE.md, "KV connector").
+
+    connector = KVConnector(config, pool, compat, block_size, registry=metrics_registry, model_name=name)
+    # producer (P leg finished by length/stop): keep the blocks, then
+    params = connector.hold(request_id, block_ids, num_tokens, num_cached_tokens)   # -> response's kv_transfer_params
+    for rid in connector.poll_released(): free the blocks of rid                   # every step
+    # consumer (D leg):
+    connector.validate(params)                      # InvalidKVTransferParams (a ValueError) -> HTTP 400
+    connector.add_waiting(request_id, params)       # heartbeats while queued
+    connector.remove_waiting(request_id)            # gave up before loading: producer frees early
+    connector.start_load(request_id, params, local_block_ids, first_block)
+    for r in connector.poll_loads(): r.ok -> num_computed_tokens = len(prompt) - 1; else failure policy
+    connector.shutdown()
+
+Roles: kv_producer runs the side channel and leases, kv_consumer loads, kv_both does both with one NIXL agent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from pdserve.kv_transfer.compat import normalize_compat
+from pdserve.kv_transfer.config import KVTransferConfig, is_loopback_host
+from pdserve.kv_transfer.consumer import KVConsumer, LoadResult
+from pdserve.kv_transfer.metrics import TransferMetrics
+from pdserve.kv_transfer.nixl_agent import NixlAgent, apply_env_defaults, load_nixl
+from pdserve.kv_transfer.params import RemotePrefillParams, parse_remote_prefill_params
+from pdserve.kv_transfer.pool import pretouch, region_of
+from pdserve.kv_transfer.producer import KVProducer
+from pdserve.kv_transfer.side_channel import SideChannelServer
+
+logger = logging.getLogger("pdserve.kv_transfer")
+
+
+def _check_pool_matches(
+    region_shape: tuple[int, ...], region_dtype: str, compat: Mapping[str, Any], block_size: int
+) -> None:
+    _, layers, _, bs, heads, dim = region_shape
+    expected = {
+        "num_layers": layers,
+        "block_size": bs,
+        "num_kv_heads": heads,
+        "head_dim": dim,
+        "dtype": region_dtype,
+    }
+    wrong = [f"{k}: compat={compat[k]!r} pool={v!r}" for k, v in expected.items() if compat[k] != v]
+    if block_size != bs:
+        wrong.append(f"block_size argument {block_size} != pool {bs}")
+    if wrong:
+        raise ValueError("KV pool does not match the compatibility dict: " + "; ".join(wrong))
+
+
+class KVConnector:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        pool: Any,
+        compat: Mapping[str, Any],
+        block_size: int,
+        *,
+        registry: CollectorRegistry | None = None,
+        model_name: str | None = None,
+        engine_label: str = "0",
+    ) -> None:
+        self.config = config
+        self.compat = normalize_compat(compat)
+        self.region = region_of(pool)
+        _check_pool_matches(self.region.shape, self.region.dtype, self.compat, block_size)
+        if config.kv_buffer_device is not None:
+            want = "VRAM" if config.kv_buffer_device == "cuda" else "DRAM"
+            if want != self.region.mem_type:
+                raise ValueError(
+                    f"kv_buffer_device={config.kv_buffer_device!r} but the KV pool is in {self.region.mem_type}; "
+                    "staging through another device is not supported"
+                )
+        self._pool = pool  # keep the memory alive as long as NIXL has it registered
+
+        apply_env_defaults(
+            loopback=is_loopback_host(config.side_channel_host), gpu=self.region.mem_type == "VRAM"
+        )
+        load_nixl()  # fail with the install hint before binding anything
+
+        self.metrics = TransferMetrics(
+            model_name=model_name or str(self.compat["model"]),
+            engine=engine_label,
+            registry=registry,
+            log_interval_s=config.log_stats_interval_s,
+        )
+        self._server: SideChannelServer | None = None
+        self._agent: NixlAgent | None = None
+        self.producer: KVProducer | None = None
+        self.consumer: KVConsumer | None = None
+        try:
+            if config.is_producer:
+                # Bind before the (slower) agent creation so a taken port fails startup at once.
+                self._server = SideChannelServer(config.bind_host, config.side_channel_port)
+            pretouch(self.region)
+            self._agent = NixlAgent(config.engine_id, config.backends, dict(config.backend_params))
+            self._agent.register(self.region)
+            if config.is_producer:
+                assert self._server is not None
+                self.producer = KVProducer(
+                    config,
+                    server=self._server,
+                    agent=self._agent,
+                    region=self.region,
+                    compat=self.compat,
+                    metrics=self.metrics,
+                )
+                self._server.start()
+            if config.is_consumer:
+                self.consumer = KVConsumer(
+                    config, agent=self._agent, region=self.region, compat=self.compat, metrics=self.metrics
+                )
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info(
+            "KV connector ready: role=%s engine_id=%s pool=%s %.1f MiB in %d blocks of %d bytes%s",
+            config.kv_role,
+            config.engine_id,
+            self.region.mem_type,
+            self.region.length / 2**20,
+            self.region.num_blocks,
+            self.region.block_bytes,
+            f", side channel {config.side_channel_host}:{self.side_channel_port}" if self._server else "",
+        )
+
+    # ---- common ------------------------------------------------------------------------------------
+
+    @property
+    def engine_id(self) -> str:
+        return self.config.engine_id
+
+    @property
+    def side_channel_port(self) -> int | None:
+        """The bound port (differs from the configured one when that was 0); None without a producer."""
+        return self._server.port if self._server is not None else None
+
+    def shutdown(self) -> None:
+        if self.consumer is not None:
+            self.consumer.shutdown()
+            self.consumer = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self.producer is not None:
+            self.producer.shutdown()
+            self.producer = None
+        if self._agent is not None:
+            self._agent.close()
+            self._agent = None
+
+    def __enter__(self) -> KVConnector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- producer ----------------------------------------------------------------------------------
+
+    def _need_producer(self) -> KVProducer:
+        if self.producer is None:
+            raise RuntimeError(
+                f"this instance's kv_role is {self.config.kv_role}: it cannot serve KV to a decode instance"
+            )
+        return self.producer
+
+    def hold(
+        self, request_id: str, block_ids: Sequence[int], num_tokens: int, num_cached_tokens: int = 0
+    ) -> dict[str, Any]:
+        """Keep `block_ids` under a lease and return the response's `kv_transfer_params`."""
+        return self._need_producer().hold(request_id, block_ids, num_tokens, num_cached_tokens)
+
+    def poll_released(self) -> list[str]:
+        """Request ids whose lease ended (read and released, aborted, or expired): free their blocks now."""
+        return self.producer.poll_released() if self.producer is not None else []
+
+    def num_leases(self) -> int:
+        return len(self.producer.leases) if self.producer is not None else 0
+
+    # ---- consumer ----------------------------------------------------------------------------------
+
+    def _need_consumer(self) -> KVConsumer:
+        if self.consumer is None:
+            raise RuntimeError(f"this instance's kv_role is {self.config.kv_role}: it cannot load remote KV")
+        return self.consumer
+
+    @staticmethod
+    def validate(params: Any) -> RemotePrefillParams:
+        return parse_remote_prefill_params(params)
+
+    def add_waiting(self, request_id: str, params: Any) -> None:
+        self._need_consumer().add_waiting(request_id, params)
+
+    def remove_waiting(self, request_id: str) -> None:
+        self._need_consumer().remove_waiting(request_id)
+
+    def start_load(
+        self, request_id: str, params: Any, local_block_ids: Sequence[int], first_block: int = 0
+    ) -> None:
+        self._need_consumer().start_load(request_id, params, local_block_ids, first_block)
+
+    def poll_loads(self) -> list[LoadResult]:
+        return self.consumer.poll_loads() if self.consumer is not None else []

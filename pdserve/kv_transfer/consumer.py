@@ -1,0 +1,426 @@
+"""Consumer (decode) side: handshake once per producer, then per request claim -> READ -> release-with-verify.
+
+Safety rule: the bytes of a load are only reported usable if the producer confirms, on release, that the lease
+was held from the claim until after the READ completed. Otherwise the blocks might have been freed and reused
+mid-read, so the load fails (and the engine applies its failure policy).
+
+All network and NIXL work runs on a small worker pool; the engine thread only queues work and polls results.
+Every step has a deadline: side-channel calls time out, READs time out (a frozen producer never completes), and
+after a failed READ the handle is released and the remote agent removed (which disconnects it) *before* the
+failure is reported, so nothing can land in the local blocks after the engine gets them back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.kv_transfer import side_channel
+from pdserve.kv_transfer.compat import check_compat
+from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.kv_transfer.errors import (
+    CompatibilityError,
+    KVTransferError,
+    SideChannelError,
+    SideChannelRefused,
+    TransferFailed,
+    TransferTimeout,
+)
+from pdserve.kv_transfer.metrics import TransferMetrics
+from pdserve.kv_transfer.nixl_agent import NixlAgent
+from pdserve.kv_transfer.params import RemotePrefillParams, parse_remote_prefill_params
+from pdserve.kv_transfer.pool import (
+    PoolRegion,
+    RemotePool,
+    check_block_ids,
+    coalesce_block_runs,
+    descriptor_arrays,
+)
+from pdserve.kv_transfer.producer import NOTIF_PREFIX
+
+logger = logging.getLogger("pdserve.kv_transfer")
+
+# Heartbeats and early aborts are best-effort; they must not hold a worker for long on a frozen producer.
+_NOTIFY_TIMEOUT_S = 1.0
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    request_id: str
+    ok: bool
+    error: str | None = None
+    bytes: int = 0
+    seconds: float = 0.0  # the whole load: handshake (if any), claim, READ, release
+    num_descriptors: int = 0
+
+
+@dataclass(frozen=True)
+class _Remote:
+    engine_id: str
+    agent_name: str
+    generation: int
+    host: str
+    port: int
+    pool: RemotePool
+
+
+class _LoadFailed(Exception):
+    """A load failure with its message for the engine/user.
+
+    `release` names a claim still to be released (best effort) once the failure has been reported.
+    """
+
+    def __init__(self, message: str, *, release: tuple[_Remote, str] | None = None) -> None:
+        super().__init__(message)
+        self.release = release
+
+
+class KVConsumer:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        *,
+        agent: NixlAgent,
+        region: PoolRegion,
+        compat: Mapping[str, Any],
+        metrics: TransferMetrics,
+    ) -> None:
+        self._config = config
+        self._agent = agent
+        self._region = region
+        self._compat = dict(compat)
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._remotes: dict[str, _Remote] = {}
+        self._remote_locks: dict[str, threading.Lock] = {}
+        self._waiting: dict[str, RemotePrefillParams] = {}
+        self._inflight: set[str] = set()
+        self._results: deque[LoadResult] = deque()
+        self._executor = ThreadPoolExecutor(config.num_load_workers, thread_name_prefix="pdserve-kv-load")
+        self._stop = threading.Event()
+        self._heartbeats = threading.Thread(
+            target=self._heartbeat_loop, name="pdserve-kv-heartbeat", daemon=True
+        )
+        self._heartbeats.start()
+
+    # ---- engine API --------------------------------------------------------------------------------
+
+    @staticmethod
+    def validate(params: Any) -> RemotePrefillParams:
+        return parse_remote_prefill_params(params)
+
+    def add_waiting(self, request_id: str, params: Any) -> None:
+        """The request waits for local blocks; heartbeats keep the producer's lease alive meanwhile."""
+        parsed = parse_remote_prefill_params(params)
+        with self._lock:
+            self._waiting[request_id] = parsed
+        self._update_stages()
+
+    def remove_waiting(self, request_id: str) -> None:
+        """The request is gone before its load started (client disconnect): let the producer free now."""
+        with self._lock:
+            parsed = self._waiting.pop(request_id, None)
+        self._update_stages()
+        if parsed is not None:
+            self._executor.submit(self._abort_remote, parsed)
+
+    def start_load(
+        self, request_id: str, params: Any, local_block_ids: Sequence[int], first_block: int = 0
+    ) -> None:
+        """Read remote blocks [first_block, len(local_block_ids)) into the same positions of local_block_ids.
+
+        Returns at once; the outcome comes from `poll_loads()`. The local blocks must stay allocated until then.
+        """
+        parsed = parse_remote_prefill_params(params)
+        local = [int(b) for b in local_block_ids]
+        if first_block < 0 or first_block > len(local):
+            raise ValueError(f"first_block {first_block} outside 0..{len(local)}")
+        check_block_ids(local[first_block:], self._region.num_blocks, "local")
+        with self._lock:
+            if request_id in self._inflight:
+                raise ValueError(f"a KV load for request {request_id!r} is already in flight")
+            self._waiting.pop(request_id, None)
+            self._inflight.add(request_id)
+        self._update_stages()
+        self._executor.submit(self._run_load, request_id, parsed, local, first_block, time.perf_counter())
+
+    def poll_loads(self) -> list[LoadResult]:
+        with self._lock:
+            out = list(self._results)
+            self._results.clear()
+        if out:
+            self._update_stages()
+        return out
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._heartbeats.join(timeout=5.0)
+        # Running loads finish within their deadlines; queued ones are dropped.
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def num_cached_remotes(self) -> int:
+        with self._lock:
+            return len(self._remotes)
+
+    # ---- one load ----------------------------------------------------------------------------------
+
+    def _run_load(
+        self, request_id: str, p: RemotePrefillParams, local: list[int], first_block: int, t0: float
+    ) -> None:
+        after: tuple[_Remote, str] | None = None  # a claim to release after reporting a failed READ
+        try:
+            result = self._load(request_id, p, local, first_block, t0)
+        except _LoadFailed as exc:
+            after = exc.release
+            self._metrics.record_failed_transfer()
+            result = LoadResult(request_id, False, str(exc), seconds=time.perf_counter() - t0)
+        except Exception as exc:
+            logger.exception("KV load of request %s failed unexpectedly", request_id)
+            self._metrics.record_failed_transfer()
+            result = LoadResult(
+                request_id, False, f"{type(exc).__name__}: {exc}", seconds=time.perf_counter() - t0
+            )
+        if not result.ok:
+            logger.warning("KV load of request %s failed: %s", request_id, result.error)
+        with self._lock:
+            self._inflight.discard(request_id)
+            self._results.append(result)
+        self._update_stages()
+        if after is not None:
+            # The producer can free its blocks early; the outcome does not depend on this call.
+            remote, token = after
+            self._release(remote, p.remote_request_id, token, timeout_s=_NOTIFY_TIMEOUT_S, best_effort=True)
+
+    def _load(
+        self, request_id: str, p: RemotePrefillParams, local: list[int], first_block: int, t0: float
+    ) -> LoadResult:
+        n = len(local)
+        if len(p.remote_block_ids) < n:
+            raise _LoadFailed(
+                f"producer holds {len(p.remote_block_ids)} blocks for request {p.remote_request_id}, {n} are needed"
+            )
+        if first_block >= n:
+            # Everything is in the local prefix cache: nothing to read, let the producer free at once.
+            self._abort_remote(p)
+            return LoadResult(request_id, True, seconds=time.perf_counter() - t0)
+
+        remote = self._remote_for(p)
+        remote, block_ids, token, timeout_s = self._claim(p, remote, n - first_block)
+        if tuple(block_ids) != p.remote_block_ids:
+            self._release(remote, p.remote_request_id, token, timeout_s=_NOTIFY_TIMEOUT_S, best_effort=True)
+            raise _LoadFailed(
+                f"producer's lease of {p.remote_request_id} covers other blocks than the params name"
+            )
+
+        try:
+            check_block_ids(block_ids[first_block:n], remote.pool.num_blocks, "remote")
+        except ValueError as exc:
+            self._release(remote, p.remote_request_id, token, timeout_s=_NOTIFY_TIMEOUT_S, best_effort=True)
+            raise _LoadFailed(str(exc)) from None
+        runs = coalesce_block_runs(local[first_block:n], block_ids[first_block:n])
+        local_descs, remote_descs = descriptor_arrays(runs, self._region, remote.pool)
+        nbytes = (n - first_block) * self._region.block_bytes
+        try:
+            stats = self._agent.read(
+                local_descs=local_descs,
+                local_mem=self._region.mem_type,
+                remote_descs=remote_descs,
+                remote_mem=remote.pool.mem_type,
+                remote_name=remote.agent_name,
+                notif=NOTIF_PREFIX + p.remote_request_id.encode(),
+                deadline=time.monotonic() + timeout_s,
+            )
+        except (TransferTimeout, TransferFailed) as exc:
+            # The peer is frozen or gone: disconnect it (cancels anything in flight) and re-handshake next time.
+            self._forget_remote(remote)
+            raise _LoadFailed(
+                f"KV READ from {remote.host}:{remote.port} failed: {exc}", release=(remote, token)
+            ) from None
+
+        held = self._release(remote, p.remote_request_id, token, timeout_s=self._config.transfer_timeout_s)
+        if not held:
+            raise _LoadFailed(
+                f"producer {remote.host}:{remote.port} did not hold the KV lease of {p.remote_request_id} "
+                "throughout the READ (it expired); the data was discarded"
+            )
+        self._metrics.record_transfer(
+            xfer_s=stats.xfer_s, post_s=stats.post_s, nbytes=nbytes, num_descriptors=len(runs)
+        )
+        return LoadResult(
+            request_id, True, bytes=nbytes, seconds=time.perf_counter() - t0, num_descriptors=len(runs)
+        )
+
+    def _claim(
+        self, p: RemotePrefillParams, remote: _Remote, num_blocks: int
+    ) -> tuple[_Remote, list[int], str, float]:
+        nbytes = num_blocks * self._region.block_bytes
+        # Big READs over a slow transport legitimately take longer than the base timeout.
+        timeout_s = self._config.transfer_timeout_s + nbytes / (self._config.transfer_min_gbps * 1e9)
+        for attempt in range(2):
+            try:
+                reply = side_channel.call(
+                    remote.host,
+                    remote.port,
+                    "claim",
+                    {
+                        "request_id": p.remote_request_id,
+                        "generation": remote.generation,
+                        "timeout_s": timeout_s,
+                    },
+                    self._config.transfer_timeout_s,
+                )
+                return remote, reply["block_ids"], reply["token"], timeout_s
+            except SideChannelRefused as exc:
+                if exc.reason == "stale_generation" and attempt == 0:
+                    # The producer restarted since we cached its metadata: handshake again, then retry.
+                    remote = self._remote_for(p, force=True)
+                    continue
+                raise _LoadFailed(f"claim of {p.remote_request_id} refused ({exc.reason}): {exc}") from None
+            except SideChannelError as exc:
+                raise _LoadFailed(f"claim of {p.remote_request_id} failed: {exc}") from None
+        raise AssertionError("unreachable")
+
+    def _release(
+        self,
+        remote: _Remote,
+        remote_request_id: str,
+        token: str,
+        *,
+        timeout_s: float,
+        best_effort: bool = False,
+    ) -> bool:
+        try:
+            reply = side_channel.call(
+                remote.host,
+                remote.port,
+                "release",
+                {"request_id": remote_request_id, "token": token},
+                timeout_s,
+            )
+            return bool(reply["held_throughout"])
+        except SideChannelError as exc:
+            self._metrics.record_failed_notification()
+            if best_effort:
+                logger.info("KV release of %s not delivered: %s", remote_request_id, exc)
+                return False
+            raise _LoadFailed(
+                f"could not confirm the KV lease of {remote_request_id} after the READ: {exc}"
+            ) from None
+
+    def _abort_remote(self, p: RemotePrefillParams) -> None:
+        try:
+            side_channel.call(
+                p.remote_host, p.remote_port, "abort", {"request_id": p.remote_request_id}, _NOTIFY_TIMEOUT_S
+            )
+        except SideChannelError as exc:
+            self._metrics.record_failed_notification()
+            logger.info("KV abort of %s not delivered: %s", p.remote_request_id, exc)
+
+    # ---- producers ---------------------------------------------------------------------------------
+
+    def _remote_for(self, p: RemotePrefillParams, *, force: bool = False) -> _Remote:
+        with self._lock:
+            lock = self._remote_locks.setdefault(p.remote_engine_id, threading.Lock())
+        with lock:
+            with self._lock:
+                cached = self._remotes.get(p.remote_engine_id)
+            if (
+                cached is not None
+                and not force
+                and (cached.host, cached.port) == p.address
+                and (p.generation is None or p.generation == cached.generation)
+            ):
+                return cached
+            remote = self._handshake(p)
+            with self._lock:
+                self._remotes[p.remote_engine_id] = remote
+            return remote
+
+    def _handshake(self, p: RemotePrefillParams) -> _Remote:
+        where = f"{p.remote_host}:{p.remote_port}"
+        try:
+            reply = side_channel.call(
+                p.remote_host,
+                p.remote_port,
+                "handshake",
+                {"engine_id": self._config.engine_id, "compat": self._compat},
+                self._config.handshake_timeout_s,
+            )
+        except SideChannelRefused as exc:
+            if exc.reason == "incompatible":
+                raise _LoadFailed(f"KV handshake with {where} refused: {exc}") from None
+            raise _LoadFailed(f"KV handshake with {where} refused ({exc.reason}): {exc}") from None
+        except SideChannelError as exc:
+            raise _LoadFailed(f"KV handshake with {where} failed: {exc}") from None
+        if reply["engine_id"] != p.remote_engine_id:
+            raise _LoadFailed(
+                f"side channel {where} belongs to engine {reply['engine_id']!r}, the params name {p.remote_engine_id!r}"
+            )
+        try:
+            check_compat(
+                self._compat, reply["compat"], peer=f"producer {where}", labels=("consumer", "producer")
+            )
+            pool = RemotePool.from_handshake(reply["pool"])
+        except (CompatibilityError, KeyError, TypeError, ValueError) as exc:
+            raise _LoadFailed(str(exc)) from None
+        if pool.block_bytes != self._region.block_bytes:
+            raise _LoadFailed(
+                f"producer {where} has {pool.block_bytes}-byte blocks, this pool {self._region.block_bytes}-byte blocks"
+            )
+        if p.generation is not None and reply["generation"] != p.generation:
+            raise _LoadFailed(
+                f"producer {where} restarted (generation {reply['generation']}) since it issued these params "
+                f"(generation {p.generation}); their KV is gone"
+            )
+        try:
+            name = self._agent.add_remote(reply["agent_metadata"], reply["agent_name"])
+        except KVTransferError as exc:
+            raise _LoadFailed(f"producer {where}: {exc}") from None
+        logger.info(
+            "KV handshake with %s done (engine %s, generation %d)",
+            where,
+            p.remote_engine_id,
+            reply["generation"],
+        )
+        return _Remote(p.remote_engine_id, name, reply["generation"], p.remote_host, p.remote_port, pool)
+
+    def _forget_remote(self, remote: _Remote) -> None:
+        with self._lock:
+            if self._remotes.get(remote.engine_id) == remote:
+                del self._remotes[remote.engine_id]
+        self._agent.remove_remote(remote.agent_name)
+
+    # ---- background --------------------------------------------------------------------------------
+
+    def _heartbeat_loop(self) -> None:
+        interval = self._config.heartbeat_interval_s
+        while not self._stop.wait(interval):
+            with self._lock:
+                by_producer: dict[tuple[str, int], list[str]] = {}
+                for p in self._waiting.values():
+                    by_producer.setdefault(p.address, []).append(p.remote_request_id)
+            for (host, port), rids in by_producer.items():
+                if self._stop.is_set():
+                    return
+                try:
+                    reply = side_channel.call(
+                        host, port, "heartbeat", {"request_ids": rids}, min(_NOTIFY_TIMEOUT_S, interval)
+                    )
+                    if reply["unknown"]:
+                        logger.info(
+                            "producer %s:%d no longer holds KV of %s", host, port, reply["unknown"][:8]
+                        )
+                except SideChannelError as exc:
+                    logger.info("KV heartbeat to %s:%d failed: %s", host, port, exc)
+            self._metrics.maybe_log()
+
+    def _update_stages(self) -> None:
+        with self._lock:
+            waiting, inflight, done = len(self._waiting), len(self._inflight), len(self._results)
+        self._metrics.set_fetch_stages(waiting_to_start=waiting, in_progress=inflight, completed_waiting=done)

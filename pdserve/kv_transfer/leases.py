@@ -1,0 +1,250 @@
+"""Producer-side lease table: which finished prefill requests still hold KV blocks, and until when.
+
+Life of a lease:
+
+    hold ──▶ HELD ──claim──▶ CLAIMED ──release──▶ freed (held_throughout=True)
+               │  ▲ heartbeat      │
+               │  └────────────────┘ (heartbeats only matter while HELD)
+               ├──abort──▶ freed (consumer gave up before reading)
+               └──expiry──▶ freed, counted        CLAIMED ──claim deadline──▶ freed, counted
+
+"Freed" means the request id is queued for the engine (`poll_released`), which then frees the blocks.
+Blocks are only ever freed through this table, so a release that finds its lease still CLAIMED proves the
+blocks were untouched for the whole read: that is the `held_throughout` answer the consumer relies on.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+logger = logging.getLogger("pdserve.kv_transfer")
+
+# How many recently expired request ids are remembered to tell "expired" from "unknown" and to count late
+# claims/releases/notifications once per request.
+_EXPIRED_MEMORY = 10_000
+
+
+class LeaseState(enum.Enum):
+    HELD = "held"
+    CLAIMED = "claimed"
+
+
+class ClaimRefused(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class Lease:
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    expires_at: float
+    state: LeaseState = LeaseState.HELD
+    claim_token: str | None = None
+    claim_deadline: float | None = None
+    read_notified: bool = False
+
+
+class LeaseTable:
+    """Thread-safe: the engine thread holds/polls, the side-channel and progress threads do the rest."""
+
+    def __init__(
+        self,
+        duration_s: float,
+        *,
+        claim_margin_s: float = 1.0,
+        max_claim_timeout_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_expired: Callable[[str], None] | None = None,
+        on_late: Callable[[str], None] | None = None,
+    ) -> None:
+        if duration_s <= 0:
+            raise ValueError("lease duration must be > 0")
+        self.duration_s = duration_s
+        self._claim_margin_s = claim_margin_s
+        self._max_claim_timeout_s = max_claim_timeout_s
+        self._clock = clock
+        self._on_expired = on_expired
+        self._on_late = on_late
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        # request id -> whether a late event was already counted for it.
+        self._expired: OrderedDict[str, bool] = OrderedDict()
+        self._released: list[str] = []
+        self._num_claimed = 0
+        self.num_expired = 0
+        self.num_after_expiry = 0
+
+    # ---- engine side -------------------------------------------------------------------------------
+
+    def hold(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> float:
+        """Start a lease; returns its expiry on this table's clock."""
+        with self._lock:
+            if request_id in self._leases:
+                raise ValueError(f"request {request_id!r} already holds a KV lease")
+            expires_at = self._clock() + self.duration_s
+            self._leases[request_id] = Lease(
+                request_id, tuple(int(b) for b in block_ids), num_tokens, expires_at
+            )
+            self._expired.pop(request_id, None)
+            return expires_at
+
+    def poll_released(self) -> list[str]:
+        with self._lock:
+            out, self._released = self._released, []
+            return out
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    @property
+    def num_claimed(self) -> int:
+        return self._num_claimed  # an int read is atomic; used by the progress loop without the lock
+
+    def get(self, request_id: str) -> Lease | None:
+        with self._lock:
+            return self._leases.get(request_id)
+
+    # ---- consumer side (via the side channel) ------------------------------------------------------
+
+    def heartbeat(self, request_ids: Iterable[str]) -> list[str]:
+        """Extend HELD leases to max(old, now + 2/3 duration); returns the ids this table does not hold."""
+        unknown = []
+        with self._lock:
+            now = self._clock()
+            for rid in request_ids:
+                lease = self._leases.get(rid)
+                if lease is None:
+                    unknown.append(rid)
+                elif lease.state is LeaseState.HELD:
+                    # vLLM extends by duration*2//3 (integer seconds); float keeps sub-second leases useful.
+                    lease.expires_at = max(lease.expires_at, now + self.duration_s * 2.0 / 3.0)
+        return unknown
+
+    def claim(self, request_id: str, timeout_s: float) -> tuple[tuple[int, ...], str]:
+        """HELD -> CLAIMED for one read of at most `timeout_s`; returns (block ids, release token)."""
+        with self._lock:
+            now = self._clock()
+            lease = self._leases.get(request_id)
+            if lease is not None and lease.state is LeaseState.HELD and lease.expires_at <= now:
+                # The reaper has not run yet, but the lease is over: never hand out expiring blocks.
+                self._free_expired_locked(lease)
+                lease = None
+            if lease is None:
+                if request_id in self._expired:
+                    self._count_late_locked(request_id, "claim")
+                    raise ClaimRefused(
+                        "expired", f"KV lease of request {request_id!r} expired before the claim"
+                    )
+                raise ClaimRefused(
+                    "unknown", f"no KV lease for request {request_id!r} (never held or already freed)"
+                )
+            if lease.state is LeaseState.CLAIMED:
+                raise ClaimRefused(
+                    "already_claimed", f"KV lease of request {request_id!r} is already claimed"
+                )
+            timeout_s = min(max(float(timeout_s), 0.0), self._max_claim_timeout_s)
+            lease.state = LeaseState.CLAIMED
+            lease.claim_token = secrets.token_hex(8)
+            lease.claim_deadline = now + timeout_s + self._claim_margin_s
+            self._num_claimed += 1
+            return lease.block_ids, lease.claim_token
+
+    def release(self, request_id: str, token: str) -> bool:
+        """End a claimed read; True iff the blocks stayed held from the claim until now."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                if request_id in self._expired:
+                    self._count_late_locked(request_id, "release")
+                return False
+            if lease.state is not LeaseState.CLAIMED or lease.claim_token != token:
+                # Not this caller's claim (e.g. a duplicate decode request): leave the lease alone.
+                logger.warning("KV release for request %s without its claim; ignored", request_id)
+                return False
+            self._free_locked(lease)
+            return True
+
+    def abort(self, request_id: str) -> bool:
+        """The consumer gave up before reading: free a HELD lease now. A CLAIMED one is left to its reader."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None or lease.state is not LeaseState.HELD:
+                return False
+            self._free_locked(lease)
+            return True
+
+    def note_read_notification(self, request_id: str) -> None:
+        """The NIXL notification of a finished READ arrived."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is not None:
+                lease.read_notified = True
+            elif request_id in self._expired:
+                self._count_late_locked(request_id, "read notification")
+
+    # ---- reaper ------------------------------------------------------------------------------------
+
+    def reap(self) -> list[str]:
+        """Free HELD leases past expiry and CLAIMED leases past their claim deadline."""
+        with self._lock:
+            now = self._clock()
+            over = [
+                lease
+                for lease in self._leases.values()
+                if (lease.state is LeaseState.HELD and lease.expires_at <= now)
+                or (
+                    lease.state is LeaseState.CLAIMED
+                    and lease.claim_deadline is not None
+                    and lease.claim_deadline <= now
+                )
+            ]
+            for lease in over:
+                self._free_expired_locked(lease)
+            return [lease.request_id for lease in over]
+
+    # ---- internals ---------------------------------------------------------------------------------
+
+    def _free_locked(self, lease: Lease) -> None:
+        del self._leases[lease.request_id]
+        if lease.state is LeaseState.CLAIMED:
+            self._num_claimed -= 1
+        self._released.append(lease.request_id)
+
+    def _free_expired_locked(self, lease: Lease) -> None:
+        was_claimed = lease.state is LeaseState.CLAIMED
+        self._free_locked(lease)
+        self._expired[lease.request_id] = False
+        while len(self._expired) > _EXPIRED_MEMORY:
+            self._expired.popitem(last=False)
+        self.num_expired += 1
+        logger.warning(
+            "Releasing expired KV blocks for request %s (%s)",
+            lease.request_id,
+            "claimed but never released in time" if was_claimed else "never claimed",
+        )
+        if self._on_expired is not None:
+            self._on_expired(lease.request_id)
+
+    def _count_late_locked(self, request_id: str, what: str) -> None:
+        if self._expired.get(request_id):
+            return
+        self._expired[request_id] = True
+        self.num_after_expiry += 1
+        logger.error(
+            "Late %s for request %s whose KV lease already expired; its blocks may have been reused",
+            what,
+            request_id,
+        )
+        if self._on_late is not None:
+            self._on_late(request_id)

@@ -1,0 +1,239 @@
+"""Transfer statistics: vLLM's periodic `KV Transfer metrics: ...` log line and its `vllm:nixl_*` metrics.
+
+Transfers are recorded by the side that initiates them (the consumer, in pull mode); lease expiries and late
+notifications by the producer. Prometheus objects live on the registry passed in, so several connectors in
+one process (tests) never collide on the global registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+logger = logging.getLogger("pdserve.kv_transfer")
+
+XFER_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+POST_TIME_BUCKETS = (0.001, *XFER_TIME_BUCKETS)
+BYTES_BUCKETS = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))
+DESCRIPTOR_BUCKETS = (10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000)
+FETCH_STAGES = ("waiting_to_start", "in_progress", "completed_waiting")
+
+
+@dataclass
+class _Interval:
+    xfer_s: list[float] = field(default_factory=list)
+    post_s: list[float] = field(default_factory=list)
+    nbytes: list[int] = field(default_factory=list)
+    descriptors: list[int] = field(default_factory=list)
+    failed_transfers: int = 0
+    failed_notifications: int = 0
+    kv_expired: int = 0
+    notifs_after_expiry: int = 0
+
+    def active(self) -> bool:
+        return bool(
+            self.xfer_s
+            or self.failed_transfers
+            or self.failed_notifications
+            or self.kv_expired
+            or self.notifs_after_expiry
+        )
+
+
+def format_log_line(iv: _Interval) -> str:
+    """vLLM's line: times in ms (3 decimals), MB = 2**20 bytes, descriptors to 1 decimal; 0 when no successes."""
+    n = len(iv.xfer_s)
+    if n:
+        xfer_ms = np.asarray(iv.xfer_s) * 1e3
+        post_ms = np.asarray(iv.post_s) * 1e3
+        total_mb = sum(iv.nbytes) / 2**20
+        total_s = sum(iv.xfer_s)
+        values = {
+            "Avg xfer time (ms)": round(float(xfer_ms.mean()), 3),
+            "P90 xfer time (ms)": round(float(np.percentile(xfer_ms, 90)), 3),
+            "Avg post time (ms)": round(float(post_ms.mean()), 3),
+            "P90 post time (ms)": round(float(np.percentile(post_ms, 90)), 3),
+            "Avg MB per transfer": round(total_mb / n, 3),
+            "Throughput (MB/s)": round(total_mb / total_s, 3) if total_s > 0 else 0,
+            "Avg number of descriptors": round(sum(iv.descriptors) / n, 1),
+        }
+    else:
+        values = dict.fromkeys(
+            (
+                "Avg xfer time (ms)",
+                "P90 xfer time (ms)",
+                "Avg post time (ms)",
+                "P90 post time (ms)",
+                "Avg MB per transfer",
+                "Throughput (MB/s)",
+                "Avg number of descriptors",
+            ),
+            0,
+        )
+    parts = {
+        "Num successful transfers": n,
+        **values,
+        "Num failed transfers": iv.failed_transfers + iv.failed_notifications,
+        "Num KV expired reqs": iv.kv_expired,
+        "Num notifs after expiry": iv.notifs_after_expiry,
+    }
+    return "KV Transfer metrics: " + ", ".join(f"{k}={v}" for k, v in parts.items())
+
+
+class TransferMetrics:
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        engine: str = "0",
+        registry: CollectorRegistry | None = None,
+        log_interval_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._clock = clock
+        self._log_interval_s = log_interval_s
+        self._next_log = clock() + log_interval_s
+        self._lock = threading.Lock()
+        self._interval = _Interval()
+        self.totals = {
+            "successful_transfers": 0,
+            "failed_transfers": 0,
+            "failed_notifications": 0,
+            "kv_expired_reqs": 0,
+            "notifications_after_expiry": 0,
+            "bytes": 0,
+        }
+        labels = ["model_name", "engine"]
+        values = (model_name, engine)
+        reg = self.registry
+        self._xfer = Histogram(
+            "vllm:nixl_xfer_time_seconds",
+            "Histogram of transfer duration for NIXL KV Cache transfers.",
+            labels,
+            buckets=XFER_TIME_BUCKETS,
+            registry=reg,
+        ).labels(*values)
+        self._post = Histogram(
+            "vllm:nixl_post_time_seconds",
+            "Histogram of transfer post time for NIXL KV Cache transfers.",
+            labels,
+            buckets=POST_TIME_BUCKETS,
+            registry=reg,
+        ).labels(*values)
+        self._bytes = Histogram(
+            "vllm:nixl_bytes_transferred",
+            "Histogram of bytes transferred per NIXL KV Cache transfers.",
+            labels,
+            buckets=BYTES_BUCKETS,
+            registry=reg,
+        ).labels(*values)
+        self._descs = Histogram(
+            "vllm:nixl_num_descriptors",
+            "Histogram of number of descriptors per NIXL KV Cache transfers.",
+            labels,
+            buckets=DESCRIPTOR_BUCKETS,
+            registry=reg,
+        ).labels(*values)
+        self._failed = Counter(
+            "vllm:nixl_num_failed_transfers",
+            "Number of failed NIXL KV Cache transfers.",
+            labels,
+            registry=reg,
+        ).labels(*values)
+        self._failed_notifs = Counter(
+            "vllm:nixl_num_failed_notifications",
+            "Number of failed NIXL KV Cache notifications.",
+            labels,
+            registry=reg,
+        ).labels(*values)
+        self._expired = Counter(
+            "vllm:nixl_num_kv_expired_reqs",
+            "Number of requests that had their KV expire. NOTE: This metric is tracked on the P instance.",
+            labels,
+            registry=reg,
+        ).labels(*values)
+        self._after_expiry = Counter(
+            "vllm:nixl_num_notifications_after_expiry",
+            "Number of notifications that arrived after their KV lease expired (tracked on the P instance).",
+            labels,
+            registry=reg,
+        ).labels(*values)
+        stages = Gauge(
+            "vllm:num_requests_kv_fetch_by_stage",
+            "Decode requests fetching remote KV, by stage.",
+            [*labels, "stage"],
+            registry=reg,
+        )
+        self._stages = {stage: stages.labels(*values, stage) for stage in FETCH_STAGES}
+
+    # ---- recording ---------------------------------------------------------------------------------
+
+    def record_transfer(self, *, xfer_s: float, post_s: float, nbytes: int, num_descriptors: int) -> None:
+        self._xfer.observe(xfer_s)
+        self._post.observe(post_s)
+        self._bytes.observe(nbytes)
+        self._descs.observe(num_descriptors)
+        with self._lock:
+            iv = self._interval
+            iv.xfer_s.append(xfer_s)
+            iv.post_s.append(post_s)
+            iv.nbytes.append(nbytes)
+            iv.descriptors.append(num_descriptors)
+            self.totals["successful_transfers"] += 1
+            self.totals["bytes"] += nbytes
+
+    def record_failed_transfer(self) -> None:
+        self._failed.inc()
+        with self._lock:
+            self._interval.failed_transfers += 1
+            self.totals["failed_transfers"] += 1
+
+    def record_failed_notification(self) -> None:
+        self._failed_notifs.inc()
+        with self._lock:
+            self._interval.failed_notifications += 1
+            self.totals["failed_notifications"] += 1
+
+    def record_kv_expired(self) -> None:
+        self._expired.inc()
+        with self._lock:
+            self._interval.kv_expired += 1
+            self.totals["kv_expired_reqs"] += 1
+
+    def record_notification_after_expiry(self) -> None:
+        self._after_expiry.inc()
+        with self._lock:
+            self._interval.notifs_after_expiry += 1
+            self.totals["notifications_after_expiry"] += 1
+
+    def set_fetch_stages(self, *, waiting_to_start: int, in_progress: int, completed_waiting: int) -> None:
+        self._stages["waiting_to_start"].set(waiting_to_start)
+        self._stages["in_progress"].set(in_progress)
+        self._stages["completed_waiting"].set(completed_waiting)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.totals)
+
+    # ---- periodic log ------------------------------------------------------------------------------
+
+    def maybe_log(self) -> str | None:
+        """Emit (and return) the log line if the interval is over and anything happened in it."""
+        now = self._clock()
+        with self._lock:
+            if now < self._next_log:
+                return None
+            self._next_log = now + self._log_interval_s
+            iv, self._interval = self._interval, _Interval()
+        if not iv.active():
+            return None
+        line = format_log_line(iv)
+        logger.info("%s", line)
+        return line

@@ -1,0 +1,236 @@
+"""A thin wrapper over the NIXL Python agent: import, environment, registration, READ with a deadline.
+
+NIXL facts this relies on (measured, see the project's NIXL notes):
+- `import nixl` (the meta package) imports torch just to pick a CUDA build; importing `nixl_cu13` /
+  `nixl_cu12` directly does not.
+- The UCX progress thread busy-polls most of a core, so it is off; the producer drives progress itself.
+- Errors arrive as exceptions from `transfer`/`check_xfer_state` (e.g. nixlRemoteDisconnectError); a frozen
+  peer never completes and never errors, hence the deadline on every wait.
+- On cma `transfer()` does the whole copy synchronously (and releases the GIL): callers run it off the
+  engine thread.
+- A peer that restarted under the same agent name must be removed before its new metadata is added.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from pdserve.kv_transfer.errors import NixlUnavailableError, TransferFailed, TransferTimeout
+from pdserve.kv_transfer.pool import PoolRegion
+
+logger = logging.getLogger("pdserve.kv_transfer")
+
+_NIXL_MODULES = ("nixl_cu13", "nixl_cu12", "nixl")
+_nixl: ModuleType | None = None
+_import_lock = threading.Lock()
+
+
+def apply_env_defaults(*, loopback: bool, gpu: bool) -> None:
+    """Environment defaults for UCX; never overrides what the user set. Must run before the agent is created."""
+    if gpu:
+        # Without it UCX disables CUDA-IPC get when no NVLink is detected and READs silently fall back to TCP.
+        # Only for GPU pools: on a CPU-only host UCX warns about it as an unused variable.
+        os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+    if loopback:
+        # Keeps UCX's TCP on loopback when everything is on one host; cross-host setups must not get this.
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+def load_nixl() -> ModuleType:
+    """The NIXL API module (`nixl_agent`, `nixl_agent_config`, `nixl_thread_sync_t`)."""
+    global _nixl
+    with _import_lock:
+        if _nixl is not None:
+            return _nixl
+        # NIXL configures its logger at import time; its INFO lines go to stdout otherwise.
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        errors = []
+        for name in _NIXL_MODULES:
+            try:
+                module = importlib.import_module(name)
+            except ImportError as exc:
+                errors.append(f"{name}: {exc}")
+                continue
+            if hasattr(module, "nixl_agent"):
+                _nixl = module
+                return module
+            errors.append(f"{name}: no nixl_agent")
+        raise NixlUnavailableError(
+            "NIXL is not importable, so KV transfer is unavailable. Install it with "
+            "`pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1` (or nixl-cu13). Tried: " + "; ".join(errors)
+        )
+
+
+def nixl_error_name(exc: BaseException) -> str:
+    return type(exc).__name__
+
+
+@dataclass(frozen=True)
+class ReadStats:
+    post_s: float  # duration of the transfer() call (the whole copy on cma)
+    xfer_s: float  # from posting to completion
+
+
+class NixlAgent:
+    """One agent per engine; thread-safe (NIXL strict sync mode) so producer and consumer threads share it."""
+
+    def __init__(
+        self, name: str, backends: tuple[str, ...], backend_params: dict[str, dict[str, str]] | None = None
+    ) -> None:
+        nixl = load_nixl()
+        self.name = name
+        config = nixl.nixl_agent_config(
+            enable_prog_thread=False,
+            backends=[],  # created below, because nixl_agent_config cannot pass backend parameters
+            sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
+        self._agent = nixl.nixl_agent(name, config)
+        for backend in backends:
+            params = dict((backend_params or {}).get(backend, {}))
+            try:
+                self._agent.create_backend(backend, params)
+            except Exception as exc:
+                hint = ""
+                if backend == "UCX" and "UCX_TLS" in os.environ:
+                    hint = (
+                        f" (UCX_TLS={os.environ['UCX_TLS']!r}; transports without peer error handling such as "
+                        "self,sm need backend_params {'UCX': {'ucx_error_handling_mode': 'none'}})"
+                    )
+                raise RuntimeError(
+                    f"cannot create NIXL backend {backend}: {nixl_error_name(exc)}: {exc}{hint}"
+                ) from exc
+        self._reg: Any = None
+        self._remotes: set[str] = set()
+        self._lock = threading.Lock()
+
+    # ---- registration ------------------------------------------------------------------------------
+
+    def register(self, region: PoolRegion) -> None:
+        """Register the whole pool once; fetch metadata only afterwards (it describes registered memory)."""
+        self._reg = self._agent.register_memory(
+            [(region.base_addr, region.length, region.device_id, "")], region.mem_type
+        )
+
+    def metadata(self) -> bytes:
+        return self._agent.get_agent_metadata()
+
+    # ---- remote agents ------------------------------------------------------------------------------
+
+    def add_remote(self, metadata: bytes, expected_name: str) -> str:
+        """Load a peer's metadata, replacing whatever an earlier incarnation of the same name left."""
+        with self._lock:
+            if expected_name in self._remotes:
+                self._remove_locked(expected_name)
+            try:
+                name = self._agent.add_remote_agent(metadata)
+            except Exception as exc:
+                raise TransferFailed(
+                    f"loading metadata of NIXL agent {expected_name!r}: {nixl_error_name(exc)}: {exc}"
+                ) from exc
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            self._remotes.add(name)
+            if name != expected_name:
+                self._remove_locked(name)
+                raise TransferFailed(
+                    f"producer announced agent {expected_name!r} but its metadata names {name!r}"
+                )
+            return name
+
+    def remove_remote(self, name: str) -> None:
+        with self._lock:
+            self._remove_locked(name)
+
+    def _remove_locked(self, name: str) -> None:
+        self._remotes.discard(name)
+        try:
+            # Also disconnects the endpoint, which cancels anything still in flight to that peer.
+            self._agent.remove_remote_agent(name)
+        except Exception as exc:
+            logger.debug("remove_remote_agent(%s) failed: %s", name, exc)
+
+    # ---- transfers ---------------------------------------------------------------------------------
+
+    def read(
+        self,
+        *,
+        local_descs: np.ndarray,
+        local_mem: str,
+        remote_descs: np.ndarray,
+        remote_mem: str,
+        remote_name: str,
+        notif: bytes,
+        deadline: float,
+    ) -> ReadStats:
+        """READ remote -> local and wait until done; raises TransferTimeout/TransferFailed.
+
+        On any failure the handle is released before returning, so nothing writes into local blocks after the
+        caller hands them back (after a timeout the caller also removes the remote agent, which disconnects).
+        """
+        agent = self._agent
+        try:
+            handle = agent.initialize_xfer(
+                "READ",
+                agent.get_xfer_descs(local_descs, local_mem),
+                agent.get_xfer_descs(remote_descs, remote_mem),
+                remote_name,
+                notif,
+            )
+        except Exception as exc:
+            raise TransferFailed(f"NIXL could not prepare the READ: {nixl_error_name(exc)}: {exc}") from exc
+        t0 = time.perf_counter()
+        try:
+            state = agent.transfer(handle)
+            post_s = time.perf_counter() - t0
+            while state == "PROC":
+                now = time.monotonic()
+                if now >= deadline:
+                    raise TransferTimeout(
+                        f"NIXL READ from {remote_name!r} not complete after {time.perf_counter() - t0:.2f}s"
+                    )
+                # Spin for the first few ms (TCP transports need the initiator to progress), then back off.
+                time.sleep(0 if time.perf_counter() - t0 < 0.005 else 0.00005)
+                state = agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransferFailed(f"NIXL READ from {remote_name!r} ended in state {state}")
+            xfer_s = time.perf_counter() - t0
+        except (TransferTimeout, TransferFailed):
+            self._release_handle(handle)
+            raise
+        except Exception as exc:
+            self._release_handle(handle)
+            raise TransferFailed(
+                f"NIXL READ from {remote_name!r} failed: {nixl_error_name(exc)}: {exc}"
+            ) from exc
+        self._release_handle(handle)
+        return ReadStats(post_s=post_s, xfer_s=xfer_s)
+
+    @staticmethod
+    def _release_handle(handle: Any) -> None:
+        try:
+            handle.release()
+        except Exception as exc:
+            logger.debug("releasing a NIXL transfer handle failed: %s", exc)
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        """New notifications by sender; calling it is also what progresses this agent as a READ target."""
+        return self._agent.get_new_notifs()
+
+    def close(self) -> None:
+        with self._lock:
+            for name in list(self._remotes):
+                self._remove_locked(name)
+        if self._reg is not None:
+            try:
+                self._agent.deregister_memory(self._reg)
+            except Exception as exc:
+                logger.debug("deregister_memory failed: %s", exc)
+            self._reg = None

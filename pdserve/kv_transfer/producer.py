@@ -1,0 +1,177 @@
+"""Producer (prefill) side: leases over finished requests' blocks, the side-channel handlers, NIXL progress.
+
+Threads:
+- side channel server: answers handshake/claim/release/abort/heartbeat from the lease table;
+- progress: calls `get_new_notifs()` on the agent. With the UCX progress thread off, nobody else answers the
+  consumer's connection setup or (on TCP) serves its READ, so this loop polls every ~50 us while a claim is
+  outstanding or a handshake just happened, and sleeps 5 ms between polls when idle (never spins a core idle).
+  It also runs the lease reaper and the periodic metrics log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pdserve.kv_transfer.compat import compat_differences
+from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.kv_transfer.errors import SideChannelRefused
+from pdserve.kv_transfer.leases import ClaimRefused, LeaseTable
+from pdserve.kv_transfer.metrics import TransferMetrics
+from pdserve.kv_transfer.nixl_agent import NixlAgent
+from pdserve.kv_transfer.params import build_producer_params
+from pdserve.kv_transfer.pool import PoolRegion
+from pdserve.kv_transfer.side_channel import SideChannelServer
+
+logger = logging.getLogger("pdserve.kv_transfer")
+
+NOTIF_PREFIX = b"pdserve:"
+_FAST_POLL_S = 0.00005
+_IDLE_POLL_S = 0.005
+_REAP_EVERY_S = 0.05
+# After a handshake the consumer connects and posts its first READ; keep polling fast meanwhile.
+_HANDSHAKE_BOOST_S = 2.0
+
+
+class KVProducer:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        *,
+        server: SideChannelServer,
+        agent: NixlAgent,
+        region: PoolRegion,
+        compat: Mapping[str, Any],
+        metrics: TransferMetrics,
+    ) -> None:
+        self._config = config
+        self._server = server
+        self._agent = agent
+        self._region = region
+        self._compat = dict(compat)
+        self._metrics = metrics
+        # Unique per incarnation (ms since the epoch): a consumer that cached an older incarnation's metadata
+        # must re-handshake, and its claims with the old generation are refused.
+        self.generation = time.time_ns() // 1_000_000
+        self.leases = LeaseTable(
+            config.kv_lease_duration,
+            on_expired=lambda _rid: metrics.record_kv_expired(),
+            on_late=lambda _rid: metrics.record_notification_after_expiry(),
+        )
+        self.num_refused_handshakes = 0
+        self._agent_metadata = agent.metadata()
+        self._boost_until = 0.0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._progress = threading.Thread(target=self._progress_loop, name="pdserve-kv-progress", daemon=True)
+        self._progress.start()
+        server.set_handler(self._handle)
+
+    # ---- engine API --------------------------------------------------------------------------------
+
+    def hold(
+        self, request_id: str, block_ids: Sequence[int], num_tokens: int, num_cached_tokens: int
+    ) -> dict[str, Any]:
+        bad = [b for b in block_ids if not 0 <= int(b) < self._region.num_blocks]
+        if bad:
+            raise ValueError(
+                f"block ids out of range for a pool of {self._region.num_blocks} blocks: {bad[:8]}"
+            )
+        self.leases.hold(request_id, block_ids, num_tokens)
+        return build_producer_params(
+            request_id=request_id,
+            block_ids=block_ids,
+            num_tokens=num_tokens,
+            num_cached_tokens=num_cached_tokens,
+            engine_id=self._config.engine_id,
+            host=self._config.side_channel_host,
+            port=self._server.port,
+            generation=self.generation,
+            lease_duration_s=self._config.kv_lease_duration,
+        )
+
+    def poll_released(self) -> list[str]:
+        return self.leases.poll_released()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._progress.join(timeout=5.0)
+
+    # ---- side channel ------------------------------------------------------------------------------
+
+    def _handle(self, op: str, msg: dict[str, Any]) -> dict[str, Any]:
+        if op == "handshake":
+            return self._handshake(msg)
+        rid = msg.get("request_id")
+        if op == "claim":
+            if msg["generation"] != self.generation:
+                raise SideChannelRefused(
+                    "stale_generation",
+                    f"claim for generation {msg['generation']}, this producer is generation {self.generation}",
+                )
+            try:
+                block_ids, token = self.leases.claim(rid, msg["timeout_s"])
+            except ClaimRefused as exc:
+                raise SideChannelRefused(exc.reason, str(exc)) from None
+            self._wake.set()  # switch the progress loop to fast polling now
+            return {"block_ids": list(block_ids), "token": token}
+        if op == "release":
+            return {"held_throughout": self.leases.release(rid, msg["token"])}
+        if op == "abort":
+            return {"freed": self.leases.abort(rid)}
+        if op == "heartbeat":
+            return {"unknown": self.leases.heartbeat(msg["request_ids"])}
+        raise SideChannelRefused("bad_request", f"unsupported op {op!r}")
+
+    def _handshake(self, msg: dict[str, Any]) -> dict[str, Any]:
+        diffs = compat_differences(self._compat, msg["compat"], ("producer", "consumer"))
+        if diffs:
+            self.num_refused_handshakes += 1
+            text = "; ".join(diffs)
+            logger.error("Refusing KV handshake from consumer %s: incompatible (%s)", msg["engine_id"], text)
+            raise SideChannelRefused("incompatible", f"incompatible KV layout/model: {text}")
+        self._boost_until = time.monotonic() + _HANDSHAKE_BOOST_S
+        self._wake.set()
+        return {
+            "engine_id": self._config.engine_id,
+            "agent_name": self._agent.name,
+            "agent_metadata": self._agent_metadata,
+            "generation": self.generation,
+            "compat": self._compat,
+            "pool": self._region.describe(),
+            "lease_duration_s": self._config.kv_lease_duration,
+        }
+
+    # ---- progress ----------------------------------------------------------------------------------
+
+    def _progress_loop(self) -> None:
+        next_reap = 0.0
+        while not self._stop.is_set():
+            try:
+                notifs = self._agent.get_notifs()
+            except Exception:
+                logger.exception("NIXL notification polling failed")
+                notifs = {}
+            for messages in notifs.values():
+                for message in messages:
+                    self._on_notif(message)
+            now = time.monotonic()
+            if now >= next_reap:
+                next_reap = now + _REAP_EVERY_S
+                self.leases.reap()
+                self._metrics.maybe_log()
+            if self.leases.num_claimed > 0 or now < self._boost_until:
+                time.sleep(_FAST_POLL_S)
+            else:
+                self._wake.wait(_IDLE_POLL_S)
+                self._wake.clear()
+
+    def _on_notif(self, message: bytes) -> None:
+        if not message.startswith(NOTIF_PREFIX):
+            logger.debug("ignoring foreign NIXL notification %r", message[:64])
+            return
+        self.leases.note_read_notification(message[len(NOTIF_PREFIX) :].decode("utf-8", "replace"))
