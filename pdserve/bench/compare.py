@@ -119,7 +119,9 @@ class Comparison:
         if rate not in self._workloads:
             requests = build_requests(spec, target.tokenizer)
             if spec.dataset_name in ("random", "prefix") and not spec.no_align_prompts:
-                requests = await align_prompts(target.root_url, target.model_id, requests)
+                requests = await align_prompts(
+                    target.root_url, target.model_name or target.model_id, requests
+                )
             self._workloads[rate] = requests
         return self._workloads[rate]
 

@@ -125,15 +125,19 @@ def build_requests(spec: BenchSpec, tokenizer: Any | None) -> list[SampleRequest
     return requests
 
 
-async def align_prompts(root_url: str, model_id: str, requests: list[SampleRequest]) -> list[SampleRequest]:
-    """Trim prompts the server tokenises longer than intended, via its /tokenize and /detokenize (vLLM)."""
+async def align_prompts(root_url: str, model: str, requests: list[SampleRequest]) -> list[SampleRequest]:
+    """Trim prompts the server tokenises longer than intended, via its /tokenize and /detokenize (vLLM).
+
+    `model` is the name the server serves (vLLM sends its model id, which a server rejects when the two
+    differ; the served name is what the request bodies carry too).
+    """
     if not requests:
         return requests
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         sem = asyncio.Semaphore(64)
 
         async def tokenize(prompt: str) -> list[int]:
-            body = {"model": model_id, "prompt": prompt, "add_special_tokens": False}
+            body = {"model": model, "prompt": prompt, "add_special_tokens": False}
             async with sem, session.post(f"{root_url}/tokenize", json=body) as r:
                 r.raise_for_status()
                 return list((await r.json())["tokens"])
@@ -141,7 +145,7 @@ async def align_prompts(root_url: str, model_id: str, requests: list[SampleReque
         async def detokenize(tokens: list[int]) -> str:
             async with (
                 sem,
-                session.post(f"{root_url}/detokenize", json={"model": model_id, "tokens": tokens}) as r,
+                session.post(f"{root_url}/detokenize", json={"model": model, "tokens": tokens}) as r,
             ):
                 r.raise_for_status()
                 return str((await r.json())["prompt"])
@@ -332,7 +336,7 @@ async def run_serve(spec: BenchSpec) -> dict[str, Any]:
     target = await resolve_target(spec, needs_tokenizer(spec))
     requests = build_requests(spec, target.tokenizer)
     if spec.dataset_name in ("random", "prefix") and not spec.no_align_prompts:
-        requests = await align_prompts(target.root_url, target.model_id, requests)
+        requests = await align_prompts(target.root_url, target.model_name or target.model_id, requests)
     if spec.temperature is None:
         print(
             "WARNING: no temperature is sent (the server's default applies); pass --temperature 0 for greedy."
