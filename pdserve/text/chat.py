@@ -36,13 +36,15 @@ def detect_content_format(template: str | None) -> ContentFormat:
     except Exception:  # noqa: BLE001 - a template jinja cannot parse fails later with a clear error
         return "string"
 
+    def is_content(sub: nodes.Node) -> bool:
+        if isinstance(sub, nodes.Getattr):
+            return sub.attr == "content"
+        if isinstance(sub, nodes.Getitem):
+            return isinstance(sub.arg, nodes.Const) and sub.arg.value == "content"
+        return isinstance(sub, nodes.Name) and sub.name == "content"
+
     def names_content(node: nodes.Node) -> bool:
-        for sub in node.find_all((nodes.Getitem, nodes.Getattr)):
-            if isinstance(sub, nodes.Getattr) and sub.attr == "content":
-                return True
-            if isinstance(sub, nodes.Getitem) and isinstance(sub.arg, nodes.Const) and sub.arg.value == "content":
-                return True
-        return isinstance(node, nodes.Name) and node.name == "content"
+        return is_content(node) or any(is_content(s) for s in node.find_all((nodes.Getitem, nodes.Getattr)))
 
     for loop in ast.find_all(nodes.For):
         if names_content(loop.iter):

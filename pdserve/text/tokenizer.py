@@ -129,7 +129,7 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def decode_window(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str:
