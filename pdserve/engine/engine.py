@@ -108,7 +108,10 @@ class LLMEngine:
             if self.connector is None:
                 req.remote_prefill_pending = False  # no connector configured: plain local prefill, as vLLM
             else:
-                self.connector.validate(kv_transfer_params)  # raises ParamError subclasses
+                try:
+                    self.connector.validate(kv_transfer_params)
+                except ValueError as e:
+                    raise ParamError(f"invalid kv_transfer_params: {e}", "kv_transfer_params") from e
                 self.connector.add_waiting(request_id, kv_transfer_params)
         if req.hold_for_remote_decode and self.connector is None:
             req.hold_for_remote_decode = False
@@ -125,7 +128,7 @@ class LLMEngine:
             req.finish_reason = "abort"
             return None
         if req.remote_prefill_pending and self.connector is not None:
-            self.connector.remove_waiting(request_id, release=True)
+            self.connector.remove_waiting(request_id)  # the producer frees its lease early
         self.scheduler.remove(req)
         req.finish_reason = "abort"
         return self._finish(req, hold=False)
@@ -204,7 +207,6 @@ class LLMEngine:
     def _start_load(self, req: Request, outputs: list[RequestOutput]) -> None:
         assert self.connector is not None
         first_block = req.num_computed_tokens // self.config.block_size
-        self.connector.remove_waiting(req.request_id, release=False)
         try:
             self.connector.start_load(req.request_id, req.kv_transfer_params, list(req.block_ids), first_block)
         except Exception as e:  # noqa: BLE001 - any connector failure goes through the failure policy
