@@ -405,6 +405,9 @@ def test_compatibility_mismatch_fails_on_both_sides(peers: Peers, pair: tuple[Pe
         assert not result["ok"]
         assert field in result["error"] and "incompatible" in result["error"], result["error"]
         assert producer.call("metrics")["refused_handshakes"] == 1
+        # The consumer told the (reachable) producer to free the lease instead of letting it expire.
+        assert producer.call("wait_released", "cmp", 10.0)
+        assert producer.call("metrics")["kv_expired_reqs"] == 0
         producer.stop()
 
 

@@ -58,6 +58,7 @@ class LoadResult:
     bytes: int = 0
     seconds: float = 0.0  # the whole load: handshake (if any), claim, READ, release
     num_descriptors: int = 0
+    xfer_seconds: float = 0.0  # the NIXL READ alone (post to completion)
 
 
 @dataclass(frozen=True)
@@ -73,12 +74,16 @@ class _Remote:
 class _LoadFailed(Exception):
     """A load failure with its message for the engine/user.
 
-    `release` names a claim still to be released (best effort) once the failure has been reported.
+    After the failure has been reported, best effort: `release` names a claim still to be released, `abort`
+    says the producer is reachable and should free the (unclaimed) lease now instead of at its expiry.
     """
 
-    def __init__(self, message: str, *, release: tuple[_Remote, str] | None = None) -> None:
+    def __init__(
+        self, message: str, *, release: tuple[_Remote, str] | None = None, abort: bool = False
+    ) -> None:
         super().__init__(message)
         self.release = release
+        self.abort = abort
 
 
 class KVConsumer:
@@ -174,10 +179,11 @@ class KVConsumer:
         self, request_id: str, p: RemotePrefillParams, local: list[int], first_block: int, t0: float
     ) -> None:
         after: tuple[_Remote, str] | None = None  # a claim to release after reporting a failed READ
+        abort = False
         try:
             result = self._load(request_id, p, local, first_block, t0)
         except _LoadFailed as exc:
-            after = exc.release
+            after, abort = exc.release, exc.abort
             self._metrics.record_failed_transfer()
             result = LoadResult(request_id, False, str(exc), seconds=time.perf_counter() - t0)
         except Exception as exc:
@@ -196,6 +202,8 @@ class KVConsumer:
             # The producer can free its blocks early; the outcome does not depend on this call.
             remote, token = after
             self._release(remote, p.remote_request_id, token, timeout_s=_NOTIFY_TIMEOUT_S, best_effort=True)
+        elif abort:
+            self._abort_remote(p)
 
     def _load(
         self, request_id: str, p: RemotePrefillParams, local: list[int], first_block: int, t0: float
@@ -203,7 +211,8 @@ class KVConsumer:
         n = len(local)
         if len(p.remote_block_ids) < n:
             raise _LoadFailed(
-                f"producer holds {len(p.remote_block_ids)} blocks for request {p.remote_request_id}, {n} are needed"
+                f"producer holds {len(p.remote_block_ids)} blocks for request {p.remote_request_id}, {n} are needed",
+                abort=True,
             )
         if first_block >= n:
             # Everything is in the local prefix cache: nothing to read, let the producer free at once.
@@ -253,7 +262,12 @@ class KVConsumer:
             xfer_s=stats.xfer_s, post_s=stats.post_s, nbytes=nbytes, num_descriptors=len(runs)
         )
         return LoadResult(
-            request_id, True, bytes=nbytes, seconds=time.perf_counter() - t0, num_descriptors=len(runs)
+            request_id,
+            True,
+            bytes=nbytes,
+            seconds=time.perf_counter() - t0,
+            num_descriptors=len(runs),
+            xfer_seconds=stats.xfer_s,
         )
 
     def _claim(
@@ -354,13 +368,14 @@ class KVConsumer:
             )
         except SideChannelRefused as exc:
             if exc.reason == "incompatible":
-                raise _LoadFailed(f"KV handshake with {where} refused: {exc}") from None
+                raise _LoadFailed(f"KV handshake with {where} refused: {exc}", abort=True) from None
             raise _LoadFailed(f"KV handshake with {where} refused ({exc.reason}): {exc}") from None
         except SideChannelError as exc:
             raise _LoadFailed(f"KV handshake with {where} failed: {exc}") from None
         if reply["engine_id"] != p.remote_engine_id:
             raise _LoadFailed(
-                f"side channel {where} belongs to engine {reply['engine_id']!r}, the params name {p.remote_engine_id!r}"
+                f"side channel {where} belongs to engine {reply['engine_id']!r}, the params name {p.remote_engine_id!r}",
+                abort=True,
             )
         try:
             check_compat(
@@ -368,10 +383,11 @@ class KVConsumer:
             )
             pool = RemotePool.from_handshake(reply["pool"])
         except (CompatibilityError, KeyError, TypeError, ValueError) as exc:
-            raise _LoadFailed(str(exc)) from None
+            raise _LoadFailed(str(exc), abort=True) from None
         if pool.block_bytes != self._region.block_bytes:
             raise _LoadFailed(
-                f"producer {where} has {pool.block_bytes}-byte blocks, this pool {self._region.block_bytes}-byte blocks"
+                f"producer {where} has {pool.block_bytes}-byte blocks, this pool {self._region.block_bytes}-byte blocks",
+                abort=True,
             )
         if p.generation is not None and reply["generation"] != p.generation:
             raise _LoadFailed(
@@ -381,7 +397,7 @@ class KVConsumer:
         try:
             name = self._agent.add_remote(reply["agent_metadata"], reply["agent_name"])
         except KVTransferError as exc:
-            raise _LoadFailed(f"producer {where}: {exc}") from None
+            raise _LoadFailed(f"producer {where}: {exc}", abort=True) from None
         logger.info(
             "KV handshake with %s done (engine %s, generation %d)",
             where,
@@ -400,7 +416,13 @@ class KVConsumer:
 
     def _heartbeat_loop(self) -> None:
         interval = self._config.heartbeat_interval_s
-        while not self._stop.wait(interval):
+        tick = min(interval, 0.5)  # also drives the periodic log line, whatever the lease length
+        next_beat = time.monotonic() + interval
+        while not self._stop.wait(tick):
+            self._metrics.maybe_log()
+            if time.monotonic() < next_beat:
+                continue
+            next_beat = time.monotonic() + interval
             with self._lock:
                 by_producer: dict[tuple[str, int], list[str]] = {}
                 for p in self._waiting.values():
@@ -418,7 +440,6 @@ class KVConsumer:
                         )
                 except SideChannelError as exc:
                     logger.info("KV heartbeat to %s:%d failed: %s", host, port, exc)
-            self._metrics.maybe_log()
 
     def _update_stages(self) -> None:
         with self._lock:

@@ -1,0 +1,234 @@
+"""NIXL KV READ throughput of a prompt's blocks between two processes vs a raw copy, measured in one run.
+
+The pool is Llama-3.1-8B shaped by default: 32 layers x 2 (K,V) x 8 kv heads x 128 dims x bf16 =
+128 KiB per token, 2 MiB per 16-token block, 1 GiB for an 8k-token prompt. A producer process holds the
+prompt's blocks (KVConnector, kv_producer); this process loads them as a consumer, exactly as the engine
+does (claim, READ, release-with-verify), and reports:
+
+- NIXL READ GB/s (post to completion) and end-to-end load GB/s (claim + READ + release), medians;
+- the raw copy of the same bytes: on CPU a torch copy in this process, on GPU a device-to-device copy;
+- their ratio.
+
+    python benchmarks/bench_kv_transfer.py --tokens 8192 --device cuda     # H200
+    python benchmarks/bench_kv_transfer.py --tokens 1024 --device cpu      # CI-class CPU box
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import signal
+import statistics
+import sys
+import time
+import uuid
+from typing import Any
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _pool(args: argparse.Namespace, num_blocks: int, device: str, seed: int) -> Any:
+    import torch
+
+    shape = (num_blocks, args.layers, 2, args.block_size, args.kv_heads, args.head_dim)
+    pool = torch.empty(shape, dtype=getattr(torch, DTYPES[args.dtype]), device=device)
+    pool.normal_(generator=torch.Generator(device=device).manual_seed(seed))
+    return pool
+
+
+def _connector(args: argparse.Namespace, role: str, pool: Any, port: int) -> Any:
+    from pdserve.kv_transfer import KVConnector, KVTransferConfig, make_compat
+
+    compat = make_compat(
+        model="bench-llama-3.1-8b-shape",
+        dtype=str(pool.dtype),
+        block_size=args.block_size,
+        num_layers=args.layers,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+    )
+    config = KVTransferConfig.from_json(
+        {
+            "kv_connector": "NixlConnector",
+            "kv_role": role,
+            "engine_id": f"bench-{role}-{uuid.uuid4().hex[:6]}",
+            "kv_connector_extra_config": {"transfer_timeout_s": 30.0},
+        },
+        side_channel_host="127.0.0.1",
+        side_channel_port=port,
+    )
+    return KVConnector(config, pool, compat, args.block_size)
+
+
+def _checksum(pool: Any, ids: list[int]) -> int:
+    import torch
+
+    flat = pool[ids].contiguous().view(-1)
+    as_int = flat.view(torch.int16) if flat.element_size() == 2 else flat.view(torch.int32)
+    return int(as_int.to(torch.int64).sum().item())
+
+
+def _producer(conn: Any, args: argparse.Namespace, num_blocks: int) -> None:
+    pool = _pool(args, num_blocks, args.device, seed=1)
+    connector = _connector(args, "kv_producer", pool, 0)
+    conn.send(connector.side_channel_port)
+    try:
+        while True:
+            if not conn.poll(0.01):
+                connector.poll_released()
+                continue
+            cmd, arg = conn.recv()
+            if cmd == "hold":
+                rid, ids = arg
+                conn.send(connector.hold(rid, ids, len(ids) * args.block_size, 0))
+            elif cmd == "checksum":
+                conn.send(_checksum(pool, arg))
+            else:
+                break
+    finally:
+        connector.shutdown()
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+class _RawCopy:
+    """A copy of the same number of bytes between two buffers on the benchmark device, in this process."""
+
+    def __init__(self, device: str, nbytes: int) -> None:
+        import torch
+
+        self.device = device
+        self.src = torch.ones(nbytes // 2, dtype=torch.int16, device=device)
+        self.dst = torch.zeros(nbytes // 2, dtype=torch.int16, device=device)
+        self.run()  # fault the pages in / warm the copy engine
+
+    def run(self) -> float:
+        _sync(self.device)
+        t0 = time.perf_counter()
+        self.dst.copy_(self.src)
+        _sync(self.device)
+        return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--device", default="cuda", help="cpu, cuda or cuda:N (both processes use it)")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--scatter", action="store_true", help="shuffle block ids: one descriptor per block")
+    ap.add_argument(
+        "--copy-threads", type=int, default=1, help="torch threads for the CPU raw copy (cma is 1)"
+    )
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(max(1, args.copy_threads))
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("CUDA is not available; use --device cpu")
+    elem = torch.empty(0, dtype=getattr(torch, DTYPES[args.dtype])).element_size()
+    token_bytes = args.layers * 2 * args.kv_heads * args.head_dim * elem
+    blocks = -(-args.tokens // args.block_size)
+    block_bytes = token_bytes * args.block_size
+    nbytes = blocks * block_bytes
+    num_blocks = blocks * 2  # room to place the prompt at scattered ids
+    print(
+        f"pool: {args.layers} layers x {args.kv_heads} kv heads x {args.head_dim} x {args.dtype} = "
+        f"{token_bytes / 1024:.0f} KiB/token, block {args.block_size} tokens = {block_bytes / 2**20:.2f} MiB; "
+        f"prompt {args.tokens} tokens = {blocks} blocks = {nbytes / 2**20:.0f} MiB; device {args.device}"
+    )
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_producer, args=(child, args, num_blocks), daemon=True)
+    proc.start()
+    connector = None
+    try:
+        if not parent.poll(300):
+            raise TimeoutError("producer did not start")
+        parent.recv()  # the producer is up (its side-channel port travels in the params)
+        pool = torch.zeros(
+            (num_blocks, args.layers, 2, args.block_size, args.kv_heads, args.head_dim),
+            dtype=getattr(torch, DTYPES[args.dtype]),
+            device=args.device,
+        )
+        connector = _connector(args, "kv_consumer", pool, 0)
+        import random
+
+        rng = random.Random(0)
+        remote_ids = list(range(blocks))
+        local_ids = list(range(blocks, 2 * blocks))
+        if args.scatter:
+            remote_ids = rng.sample(range(num_blocks), blocks)
+            local_ids = rng.sample(range(num_blocks), blocks)
+
+        raw = _RawCopy(args.device, nbytes)
+        xfer, load, copy, descs = [], [], [], 0
+        # Loads and raw copies alternate so that both see the same machine load (noisy on shared CPU boxes).
+        for i in range(args.iters + 1):  # the first load includes the handshake and connection setup
+            parent.send(("hold", (f"bench-{i}", remote_ids)))
+            params = parent.recv()
+            connector.start_load(f"d-{i}", params, local_ids, 0)
+            deadline = time.monotonic() + 120
+            results: list[Any] = []
+            while not results and time.monotonic() < deadline:
+                results = connector.poll_loads()
+                time.sleep(0.0005)
+            if not results or not results[0].ok:
+                raise RuntimeError(f"load {i} failed: {results}")
+            r = results[0]
+            if i == 0:
+                parent.send(("checksum", remote_ids))
+                if parent.recv() != _checksum(pool, local_ids):
+                    raise RuntimeError("loaded blocks differ from the producer's")
+                print(f"first load (handshake + connect + READ): {r.seconds * 1e3:.1f} ms, bytes verified")
+                continue
+            xfer.append(r.xfer_seconds)
+            load.append(r.seconds)
+            descs = r.num_descriptors
+            copy.append(raw.run())
+        parent.send(("stop", None))
+
+        nixl_gbps = nbytes / statistics.median(xfer) / 1e9
+        load_gbps = nbytes / statistics.median(load) / 1e9
+        copy_gbps = nbytes / statistics.median(copy) / 1e9
+        kind = (
+            "device-to-device copy"
+            if args.device.startswith("cuda")
+            else f"torch CPU copy ({args.copy_threads} thread)"
+        )
+        print(f"descriptors per READ: {descs}; iterations: {args.iters}")
+        print(
+            f"NIXL READ        : {nixl_gbps:8.2f} GB/s  (median {statistics.median(xfer) * 1e3:.2f} ms, "
+            f"best {nbytes / min(xfer) / 1e9:.2f} GB/s)"
+        )
+        print(
+            f"load end-to-end  : {load_gbps:8.2f} GB/s  (claim + READ + release, median "
+            f"{statistics.median(load) * 1e3:.2f} ms)"
+        )
+        print(f"raw copy         : {copy_gbps:8.2f} GB/s  ({kind}, same bytes, same run)")
+        print(
+            f"ratio NIXL READ / raw copy = {nixl_gbps / copy_gbps:.2f}; load / raw copy = {load_gbps / copy_gbps:.2f}"
+        )
+    finally:
+        if connector is not None:
+            connector.shutdown()
+        proc.join(timeout=10)
+        if proc.is_alive() and proc.pid is not None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(timeout=5)
+
+
+if __name__ == "__main__":
+    main()
