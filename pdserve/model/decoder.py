@@ -1,6 +1,13 @@
-"""One decoder family for Llama, Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm): they differ only by flags."""
+"""One decoder family for Llama, Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm): they differ only by flags.
+
+Two forward paths over the same weights: plain torch ops (CPU, and the GPU reference), and on CUDA the
+fused path (`DecoderLM.fused_ops` set to `pdserve.gpu.ops`): one Triton kernel each for residual-add +
+RMSNorm, RoPE + K/V store and SiLU-and-mul, rounding where the torch path rounds.
+"""
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +62,21 @@ class Attention(nn.Module):
         o = backend.forward(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
+    def forward_fused(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend,
+                      ops: ModuleType) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        # RoPE on q and k and the K/V store in one kernel; q comes back contiguous.
+        q = ops.rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_size)
+        o = backend.forward(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -94,6 +116,8 @@ class DecoderLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # pdserve.gpu.ops on CUDA (set by the GPU step runner); None = the plain torch path
+        self.fused_ops: ModuleType | None = None
 
     def forward(
         self,
@@ -107,9 +131,26 @@ class DecoderLM(nn.Module):
         [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        if self.fused_ops is not None:
+            return self._forward_fused(x, cos, sin, kv_pool, meta, backend, self.fused_ops)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_pool[:, i, 0], kv_pool[:, i, 1], meta, backend)
         return self.norm(x)
+
+    def _forward_fused(self, x, cos, sin, kv_pool, meta, backend, ops: ModuleType) -> torch.Tensor:
+        # `residual` carries the stream x_i; each fused_add_rms_norm adds the last block's output to it
+        # in place and normalises, so the adds round exactly where DecoderLayer.forward's adds round.
+        eps = self.cfg.rms_norm_eps
+        residual = x
+        h = ops.rms_norm(x, self.layers[0].input_layernorm.weight, eps)
+        for i, layer in enumerate(self.layers):
+            if i > 0:
+                h, residual = ops.fused_add_rms_norm(x, residual, layer.input_layernorm.weight, eps)
+            a = layer.self_attn.forward_fused(h, cos, sin, kv_pool[:, i, 0], kv_pool[:, i, 1], meta, backend, ops)
+            h, residual = ops.fused_add_rms_norm(a, residual, layer.post_attention_layernorm.weight, eps)
+            x = layer.mlp.down_proj(ops.silu_and_mul(layer.mlp.gate_up_proj(h)))
+        out, _ = ops.fused_add_rms_norm(x, residual, self.norm.weight, eps)
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
