@@ -66,6 +66,12 @@ class ModelRunner:
         # torch.zeros touches every page now, not during the first transfer.
         self.kv_pool = torch.zeros(self.pool_shape(self.num_blocks), dtype=self.dtype, device=self.device)
         self.sampler = Sampler(config.seed)
+        # CUDA: fused kernels, pinned batched inputs, decode CUDA graphs, greedy argmax on the device.
+        self.gpu = None
+        if self.device.type == "cuda":
+            from pdserve.gpu.step_runner import GpuStepRunner  # GPU-only, imported lazily
+
+            self.gpu = GpuStepRunner(self)
 
     # ---- sizing ------------------------------------------------------------------------------
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -144,6 +150,8 @@ class ModelRunner:
     def execute(self, batch: list[tuple[Request, int]]) -> tuple[list[Request], list[int], list[TokenLogprob | None]]:
         """Runs the step; returns the requests that reached their frontier, their sampled tokens and
         logprobs. Requests mid-way through a chunked prefill sample nothing."""
+        if self.gpu is not None:
+            return self.gpu.execute(batch)
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_pool, meta, self.backend)
         rows: list[int] = []
