@@ -1,0 +1,51 @@
+"""Paged attention on our own Triton kernels: the GPU backend (`select_attention_backend` picks it on CUDA).
+
+Chosen over a carried FlashInfer wheel because it installs from PyPI with any CUDA torch (triton ships
+with it), needs no 12-63 s JIT per kernel on a fresh machine, and reads the block-contiguous pool's
+strided per-layer views directly. benchmarks/gpu_suite.py measures it against the H200's ceilings and the
+FlashInfer numbers in h200-facts.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.attention import triton_kernels as tk
+from pdserve.attention.base import AttentionMetadata
+
+# Launch parameters, chosen by the sweep in benchmarks/gpu_suite.py on an H200 (see its report).
+PREFILL_BLOCK_M = 128
+PREFILL_TILE_N = 64
+PREFILL_WARPS = 8
+PREFILL_STAGES = 3
+DECODE_TILE_N = 64
+DECODE_WARPS = 4
+DECODE_STAGES = 2
+
+
+class TritonAttention:
+    name = "triton"
+
+    def __init__(self, num_sms: int | None = None):
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        self.num_sms = num_sms
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        tk.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.block_size)
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        if meta.decode_only:
+            batch = q.shape[0]
+            splits = tk.decode_num_splits(batch, k_cache.shape[2], self.num_sms)
+            return tk.decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits,
+                tile_n=DECODE_TILE_N, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
+            )
+        return tk.prefill_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+            num_seqs=meta.seq_lens.shape[0], block_m=PREFILL_BLOCK_M, tile_n=PREFILL_TILE_N,
+            num_warps=PREFILL_WARPS, num_stages=PREFILL_STAGES,
+        )

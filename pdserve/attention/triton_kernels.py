@@ -1,0 +1,374 @@
+"""Triton kernels for paged attention over the block-contiguous KV pool.
+
+The per-layer caches are strided views `pool[:, layer, 0|1]` of shape [num_blocks, block_size, kv_heads,
+head_dim]; only the last dimension is contiguous, so every kernel takes the three outer strides. Block
+ids are widened to int64 before they meet a stride: one block spans every layer (~1M elements for an 8B
+model), so block * stride overflows int32 past ~2k blocks.
+
+Three kernels:
+- `prefill_attention`: varlen causal attention for any mix of sequences whose queries are the last q_len
+  of seq_len positions (fresh prefill, chunked prefill, prefix-cache hits, decode rows in a mixed step).
+  GQA is packed into the M dimension: one program holds BLOCK_Q query tokens x G query heads of one KV
+  head, so each K/V tile is loaded once for the whole group.
+- `decode_attention`: one query token per sequence, split-KV (flash-decoding) so that small batches still
+  fill the GPU; the number of splits depends only on the batch size, so a CUDA graph can hold it. It is a
+  run-time argument, not a constexpr, so every batch size shares one compiled kernel.
+- `write_kv`: stores new K/V rows at their slots; slots < 0 (padding rows of a CUDA graph) are skipped.
+
+Everything here needs triton; it is imported only on CUDA (or under TRITON_INTERPRET=1 in tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 models are the exactness tests' models: tf32 would cost ~3e-4 relative error there.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ---------------------------------------------------------------------------------------------------
+# write_kv
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    k_cache_ptr, v_cache_ptr, stride_c_blk, stride_c_tok, stride_c_head,
+    slot_ptr,
+    BLOCK_SIZE: tl.constexpr, KVH: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < KVH) & (d[None, :] < D)
+    k = tl.load(k_ptr + t * stride_k_t + h[:, None] * stride_k_h + d[None, :], mask=mask)
+    v = tl.load(v_ptr + t * stride_v_t + h[:, None] * stride_v_h + d[None, :], mask=mask)
+    dst = blk * stride_c_blk + off * stride_c_tok + h[:, None] * stride_c_head + d[None, :]
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor, block_size: int) -> None:
+    """k, v: [num_tokens, kv_heads, head_dim] (any token/head strides, contiguous last dim)."""
+    num_tokens, kvh, d = k.shape
+    if num_tokens == 0:
+        return
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride()
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        slot_mapping,
+        BLOCK_SIZE=block_size, KVH=kvh, BLOCK_H=triton.next_power_of_2(kvh), D=d,
+        BLOCK_D=triton.next_power_of_2(d),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# decode
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def _decode_kernel(
+    q_ptr, stride_q_t, stride_q_h,
+    k_cache_ptr, v_cache_ptr, stride_c_blk, stride_c_tok, stride_c_head,
+    block_tables_ptr, stride_bt,
+    seq_lens_ptr,
+    out_ptr, stride_o_t, stride_o_h,
+    part_o_ptr, part_lse_ptr,
+    scale_log2, num_splits,
+    H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    n_tiles = tl.cdiv(seq_len, TILE_N)
+    tiles_per_split = tl.cdiv(n_tiles, num_splits)
+    t_start = split * tiles_per_split
+    t_end = tl.minimum(t_start + tiles_per_split, n_tiles)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    head = kvh * G + g
+    gmask = g < G
+    dmask = d < D
+    q = tl.load(q_ptr + b * stride_q_t + head[:, None] * stride_q_h + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    n = tl.arange(0, TILE_N)
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    head_off = kvh.to(tl.int64) * stride_c_head
+    for tile in range(t_start, t_end):
+        tok = tile * TILE_N + n
+        tmask = tok < seq_len
+        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+        off = blk * stride_c_blk + (tok % BLOCK_SIZE) * stride_c_tok + head_off
+        if EVEN_D:  # a mask constant along d keeps the 16-byte vector loads
+            kv_mask = tmask[:, None]
+        else:
+            kv_mask = tmask[:, None] & dmask[None, :]
+        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # A split past the end of a short sequence saw no keys: l_i == 0, its weight in the merge is 0.
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / safe_l[:, None]
+    omask = gmask[:, None] & dmask[None, :]
+    if num_splits == 1:
+        tl.store(out_ptr + b * stride_o_t + head[:, None] * stride_o_h + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        row = (b * H + head) * num_splits + split  # [B, H, num_splits] row-major
+        tl.store(part_o_ptr + row[:, None] * BLOCK_D + d[None, :], o, mask=omask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=gmask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, stride_o_t, stride_o_h, num_splits,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    row = (b * H + h) * num_splits + s
+    smask = s < num_splits
+    lse = tl.load(part_lse_ptr + row, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m > float("-inf"), m, 0.0)
+    w = tl.exp2(lse - m)  # exp2(-inf) = 0 for empty splits
+    o = tl.load(part_o_ptr + row[:, None] * BLOCK_D + d[None, :], mask=smask[:, None] & (d[None, :] < D),
+                other=0.0)
+    total = tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_o_t + h * stride_o_h + d, res.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+MAX_DECODE_SPLITS = 16
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int = MAX_DECODE_SPLITS) -> int:
+    """Splits per (sequence, kv head) so that about 4 programs per SM are in flight. Depends only on the
+    batch shape, never on sequence lengths, so a captured CUDA graph stays valid for every length."""
+    programs = batch * num_kv_heads
+    return max(1, min(max_splits, triton.cdiv(4 * num_sms, programs)))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, num_splits: int, out: torch.Tensor | None = None,
+                     tile_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """q: [B, H, D]; block_tables: [B, >= blocks of the longest sequence]; seq_lens: [B] (0 = padding row,
+    whose output is 0). Returns [B, H, D] in q's dtype."""
+    batch, num_heads, d = q.shape
+    _, block_size, kvh, _ = k_cache.shape
+    group = num_heads // kvh
+    block_d = triton.next_power_of_2(d)
+    assert 1 <= num_splits <= MAX_DECODE_SPLITS
+    if out is None:
+        out = torch.empty_like(q)
+    if num_splits > 1:
+        part_o = torch.empty((batch, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    _decode_kernel[(batch, kvh, num_splits)](
+        q, q.stride(0), q.stride(1),
+        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables, block_tables.stride(0),
+        seq_lens,
+        out, out.stride(0), out.stride(1),
+        part_o, part_lse,
+        scale * LOG2E, num_splits,
+        H=num_heads, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, TILE_N=tile_n, DOT_PRECISION=_dot_precision(q.dtype),
+        EVEN_D=d == block_d, num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(batch, num_heads)](
+            part_o, part_lse, out, out.stride(0), out.stride(1), num_splits,
+            H=num_heads, D=d, BLOCK_D=block_d, BLOCK_S=MAX_DECODE_SPLITS, num_warps=4,
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# prefill (varlen, causal, paged, GQA packed)
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def _attend_tiles(
+    acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, stride_c_blk, stride_c_tok,
+    tile_lo, tile_hi, key_limit, seq_len, scale_log2, d, dmask,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    n = tl.arange(0, TILE_N)
+    for tile in range(tile_lo, tile_hi):
+        tok = tile * TILE_N + n
+        tmask = tok < seq_len
+        if MASKED:
+            blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+        else:
+            blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)
+        off = blk * stride_c_blk + (tok % BLOCK_SIZE) * stride_c_tok + head_off
+        ptrs_k = k_cache_ptr + off[:, None] + d[None, :]
+        ptrs_v = v_cache_ptr + off[:, None] + d[None, :]
+        # Masks constant along d keep the 16-byte vector loads; full tiles need none at all.
+        if MASKED:
+            if EVEN_D:
+                k = tl.load(ptrs_k, mask=tmask[:, None], other=0.0)
+            else:
+                k = tl.load(ptrs_k, mask=tmask[:, None] & dmask[None, :], other=0.0)
+        else:
+            if EVEN_D:
+                k = tl.load(ptrs_k)
+            else:
+                k = tl.load(ptrs_k, mask=dmask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if MASKED:
+            # row r sees keys [0, key_limit[r]] (its own absolute position), never past the sequence
+            s = tl.where((tok[None, :] <= key_limit[:, None]) & tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:
+            m_new = tl.where(m_new > float("-inf"), m_new, 0.0)  # a fully masked row must not make NaNs
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            if EVEN_D:
+                v = tl.load(ptrs_v, mask=tmask[:, None], other=0.0)
+            else:
+                v = tl.load(ptrs_v, mask=tmask[:, None] & dmask[None, :], other=0.0)
+        else:
+            if EVEN_D:
+                v = tl.load(ptrs_v)
+            else:
+                v = tl.load(ptrs_v, mask=dmask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, stride_q_t, stride_q_h,
+    k_cache_ptr, v_cache_ptr, stride_c_blk, stride_c_tok, stride_c_head,
+    block_tables_ptr, stride_bt,
+    seq_lens_ptr, qsl_ptr, num_seqs, num_q_blocks,
+    out_ptr, stride_o_t, stride_o_h,
+    scale_log2,
+    G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    # Longest q blocks (the last of each causal sequence) first: better tail balance.
+    qb_global = num_q_blocks - 1 - tl.program_id(0)
+    kvh = tl.program_id(1)
+    # Sequence i owns q blocks [qsl[i] // BLOCK_Q + i, ...): an upper bound on its first block index that
+    # needs no host-side table. Binary search for the last i whose start is <= qb_global.
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start_mid = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        if start_mid <= qb_global:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    qb = qb_global - (q_start // BLOCK_Q + seq)
+    if qb * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    ctx = seq_len - q_len
+
+    m = tl.arange(0, BLOCK_M)
+    qi = m // G
+    head = kvh * G + m % G
+    q_local = qb * BLOCK_Q + qi
+    row_mask = (qi < BLOCK_Q) & (q_local < q_len)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q_rows = (q_start + q_local).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_q_t + head[:, None] * stride_q_h + d[None, :],
+                mask=row_mask[:, None] & dmask[None, :], other=0.0)
+    key_limit = ctx + q_local  # absolute position of each row's query
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_off = kvh.to(tl.int64) * stride_c_head
+
+    # Keys below the block's first query position are visible to every row: no mask there.
+    first_pos = ctx + qb * BLOCK_Q
+    kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
+    n_full = (first_pos + 1) // TILE_N
+    n_all = tl.cdiv(kv_end, TILE_N)
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, stride_c_blk, stride_c_tok,
+        0, n_full, key_limit, seq_len, scale_log2, d, dmask,
+        False, EVEN_D, BLOCK_SIZE, TILE_N, DOT_PRECISION,
+    )
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, stride_c_blk, stride_c_tok,
+        n_full, n_all, key_limit, seq_len, scale_log2, d, dmask,
+        True, EVEN_D, BLOCK_SIZE, TILE_N, DOT_PRECISION,
+    )
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_o_t + head[:, None] * stride_o_h + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dmask[None, :])
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, num_seqs: int,
+                      out: torch.Tensor | None = None, block_m: int = 128, tile_n: int = 64, num_warps: int = 8,
+                      num_stages: int = 3) -> torch.Tensor:
+    """q: [num_tokens, H, D] (flattened queries of `num_seqs` sequences, split by query_start_loc).
+    Returns [num_tokens, H, D] in q's dtype."""
+    num_tokens, num_heads, d = q.shape
+    _, block_size, kvh, _ = k_cache.shape
+    group = num_heads // kvh
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_q = block_m // group
+    if out is None:
+        out = torch.empty_like(q)
+    # Upper bound on the q blocks of all sequences (see the kernel's search): exact grid without a sync.
+    num_q_blocks = num_tokens // block_q + num_seqs
+    _prefill_kernel[(num_q_blocks, kvh)](
+        q, q.stride(0), q.stride(1),
+        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables, block_tables.stride(0),
+        seq_lens, query_start_loc, num_seqs, num_q_blocks,
+        out, out.stride(0), out.stride(1),
+        scale * LOG2E,
+        G=group, BLOCK_Q=block_q, BLOCK_M=block_m, D=d, BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_SIZE=block_size, TILE_N=tile_n, DOT_PRECISION=_dot_precision(q.dtype),
+        EVEN_D=d == triton.next_power_of_2(d), num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

@@ -1,0 +1,311 @@
+"""The model runner's CUDA path: batched host->device inputs, CUDA graphs for decode, greedy on the GPU.
+
+ModelRunner delegates `execute` here on CUDA. What it does differently from the CPU path:
+- Inputs are built with numpy per request (never per token) into one pinned int64 staging buffer and move
+  in one host->device copy per step.
+- Pure decode steps of up to `max_num_seqs` sequences replay a CUDA graph captured for the next larger
+  batch size; padding rows carry seq_len 0 (attention writes zeros) and slot -1 (no K/V store).
+  The graph holds the whole model, the lm_head and the greedy argmax.
+- Greedy requests (no logprobs, min_tokens reached) are sampled by an argmax on the GPU, one small
+  device->host copy per step; anything else goes through the CPU sampler with the logits.
+- No host sync inside the model: kernel grids come from host-known sizes, sequence lengths are read on
+  the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pdserve.attention.base import AttentionMetadata
+from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.request import Request
+
+if TYPE_CHECKING:
+    from pdserve.engine.model_runner import ModelRunner
+
+log = logging.getLogger("pdserve.engine")
+
+# Batch sizes with a captured decode graph; a batch is padded up to the next one.
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+def graph_sizes_for(max_num_seqs: int) -> list[int]:
+    sizes = [s for s in GRAPH_BATCH_SIZES if s < max_num_seqs]
+    sizes.append(max_num_seqs if max_num_seqs <= GRAPH_BATCH_SIZES[-1] else GRAPH_BATCH_SIZES[-1])
+    return sorted(set(sizes))
+
+
+def pick_graph_size(sizes: list[int], batch: int) -> int | None:
+    for s in sizes:
+        if s >= batch:
+            return s
+    return None
+
+
+def greedy_on_device(reqs: list[Request]) -> bool:
+    """True when the CPU sampler would return exactly the argmax of the raw logits for every request."""
+    return all(
+        r.params.greedy and r.params.logprobs is None and len(r.output_token_ids) >= r.params.min_tokens
+        for r in reqs
+    )
+
+
+@dataclass
+class StepTiming:
+    """Accumulated host-side timing, to report the CPU's share of a step."""
+
+    steps: int = 0
+    graph_steps: int = 0
+    total_s: float = 0.0  # inside execute()
+    wait_s: float = 0.0  # blocked on the device result (the device busy, the host idle)
+
+    def reset(self) -> None:
+        self.steps = self.graph_steps = 0
+        self.total_s = self.wait_s = 0.0
+
+
+class HostBatch:
+    """Flattened inputs for one step, built with numpy into a slice of a pinned int64 buffer.
+
+    Layout: ids[T] | positions[T] | slots[T] | query_start_loc[S+1] | seq_lens[S] | sample_rows[R] |
+    block_tables[S, W]."""
+
+    def __init__(self, batch: list[tuple[Request, int]], block_size: int, buf: np.ndarray):
+        bs = block_size
+        self.num_seqs = s = len(batch)
+        self.num_tokens = t = sum(n for _, n in batch)
+        self.width = w = max((r.num_computed_tokens + n + bs - 1) // bs for r, n in batch)
+        self.query_lens = [n for _, n in batch]
+        self.seq_lens = [r.num_computed_tokens + n for r, n in batch]
+        self.sampling: list[Request] = []
+        rows: list[int] = []
+        end = 0
+        for (req, n), seq_len in zip(batch, self.seq_lens, strict=True):
+            end += n
+            if seq_len == req.num_tokens:
+                rows.append(end - 1)
+                self.sampling.append(req)
+        self.num_rows = r = len(rows)
+        self.size = 3 * t + 2 * s + 1 + r + s * w
+        assert buf.shape[0] >= self.size
+        ids = buf[0:t]
+        pos = buf[t : 2 * t]
+        slots = buf[2 * t : 3 * t]
+        o = 3 * t
+        qsl = buf[o : o + s + 1]
+        seql = buf[o + s + 1 : o + 2 * s + 1]
+        o += 2 * s + 1
+        buf[o : o + r] = rows
+        tables = buf[o + r : o + r + s * w].reshape(s, w)
+        qsl[0] = 0
+        qsl[1:] = np.cumsum(self.query_lens)
+        seql[:] = self.seq_lens
+        off = 0
+        for i, (req, n) in enumerate(batch):
+            start = req.num_computed_tokens
+            stop = start + n
+            prompt = req.prompt_token_ids
+            if n == 1:
+                ids[off] = req.token_at(start)
+            elif stop <= len(prompt):
+                ids[off : off + n] = prompt[start:stop]
+            else:
+                ids[off : off + n] = req.token_ids()[start:stop]
+            nb = (stop + bs - 1) // bs
+            table = np.asarray(req.block_ids[:nb], dtype=np.int64)
+            tables[i, :nb] = table
+            p = np.arange(start, stop, dtype=np.int64)
+            pos[off : off + n] = p
+            slots[off : off + n] = table[p // bs] * bs + p % bs
+            off += n
+
+
+class GpuStepRunner:
+    def __init__(self, runner: ModelRunner, simulate_graphs: bool = False):
+        """simulate_graphs (tests on CPU): run the decode-graph path's static buffers and padding eagerly
+        instead of capturing, so its input handling is checked where no CUDA exists."""
+        self.runner = runner
+        self.simulate_graphs = simulate_graphs
+        self.pin = runner.device.type == "cuda"
+        self.model = runner.model
+        self.device = runner.device
+        self.block_size = runner.block_size
+        self.backend = runner.backend
+        cfg = runner.config
+        if getattr(self.backend, "name", "") == "triton":
+            from pdserve.gpu import ops  # triton kernels; only ever imported on CUDA
+
+            self.model.fused_ops = ops
+        max_model_len = cfg.max_model_len or runner.model_cfg.max_position_embeddings
+        self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
+        self.max_model_len = max_model_len
+        self.timing = StepTiming()
+        # eager-step staging: grown on demand (a prefill step's size depends on the token budget)
+        self._host = torch.empty(0, dtype=torch.int64)
+        self._dev = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.graph_sizes: list[int] = []
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        if not cfg.enforce_eager:
+            self.graph_sizes = graph_sizes_for(cfg.max_num_seqs)
+            self._capture()
+
+    # ---- staging -------------------------------------------------------------------------------
+    def _staging(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._host.shape[0] < size:
+            cap = max(size, 2 * self._host.shape[0], 1 << 16)
+            self._host = torch.empty(cap, dtype=torch.int64, pin_memory=self.pin)
+            self._dev = torch.empty(cap, dtype=torch.int64, device=self.device)
+        return self._host, self._dev
+
+    # ---- CUDA graphs ---------------------------------------------------------------------------
+    def _capture(self) -> None:
+        bmax = self.graph_sizes[-1]
+        self._gb = bmax
+        width = self.max_blocks_per_seq
+        # Static inputs: header ids|pos|slots|seq_lens (4 x bmax), then a landing zone for the step's
+        # compact [B, w] block tables, which one device copy spreads into the [bmax, W] static table.
+        self._g_host = torch.zeros(4 * bmax + bmax * width, dtype=torch.int64, pin_memory=self.pin)
+        self._g_host_np = self._g_host.numpy()
+        self._g_dev = torch.zeros(4 * bmax + bmax * width, dtype=torch.int64, device=self.device)
+        self._g_tables = torch.zeros((bmax, width), dtype=torch.int64, device=self.device)
+        self._g_qsl = torch.arange(bmax + 1, dtype=torch.int64, device=self.device)
+        self._g_host_np[2 * bmax : 3 * bmax] = -1  # padding rows: no K/V store
+        self._g_dev.copy_(self._g_host)
+        if self.simulate_graphs:
+            return
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for size in reversed(self.graph_sizes):
+                self._graph_forward(size)  # compiles the kernels for this shape outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits, tokens = self._graph_forward(size)
+                self.graphs[size] = (graph, logits, tokens)
+        torch.cuda.synchronize()
+        log.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(self.graphs), self.graph_sizes,
+                 time.perf_counter() - t0)
+
+    def _graph_forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self._gb
+        hdr = self._g_dev
+        meta = AttentionMetadata(
+            query_start_loc=self._g_qsl[: size + 1],
+            seq_lens=hdr[3 * b : 3 * b + size],
+            block_tables=self._g_tables[:size],
+            slot_mapping=hdr[2 * b : 2 * b + size],
+            block_size=self.block_size,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            decode_only=True,
+            # placeholders: a replay serves any lengths, and the GPU backends never read these
+            query_lens_host=[1] * size,
+            seq_lens_host=[self.max_model_len] * size,
+        )
+        hidden = self.model(hdr[0:size], hdr[b : b + size], self.runner.kv_pool, meta, self.backend)
+        logits = self.model.compute_logits(hidden)
+        return logits, logits.argmax(dim=-1)
+
+    def _run_graph(self, batch: list[tuple[Request, int]], size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self._gb
+        bs = self.block_size
+        n = len(batch)
+        buf = self._g_host_np
+        ids = buf[0:b]
+        pos = buf[b : 2 * b]
+        slots = buf[2 * b : 3 * b]
+        seql = buf[3 * b : 4 * b]
+        width = max(req.num_computed_tokens // bs + 1 for req, _ in batch)
+        tables = buf[4 * b : 4 * b + n * width].reshape(n, width)
+        for i, (req, _) in enumerate(batch):
+            p = req.num_computed_tokens
+            ids[i] = req.token_at(p)
+            pos[i] = p
+            nb = p // bs + 1
+            tables[i, :nb] = req.block_ids[:nb]
+            slots[i] = tables[i, nb - 1] * bs + p % bs
+            seql[i] = p + 1
+        # padding rows up to the graph's size
+        ids[n:size] = 0
+        pos[n:size] = 0
+        slots[n:size] = -1
+        seql[n:size] = 0
+        used = 4 * b + n * width
+        self._g_dev[:used].copy_(self._g_host[:used], non_blocking=True)
+        self._g_tables[:n, :width].copy_(self._g_dev[4 * b : used].view(n, width))
+        if self.simulate_graphs:
+            logits, tokens = self._graph_forward(size)
+        else:
+            graph, logits, tokens = self.graphs[size]
+            graph.replay()
+        return logits[:n], tokens[:n]
+
+    # ---- eager steps ---------------------------------------------------------------------------
+    def _run_eager(self, batch: list[tuple[Request, int]]) -> tuple[HostBatch, torch.Tensor | None]:
+        bs = self.block_size
+        t = sum(n for _, n in batch)
+        s = len(batch)
+        w = max((r.num_computed_tokens + n + bs - 1) // bs for r, n in batch)
+        host, dev = self._staging(3 * t + 3 * s + 1 + s * w)
+        hb = HostBatch(batch, bs, host.numpy())
+        dev[: hb.size].copy_(host[: hb.size], non_blocking=True)
+        o = 3 * t
+        r = hb.num_rows
+        meta = AttentionMetadata(
+            query_start_loc=dev[o : o + s + 1],
+            seq_lens=dev[o + s + 1 : o + 2 * s + 1],
+            block_tables=dev[o + 2 * s + 1 + r : hb.size].view(s, hb.width),
+            slot_mapping=dev[2 * t : 3 * t],
+            block_size=bs,
+            max_query_len=max(hb.query_lens),
+            max_seq_len=max(hb.seq_lens),
+            decode_only=all(q == 1 for q in hb.query_lens),
+            query_lens_host=hb.query_lens,
+            seq_lens_host=hb.seq_lens,
+        )
+        hidden = self.model(dev[0:t], dev[t : 2 * t], self.runner.kv_pool, meta, self.backend)
+        if r == 0:
+            return hb, None
+        rows = dev[o + 2 * s + 1 : o + 2 * s + 1 + r]
+        return hb, self.model.compute_logits(hidden[rows])
+
+    # ---- one step ------------------------------------------------------------------------------
+    def execute(self, batch: list[tuple[Request, int]]) -> tuple[list[Request], list[int], list[TokenLogprob | None]]:
+        t0 = time.perf_counter()
+        size = None
+        if (self.graphs or self.simulate_graphs) and all(n == 1 for _, n in batch):
+            size = pick_graph_size(self.graph_sizes, len(batch))
+        if size is not None:
+            sampling = [req for req, _ in batch]  # a decode row always reaches its frontier
+            logits, tokens = self._run_graph(batch, size)
+            self.timing.graph_steps += 1
+        else:
+            hb, logits = self._run_eager(batch)
+            sampling = hb.sampling
+            tokens = None if logits is None else logits.argmax(dim=-1)
+        result: tuple[list[Request], list[int], list[TokenLogprob | None]] = ([], [], [])
+        if logits is not None and sampling:
+            t1 = time.perf_counter()
+            if greedy_on_device(sampling):
+                assert tokens is not None
+                ids = tokens.tolist()  # the step's one device->host copy, and its one sync
+                lps: list[TokenLogprob | None] = [None] * len(sampling)
+            else:
+                ids, lps = self.runner.sampler.sample(logits, sampling)
+            self.timing.wait_s += time.perf_counter() - t1
+            result = (sampling, ids, lps)
+        else:
+            t1 = time.perf_counter()
+            if self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # keep the step synchronous, as the CPU path is
+            self.timing.wait_s += time.perf_counter() - t1
+        self.timing.steps += 1
+        self.timing.total_s += time.perf_counter() - t0
+        return result
