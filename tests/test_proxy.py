@@ -424,8 +424,7 @@ def test_client_disconnect_closes_upstream_stream(proxy: str, backends: dict[str
         "decode in-flight counters to drop",
     )
     assert (
-        metric(http.get(proxy + "/metrics").text, "pdserve_proxy_errors_total", kind="client_disconnect")
-        >= 1
+        metric(http.get(proxy + "/metrics").text, "pdserve_proxy_errors_total", kind="client_disconnect") >= 1
     )
 
 

@@ -216,7 +216,7 @@ class ProxyHandlers:
             try:
                 async with state.http().request(
                     request.method,
-                    inst.url + request.path,
+                    inst.endpoint(request.path),
                     data=data,
                     headers=headers,
                     timeout=state.prefill_timeout,

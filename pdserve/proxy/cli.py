@@ -189,14 +189,14 @@ async def serve(config: ProxyConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    mode = "disaggregated" if config.prefill else "collocated"
     for host, port, *_ in runner.addresses:
-        logging.getLogger("pdserve.proxy").info(
-            "pdserve proxy listening on http://%s:%d (prefill: %s; decode: %s; mode: %s)",
-            host,
-            port,
-            ", ".join(config.prefill) or "-",
-            ", ".join(config.decode),
-            "disaggregated" if config.prefill else "collocated",
+        # Printed whatever the log level: launchers and tests read the bound port from this line.
+        print(
+            f"pdserve proxy listening on http://{host}:{port} (prefill: {', '.join(config.prefill) or '-'}; "
+            f"decode: {', '.join(config.decode)}; mode: {mode})",
+            file=sys.stderr,
+            flush=True,
         )
     try:
         await stop.wait()

@@ -18,7 +18,9 @@ logger = logging.getLogger("pdserve.proxy")
 async def probe(session: aiohttp.ClientSession, inst: Instance, timeout: float) -> str | None:
     """GET <url>/health; None when healthy, else the reason."""
     try:
-        async with session.get(inst.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with session.get(
+            inst.endpoint("/health"), timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as resp:
             await resp.read()
             if resp.status == 200:
                 return None

@@ -59,7 +59,7 @@ async def _prefill_once(
     inst.acquire(tokens)
     try:
         async with state.http().post(
-            inst.url + api_path, data=payload, headers=headers, timeout=state.prefill_timeout
+            inst.endpoint(api_path), data=payload, headers=headers, timeout=state.prefill_timeout
         ) as resp:
             status = resp.status
             ctype = resp.headers.get("Content-Type", ctype)
@@ -164,7 +164,7 @@ async def relay_decode(
             started = time.perf_counter()
             try:
                 resp = await state.http().post(
-                    inst.url + api_path, data=payload, headers=headers, timeout=state.decode_timeout
+                    inst.endpoint(api_path), data=payload, headers=headers, timeout=state.decode_timeout
                 )
             except _CONNECT_ERRORS as exc:
                 last_kind, last_reason = "decode_connect", _describe(exc)

@@ -48,9 +48,17 @@ class Instance:
     ejections_total: int = 0
     last_error: str | None = None
     host: str = field(init=False)
+    _endpoints: dict[str, URL] = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.host = URL(self.url).host or ""
+
+    def endpoint(self, path: str) -> URL:
+        """The URL of `path` on this instance, parsed once (yarl parsing is a visible cost per leg)."""
+        url = self._endpoints.get(path)
+        if url is None:
+            url = self._endpoints[path] = URL(self.url + path)
+        return url
 
     def acquire(self, tokens: int) -> None:
         self.in_flight += 1

@@ -59,7 +59,11 @@ class ProxyState:
             keepalive_timeout=UPSTREAM_KEEPALIVE_S,
             ttl_dns_cache=300,
         )
-        self.session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+        self.session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None),
+            cookie_jar=aiohttp.DummyCookieJar(),  # instances set no cookies; skip the jar on every leg
+        )
 
     async def close(self) -> None:
         if self.session is not None:
