@@ -354,6 +354,26 @@ def test_first_block_skips_the_locally_cached_prefix(pair: tuple[Peer, Peer]) ->
     assert producer.call("wait_released", "fullhit", 10.0)
 
 
+def test_load_size_follows_the_tokens_the_engine_needs(pair: tuple[Peer, Peer]) -> None:
+    producer, consumer = pair
+    # The decode side reserved an extra block for generated tokens: only the producer's blocks are read.
+    params = producer.call("hold", "size-1", [11, 12], 8, 0)
+    result = consumer.call("load", "d-size-1", params, [30, 31, 32], 0, 20.0)
+    assert result["ok"] and result["bytes"] == 2 * 1024, result
+    # With num_tokens the connector reads exactly the blocks covering them (7 tokens -> 2 blocks of 4).
+    params = producer.call("hold", "size-2", [13, 14], 8, 0)
+    consumer.call("start_load", "d-size-2", params, [33, 34, 35], 0, 7)
+    result = consumer.call("wait_load", "d-size-2", 20.0)
+    assert result["ok"] and result["bytes"] == 2 * 1024, result
+    assert consumer.call("blocks", [33, 34]) == producer.call("blocks", [13, 14])
+    # A producer that computed fewer tokens than the engine needs is a failure, not a silent short read.
+    params = producer.call("hold", "size-3", [15], 4, 0)
+    consumer.call("start_load", "d-size-3", params, [36, 37], 0, 7)
+    result = consumer.call("wait_load", "d-size-3", 20.0)
+    assert not result["ok"] and "7 tokens (2 blocks) are needed" in result["error"], result
+    assert producer.call("wait_released", "size-3", 10.0)  # aborted early, not left to expire
+
+
 def test_second_claim_of_the_same_lease_is_refused(pair: tuple[Peer, Peer]) -> None:
     producer, consumer = pair
     params = producer.call("hold", "twice", [1, 2], 8, 0)

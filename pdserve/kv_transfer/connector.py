@@ -201,9 +201,15 @@ class KVConnector:
         self._need_consumer().remove_waiting(request_id)
 
     def start_load(
-        self, request_id: str, params: Any, local_block_ids: Sequence[int], first_block: int = 0
+        self,
+        request_id: str,
+        params: Any,
+        local_block_ids: Sequence[int],
+        first_block: int = 0,
+        num_tokens: int | None = None,
     ) -> None:
-        self._need_consumer().start_load(request_id, params, local_block_ids, first_block)
+        """Read the remote blocks into local_block_ids[first_block:n] (see KVConsumer.start_load for n)."""
+        self._need_consumer().start_load(request_id, params, local_block_ids, first_block, num_tokens)
 
     def poll_loads(self) -> list[LoadResult]:
         return self.consumer.poll_loads() if self.consumer is not None else []

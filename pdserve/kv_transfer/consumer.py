@@ -100,6 +100,7 @@ class KVConsumer:
         self._agent = agent
         self._region = region
         self._compat = dict(compat)
+        self._block_size = int(compat["block_size"])
         self._metrics = metrics
         self._lock = threading.Lock()
         self._remotes: dict[str, _Remote] = {}
@@ -136,14 +137,27 @@ class KVConsumer:
             self._executor.submit(self._abort_remote, parsed)
 
     def start_load(
-        self, request_id: str, params: Any, local_block_ids: Sequence[int], first_block: int = 0
+        self,
+        request_id: str,
+        params: Any,
+        local_block_ids: Sequence[int],
+        first_block: int = 0,
+        num_tokens: int | None = None,
     ) -> None:
-        """Read remote blocks [first_block, len(local_block_ids)) into the same positions of local_block_ids.
+        """Read remote block i into local block i for i in [first_block, n).
 
+        n = the blocks covering `num_tokens` tokens when given (the engine needs len(prompt) - 1), which the
+        producer must hold, else min(len(local_block_ids), number of remote blocks): local blocks reserved for
+        tokens still to be generated have no remote counterpart.
         Returns at once; the outcome comes from `poll_loads()`. The local blocks must stay allocated until then.
         """
         parsed = parse_remote_prefill_params(params)
         local = [int(b) for b in local_block_ids]
+        if num_tokens is not None:
+            needed = -(-num_tokens // self._block_size)
+            if num_tokens < 0 or needed > len(local):
+                raise ValueError(f"{num_tokens} tokens need {needed} blocks, {len(local)} local blocks given")
+            local = local[:needed]
         if first_block < 0 or first_block > len(local):
             raise ValueError(f"first_block {first_block} outside 0..{len(local)}")
         check_block_ids(local[first_block:], self._region.num_blocks, "local")
@@ -153,7 +167,9 @@ class KVConsumer:
             self._waiting.pop(request_id, None)
             self._inflight.add(request_id)
         self._update_stages()
-        self._executor.submit(self._run_load, request_id, parsed, local, first_block, time.perf_counter())
+        self._executor.submit(
+            self._run_load, request_id, parsed, local, first_block, num_tokens, time.perf_counter()
+        )
 
     def poll_loads(self) -> list[LoadResult]:
         with self._lock:
@@ -176,12 +192,18 @@ class KVConsumer:
     # ---- one load ----------------------------------------------------------------------------------
 
     def _run_load(
-        self, request_id: str, p: RemotePrefillParams, local: list[int], first_block: int, t0: float
+        self,
+        request_id: str,
+        p: RemotePrefillParams,
+        local: list[int],
+        first_block: int,
+        num_tokens: int | None,
+        t0: float,
     ) -> None:
         after: tuple[_Remote, str] | None = None  # a claim to release after reporting a failed READ
         abort = False
         try:
-            result = self._load(request_id, p, local, first_block, t0)
+            result = self._load(request_id, p, local, first_block, num_tokens, t0)
         except _LoadFailed as exc:
             after, abort = exc.release, exc.abort
             self._metrics.record_failed_transfer()
@@ -206,14 +228,24 @@ class KVConsumer:
             self._abort_remote(p)
 
     def _load(
-        self, request_id: str, p: RemotePrefillParams, local: list[int], first_block: int, t0: float
+        self,
+        request_id: str,
+        p: RemotePrefillParams,
+        local: list[int],
+        first_block: int,
+        num_tokens: int | None,
+        t0: float,
     ) -> LoadResult:
-        n = len(local)
-        if len(p.remote_block_ids) < n:
+        if num_tokens is not None and (
+            len(p.remote_block_ids) < len(local)
+            or (p.remote_num_tokens is not None and p.remote_num_tokens < num_tokens)
+        ):
             raise _LoadFailed(
-                f"producer holds {len(p.remote_block_ids)} blocks for request {p.remote_request_id}, {n} are needed",
+                f"producer holds KV of {p.remote_num_tokens} tokens in {len(p.remote_block_ids)} blocks for "
+                f"request {p.remote_request_id}; {num_tokens} tokens ({len(local)} blocks) are needed",
                 abort=True,
             )
+        n = min(len(local), len(p.remote_block_ids))
         if first_block >= n:
             # Everything is in the local prefix cache: nothing to read, let the producer free at once.
             self._abort_remote(p)
