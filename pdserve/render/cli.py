@@ -1,0 +1,125 @@
+"""`pdserve render [MODEL]`: the GPU-less render tier (vLLM's `vllm launch render`).
+
+Serves `/v1/{chat/,}completions/render` and `/derender`, `/tokenize`, `/detokenize`, `/v1/models`,
+`/health`, `/version`. With `--engine URL` (tokens-only engines) it also serves `/v1/chat/completions` and
+`/v1/completions` itself, running render -> engine -> derender; with `--prefill URL --decode URL` it runs
+the disaggregated variant. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+log = logging.getLogger("pdserve.render")
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="HF model folder or embedded model name (default: the embedded smollm2-135m)")
+    p.add_argument("--model", dest="model_flag", default=None, help="same as MODEL")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None)
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template, inline or a file path")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"])
+    p.add_argument("--enable-auto-tool-choice", action="store_true")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes"])
+    p.add_argument("--renderer-num-workers", type=int, default=1,
+                   help="CPU workers for templating/tokenisation/detokenisation: 1 = a thread, N > 1 = N processes")
+    p.add_argument("--engine", nargs="+", default=None, metavar="URL",
+                   help="tokens-only engines: also serve /v1/chat/completions and /v1/completions (three hops)")
+    p.add_argument("--prefill", nargs="+", default=None, metavar="URL", help="P/D: prefill engines (with --decode)")
+    p.add_argument("--decode", nargs="+", default=None, metavar="URL", help="P/D: decode engines (with --prefill)")
+    p.add_argument("--engine-api-key", default=None, help="bearer key the engines require")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 (env VLLM_API_KEY)")
+    p.add_argument("--max-request-body-bytes", type=int, default=64 * 1024 * 1024)
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS[:-1])
+    p.add_argument("--uvicorn-log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument("--disable-uvicorn-access-log", action="store_true")
+
+
+def _check_args(args: argparse.Namespace) -> str | None:
+    if not 0 < args.port < 65536:
+        return f"--port must be in 1..65535, got {args.port}"
+    if args.renderer_num_workers < 1:
+        return "--renderer-num-workers must be at least 1"
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        return "--enable-auto-tool-choice requires --tool-call-parser"
+    if bool(args.prefill) != bool(args.decode):
+        return "--prefill and --decode go together"
+    if args.engine and args.decode:
+        return "use either --engine (collocated) or --prefill/--decode (disaggregated)"
+    if args.max_request_body_bytes < 1024:
+        return "--max-request-body-bytes must be at least 1024"
+    return None
+
+
+def resolve_model_folder(model: str | None) -> Path:
+    if model is not None and Path(model).is_dir():
+        return Path(model)
+    from pdserve.model.default_model import resolve_model  # torch-free GGUF -> HF conversion
+
+    return Path(resolve_model(model))
+
+
+def build(args: argparse.Namespace):
+    from pdserve.model.default_model import DEFAULT_MODEL
+    from pdserve.render.app import build_app
+    from pdserve.render.context import RenderConfig
+    from pdserve.render.engine_client import EnginePool
+    from pdserve.render.orchestrator import Orchestrator
+    from pdserve.render.workers import RenderWorkers
+    from pdserve.text.output_parsers import ParserConfig
+
+    model = args.model_flag or args.model_tag
+    folder = resolve_model_folder(model)
+    names = args.served_model_name or [model or DEFAULT_MODEL]
+    parsers = ParserConfig(args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice)
+    config = RenderConfig.from_model_dir(folder, served_model_names=list(names), tokenizer=args.tokenizer,
+                                         max_model_len=args.max_model_len, chat_template=args.chat_template,
+                                         parsers=parsers)
+    workers = RenderWorkers(config, args.renderer_num_workers)
+    orchestrator = None
+    if args.engine or args.decode:
+        key = args.engine_api_key
+        orchestrator = Orchestrator(
+            workers,
+            EnginePool(args.engine, key) if args.engine else None,
+            prefill=EnginePool(args.prefill, key) if args.prefill else None,
+            decode=EnginePool(args.decode, key) if args.decode else None,
+        )
+    api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
+    app = build_app(workers, orchestrator=orchestrator, api_key=api_key,
+                    max_request_body_bytes=args.max_request_body_bytes)
+    return app, config
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    problem = _check_args(args)
+    if problem:
+        print(f"pdserve render: error: {problem}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    try:
+        app, config = build(args)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"pdserve render: error: {e}", file=sys.stderr)
+        return 1
+    log.info("render tier for %s on http://%s:%d (max_model_len=%d, workers=%d)", config.served_model_names[0],
+             args.host, args.port, config.max_model_len, args.renderer_num_workers)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5, lifespan="on",
+    ))
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,89 @@
+"""Where the CPU work of the render tier runs (`--renderer-num-workers`).
+
+Templating, tokenisation and detokenisation are CPU-bound and partly hold the GIL (Jinja), so they never
+run on the event loop. One worker (the default) is one dedicated thread in the server process; N > 1 are
+N spawned processes, each with its own tokenizer, fed through a `ProcessPoolExecutor`. Every job is a
+plain function of JSON-able arguments, and errors come back as data (status, message, param) so they
+cross the process boundary intact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+from collections.abc import Callable
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from typing import Any
+
+from pdserve.render.context import RenderConfig, RenderContext
+from pdserve.render.derender import derender_chat, derender_completion
+from pdserve.render.render import render_chat, render_completion
+from pdserve.render.utility import detokenize, tokenize
+from pdserve.server.errors import APIError
+
+log = logging.getLogger("pdserve.render")
+
+JOBS: dict[str, Callable[..., Any]] = {
+    "render_chat": render_chat,
+    "render_completion": render_completion,
+    "derender_chat": derender_chat,
+    "derender_completion": derender_completion,
+    "tokenize": tokenize,
+    "detokenize": detokenize,
+    "ping": lambda ctx: True,
+}
+
+_worker_ctx: RenderContext | None = None  # per worker process
+
+
+def run_job(ctx: RenderContext, name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    try:
+        return ("ok", JOBS[name](ctx, *args))
+    except APIError as e:
+        return ("err", e.status, e.message, e.param, e.err_type)
+    except (RecursionError, OverflowError) as e:
+        return ("err", 400, f"Invalid request: {e}", None, None)
+
+
+def _init_worker(config: RenderConfig) -> None:
+    global _worker_ctx
+    _worker_ctx = RenderContext(config)
+
+
+def _run_in_worker(name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    assert _worker_ctx is not None, "render worker used before its initializer ran"
+    return run_job(_worker_ctx, name, args)
+
+
+class RenderWorkers:
+    def __init__(self, config: RenderConfig, num_workers: int = 1, ctx: RenderContext | None = None):
+        if num_workers < 1:
+            raise ValueError("--renderer-num-workers must be at least 1")
+        self.config = config
+        self.num_workers = num_workers
+        self.ctx = ctx or RenderContext(config)  # also answers the cheap in-process questions
+        self._executor: Executor
+        if num_workers == 1:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="pdserve-render")
+        else:
+            self._executor = ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=_init_worker, initargs=(config,))
+
+    async def start(self) -> None:
+        """Starts every worker (each loads its tokenizer) before the server reports healthy."""
+        await asyncio.gather(*(self.call("ping") for _ in range(self.num_workers)))
+
+    async def call(self, name: str, *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        if isinstance(self._executor, ThreadPoolExecutor):
+            result = await loop.run_in_executor(self._executor, run_job, self.ctx, name, args)
+        else:
+            result = await loop.run_in_executor(self._executor, _run_in_worker, name, args)
+        if result[0] == "ok":
+            return result[1]
+        _, status, message, param, err_type = result
+        raise APIError(message, status, param, err_type)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,361 @@
+"""Tokens-in/tokens-out engine routes (vLLM's scale-out API, section 10.2 of the protocol notes).
+
+* `POST /inference/v1/generate`: `GenerateRequest` -> `GenerateTokensResponse`, or SSE chunks with
+  token-id deltas. `kv_transfer_params` behave exactly as on the OpenAI routes (a prefill leg returns the
+  final output's params; a decode leg loads the remote KV first).
+* `POST /inference/v1/abort_requests` (and the legacy `POST /abort_requests` on a `--tokens-only`
+  server): `{"request_ids": [...]}` -> 200; the requests finish with `finish_reason: "abort"`.
+
+Decisions where vLLM leaves room:
+
+* Stop strings need text, which the engine does not have: 400 (use `stop_token_ids`). `output_mode`
+  other than "tokens" is refused on a `--tokens-only` server; on a normal server with
+  `--enable-scale-out`, "text" adds each choice's `text` (and then stop strings work), "derender" is
+  refused (use the render tier's `/derender`).
+* A prefill leg (`kv_transfer_params.do_remote_decode`) with `stream: true` is refused (400): streamed
+  chunks never carry `kv_transfer_params`, so the caller could never hand the held blocks to a decode
+  instance and they would stay pinned until the lease expires.
+* Logprobs carry real values: `{"content": [{"token_id", "logprob", "rank", "top_logprobs": [...]}]}`.
+* Omitted sampling fields get the model's generation_config defaults, like the OpenAI routes; an omitted
+  `max_tokens` is the room left in the context.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import Request
+
+from pdserve.engine.sampling_params import ParamError, SamplingParams
+from pdserve.render.protocol import AbortRequestsBody, GenerateRequest, GenerateSamplingParams
+from pdserve.server.errors import (
+    APIError,
+    bad_request,
+    error_body,
+    error_response,
+    not_supported,
+    sse_error_frame,
+)
+from pdserve.server.generation import Choice, Generation
+from pdserve.server.http_utils import SSE_DONE, ClientGone, parse_model, read_json, sse, until_disconnect
+from pdserve.server.params import MAX_N, child_seed, resolve_max_tokens, stop_list, truncate_prompt
+from pdserve.server.serving_common import Recorders, engine_error, now, start_generation, usage
+from pdserve.server.state import ServerState
+from pdserve.text.logprobs import clamp
+from pdserve.text.output import OutputProcessor
+
+GENERATE_PATH = "/inference/v1/generate"
+ABORT_PATH = "/inference/v1/abort_requests"
+LEGACY_ABORT_PATH = "/abort_requests"
+ID_PREFIX = "generate-tokens-"
+CLIENT_CLOSED = 499
+
+
+def forbidden() -> JSONResponse:
+    body = error_body("The scale-out API (/inference/v1/*) is disabled; start the server with --enable-scale-out "
+                      "or --tokens-only.", 403, None, "PermissionDeniedError")
+    return JSONResponse(body, 403)
+
+
+# ---- request -> engine parameters --------------------------------------------------------------------
+def _check_unsupported(sp: GenerateSamplingParams) -> None:
+    for name, value, default in (("presence_penalty", sp.presence_penalty, 0.0),
+                                 ("frequency_penalty", sp.frequency_penalty, 0.0),
+                                 ("repetition_penalty", sp.repetition_penalty, 1.0)):
+        if value not in (None, default):
+            raise not_supported(f"sampling_params.{name}", f" (only {default} is accepted)")
+    for name in ("logit_bias", "allowed_token_ids", "bad_words", "structured_outputs", "prompt_logprobs"):
+        if getattr(sp, name):
+            raise not_supported(f"sampling_params.{name}")
+    if not 1 <= sp.n <= MAX_N:
+        raise bad_request(f"sampling_params.n must be in 1..{MAX_N}, got {sp.n}.", "sampling_params.n")
+    if sp.logprobs is not None and not 0 <= sp.logprobs <= 20:
+        raise bad_request(f"sampling_params.logprobs must be in [0, 20], got {sp.logprobs}.", "sampling_params.logprobs")
+
+
+def engine_params(state: ServerState, sp: GenerateSamplingParams, max_tokens: int, seed: int | None,
+                  text_mode: bool) -> SamplingParams:
+    d = state.defaults
+    stops = stop_list(sp.stop)
+    if stops and not text_mode:
+        raise bad_request("Stop strings are not supported in tokens mode (the engine works on token ids, not "
+                          "text); use sampling_params.stop_token_ids.", "sampling_params.stop")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=d.temperature if sp.temperature is None else sp.temperature,
+            top_p=d.top_p if sp.top_p is None else sp.top_p,
+            top_k=d.top_k if sp.top_k is None else (0 if sp.top_k == -1 else sp.top_k),
+            min_p=d.min_p if sp.min_p is None else sp.min_p,
+            seed=seed,
+            stop=stops,
+            stop_token_ids=list(sp.stop_token_ids or []),
+            ignore_eos=sp.ignore_eos,
+            min_tokens=sp.min_tokens,
+            logprobs=sp.logprobs,
+            skip_special_tokens=sp.skip_special_tokens,
+            include_stop_str_in_output=sp.include_stop_str_in_output,
+        )
+    except ParamError as e:
+        raise APIError(str(e), 400, f"sampling_params.{e.param}" if e.param else None) from e
+
+
+def tokens_logprobs(lps: list[Any] | None, num_top: int | None) -> dict[str, Any] | None:
+    if lps is None or num_top is None:
+        return None
+    content = []
+    for lp in lps:
+        top = [{"token_id": tid, "logprob": clamp(value), "rank": r}
+               for r, (tid, value) in enumerate(lp.top[:num_top], start=1)]
+        content.append({"token_id": lp.token_id, "logprob": clamp(lp.logprob), "rank": lp.rank, "top_logprobs": top})
+    return {"content": content}
+
+
+class _Running:
+    """External request id ("generate-tokens-…") -> engine ids of its choices, for abort_requests."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, list[str]] = {}
+
+    def add(self, external: str, engine_ids: list[str]) -> None:
+        self._ids.setdefault(external, []).extend(engine_ids)
+
+    def remove(self, external: str, engine_ids: list[str]) -> None:
+        ids = self._ids.get(external)
+        if ids is None:
+            return
+        for e in engine_ids:
+            if e in ids:
+                ids.remove(e)
+        if not ids:
+            del self._ids[external]
+
+    def lookup(self, request_id: str) -> list[str]:
+        return list(self._ids.get(request_id) or self._ids.get(ID_PREFIX + request_id) or [request_id])
+
+
+# ---- the route handlers ------------------------------------------------------------------------------
+class TokensRoutes:
+    def __init__(self, get_state: Callable[[Request], ServerState], *, enabled: bool, tokens_only: bool):
+        self.get_state = get_state
+        self.enabled = enabled
+        self.tokens_only = tokens_only
+        self.running = _Running()
+
+    async def generate(self, raw: Request) -> Any:
+        if not self.enabled:
+            return forbidden()
+        state = self.get_state(raw)
+        arrival = now()
+        body = await read_json(raw, state.max_request_body_bytes)
+        req = parse_model(GenerateRequest, body)
+        model = state.check_model(req.model)
+        state.check_accepting()
+        text_mode = req.output_mode == "text"
+        if req.output_mode != "tokens" and self.tokens_only:
+            raise bad_request(f"output_mode {req.output_mode!r} needs a tokenizer; this server runs --tokens-only "
+                              "(only 'tokens' is accepted).", "output_mode")
+        if req.output_mode == "derender":
+            raise not_supported("output_mode 'derender'", "; derender with the render tier (pdserve render)")
+        sp = req.sampling_params
+        _check_unsupported(sp)
+        kv = req.kv_transfer_params
+        if req.stream and isinstance(kv, dict) and kv.get("do_remote_decode"):
+            raise bad_request("A prefill leg (kv_transfer_params.do_remote_decode) must use stream: false: streamed "
+                              "chunks do not carry kv_transfer_params.", "stream")
+        ids = [t for t in req.token_ids]
+        bad = next((t for t in ids if t >= state.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"Token id {bad} is out of vocabulary (size {state.vocab_size}).", "token_ids")
+        ids = truncate_prompt(ids, sp.truncate_prompt_tokens, state.max_model_len)
+        max_tokens = resolve_max_tokens(sp.max_tokens, len(ids), state.max_model_len, state.defaults,
+                                        "sampling_params.max_tokens")
+        external = ID_PREFIX + (raw.headers.get("x-request-id") or req.request_id)
+        raw.state.request_id = external
+        choices = []
+        for j in range(sp.n):
+            params = engine_params(state, sp, max_tokens, child_seed(sp.seed, j), text_mode)
+            engine_id = state.engine_request_id(external if j == 0 else f"{j}_{external}")
+            proc = OutputProcessor.from_params(state.tokenizer, ids, params, detokenize=text_mode)
+            choices.append(Choice(index=j, prompt_index=0, engine_id=engine_id, prompt_token_ids=ids, params=params,
+                                  kv_transfer_params=dict(kv) if kv is not None else None, processor=proc))
+        engine_ids = [c.engine_id for c in choices]
+        self.running.add(external, engine_ids)
+        try:
+            gen = await start_generation(state, raw, choices)
+        except BaseException:
+            self.running.remove(external, engine_ids)
+            raise
+        view = _GenerateView(req, external, model, ids, text_mode, kv)
+        recorders = Recorders(state, choices, arrival)
+        if req.stream:
+            return StreamingResponse(self._release(view.stream(gen, recorders), external, engine_ids),
+                                     media_type="text/event-stream")
+        try:
+            return await view.collect(gen, recorders, raw)
+        finally:
+            self.running.remove(external, engine_ids)
+
+    async def _release(self, it: AsyncIterator[str], external: str, engine_ids: list[str]) -> AsyncIterator[str]:
+        try:
+            async for item in it:
+                yield item
+        finally:
+            self.running.remove(external, engine_ids)
+
+    async def abort(self, raw: Request) -> Any:
+        if not self.enabled:
+            return forbidden()
+        state = self.get_state(raw)
+        body = await read_json(raw, state.max_request_body_bytes)
+        req = parse_model(AbortRequestsBody, body)
+        aborted = []
+        for rid in req.request_ids:
+            for engine_id in self.running.lookup(rid):
+                await state.engine.abort(engine_id)
+                aborted.append(engine_id)
+        return JSONResponse({"request_ids": req.request_ids, "num_aborted": len(aborted)})
+
+
+async def _guard(handler: Callable[[Request], Any], request: Request) -> Any:
+    try:
+        return await handler(request)
+    except APIError as e:
+        return error_response(e)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+
+
+def build_router(get_state: Callable[[Request], ServerState] | None = None, *, enabled: bool,
+                 tokens_only: bool) -> APIRouter:
+    """The scale-out routes. `enabled=False` (a normal server without `--enable-scale-out`) answers 403."""
+    routes = TokensRoutes(get_state or (lambda r: r.app.state.server), enabled=enabled, tokens_only=tokens_only)
+    router = APIRouter()
+
+    @router.post(GENERATE_PATH)
+    async def generate(request: Request) -> Any:
+        return await _guard(routes.generate, request)
+
+    @router.post(ABORT_PATH)
+    async def abort_requests(request: Request) -> Any:
+        return await _guard(routes.abort, request)
+
+    if tokens_only:
+        @router.post(LEGACY_ABORT_PATH)
+        async def legacy_abort_requests(request: Request) -> Any:
+            return await _guard(routes.abort, request)
+
+    return router
+
+
+# ---- responses ---------------------------------------------------------------------------------------
+class _GenerateView:
+    def __init__(self, req: GenerateRequest, external: str, model: str, prompt_ids: list[int], text_mode: bool,
+                 kv: dict[str, Any] | None):
+        self.req = req
+        self.id = external
+        self.model = model
+        self.created = int(time.time())
+        self.prompt_ids = prompt_ids
+        self.text_mode = text_mode
+        self.kv = kv
+        self.mode = req.output_mode
+        self.num_top = req.sampling_params.logprobs
+
+    def _choice(self, c: Choice, token_ids: list[int], lps: list[Any] | None, finished: bool,
+                finish_reason: str | None, stop_reason: Any, text: str | None) -> dict[str, Any]:
+        item: dict[str, Any] = {
+            "index": c.index,
+            "finish_reason": finish_reason if finished else None,
+            "stop_reason": stop_reason if finished else None,
+            "token_ids": token_ids,
+            "logprobs": tokens_logprobs(lps, self.num_top),
+            "routed_experts": None,
+            "sampling_mask": None,
+            "weight_versions": None,
+        }
+        if self.text_mode:
+            item["text"] = text
+        return item
+
+    async def collect(self, gen: Generation, recorders: Recorders, raw: Request) -> JSONResponse:
+        async def drain() -> None:
+            async for choice, out, delta in gen:
+                recorders.on_output(choice, out, delta.finished)
+
+        try:
+            await until_disconnect(raw, drain())
+        finally:
+            recorders.finish_unfinished(gen.choices)
+        error = engine_error(gen.choices)
+        if error:
+            raise APIError(f"Internal server error: {error}", 500)
+        choices = []
+        for c in gen.choices:
+            p = c.processor
+            lps = list(p.logprobs) if self.num_top is not None else None
+            choices.append(self._choice(c, list(p.token_ids), lps, True, p.finish_reason, p.stop_reason,
+                                        p.text if self.text_mode else None))
+        u = usage(gen.choices, [self.prompt_ids], len(gen.choices), self.kv)
+        return JSONResponse({
+            "request_id": self.id,
+            "model": self.model,
+            "created": self.created,
+            "output_mode": self.mode,
+            "choices": choices,
+            "usage": {k: u[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+            "prompt_logprobs": None,
+            "prompt_token_id_logprobs": None,
+            "prompt_token_ids": self.prompt_ids if self.req.return_token_ids else None,
+            "mm_placeholders": None,
+            "metrics": None,
+            "kv_transfer_params": gen.choices[0].kv_transfer_result,
+            "ec_transfer_params": None,
+        })
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        body = {"request_id": self.id, "model": self.model, "created": self.created, "output_mode": self.mode,
+                "choices": choices, **extra}
+        return sse(json.dumps(body))
+
+    async def stream(self, gen: Generation, recorders: Recorders) -> AsyncIterator[str]:
+        opts = self.req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(include_usage and opts and opts.continuous_usage_stats)
+        first = True
+        try:
+            async for c, out, delta in gen:
+                recorders.on_output(c, out, delta.finished)
+                if delta.finished and c.error:
+                    yield sse_error_frame(f"Internal server error: {c.error}", 500)
+                    yield SSE_DONE
+                    return
+                lps = delta.logprobs if self.num_top is not None else None
+                item = self._choice(c, delta.token_ids, lps, delta.finished, delta.finish_reason, delta.stop_reason,
+                                    delta.text if self.text_mode else None)
+                extra: dict[str, Any] = {}
+                if first and self.req.return_token_ids:
+                    extra["prompt_token_ids"] = self.prompt_ids
+                first = False
+                if continuous:
+                    u = usage([c], [self.prompt_ids], 1, None)
+                    extra["usage"] = {k: u[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+                yield self._chunk([item], **extra)
+            if include_usage:
+                u = usage(gen.choices, [self.prompt_ids], len(gen.choices), self.kv)
+                yield self._chunk([], usage={k: u[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")})
+            yield SSE_DONE
+        except APIError as e:
+            yield sse(json.dumps(error_body(e.message, e.status, e.param)))
+            yield SSE_DONE
+        except Exception as e:  # noqa: BLE001 - after the 200: the error goes in the stream
+            yield sse_error_frame(f"Internal server error: {e}", 500)
+            yield SSE_DONE
+        finally:
+            recorders.finish_unfinished(gen.choices)
+            await gen.close()
