@@ -523,6 +523,23 @@ def test_tcp_transport_where_the_target_must_progress(peers: Peers) -> None:
     consumer.stop()
 
 
+def test_kv_both_instances_serve_each_other(peers: Peers) -> None:
+    """kv_both: one NIXL agent serves as READ target and initiator at once; role errors are clear."""
+    a, b = (
+        peers.local(producer_spec(role="kv_both", seed=5)),
+        peers.local(consumer_spec(role="kv_both", seed=6)),
+    )
+    for src, dst, rid in ((a, b, "ab"), (b, a, "ba")):
+        result = _roundtrip(src, dst, rid, [1, 2, 9], [3, 4, 5])
+        assert result["ok"], result["error"]
+        assert dst.call("blocks", [3, 4, 5]) == src.call("blocks", [1, 2, 9])
+        assert src.call("wait_released", rid, 10.0)
+    consumer_only = peers.local(consumer_spec())
+    with pytest.raises(RuntimeError, match="kv_consumer: it cannot serve KV"):
+        consumer_only.connector.hold("x", [1], 4)
+    assert consumer_only.port is None
+
+
 def test_torch_bf16_pools_in_one_process() -> None:
     """Torch tensors (data_ptr path), two connectors (and metric registries) in one process."""
     torch = pytest.importorskip("torch")

@@ -119,6 +119,12 @@ class KVConnector:
         except BaseException:
             self.shutdown()
             raise
+        if config.is_producer and config.side_channel_host in ("0.0.0.0", "::"):
+            logger.warning(
+                "the KV side channel host %s is advertised to decode instances as remote_host; set "
+                "VLLM_NIXL_SIDE_CHANNEL_HOST / --side-channel-host to an address they can reach",
+                config.side_channel_host,
+            )
         logger.info(
             "KV connector ready: role=%s engine_id=%s pool=%s %.1f MiB in %d blocks of %d bytes%s",
             config.kv_role,

@@ -12,6 +12,7 @@ failure is reported, so nothing can land in the local blocks after the engine ge
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -134,7 +135,9 @@ class KVConsumer:
             parsed = self._waiting.pop(request_id, None)
         self._update_stages()
         if parsed is not None:
-            self._executor.submit(self._abort_remote, parsed)
+            # RuntimeError: shutting down; the producer's lease will expire instead.
+            with contextlib.suppress(RuntimeError):
+                self._executor.submit(self._abort_remote, parsed)
 
     def start_load(
         self,
@@ -439,10 +442,19 @@ class KVConsumer:
         return _Remote(p.remote_engine_id, name, reply["generation"], p.remote_host, p.remote_port, pool)
 
     def _forget_remote(self, remote: _Remote) -> None:
+        """Drop a failed producer so the next load handshakes again.
+
+        Under the producer's handshake lock, and only while the cache still holds this very entry: a restarted
+        producer reuses the agent name, and a concurrent load may already have added its new metadata.
+        """
         with self._lock:
-            if self._remotes.get(remote.engine_id) == remote:
+            lock = self._remote_locks.setdefault(remote.engine_id, threading.Lock())
+        with lock:
+            with self._lock:
+                if self._remotes.get(remote.engine_id) != remote:
+                    return
                 del self._remotes[remote.engine_id]
-        self._agent.remove_remote(remote.agent_name)
+            self._agent.remove_remote(remote.agent_name)
 
     # ---- background --------------------------------------------------------------------------------
 
