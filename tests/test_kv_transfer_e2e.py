@@ -386,7 +386,8 @@ def test_second_claim_of_the_same_lease_is_refused(pair: tuple[Peer, Peer]) -> N
 def test_leases_expire_unless_heartbeats_keep_them(peers: Peers) -> None:
     # The consumer heartbeats every lease/6 of ITS config, extending to now + 2/3 lease on the producer.
     # Lease logic does not depend on process boundaries, so both run in the test process.
-    extra = {"kv_lease_duration": 0.6}
+    # 1.2 s lease: heartbeats every 0.2 s extend to now + 0.8 s, slack enough for a loaded 2-core CI box.
+    extra = {"kv_lease_duration": 1.2}
     producer, consumer = peers.local(producer_spec(extra=extra)), peers.local(consumer_spec(extra=extra))
 
     # Never loaded, nobody waiting: freed by the reaper and counted; a late load is refused cleanly.
@@ -401,7 +402,7 @@ def test_leases_expire_unless_heartbeats_keep_them(peers: Peers) -> None:
     # Waiting on the consumer: heartbeats keep the lease for several original durations, then it loads.
     params = producer.call("hold", "hb-1", [6, 7], 8, 0)
     consumer.call("add_waiting", "d-hb-1", params)
-    deadline = time.monotonic() + 1.5
+    deadline = time.monotonic() + 2.6  # more than twice the original lease
     while time.monotonic() < deadline:
         assert producer.call("lease_expiry", "hb-1") is not None, "lease expired despite heartbeats"
         time.sleep(0.1)

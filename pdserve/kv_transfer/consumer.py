@@ -39,6 +39,7 @@ from pdserve.kv_transfer.params import RemotePrefillParams, parse_remote_prefill
 from pdserve.kv_transfer.pool import (
     PoolRegion,
     RemotePool,
+    bind_cuda_device,
     check_block_ids,
     coalesce_block_runs,
     descriptor_arrays,
@@ -109,7 +110,12 @@ class KVConsumer:
         self._waiting: dict[str, RemotePrefillParams] = {}
         self._inflight: set[str] = set()
         self._results: deque[LoadResult] = deque()
-        self._executor = ThreadPoolExecutor(config.num_load_workers, thread_name_prefix="pdserve-kv-load")
+        self._executor = ThreadPoolExecutor(
+            config.num_load_workers,
+            thread_name_prefix="pdserve-kv-load",
+            initializer=bind_cuda_device,
+            initargs=(region,),
+        )
         self._stop = threading.Event()
         self._heartbeats = threading.Thread(
             target=self._heartbeat_loop, name="pdserve-kv-heartbeat", daemon=True

@@ -83,6 +83,18 @@ def region_of(pool: Any) -> PoolRegion:
     )
 
 
+def bind_cuda_device(region: PoolRegion) -> None:
+    """Make the pool's GPU current in the calling thread (a no-op for DRAM pools).
+
+    UCX's CUDA transports copy with whatever CUDA context is current in the thread that drives NIXL; our load
+    workers and the producer's progress thread are fresh threads without one.
+    """
+    if region.mem_type == "VRAM":
+        import torch  # only reached with a CUDA tensor pool, so torch is already loaded
+
+        torch.cuda.set_device(region.device_id)
+
+
 def pretouch(region: PoolRegion) -> None:
     """Fault in every page of a DRAM pool now rather than during the first transfer into it.
 

@@ -23,7 +23,7 @@ from pdserve.kv_transfer.leases import ClaimRefused, LeaseTable
 from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.nixl_agent import NixlAgent
 from pdserve.kv_transfer.params import build_producer_params
-from pdserve.kv_transfer.pool import PoolRegion
+from pdserve.kv_transfer.pool import PoolRegion, bind_cuda_device
 from pdserve.kv_transfer.side_channel import SideChannelServer
 
 logger = logging.getLogger("pdserve.kv_transfer")
@@ -149,6 +149,7 @@ class KVProducer:
     # ---- progress ----------------------------------------------------------------------------------
 
     def _progress_loop(self) -> None:
+        bind_cuda_device(self._region)
         next_reap = 0.0
         while not self._stop.is_set():
             try:
