@@ -57,7 +57,7 @@ def load_nixl() -> ModuleType:
         for name in _NIXL_MODULES:
             try:
                 module = importlib.import_module(name)
-            except ImportError as exc:
+            except (ImportError, OSError) as exc:  # OSError: a shared library of the wheel failed to load
                 errors.append(f"{name}: {exc}")
                 continue
             if hasattr(module, "nixl_agent"):
