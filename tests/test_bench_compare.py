@@ -79,12 +79,20 @@ def test_unchecked_transfer_and_missing_target() -> None:
     assert decide("collocated", "1p1d", runs, None, PASS).decision == UNDETERMINED
 
 
-def test_failed_baseline_counts_as_missing_and_failed_candidate_as_zero_goodput() -> None:
-    runs = [RunSummary("collocated", 1.0, error="connection refused"), run("1p1d", 1.0, 5.0, 0.8)]
+def test_failed_runs() -> None:
+    # a rate where the baseline completed nothing counts as missing its target
+    runs = [RunSummary("collocated", 1.0, error="connection refused"), run("collocated", 2.0, 10.0, 0.5),
+            run("1p1d", 1.0, 5.0, 0.8), run("1p1d", 2.0, 5.0, 0.4)]  # fmt: skip
     v = decide("collocated", "1p1d", runs, 30.0, PASS)
-    assert v.checks[0].baseline_misses and v.decision == GO
-    runs = [run("collocated", 1.0, 90.0, 0.2), RunSummary("1p1d", 1.0, error="launch failed")]
+    assert [c.baseline_misses for c in v.checks] == [True, False] and v.decision == GO
+    # a failed candidate run has zero goodput
+    runs = [run("collocated", 1.0, 90.0, 0.2), RunSummary("1p1d", 1.0, error="launch failed"),
+            run("collocated", 2.0, 90.0, 0.2), run("1p1d", 2.0, 5.0, 0.9)]  # fmt: skip
     assert decide("collocated", "1p1d", runs, 30.0, PASS).decision == NO_GO
+    # nothing completed on one side at all: nothing to compare
+    runs = [RunSummary("collocated", 1.0, error="x"), run("1p1d", 1.0, 5.0, 0.8)]
+    v = decide("collocated", "1p1d", runs, 30.0, PASS)
+    assert v.decision == UNDETERMINED and "completed no request" in v.reasons[-1]
 
 
 METRICS = """\

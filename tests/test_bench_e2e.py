@@ -72,7 +72,13 @@ class StandIn:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        self.received.append({"path": request.path, "headers": {k.lower(): v for k, v in request.headers.items()}, "body": body})
+        self.received.append(
+            {
+                "path": request.path,
+                "headers": {k.lower(): v for k, v in request.headers.items()},
+                "body": body,
+            }
+        )
         if request.headers.get("x-request-id", "").endswith(self.fail_suffixes or ("\0",)):
             return web.json_response({"error": {"message": "boom"}}, status=500)
         chat = request.path.endswith("/chat/completions")

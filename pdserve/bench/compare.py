@@ -91,14 +91,20 @@ class Comparison:
             if entry.kind == "launch":
                 if not self.base.model:
                     raise BenchError(f"--launch {entry.name}={entry.value} needs --model")
-                log = os.path.join(self.cfg.output_dir, "logs", f"launch-{_safe(entry.name)}.log")
+                logs = os.path.join(self.cfg.output_dir, "logs")
+                extra = list(self.cfg.launch_args)
+                if self.cfg.launch_command is None and not any(a.startswith("--log-dir") for a in extra):
+                    extra += [
+                        "--log-dir",
+                        os.path.join(logs, _safe(entry.name)),
+                    ]  # instance logs of `pdserve up`
                 with LaunchedTopology(
                     entry.name,
                     entry.value,
                     self.base.model,
-                    log,
+                    os.path.join(logs, f"launch-{_safe(entry.name)}.log"),
                     self.cfg.launch_command,
-                    self.cfg.launch_args,
+                    extra,
                     ready_timeout_s=self.cfg.launch_timeout_s,
                 ) as url:
                     asyncio.run(self.sweep(entry.name, url))

@@ -49,8 +49,8 @@ class Target:
     tokenizer_id: str | None
 
 
-async def first_model(root_url: str, headers: dict[str, str]) -> tuple[str, str]:
-    """(served name, model id) of data[0] of GET /v1/models, as vLLM reads them."""
+async def list_models(root_url: str, headers: dict[str, str]) -> list[dict[str, Any]]:
+    """`data` of GET /v1/models."""
     url = f"{root_url}/v1/models"
     try:
         async with (
@@ -62,9 +62,47 @@ async def first_model(root_url: str, headers: dict[str, str]) -> tuple[str, str]
     except (aiohttp.ClientError, json.JSONDecodeError, TimeoutError) as err:
         raise BenchError(f"Failed to fetch models from {url} (pass --model to skip this): {err}") from err
     models = data.get("data") if isinstance(data, dict) else None
-    if not models:
+    if not models or not all(isinstance(m, dict) and "id" in m for m in models):
         raise BenchError(f"No models found on the server at {root_url}.")
-    return models[0]["id"], models[0].get("root") or models[0]["id"]
+    return models
+
+
+async def first_model(root_url: str, headers: dict[str, str]) -> tuple[str, str]:
+    """(served name, model id) of data[0] of GET /v1/models, as vLLM reads them."""
+    first = (await list_models(root_url, headers))[0]
+    return str(first["id"]), str(first.get("root") or first["id"])
+
+
+async def _served_root(spec: BenchSpec, served: str) -> str | None:
+    """The local folder the server loaded `served` from (its /v1/models `root`), if this machine has it."""
+    try:
+        models = await list_models(spec.root_url, spec.request_headers())
+    except BenchError:
+        return None
+    for m in models:
+        root = m.get("root")
+        if m.get("id") == served and isinstance(root, str) and os.path.isdir(root):
+            return root
+    return None
+
+
+async def _load_tokenizer(spec: BenchSpec, model_id: str, served: str) -> tuple[Any, str]:
+    """--tokenizer, else the model id when it is a local path, else the server's local model folder, else
+    the model id as a hub id."""
+    if spec.tokenizer:
+        return load_tokenizer(spec.tokenizer), spec.tokenizer
+    candidates = [model_id]
+    if not os.path.exists(model_id):
+        root = await _served_root(spec, served)
+        if root is not None:
+            candidates.insert(0, root)
+    errors: list[TokenizerError] = []
+    for candidate in candidates:
+        try:
+            return load_tokenizer(candidate), candidate
+        except TokenizerError as err:
+            errors.append(err)
+    raise errors[-1]
 
 
 async def resolve_target(spec: BenchSpec, need_tokenizer: bool) -> Target:
@@ -78,14 +116,12 @@ async def resolve_target(spec: BenchSpec, need_tokenizer: bool) -> Target:
     tokenizer = None
     tokenizer_id: str | None = None
     if not spec.skip_tokenizer_init:
-        tokenizer_id = spec.tokenizer or model_id
         try:
-            tokenizer = load_tokenizer(tokenizer_id)
+            tokenizer, tokenizer_id = await _load_tokenizer(spec, model_id, model_name or model_id)
         except TokenizerError as err:
             if need_tokenizer or spec.tokenizer:
                 raise BenchError(f"{err}; pass --tokenizer PATH (a folder with tokenizer.json)") from err
             print(f"WARNING: {err}; output tokens are counted from the server's usage only", file=sys.stderr)
-            tokenizer_id = None
     elif need_tokenizer:
         raise BenchError(f"--dataset-name {spec.dataset_name} needs a tokenizer (drop --skip-tokenizer-init)")
     return Target(spec.root_url, spec.api_url, model_id, model_name, tokenizer, tokenizer_id)

@@ -105,6 +105,10 @@ def decide(
     if not verdict.checks:
         verdict.reasons.append("no runs to judge")
         return verdict
+    for name in (baseline, candidate):
+        if not any(r.ok for r in runs if r.target == name):
+            verdict.reasons.append(f"{name} completed no request at any rate: nothing to compare")
+            return verdict
     if not miss:
         verdict.decision = NO_GO
         verdict.reasons.append(
