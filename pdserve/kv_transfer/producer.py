@@ -4,7 +4,7 @@ Threads:
 - side channel server: answers handshake/claim/release/abort/heartbeat from the lease table;
 - progress: calls `get_new_notifs()` on the agent. With the UCX progress thread off, nobody else answers the
   consumer's connection setup or (on TCP) serves its READ, so this loop polls every ~50 us while a claim is
-  outstanding or a handshake just happened, and sleeps 5 ms between polls when idle (never spins a core idle).
+  outstanding or a handshake just happened, and sleeps 10 ms between polls when idle (never spins a core idle).
   It also runs the lease reaper and the periodic metrics log line.
 """
 
@@ -30,7 +30,7 @@ logger = logging.getLogger("pdserve.kv_transfer")
 
 NOTIF_PREFIX = b"pdserve:"
 _FAST_POLL_S = 0.00005
-_IDLE_POLL_S = 0.005
+_IDLE_POLL_S = 0.01
 _REAP_EVERY_S = 0.05
 # After a handshake the consumer connects and posts its first READ; keep polling fast meanwhile.
 _HANDSHAKE_BOOST_S = 2.0
