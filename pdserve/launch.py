@@ -142,6 +142,8 @@ def _say(text: str = "") -> None:
 
 
 def _describe(spec: ProcSpec) -> str:
+    if spec.role == "proxy":
+        return f"  {spec.name:<12} {spec.url:<24} log {spec.log_path}"
     where = f"GPU {spec.gpu}" if spec.gpu is not None else (f"CPUs {cpu_list(spec.cpus)}" if spec.cpus else "CPU")
     sc = f", side channel :{spec.side_channel_port}" if spec.side_channel_port else ""
     return f"  {spec.name:<12} {spec.url:<24} ({where}{sc})  log {spec.log_path}"
@@ -194,7 +196,7 @@ def _report_death(child: launch_procs.Child, when: str) -> None:
     sys.stderr.flush()
 
 
-def _ready_line(dep: Deployment, model: str | None, log_dir: Path) -> str:
+def _ready_line(dep: Deployment, model: str | None, log_dir: Path, children: list[launch_procs.Child]) -> str:
     fields = {
         "proxy": dep.proxy.url,
         "prefill": ",".join(s.url for s in dep.role("prefill")),
@@ -202,6 +204,7 @@ def _ready_line(dep: Deployment, model: str | None, log_dir: Path) -> str:
         "model": model or dep.model,
         "log_dir": str(log_dir),
         "pid": str(os.getpid()),
+        "pids": ",".join(str(c.pid) for c in children),
     }
     return "PDSERVE_READY " + " ".join(f"{k}={shlex.quote(v)}" for k, v in fields.items() if v)
 
@@ -270,7 +273,7 @@ def run(cfg: LaunchConfig, dep: Deployment, *, demo: bool, exit_after: bool, dem
             model = served_model(first.url)
             say(f"ready in {time.monotonic() - t0:.1f}s. Client endpoint (OpenAI API): {dep.proxy.url}/v1")
             say(f"  try: {_curl(dep.proxy.url, model)}")
-            say(_ready_line(dep, model, cfg.log_dir))
+            say(_ready_line(dep, model, cfg.log_dir, children))
             if demo:
                 decodes = dep.role("decode")
                 ok = run_demo(

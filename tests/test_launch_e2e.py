@@ -1,0 +1,100 @@
+"""`pdserve up` end to end: real instances and proxy on 127.0.0.1, stopped by PID, no orphans, ports free.
+
+The 1P1D lifecycle (SIGTERM teardown) is exercised by the deployment fixture of test_preflight_e2e.py.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+
+import pytest
+from launch_helpers import (
+    Up,
+    assert_all_gone,
+    children_of,
+    kill_leftovers,
+    ports_in,
+    tiny_model_with_tokenizer,
+)
+
+STARTUP_S = 400  # bounds only: a loaded 2-core CI box can take minutes to import torch twice
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_factory, tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
+    src = tiny_model_factory("llama", vocab_size=49152)
+    return tiny_model_with_tokenizer(src, tmp_path_factory.mktemp("up-model") / "tiny")
+
+
+def test_collocated_demo_exit(tiny: Path, tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    up = Up([str(tiny), "--topology", "collocated:1", "--port", "0", "--demo", "--exit", "--demo-max-tokens", "8",
+             "--log-dir", str(logs)], cwd=tmp_path)
+    pids: list[int] = []
+    try:
+        info = up.ready(STARTUP_S)
+        listed = [int(p) for p in info["pids"].split(",")]
+        pids = listed + [p for p in children_of(up.proc.pid) if p not in listed]  # + the watchdog
+        rc = up.wait(STARTUP_S)
+        out = up.output
+        assert rc == 0, out
+        assert len(listed) == 2 and "prefill" not in info
+        assert info["decode"].startswith("http://127.0.0.1:") and info["proxy"].startswith("http://127.0.0.1:")
+        assert re.search(r"^answer: The three primary colours are\S*.+", out, re.M), out
+        assert re.search(r"^TTFT: \d+\.\d ms; total \d+\.\d ms, 8 tokens, finish_reason=length", out, re.M), out
+        assert "curl -s " + info["proxy"] + "/v1/completions" in out
+        assert (logs / "collocated.log").stat().st_size > 0 and (logs / "proxy.log").stat().st_size > 0
+        assert_all_gone(pids, ports_in(out))
+    finally:
+        up.kill()
+        kill_leftovers(pids)
+
+
+def test_child_crash_at_startup_is_reported(tiny: Path, tmp_path: Path) -> None:
+    """A bad serve argument on decode: prefill is stopped, decode's log tail shown, exit code non-zero."""
+    up = Up([str(tiny), "--port", "0", "--decode-arg=--tensor-parallel-size 2", "--log-dir", str(tmp_path)],
+            cwd=tmp_path)
+    try:
+        rc = up.wait(STARTUP_S)
+    finally:
+        up.kill()
+    out = up.output
+    assert rc == 1, out
+    assert "pdserve up: decode exited with code 2 during startup" in out
+    assert "  | pdserve serve: error: --tensor-parallel-size other than 1 is not supported" in out
+    assert "PDSERVE_READY" not in out
+    stopping = re.search(r"^stopping: (.*)$", out, re.M)
+    assert stopping, out
+    pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", stopping.group(1))]
+    assert len(pids) == 2  # decode and prefill; the proxy never started
+    assert_all_gone(pids, ports_in(out))
+
+
+def test_readme_command_default_model(tmp_path: Path) -> None:
+    """README command 1 as written (`pdserve up --demo`: embedded SmolLM2, 1P1D + proxy), then Ctrl-C."""
+    up = Up(["--demo"], cwd=tmp_path)
+    pids: list[int] = []
+    try:
+        info = up.ready(STARTUP_S)
+        pids = [int(p) for p in info["pids"].split(",")]
+        pids += [p for p in children_of(up.proc.pid) if p not in pids]  # the watchdog
+        up.wait_for(r"^serving; Ctrl-C stops everything", STARTUP_S)
+        out = up.output
+        assert info["model"] == "smollm2-135m" and info["prefill"] and info["decode"]
+        assert re.search(r"^answer: The three primary colours are .+", out, re.M), out
+        assert re.search(r"^TTFT: \d+\.\d ms", out, re.M), out
+        assert re.search(r"^KV Transfer metrics \(from http://127\.0\.0\.1:\d+/metrics\): Num successful "
+                         r"transfers=1, Avg xfer time \(ms\)=", out, re.M), out
+        assert re.search(r"^decode\.log: .*KV Transfer metrics: Num successful transfers=1", out, re.M), out
+        rc = up.stop(signal.SIGINT)
+        out = up.output
+        assert rc == 0, out
+        assert out.rstrip().endswith("stopped.")
+        for name in ("prefill.log", "decode.log", "proxy.log"):
+            assert (tmp_path / "pdserve-logs" / name).stat().st_size > 0
+        assert_all_gone(pids, ports_in(out))
+    finally:
+        up.kill()
+        kill_leftovers(pids)
