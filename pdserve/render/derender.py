@@ -95,8 +95,20 @@ class _ChatSetup:
     role: str
     echo: str
     prompt_ids: list[int] | None
-    prompt_tail: str | None
     fmt: LogprobFormatter
+    ctx: RenderContext
+    _tail: str | None = None
+    _tail_known: bool = False
+
+    def prompt_tail(self) -> str | None:
+        """The end of the prompt text (for the reasoning parser's start state); only a new stream needs it.
+        Without prompt ids the template is rendered again, once, to find it."""
+        if not self._tail_known:
+            self._tail_known = True
+            self._tail = prompt_tail_text(self.ctx.tokenizer, self.prompt_ids)
+            if self._tail is None and self.ctx.parsers.reasoning_parser and self.req.messages:
+                self._tail = chat_prompt_text(self.ctx, self.req)[-64:]
+        return self._tail
 
 
 def _chat_setup(ctx: RenderContext, body: ChatDerenderRequest) -> _ChatSetup:
@@ -112,21 +124,18 @@ def _chat_setup(ctx: RenderContext, body: ChatDerenderRequest) -> _ChatSetup:
     prompt_ids = body.prompt_token_ids
     if prompt_ids is not None:
         _check_ids(ctx, prompt_ids, "prompt_token_ids")
-    tail = prompt_tail_text(ctx.tokenizer, prompt_ids)
-    if tail is None and ctx.parsers.reasoning_parser and req.messages:
-        tail = chat_prompt_text(ctx, req)[-64:]  # whether the template opened a think block
     role = chat_role(req) if req.messages else "assistant"
     echo = ""
     if req.echo and req.messages and isinstance(req.messages[-1], dict) and req.messages[-1].get("role") == role:
         echo = message_text(req.messages[-1])
     fmt = LogprobFormatter(ctx.tokenizer.token_text, bool(req.return_tokens_as_token_ids))
-    return _ChatSetup(req, model, use_tools, role, echo, prompt_ids, tail, fmt)
+    return _ChatSetup(req, model, use_tools, role, echo, prompt_ids, fmt, ctx)
 
 
 def _new_chat_stream(ctx: RenderContext, s: _ChatSetup, index: int) -> ChoiceStream:
     parser = None
     if ctx.parsers.any:
-        parser = ChatOutputParser.new(ctx.parsers, use_tools=s.use_tools, prompt_tail=s.prompt_tail,
+        parser = ChatOutputParser.new(ctx.parsers, use_tools=s.use_tools, prompt_tail=s.prompt_tail(),
                                       include_reasoning=s.req.include_reasoning)
     return ChoiceStream.new(index, ctx.tokenizer, s.prompt_ids, _text_options(s.req), parser)
 
@@ -193,7 +202,7 @@ def _prompt_tokens(given: int | None, prompt_ids: list[int] | None, resp: Genera
 
 
 def _resume_streams(ctx: RenderContext, state: DerenderStreamState | None, n: int, *, use_tools: bool,
-                    include_reasoning: bool, options: TextOptions) -> dict[int, ChoiceStream]:
+                    include_reasoning: bool, options: TextOptions, chat: bool) -> dict[int, ChoiceStream]:
     streams: dict[int, ChoiceStream] = {}
     if state is None:
         return streams
@@ -201,8 +210,8 @@ def _resume_streams(ctx: RenderContext, state: DerenderStreamState | None, n: in
         if st.index >= n or st.index in streams:
             raise bad_request(f"stream_state has a duplicate or out-of-range choice index {st.index}.", "stream_state")
         try:
-            streams[st.index] = ChoiceStream.from_state(st, ctx.tokenizer, options, ctx.parsers, use_tools,
-                                                        include_reasoning)
+            streams[st.index] = ChoiceStream.from_state(st, ctx.tokenizer, options, ctx.parsers if chat else None,
+                                                        use_tools, include_reasoning)
         except (ValueError, ParserStateError) as e:
             raise bad_request(f"malformed stream_state: {e}", "stream_state") from e
     return streams
@@ -223,7 +232,7 @@ def _derender_chat_chunk(ctx: RenderContext, body: ChatDerenderRequest) -> dict[
     s = _chat_setup(ctx, body)
     _check_generate(ctx, chunk, s.req.n, "generate_chunk")
     streams = _resume_streams(ctx, body.stream_state, s.req.n, use_tools=s.use_tools,
-                              include_reasoning=s.req.include_reasoning, options=_text_options(s.req))
+                              include_reasoning=s.req.include_reasoning, options=_text_options(s.req), chat=True)
     out_choices = []
     for choice in chunk.choices:
         stream = streams.get(choice.index)
@@ -378,7 +387,7 @@ def _derender_completion_chunk(ctx: RenderContext, body: CompletionDerenderReque
     ids = _prompt_ids_at(ctx, body, i)
     options = _text_options(req)
     streams = _resume_streams(ctx, body.stream_state, n, use_tools=False, include_reasoning=True,
-                              options=options)
+                              options=options, chat=False)
     fmt = LogprobFormatter(ctx.tokenizer.token_text, bool(req.return_tokens_as_token_ids))
     out_choices = []
     for choice in chunk.choices:

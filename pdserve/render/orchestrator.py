@@ -273,7 +273,9 @@ class Orchestrator:
                 await queue.put(done)
 
         tasks = [asyncio.ensure_future(pump(leg, resp)) for leg, resp in zip(legs, opened, strict=True)]
-        shape = _ChunkShape(kind, client)
+        first_id = legs[0].gen["request_id"]
+        # One id for the whole answer, as in-process: completions with several prompts render "cmpl-x-0", ...
+        shape = _ChunkShape(kind, client, first_id.removesuffix("-0") if len(legs) > 1 else first_id)
         try:
             remaining = len(tasks)
             while remaining:
@@ -305,17 +307,18 @@ class Orchestrator:
 class _ChunkShape:
     """Turns derendered chunks into the SSE frames an in-process server would send."""
 
-    def __init__(self, kind: str, client: dict[str, Any]):
+    def __init__(self, kind: str, client: dict[str, Any], response_id: str):
         self.kind = kind
         opts = client.get("stream_options") if isinstance(client.get("stream_options"), dict) else {}
         self.include_usage = bool(opts.get("include_usage"))
         self.return_token_ids = bool(client.get("return_token_ids"))
-        self.id = ""
+        self.id = response_id
         self.model = ""
         self.created = int(time.time())
 
     def frames(self, chunk: dict[str, Any]) -> list[str]:
-        self.id, self.model = chunk.get("id", self.id), chunk.get("model", self.model)
+        chunk["id"] = self.id
+        self.model = chunk.get("model", self.model)
         self.created = chunk.get("created") or self.created
         chunk.pop("usage", None)
         if self.kind != "chat":
