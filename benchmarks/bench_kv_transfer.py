@@ -148,6 +148,8 @@ def main() -> None:
         f"{token_bytes / 1024:.0f} KiB/token, block {args.block_size} tokens = {block_bytes / 2**20:.2f} MiB; "
         f"prompt {args.tokens} tokens = {blocks} blocks = {nbytes / 2**20:.0f} MiB; device {args.device}"
     )
+    # Shared CI boxes are noisy: say how busy this one was.
+    print(f"host: {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f}")
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
