@@ -255,6 +255,7 @@ def wait_ready(
                 next_progress = now + progress_every
                 for child in pending:
                     last = next((ln for ln in reversed(tail(child.spec.log_path, 5)) if ln.strip()), "")
-                    report(f"  [{now - t0:6.1f}s] {child.name:<12} starting ... {last[:100]}")
+                    last = last[:100] if last else "(no log output yet)"
+                    report(f"  [{now - t0:6.1f}s] {child.name:<12} starting ... {last}")
             time.sleep(POLL_S)
     return ReadyResult(True)
