@@ -17,6 +17,8 @@ import traceback
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import aiohttp
+
 from pdserve.bench.launcher import LaunchedTopology, LaunchError
 from pdserve.bench.metrics import parse_goodput
 from pdserve.bench.options import BenchSpec
@@ -39,6 +41,14 @@ from pdserve.bench.types import SampleRequest
 from pdserve.bench.verdict import Verdict, decide
 
 AUTO = "auto"
+TRANSFER_READ_ERRORS = (aiohttp.ClientError, TimeoutError, RuntimeError, KeyError, TypeError, ValueError)
+
+
+def unreadable(urls: list[str], err: BaseException) -> TransferCheck:
+    """A transfer check that was asked for but could not be read counts as failed: never a silent GO."""
+    return TransferCheck(
+        "fail", f"cannot read the decode instances' metrics: {type(err).__name__}: {err}", urls
+    )
 
 
 @dataclass
@@ -142,10 +152,13 @@ class Comparison:
         check_urls = self._transfer_urls(name)
         before = None
         if check_urls is not None:
-            if check_urls == [AUTO]:
-                check_urls = await discover_decode_urls(spec_t.root_url)
-                self.cfg.transfer_urls[name] = check_urls
-            before = await snapshot(check_urls)
+            try:
+                if check_urls == [AUTO]:
+                    check_urls = await discover_decode_urls(spec_t.root_url)
+                    self.cfg.transfer_urls[name] = check_urls
+                before = await snapshot(check_urls)
+            except TRANSFER_READ_ERRORS as err:
+                self.transfers[name] = unreadable(check_urls, err)
         for i, rate in enumerate(self.cfg.rates):
             seed = self.base.seed if self.cfg.same_prompts else self.base.seed + i
             spec_r = replace(spec_t, request_rate=rate, seed=seed)
@@ -159,8 +172,11 @@ class Comparison:
             write_json(path, result)
             self.runs.append(summarize_result(name, rate, result, path))
         if check_urls is not None and before is not None:
-            after = await snapshot(check_urls)
-            self.transfers[name] = judge(after - before, self.cfg.max_xfer_ms, check_urls)
+            try:
+                after = await snapshot(check_urls)
+                self.transfers[name] = judge(after - before, self.cfg.max_xfer_ms, check_urls)
+            except TRANSFER_READ_ERRORS as err:
+                self.transfers[name] = unreadable(check_urls, err)
 
     # -- everything -----------------------------------------------------------------------------------
     def run(self) -> CompareOutcome:
