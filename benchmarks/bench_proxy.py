@@ -4,7 +4,8 @@ Backends are stand-ins (`python -m pdserve.proxy.standin`) on 127.0.0.1 that ans
 prefill returns `kv_transfer_params`, the decode streams `--tokens` SSE events and `[DONE]`. So what is
 measured is the proxy alone: requests/s at saturation (`--concurrency` streams in flight) and the
 latency it adds at concurrency 1 (p50/p99 of request time minus the direct two-leg time, where "direct"
-is this client doing the prefill leg then the decode leg itself).
+is this client doing the prefill leg then the decode leg itself). Targets are interleaved (one request
+each in turn for latency, rounds for saturation) so that other load on the machine hits all alike.
 
 vLLM's toy proxy is not part of this repository. Get it into a temporary folder first, e.g.
 
@@ -133,55 +134,60 @@ async def _direct(session: aiohttp.ClientSession, p_url: str, d_url: str, body: 
         return r.status == 200 and data.endswith(b"data: [DONE]\n\n")
 
 
-async def _measure(
-    target: str, one: Any, *, warmup: int, latency_n: int, sat_n: int, concurrency: int
-) -> Result:
-    res = Result(target)
-    for _ in range(warmup):
-        await one()
-    for _ in range(latency_n):
-        t0 = time.perf_counter()
-        ok = await one()
-        res.latencies_s.append(time.perf_counter() - t0)
-        res.errors += not ok
-    remaining = sat_n
+async def _saturate(one: Any, n: int, concurrency: int) -> tuple[float, int]:
+    """(seconds, errors) for n requests with `concurrency` in flight."""
+    remaining = n
+    errors = 0
 
     async def worker() -> None:
-        nonlocal remaining
+        nonlocal remaining, errors
         while remaining > 0:
             remaining -= 1
             try:
                 ok = await one()
             except aiohttp.ClientError:
                 ok = False
-            res.errors += not ok
+            errors += not ok
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    res.rps = sat_n / (time.perf_counter() - t0)
-    return res
+    return time.perf_counter() - t0, errors
 
 
 async def _run(args: argparse.Namespace, targets: dict[str, str], p_url: str, d_url: str) -> list[Result]:
+    """Targets are interleaved (latency: one request each in turn, rotating the order; saturation: rounds)
+    so that a change in machine load hits every target alike."""
     body = _body(args.tokens)
     payload = json.dumps(body).encode()
     connector = aiohttp.TCPConnector(limit=0)
-    results = []
     async with aiohttp.ClientSession(
         connector=connector, timeout=aiohttp.ClientTimeout(total=120)
     ) as session:
-        kw = dict(
-            warmup=args.warmup,
-            latency_n=args.latency_requests,
-            sat_n=args.requests,
-            concurrency=args.concurrency,
-        )
-        results.append(
-            await _measure("direct (P then D)", lambda: _direct(session, p_url, d_url, body), **kw)
-        )
+        calls: dict[str, Any] = {"direct (P then D)": lambda: _direct(session, p_url, d_url, body)}
         for name, url in targets.items():
-            results.append(await _measure(name, lambda url=url: _via_proxy(session, url, payload), **kw))
-    return results
+            calls[name] = lambda url=url: _via_proxy(session, url, payload)
+        results = {name: Result(name) for name in calls}
+        names = list(calls)
+        for name in names:
+            for _ in range(args.warmup):
+                await calls[name]()
+        for i in range(args.latency_requests):
+            for j in range(len(names)):
+                name = names[(i + j) % len(names)]
+                t0 = time.perf_counter()
+                ok = await calls[name]()
+                results[name].latencies_s.append(time.perf_counter() - t0)
+                results[name].errors += not ok
+        per_round = max(1, args.requests // args.rounds)
+        elapsed = dict.fromkeys(names, 0.0)
+        for _ in range(args.rounds):
+            for name in names:
+                seconds, errors = await _saturate(calls[name], per_round, args.concurrency)
+                elapsed[name] += seconds
+                results[name].errors += errors
+        for name in names:
+            results[name].rps = per_round * args.rounds / elapsed[name]
+    return [results[name] for name in names]
 
 
 def _table(results: list[Result]) -> str:
@@ -218,6 +224,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=3000, help="requests per target at saturation")
     parser.add_argument("--concurrency", type=int, default=64, help="streams in flight at saturation")
     parser.add_argument("--latency-requests", type=int, default=1000, help="sequential requests per target")
+    parser.add_argument("--rounds", type=int, default=3, help="saturation rounds, targets interleaved")
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--tokens", type=int, default=4, help="SSE token events per decode stream")
     parser.add_argument("--json", default=None, help="also write the numbers to this JSON file")
@@ -296,9 +303,9 @@ def main() -> int:
         for server in reversed(servers):
             server.stop()
     print(
-        f"# bench_proxy: {args.requests} requests x {args.concurrency} concurrent for req/s; "
-        f"{args.latency_requests} sequential for latency; {args.tokens} SSE tokens per stream; "
-        f"{os.cpu_count()} CPUs"
+        f"# bench_proxy: {args.requests} requests x {args.concurrency} concurrent ({args.rounds} rounds) for req/s; "
+        f"{args.latency_requests} sequential per target for latency (interleaved); {args.tokens} SSE tokens per "
+        f"stream; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f} at the end"
     )
     print(_table(results))
     if args.json:
