@@ -126,6 +126,7 @@ def build_app(workers: RenderWorkers, *, orchestrator: Orchestrator | None = Non
             "prefill": orchestrator.prefill.urls if orchestrator is not None and orchestrator.prefill else None,
             # The render tier must never load torch; tests and preflight read this.
             "torch_loaded": "torch" in sys.modules,
+            "workers_torch_loaded": await workers.call("torch_loaded"),
         })
 
     app.add_middleware(RequestIdAuthMiddleware, api_key=api_key)

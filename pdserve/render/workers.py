@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import sys
 from collections.abc import Callable
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
@@ -32,6 +33,7 @@ JOBS: dict[str, Callable[..., Any]] = {
     "tokenize": tokenize,
     "detokenize": detokenize,
     "ping": lambda ctx: True,
+    "torch_loaded": lambda ctx: "torch" in sys.modules,
 }
 
 _worker_ctx: RenderContext | None = None  # per worker process
