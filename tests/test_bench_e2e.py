@@ -301,6 +301,7 @@ def test_compare_launch_transfer_check_plots_and_html(tmp_path: Path) -> None:
     finally:
         server.stop()
     assert len(colo.received) == 8
+    assert len({r["headers"]["x-request-id"] for r in colo.received}) == 8  # unique across rates
     for name in ("collocated-100qps", "collocated-infqps", "pd-100qps", "pd-infqps"):
         run_json = json.loads((out_dir / "runs" / f"{name}.json").read_text())
         assert run_json["completed"] == 4 and "p99_itl_ms" in run_json and "p50_ttft_ms" in run_json

@@ -161,7 +161,9 @@ class Comparison:
                 self.transfers[name] = unreadable(check_urls, err)
         for i, rate in enumerate(self.cfg.rates):
             seed = self.base.seed if self.cfg.same_prompts else self.base.seed + i
-            spec_r = replace(spec_t, request_rate=rate, seed=seed)
+            # x-request-ids unique across the whole comparison (a proxy may key state by them)
+            prefix = f"{self.base.request_id_prefix}{_safe(name)}-r{i}-"
+            spec_r = replace(spec_t, request_rate=rate, seed=seed, request_id_prefix=prefix)
             print(f"\n===== [{name}] request rate {rate_label(rate)} req/s =====", flush=True)
             requests = await self._workload(rate, target, spec_r)
             bench_result = await benchmark(spec_r, target, requests)
