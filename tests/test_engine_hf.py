@@ -87,3 +87,27 @@ def test_max_model_len_caps_generation(tiny_llama):
     engine = make_engine(tiny_llama, max_model_len=24)
     out = run_engine(engine, [list(range(3, 20))], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
     assert len(out[0]) == 24 - 17
+
+
+def test_smollm2_default_matches_transformers():
+    """The embedded default (SmolLM2-135M-Instruct, converted from its GGUF) on chat and completion prompts."""
+    pytest.importorskip("gguf")
+    from pdserve.model.default_model import resolve_model
+    from pdserve.text.tokenizer import load_tokenizer
+
+    try:
+        model = resolve_model(None)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    tok = load_tokenizer(str(model))
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
+        tok.apply_chat_template([{"role": "system", "content": "You answer in one word."},
+                                 {"role": "user", "content": "Name a fruit."}]),
+        "The three primary colours are",
+        "def fibonacci(n):",
+    ]
+    prompts = [tok.encode(t) for t in texts]
+    engine = make_engine(model, max_model_len=512)
+    assert run_engine(engine, prompts, GREEDY) == hf_greedy(model, prompts, 16)
+    assert_accounting_clean(engine)

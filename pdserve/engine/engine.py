@@ -208,7 +208,9 @@ class LLMEngine:
         assert self.connector is not None
         first_block = req.num_computed_tokens // self.config.block_size
         try:
-            self.connector.start_load(req.request_id, req.kv_transfer_params, list(req.block_ids), first_block)
+            # Tokens [0, len - 1) come from the producer; the last prompt token is recomputed here for logits.
+            self.connector.start_load(req.request_id, req.kv_transfer_params, list(req.block_ids), first_block,
+                                      num_tokens=req.num_prompt_tokens - 1)
         except Exception as e:  # noqa: BLE001 - any connector failure goes through the failure policy
             self._load_failed(req, f"KV load could not start: {e}", outputs)
 
