@@ -1,0 +1,207 @@
+"""1P1D vs one collocated instance on the same machine, same prompts, one run: TTFT, decode tokens/s,
+and the KV handoff (bytes, NIXL READ time, GB/s) read from the decode instance's /metrics.
+
+Requests go one at a time, so each number is the system's own latency, not queueing. The P/D path is
+driven exactly as vLLM's toy proxy drives it (prefill leg with max_tokens=1, then the decode leg with the
+prefill's kv_transfer_params); TTFT is measured by the client across both legs.
+
+    # CPU (2 cores): SmolLM2 default; prefill pinned to core 0, decode to core 1, collocated gets both
+    python benchmarks/bench_pd.py --prompt-len 1024 --output-len 64 --num-requests 8
+    # H200: two processes sharing the GPU, Llama-3.1-8B shape with dummy weights
+    python benchmarks/bench_pd.py --model pdserve/data/configs/llama-3.1-8b --load-format dummy \
+        --prompt-len 8192 --output-len 64 --num-requests 5 --gpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+TOY_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+              "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Instance:
+    def __init__(self, name: str, args: argparse.Namespace, logdir: Path, extra: list[str], cpus: set[int] | None):
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "pdserve", "serve", *([args.model] if args.model else []),
+               "--port", str(self.port), "--served-model-name", "bench", "--max-model-len",
+               str(args.prompt_len + args.output_len + 64), "--disable-uvicorn-access-log",
+               "--load-format", args.load_format, "--no-enable-prefix-caching", *extra, *args.serve_arg]
+        if args.gpu:
+            cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+        env = dict(os.environ)
+        if cpus:
+            env["OMP_NUM_THREADS"] = str(len(cpus))
+        self.log = open(logdir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+
+    def wait(self, timeout: float = 900) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not ready")
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+            if line.startswith("vllm:nixl_") and " " in line and "{" in line:
+                name = line.split("{", 1)[0]
+                if name.endswith(("_sum", "_count")):
+                    out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+def stream_completion(url: str, body: dict, t0: float) -> tuple[float, float, int]:
+    """(ttft s, end s, completion tokens), times relative to t0."""
+    ttft = None
+    tokens = 0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and ttft is None:
+                ttft = time.perf_counter() - t0
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter() - t0
+    assert ttft is not None
+    return ttft, end, tokens
+
+
+def body_for(args: argparse.Namespace, i: int) -> dict:
+    # Token-id prompts of exact length, distinct per request so no cache can help.
+    ids = [(1000 + 7919 * i + 31 * j) % 30000 + 100 for j in range(args.prompt_len)]
+    return {"model": "bench", "prompt": ids, "max_tokens": args.output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def run_collocated(inst: Instance, args: argparse.Namespace) -> list[tuple[float, float]]:
+    res = []
+    for i in range(args.num_requests + 1):
+        t0 = time.perf_counter()
+        ttft, end, n = stream_completion(inst.url, body_for(args, i), t0)
+        if i > 0:  # the first request warms up
+            res.append((ttft, (n - 1) / (end - ttft)))
+    return res
+
+
+def run_disagg(p: Instance, d: Instance, args: argparse.Namespace) -> list[tuple[float, float]]:
+    res = []
+    for i in range(args.num_requests + 1):
+        body = body_for(args, i)
+        t0 = time.perf_counter()
+        pbody = dict(body, stream=False, max_tokens=1, kv_transfer_params=TOY_PARAMS)
+        pbody.pop("stream_options")
+        params = httpx.post(f"{p.url}/v1/completions", json=pbody, timeout=600).json()["kv_transfer_params"]
+        ttft, end, n = stream_completion(d.url, dict(body, kv_transfer_params=params), t0)
+        if i > 0:
+            res.append((ttft, (n - 1) / (end - ttft)))
+    return res
+
+
+def summarize(rows: list[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model folder or short name (default: smollm2-135m)")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--num-requests", type=int, default=8)
+    ap.add_argument("--gpu", action="store_true", help="both instances on GPU 0 (two processes, VRAM transfer)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    ap.add_argument("--serve-arg", action="append", default=[], help="extra `pdserve serve` argument")
+    args = ap.parse_args()
+
+    ncpu = os.cpu_count() or 2
+    half = max(1, ncpu // 2)
+    pin = not args.gpu and ncpu >= 2
+    logdir = Path(tempfile.mkdtemp(prefix="bench-pd-"))
+    print(f"logs in {logdir}", file=sys.stderr)
+    kv = '{"kv_connector":"NixlConnector","kv_role":"%s","kv_connector_extra_config":{"transfer_timeout_s":30}}'
+
+    colo = Instance("collocated", args, logdir, [], set(range(ncpu)) if pin else None)
+    try:
+        colo.wait()
+        colo_rows = run_collocated(colo, args)
+    finally:
+        colo.stop()
+    p = Instance("prefill", args, logdir, ["--kv-transfer-config", kv % "kv_producer", "--side-channel-port", "0"],
+                 set(range(half)) if pin else None)
+    d = Instance("decode", args, logdir, ["--kv-transfer-config", kv % "kv_consumer"],
+                 set(range(half, ncpu)) if pin else None)
+    try:
+        p.wait()
+        d.wait()
+        before = d.metrics()
+        pd_rows = run_disagg(p, d, args)
+        after = d.metrics()
+    finally:
+        p.stop()
+        d.stop()
+
+    def delta(k: str) -> float:
+        return after.get(k, 0.0) - before.get(k, 0.0)
+
+    n_xfer = delta("vllm:nixl_xfer_time_seconds_count")
+    xfer_s = delta("vllm:nixl_xfer_time_seconds_sum") / max(n_xfer, 1)
+    xfer_bytes = delta("vllm:nixl_bytes_transferred_sum") / max(n_xfer, 1)
+    c_ttft, c_tps = summarize(colo_rows)
+    d_ttft, d_tps = summarize(pd_rows)
+    where = "GPU (two processes, one GPU)" if args.gpu else (f"CPU, P on cores 0-{half - 1}, D on {half}-{ncpu - 1}, "
+                                                            f"collocated on all {ncpu}")
+    print(f"model={args.model or 'smollm2-135m'} prompt={args.prompt_len} out={args.output_len} "
+          f"requests={args.num_requests} ({where})")
+    print(f"{'':12} {'TTFT p50 ms':>12} {'decode tok/s p50':>17}")
+    print(f"{'collocated':12} {c_ttft * 1e3:12.1f} {c_tps:17.1f}")
+    print(f"{'1P1D':12} {d_ttft * 1e3:12.1f} {d_tps:17.1f}")
+    print(f"ratios (1P1D / collocated): TTFT {d_ttft / c_ttft:.2f}x, decode tokens/s {d_tps / c_tps:.2f}x")
+    print(f"KV handoff: {n_xfer:.0f} transfers, {xfer_bytes / 2**20:.1f} MiB each, NIXL READ {xfer_s * 1e3:.2f} ms "
+          f"= {xfer_bytes / max(xfer_s, 1e-9) / 1e9:.2f} GB/s; handoff share of collocated TTFT "
+          f"{xfer_s / c_ttft * 100:.1f}%")
+
+
+if __name__ == "__main__":
+    main()
