@@ -230,10 +230,11 @@ def run(cfg: LaunchConfig, dep: Deployment, *, demo: bool, exit_after: bool, dem
     with _Stop() as stopping:
         watchdog = launch_procs.Watchdog(cfg.stop_timeout)
 
-        def start(spec: ProcSpec) -> None:
+        def start(spec: ProcSpec) -> launch_procs.Child:
             child = launch_procs.start(spec, env)
             children.append(child)
             watchdog.watch(child)
+            return child
 
         env = dict(os.environ)
         try:
@@ -245,10 +246,18 @@ def run(cfg: LaunchConfig, dep: Deployment, *, demo: bool, exit_after: bool, dem
             cfg.log_dir.mkdir(parents=True, exist_ok=True)
             if demo and "VLLM_LOG_STATS_INTERVAL" not in env:
                 env["VLLM_LOG_STATS_INTERVAL"] = "1"  # so the demo can show the log line without waiting 10 s
-            for spec in dep.instances:
-                start(spec)
-            say(f"waiting for {len(children)} instance(s) to answer /health (up to {cfg.startup_timeout:g}s) ...")
-            ready = launch_procs.wait_ready(children, cfg.startup_timeout, stopping=stopping, report=say)
+            deadline = time.monotonic() + cfg.startup_timeout
+            waves = sorted({spec.wave for spec in dep.instances})
+            ready = launch_procs.ReadyResult(True)
+            for wave in waves:
+                running = list(children)
+                batch = [start(spec) for spec in dep.instances if spec.wave == wave]
+                say(f"waiting for {', '.join(c.name for c in batch)} to answer /health "
+                    f"(up to {deadline - time.monotonic():.0f}s) ...")
+                ready = launch_procs.wait_ready(batch, max(1.0, deadline - time.monotonic()), stopping=stopping,
+                                                report=say, watch=running)
+                if not ready.ok:
+                    break
             if ready.ok:
                 start(dep.proxy)
                 say(_describe(dep.proxy))

@@ -226,8 +226,10 @@ def wait_ready(
     report: Callable[[str], None],
     path: str = "/health",
     progress_every: float = 15.0,
+    watch: Sequence[Child] = (),
 ) -> ReadyResult:
-    """Poll each child's `GET path` until 200, watching for exits, a stop request and the deadline."""
+    """Poll each child's `GET path` until 200, watching for exits (of `children` and of the already running
+    `watch`), a stop request and the deadline."""
     pending = list(children)
     t0 = time.monotonic()
     deadline = t0 + timeout
@@ -236,6 +238,9 @@ def wait_ready(
         while pending:
             if stopping():
                 return ReadyResult(False, interrupted=True)
+            for child in watch:
+                if child.exited() is not None:
+                    return ReadyResult(False, failed=child)
             for child in list(pending):
                 if child.exited() is not None:
                     return ReadyResult(False, failed=child)

@@ -20,6 +20,7 @@ from pdserve.launch_config import LaunchConfig, parse_gpus
 
 DEFAULT_PROXY_PORT = 8192
 UCX_GET_ZCOPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
+GPU_MEMORY_UTILIZATION = 0.9  # what one instance alone on a GPU uses (vllm serve's default)
 
 
 @dataclass
@@ -34,6 +35,7 @@ class ProcSpec:
     cpus: list[int] | None = None  # CPU affinity (CPU mode)
     gpu: str | None = None  # CUDA_VISIBLE_DEVICES value (GPU mode)
     side_channel_port: int | None = None
+    wave: int = 0  # instances of wave k start once every instance of wave k-1 is healthy
 
     @property
     def url(self) -> str:
@@ -286,6 +288,9 @@ def build_deployment(
         instances.append(ProcSpec(name, role, argv, child_env, cfg.host, port, cfg.log_dir / f"{name}.log",
                                   cpus=spec_cpus, gpu=gpu, side_channel_port=sc))
 
+    if device == "cuda":
+        _share_gpus(instances, cfg.engine, notes)
+
     proxy_argv = [python, "-m", "pdserve", "proxy", "--host", cfg.host, "--port", str(proxy_port)]
     prefill = [s.url for s in instances if s.role == "prefill"]
     decode = [s.url for s in instances if s.role in ("decode", "collocated")]
@@ -294,6 +299,35 @@ def build_deployment(
     proxy_argv += ["--decode", *decode, *cfg.proxy_args]
     proxy = ProcSpec("proxy", "proxy", proxy_argv, {}, cfg.host, proxy_port, cfg.log_dir / "proxy.log")
     return Deployment(instances, proxy, model_arg, device, notes)
+
+
+def has_flag(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def _share_gpus(instances: list[ProcSpec], engine: str, notes: list[str]) -> None:
+    """Instances sharing a GPU split its memory, unless their arguments set --gpu-memory-utilization.
+
+    vLLM reads the flag as this instance's fraction of the GPU: each of n sharers gets 0.9/n. pdserve sizes
+    its KV pool as `total x utilization - memory in use on the device` (everyone's), so sharer k of n gets
+    the cumulative 0.9(k+1)/n and starts only once sharer k-1 is up (its memory is then accounted for).
+    """
+    by_gpu: dict[str, list[ProcSpec]] = {}
+    for spec in instances:
+        if spec.gpu is not None:
+            by_gpu.setdefault(spec.gpu, []).append(spec)
+    for gpu, specs in by_gpu.items():
+        if len(specs) < 2 or any(has_flag(s.argv, "--gpu-memory-utilization") for s in specs):
+            continue
+        n = len(specs)
+        for k, spec in enumerate(specs):
+            share = GPU_MEMORY_UTILIZATION * ((k + 1) / n if engine == "pdserve" else 1 / n)
+            spec.argv += ["--gpu-memory-utilization", f"{share:.3g}"]
+            spec.wave = k if engine == "pdserve" else 0
+        names = ", ".join(s.name for s in specs)
+        how = ("cumulative --gpu-memory-utilization, started one after the other" if engine == "pdserve"
+               else f"--gpu-memory-utilization {GPU_MEMORY_UTILIZATION / n:.3g} each")
+        notes.append(f"GPU {gpu} is shared by {names}: {how}")
 
 
 def _shell_line(spec: ProcSpec) -> str:
@@ -314,15 +348,18 @@ def format_shell(dep: Deployment, cfg: LaunchConfig) -> str:
         f"mkdir -p {shlex.quote(str(cfg.log_dir))}",
         "",
     ]
-    for spec in dep.instances:
-        where = f"GPU {spec.gpu}" if spec.gpu is not None else (
-            f"CPUs {cpu_list(spec.cpus)}" if spec.cpus else "CPU")
-        extra = f", side channel :{spec.side_channel_port}" if spec.side_channel_port else ""
-        lines += [f"# {spec.name}: {spec.url} ({where}{extra})", _shell_line(spec), ""]
-    lines.append("# wait until every instance answers GET /health with 200")
-    for spec in dep.instances:
-        lines.append(f"until curl -sf {spec.url}/health >/dev/null; do sleep 1; done")
-    lines += ["", f"# proxy: clients talk to {dep.proxy.url}", _shell_line(dep.proxy), ""]
+    for wave in sorted({spec.wave for spec in dep.instances}):
+        specs = [spec for spec in dep.instances if spec.wave == wave]
+        for spec in specs:
+            where = f"GPU {spec.gpu}" if spec.gpu is not None else (
+                f"CPUs {cpu_list(spec.cpus)}" if spec.cpus else "CPU")
+            extra = f", side channel :{spec.side_channel_port}" if spec.side_channel_port else ""
+            lines += [f"# {spec.name}: {spec.url} ({where}{extra})", _shell_line(spec), ""]
+        lines.append("# wait until every instance answers GET /health with 200")
+        for spec in specs:
+            lines.append(f"until curl -sf {spec.url}/health >/dev/null; do sleep 1; done")
+        lines.append("")
+    lines += [f"# proxy: clients talk to {dep.proxy.url}", _shell_line(dep.proxy), ""]
     lines.append(f"until curl -sf {dep.proxy.url}/health >/dev/null; do sleep 1; done")
     lines.append(f"echo 'ready: {dep.proxy.url}/v1/completions'")
     return "\n".join(lines) + "\n"

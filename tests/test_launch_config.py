@@ -187,3 +187,21 @@ def test_bad_arguments_exit_2() -> None:
     out = _up("--engine", "vllm", "--gpus", "none")
     if out.returncode == 2:  # no vllm on PATH here
         assert "vllm" in out.stderr
+
+
+def test_instances_sharing_a_gpu_split_its_memory() -> None:
+    cfg = LaunchConfig(model="m")
+    dep = build_deployment(cfg, gpus=["0"], env={})  # the one-GPU box: prefill and decode on GPU 0
+    p, d = dep.instances
+    assert (p.gpu, d.gpu) == ("0", "0")
+    # pdserve sizes KV from the device's free memory: cumulative shares, decode starts after prefill is up
+    assert p.argv[-2:] == ["--gpu-memory-utilization", "0.45"] and d.argv[-2:] == ["--gpu-memory-utilization", "0.9"]
+    assert (p.wave, d.wave) == (0, 1) and any("GPU 0 is shared" in n for n in dep.notes)
+    vllm = build_deployment(LaunchConfig(model="m", engine="vllm"), gpus=["0"], env={})
+    assert [s.argv[-1] for s in vllm.instances] == ["0.45", "0.45"] and {s.wave for s in vllm.instances} == {0}
+    # one GPU each, or the user's own setting: untouched
+    two = build_deployment(cfg, gpus=["0", "1"], env={})
+    assert all("--gpu-memory-utilization" not in s.argv and s.wave == 0 for s in two.instances)
+    own = LaunchConfig(model="m", serve_args=["--gpu-memory-utilization=0.3"])
+    assert all(s.argv.count("--gpu-memory-utilization=0.3") == 1 and s.wave == 0
+               for s in build_deployment(own, gpus=["0"], env={}).instances)

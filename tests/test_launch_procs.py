@@ -19,8 +19,11 @@ from pdserve.launch_spec import ProcSpec
 
 CHILD = textwrap.dedent(
     """
-    import http.server, signal, subprocess, sys
+    import http.server, os, signal, subprocess, sys
     port, mode = int(sys.argv[1]), sys.argv[2]
+    write_marker, check_marker = (sys.argv[3:5] + ["-", "-"])[:2]
+    if check_marker != "-":
+        print("saw-marker", os.path.exists(check_marker), flush=True)
     if mode == "crash":
         print("fatal: cannot load model", flush=True)
         sys.exit(3)
@@ -41,7 +44,10 @@ CHILD = textwrap.dedent(
         def log_message(self, *a):
             pass
 
-    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+    server = http.server.HTTPServer(("127.0.0.1", port), H)
+    if write_marker != "-":
+        open(write_marker, "w").close()
+    server.serve_forever()
     """
 )
 
@@ -171,3 +177,68 @@ def test_children_stop_when_launcher_is_killed(tmp_path: Path) -> None:
         os.kill(p, signal.SIGKILL)
     assert survivors == []
     assert port_free(s.port)
+
+
+RUN = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    from pdserve import launch
+    from pdserve.launch_config import LaunchConfig
+    from pdserve.launch_spec import Deployment, ProcSpec
+    specs = [ProcSpec(**{**d, "log_path": Path(d["log_path"])}) for d in json.loads(sys.argv[1])]
+    cfg = LaunchConfig(log_dir=specs[0].log_path.parent, stop_timeout=10, startup_timeout=60)
+    dep = Deployment(specs[:-1], specs[-1], "toy", "cuda")
+    sys.exit(launch.run(cfg, dep, demo=False, exit_after=False, demo_prompt=None, demo_max_tokens=1))
+    """
+)
+
+
+def test_run_starts_waves_in_order_and_tears_down_on_sigterm(tmp_path: Path) -> None:
+    """launch.run with toy children: a GPU-sharing second wave starts only after the first is healthy;
+    SIGTERM stops every child (and grandchild) and frees every port."""
+    import json
+
+    (tmp_path / "child.py").write_text(CHILD)
+    marker = tmp_path / "wave0-up"
+    specs = []
+    for name, role, wave, extra in (("prefill", "prefill", 0, [str(marker), "-"]),
+                                    ("decode", "decode", 1, ["-", str(marker)]), ("proxy", "proxy", 0, [])):
+        port = free_port()
+        specs.append({"name": name, "role": role, "argv": [sys.executable, str(tmp_path / "child.py"), str(port),
+                      "normal", *extra], "env": {}, "host": "127.0.0.1", "port": port,
+                      "log_path": str(tmp_path / "logs" / f"{name}.log"), "gpu": "0", "wave": wave})
+    (tmp_path / "run.py").write_text(RUN)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "run.py"), json.dumps(specs)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    pids: list[int] = []
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("PDSERVE_READY"):
+                break
+        ready = next((ln for ln in lines if ln.startswith("PDSERVE_READY")), None)
+        assert ready is not None, "".join(lines)
+        pids = [int(p) for p in re.search(r"pids=([\d,]+)", ready).group(1).split(",")]  # type: ignore[union-attr]
+        assert len(pids) == 3
+        grandchildren = [grandchild_pid(tmp_path / "logs" / f"{n}.log") for n in ("prefill", "decode", "proxy")]
+        assert "saw-marker True" in (tmp_path / "logs" / "decode.log").read_text()
+        assert re.search(r"waiting for prefill to answer", "".join(lines))
+        assert re.search(r"waiting for decode to answer", "".join(lines))
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, "".join(lines) + rest
+        assert "stopping: proxy" in rest and rest.rstrip().endswith("stopped.")
+        for p in pids + grandchildren:
+            assert not launch_procs.pid_alive(p)
+        for spec in specs:
+            assert port_free(int(spec["port"]))  # type: ignore[arg-type]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for p in pids:
+            if launch_procs.pid_alive(p):
+                os.killpg(p, signal.SIGKILL)
