@@ -204,3 +204,24 @@ def test_result_keys_like_vllm() -> None:
     assert "mean_e2el_ms" not in result
     assert result["p50_ttft_ms"] == pytest.approx(150.0)
     assert result["output_lens"] == [4, 2, 1, 0, 3]
+
+
+def test_spec_validation() -> None:
+    spec = _spec(dataset_path="x.jsonl", max_concurrency=2)
+    assert spec.dataset_name == "jsonl" and spec.endpoint == "/v1/completions" and spec.ignore_eos is False
+    assert spec.request_id_prefix.startswith("bench-") and _spec(dataset_name="random").ignore_eos is True
+    assert _spec(backend="openai-chat").endpoint == "/v1/chat/completions"
+    assert _spec(api_key="k", header=["x-a=1"]).request_headers() == {"Authorization": "Bearer k", "x-a": "1"}
+    assert _spec(temperature=0.0, extra_body={"top_k": 3}).sampling_body() == {"temperature": 0.0, "top_k": 3}
+    for bad in (
+        {"goodput": ["itl:3"]},
+        {"metric_percentiles": "50,x"},
+        {"percentile_metrics": "ttft,foo"},
+        {"metadata": ["novalue"]},
+        {"dataset_name": "sharegpt"},
+        {"dataset_name": "jsonl"},
+        {"max_concurrency": 0},
+        {"request_rate": 0.0},
+    ):
+        with pytest.raises(ValueError):
+            _spec(**bad)

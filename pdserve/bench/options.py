@@ -12,7 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.bench.client import BACKENDS
-from pdserve.bench.metrics import DEFAULT_PERCENTILE_METRICS
+from pdserve.bench.metrics import (
+    DEFAULT_PERCENTILE_METRICS,
+    parse_goodput,
+    parse_percentile_metrics,
+    parse_percentiles,
+)
 
 DATASETS = ("random", "jsonl", "prefix")
 DATASET_ALIASES = {"custom": "jsonl", "prefix_repetition": "prefix", "shared-prefix": "prefix"}
@@ -108,6 +113,12 @@ class BenchSpec:
             raise ValueError("--request-rate must be positive (or inf)")
         if not self.burstiness > 0:
             raise ValueError("--burstiness must be positive")
+        parse_goodput(self.goodput)
+        parse_percentiles(self.metric_percentiles)
+        parse_percentile_metrics(self.percentile_metrics or DEFAULT_PERCENTILE_METRICS)
+        for item in [*(self.metadata or ()), *(self.header or ())]:
+            if "=" not in item:
+                raise ValueError(f"Invalid KEY=VALUE item {item!r} (--metadata / --header)")
         if not self.request_id_prefix:
             self.request_id_prefix = f"bench-{uuid.uuid4().hex[:8]}-"
         if self.api_key is None:
