@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -194,5 +195,13 @@ def main(args: argparse.Namespace) -> int:
         access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=args.shutdown_timeout,
         timeout_keep_alive=5, loop="auto", http="auto", lifespan="on",
     ))
+    # uvicorn handles SIGINT/SIGTERM (graceful shutdown) and then re-raises the signal under the handler
+    # that was installed before it: make that one a no-op so a requested shutdown exits with status 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _ignore_signal)
     server.run()
     return 0 if server.started else 1
+
+
+def _ignore_signal(signum: int, frame: Any) -> None:
+    log.debug("signal %d after shutdown", signum)

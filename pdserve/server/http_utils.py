@@ -52,9 +52,13 @@ async def read_json(request: Request, limit: int) -> Any:
 
 
 def validation_message(err: ValidationError) -> tuple[str, str | None]:
+    """A readable message and the offending top-level field (OpenAI's `param`)."""
     first = err.errors(include_url=False)[0]
-    loc = ".".join(str(p) for p in first.get("loc", ()) if not str(p).startswith("function-")) or None
-    return f"{err.error_count()} validation error(s); {loc or 'body'}: {first.get('msg', 'invalid value')}", loc
+    parts = [str(p) for p in first.get("loc", ())]
+    where = ".".join(parts) or "body"
+    return f"{err.error_count()} validation error(s); {where}: {first.get('msg', 'invalid value')}", (
+        parts[0] if parts else None
+    )
 
 
 def parse_model(cls: type[M], data: Any) -> M:
