@@ -614,9 +614,14 @@ def test_collocated_mode_and_batch_prompts(
     batch = {"model": "standin", "prompt": ["first", "second"], "max_tokens": 1}
     assert http.post(url2 + "/v1/completions", json=batch).status_code == 200
     assert b["p1"].generation_requests() == []
+    # So is a request sampling several choices (each would claim the same prefill's KV lease).
+    several = {"model": "standin", "prompt": "pick two", "max_tokens": 1, "n": 2}
+    assert http.post(url2 + "/v1/completions", json=several).status_code == 200
+    assert b["p1"].generation_requests() == []
+    assert b["d1"].generation_requests()[-1]["body"] == several
     assert (
         metric(http.get(url2 + "/metrics").text, "pdserve_proxy_requests_total", path="conditional_local")
-        == 1
+        == 2
     )
 
 

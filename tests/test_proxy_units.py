@@ -127,6 +127,23 @@ def test_estimates_and_batch_detection() -> None:
     assert not protocol.is_batch_prompt({"prompt": "text"})
 
 
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ({"prompt": "one"}, None),
+        ({"prompt": ["a", "b"]}, "several prompts"),
+        ({"prompt": "x", "n": 2}, "n > 1"),
+        ({"prompt": "x", "n": 1, "best_of": 3}, "best_of > 1"),
+        ({"prompt": "x", "prompt_logprobs": 0}, "prompt logprobs"),
+        ({"prompt": "x", "echo": True, "logprobs": 1}, "prompt logprobs"),
+        ({"prompt": "x", "echo": True}, None),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, None),
+    ],
+)
+def test_local_only_reason(body: dict, reason: str | None) -> None:
+    assert protocol.local_only_reason(body) == reason
+
+
 def test_affinity_key_uses_prefix_only() -> None:
     a = protocol.affinity_key({"prompt": "x" * 100 + "tail-a"}, 100)
     b = protocol.affinity_key({"prompt": "x" * 100 + "tail-b"}, 100)

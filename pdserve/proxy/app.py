@@ -25,7 +25,7 @@ from pdserve.proxy.protocol import (
     build_decode_body,
     build_prefill_body,
     estimate_prompt_tokens,
-    is_batch_prompt,
+    local_only_reason,
     max_output_tokens,
     prefill_prompt_token_ids,
     wants_chat_token_ids,
@@ -125,14 +125,17 @@ class ProxyHandlers:
         tokens = estimate_prompt_tokens(body)
         decode_tokens = tokens + max_output_tokens(body)
 
+        reason = None
         if len(state.prefill) == 0:
             path = "collocated"
-        elif is_batch_prompt(body) or tokens < cfg.disagg_threshold_tokens:
+        elif tokens < cfg.disagg_threshold_tokens:
+            path, reason = "conditional_local", f"~{tokens} prompt tokens < --disagg-threshold-tokens"
+        elif (reason := local_only_reason(body)) is not None:
             path = "conditional_local"
         else:
             return await self._disaggregated(request, api_path, body, raw, headers, tokens, decode_tokens)
         self.metrics.path[path].inc()
-        logger.debug("request %s: %s (~%d prompt tokens)", rid, path, tokens)
+        logger.debug("request %s: %s (%s)", rid, path, reason or "no prefill pool")
         return await relay_decode(
             state, request, api_path, raw, headers, tokens=decode_tokens, kv_claimed=False
         )

@@ -120,6 +120,25 @@ def is_batch_prompt(body: dict[str, Any]) -> bool:
     return not all(type(x) is int for x in prompt)
 
 
+def local_only_reason(body: dict[str, Any]) -> str | None:
+    """Why a request cannot be served as one P/D pair (a decode instance then serves it whole), or None.
+
+    - several prompts: the prefill response carries only the first prompt's params;
+    - n/best_of > 1: every sampled choice would claim the same prefill's KV lease;
+    - prompt logprobs (`prompt_logprobs`, or completions `echo` with `logprobs`): they need the prompt's
+      logits, which only the prefill instance computed.
+    """
+    if is_batch_prompt(body):
+        return "several prompts"
+    for key in ("n", "best_of"):
+        value = body.get(key)
+        if type(value) is int and value > 1:
+            return f"{key} > 1"
+    if body.get("prompt_logprobs") is not None or (body.get("echo") and body.get("logprobs") is not None):
+        return "prompt logprobs"
+    return None
+
+
 def _text_of_content(content: Any) -> str:
     if isinstance(content, str):
         return content
