@@ -267,3 +267,16 @@ def test_config_validation(changes: dict) -> None:
     values = {"decode": ["h:9"], **changes}
     with pytest.raises(ValueError):
         ProxyConfig(**values).validate()
+
+
+def test_proxy_import_graph_is_light() -> None:
+    """The proxy runs on machines without torch: none of its modules may pull it in."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import pdserve.cli, pdserve.proxy.app, pdserve.proxy.cli, pdserve.proxy.standin; "
+        "heavy = [m for m in ('torch', 'numpy', 'transformers', 'fastapi') if m in sys.modules]; print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"

@@ -61,12 +61,12 @@ class HealthChecker:
             await asyncio.gather(*(self.check(inst) for inst in instances))
 
     async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval)
+        while True:  # a first round at once, so that a dead instance is known early
             try:
                 await self.check_all()
             except Exception:  # a bug here must not stop health checking for good
                 logger.exception("health check round failed")
+            await asyncio.sleep(self._interval)
 
     def start(self) -> None:
         if self._task is None:
