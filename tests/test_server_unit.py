@@ -1,0 +1,179 @@
+"""The server's routes in-process over a scripted engine: engine-side errors, a full queue, and the
+`kv_transfer_params` plumbing a P/D proxy relies on. No model, no subprocess (fast)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from pdserve.engine.async_engine import QueueFullError
+from pdserve.engine.engine import EngineStats
+from pdserve.engine.outputs import RequestMetrics, RequestOutput
+from pdserve.engine.sampling_params import ParamError, SamplingParams
+from pdserve.server.app import build_app
+from pdserve.server.metrics import ServerMetrics
+from pdserve.server.params import GenerationDefaults
+from pdserve.server.state import ServerState
+from pdserve.text.tokenizer import Tokenizer, load_tokenizer
+
+Script = Callable[[str, list[int], SamplingParams, dict | None], list[RequestOutput]]
+
+
+class ScriptedEngine:
+    """Answers each request with the outputs a script returns (or the exception it raises)."""
+
+    def __init__(self, script: Script):
+        self.script = script
+        self.calls: list[tuple[str, list[int], SamplingParams, dict | None]] = []
+        self.aborted: list[str] = []
+        self.dead_error = None
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+        self.calls.append((request_id, prompt, params, kv_transfer_params))
+        outputs = self.script(request_id, prompt, params, kv_transfer_params)
+        for out in outputs:
+            await asyncio.sleep(0)
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(0, 0, 0, 0, 0.0, 16, 16, 0, 0, 0)
+
+
+def output(rid: str, prompt: list[int], ids: list[int], n: int, finished: bool = False, reason: str | None = None,
+           error: str | None = None, kv: dict | None = None, cached: int = 0) -> RequestOutput:
+    return RequestOutput(rid, prompt, ids, None, n, finished, reason if finished else None, None, error, cached,
+                         kv if finished else None, RequestMetrics(arrival_time=0.0))
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    from pdserve.model.default_model import resolve_model
+
+    return load_tokenizer(Path(resolve_model("smollm2-135m")))
+
+
+def make_client(tok: Tokenizer, script: Script) -> tuple[httpx.AsyncClient, ScriptedEngine]:
+    engine = ScriptedEngine(script)
+    state = ServerState(engine=engine, tokenizer=tok, served_model_names=["m"], model_path="/m",
+                        max_model_len=64, vocab_size=tok.vocab_size, defaults=GenerationDefaults(),
+                        metrics=ServerMetrics("m", 64, engine.stats))
+    app = build_app(state, manage_engine=False)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test"), engine
+
+
+def words(tok: Tokenizer, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def sse_events(body: str) -> list[Any]:
+    events = [line[6:] for line in body.split("\n\n") if line.startswith("data: ")]
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_engine_error_is_500_or_an_error_frame(tok: Tokenizer) -> None:
+    ids = words(tok, " one two")
+
+    def script(rid: str, prompt: list[int], params: SamplingParams, kv: dict | None) -> list[RequestOutput]:
+        return [output(rid, prompt, ids[:1], 1),
+                output(rid, prompt, [], 1, True, "error", error="KV load failed: peer gone")]
+
+    async def go() -> None:
+        client, _ = make_client(tok, script)
+        async with client:
+            r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
+            assert r.status_code == 500 and "KV load failed: peer gone" in r.json()["error"]["message"]
+            r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                                 "stream": True})
+            assert r.status_code == 200
+            events = sse_events(r.text)
+            assert events[-1] == "[DONE]"
+            assert events[-2]["error"]["code"] == 500 and "peer gone" in events[-2]["error"]["message"]
+
+    run(go())
+
+
+def test_engine_refusals(tok: Tokenizer) -> None:
+    def full(*_: Any) -> list[RequestOutput]:
+        raise QueueFullError("the server's waiting queue is full (1 requests)")
+
+    def invalid(*_: Any) -> list[RequestOutput]:
+        raise ParamError("remote_block_ids must be a list", "kv_transfer_params")
+
+    async def go() -> None:
+        client, _ = make_client(tok, full)
+        async with client:
+            r = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
+            assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
+        client, _ = make_client(tok, invalid)
+        async with client:
+            r = await client.post("/v1/completions", json={"prompt": "x"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+
+    run(go())
+
+
+def test_kv_transfer_params_round_trip(tok: Tokenizer) -> None:
+    ids = words(tok, " a b c")
+    produced = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_engine_id": "e"}
+
+    def script(rid: str, prompt: list[int], params: SamplingParams, kv: dict | None) -> list[RequestOutput]:
+        return [output(rid, prompt, ids[:1], 1), output(rid, prompt, ids[1:], 3, True, "length",
+                                                        kv={**produced, "for": rid}, cached=2)]
+
+    async def go() -> None:
+        client, engine = make_client(tok, script)
+        async with client:
+            sent = {"do_remote_decode": True, "remote_host": None}
+            r = await client.post("/v1/completions", headers={"X-Request-Id": "p1"},
+                                  json={"prompt": ["x", "y"], "max_tokens": 1, "kv_transfer_params": sent})
+            body = r.json()
+            assert [c[3] for c in engine.calls] == [sent, sent]
+            assert [c[0].rsplit("-", 1)[0] for c in engine.calls] == ["cmpl-p1-0", "cmpl-p1-1"]
+            assert body["kv_transfer_params"]["for"] == engine.calls[0][0]  # the first prompt's, as vLLM
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 4
+            # streamed: only on the chunk that carries the finish reason
+            r = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "x"}], "stream": True,
+                "kv_transfer_params": {"do_remote_prefill": True, "remote_prefill_cached_tokens": 7,
+                                       "prompt_token_ids": [5, 6, 7]},
+                "stream_options": {"include_usage": True}})
+            events = sse_events(r.text)
+            chunks = [e for e in events[:-1] if e["choices"]]
+            with_kv = [c for c in chunks if "kv_transfer_params" in c]
+            assert len(with_kv) == 1 and with_kv[0]["choices"][0]["finish_reason"] == "length"
+            assert engine.calls[-1][1] == [5, 6, 7]  # the proxy's prompt ids, no templating
+            assert "prompt_token_ids" not in engine.calls[-1][3]  # popped before the engine sees it
+            assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == 7  # P's hits, reported by D
+
+    run(go())
+
+
+def test_stop_string_aborts_the_engine_request(tok: Tokenizer) -> None:
+    ids = words(tok, " alpha beta gamma delta")
+
+    def script(rid: str, prompt: list[int], params: SamplingParams, kv: dict | None) -> list[RequestOutput]:
+        return [output(rid, prompt, [t], i + 1) for i, t in enumerate(ids)]  # never finishes by itself
+
+    async def go() -> None:
+        client, engine = make_client(tok, script)
+        async with client:
+            r = await client.post("/v1/completions", json={"prompt": "x", "stop": "gamma", "max_tokens": 10})
+            choice = r.json()["choices"][0]
+            assert choice["text"] == " alpha beta " and choice["stop_reason"] == "gamma"
+            assert engine.aborted == [engine.calls[0][0]]
+
+    run(go())
