@@ -418,3 +418,86 @@ def test_disconnect_before_the_response(server: ServerProcess) -> None:
     after = wait_idle(server.url)
     assert metric_value(after, ABORTED) == before + 8  # all eight choices
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+# ---- fuzzing ----------------------------------------------------------------------------------------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_WEIRD = st.one_of(
+    st.none(), st.booleans(), st.integers(-(10**30), 10**30), st.integers(-3, 40),
+    st.floats(allow_nan=False, allow_infinity=False), st.floats(-2, 3), st.text(max_size=20),
+    st.lists(st.integers(-5, 60000), max_size=6), st.lists(st.text(max_size=5), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+)
+_COMMON = {
+    "model": st.one_of(st.just(MODEL), _WEIRD),
+    "max_tokens": st.one_of(st.integers(-2, 40), _WEIRD),
+    "temperature": st.one_of(st.floats(0, 2), _WEIRD),
+    "top_p": _WEIRD, "top_k": _WEIRD, "min_p": _WEIRD, "seed": _WEIRD, "n": st.sampled_from([-1, 0, 1, 2, 10**9, "x"]),
+    "stop": _WEIRD, "stop_token_ids": _WEIRD, "ignore_eos": _WEIRD, "min_tokens": _WEIRD, "logprobs": _WEIRD,
+    "stream": st.booleans(), "stream_options": st.one_of(st.just({"include_usage": True}), _WEIRD),
+    "skip_special_tokens": _WEIRD, "include_stop_str_in_output": _WEIRD, "return_token_ids": _WEIRD,
+    "kv_transfer_params": st.one_of(st.none(), st.dictionaries(st.sampled_from(
+        ["do_remote_decode", "do_remote_prefill", "prompt_token_ids", "remote_block_ids"]), _WEIRD, max_size=3)),
+    "truncate_prompt_tokens": _WEIRD, "echo": _WEIRD, "unknown_field": _WEIRD,
+}
+_PROMPT = st.one_of(st.text(max_size=40), st.lists(st.integers(-3, 60000), max_size=8),
+                    st.lists(st.text(max_size=10), max_size=3), st.lists(st.lists(st.integers(-1, 60000), max_size=4),
+                                                                         max_size=3), _WEIRD)
+_MESSAGE = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", ""]),
+                           "content": st.one_of(st.text(max_size=30), st.none(),
+                                                st.lists(st.fixed_dictionaries({"type": st.sampled_from(
+                                                    ["text", "image_url"]), "text": _WEIRD}), max_size=2))}),
+    _WEIRD,
+)
+_COMPLETION_BODY = st.fixed_dictionaries({"prompt": _PROMPT}, optional=_COMMON)
+_CHAT_BODY = st.fixed_dictionaries(
+    {"messages": st.one_of(st.lists(_MESSAGE, max_size=3), _WEIRD)},
+    optional={**_COMMON, "logprobs": _WEIRD, "top_logprobs": _WEIRD, "max_completion_tokens": _WEIRD,
+              "add_generation_prompt": _WEIRD, "continue_final_message": _WEIRD, "chat_template_kwargs": _WEIRD,
+              "tools": _WEIRD, "tool_choice": _WEIRD},
+)
+
+
+def _check_no_5xx(url: str, path: str, body: dict) -> None:
+    with httpx.Client(timeout=60) as hc:
+        r = hc.post(f"{url}{path}", json=body)
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code != 200:
+        err = r.json()["error"]
+        assert err["code"] == r.status_code and isinstance(err["message"], str)
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        events = [e for e in r.text.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+        assert not any('"error"' in e[:12] for e in events), r.text
+    else:
+        assert r.json()["choices"]
+
+
+_FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@_FUZZ
+@given(body=_COMPLETION_BODY)
+def test_fuzz_completions(server: ServerProcess, body: dict) -> None:
+    _check_no_5xx(server.url, "/v1/completions", body)
+
+
+@_FUZZ
+@given(body=_CHAT_BODY)
+def test_fuzz_chat(server: ServerProcess, body: dict) -> None:
+    _check_no_5xx(server.url, "/v1/chat/completions", body)
+
+
+@settings(max_examples=20, deadline=None)
+@given(raw=st.binary(max_size=200))
+def test_fuzz_raw_bodies(server: ServerProcess, raw: bytes) -> None:
+    r = httpx.post(f"{server.url}/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code < 500
+
+
+def test_healthy_after_fuzzing(server: ServerProcess, client: openai.OpenAI) -> None:
+    wait_idle(server.url)
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=3).usage.completion_tokens == 3
