@@ -40,6 +40,7 @@ class Deployment:
     info: dict[str, str]
     logs: Path
     odd_prefill: str  # a producer started with --block-size 8
+    failing_decode: str  # a consumer whose KV handshakes time out (every transfer fails)
 
 
 def _free_port() -> int:
@@ -53,15 +54,20 @@ def deployment(tiny_model_factory, tmp_path_factory) -> Iterator[Deployment]:  #
     root = tmp_path_factory.mktemp("preflight")
     model = tiny_model_with_tokenizer(tiny_model_factory("llama", vocab_size=49152), root / "tiny")
     logs = root / "logs"
-    # the odd producer loads while `pdserve up` starts its own instances
-    port, side = _free_port(), _free_port()
-    odd = launch_procs.start(ProcSpec(
-        "odd-prefill", "prefill",
-        [sys.executable, "-m", "pdserve", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-         "--block-size", "8", "--kv-transfer-config", kv_transfer_config("prefill", "fail"),
-         "--side-channel-host", "127.0.0.1", "--side-channel-port", str(side)],
-        {}, "127.0.0.1", port, root / "odd-prefill.log",
-    ))
+    # two odd instances load while `pdserve up` starts its own
+    failing_kv = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_consumer",
+                             "kv_connector_extra_config": {"handshake_timeout_s": 1e-6, "transfer_timeout_s": 1e-6}})
+    extra = []
+    for name, role, args in (("odd-prefill", "prefill", ["--block-size", "8", "--kv-transfer-config",
+                                                         kv_transfer_config("prefill", "fail")]),
+                             ("failing-decode", "decode", ["--kv-transfer-config", failing_kv])):
+        port, side = _free_port(), _free_port()
+        extra.append(launch_procs.start(ProcSpec(
+            name, role,
+            [sys.executable, "-m", "pdserve", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+             *args, "--side-channel-host", "127.0.0.1", "--side-channel-port", str(side)],
+            {}, "127.0.0.1", port, root / f"{name}.log",
+        )))
     up = Up([str(model), "--port", "0", "--demo", "--demo-max-tokens", "8", "--log-dir", str(logs)], cwd=root)
     pids: list[int] = []
     try:
@@ -69,16 +75,16 @@ def deployment(tiny_model_factory, tmp_path_factory) -> Iterator[Deployment]:  #
         listed = [int(p) for p in info["pids"].split(",")]
         pids = listed + [p for p in children_of(up.proc.pid) if p not in listed]  # + the watchdog
         up.wait_for(r"^serving; Ctrl-C stops everything", STARTUP_S)
-        ready = launch_procs.wait_ready([odd], STARTUP_S, stopping=lambda: False, report=lambda _: None)
-        assert ready.ok, launch_procs.tail(odd.spec.log_path)
-        yield Deployment(up, info, logs, odd.spec.url)
+        ready = launch_procs.wait_ready(extra, STARTUP_S, stopping=lambda: False, report=lambda _: None)
+        assert ready.ok, [launch_procs.tail(c.spec.log_path) for c in extra]
+        yield Deployment(up, info, logs, extra[0].spec.url, extra[1].spec.url)
         # teardown is part of the lifecycle test: SIGTERM, clean exit, nothing left
         rc = up.stop(signal.SIGTERM)
         assert rc == 0, up.output
         assert up.output.rstrip().endswith("stopped.")
         assert_all_gone(pids, ports_in(up.output))
     finally:
-        assert launch_procs.stop_all([odd], timeout=15) == []
+        assert launch_procs.stop_all(extra, timeout=15) == []
         up.kill()
         kill_leftovers(pids)
 
@@ -156,3 +162,14 @@ def test_preflight_block_size_mismatch(deployment: Deployment) -> None:
     assert "=8" in str(row["detail"]) and "=16" in str(row["detail"])
     # no request was sent between the mismatched pair: the decode's counters stay clean
     assert rows["short request"]["status"] == "skip" and rows["leases/failures"]["status"] == "pass"
+
+
+def test_preflight_decode_with_failing_transfers(deployment: Deployment) -> None:
+    """Last in the module: the main prefill's lease for the failed request expires 30 s later."""
+    out = _preflight("--prefill", deployment.info["prefill"], "--decode", deployment.failing_decode, "--json")
+    assert out.returncode == 1, out.stdout + out.stderr
+    rows = _rows(out)
+    assert rows["instances"]["status"] == "pass" and rows["versions/configs"]["status"] == "pass"
+    assert rows["short request"]["status"] == "fail" and "handshake" in str(rows["short request"]["detail"])
+    row = rows["leases/failures"]
+    assert row["status"] == "fail" and "nixl_num_failed_transfers=1" in str(row["detail"])
