@@ -188,8 +188,9 @@ def _metric(text: str, name: str) -> float:
 
 
 WORDS = ["alpha", "river", "stone", "cloud", "seven", "orange", "signal", "quiet", "market", "engine"]
-CASES: list[tuple[str, dict[str, Any]]] = [
-    ("completions", {"prompt": "Hi", "max_tokens": 8}),
+# (route, body, whether the prompt spans full KV blocks, i.e. must be moved over NIXL)
+CASES: list[tuple[str, dict[str, Any], bool]] = [
+    ("completions", {"prompt": "Hi", "max_tokens": 8}, False),
     (
         "completions",
         {
@@ -198,10 +199,12 @@ CASES: list[tuple[str, dict[str, Any]]] = [
             "stream": True,
             "stream_options": {"include_usage": True},
         },
+        True,
     ),
     (
         "chat/completions",
         {"messages": [{"role": "user", "content": " ".join(WORDS * 3)}], "max_tokens": 10, "stream": True},
+        True,
     ),
     (
         "chat/completions",
@@ -212,6 +215,7 @@ CASES: list[tuple[str, dict[str, Any]]] = [
             ],
             "max_tokens": 6,
         },
+        True,
     ),
 ]
 
@@ -219,14 +223,15 @@ CASES: list[tuple[str, dict[str, Any]]] = [
 def test_1p1d_through_proxy_matches_collocated(pd: dict[str, Server]) -> None:
     proxy, prefill, decode = pd["proxy"].url, pd["prefill"].url, pd["decode"].url
     before = _metric(http.get(f"{decode}/metrics").text, "vllm:nixl_xfer_time_seconds_count")
-    for route, case in CASES:
+    for route, case, _ in CASES:
         body = {"model": MODEL, "temperature": 0.0, **case}
         via_proxy = _text(route, http.post(f"{proxy}/v1/{route}", json=body))
         collocated = _text(route, http.post(f"{prefill}/v1/{route}", json=body))
         assert via_proxy == collocated, (route, case)
         assert via_proxy  # the tiny model generates something for every case
-    after = _metric(http.get(f"{decode}/metrics").text, "vllm:nixl_xfer_time_seconds_count")
-    assert after - before == len(CASES)  # every proxied request moved its KV over NIXL
+    transfers = _metric(http.get(f"{decode}/metrics").text, "vllm:nixl_xfer_time_seconds_count") - before
+    # Every proxied prompt of at least one full block moved its KV over NIXL (a shorter one may not need to).
+    assert sum(long for _, _, long in CASES) <= transfers <= len(CASES)
     metrics = http.get(f"{proxy}/metrics").text
     assert _metric(metrics, 'pdserve_proxy_requests_total{path="disagg"}') == len(CASES)
     errors = [
