@@ -320,7 +320,8 @@ def check_short_request(req: Requester) -> Check:
                  {"elapsed_s": elapsed, "text": text, "finish_reason": finish})
 
 
-def long_prompt_ids(client: httpx.Client, target: Target, tokens: int, count: int, seed: int) -> list[list[int]]:
+def long_prompt_ids(client: httpx.Client, target: Target, tokens: int, count: int, seed: int,
+                    api_key: str | None = None) -> list[list[int]]:
     """`count` distinct prompts of exactly `tokens` token ids, made by tokenizing random words on an
     instance (`POST /tokenize`), so that no prompt shares a cached prefix with another or an earlier run."""
     rng = random.Random(seed)
@@ -332,7 +333,7 @@ def long_prompt_ids(client: httpx.Client, target: Target, tokens: int, count: in
         while len(ids) < tokens:
             text = " ".join(rng.choice(_WORDS) for _ in range(words))
             r = client.post(inst.url + "/tokenize", json={"prompt": text, "add_special_tokens": False},
-                            timeout=30.0)
+                            headers=_auth(api_key), timeout=30.0)
             r.raise_for_status()
             ids += list(r.json()["tokens"])
             words = max(16, tokens - len(ids))
@@ -375,8 +376,8 @@ def send_long_prompts(client: httpx.Client, req: Requester, opts: Options, targe
     if limits and tokens > min(limits) - 4:
         tokens = min(limits) - 4
     try:
-        prompts = long_prompt_ids(client, target, tokens, opts.long_prompts,
-                                  opts.seed if opts.seed is not None else random.SystemRandom().randrange(2**31))
+        seed = opts.seed if opts.seed is not None else random.SystemRandom().randrange(2**31)
+        prompts = long_prompt_ids(client, target, tokens, opts.long_prompts, seed, opts.api_key)
     except (httpx.HTTPError, ValueError, KeyError) as e:
         return Check("kv transfer time", FAIL, f"cannot build long prompts (POST /tokenize): {e}")
     before = _snapshots(client, target.instances)

@@ -205,3 +205,10 @@ def test_instances_sharing_a_gpu_split_its_memory() -> None:
     own = LaunchConfig(model="m", serve_args=["--gpu-memory-utilization=0.3"])
     assert all(s.argv.count("--gpu-memory-utilization=0.3") == 1 and s.wave == 0
                for s in build_deployment(own, gpus=["0"], env={}).instances)
+
+
+def test_tools_do_not_import_torch() -> None:
+    code = ("import sys, pdserve.launch, pdserve.preflight, pdserve.plan, pdserve.launch_demo, pdserve.preflight_gpu; "
+            "print(' '.join(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
