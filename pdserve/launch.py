@@ -219,24 +219,101 @@ def _curl(proxy_url: str, model: str | None) -> str:
             f"-d {shlex.quote(json.dumps(body))}")
 
 
+class _Session:
+    """The running deployment: its children (in start order), the watchdog, the stop flag."""
+
+    def __init__(self, cfg: LaunchConfig, stopping: _Stop, env: dict[str, str], say: Callable[[str], None]):
+        self.cfg = cfg
+        self.stopping = stopping
+        self.env = env
+        self.say = say
+        self.children: list[launch_procs.Child] = []
+        self.watchdog = launch_procs.Watchdog(cfg.stop_timeout)
+
+    def start(self, spec: ProcSpec) -> launch_procs.Child:
+        child = launch_procs.start(spec, self.env)
+        self.children.append(child)
+        self.watchdog.watch(child)
+        return child
+
+    def start_all(self, dep: Deployment) -> launch_procs.ReadyResult:
+        """Instances wave by wave (each wave once the previous one is healthy), then the proxy."""
+        deadline = time.monotonic() + self.cfg.startup_timeout
+        for wave in sorted({spec.wave for spec in dep.instances}):
+            running = list(self.children)
+            batch = [self.start(spec) for spec in dep.instances if spec.wave == wave]
+            self.say(f"waiting for {', '.join(c.name for c in batch)} to answer /health "
+                     f"(up to {deadline - time.monotonic():.0f}s) ...")
+            ready = launch_procs.wait_ready(batch, max(1.0, deadline - time.monotonic()), stopping=self.stopping,
+                                            report=self.say, watch=running)
+            if not ready.ok:
+                return ready
+        proxy = self.start(dep.proxy)
+        self.say(_describe(dep.proxy))
+        return launch_procs.wait_ready([proxy], max(30.0, self.cfg.startup_timeout / 10), stopping=self.stopping,
+                                       report=self.say, watch=self.children[:-1])
+
+    def report_not_ready(self, ready: launch_procs.ReadyResult) -> int:
+        if ready.failed is not None:
+            _report_death(ready.failed, "during startup")
+            return 1
+        for child in ready.timed_out or []:
+            print(f"pdserve up: {child.name} not ready in time; last lines of {child.spec.log_path}:",
+                  file=sys.stderr)
+            for line in launch_procs.tail(child.spec.log_path, TAIL_LINES):
+                print(f"  | {line}", file=sys.stderr)
+        if ready.timed_out:
+            return 1
+        return 130 if self.stopping.signum == signal.SIGINT else 143
+
+    def serve_until_stopped(self) -> int:
+        self.say("serving; Ctrl-C stops everything.")
+        while not self.stopping.event.wait(0.5):
+            dead = next((c for c in self.children if c.exited() is not None), None)
+            if dead is not None:
+                _report_death(dead, "while serving")
+                return 1
+        return 0
+
+    def stop(self) -> None:
+        if self.children:
+            self.say("stopping: " + ", ".join(f"{c.name} (pid {c.pid})" for c in reversed(self.children)))
+            # the proxy first, so that clients get refusals rather than errors mid-request
+            for problem in launch_procs.stop_all(list(reversed(self.children)), self.cfg.stop_timeout):
+                print(f"pdserve up: {problem}", file=sys.stderr)
+            self.say("stopped.")
+        self.watchdog.close()
+
+
+def _log_interval(env: dict[str, str]) -> float:
+    """Seconds between the instances' `KV Transfer metrics` log lines (vLLM's VLLM_LOG_STATS_INTERVAL)."""
+    try:
+        return max(0.0, float(env.get("VLLM_LOG_STATS_INTERVAL", "10")))
+    except ValueError:
+        return 10.0
+
+
+def _interruptible(fn: Callable[[], bool], stopping: _Stop) -> bool | None:
+    """Run `fn` in a thread so that Ctrl-C is not held up by a slow request; None if stopped first."""
+    result: list[bool] = []
+    thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    thread.start()
+    while thread.is_alive() and not stopping():
+        thread.join(0.2)
+    return result[0] if result else None
+
+
 def run(cfg: LaunchConfig, dep: Deployment, *, demo: bool, exit_after: bool, demo_prompt: str | None,
         demo_max_tokens: int, say: Callable[[str], None] = _say) -> int:
     """Start everything, wait for readiness, optionally run the demo, serve until stopped; tear down."""
     from pdserve.launch_demo import DEFAULT_PROMPT, run_demo, served_model
 
-    children: list[launch_procs.Child] = []
-    code = 0
     t0 = time.monotonic()
+    env = dict(os.environ)
+    if demo and "VLLM_LOG_STATS_INTERVAL" not in env:
+        env["VLLM_LOG_STATS_INTERVAL"] = "1"  # so that the demo shows the log line without waiting 10 s
     with _Stop() as stopping:
-        watchdog = launch_procs.Watchdog(cfg.stop_timeout)
-
-        def start(spec: ProcSpec) -> launch_procs.Child:
-            child = launch_procs.start(spec, env)
-            children.append(child)
-            watchdog.watch(child)
-            return child
-
-        env = dict(os.environ)
+        session = _Session(cfg, stopping, env, say)
         try:
             say(f"pdserve up: topology {cfg.topology}, engine {cfg.engine}, {dep.device}, model {dep.model}")
             for note in dep.notes:
@@ -244,73 +321,27 @@ def run(cfg: LaunchConfig, dep: Deployment, *, demo: bool, exit_after: bool, dem
             for spec in dep.instances:
                 say(_describe(spec))
             cfg.log_dir.mkdir(parents=True, exist_ok=True)
-            if demo and "VLLM_LOG_STATS_INTERVAL" not in env:
-                env["VLLM_LOG_STATS_INTERVAL"] = "1"  # so the demo can show the log line without waiting 10 s
-            deadline = time.monotonic() + cfg.startup_timeout
-            waves = sorted({spec.wave for spec in dep.instances})
-            ready = launch_procs.ReadyResult(True)
-            for wave in waves:
-                running = list(children)
-                batch = [start(spec) for spec in dep.instances if spec.wave == wave]
-                say(f"waiting for {', '.join(c.name for c in batch)} to answer /health "
-                    f"(up to {deadline - time.monotonic():.0f}s) ...")
-                ready = launch_procs.wait_ready(batch, max(1.0, deadline - time.monotonic()), stopping=stopping,
-                                                report=say, watch=running)
-                if not ready.ok:
-                    break
-            if ready.ok:
-                start(dep.proxy)
-                say(_describe(dep.proxy))
-                ready = launch_procs.wait_ready(children[-1:], max(30.0, cfg.startup_timeout / 10),
-                                                stopping=stopping, report=say)
+            ready = session.start_all(dep)
             if not ready.ok:
-                if ready.failed is not None:
-                    _report_death(ready.failed, "during startup")
-                    code = 1
-                elif ready.timed_out:
-                    for child in ready.timed_out:
-                        print(f"pdserve up: {child.name} not ready after {cfg.startup_timeout:g}s; last lines of "
-                              f"{child.spec.log_path}:", file=sys.stderr)
-                        for line in launch_procs.tail(child.spec.log_path, TAIL_LINES):
-                            print(f"  | {line}", file=sys.stderr)
-                    code = 1
-                else:
-                    code = 130 if stopping.signum == signal.SIGINT else 143
-                return code
-
-            first = (dep.role("decode") + dep.role("collocated"))[0]
-            model = served_model(first.url)
+                return session.report_not_ready(ready)
+            model = served_model((dep.role("decode") + dep.role("collocated"))[0].url)
             say(f"ready in {time.monotonic() - t0:.1f}s. Client endpoint (OpenAI API): {dep.proxy.url}/v1")
             say(f"  try: {_curl(dep.proxy.url, model)}")
-            say(_ready_line(dep, model, cfg.log_dir, children))
+            say(_ready_line(dep, model, cfg.log_dir, session.children))
             if demo:
                 decodes = dep.role("decode")
-                ok = run_demo(
+                ok = _interruptible(lambda: run_demo(
                     dep.proxy.url, model, [s.url for s in decodes], [s.log_path for s in decodes],
                     prompt=demo_prompt or DEFAULT_PROMPT, max_tokens=demo_max_tokens,
-                    wait_log_s=float(env.get("VLLM_LOG_STATS_INTERVAL", "10")) + 2.0, say=say,
-                )
+                    wait_log_s=_log_interval(env) + 2.0, say=say,
+                ), stopping)
+                if ok is None:  # stopped during the demo
+                    return 130 if stopping.signum == signal.SIGINT else 143
                 if exit_after:
-                    code = 0 if ok else 1
-                    return code
-            say("serving; Ctrl-C stops everything.")
-            while not stopping.event.wait(0.5):
-                dead = next((c for c in children if c.exited() is not None), None)
-                if dead is not None:
-                    _report_death(dead, "while serving")
-                    code = 1
-                    return code
-            code = 0
-            return code
+                    return 0 if ok else 1
+            return session.serve_until_stopped()
         finally:
-            if children:
-                say("stopping: " + ", ".join(f"{c.name} (pid {c.pid})" for c in reversed(children)))
-                # the proxy first, so that clients get refusals rather than errors mid-request
-                problems = launch_procs.stop_all(list(reversed(children)), cfg.stop_timeout)
-                for p in problems:
-                    print(f"pdserve up: {p}", file=sys.stderr)
-                say("stopped.")
-            watchdog.close()
+            session.stop()
 
 
 def main(args: argparse.Namespace) -> int:

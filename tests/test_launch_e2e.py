@@ -98,3 +98,20 @@ def test_readme_command_default_model(tmp_path: Path) -> None:
     finally:
         up.kill()
         kill_leftovers(pids)
+
+
+def test_ctrl_c_during_startup_stops_everything(tiny: Path, tmp_path: Path) -> None:
+    up = Up([str(tiny), "--port", "0", "--log-dir", str(tmp_path)], cwd=tmp_path)
+    pids: list[int] = []
+    try:
+        up.wait_for(r"^waiting for prefill, decode to answer /health", STARTUP_S)
+        pids = children_of(up.proc.pid)  # the watchdog and both instances, still loading
+        assert len(pids) == 3
+        rc = up.stop(signal.SIGINT)
+        out = up.output
+        assert rc == 130, out
+        assert "PDSERVE_READY" not in out and out.rstrip().endswith("stopped.")
+        assert_all_gone(pids, ports_in(out))
+    finally:
+        up.kill()
+        kill_leftovers(pids)
