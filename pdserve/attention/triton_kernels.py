@@ -78,7 +78,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 # ---------------------------------------------------------------------------------------------------
 # decode
 # ---------------------------------------------------------------------------------------------------
-@triton.jit
+# Sizes that vary per step are not specialized (Triton would compile a separate kernel when one is 1).
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(
     q_ptr, stride_q_t, stride_q_h,
     k_cache_ptr, v_cache_ptr, stride_c_blk, stride_c_tok, stride_c_head,
@@ -147,7 +148,7 @@ def _decode_kernel(
         tl.store(part_lse_ptr + row, lse, mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, stride_o_t, stride_o_h, num_splits,
     H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -273,7 +274,7 @@ def _attend_tiles(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_q_blocks"])
 def _prefill_kernel(
     q_ptr, stride_q_t, stride_q_h,
     k_cache_ptr, v_cache_ptr, stride_c_blk, stride_c_tok, stride_c_head,
@@ -289,18 +290,19 @@ def _prefill_kernel(
     kvh = tl.program_id(1)
     # Sequence i owns q blocks [qsl[i] // BLOCK_Q + i, ...): an upper bound on its first block index that
     # needs no host-side table. Binary search for the last i whose start is <= qb_global.
-    lo = 0
-    hi = num_seqs
+    # (lo and hi start as int32 tensors: a loop-carried value must not begin as a constexpr)
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
-        start_mid = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        start_mid = tl.load(qsl_ptr + mid).to(tl.int32) // BLOCK_Q + mid
         if start_mid <= qb_global:
             lo = mid + 1
         else:
             hi = mid
     seq = lo - 1
-    q_start = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    q_start = tl.load(qsl_ptr + seq).to(tl.int32)
+    q_len = tl.load(qsl_ptr + seq + 1).to(tl.int32) - q_start
     qb = qb_global - (q_start // BLOCK_Q + seq)
     if qb * BLOCK_Q >= q_len:
         return

@@ -70,13 +70,55 @@ class StepTiming:
         self.total_s = self.wait_s = 0.0
 
 
+class BlockTableCache:
+    """numpy copies of requests' block-id lists, extended as the lists grow.
+
+    Converting every running request's Python list of block ids to numpy each step costs ~15 us per
+    request at 1.5k context (~4 ms per step at batch 256, measured on the dev box), O(total blocks).
+    The block manager only ever appends to `req.block_ids`, and replaces the list on release (preemption,
+    finish), so a copy stays valid while the list object is the same: only its new tail is converted.
+    A cheap guard (length, last cached element) rebuilds on anything else.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[list[int], np.ndarray, int, int]] = {}  # id -> (list, copy, n, seen)
+        self._step = 0
+
+    def get(self, req: Request) -> np.ndarray:
+        lst = req.block_ids
+        n = len(lst)
+        ent = self._entries.get(req.request_id)
+        if ent is not None and ent[0] is lst and ent[2] <= n and (ent[2] == 0 or ent[1][ent[2] - 1] == lst[ent[2] - 1]):
+            arr, m = ent[1], ent[2]
+            if m < n:
+                if arr.shape[0] < n:
+                    grown = np.empty(max(n, 2 * arr.shape[0]), dtype=np.int64)
+                    grown[:m] = arr[:m]
+                    arr = grown
+                arr[m:n] = lst[m:n]
+        else:
+            arr = np.empty(max(n, 16), dtype=np.int64)
+            arr[:n] = lst
+        self._entries[req.request_id] = (lst, arr, n, self._step)
+        return arr[:n]
+
+    def end_step(self) -> None:
+        """Forget requests not seen for a while (finished, aborted, or waiting after preemption)."""
+        self._step += 1
+        if self._step % 256 == 0:
+            stale = self._step - 64
+            for rid in [r for r, e in self._entries.items() if e[3] < stale]:
+                del self._entries[rid]
+
+
 class HostBatch:
     """Flattened inputs for one step, built with numpy into a slice of a pinned int64 buffer.
 
     Layout: ids[T] | positions[T] | slots[T] | query_start_loc[S+1] | seq_lens[S] | sample_rows[R] |
     block_tables[S, W]."""
 
-    def __init__(self, batch: list[tuple[Request, int]], block_size: int, buf: np.ndarray):
+    def __init__(self, batch: list[tuple[Request, int]], block_size: int, buf: np.ndarray,
+                 tables_cache: BlockTableCache | None = None):
         bs = block_size
         self.num_seqs = s = len(batch)
         self.num_tokens = t = sum(n for _, n in batch)
@@ -118,7 +160,10 @@ class HostBatch:
             else:
                 ids[off : off + n] = req.token_ids()[start:stop]
             nb = (stop + bs - 1) // bs
-            table = np.asarray(req.block_ids[:nb], dtype=np.int64)
+            if tables_cache is None:
+                table = np.asarray(req.block_ids[:nb], dtype=np.int64)
+            else:
+                table = tables_cache.get(req)[:nb]
             tables[i, :nb] = table
             p = np.arange(start, stop, dtype=np.int64)
             pos[off : off + n] = p
@@ -146,6 +191,7 @@ class GpuStepRunner:
         self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
         self.max_model_len = max_model_len
         self.timing = StepTiming()
+        self.tables = BlockTableCache()
         # eager-step staging: grown on demand (a prefill step's size depends on the token budget)
         self._host = torch.empty(0, dtype=torch.int64)
         self._dev = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -224,14 +270,22 @@ class GpuStepRunner:
         seql = buf[3 * b : 4 * b]
         width = max(req.num_computed_tokens // bs + 1 for req, _ in batch)
         tables = buf[4 * b : 4 * b + n * width].reshape(n, width)
+        # per-request Python values gathered in lists, stored with one numpy assignment each
+        tok_l: list[int] = []
+        pos_l: list[int] = []
+        slot_l: list[int] = []
         for i, (req, _) in enumerate(batch):
             p = req.num_computed_tokens
-            ids[i] = req.token_at(p)
-            pos[i] = p
             nb = p // bs + 1
-            tables[i, :nb] = req.block_ids[:nb]
-            slots[i] = tables[i, nb - 1] * bs + p % bs
-            seql[i] = p + 1
+            table = self.tables.get(req)[:nb]
+            tables[i, :nb] = table
+            tok_l.append(req.token_at(p))
+            pos_l.append(p)
+            slot_l.append(int(table[nb - 1]) * bs + p % bs)
+        ids[:n] = tok_l
+        pos[:n] = pos_l
+        slots[:n] = slot_l
+        seql[:n] = pos[:n] + 1
         # padding rows up to the graph's size
         ids[n:size] = 0
         pos[n:size] = 0
@@ -254,7 +308,7 @@ class GpuStepRunner:
         s = len(batch)
         w = max((r.num_computed_tokens + n + bs - 1) // bs for r, n in batch)
         host, dev = self._staging(3 * t + 3 * s + 1 + s * w)
-        hb = HostBatch(batch, bs, host.numpy())
+        hb = HostBatch(batch, bs, host.numpy(), self.tables)
         dev[: hb.size].copy_(host[: hb.size], non_blocking=True)
         o = 3 * t
         r = hb.num_rows
@@ -306,6 +360,7 @@ class GpuStepRunner:
             if self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()  # keep the step synchronous, as the CPU path is
             self.timing.wait_s += time.perf_counter() - t1
+        self.tables.end_step()
         self.timing.steps += 1
         self.timing.total_s += time.perf_counter() - t0
         return result

@@ -1,0 +1,115 @@
+"""The GPU kernels' logic on the CPU, through Triton's interpreter (TRITON_INTERPRET=1).
+
+Skipped where triton is not installed (the CPU torch wheel does not bring it): a developer runs them with
+`pip install triton` in the venv. On the GPU machine, pdserve/gpu/check_correctness.py checks the
+compiled kernels on full-size inputs.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("these tests need the interpreter: triton was imported before TRITON_INTERPRET was set",
+                allow_module_level=True)
+
+import triton.runtime.interpreter as _interp  # noqa: E402
+
+from pdserve.attention import triton_kernels as tk  # noqa: E402
+from pdserve.gpu.check_correctness import SdpaReference, check_ops, make_paged_case, rel_err  # noqa: E402
+
+# triton 3.6's interpreter holds scalars as 1-element arrays and converts them with int(), which numpy 2
+# refuses for 1-D arrays: `range(tensor)` in a kernel fails. Convert through the single element instead.
+_orig_patch = _interp._patch_lang_tensor
+
+
+def _patch_lang_tensor(tensor, scope):
+    _orig_patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+
+_interp._patch_lang_tensor = _patch_lang_tensor
+
+CASES = [
+    # query lens, seq lens, heads, kv heads, head dim
+    ([7, 5, 1, 20], [7, 13, 9, 20], 4, 2, 16),  # fresh, chunk after context, decode row, several q blocks
+    ([3, 33], [40, 33], 6, 2, 16),  # GQA group of 3 (not a power of two)
+    ([9], [30], 2, 2, 24),  # head_dim not a power of two, MHA
+    ([1, 1, 1], [1, 17, 30], 4, 1, 16),  # decode, group of 4 over one kv head
+]
+
+
+@pytest.mark.parametrize("qlens,slens,h,kvh,d", CASES)
+def test_prefill_kernel_matches_sdpa(qlens, slens, h, kvh, d):
+    c = make_paged_case(qlens, slens, h, kvh, d, block_size=4, dtype=torch.float32, device="cpu", seed=len(qlens))
+    want = SdpaReference().forward(c.q, c.k_cache, c.v_cache, c.meta, d**-0.5)
+    out = torch.full_like(c.q, float("nan"))
+    tk.prefill_attention(c.q, c.k_cache, c.v_cache, c.meta.block_tables, c.meta.seq_lens, c.meta.query_start_loc,
+                         d**-0.5, len(qlens), out=out, block_m=16, tile_n=16)
+    assert rel_err(out, want) < 1e-5
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_decode_kernel_matches_sdpa_with_padding_rows(splits):
+    c = make_paged_case([1] * 4, [9, 1, 30, 16], 6, 2, 16, block_size=4, dtype=torch.float32, device="cpu",
+                        seed=splits, table_width=12)  # wider table than needed: the graph's static stride
+    want = SdpaReference().forward(c.q, c.k_cache, c.v_cache, c.meta, 0.25)
+    seq_lens = c.meta.seq_lens.clone()
+    seq_lens[1] = 0  # a CUDA-graph padding row
+    out = torch.full_like(c.q, float("nan"))
+    tk.decode_attention(c.q, c.k_cache, c.v_cache, c.meta.block_tables, seq_lens, 0.25, splits, out=out, tile_n=16)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    keep = [0, 2, 3]
+    assert rel_err(out[keep], want[keep]) < 1e-5
+
+
+def test_write_kv_into_strided_pool_view_skips_padding():
+    c = make_paged_case([5, 3], [9, 3], 4, 2, 16, block_size=4, dtype=torch.float32, device="cpu")
+    k = torch.randn(8, 2, 16)
+    v = torch.randn(8, 2, 16)
+    slots = c.meta.slot_mapping.clone()
+    slots[2] = -1
+    want = c.pool.clone()
+    ref = SdpaReference()
+    ref.write_kv(want[:, c.layer, 0], want[:, c.layer, 1], k, v, type(c.meta)(**{**c.meta.__dict__,
+                                                                                   "slot_mapping": slots}))
+    tk.write_kv(c.k_cache, c.v_cache, k, v, slots, 4)
+    assert torch.equal(c.pool, want)
+
+
+def test_fused_ops_match_the_torch_path_in_float32():
+    for item in check_ops(dtype=torch.float32, device="cpu"):
+        assert item["ok"], item
+
+
+def test_gpu_step_runner_is_token_exact_with_the_cpu_engine(tiny_llama):
+    """The CUDA step path (numpy-built batches, decode-graph static buffers with padding rows, fused ops,
+    Triton attention, greedy argmax) run eagerly on the CPU: same tokens as the CPU engine, through
+    chunked prefill and prefix-cache hits."""
+    from engine_utils import make_engine, run_engine
+
+    from pdserve.attention.triton_backend import TritonAttention
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.gpu.step_runner import GpuStepRunner
+
+    gen = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, 320, (50,), generator=gen).tolist()
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (5, 40, 70)] + [shared]
+    again = [shared[:36] + [7, 8, 9], shared]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    kw = dict(max_num_batched_tokens=32, max_num_seqs=5)
+    ref_engine = make_engine(tiny_llama, **kw)
+    want = run_engine(ref_engine, prompts, params) + run_engine(ref_engine, again, params)
+    engine = make_engine(tiny_llama, **kw)
+    engine.runner.backend = TritonAttention(num_sms=4)
+    engine.runner.gpu = GpuStepRunner(engine.runner, simulate_graphs=True)
+    got = run_engine(engine, prompts, params) + run_engine(engine, again, params)
+    assert got == want
+    assert engine.runner.gpu.timing.graph_steps > 0
+    assert engine.stats().prefix_cache_hits > 0

@@ -1,0 +1,116 @@
+"""CPU tests of the GPU path's host-side pieces (no CUDA, no triton needed)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.gpu.model_configs import available, config_path, dummy_model_dir
+from pdserve.gpu.step_runner import HostBatch, graph_sizes_for, greedy_on_device, pick_graph_size
+from pdserve.model.config import load_model_config
+
+
+def test_graph_sizes_cover_max_num_seqs():
+    assert graph_sizes_for(256)[-1] == 256
+    assert graph_sizes_for(5) == [1, 2, 4, 5]
+    assert graph_sizes_for(1) == [1]
+    sizes = graph_sizes_for(100)
+    assert sizes[-1] == 100 and sizes == sorted(set(sizes))
+    assert graph_sizes_for(1000)[-1] == 256  # larger batches run eagerly
+    assert pick_graph_size([1, 2, 4, 8], 3) == 4
+    assert pick_graph_size([1, 2, 4, 8], 8) == 8
+    assert pick_graph_size([1, 2, 4, 8], 9) is None
+
+
+def _req(rid: str, prompt: list[int], computed: int, blocks: list[int], out: list[int] | None = None,
+         **params) -> Request:
+    r = Request(rid, prompt, SamplingParams(**params), frozenset({2}), 4096)
+    r.output_token_ids = list(out or [])
+    r.num_computed_tokens = computed
+    r.block_ids = blocks
+    return r
+
+
+def test_greedy_on_device_only_when_cpu_sampler_would_argmax():
+    assert greedy_on_device([_req("a", [1], 0, [0], temperature=0.0)])
+    assert not greedy_on_device([_req("a", [1], 0, [0], temperature=0.7)])
+    assert not greedy_on_device([_req("a", [1], 0, [0], temperature=0.0, logprobs=2)])
+    # min_tokens not yet reached: the sampler masks EOS first
+    assert not greedy_on_device([_req("a", [1], 0, [0], temperature=0.0, min_tokens=3, max_tokens=8)])
+    assert greedy_on_device([_req("a", [1], 0, [0], [5, 6, 7], temperature=0.0, min_tokens=3, max_tokens=8)])
+
+
+def test_host_batch_layout_matches_the_flattened_batch():
+    bs = 4
+    prompt_a = list(range(10, 20))  # 10 tokens, chunk [4, 10) this step (prefix/chunk context of 4)
+    a = _req("a", prompt_a, 4, [7, 3, 9])
+    b = _req("b", [1, 2, 3], 2, [5], [42])  # decode row: computed 2 of 4 tokens? -> 2 new tokens
+    c = _req("c", [8, 9, 10, 11, 12], 5, [2, 6], [77])  # one decode token at position 5
+    batch = [(a, 6), (b, 2), (c, 1)]
+    buf = np.full(256, -99, dtype=np.int64)
+    hb = HostBatch(batch, bs, buf)
+    t, s = 9, 3
+    ids, pos, slots = buf[:t], buf[t : 2 * t], buf[2 * t : 3 * t]
+    assert ids.tolist() == prompt_a[4:10] + [3, 42] + [77]
+    assert pos.tolist() == [4, 5, 6, 7, 8, 9, 2, 3, 5]
+    want_slots = [3 * 4 + 0, 3 * 4 + 1, 3 * 4 + 2, 3 * 4 + 3, 9 * 4 + 0, 9 * 4 + 1, 5 * 4 + 2, 5 * 4 + 3, 6 * 4 + 1]
+    assert slots.tolist() == want_slots
+    o = 3 * t
+    assert buf[o : o + s + 1].tolist() == [0, 6, 8, 9]
+    assert buf[o + s + 1 : o + 2 * s + 1].tolist() == [10, 4, 6]
+    # every request reaches its frontier here: sampled rows are each sequence's last row
+    assert hb.num_rows == 3 and [r.request_id for r in hb.sampling] == ["a", "b", "c"]
+    rows = buf[o + 2 * s + 1 : o + 2 * s + 1 + hb.num_rows]
+    assert rows.tolist() == [5, 7, 8]
+    tables = buf[o + 2 * s + 1 + hb.num_rows : hb.size].reshape(s, hb.width)
+    assert hb.width == 3
+    assert tables[0].tolist() == [7, 3, 9] and tables[1, 0] == 5 and tables[2, :2].tolist() == [2, 6]
+
+
+def test_host_batch_mid_chunk_samples_nothing():
+    a = _req("a", list(range(3, 40)), 0, list(range(10)))
+    hb = HostBatch([(a, 16)], 4, np.zeros(200, dtype=np.int64))
+    assert hb.num_rows == 0 and hb.sampling == []
+
+
+@pytest.mark.parametrize("name", ["Llama-3.1-8B", "Qwen2.5-7B"])
+def test_packaged_configs_parse_in_their_real_shapes(name, tmp_path):
+    assert name in available()
+    cfg = load_model_config(dummy_model_dir(name, tmp_path))
+    raw = json.loads(config_path(name).read_text())
+    assert cfg.vocab_size == raw["vocab_size"] and cfg.num_layers == raw["num_hidden_layers"]
+    if name == "Llama-3.1-8B":
+        assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+            4096, 14336, 32, 8, 128)
+        assert cfg.vocab_size == 128256 and cfg.rope_scaling["rope_type"] == "llama3" and not cfg.qkv_bias
+    else:
+        assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+            3584, 18944, 28, 4, 128)
+        assert cfg.vocab_size == 152064 and cfg.qkv_bias and cfg.rope_scaling is None
+
+
+def test_unknown_packaged_config_is_a_clear_error():
+    with pytest.raises(FileNotFoundError, match="available"):
+        config_path("nope")
+
+
+def test_block_table_cache_follows_appends_and_replacements():
+    from pdserve.gpu.step_runner import BlockTableCache
+
+    cache = BlockTableCache()
+    r = _req("a", [1, 2, 3], 0, [4, 5])
+    assert cache.get(r).tolist() == [4, 5]
+    r.block_ids.extend(range(6, 40))  # the block manager appends as the request grows
+    assert cache.get(r).tolist() == [4, 5, *range(6, 40)]
+    r.block_ids = [9]  # release + reallocate (preemption) installs a new list
+    assert cache.get(r).tolist() == [9]
+    r.block_ids.clear()  # an in-place rewrite, not done today, is caught by the guard
+    r.block_ids.extend([7, 8])
+    assert cache.get(r).tolist() == [7, 8]
+    for _ in range(512):
+        cache.end_step()
+    assert cache._entries == {}  # not seen for a while: forgotten
