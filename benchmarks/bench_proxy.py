@@ -97,6 +97,7 @@ class Result:
     target: str
     latencies_s: list[float] = field(default_factory=list)
     rps: float = 0.0
+    cpu_ms_per_request: float | None = None  # the proxy process's CPU time per request at saturation
     errors: int = 0
 
     def pct(self, q: float) -> float:
@@ -154,7 +155,20 @@ async def _saturate(one: Any, n: int, concurrency: int) -> tuple[float, int]:
     return time.perf_counter() - t0, errors
 
 
-async def _run(args: argparse.Namespace, targets: dict[str, str], p_url: str, d_url: str) -> list[Result]:
+def _cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of a process (Linux /proc), None elsewhere."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _run(
+    args: argparse.Namespace, targets: dict[str, str], p_url: str, d_url: str, pids: dict[str, int]
+) -> list[Result]:
     """Targets are interleaved (latency: one request each in turn, rotating the order; saturation: rounds)
     so that a change in machine load hits every target alike."""
     body = _body(args.tokens)
@@ -180,35 +194,49 @@ async def _run(args: argparse.Namespace, targets: dict[str, str], p_url: str, d_
                 results[name].errors += not ok
         per_round = max(1, args.requests // args.rounds)
         elapsed = dict.fromkeys(names, 0.0)
+        cpu = dict.fromkeys(names, 0.0)
         for _ in range(args.rounds):
             for name in names:
+                cpu0 = _cpu_seconds(pids.get(name))
                 seconds, errors = await _saturate(calls[name], per_round, args.concurrency)
+                cpu1 = _cpu_seconds(pids.get(name))
+                if cpu0 is not None and cpu1 is not None:
+                    cpu[name] += cpu1 - cpu0
                 elapsed[name] += seconds
                 results[name].errors += errors
         for name in names:
             results[name].rps = per_round * args.rounds / elapsed[name]
+            if name in pids:
+                results[name].cpu_ms_per_request = cpu[name] * 1e3 / (per_round * args.rounds)
     return [results[name] for name in names]
 
 
 def _table(results: list[Result]) -> str:
     direct = results[0]
     base50, base99 = direct.pct(50), direct.pct(99)
-    ours = next((r for r in results if r.target.startswith("pdserve")), None)
-    lines = [
-        f"{'target':<22} {'req/s @sat':>11} {'p50 ms':>8} {'p99 ms':>8} {'added p50 ms':>13} {'added p99 ms':>13} {'errors':>7}",
-    ]
+    header = (
+        f"{'target':<20} {'req/s @sat':>10} {'CPU ms/req':>10} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'added p50 ms':>12} {'added p99 ms':>12} {'errors':>6}"
+    )
+    lines = [header]
     for r in results:
-        added50 = "" if r is direct else f"{(r.pct(50) - base50) * 1e3:13.3f}"
-        added99 = "" if r is direct else f"{(r.pct(99) - base99) * 1e3:13.3f}"
+        added50 = "" if r is direct else f"{(r.pct(50) - base50) * 1e3:.3f}"
+        added99 = "" if r is direct else f"{(r.pct(99) - base99) * 1e3:.3f}"
+        cpu = "" if r.cpu_ms_per_request is None else f"{r.cpu_ms_per_request:.3f}"
         lines.append(
-            f"{r.target:<22} {r.rps:11.1f} {r.pct(50) * 1e3:8.3f} {r.pct(99) * 1e3:8.3f} {added50:>13} {added99:>13} {r.errors:7d}"
+            f"{r.target:<20} {r.rps:10.1f} {cpu:>10} {r.pct(50) * 1e3:8.3f} {r.pct(99) * 1e3:8.3f} "
+            f"{added50:>12} {added99:>12} {r.errors:6d}"
         )
+    ours = next((r for r in results if r.target.startswith("pdserve")), None)
     toy = next((r for r in results if r.target.startswith("vllm toy")), None)
     if ours is not None and toy is not None:
-        toy_added = toy.pct(50) - base50
-        ours_added = ours.pct(50) - base50
         lines.append("")
         lines.append(f"pdserve / toy requests/s at saturation: {ours.rps / toy.rps:.2f}x")
+        if ours.cpu_ms_per_request and toy.cpu_ms_per_request:
+            lines.append(
+                f"toy / pdserve CPU per request:          {toy.cpu_ms_per_request / ours.cpu_ms_per_request:.2f}x"
+            )
+        ours_added, toy_added = ours.pct(50) - base50, toy.pct(50) - base50
         if ours_added > 0:
             lines.append(f"toy / pdserve added p50 latency:        {toy_added / ours_added:.2f}x")
     return "\n".join(lines)
@@ -262,6 +290,7 @@ def main() -> int:
         )
         servers.append(ours)
         targets = {"pdserve proxy": ours.url}
+        proxies = {"pdserve proxy": ours}
         if args.toy_proxy and Path(args.toy_proxy).is_file():
             port = _free_port()
             p_port, d_port = p.url.rsplit(":", 1)[1], d.url.rsplit(":", 1)[1]
@@ -287,6 +316,7 @@ def main() -> int:
             )
             servers.append(toy)
             targets["vllm toy proxy"] = toy.url
+            proxies["vllm toy proxy"] = toy
         else:
             print(f"toy proxy not found ({args.toy_proxy!r}): its rows are skipped", file=sys.stderr)
         try:
@@ -296,7 +326,8 @@ def main() -> int:
         except ImportError:
             loop = asyncio.new_event_loop()
         try:
-            results = loop.run_until_complete(_run(args, targets, p.url, d.url))
+            pids = {name: server.proc.pid for name, server in proxies.items()}
+            results = loop.run_until_complete(_run(args, targets, p.url, d.url, pids))
         finally:
             loop.close()
     finally:
@@ -315,6 +346,7 @@ def main() -> int:
                     {
                         "target": r.target,
                         "rps": r.rps,
+                        "cpu_ms_per_request": r.cpu_ms_per_request,
                         "p50_s": r.pct(50),
                         "p99_s": r.pct(99),
                         "errors": r.errors,
