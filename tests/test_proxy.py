@@ -385,6 +385,34 @@ def test_2p2d_load_spread(proxy: str, backends: dict[str, Standin]) -> None:
     assert results == [200] * 4
 
 
+def test_many_concurrent_streams(proxy: str, backends: dict[str, Standin]) -> None:
+    import asyncio
+
+    import aiohttp
+
+    n = 128
+    body = {"model": "standin", "prompt": "concurrent", "max_tokens": 3, "stream": True}
+
+    async def one(session: aiohttp.ClientSession, i: int) -> tuple[int, str]:
+        headers = {"X-Request-Id": f"conc-{i}"}
+        async with session.post(proxy + "/v1/completions", json=body, headers=headers) as resp:
+            return resp.status, (await resp.read()).decode()
+
+    async def run() -> list[tuple[int, str]]:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            return await asyncio.gather(*(one(session, i) for i in range(n)))
+
+    results = asyncio.run(run())
+    for status, text in results:
+        assert status == 200
+        events = sse_events(text)
+        assert events[-1] == "[DONE]"
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == " tok0 tok1 tok2"
+    prefill, decode = legs(backends)
+    assert len(prefill) == len(decode) == n
+    assert sorted(r["headers"]["X-Request-ID"] for r in decode) == sorted(f"conc-{i}" for i in range(n))
+
+
 # -- streaming failures and disconnects ----------------------------------------------------------------
 
 

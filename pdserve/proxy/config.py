@@ -36,7 +36,7 @@ class ProxyConfig:
     rewrite_remote_host: bool = False
     chat_token_ids: bool = True
     max_inflight: int = 4096
-    connect_timeout: float = 3.0
+    connect_timeout: float = 10.0
     prefill_timeout: float = 300.0
     decode_timeout: float = 600.0
     health_interval: float = 5.0
