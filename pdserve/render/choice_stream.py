@@ -26,15 +26,6 @@ from pdserve.text.output_parsers import ChatDelta, ChatOutputParser, ParserConfi
 from pdserve.text.stop import StopStringMatcher
 from pdserve.text.tool_parsers import make_tool_call_id
 
-PROMPT_TAIL_TOKENS = 8  # prompt tokens decoded to tell whether the prompt opened a think block
-
-
-def prompt_tail_text(tokenizer: Any, prompt_token_ids: Sequence[int] | None) -> str | None:
-    """The text of the prompt's last few tokens, special tokens included (what the reasoning parser reads)."""
-    if not prompt_token_ids:
-        return None
-    return tokenizer.decode_window(list(prompt_token_ids[-PROMPT_TAIL_TOKENS:]), False)
-
 
 class ResumableDetokenizer(IncrementalDetokenizer):
     """`IncrementalDetokenizer` whose state is its window: ids from the prefix offset on."""

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.render.choice_stream import ChoiceStream, TextOptions, prompt_tail_text, to_engine_logprobs
+from pdserve.render.choice_stream import ChoiceStream, TextOptions, to_engine_logprobs
 from pdserve.render.context import RenderContext
 from pdserve.render.protocol import (
     ChatDerenderRequest,
@@ -38,7 +38,7 @@ from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.server.serving_chat import chat_role
 from pdserve.text.chat import message_text
 from pdserve.text.logprobs import LogprobFormatter
-from pdserve.text.output_parsers import ChatOutputParser, ParserStateError
+from pdserve.text.output_parsers import ChatOutputParser, ParserStateError, prompt_tail_text
 
 GENERATE_ID_PREFIX = "generate-tokens-"
 
@@ -160,7 +160,7 @@ def derender_chat(ctx: RenderContext, raw: Any) -> dict[str, Any]:
     for choice in sorted(resp.choices, key=lambda c: c.index):
         stream = _new_chat_stream(ctx, s, choice.index)
         delta = _process_whole(stream, choice)
-        completion_tokens += len(choice.token_ids)
+        completion_tokens += len(delta.token_ids)  # accepted ids: a stop string drops the ones after it
         if delta.parsed is not None:
             content = (s.echo + delta.parsed.content) or None
             reasoning = delta.parsed.reasoning or None
@@ -348,7 +348,7 @@ def derender_completion(ctx: RenderContext, raw: Any) -> dict[str, Any]:
         for choice in sorted(resp.choices, key=lambda c: c.index):
             stream = ChoiceStream.new(i * n + choice.index, ctx.tokenizer, ids, _text_options(req), None)
             d = _process_whole(stream, choice)
-            completion_tokens += len(choice.token_ids)
+            completion_tokens += len(d.token_ids)
             echo_ids = (ids or resp.prompt_token_ids) if req.echo else None
             choices.append({
                 "index": i * n + choice.index,
@@ -407,7 +407,9 @@ def _derender_completion_chunk(ctx: RenderContext, body: CompletionDerenderReque
         echo_ids = None
         if first and req.echo:
             echo_ids = ids or chunk.prompt_token_ids
-            text = _echo_text(ctx, req, i, echo_ids) + text
+            echo = _echo_text(ctx, req, i, echo_ids)
+            text = echo + text
+            stream.text_len += len(echo)  # later logprob text offsets count the echoed prompt too
         item: dict[str, Any] = {
             "index": i * n + choice.index,
             "text": text,

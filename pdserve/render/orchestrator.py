@@ -30,11 +30,11 @@ import aiohttp
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from pdserve.render.choice_stream import PROMPT_TAIL_TOKENS
 from pdserve.render.engine_client import EnginePool
 from pdserve.render.workers import RenderWorkers
 from pdserve.server.errors import APIError, error_body
 from pdserve.server.http_utils import SSE_DONE, sse, until_disconnect
+from pdserve.text.output_parsers import PROMPT_TAIL_TOKENS
 
 log = logging.getLogger("pdserve.render")
 
@@ -116,8 +116,12 @@ class Orchestrator:
 
     def _derender_chunk_body(self, kind: str, leg: _Leg, chunk: dict[str, Any], client: dict[str, Any],
                              n_prompts: int) -> dict[str, Any]:
-        first = leg.state is None
-        tail = leg.prompt_ids[-PROMPT_TAIL_TOKENS:] if first else None
+        known = {s["index"] for s in (leg.state or {}).get("choices") or []}
+        first = any(c.get("index") not in known for c in chunk.get("choices") or [])  # a choice's first chunk
+        # The detokeniser and the reasoning parser need only the prompt's last ids, once; a completions echo
+        # or return_token_ids needs the whole prompt, once.
+        whole = kind != "chat" and bool(client.get("echo") or client.get("return_token_ids"))
+        tail = (leg.prompt_ids if whole else leg.prompt_ids[-PROMPT_TAIL_TOKENS:]) if first else None
         body: dict[str, Any] = {"stream": True, "generate_chunk": chunk, "stream_state": leg.state}
         if kind == "chat":
             body.update(chat_request=client, prompt_tokens=len(leg.prompt_ids), prompt_token_ids=tail)

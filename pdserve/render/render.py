@@ -13,7 +13,6 @@ import uuid
 from typing import Any
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.render.choice_stream import prompt_tail_text
 from pdserve.render.context import RenderContext
 from pdserve.server.errors import APIError, bad_request, not_supported
 from pdserve.server.http_utils import parse_model
@@ -26,7 +25,7 @@ from pdserve.server.params import (
 )
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from pdserve.text.chat import ChatTemplateError
-from pdserve.text.output_parsers import ToolChoiceError, parses_tool_calls
+from pdserve.text.output_parsers import ToolChoiceError, parses_tool_calls, prompt_tail_text
 from pdserve.text.reasoning import prompt_opens_reasoning
 
 

@@ -30,6 +30,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.engine.sampling_params import ParamError, SamplingParams
 from pdserve.render.protocol import AbortRequestsBody, GenerateRequest, GenerateSamplingParams
@@ -54,6 +55,28 @@ ABORT_PATH = "/inference/v1/abort_requests"
 LEGACY_ABORT_PATH = "/abort_requests"
 ID_PREFIX = "generate-tokens-"
 CLIENT_CLOSED = 499
+
+
+# Routes that need text; a --tokens-only server has no tokenizer (vLLM: skip_tokenizer_init).
+TEXT_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
+
+
+class TokenizerlessGuard:
+    """Pure ASGI: on a server without a tokenizer, the text routes answer 400 instead of failing inside."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") not in TEXT_PATHS:
+            await self.app(scope, receive, send)
+            return
+        body = json.dumps(error_body(
+            f"{scope.get('path')} needs a tokenizer, and this server runs --tokens-only: send token ids to "
+            f"{GENERATE_PATH}, or put a render tier (pdserve render MODEL --engine URL) in front.", 400)).encode()
+        await send({"type": "http.response.start", "status": 400,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
 
 def forbidden() -> JSONResponse:

@@ -9,7 +9,7 @@ parser. `parse()` is the batch form and runs the same machine, so streamed and n
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,16 @@ from pdserve.text.tool_parsers import (
     get_tool_parser,
     make_tool_call_id,
 )
+
+PROMPT_TAIL_TOKENS = 8  # prompt tokens decoded to tell whether the prompt opened a think block
+
+
+def prompt_tail_text(tokenizer: Any, prompt_token_ids: Sequence[int] | None) -> str | None:
+    """The text of the prompt's last few tokens, special tokens included: what the reasoning parser reads
+    to know whether the template already opened a think block. `tokenizer` has `decode_window`."""
+    if not prompt_token_ids:
+        return None
+    return tokenizer.decode_window(list(prompt_token_ids[-PROMPT_TAIL_TOKENS:]), False)
 
 
 class ToolChoiceError(ValueError):
