@@ -28,6 +28,7 @@ from pdserve.server.protocol import (
 from pdserve.server.serving_chat import create_chat_completion
 from pdserve.server.serving_completion import create_completion
 from pdserve.server.state import ServerState
+from pdserve.server.tokens_only import TokenizerlessGuard, build_router
 from pdserve.text.chat import ChatTemplateError
 
 log = logging.getLogger("pdserve.server")
@@ -162,5 +163,10 @@ def build_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
 
         return await guarded(request, run)
 
+    # Tokens-in/tokens-out routes: enabled by --tokens-only or --enable-scale-out, else 403 as in vLLM.
+    app.include_router(build_router(enabled=state.tokens_only or state.enable_scale_out,
+                                    tokens_only=state.tokens_only))
+    if state.tokenizer is None:
+        app.add_middleware(TokenizerlessGuard)  # the text routes answer 400 on a --tokens-only server
     app.add_middleware(RequestIdAuthMiddleware, api_key=state.api_key)
     return app

@@ -48,7 +48,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="bound on the waiting queue; requests beyond it get 503")
     p.add_argument("--max-request-body-bytes", type=int, default=64 * 1024 * 1024)
-    p.add_argument("--tokens-only", action="store_true", help="tokens-in/tokens-out server (render tier)")
+    p.add_argument("--tokens-only", action="store_true",
+                   help="tokens-in/tokens-out engine for a render tier: /inference/v1/generate, no tokenizer")
+    p.add_argument("--enable-scale-out", action="store_true",
+                   help="also serve /inference/v1/generate and abort_requests on a normal server (else 403)")
+    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="split <think> reasoning out of chat answers (reasoning_content)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='parse tool calls when a chat request has tools and tool_choice "auto"')
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes"])
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS[:-1])
@@ -90,8 +98,8 @@ def engine_config(args: argparse.Namespace) -> Any:
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
-    if args.tokens_only:
-        return "--tokens-only is not yet supported by pdserve serve"
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        return "--enable-auto-tool-choice requires --tool-call-parser"
     if args.tensor_parallel_size != 1:
         return "--tensor-parallel-size other than 1 is not supported"
     if not 0 < args.port < 65536:
@@ -120,6 +128,7 @@ def build_state(args: argparse.Namespace) -> Any:
     from pdserve.server.metrics import ServerMetrics
     from pdserve.server.params import GenerationDefaults
     from pdserve.server.state import ServerState
+    from pdserve.text.output_parsers import ParserConfig
     from pdserve.text.tokenizer import load_tokenizer
 
     config = engine_config(args)
@@ -130,7 +139,8 @@ def build_state(args: argparse.Namespace) -> Any:
     factory = connector_factory(kv_cfg, registry, names[0]) if kv_cfg is not None else None
     engine = AsyncEngine(config, factory)
     inner = engine.engine
-    tokenizer = load_tokenizer(config.tokenizer or inner.model_dir, chat_template=args.chat_template)
+    tokenizer = None if args.tokens_only else load_tokenizer(config.tokenizer or inner.model_dir,
+                                                              chat_template=args.chat_template)
     runner = inner.runner
     connector = inner.connector
     cfg = inner.model_cfg
@@ -154,6 +164,7 @@ def build_state(args: argparse.Namespace) -> Any:
         or ("cuda" if runner.device.type == "cuda" else "cpu"),
         "ucx_tls": os.environ.get("UCX_TLS"),
         "num_gpu_blocks": runner.num_blocks,
+        "tokens_only": args.tokens_only,
     }
     model_path = str(model_arg) if model_arg and Path(model_arg).is_dir() else str(inner.model_dir)
     metrics = ServerMetrics(names[0], inner.max_model_len, engine.stats, registry=registry)
@@ -169,6 +180,9 @@ def build_state(args: argparse.Namespace) -> Any:
         info=info,
         api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
         max_request_body_bytes=args.max_request_body_bytes,
+        parsers=ParserConfig(args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice),
+        tokens_only=args.tokens_only,
+        enable_scale_out=args.enable_scale_out,
     )
 
 

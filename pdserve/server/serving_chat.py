@@ -10,7 +10,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from pdserve.server.errors import APIError, bad_request, error_body, not_supported, sse_error_frame
+from pdserve.server.errors import APIError, bad_request, error_body, sse_error_frame
 from pdserve.server.generation import Generation
 from pdserve.server.http_utils import SSE_DONE, base_request_id, sse, until_disconnect
 from pdserve.server.params import check_unsupported, resolve_max_tokens, truncate_prompt, validate_token_ids
@@ -19,6 +19,13 @@ from pdserve.server.serving_common import Recorders, engine_error, make_choices,
 from pdserve.server.state import ServerState
 from pdserve.text.chat import ChatTemplateError, message_text
 from pdserve.text.logprobs import LogprobFormatter
+from pdserve.text.output_parsers import (
+    ChatDelta,
+    ChatOutputParser,
+    ToolChoiceError,
+    parses_tool_calls,
+    prompt_tail_text,
+)
 
 PROMPT_IDS_PARAM = "kv_transfer_params.prompt_token_ids"
 
@@ -36,16 +43,25 @@ def _text_only(messages: list[dict[str, Any]]) -> bool:
     return True
 
 
-def _check_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    tool_choice = req.tool_choice
-    if tool_choice is None and req.tools:
-        tool_choice = "auto"  # OpenAI's default when tools are given, as vLLM applies it
-    if tool_choice in (None, "none"):
-        return req.tools
-    if tool_choice == "auto":
-        raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
-                          "tool_choice")
-    raise not_supported("tool_choice", f" (value {tool_choice!r} needs structured output)")
+def _check_tools(state: ServerState, req: ChatCompletionRequest) -> bool:
+    """Whether the output goes through the tool-call parser ("auto" needs --enable-auto-tool-choice and
+    --tool-call-parser; "required" and named functions need structured output: 400)."""
+    try:
+        return parses_tool_calls(state.parsers, req.tools, req.tool_choice)
+    except ToolChoiceError as e:
+        raise APIError(str(e), 400, e.param) from e
+
+
+def parsed_delta(parsed: ChatDelta) -> dict[str, Any]:
+    """A streamed delta from parsed text: only the parts that have something."""
+    message: dict[str, Any] = {}
+    if parsed.content:
+        message["content"] = parsed.content
+    if parsed.reasoning:
+        message["reasoning"] = message["reasoning_content"] = parsed.reasoning
+    if parsed.tool_calls:
+        message["tool_calls"] = [t.to_delta() for t in parsed.tool_calls]
+    return message
 
 
 def chat_role(req: ChatCompletionRequest) -> str:
@@ -66,11 +82,10 @@ async def _prompt_ids(state: ServerState, req: ChatCompletionRequest,
             if not isinstance(given, list) or not given:
                 raise bad_request("prompt_token_ids must be a non-empty list of token ids.", PROMPT_IDS_PARAM)
             return validate_token_ids(given, state.vocab_size, PROMPT_IDS_PARAM)
-    tools = _check_tools(req)
     tok = state.tokenizer
     try:
         text = tok.apply_chat_template(
-            req.messages, req.add_generation_prompt, tools,
+            req.messages, req.add_generation_prompt, req.tools,
             continue_final_message=req.continue_final_message, documents=req.documents,
             chat_template=req.chat_template, **(req.chat_template_kwargs or {}),
         )
@@ -93,6 +108,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
     if req.top_logprobs is not None and req.top_logprobs < 0:
         raise bad_request("`top_logprobs` must be a non-negative value.", "top_logprobs")
+    use_tools = _check_tools(state, req)
     kv = dict(req.kv_transfer_params) if req.kv_transfer_params is not None else None
     ids = truncate_prompt(await _prompt_ids(state, req, kv), req.truncate_prompt_tokens, state.max_model_len)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -106,7 +122,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     echo = ""
     if req.echo and req.messages and isinstance(req.messages[-1], dict) and req.messages[-1].get("role") == role:
         echo = message_text(req.messages[-1])
-    view = _ChatView(state, req, request_id, model, ids, role, echo, kv)
+    view = _ChatView(state, req, request_id, model, ids, role, echo, kv, use_tools)
     recorders = Recorders(state, choices, arrival)
     if req.stream:
         return StreamingResponse(view.stream(gen, recorders), media_type="text/event-stream")
@@ -115,7 +131,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 class _ChatView:
     def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, model: str,
-                 prompt_ids: list[int], role: str, echo: str, kv: dict[str, Any] | None):
+                 prompt_ids: list[int], role: str, echo: str, kv: dict[str, Any] | None, use_tools: bool = False):
         self.req = req
         self.id = request_id
         self.model = model
@@ -126,6 +142,12 @@ class _ChatView:
         self.kv = kv
         self.fmt = LogprobFormatter(state.tokenizer.token_text, bool(req.return_tokens_as_token_ids))
         self.top = req.top_logprobs or 0
+        # Reasoning / tool-call parsers (the render tier's derender uses the same ones): one per choice.
+        self.parsers: dict[int, ChatOutputParser] = {}
+        if state.parsers.any:
+            tail = prompt_tail_text(state.tokenizer, prompt_ids)
+            self.parsers = {j: ChatOutputParser.new(state.parsers, use_tools=use_tools, prompt_tail=tail,
+                                                    include_reasoning=req.include_reasoning) for j in range(req.n)}
 
     def _logprobs(self, lps: list[Any] | None) -> dict[str, Any] | None:
         if not self.req.logprobs or lps is None:
@@ -148,13 +170,23 @@ class _ChatView:
         out_choices = []
         for c in gen.choices:
             proc = c.processor
+            message: dict[str, Any] = {"role": self.role, "content": self.echo + proc.text, "refusal": None,
+                                       "annotations": None, "audio": None, "function_call": None, "tool_calls": [],
+                                       "reasoning": None}
+            finish_reason = proc.finish_reason
+            parser = self.parsers.get(c.index)
+            if parser is not None:
+                parsed = parser.parse(proc.text)
+                message.update(content=(self.echo + parsed.content) or None, reasoning=parsed.reasoning or None,
+                               reasoning_content=parsed.reasoning or None,
+                               tool_calls=[t.to_message() for t in parsed.tool_calls])
+                if parser.tools_called and finish_reason is not None:
+                    finish_reason = "tool_calls"
             out_choices.append({
                 "index": c.index,
-                "message": {"role": self.role, "content": self.echo + proc.text, "refusal": None,
-                            "annotations": None, "audio": None, "function_call": None, "tool_calls": [],
-                            "reasoning": None},
+                "message": message,
                 "logprobs": self._logprobs(proc.logprobs if req.logprobs else None),
-                "finish_reason": proc.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": proc.stop_reason,
                 "token_ids": list(proc.token_ids) if req.return_token_ids else None,
             })
@@ -198,11 +230,23 @@ class _ChatView:
                     yield sse_error_frame(f"Internal server error: {c.error}", 500)
                     yield SSE_DONE
                     return
+                message: dict[str, Any] = {"content": delta.text}
+                finish_reason = delta.finish_reason if delta.finished else None
+                parser = self.parsers.get(c.index)
+                if parser is not None:
+                    parsed = parser.feed(delta.text)
+                    if delta.finished:
+                        parsed += parser.finish()
+                        if parser.tools_called:
+                            finish_reason = "tool_calls"
+                    message = parsed_delta(parsed)
+                    if not (message or delta.finished or delta.logprobs or req.return_token_ids):
+                        continue  # text held back by a parser (a partial tag, an open tool call)
                 choice: dict[str, Any] = {
                     "index": c.index,
-                    "delta": {"content": delta.text},
+                    "delta": message,
                     "logprobs": self._logprobs(delta.logprobs),
-                    "finish_reason": delta.finish_reason if delta.finished else None,
+                    "finish_reason": finish_reason,
                 }
                 if delta.finished:
                     choice["stop_reason"] = delta.stop_reason

@@ -11,13 +11,14 @@ from typing import Any
 from pdserve.server.errors import APIError
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.params import GenerationDefaults
+from pdserve.text.output_parsers import ParserConfig
 from pdserve.text.tokenizer import Tokenizer
 
 
 @dataclass
 class ServerState:
     engine: Any  # AsyncEngine (duck-typed so tests can drive the routes with a fake)
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None on a --tokens-only server (no text routes)
     served_model_names: list[str]
     model_path: str
     max_model_len: int
@@ -32,6 +33,9 @@ class ServerState:
     )
     started: float = field(default_factory=time.time)
     draining: bool = False  # SIGTERM received: refuse new work
+    parsers: ParserConfig = field(default_factory=ParserConfig)  # --reasoning-parser, --tool-call-parser
+    tokens_only: bool = False  # --tokens-only: /inference/v1/generate only, no tokenizer
+    enable_scale_out: bool = False  # --enable-scale-out: /inference/v1/* on a normal server too
 
     @property
     def model_name(self) -> str:
