@@ -114,3 +114,56 @@ def test_block_table_cache_follows_appends_and_replacements():
     for _ in range(512):
         cache.end_step()
     assert cache._entries == {}  # not seen for a while: forgotten
+
+
+def _bare_step_runner(max_num_seqs: int = 4, max_model_len: int = 64):
+    """A GpuStepRunner over a stand-in ModelRunner: only the host-side bookkeeping is exercised."""
+    import types
+
+    import torch
+
+    from pdserve.config import EngineConfig
+    from pdserve.gpu.step_runner import GpuStepRunner
+
+    runner = types.SimpleNamespace(model=None, device=torch.device("cpu"), block_size=4, backend=None,
+                                   config=EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len),
+                                   model_cfg=None, sampler=None, kv_pool=None)
+    return GpuStepRunner(runner, simulate_graphs=True)
+
+
+def _rows_table(g) -> list[list[int]]:
+    return g._g_rows.tolist()
+
+
+def test_persistent_table_rows_send_only_new_blocks_and_recycle_rows():
+    from pdserve.engine.request import Status
+
+    g = _bare_step_runner()
+    width = g.max_blocks_per_seq  # 16
+    a = _req("a", [1] * 5, 4, [3, 9])
+    b = _req("b", [1] * 2, 1, [7])
+    rows, updates = g._table_rows([(a, 1), (b, 1)])
+    ra, rb = rows
+    assert ra != rb and 0 not in rows  # row 0 is the padding rows' all-zero row
+    assert sorted(zip(updates[::2], updates[1::2], strict=True)) == sorted(
+        [(ra * width, 3), (ra * width + 1, 9), (rb * width, 7)])
+    # nothing new: nothing sent
+    assert g._table_rows([(a, 1), (b, 1)]) == ([ra, rb], [])
+    a.block_ids.append(11)  # a crossed into a new block
+    assert g._table_rows([(b, 1), (a, 1)]) == ([rb, ra], [ra * width + 2, 11])
+    # preemption replaces the list: the row is rewritten in full
+    a.block_ids = [5]
+    assert g._table_rows([(a, 1)]) == ([ra], [ra * width, 5])
+    # a new request reusing a finished one's id gets the row rewritten, and is not freed with the old one
+    b.status = Status.FINISHED
+    b2 = _req("b", [2] * 3, 2, [8])
+    assert g._table_rows([(b2, 1)]) == ([rb], [rb * width, 8])
+    # rows run out: finished requests' rows are recycled
+    g._free_rows = []
+    c = _req("c", [1], 0, [4])
+    b2.status = Status.FINISHED
+    (rc,), _ = g._table_rows([(c, 1)])
+    assert rc == rb
+    # none free and none stale: the step must run eagerly
+    g._free_rows = []
+    assert g._table_rows([(_req("d", [1], 0, [6]), 1)]) is None

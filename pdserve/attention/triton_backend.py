@@ -15,12 +15,20 @@ from pdserve.attention.base import AttentionMetadata
 
 # Launch parameters, chosen by the sweep in benchmarks/gpu_suite.py on an H200 (see its report).
 PREFILL_BLOCK_M = 128
-PREFILL_TILE_N = 64
+PREFILL_TILE_N = 128
 PREFILL_WARPS = 8
 PREFILL_STAGES = 3
-DECODE_TILE_N = 64
-DECODE_WARPS = 4
-DECODE_STAGES = 2
+# decode, by batch size: (largest batch, tile_n, num_warps, num_stages, programs per SM for the splits)
+DECODE_CONFIGS: list[tuple[int, int, int, int, int]] = [
+    (1 << 30, 32, 4, 3, 4),
+]
+
+
+def decode_config(batch: int) -> tuple[int, int, int, int]:
+    for max_batch, tile_n, warps, stages, pps in DECODE_CONFIGS:
+        if batch <= max_batch:
+            return tile_n, warps, stages, pps
+    return DECODE_CONFIGS[-1][1:]
 
 
 class TritonAttention:
@@ -39,10 +47,11 @@ class TritonAttention:
                 scale: float) -> torch.Tensor:
         if meta.decode_only:
             batch = q.shape[0]
-            splits = tk.decode_num_splits(batch, k_cache.shape[2], self.num_sms)
+            tile_n, warps, stages, pps = decode_config(batch)
+            splits = tk.decode_num_splits(batch, k_cache.shape[2], self.num_sms, pps)
             return tk.decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits,
-                tile_n=DECODE_TILE_N, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
+                tile_n=tile_n, num_warps=warps, num_stages=stages,
             )
         return tk.prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,

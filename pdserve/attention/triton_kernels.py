@@ -170,14 +170,16 @@ def _decode_merge_kernel(
     tl.store(out_ptr + b * stride_o_t + h * stride_o_h + d, res.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-MAX_DECODE_SPLITS = 16
+MAX_DECODE_SPLITS = 32
 
 
-def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int = MAX_DECODE_SPLITS) -> int:
-    """Splits per (sequence, kv head) so that about 4 programs per SM are in flight. Depends only on the
-    batch shape, never on sequence lengths, so a captured CUDA graph stays valid for every length."""
+def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int, programs_per_sm: int = 4,
+                      max_splits: int = MAX_DECODE_SPLITS) -> int:
+    """Splits per (sequence, kv head) so that about `programs_per_sm` programs per SM are in flight.
+    Depends only on the batch shape, never on sequence lengths, so a captured CUDA graph stays valid for
+    every length."""
     programs = batch * num_kv_heads
-    return max(1, min(max_splits, triton.cdiv(4 * num_sms, programs)))
+    return max(1, min(max_splits, triton.cdiv(programs_per_sm * num_sms, programs)))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

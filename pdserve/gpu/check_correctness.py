@@ -172,7 +172,7 @@ def check_kernels(dtype: torch.dtype = torch.bfloat16, device: str = "cuda", tol
         scale = case["d"] ** -0.5
         want = ref.forward(c.q, c.k_cache, c.v_cache, c.meta, scale).float()
         if c.meta.decode_only:
-            for splits in sorted({1, 2, 3, 7, 16, tk.decode_num_splits(len(case["q"]), case["kvh"], 132)}):
+            for splits in sorted({1, 2, 3, 7, 16, 32, tk.decode_num_splits(len(case["q"]), case["kvh"], 132)}):
                 out = torch.full_like(c.q, float("nan"))  # poisoned: every element must be written
                 tk.decode_attention(c.q, c.k_cache, c.v_cache, c.meta.block_tables, c.meta.seq_lens, scale, splits,
                                     out=out)
@@ -273,7 +273,9 @@ def _hf_greedy(model_dir: Path, prompts: list[list[int]], n: int) -> list[list[i
     outs = []
     with torch.no_grad():
         for p in prompts:
-            gen = model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            # eos_token_id=None: like the engine's ignore_eos, EOS may be generated and does not stop
+            # (min_new_tokens would instead forbid EOS, a different distribution)
+            gen = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None,
                                  pad_token_id=0)
             outs.append(gen[0, len(p) :].tolist())
     return outs
