@@ -6,8 +6,11 @@ Processes (127.0.0.1, one set for the module):
               `/inference/v1/*` answer 403 since it has no `--enable-scale-out`);
 * `engine`  : `pdserve serve --tokens-only`;
 * `render`  : `pdserve render --engine <engine>` with the same parsers (the orchestrator);
-* `render_pd`: `pdserve render --prefill <engine> --decode <engine>`, no parsers, 2 worker processes (the
-              P/D code path; the engine has no KV connector, so the decode leg prefills locally).
+* `prefill` : `pdserve serve --tokens-only` as a NIXL KV producer, and `engine` is then the consumer;
+* `render_pd`: `pdserve render --prefill <prefill> --decode <engine>`, no parsers, 2 worker processes: render
+              once, prefill leg (max_tokens=1, do_remote_decode), decode leg with the prefill's
+              kv_transfer_params (real NIXL DRAM transfers), derender. Without NIXL installed, the prefill
+              leg goes to `engine` too and carries no KV (the code path still runs).
 
 The model is the scripted tiny Qwen3 of `test_render_support`: after a newline it writes
 `<think>Let me plan</think>Sure!<tool_call>{...}</tool_call>` then EOS, so the parsers see real
@@ -16,6 +19,7 @@ reasoning and a real tool call; other prompts give random text. Greedy everywher
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from collections.abc import Iterator
@@ -34,24 +38,35 @@ ENGINE_ARGS = ("--served-model-name", "tiny", "--max-model-len", str(MAX_MODEL_L
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather",
                                            "parameters": {"type": "object", "properties": {"days": {"type": "integer"}}}}}]
 ASK = [{"role": "user", "content": "What is the weather?"}]
+HAVE_NIXL = importlib.util.find_spec("nixl_cu12") is not None
+
+
+def kv_config(role: str) -> str:
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_load_failure_policy": "fail",
+                       "kv_connector_extra_config": {"transfer_timeout_s": 10.0, "handshake_timeout_s": 10.0}})
 
 
 @pytest.fixture(scope="module")
 def procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]:
     model = make_scripted_model(tmp_path_factory.mktemp("scripted") / "model", MAX_MODEL_LEN)
     logs = tmp_path_factory.mktemp("logs")
-    engine = Proc(logs / "engine.log", "serve", str(model), *ENGINE_ARGS, "--tokens-only")
-    serve = Proc(logs / "serve.log", "serve", str(model), *ENGINE_ARGS, *PARSERS)
+    all_procs: dict[str, Proc] = {}
+    if HAVE_NIXL:
+        all_procs["prefill"] = Proc(logs / "prefill.log", "serve", str(model), *ENGINE_ARGS, "--tokens-only",
+                                    "--kv-transfer-config", kv_config("kv_producer"), "--side-channel-port", "0")
+    kv = ("--kv-transfer-config", kv_config("kv_consumer")) if HAVE_NIXL else ()
+    engine = all_procs["engine"] = Proc(logs / "engine.log", "serve", str(model), *ENGINE_ARGS, "--tokens-only", *kv)
+    all_procs["serve"] = Proc(logs / "serve.log", "serve", str(model), *ENGINE_ARGS, *PARSERS)
     common = (str(model), "--served-model-name", "tiny", "--max-model-len", str(MAX_MODEL_LEN))
-    render = Proc(logs / "render.log", "render", *common, *PARSERS, "--engine", engine.url)
-    render_pd = Proc(logs / "render_pd.log", "render", *common, "--prefill", engine.url, "--decode", engine.url,
-                     "--renderer-num-workers", "2")
-    all_procs = {"engine": engine, "serve": serve, "render": render, "render_pd": render_pd}
+    all_procs["render"] = Proc(logs / "render.log", "render", *common, *PARSERS, "--engine", engine.url)
+    prefill_url = all_procs["prefill"].url if HAVE_NIXL else engine.url
+    all_procs["render_pd"] = Proc(logs / "render_pd.log", "render", *common, "--prefill", prefill_url, "--decode",
+                                  engine.url, "--renderer-num-workers", "2")
     start_all(*all_procs.values())
     try:
         yield all_procs
     finally:
-        for p in all_procs.values():
+        for p in reversed(all_procs.values()):  # render tiers first: they hold connections to the engines
             p.stop()
 
 
@@ -186,6 +201,21 @@ def test_completions_three_hop_equals_in_process(procs: dict[str, Proc], case: s
         assert a["choices"][0]["text"].endswith("Let me plan") and a["choices"][0]["stop_reason"] == "plan"
 
 
+@pytest.mark.skipif(not HAVE_NIXL, reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_pd_render_moves_the_kv_over_nixl(procs: dict[str, Proc], stream: bool) -> None:
+    """Render once -> prefill leg -> decode leg with the prefill's kv_transfer_params: the decode instance
+    reads the prompt's blocks over NIXL, and the answer is the in-process server's."""
+    metric = "vllm:nixl_bytes_transferred_sum"
+    before = _metric(procs["engine"], metric, 0.0)
+    prompt = [3000 + 7 * i + int(stream) for i in range(100)] + [198]  # new to the decode instance's cache
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": stream,
+            "return_token_ids": True}
+    a, b = both(procs, "render_pd", "/v1/completions", body, f"pd-kv-{stream}")
+    assert a == b and a["choices"][0]["token_ids"][:4] == [49152, 4239, 549, 1252]
+    assert _metric(procs["engine"], metric, 0.0) > before
+
+
 def test_chat_without_parsers_on_pd_render(procs: dict[str, Proc]) -> None:
     """No parsers on render_pd: where the output has no tags, it equals the parsing in-process server."""
     body = {"model": "tiny", "messages": ASK, "max_tokens": 10, "temperature": 0,
@@ -318,10 +348,12 @@ def test_scale_out_routes_forbidden_without_flag(procs: dict[str, Proc]) -> None
 
 
 # ---- the orchestrator's failure paths ------------------------------------------------------------------
-def _metric(engine: Proc, prefix: str) -> float:
+def _metric(engine: Proc, prefix: str, default: float | None = None) -> float:
     for line in httpx.get(engine.url + "/metrics", timeout=10).text.splitlines():
         if line.startswith(prefix):
             return float(line.rsplit(" ", 1)[1])
+    if default is not None:
+        return default
     raise AssertionError(f"no {prefix} metric")
 
 

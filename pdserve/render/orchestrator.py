@@ -4,7 +4,8 @@
 render -> `POST {engine}/inference/v1/generate` -> derender, streaming included. With `--prefill URL
 --decode URL` it is the disaggregated variant: render once -> prefill generate (`max_tokens=1`,
 `stream=false`, `kv_transfer_params.do_remote_decode`) -> decode generate with the prefill's
-`kv_transfer_params` -> derender.
+`kv_transfer_params` -> derender. Requests with n > 1 go to a decode instance alone (a prefill lease is
+claimed once, and n choices are n engine requests).
 
 Beyond a plain relay:
 
@@ -95,8 +96,10 @@ class Orchestrator:
         return body
 
     async def _prefill(self, leg: _Leg, body: dict[str, Any]) -> None:
-        """P/D: the prefill leg; its kv_transfer_params go to the decode leg."""
-        if self.prefill is None:
+        """P/D: the prefill leg; its kv_transfer_params go to the decode leg. With n > 1 the decode instance
+        runs n engine requests, and one prefill lease can be claimed once: such requests are served by the
+        decode instance alone (as the P/D proxy does)."""
+        if self.prefill is None or body["sampling_params"].get("n", 1) > 1:
             return
         p_body = copy.deepcopy(body)
         p_body["request_id"] = f"{body['request_id']}-prefill"
