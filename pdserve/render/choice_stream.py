@@ -16,7 +16,7 @@ back stays a few hundred bytes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.outputs import TokenLogprob
@@ -95,7 +95,6 @@ class ChoiceStream:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    _new_text: list[str] = field(default_factory=list)
 
     # ---- construction ----------------------------------------------------------------------------
     @classmethod
@@ -109,9 +108,8 @@ class ChoiceStream:
     def from_state(cls, state: ChoiceStreamState, tokenizer: Any, options: TextOptions,
                    parser_config: ParserConfig | None, use_tools: bool, include_reasoning: bool,
                    make_id: Callable[[], str] = make_tool_call_id) -> ChoiceStream:
-        """Raises ValueError (a 400) for a state that does not fit the request or the server."""
-        if any(not tokenizer.is_valid_id(t) for t in state.prev_tokens):
-            raise ValueError("stream_state.prev_tokens holds token ids outside the vocabulary")
+        """Raises ValueError (a 400) for a state that does not fit the request or the server (the caller has
+        checked the ids against the vocabulary)."""
         stop = StopStringMatcher(options.stop, options.include_stop_str_in_output)
         if state.unemitted > len(state.stop_tail):
             raise ValueError("stream_state: unemitted exceeds the stop tail")

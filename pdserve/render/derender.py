@@ -209,6 +209,7 @@ def _resume_streams(ctx: RenderContext, state: DerenderStreamState | None, n: in
     for st in state.choices:
         if st.index >= n or st.index in streams:
             raise bad_request(f"stream_state has a duplicate or out-of-range choice index {st.index}.", "stream_state")
+        _check_ids(ctx, st.prev_tokens, "stream_state")
         try:
             streams[st.index] = ChoiceStream.from_state(st, ctx.tokenizer, options, ctx.parsers if chat else None,
                                                         use_tools, include_reasoning)

@@ -191,7 +191,7 @@ class TokensRoutes:
         if req.stream and isinstance(kv, dict) and kv.get("do_remote_decode"):
             raise bad_request("A prefill leg (kv_transfer_params.do_remote_decode) must use stream: false: streamed "
                               "chunks do not carry kv_transfer_params.", "stream")
-        ids = [t for t in req.token_ids]
+        ids = list(req.token_ids)
         bad = next((t for t in ids if t >= state.vocab_size), None)
         if bad is not None:
             raise bad_request(f"Token id {bad} is out of vocabulary (size {state.vocab_size}).", "token_ids")
