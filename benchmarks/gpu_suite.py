@@ -391,6 +391,7 @@ class EngineBench:
             "cpu_share": 1 - runner_timing.wait_s / sum(times),
             # host time per step: inside the runner (inputs, launch) and outside it (scheduler, blocks, outputs)
             "runner_host_ms": (runner_timing.total_s - runner_timing.wait_s) / steps * 1e3,
+            "runner_graph_launch_ms": runner_timing.launch_s / steps * 1e3,
             "engine_outside_runner_ms": (sum(times) - runner_timing.total_s) / steps * 1e3,
             "prefill_step_s": [round(x, 4) for x in prefill_steps],
             "kernel_breakdown": breakdown,
@@ -443,11 +444,20 @@ class EngineBench:
         ids = self.add(self.prompts(batch, prompt_len), steps + 40)
         while any(not eng.requests[r].output_token_ids for r in ids):
             eng.step()
+        timing = eng.runner.gpu.timing
+        timing.reset()
         plain = []
         for _ in range(10):
             t = time.perf_counter()
             eng.step()
             plain.append(time.perf_counter() - t)
+        split = {
+            "runner_host_ms": (timing.total_s - timing.wait_s) / 10 * 1e3,
+            "runner_graph_launch_ms": timing.launch_s / 10 * 1e3,
+            "runner_wait_ms": timing.wait_s / 10 * 1e3,
+            "engine_outside_runner_ms": (sum(plain) - timing.total_s) / 10 * 1e3,
+            "graph_steps": timing.graph_steps,
+        }
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(steps):
@@ -457,6 +467,7 @@ class EngineBench:
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
         return {"batch": batch, "prompt_len": prompt_len, "unprofiled_step_ms": statistics.median(plain) * 1e3,
+                "unprofiled_split": split,
                 "profiled_steps": steps, "top_tottime": text.getvalue()[-6000:]}
 
     def decode_variants_b1(self) -> dict[str, Any]:
@@ -544,6 +555,7 @@ class EngineBench:
             "decode_graph_steps": timing.graph_steps,
             "mean_step_ms": elapsed / max(steps, 1) * 1e3,
             "runner_host_s": timing.total_s - timing.wait_s, "runner_wait_s": timing.wait_s,
+            "runner_graph_launch_s": timing.launch_s,
             "engine_outside_runner_s": elapsed - timing.total_s,
         }
 

@@ -14,13 +14,20 @@ from pdserve.attention import triton_kernels as tk
 from pdserve.attention.base import AttentionMetadata
 
 # Launch parameters, chosen by the sweep in benchmarks/gpu_suite.py on an H200 (see its report).
+# prefill: 303 TFLOP/s at B=8 q 512 of kv 2048, 361 TFLOP/s for one fresh 8192-token prompt (2026-11-29)
 PREFILL_BLOCK_M = 128
 PREFILL_TILE_N = 128
 PREFILL_WARPS = 8
 PREFILL_STAGES = 3
-# decode, by batch size: (largest batch, tile_n, num_warps, num_stages, programs per SM for the splits)
+# decode, by batch size: (largest batch, tile_n, num_warps, num_stages, programs per SM for the splits).
+# Winners of the graph-timed sweep over 8 layers on the H200, 2026-11-29 (benchmarks/gpu_suite.py):
+# batch 1 kv 2048: 9.0 us/layer; batch 8 kv 2048: 24.4 us (2.75 TB/s of KV); batch 64 kv 2048: 127.6 us
+# (4.21 TB/s); batch 256 kv 1024: 263.9 us (4.07 TB/s).
 DECODE_CONFIGS: list[tuple[int, int, int, int, int]] = [
-    (1 << 30, 32, 4, 3, 4),
+    (4, 64, 4, 2, 4),
+    (24, 64, 4, 3, 4),
+    (128, 64, 4, 2, 2),
+    (1 << 30, 128, 8, 3, 1),
 ]
 
 

@@ -64,10 +64,11 @@ class StepTiming:
     graph_steps: int = 0
     total_s: float = 0.0  # inside execute()
     wait_s: float = 0.0  # blocked on the device result (the device busy, the host idle)
+    launch_s: float = 0.0  # in graph.replay() (host side of the launch)
 
     def reset(self) -> None:
         self.steps = self.graph_steps = 0
-        self.total_s = self.wait_s = 0.0
+        self.total_s = self.wait_s = self.launch_s = 0.0
 
 
 class BlockTableCache:
@@ -351,7 +352,9 @@ class GpuStepRunner:
             logits, tokens = self._graph_forward(size)
         else:
             graph, logits, tokens = self.graphs[size]
+            t = time.perf_counter()
             graph.replay()
+            self.timing.launch_s += time.perf_counter() - t
         return logits[:n], tokens[:n]
 
     # ---- eager steps ---------------------------------------------------------------------------
