@@ -5,7 +5,8 @@ on just over one core. This measures the same two things for `pdserve render`:
 
 1. in-process: the CPU time of one chat render (template + tokenisation + parameters) of a prompt of
    `--prompt-tokens` tokens, median over `--repeat` runs; and the derender costs (one streamed chunk with
-   its state, and a batch derender of 1,000 tokens);
+   its state, and a batch derender of 1,000 tokens). Measured on a secondary thread, where the server
+   runs them too (on glibc, tokenising on a process's main thread is ~1.5x slower);
 2. over HTTP: a `pdserve render` process (`--renderer-num-workers`) under `--concurrency` clients for
    `--requests` renders; requests/s, the CPU seconds the server (and its workers) used, and so requests/s
    per core = requests / CPU seconds.
@@ -26,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -191,7 +193,8 @@ def main() -> int:
     from pdserve.render.cli import resolve_model_folder
 
     model_dir = resolve_model_folder(args.model)
-    local = in_process(model_dir, args.prompt_tokens, args.repeat)
+    with ThreadPoolExecutor(1) as thread:
+        local = thread.submit(in_process, model_dir, args.prompt_tokens, args.repeat).result()
     remote = over_http(args.model, model_dir, args)
     result = {"in_process": local, "http": remote, "workers": args.workers, "concurrency": args.concurrency,
               "cpu_count": os.cpu_count(), "torch_imported": "torch" in sys.modules}

@@ -37,6 +37,7 @@ JOBS: dict[str, Callable[..., Any]] = {
 }
 
 _worker_ctx: RenderContext | None = None  # per worker process
+_worker_thread: ThreadPoolExecutor | None = None
 
 
 def run_job(ctx: RenderContext, name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -49,13 +50,16 @@ def run_job(ctx: RenderContext, name: str, args: tuple[Any, ...]) -> tuple[Any, 
 
 
 def _init_worker(config: RenderConfig) -> None:
-    global _worker_ctx
+    global _worker_ctx, _worker_thread
     _worker_ctx = RenderContext(config)
+    # Jobs run on a secondary thread: measured on glibc, tokenising a long prompt there is ~1.5x faster than
+    # on a process's main thread (whose malloc arena Python's own allocations share).
+    _worker_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-render")
 
 
 def _run_in_worker(name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    assert _worker_ctx is not None, "render worker used before its initializer ran"
-    return run_job(_worker_ctx, name, args)
+    assert _worker_ctx is not None and _worker_thread is not None, "render worker used before its initializer"
+    return _worker_thread.submit(run_job, _worker_ctx, name, args).result()
 
 
 class RenderWorkers:
