@@ -203,6 +203,7 @@ def _state(**changes: Any) -> dict[str, Any]:
                                                              "tools": None})), "stream_state"),
     ("/v1/chat/completions/derender", _chunk(_state(index=3)), "stream_state"),
     ("/v1/chat/completions/derender", _chunk(_state(unemitted=9)), "stream_state"),
+    ("/v1/chat/completions/derender", _chunk(_state(stop_tail="x" * 100)), "stream_state"),
     ("/v1/chat/completions/derender", _chunk(_state(num_output_tokens=-1)), None),
     ("/v1/chat/completions/derender", _chunk(_state(surprise=1)), None),
     ("/v1/chat/completions/derender", _chunk({"version": 2, "choices": []}), None),

@@ -113,6 +113,8 @@ class ChoiceStream:
         stop = StopStringMatcher(options.stop, options.include_stop_str_in_output)
         if state.unemitted > len(state.stop_tail):
             raise ValueError("stream_state: unemitted exceeds the stop tail")
+        if len(state.stop_tail) > 2 * max((len(s) for s in stop.stop), default=0):
+            raise ValueError("stream_state: stop_tail is longer than the request's stop strings need")
         parser = None
         if parser_config is not None and parser_config.any and state.parser is not None:
             parser = ChatOutputParser.from_state(parser_config, state.parser, use_tools=use_tools,
@@ -126,6 +128,8 @@ class ChoiceStream:
 
     def to_state(self) -> ChoiceStreamState:
         window, read_offset = self.detok.to_window()
+        if self.finished:  # nothing is decoded after the end
+            window, read_offset = [], 0
         return ChoiceStreamState(
             index=self.index, prev_tokens=window, read_offset=read_offset, role_sent=self.role_sent,
             num_output_tokens=self.num_output_tokens, text_len=self.text_len, stop_tail=self.stop_tail,

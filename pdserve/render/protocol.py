@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, StrictBool, StrictInt
 
-from pdserve.server.protocol import OpenAIBaseModel, StreamOptions
+from pdserve.server.protocol import INT64_MAX, INT64_MIN, OpenAIBaseModel, StreamOptions
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
@@ -39,7 +39,7 @@ class GenerateSamplingParams(OpenAIBaseModel):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
@@ -154,7 +154,7 @@ class ChoiceStreamState(OpenAIBaseModel):
     role_sent: StrictBool = False
     num_output_tokens: NonNegInt = 0
     text_len: NonNegInt = 0  # characters of output text emitted so far (completions logprob offsets)
-    stop_tail: Annotated[str, Field(max_length=4096)] = ""  # end of the text, for stop strings
+    stop_tail: str = ""  # end of the text, for stop strings (bounded by the longest stop string)
     unemitted: NonNegInt = 0  # characters at the end of stop_tail held back (could start a stop string)
     finished: StrictBool = False
     parser: dict[str, Any] | None = None
