@@ -321,7 +321,7 @@ def test_tokens_only_abort(procs: dict[str, Proc]) -> None:
     ({"token_ids": [5], "output_mode": "text"}, "output_mode"),
     ({"token_ids": [5], "stream": True, "kv_transfer_params": {"do_remote_decode": True}}, "stream"),
     ({"token_ids": [5], "sampling_params": {"temperature": -1}}, None),
-    ({"token_ids": [5], "sampling_params": {"seed": 2**70}}, "sampling_params.seed"),
+    ({"token_ids": [5], "sampling_params": {"seed": 2**70}}, "sampling_params"),
     ({"token_ids": [5], "sampling_params": {"n": 0}}, "sampling_params.n"),
     ({"token_ids": [5], "sampling_params": {"logit_bias": {"5": 1.0}}}, "sampling_params.logit_bias"),
     ({"token_ids": list(range(600))}, "prompt"),
