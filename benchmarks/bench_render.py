@@ -79,12 +79,20 @@ def cpu_seconds(pid: int) -> float:
 
 def in_process(model_dir: Path, prompt_tokens: int, repeat: int) -> dict[str, float]:
     from pdserve.render.context import RenderConfig, RenderContext
-    from pdserve.render.derender import derender_chat
-    from pdserve.render.render import render_chat
 
     ctx = RenderContext(RenderConfig.from_model_dir(model_dir, served_model_names=["m"],
                                                     max_model_len=prompt_tokens + 1024))
     text = make_prompt(ctx.tokenizer, prompt_tokens)
+    out_ids = ctx.tokenizer.encode(make_prompt(ctx.tokenizer, 1000), add_special_tokens=False)[:1000]
+    with ThreadPoolExecutor(1) as thread:  # a fresh thread, as the server's render worker
+        return thread.submit(_measure, ctx, text, out_ids, repeat).result()
+
+
+def _measure(ctx: Any, text: str, out_ids: list[int], repeat: int) -> dict[str, float]:
+    """Process CPU time (all threads: the tokenizer may use its own), while the main thread only waits."""
+    from pdserve.render.derender import derender_chat
+    from pdserve.render.render import render_chat
+
     body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 16}
     n = len(render_chat(ctx, body)["token_ids"])
     times = []
@@ -92,7 +100,6 @@ def in_process(model_dir: Path, prompt_tokens: int, repeat: int) -> dict[str, fl
         t0 = time.process_time()
         render_chat(ctx, body)
         times.append(time.process_time() - t0)
-    out_ids = ctx.tokenizer.encode(make_prompt(ctx.tokenizer, 1000), add_special_tokens=False)[:1000]
     chunk_times = []
     state = None
     for t in out_ids[:300]:
@@ -193,8 +200,7 @@ def main() -> int:
     from pdserve.render.cli import resolve_model_folder
 
     model_dir = resolve_model_folder(args.model)
-    with ThreadPoolExecutor(1) as thread:
-        local = thread.submit(in_process, model_dir, args.prompt_tokens, args.repeat).result()
+    local = in_process(model_dir, args.prompt_tokens, args.repeat)
     remote = over_http(args.model, model_dir, args)
     result = {"in_process": local, "http": remote, "workers": args.workers, "concurrency": args.concurrency,
               "cpu_count": os.cpu_count(), "torch_imported": "torch" in sys.modules}
