@@ -167,3 +167,29 @@ def test_persistent_table_rows_send_only_new_blocks_and_recycle_rows():
     # none free and none stale: the step must run eagerly
     g._free_rows = []
     assert g._table_rows([(_req("d", [1], 0, [6]), 1)]) is None
+
+
+def test_graph_step_samples_only_rows_that_reach_their_frontier():
+    import torch
+
+    g = _bare_step_runner()
+    seen = {}
+
+    def fake_forward(size):
+        seen["hdr"] = g._g_dev.clone()
+        return torch.arange(size * 5, dtype=torch.float32).view(size, 5), torch.arange(size) + 100
+
+    g._graph_forward = fake_forward
+    dec = _req("dec", [1, 2, 3], 3, [4], [9])  # decode: position 3 is the last token
+    # a recompute after preemption scheduled one token (position 2) of its 5: no sample this step
+    mid = _req("mid", [5, 6, 7, 8], 2, [6, 7], [10])
+    logits, tokens, keep = g._run_graph([(dec, 1), (mid, 1)], 4)
+    assert keep == [0]
+    assert tokens.tolist() == [100, 101] and logits.shape == (2, 5)
+    b = g._gb
+    hdr = seen["hdr"].tolist()
+    assert hdr[0:4] == [9, 7, 0, 0]  # tokens: dec's last output, mid's prompt[2]; padding rows 0
+    assert hdr[b : b + 4] == [3, 2, 0, 0]  # positions
+    assert hdr[2 * b : 2 * b + 4] == [4 * 4 + 3, 6 * 4 + 2, -1, -1]  # slots; padding rows store nothing
+    assert hdr[3 * b : 3 * b + 4] == [4, 3, 0, 0]  # seq lens; padding rows read no keys
+    assert hdr[4 * b + 2 : 4 * b + 4] == [0, 0]  # padding rows use the all-zero table row

@@ -198,7 +198,9 @@ class GpuStepRunner:
         self._dev = torch.empty(0, dtype=torch.int64, device=self.device)
         self.graph_sizes: list[int] = []
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
-        if not cfg.enforce_eager:
+        # Graphs need a backend that reads sequence lengths on the device (the captured metadata's host
+        # lists are placeholders); the torch reference reads the host lists, so it runs eagerly.
+        if not cfg.enforce_eager and getattr(self.backend, "name", "") != "torch-sdpa":
             self.graph_sizes = graph_sizes_for(cfg.max_num_seqs)
             self._capture()
 
@@ -311,7 +313,11 @@ class GpuStepRunner:
             rows.append(ent[3])
         return rows, updates
 
-    def _run_graph(self, batch: list[tuple[Request, int]], size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _run_graph(self, batch: list[tuple[Request, int]],
+                   size: int) -> tuple[torch.Tensor, torch.Tensor, list[int] | None] | None:
+        """Replays the decode graph for a batch of one-token rows. Returns logits and argmax tokens for
+        the batch's rows, and the rows that reach their frontier (None: all of them; a one-token chunk
+        of a recompute after preemption does not)."""
         b = self._gb
         bs = self.block_size
         n = len(batch)
@@ -324,11 +330,14 @@ class GpuStepRunner:
         tok_l: list[int] = []
         pos_l: list[int] = []
         slot_l: list[int] = []
-        for req, _ in batch:
+        partial: list[int] = []
+        for i, (req, _) in enumerate(batch):
             p = req.num_computed_tokens
             tok_l.append(req.token_at(p))
             pos_l.append(p)
             slot_l.append(req.block_ids[p // bs] * bs + p % bs)
+            if p + 1 != req.num_tokens:
+                partial.append(i)
         buf[0:n] = tok_l
         buf[b : b + n] = pos_l
         buf[2 * b : 2 * b + n] = slot_l
@@ -355,7 +364,11 @@ class GpuStepRunner:
             t = time.perf_counter()
             graph.replay()
             self.timing.launch_s += time.perf_counter() - t
-        return logits[:n], tokens[:n]
+        keep = None
+        if partial:
+            skip = set(partial)
+            keep = [i for i in range(n) if i not in skip]
+        return logits[:n], tokens[:n], keep
 
     # ---- eager steps ---------------------------------------------------------------------------
     def _run_eager(self, batch: list[tuple[Request, int]]) -> tuple[HostBatch, torch.Tensor | None]:
@@ -394,8 +407,13 @@ class GpuStepRunner:
             size = pick_graph_size(self.graph_sizes, len(batch))
         graph_out = self._run_graph(batch, size) if size is not None else None
         if graph_out is not None:
-            sampling = [req for req, _ in batch]  # a decode row always reaches its frontier
-            logits, tokens = graph_out
+            logits, tokens, keep = graph_out
+            if keep is None:
+                sampling = [req for req, _ in batch]
+            else:  # rare: rows that stop short of their frontier sample nothing
+                sampling = [batch[i][0] for i in keep]
+                idx = torch.tensor(keep, dtype=torch.int64).to(self.device, non_blocking=True)
+                logits, tokens = logits[idx], tokens[idx]
             self.timing.graph_steps += 1
         else:
             hb, logits = self._run_eager(batch)
