@@ -70,7 +70,7 @@ def _checksum(pool: Any, ids: list[int]) -> int:
 
 
 def _producer(conn: Any, args: argparse.Namespace, num_blocks: int) -> None:
-    pool = _pool(args, num_blocks, args.device, seed=1)
+    pool = _pool(args, num_blocks, args.producer_device, seed=1)
     connector = _connector(args, "kv_producer", pool, 0)
     conn.send(connector.side_channel_port)
     try:
@@ -98,21 +98,24 @@ def _sync(device: str) -> None:
 
 
 class _RawCopy:
-    """A copy of the same number of bytes between two buffers on the benchmark device, in this process."""
+    """A copy of the same number of bytes from the producer's device to the consumer's, in this process
+    (device-to-device, or peer-to-peer between two GPUs)."""
 
-    def __init__(self, device: str, nbytes: int) -> None:
+    def __init__(self, src_device: str, dst_device: str, nbytes: int) -> None:
         import torch
 
-        self.device = device
-        self.src = torch.ones(nbytes // 2, dtype=torch.int16, device=device)
-        self.dst = torch.zeros(nbytes // 2, dtype=torch.int16, device=device)
+        self.devices = (src_device, dst_device)
+        self.src = torch.ones(nbytes // 2, dtype=torch.int16, device=src_device)
+        self.dst = torch.zeros(nbytes // 2, dtype=torch.int16, device=dst_device)
         self.run()  # fault the pages in / warm the copy engine
 
     def run(self) -> float:
-        _sync(self.device)
+        for d in self.devices:
+            _sync(d)
         t0 = time.perf_counter()
         self.dst.copy_(self.src)
-        _sync(self.device)
+        for d in self.devices:
+            _sync(d)
         return time.perf_counter() - t0
 
 
@@ -125,12 +128,15 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--device", default="cuda", help="cpu, cuda or cuda:N (both processes use it)")
+    ap.add_argument("--producer-device", default=None,
+                    help="the producer's device when it differs (e.g. cuda:1 for a cross-GPU READ)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--scatter", action="store_true", help="shuffle block ids: one descriptor per block")
     ap.add_argument(
         "--copy-threads", type=int, default=1, help="torch threads for the CPU raw copy (cma is 1)"
     )
     args = ap.parse_args()
+    args.producer_device = args.producer_device or args.device
 
     import torch
 
@@ -146,7 +152,8 @@ def main() -> None:
     print(
         f"pool: {args.layers} layers x {args.kv_heads} kv heads x {args.head_dim} x {args.dtype} = "
         f"{token_bytes / 1024:.0f} KiB/token, block {args.block_size} tokens = {block_bytes / 2**20:.2f} MiB; "
-        f"prompt {args.tokens} tokens = {blocks} blocks = {nbytes / 2**20:.0f} MiB; device {args.device}"
+        f"prompt {args.tokens} tokens = {blocks} blocks = {nbytes / 2**20:.0f} MiB; "
+        f"producer {args.producer_device} -> consumer {args.device}"
     )
     # Shared CI boxes are noisy: say how busy this one was.
     print(f"host: {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f}")
@@ -175,7 +182,7 @@ def main() -> None:
             remote_ids = rng.sample(range(num_blocks), blocks)
             local_ids = rng.sample(range(num_blocks), blocks)
 
-        raw = _RawCopy(args.device, nbytes)
+        raw = _RawCopy(args.producer_device, args.device, nbytes)
         xfer, load, copy, descs = [], [], [], 0
         # Loads and raw copies alternate so that both see the same machine load (noisy on shared CPU boxes).
         for i in range(args.iters + 1):  # the first load includes the handshake and connection setup
@@ -206,7 +213,7 @@ def main() -> None:
         load_gbps = nbytes / statistics.median(load) / 1e9
         copy_gbps = nbytes / statistics.median(copy) / 1e9
         kind = (
-            "device-to-device copy"
+            ("device-to-device copy" if args.producer_device == args.device else "peer GPU-to-GPU copy")
             if args.device.startswith("cuda")
             else f"torch CPU copy ({args.copy_threads} thread)"
         )
