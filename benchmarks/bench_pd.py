@@ -39,7 +39,8 @@ def free_port() -> int:
 
 
 class Instance:
-    def __init__(self, name: str, args: argparse.Namespace, logdir: Path, extra: list[str], cpus: set[int] | None):
+    def __init__(self, name: str, args: argparse.Namespace, logdir: Path, extra: list[str], cpus: set[int] | None,
+                 gpu: str | None = None):
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -50,6 +51,8 @@ class Instance:
         if args.gpu:
             cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
         env = dict(os.environ)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
         if cpus:
             env["OMP_NUM_THREADS"] = str(len(cpus))
         self.log = open(logdir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
@@ -151,9 +154,18 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--num-requests", type=int, default=8)
     ap.add_argument("--gpu", action="store_true", help="both instances on GPU 0 (two processes, VRAM transfer)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="per instance (default 0.4 when sharing one GPU, 0.85 with --gpus)")
+    ap.add_argument("--gpus", default=None,
+                    help="P,D GPU ids, e.g. 0,1: prefill on the first, decode on the second, collocated on "
+                         "the first (implies --gpu)")
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `pdserve serve` argument")
     args = ap.parse_args()
+    gpus = args.gpus.split(",") if args.gpus else [None, None]
+    if args.gpus:
+        args.gpu = True
+    if args.gpu_memory_utilization is None:
+        args.gpu_memory_utilization = 0.85 if args.gpus else 0.4
 
     ncpu = os.cpu_count() or 2
     half = max(1, ncpu // 2)
@@ -162,16 +174,16 @@ def main() -> None:
     print(f"logs in {logdir}", file=sys.stderr)
     kv = '{"kv_connector":"NixlConnector","kv_role":"%s","kv_connector_extra_config":{"transfer_timeout_s":30}}'
 
-    colo = Instance("collocated", args, logdir, [], set(range(ncpu)) if pin else None)
+    colo = Instance("collocated", args, logdir, [], set(range(ncpu)) if pin else None, gpus[0])
     try:
         colo.wait()
         colo_rows = run_collocated(colo, args)
     finally:
         colo.stop()
     p = Instance("prefill", args, logdir, ["--kv-transfer-config", kv % "kv_producer", "--side-channel-port", "0"],
-                 set(range(half)) if pin else None)
+                 set(range(half)) if pin else None, gpus[0])
     d = Instance("decode", args, logdir, ["--kv-transfer-config", kv % "kv_consumer"],
-                 set(range(half, ncpu)) if pin else None)
+                 set(range(half, ncpu)) if pin else None, gpus[-1])
     try:
         p.wait()
         d.wait()
@@ -190,7 +202,8 @@ def main() -> None:
     xfer_bytes = delta("vllm:nixl_bytes_transferred_sum") / max(n_xfer, 1)
     c_ttft, c_tps = summarize(colo_rows)
     d_ttft, d_tps = summarize(pd_rows)
-    where = "GPU (two processes, one GPU)" if args.gpu else (f"CPU, P on cores 0-{half - 1}, D on {half}-{ncpu - 1}, "
+    where = (f"GPU: P on GPU {gpus[0]}, D on GPU {gpus[-1]}, collocated on GPU {gpus[0]}" if args.gpus else
+             "GPU (two processes sharing one GPU)") if args.gpu else (f"CPU, P on cores 0-{half - 1}, D on {half}-{ncpu - 1}, "
                                                             f"collocated on all {ncpu}")
     print(f"model={args.model or 'smollm2-135m'} prompt={args.prompt_len} out={args.output_len} "
           f"requests={args.num_requests} ({where})")
