@@ -40,7 +40,7 @@ def free_port() -> int:
 
 class Instance:
     def __init__(self, name: str, args: argparse.Namespace, logdir: Path, extra: list[str], cpus: set[int] | None,
-                 gpu: str | None = None):
+                 gpu: str | None = None, util: float | None = None):
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -49,7 +49,7 @@ class Instance:
                str(args.prompt_len + args.output_len + 64), "--disable-uvicorn-access-log",
                "--load-format", args.load_format, "--no-enable-prefix-caching", *extra, *args.serve_arg]
         if args.gpu:
-            cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+            cmd += ["--gpu-memory-utilization", str(util or args.gpu_memory_utilization)]
         env = dict(os.environ)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
@@ -182,8 +182,13 @@ def main() -> None:
         colo.stop()
     p = Instance("prefill", args, logdir, ["--kv-transfer-config", kv % "kv_producer", "--side-channel-port", "0"],
                  set(range(half)) if pin else None, gpus[0])
+    if args.gpu and not args.gpus:
+        # Sharing one GPU: the engine sizes its pool from the device's free memory, so the decode instance
+        # starts after the prefill one has taken its share, with a cumulative utilisation.
+        p.wait()
     d = Instance("decode", args, logdir, ["--kv-transfer-config", kv % "kv_consumer"],
-                 set(range(half, ncpu)) if pin else None, gpus[-1])
+                 set(range(half, ncpu)) if pin else None, gpus[-1],
+                 util=(2 * args.gpu_memory_utilization if args.gpu and not args.gpus else None))
     try:
         p.wait()
         d.wait()
