@@ -3,9 +3,10 @@
 ModelRunner delegates `execute` here on CUDA. What it does differently from the CPU path:
 - Inputs are built with numpy per request (never per token) into one pinned int64 staging buffer and move
   in one host->device copy per step.
-- Pure decode steps of up to `max_num_seqs` sequences replay a CUDA graph captured for the next larger
-  batch size; padding rows carry seq_len 0 (attention writes zeros) and slot -1 (no K/V store).
-  The graph holds the whole model, the lm_head and the greedy argmax.
+- Pure decode steps of up to `max_num_seqs` (at most 256) sequences replay a CUDA graph captured for the
+  next larger batch size; padding rows carry seq_len 0 (attention writes zeros) and slot -1 (no K/V
+  store). The graph holds the whole model, the lm_head and the greedy argmax. Block tables live on the
+  device as one persistent row per request; a step sends only the blocks added since the last one.
 - Greedy requests (no logprobs, min_tokens reached) are sampled by an argmax on the GPU, one small
   device->host copy per step; anything else goes through the CPU sampler with the logits.
 - No host sync inside the model: kernel grids come from host-known sizes, sequence lengths are read on
