@@ -39,7 +39,8 @@ class TorchAttention:
             else:
                 # Queries are the last q_len positions: query j sees keys [0, seq_len - q_len + j].
                 ctx = seq_len - q_len
-                mask = torch.arange(seq_len)[None, :] <= (ctx + torch.arange(q_len))[:, None]
+                dev = q.device
+                mask = torch.arange(seq_len, device=dev)[None, :] <= (ctx + torch.arange(q_len, device=dev))[:, None]
                 causal = False
             o = F.scaled_dot_product_attention(
                 qi, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=causal, scale=scale,
@@ -57,7 +58,7 @@ class TorchAttention:
         num_seqs = tables.shape[0]
         k = k_cache[tables].flatten(1, 2)  # [B, max_blocks*bs, kv_heads, d]
         v = v_cache[tables].flatten(1, 2)
-        positions = torch.arange(k.shape[1])
+        positions = torch.arange(k.shape[1], device=q.device)
         mask = positions[None, :] < meta.seq_lens.to(positions.dtype)[:, None]  # [B, T]
         o = F.scaled_dot_product_attention(
             q.view(num_seqs, 1, q.shape[1], q.shape[2]).transpose(1, 2),

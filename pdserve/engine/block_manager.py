@@ -79,16 +79,18 @@ class BlockManager:
         """Register the hashes of req's blocks that are now completely computed."""
         if not self.enable_prefix_caching:
             return
+        full = req.num_computed_tokens // self.block_size
+        if full <= req.num_registered_blocks:
+            return  # nothing new: keeps the per-step cost independent of context length
         self._compute_hashes(req, req.num_computed_tokens)
-        for i in range(req.num_computed_tokens // self.block_size):
+        for i in range(req.num_registered_blocks, full):
             bid = req.block_ids[i]
-            if self.block_hash[bid] is not None:
-                continue
             h = req.block_hashes[i]
-            if h in self.cached:
-                continue  # an identical block already exists; this one stays uncached
-            self.block_hash[bid] = h
-            self.cached[h] = bid
+            if self.block_hash[bid] is None and h not in self.cached:
+                # (an identical block may already exist; then this one stays uncached)
+                self.block_hash[bid] = h
+                self.cached[h] = bid
+        req.num_registered_blocks = full
 
     # ---- allocation -------------------------------------------------------------------------
     def _take_free(self) -> int:
@@ -131,6 +133,7 @@ class BlockManager:
     def release(self, req: Request) -> None:
         self.free_blocks(req.block_ids)
         req.block_ids = []
+        req.num_registered_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         for h, bid in list(self.cached.items()):

@@ -39,9 +39,15 @@ class EngineStats:
     num_preemptions: int
 
 
-def resolve_model_dir(model: str | None) -> Path:
+def resolve_model_dir(model: str | None, load_format: str = "auto") -> Path:
     if model is not None and Path(model).is_dir():
         return Path(model)
+    if model is not None and load_format == "dummy":
+        # Real models' shapes ship as package data (e.g. Llama-3.1-8B): random weights, no download.
+        from pdserve.gpu.model_configs import available, dummy_model_dir
+
+        if model in available():
+            return dummy_model_dir(model)
     from pdserve.model.default_model import resolve_model  # converts the embedded default on first use
 
     return resolve_model(model)
@@ -62,7 +68,7 @@ def read_eos_ids(model_dir: Path | None, model_cfg: ModelConfig) -> frozenset[in
 class LLMEngine:
     def __init__(self, config: EngineConfig, connector_factory: Any = None):
         self.config = config
-        self.model_dir = resolve_model_dir(config.model)
+        self.model_dir = resolve_model_dir(config.model, config.load_format)
         self.model_cfg = load_model_config(self.model_dir)
         self.max_model_len = config.max_model_len or self.model_cfg.max_position_embeddings
         self.eos_token_ids = read_eos_ids(self.model_dir, self.model_cfg)
