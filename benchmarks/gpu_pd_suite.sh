@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# P/D measurements on a GPU host, in one device call (stages are bounded; logs land in $OUT):
+#   topology   nvidia-smi's P2P matrix (the seed's check)
+#   kv         NIXL READ of an 8k-token Llama-3.1-8B-shaped prompt vs a raw copy: same GPU, and GPU1 -> GPU0
+#              (contiguous = coalesced descriptors, whole 2 MiB blocks scattered, 1 MiB blocks scattered)
+#   pd1        bench_pd: 1P1D sharing GPU 0 vs collocated on GPU 0 (TTFT added by the handoff)
+#   pd2        bench_pd: P on GPU 0, D on GPU 1 vs collocated on GPU 0
+#   compare    pdserve bench compare: collocated:2 (one replica per GPU) vs 1p1d (P on GPU 0, D on GPU 1),
+#              seed workload (random 8192 in / 256 out, ignore-eos, goodput ttft:2000 tpot:30)
+# Usage: bash benchmarks/gpu_pd_suite.sh STAGE... (default: topology kv pd1 pd2)
+# Env: TOK (tokenizer folder for the dummy model's servers), RATES, NUM_PROMPTS.
+set -u
+OUT=${OUT:-./gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+TOK=${TOK:-.whl/smol-tok}
+NGPU=$(nvidia-smi -L | wc -l)
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(topology kv pd1 pd2)
+SERVE_ARGS=(--serve-arg=--tokenizer "--serve-arg=$TOK" --serve-arg=--max-num-seqs --serve-arg=64)
+
+for stage in "${stages[@]}"; do
+  echo "=== $stage $(date -u +%H:%M:%S)"
+  case $stage in
+    topology)
+      nvidia-smi topo -m 2>&1 | tee "$OUT/topo.txt"
+      nvidia-smi topo -p2p r 2>&1 | tee -a "$OUT/topo.txt" ;;
+    kv)
+      for dev in "cuda:0" "cuda:1"; do
+        [ "$dev" = "cuda:1" ] && [ "$NGPU" -lt 2 ] && continue
+        for mode in "" "--scatter" "--scatter --block-size 8"; do
+          echo "--- producer $dev -> consumer cuda:0 $mode"
+          timeout 120 python3 benchmarks/bench_kv_transfer.py --tokens 8192 --device cuda:0 \
+            --producer-device "$dev" --iters 10 $mode 2>&1 | grep -v "^\[" | tail -8
+        done
+      done 2>&1 | tee "$OUT/kv.txt" ;;
+    pd1)
+      timeout 300 python3 benchmarks/bench_pd.py --model Llama-3.1-8B --load-format dummy --gpu \
+        --prompt-len 8192 --output-len 64 --num-requests 5 "${SERVE_ARGS[@]}" 2>&1 | tail -12 | tee "$OUT/pd1.txt" ;;
+    pd2)
+      [ "$NGPU" -lt 2 ] && continue
+      timeout 300 python3 benchmarks/bench_pd.py --model Llama-3.1-8B --load-format dummy --gpus 0,1 \
+        --prompt-len 8192 --output-len 64 --num-requests 5 "${SERVE_ARGS[@]}" 2>&1 | tail -12 | tee "$OUT/pd2.txt" ;;
+    compare)
+      UP="--gpus 0,1 --serve-arg=--load-format --serve-arg=dummy --serve-arg=--no-enable-prefix-caching \
+          --serve-arg=--tokenizer --serve-arg=$TOK --startup-timeout 400"
+      timeout 560 python3 -m pdserve bench compare --launch collocated=collocated:2 --launch pd=1p1d \
+        --launch-args "--model Llama-3.1-8B $UP" --model Llama-3.1-8B --tokenizer "$TOK" \
+        --dataset-name random --random-input-len 8192 --random-output-len 256 --ignore-eos \
+        --num-prompts "${NUM_PROMPTS:-24}" --request-rates "${RATES:-0.4,1,2}" \
+        --percentile-metrics ttft,tpot,itl --metric-percentiles 50,99 --goodput ttft:2000 tpot:30 \
+        --transfer-check-url auto --output-dir "$OUT/compare" --disable-tqdm 2>&1 | tail -40 ;;
+  esac
+done
