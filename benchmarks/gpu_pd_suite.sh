@@ -5,6 +5,7 @@
 #              (contiguous = coalesced descriptors, whole 2 MiB blocks scattered, 1 MiB blocks scattered)
 #   pd1        bench_pd: 1P1D sharing GPU 0 vs collocated on GPU 0 (TTFT added by the handoff)
 #   pd2        bench_pd: P on GPU 0, D on GPU 1 vs collocated on GPU 0
+#   preflight  pdserve up (1P1D over GPUs 0 and 1) + pdserve preflight against it
 #   compare    pdserve bench compare: collocated:2 (one replica per GPU) vs 1p1d (P on GPU 0, D on GPU 1),
 #              seed workload (random 8192 in / 256 out, ignore-eos, goodput ttft:2000 tpot:30)
 # Usage: bash benchmarks/gpu_pd_suite.sh STAGE... (default: topology kv pd1 pd2)
@@ -41,6 +42,20 @@ for stage in "${stages[@]}"; do
       [ "$NGPU" -lt 2 ] && continue
       timeout 300 python3 benchmarks/bench_pd.py --model Llama-3.1-8B --load-format dummy --gpus 0,1 \
         --prompt-len 8192 --output-len 64 --num-requests 5 "${SERVE_ARGS[@]}" 2>&1 | tail -12 | tee "$OUT/pd2.txt" ;;
+    preflight)
+      # A live 1P1D (P on GPU 0, D on GPU 1), then the seed's go/no-go checks against it.
+      python3 -m pdserve up --topology 1p1d --model Llama-3.1-8B --gpus 0,1 --log-dir "$OUT/up-logs" \
+        --serve-arg=--load-format --serve-arg=dummy --serve-arg=--tokenizer "--serve-arg=$TOK" \
+        --startup-timeout 300 > "$OUT/up.txt" 2>&1 &
+      up=$!
+      for _ in $(seq 300); do grep -q PDSERVE_READY "$OUT/up.txt" && break; kill -0 $up 2>/dev/null || break; sleep 1; done
+      proxy=$(grep -o 'PDSERVE_READY proxy=[^ ]*' "$OUT/up.txt" | head -1 | cut -d= -f2)
+      if [ -n "$proxy" ]; then
+        timeout 180 python3 -m pdserve preflight --proxy "$proxy" --long-prompt-tokens 8192 2>&1 | tee "$OUT/preflight.txt"
+      else
+        tail -30 "$OUT/up.txt"
+      fi
+      kill -TERM $up; wait $up ;;
     compare)
       UP="--gpus 0,1 --serve-arg=--load-format --serve-arg=dummy --serve-arg=--no-enable-prefix-caching \
           --serve-arg=--tokenizer --serve-arg=$TOK --startup-timeout 400"
