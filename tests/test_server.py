@@ -346,6 +346,7 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
     ("/v1/completions", {"prompt": "x" * 300000}, 413, None),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),

@@ -78,6 +78,8 @@ def check_unsupported(req: _SamplingFields) -> None:
         raise not_supported("prompt_logprobs")
     if req.response_format is not None and req.response_format.type != "text":
         raise not_supported("response_format", f" (type {req.response_format.type!r}; structured output)")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
     if req.n < 1:
         raise bad_request(f"n must be at least 1, got {req.n}.", "n")
     if req.n > MAX_N:
