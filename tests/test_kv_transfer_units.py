@@ -280,6 +280,10 @@ def test_coalescing_requires_both_sides_consecutive() -> None:
     assert coalesce_block_runs([1, 2, 3], [7, 8, 9]) == [(1, 7, 3)]
     assert coalesce_block_runs([1, 2, 3], [7, 9, 10]) == [(1, 7, 1), (2, 9, 2)]
     assert coalesce_block_runs([5, 4], [1, 2]) == [(5, 1, 1), (4, 2, 1)]
+    # lockstep-descending runs are one contiguous region on each side, mapped block to block
+    assert coalesce_block_runs([9, 8, 7], [4, 3, 2]) == [(7, 2, 3)]
+    assert coalesce_block_runs([9, 8, 7, 20, 21], [4, 3, 2, 5, 6]) == [(7, 2, 3), (20, 5, 2)]
+    assert coalesce_block_runs([3, 2, 5], [3, 4, 5]) == [(3, 3, 1), (2, 4, 1), (5, 5, 1)]
     assert coalesce_block_runs([], []) == []
     with pytest.raises(ValueError):
         coalesce_block_runs([1], [1, 2])

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from pdserve.text.chat import ChatTemplateError, detect_content_format, prepare_messages
@@ -146,6 +146,9 @@ def test_detokenizer_random_ids_match_window_decode(tok: Tokenizer, data: st.Dat
     ctx = [t for t in prompt if not (skip and t in tok.special_token_ids)][-5:]
     full = tok.decode_window(ctx + ids, skip)
     head = tok.decode_window(ctx, skip)
+    # A context that ends inside a multi-byte character decodes to U+FFFD, which the next id may complete:
+    # then no prefix property holds, for any detokenizer.
+    assume(not head.endswith("\ufffd"))
     assert full.startswith(head)
     assert _detok_all(tok, prompt, ids, skip) == full[len(head):]
 

@@ -145,18 +145,26 @@ def check_block_ids(ids: Sequence[int], num_blocks: int, side: str) -> None:
 
 
 def coalesce_block_runs(local_ids: Sequence[int], remote_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Pair local[i] <- remote[i]; merge runs where both sides are consecutive: [(local, remote, count)]."""
+    """Pair local[i] <- remote[i]; merge runs where both sides step by +1, or both by -1, in lockstep:
+    [(first local, first remote, count)] with ascending addresses. A lockstep-descending run is the same
+    block-to-block mapping over the same two contiguous regions, so it is one descriptor too (freed blocks
+    return to the free list tail-first, so reused ids often come back in descending order)."""
     if len(local_ids) != len(remote_ids):
         raise ValueError(f"{len(local_ids)} local blocks for {len(remote_ids)} remote blocks")
-    runs: list[tuple[int, int, int]] = []
+    runs: list[list[int]] = []  # [local start, remote start, count, step]
     for lid, rid in zip(local_ids, remote_ids, strict=True):
+        lid, rid = int(lid), int(rid)
         if runs:
-            l0, r0, n = runs[-1]
-            if lid == l0 + n and rid == r0 + n:
-                runs[-1] = (l0, r0, n + 1)
+            run = runs[-1]
+            l0, r0, n, step = run
+            if n == 1 and lid - l0 == rid - r0 and abs(lid - l0) == 1:
+                run[2], run[3] = 2, lid - l0
                 continue
-        runs.append((int(lid), int(rid), 1))
-    return runs
+            if n > 1 and lid == l0 + step * n and rid == r0 + step * n:
+                run[2] += 1
+                continue
+        runs.append([lid, rid, 1, 1])
+    return [(l0, r0, n) if step == 1 else (l0 - n + 1, r0 - n + 1, n) for l0, r0, n, step in runs]
 
 
 def descriptor_arrays(
