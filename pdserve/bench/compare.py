@@ -99,8 +99,10 @@ class Comparison:
     def run_target(self, entry: TargetEntry) -> None:
         try:
             if entry.kind == "launch":
-                if not self.base.model:
-                    raise BenchError(f"--launch {entry.name}={entry.value} needs --model")
+                # `pdserve up` without a model serves the embedded default; so does a launch here.
+                from pdserve.model.default_model import DEFAULT_MODEL
+
+                model = self.base.model or DEFAULT_MODEL
                 logs = os.path.join(self.cfg.output_dir, "logs")
                 extra = list(self.cfg.launch_args)
                 if self.cfg.launch_command is None and not any(a.startswith("--log-dir") for a in extra):
@@ -111,7 +113,7 @@ class Comparison:
                 with LaunchedTopology(
                     entry.name,
                     entry.value,
-                    self.base.model,
+                    model,
                     os.path.join(logs, f"launch-{_safe(entry.name)}.log"),
                     self.cfg.launch_command,
                     extra,
