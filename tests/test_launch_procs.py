@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+from launch_helpers import port_free
+from server_utils import free_port
 
 from pdserve import launch_procs
 from pdserve.launch_spec import ProcSpec
@@ -50,23 +51,6 @@ CHILD = textwrap.dedent(
     server.serve_forever()
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def port_free(port: int) -> bool:
-    """No listener on the port (SO_REUSEADDR: connections in TIME_WAIT do not count, as for a restarted server)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def grandchild_pid(log: Path) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server import ServerProcess, make_model_dir, metric_value, wait_idle
+from server_utils import ServerProcess, make_model_dir, metric_value, wait_idle
 
 pytest.importorskip("nixl_cu12", reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ from launch_helpers import (
     ports_in,
     tiny_model_with_tokenizer,
 )
+from server_utils import free_port
 
 from pdserve import launch_procs
 from pdserve.launch_spec import ProcSpec, kv_transfer_config
@@ -43,12 +43,6 @@ class Deployment:
     failing_decode: str  # a consumer whose KV handshakes time out (every transfer fails)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def deployment(tiny_model_factory, tmp_path_factory) -> Iterator[Deployment]:  # type: ignore[no-untyped-def]
     root = tmp_path_factory.mktemp("preflight")
@@ -61,7 +55,7 @@ def deployment(tiny_model_factory, tmp_path_factory) -> Iterator[Deployment]:  #
     for name, role, args in (("odd-prefill", "prefill", ["--block-size", "8", "--kv-transfer-config",
                                                          kv_transfer_config("prefill", "fail")]),
                              ("failing-decode", "decode", ["--kv-transfer-config", failing_kv])):
-        port, side = _free_port(), _free_port()
+        port, side = free_port(), free_port()
         extra.append(launch_procs.start(ProcSpec(
             name, role,
             [sys.executable, "-m", "pdserve", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
@@ -144,7 +138,7 @@ def test_preflight_flags_slow_transfers(deployment: Deployment) -> None:
 
 
 def test_preflight_dead_instance(deployment: Deployment) -> None:
-    out = _preflight("--prefill", f"127.0.0.1:{_free_port()}", "--decode", deployment.info["decode"], "--json")
+    out = _preflight("--prefill", f"127.0.0.1:{free_port()}", "--decode", deployment.info["decode"], "--json")
     assert out.returncode == 1, out.stdout + out.stderr
     rows = _rows(out)
     assert rows["instances"]["status"] == "fail" and "unreachable" in str(rows["instances"]["detail"])

@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+from server_utils import free_port
 
 try:
     from pdserve.kv_transfer.nixl_agent import load_nixl
@@ -34,12 +34,6 @@ MODEL = "tiny"
 READY_TIMEOUT_S = 300.0
 COMMON = ("--max-model-len", "512", "--num-gpu-blocks-override", "128", "--block-size", "16")
 http = httpx.Client(timeout=120.0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -104,7 +98,7 @@ def _model_dir(root: Path) -> Path:
 
 
 def _instance(model: Path, log: Path, kv_role: str, *extra: str) -> Server:
-    port = _free_port()
+    port = free_port()
     kv = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_load_failure_policy": "fail"}
     args = [
         sys.executable,
@@ -245,7 +239,7 @@ def test_1p1d_through_proxy_matches_collocated(pd: dict[str, Server]) -> None:
 def test_1p1d_prefill_instance_down_fails_cleanly(pd: dict[str, Server]) -> None:
     """An unreachable prefill instance is a clean 502 under the default policy, never a silent recompute."""
     proxy_log = pd["proxy"].log.parent / "proxy-dead-prefill.log"
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     proxy = Server(
         [
             sys.executable,

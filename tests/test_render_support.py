@@ -13,16 +13,11 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
+from server_utils import PdserveProcess, free_port
 
 THINK_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 # Pieces of the script, tokenised one by one so that no token repeats (a bigram table needs that).
@@ -114,49 +109,15 @@ def make_scripted_model(out: Path, max_position_embeddings: int = 2048) -> Path:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
+class Proc(PdserveProcess):
     """`python -m pdserve <args> --host 127.0.0.1 --port P` with its output in a log file."""
 
+    poll_s = 0.2
+
     def __init__(self, log_path: Path, *args: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pdserve", *args, "--host", "127.0.0.1", "--port", str(self.port),
-               "--disable-uvicorn-access-log"]
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ})
-
-    def wait_ready(self, timeout: float = 180.0) -> Proc:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"process exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"not ready after {timeout}s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def stop(self, timeout: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
+        port = free_port()
+        super().__init__(log_path, port, [*args, "--host", "127.0.0.1", "--port", str(port),
+                                          "--disable-uvicorn-access-log"])
 
 
 def start_all(*procs: Proc) -> None:

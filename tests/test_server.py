@@ -8,12 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
-import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,95 +16,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from server_utils import MODEL, ServerProcess, make_model_dir, metric_value, wait_idle
 
 from pdserve.engine.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 128
 NUM_BLOCKS = 256
-MODEL = "tiny"
-
-
-# ---- helpers shared with the other server test modules ----------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def make_model_dir(root: Path) -> Path:
-    """Tiny random Llama (vocab of SmolLM2) with SmolLM2's tokenizer, chat template and generation config."""
-    from tiny_models import make_tiny_model
-
-    from pdserve.model.default_model import resolve_model
-
-    src = Path(resolve_model("smollm2-135m"))
-    out = root / "tiny-smol"
-    out.mkdir(parents=True, exist_ok=True)
-    make_tiny_model(out, "llama", vocab_size=49152, max_position_embeddings=512)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(src / name, out / name)
-    return out
-
-
-class ServerProcess:
-    def __init__(self, model_dir: Path, log_path: Path, *args: str, env: dict[str, str] | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pdserve", "serve", str(model_dir), "--host", "127.0.0.1",
-               "--port", str(self.port), "--served-model-name", MODEL, "--disable-uvicorn-access-log", *args]
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
-
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-        return self.proc.returncode
-
-
-def metric_value(text: str, name: str) -> float:
-    """The value of the first sample whose line starts with `name` (a metric name or a name plus labels)."""
-    for line in text.splitlines():
-        if line.startswith(name) and len(line) > len(name) and line[len(name)] in "{ ,}":
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
-
-
-def wait_idle(url: str, timeout: float = 30.0) -> str:
-    """Polls /metrics until no request runs or waits and the KV pool is empty; returns the last scrape."""
-    deadline = time.monotonic() + timeout
-    text = ""
-    while time.monotonic() < deadline:
-        text = httpx.get(f"{url}/metrics", timeout=5).text
-        if (metric_value(text, "vllm:num_requests_running") == 0
-                and metric_value(text, "vllm:num_requests_waiting") == 0
-                and metric_value(text, "vllm:kv_cache_usage_perc") == 0):
-            return text
-        time.sleep(0.1)
-    raise AssertionError(f"server not idle after {timeout}s:\n{text}")
 
 
 # ---- fixtures ---------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from test_server import MODEL, ServerProcess, make_model_dir, wait_idle
+from server_utils import MODEL, ServerProcess, make_model_dir, wait_idle
 
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -1,0 +1,118 @@
+"""Helpers shared by the tests that run `pdserve` subprocesses on 127.0.0.1 (no tests here).
+
+* `free_port`: a TCP port nothing listens on right now.
+* `make_model_dir`: a tiny random Llama with SmolLM2's tokenizer, chat template and generation config.
+* `PdserveProcess`: `python -m pdserve ...` with its output in a log file, ready when `/health` is 200,
+  stopped by SIGTERM (SIGKILL after a timeout); `ServerProcess` is `pdserve serve MODEL_DIR` on one of them.
+* `metric_value`, `wait_idle`: reading a server's Prometheus `/metrics`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Self
+
+import httpx
+
+MODEL = "tiny"  # the --served-model-name of a ServerProcess
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_model_dir(root: Path) -> Path:
+    """Tiny random Llama (vocab of SmolLM2) with SmolLM2's tokenizer, chat template and generation config."""
+    from tiny_models import make_tiny_model
+
+    from pdserve.model.default_model import resolve_model
+
+    src = Path(resolve_model("smollm2-135m"))
+    out = root / "tiny-smol"
+    out.mkdir(parents=True, exist_ok=True)
+    make_tiny_model(out, "llama", vocab_size=49152, max_position_embeddings=512)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(src / name, out / name)
+    return out
+
+
+class PdserveProcess:
+    """`python -m pdserve <args>` listening on 127.0.0.1:`port`, with its output in a log file."""
+
+    poll_s = 0.3  # how often wait_ready asks /health
+
+    def __init__(self, log_path: Path, port: int, args: list[str], env: dict[str, str] | None = None):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve", *args], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+    def wait_ready(self, timeout: float = 180.0) -> Self:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(self.poll_s)
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+class ServerProcess(PdserveProcess):
+    """`pdserve serve MODEL_DIR` serving it as `MODEL`, plus `args`."""
+
+    def __init__(self, model_dir: Path, log_path: Path, *args: str, env: dict[str, str] | None = None):
+        port = free_port()
+        super().__init__(log_path, port, ["serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+                                          "--served-model-name", MODEL, "--disable-uvicorn-access-log", *args],
+                         env=env)
+
+
+def metric_value(text: str, name: str) -> float:
+    """The value of the first sample whose line starts with `name` (a metric name or a name plus labels)."""
+    for line in text.splitlines():
+        if line.startswith(name) and len(line) > len(name) and line[len(name)] in "{ ,}":
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def wait_idle(url: str, timeout: float = 30.0) -> str:
+    """Polls /metrics until no request runs or waits and the KV pool is empty; returns the last scrape."""
+    deadline = time.monotonic() + timeout
+    text = ""
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+        if (metric_value(text, "vllm:num_requests_running") == 0
+                and metric_value(text, "vllm:num_requests_waiting") == 0
+                and metric_value(text, "vllm:kv_cache_usage_perc") == 0):
+            return text
+        time.sleep(0.1)
+    raise AssertionError(f"server not idle after {timeout}s:\n{text}")
