@@ -12,10 +12,10 @@ from starlette.requests import Request
 
 from pdserve.server.errors import APIError, bad_request, error_body, sse_error_frame
 from pdserve.server.generation import Generation
-from pdserve.server.http_utils import SSE_DONE, base_request_id, sse, until_disconnect
+from pdserve.server.http_utils import SSE_DONE, base_request_id, sse
 from pdserve.server.params import check_unsupported, resolve_max_tokens, truncate_prompt, validate_token_ids
 from pdserve.server.protocol import ChatCompletionRequest
-from pdserve.server.serving_common import Recorders, engine_error, make_choices, now, start_generation, usage
+from pdserve.server.serving_common import Recorders, make_choices, now, run_to_end, start_generation, usage
 from pdserve.server.state import ServerState
 from pdserve.text.chat import ChatTemplateError, message_text
 from pdserve.text.logprobs import LogprobFormatter
@@ -155,17 +155,7 @@ class _ChatView:
         return self.fmt.chat(lps, self.top)
 
     async def collect(self, gen: Generation, recorders: Recorders, raw: Request) -> JSONResponse:
-        async def drain() -> None:
-            async for choice, out, delta in gen:
-                recorders.on_output(choice, out, delta.finished)
-
-        try:
-            await until_disconnect(raw, drain())
-        finally:
-            recorders.finish_unfinished(gen.choices)
-        error = engine_error(gen.choices)
-        if error:
-            raise APIError(f"Internal server error: {error}", 500)
+        await run_to_end(gen, recorders, raw)
         req = self.req
         out_choices = []
         for c in gen.choices:

@@ -83,6 +83,23 @@ def engine_error(choices: Sequence[Choice]) -> str | None:
     return next((c.error for c in choices if c.error), None)
 
 
+async def run_to_end(gen: Generation, recorders: Recorders, raw_request: Any) -> None:
+    """For a whole (not streamed) response: consumes every output, recording metrics, until the generation
+    ends or the client disconnects (the choices left unfinished count as aborted); an engine error is a 500."""
+
+    async def drain() -> None:
+        async for choice, out, delta in gen:
+            recorders.on_output(choice, out, delta.finished)
+
+    try:
+        await until_disconnect(raw_request, drain())
+    finally:
+        recorders.finish_unfinished(gen.choices)
+    error = engine_error(gen.choices)
+    if error:
+        raise APIError(f"Internal server error: {error}", 500)
+
+
 class Recorders:
     """Metrics recorders for a request's choices, keyed by choice index."""
 

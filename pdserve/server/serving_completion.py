@@ -18,9 +18,9 @@ from pdserve.server.protocol import CompletionRequest
 from pdserve.server.serving_common import (
     Recorders,
     encode,
-    engine_error,
     make_choices,
     now,
+    run_to_end,
     start_generation,
     usage,
 )
@@ -105,19 +105,7 @@ class _CompletionView:
 
     # ---- whole response --------------------------------------------------------------------------
     async def collect(self, gen: Generation, recorders: Recorders, raw: Request) -> JSONResponse:
-        from pdserve.server.http_utils import until_disconnect
-
-        async def drain() -> None:
-            async for choice, out, delta in gen:
-                recorders.on_output(choice, out, delta.finished)
-
-        try:
-            await until_disconnect(raw, drain())
-        finally:
-            recorders.finish_unfinished(gen.choices)
-        error = engine_error(gen.choices)
-        if error:
-            raise APIError(f"Internal server error: {error}", 500)
+        await run_to_end(gen, recorders, raw)
         req = self.req
         out_choices = []
         for c in gen.choices:

@@ -43,9 +43,9 @@ from pdserve.server.errors import (
     sse_error_frame,
 )
 from pdserve.server.generation import Choice, Generation
-from pdserve.server.http_utils import SSE_DONE, ClientGone, parse_model, read_json, sse, until_disconnect
+from pdserve.server.http_utils import SSE_DONE, ClientGone, parse_model, read_json, sse
 from pdserve.server.params import MAX_N, child_seed, resolve_max_tokens, stop_list, truncate_prompt
-from pdserve.server.serving_common import Recorders, engine_error, now, start_generation, usage
+from pdserve.server.serving_common import Recorders, now, run_to_end, start_generation, usage
 from pdserve.server.state import ServerState
 from pdserve.text.logprobs import clamp
 from pdserve.text.output import OutputProcessor
@@ -307,17 +307,7 @@ class _GenerateView:
         return item
 
     async def collect(self, gen: Generation, recorders: Recorders, raw: Request) -> JSONResponse:
-        async def drain() -> None:
-            async for choice, out, delta in gen:
-                recorders.on_output(choice, out, delta.finished)
-
-        try:
-            await until_disconnect(raw, drain())
-        finally:
-            recorders.finish_unfinished(gen.choices)
-        error = engine_error(gen.choices)
-        if error:
-            raise APIError(f"Internal server error: {error}", 500)
+        await run_to_end(gen, recorders, raw)
         choices = []
         for c in gen.choices:
             p = c.processor
