@@ -5,40 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.render.context import RenderContext
-from pdserve.server.errors import APIError
 from pdserve.server.http_utils import parse_model
 from pdserve.server.protocol import DetokenizeRequest, TokenizeRequest
-from pdserve.text.chat import ChatTemplateError
+from pdserve.server.tokenization import detokenize_body, tokenize_body
 
 
 def tokenize(ctx: RenderContext, body: Any) -> dict[str, Any]:
     req = parse_model(TokenizeRequest, body)
     ctx.check_model(req.model)
-    tok = ctx.tokenizer
-    if req.messages is not None:
-        try:
-            text = tok.apply_chat_template(
-                req.messages, req.add_generation_prompt, req.tools,
-                continue_final_message=req.continue_final_message, chat_template=req.chat_template,
-                **(req.chat_template_kwargs or {}),
-            )
-        except ChatTemplateError as e:
-            raise APIError(str(e), 400, e.param) from e
-        add_special = bool(req.add_special_tokens)
-    elif req.prompt is not None:
-        text = req.prompt
-        add_special = True if req.add_special_tokens is None else req.add_special_tokens
-    else:
-        raise APIError("Either prompt or messages must be provided.", 400, "prompt")
-    ids = tok.encode(text, add_special)
-    return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids,
-            "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+    return tokenize_body(ctx.tokenizer, req, ctx.max_model_len)
 
 
 def detokenize(ctx: RenderContext, body: Any) -> dict[str, Any]:
     req = parse_model(DetokenizeRequest, body)
     ctx.check_model(req.model)
-    bad = next((t for t in req.tokens if not 0 <= t < ctx.vocab_size), None)
-    if bad is not None:
-        raise APIError(f"Token id {bad} is out of vocabulary", 400, "tokens")
-    return {"prompt": ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+    return detokenize_body(ctx.tokenizer, req, ctx.vocab_size)

@@ -28,8 +28,8 @@ from pdserve.server.protocol import (
 from pdserve.server.serving_chat import create_chat_completion
 from pdserve.server.serving_completion import create_completion
 from pdserve.server.state import ServerState
+from pdserve.server.tokenization import detokenize_body, tokenize_body
 from pdserve.server.tokens_only import TokenizerlessGuard, build_router
-from pdserve.text.chat import ChatTemplateError
 
 log = logging.getLogger("pdserve.server")
 
@@ -128,26 +128,7 @@ def build_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
         async def run() -> Any:
             req = parse_model(TokenizeRequest, await read_json(request, state.max_request_body_bytes))
             state.check_model(req.model)
-            tok = state.tokenizer
-            if req.messages is not None:
-                try:
-                    text = tok.apply_chat_template(
-                        req.messages, req.add_generation_prompt, req.tools,
-                        continue_final_message=req.continue_final_message, chat_template=req.chat_template,
-                        **(req.chat_template_kwargs or {}),
-                    )
-                except ChatTemplateError as e:
-                    raise APIError(str(e), 400, e.param) from e
-                add_special = bool(req.add_special_tokens)
-            elif req.prompt is not None:
-                text = req.prompt
-                add_special = True if req.add_special_tokens is None else req.add_special_tokens
-            else:
-                raise APIError("Either prompt or messages must be provided.", 400, "prompt")
-            ids = tok.encode(text, add_special)
-            body: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
-                                    "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None}
-            return JSONResponse(body)
+            return JSONResponse(tokenize_body(state.tokenizer, req, state.max_model_len))
 
         return await guarded(request, run)
 
@@ -156,10 +137,7 @@ def build_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
         async def run() -> Any:
             req = parse_model(DetokenizeRequest, await read_json(request, state.max_request_body_bytes))
             state.check_model(req.model)
-            bad = next((t for t in req.tokens if not 0 <= t < state.tokenizer.vocab_size), None)
-            if bad is not None:
-                raise APIError(f"Token id {bad} is out of vocabulary", 400, "tokens")
-            return JSONResponse({"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+            return JSONResponse(detokenize_body(state.tokenizer, req, state.tokenizer.vocab_size))
 
         return await guarded(request, run)
 
