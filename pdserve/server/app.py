@@ -10,11 +10,10 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
 from pdserve import __version__
-from pdserve.server.errors import APIError, error_body, error_response
+from pdserve.server.errors import add_error_handlers, error_body
 from pdserve.server.http_utils import ClientGone, RequestIdAuthMiddleware, parse_model, read_json
 from pdserve.server.protocol import (
     ChatCompletionRequest,
@@ -52,9 +51,7 @@ def build_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
     app = FastAPI(title="pdserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+    add_error_handlers(app, log)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -62,15 +59,6 @@ def build_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
         first = errors[0] if errors else {}
         loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
         return JSONResponse(error_body(f"{loc or 'body'}: {first.get('msg', 'invalid request')}", 400, loc), 400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(exc.detail), exc.status_code), exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body(f"Internal server error: {exc}", 500), 500)
 
     async def guarded(request: Request, handler: Callable[[], Awaitable[Any]]) -> Any:
         try:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 from http import HTTPStatus
 
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
 
 _TYPES = {
     400: "BadRequestError",
@@ -50,3 +54,21 @@ def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSON
 def sse_error_frame(message: str, status: int = 500, param: str | None = None) -> str:
     """An error inside an SSE stream that already answered 200: one data frame, then [DONE]."""
     return f"data: {json.dumps(error_body(message, status, param))}\n\n"
+
+
+def add_error_handlers(app: FastAPI, log: logging.Logger) -> None:
+    """`APIError` -> its OpenAI error, an HTTP error keeps its status, anything else is a logged 500 (request
+    validation errors are left to each app)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), exc.status_code), exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(f"Internal server error: {exc}", 500), 500)
