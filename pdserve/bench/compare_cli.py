@@ -110,8 +110,9 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--min-goodput-gain",
         type=float,
-        default=0.0,
-        help="relative goodput gain the rule requires (default 0: any improvement)",
+        default=0.05,
+        help="relative goodput gain the rule requires (default 0.05: a few percent with a few dozen "
+        "requests is noise, not an improvement; 0 = any improvement)",
     )
     g.add_argument(
         "--cdf-rate", default=None, help="rate of the TTFT CDF plot (default: highest finite rate)"
