@@ -86,7 +86,8 @@ def test_stop_token_id_and_eos(tiny_llama):
     "kwargs,param",
     [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
      ({"top_k": -5}, "top_k"), ({"min_p": 2}, "min_p"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-     ({"logprobs": 50}, "logprobs")],
+     ({"logprobs": 50}, "logprobs"), ({"temperature": float("nan")}, "temperature"),
+     ({"top_p": float("inf")}, "top_p")],
 )
 def test_invalid_params(kwargs, param):
     with pytest.raises(ParamError) as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -43,6 +44,9 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def validate(self) -> None:
+        for name in ("temperature", "top_p", "min_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise ParamError(f"{name} must be a finite number, got {getattr(self, name)}.", name)
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ParamError(f"max_tokens must be at least 1, got {self.max_tokens}.", "max_tokens")
         if self.temperature < 0:
