@@ -14,18 +14,20 @@ from typing import Any
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.render.context import RenderContext
-from pdserve.server.errors import APIError, bad_request, not_supported
+from pdserve.server.errors import APIError, bad_request
 from pdserve.server.http_utils import parse_model
 from pdserve.server.params import (
     build_sampling_params,
-    check_unsupported,
+    check_chat_fields,
+    check_completion_request,
+    completion_prompt_items,
     resolve_max_tokens,
     truncate_prompt,
     validate_token_ids,
 )
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from pdserve.text.chat import ChatTemplateError
-from pdserve.text.output_parsers import ToolChoiceError, parses_tool_calls, prompt_tail_text
+from pdserve.text.output_parsers import prompt_tail_text
 from pdserve.text.reasoning import prompt_opens_reasoning
 
 
@@ -49,15 +51,7 @@ def _hoisted_kv(req: _SamplingFields) -> dict[str, Any] | None:
 
 def check_chat_request(ctx: RenderContext, req: ChatCompletionRequest) -> bool:
     """Validations shared by render and derender; returns whether the output is parsed for tool calls."""
-    check_unsupported(req)
-    if req.top_logprobs and not req.logprobs:
-        raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
-    if req.top_logprobs is not None and req.top_logprobs < 0:
-        raise bad_request("`top_logprobs` must be a non-negative value.", "top_logprobs")
-    try:
-        return parses_tool_calls(ctx.parsers, req.tools, req.tool_choice)
-    except ToolChoiceError as e:
-        raise APIError(str(e), 400, e.param) from e
+    return check_chat_fields(ctx.parsers, req)
 
 
 def chat_prompt_text(ctx: RenderContext, req: ChatCompletionRequest) -> str:
@@ -119,17 +113,7 @@ def render_chat(ctx: RenderContext, body: Any, header_request_id: str | None = N
 
 
 def completion_prompts(ctx: RenderContext, req: CompletionRequest) -> list[list[int]]:
-    prompt = req.prompt
-    if prompt is None:
-        raise bad_request("Either prompt or prompt_embeds must be provided.", "prompt")
-    if isinstance(prompt, str):
-        items: list[Any] = [prompt]
-    elif prompt and isinstance(prompt[0], int):
-        items = [prompt]
-    else:
-        items = list(prompt)
-    if not items:
-        raise bad_request("Prompt cannot be empty.", "prompt")
+    items = completion_prompt_items(req)
     out: list[list[int]] = []
     for item in items:
         if isinstance(item, str):
@@ -140,14 +124,6 @@ def completion_prompts(ctx: RenderContext, req: CompletionRequest) -> list[list[
             ids = validate_token_ids(list(item), ctx.vocab_size, "prompt")
         out.append(truncate_prompt(ids, req.truncate_prompt_tokens, ctx.max_model_len))
     return out
-
-
-def check_completion_request(req: CompletionRequest) -> None:
-    check_unsupported(req)
-    if req.suffix is not None:
-        raise not_supported("suffix")
-    if req.best_of is not None and req.best_of != req.n:
-        raise not_supported("best_of", " (other than equal to n)")
 
 
 def render_completion(ctx: RenderContext, body: Any, header_request_id: str | None = None) -> list[dict[str, Any]]:

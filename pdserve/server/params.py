@@ -10,7 +10,8 @@ from typing import Any
 
 from pdserve.engine.sampling_params import ParamError, SamplingParams
 from pdserve.server.errors import APIError, bad_request, not_supported
-from pdserve.server.protocol import _SamplingFields
+from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from pdserve.text.output_parsers import ToolChoiceError, parses_tool_calls
 
 log = logging.getLogger("pdserve.server")
 
@@ -84,6 +85,46 @@ def check_unsupported(req: _SamplingFields) -> None:
         raise bad_request(f"n must be at least 1, got {req.n}.", "n")
     if req.n > MAX_N:
         raise bad_request(f"n must be at most {MAX_N}, got {req.n}.", "n")
+
+
+def check_completion_request(req: CompletionRequest) -> None:
+    """`check_unsupported` plus the completions-only fields this server refuses."""
+    check_unsupported(req)
+    if req.suffix is not None:
+        raise not_supported("suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise not_supported("best_of", " (other than equal to n)")
+
+
+def check_chat_fields(parsers: Any, req: ChatCompletionRequest) -> bool:
+    """`check_unsupported` plus the chat-only checks; returns whether the output goes through the tool-call
+    parser ("auto" needs --enable-auto-tool-choice and --tool-call-parser; "required" and named functions
+    need structured output: 400)."""
+    check_unsupported(req)
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+    if req.top_logprobs is not None and req.top_logprobs < 0:
+        raise bad_request("`top_logprobs` must be a non-negative value.", "top_logprobs")
+    try:
+        return parses_tool_calls(parsers, req.tools, req.tool_choice)
+    except ToolChoiceError as e:
+        raise APIError(str(e), 400, e.param) from e
+
+
+def completion_prompt_items(req: CompletionRequest) -> list[Any]:
+    """A completions request's prompts, one item each: a text or a list of token ids (400 if there are none)."""
+    prompt = req.prompt
+    if prompt is None:
+        raise bad_request("Either prompt or prompt_embeds must be provided.", "prompt")
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise bad_request("Prompt cannot be empty.", "prompt")
+    return items
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

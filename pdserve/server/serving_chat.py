@@ -13,7 +13,7 @@ from starlette.requests import Request
 from pdserve.server.errors import APIError, bad_request, error_body, sse_error_frame
 from pdserve.server.generation import Generation
 from pdserve.server.http_utils import SSE_DONE, base_request_id, sse
-from pdserve.server.params import check_unsupported, resolve_max_tokens, truncate_prompt, validate_token_ids
+from pdserve.server.params import check_chat_fields, resolve_max_tokens, truncate_prompt, validate_token_ids
 from pdserve.server.protocol import ChatCompletionRequest
 from pdserve.server.serving_common import Recorders, make_choices, now, run_to_end, start_generation, usage
 from pdserve.server.state import ServerState
@@ -22,8 +22,6 @@ from pdserve.text.logprobs import LogprobFormatter
 from pdserve.text.output_parsers import (
     ChatDelta,
     ChatOutputParser,
-    ToolChoiceError,
-    parses_tool_calls,
     prompt_tail_text,
 )
 
@@ -41,15 +39,6 @@ def _text_only(messages: list[dict[str, Any]]) -> bool:
             if not (isinstance(part, str) or (isinstance(part, dict) and part.get("type") in ("text", "input_text"))):
                 return False
     return True
-
-
-def _check_tools(state: ServerState, req: ChatCompletionRequest) -> bool:
-    """Whether the output goes through the tool-call parser ("auto" needs --enable-auto-tool-choice and
-    --tool-call-parser; "required" and named functions need structured output: 400)."""
-    try:
-        return parses_tool_calls(state.parsers, req.tools, req.tool_choice)
-    except ToolChoiceError as e:
-        raise APIError(str(e), 400, e.param) from e
 
 
 def parsed_delta(parsed: ChatDelta) -> dict[str, Any]:
@@ -103,12 +92,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     arrival = now()
     model = state.check_model(req.model)
     state.check_accepting()
-    check_unsupported(req)
-    if req.top_logprobs and not req.logprobs:
-        raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
-    if req.top_logprobs is not None and req.top_logprobs < 0:
-        raise bad_request("`top_logprobs` must be a non-negative value.", "top_logprobs")
-    use_tools = _check_tools(state, req)
+    use_tools = check_chat_fields(state.parsers, req)
     kv = dict(req.kv_transfer_params) if req.kv_transfer_params is not None else None
     ids = truncate_prompt(await _prompt_ids(state, req, kv), req.truncate_prompt_tokens, state.max_model_len)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -10,10 +10,16 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from pdserve.server.errors import APIError, bad_request, error_body, not_supported, sse_error_frame
+from pdserve.server.errors import APIError, bad_request, error_body, sse_error_frame
 from pdserve.server.generation import Choice, Generation
 from pdserve.server.http_utils import SSE_DONE, base_request_id, sse
-from pdserve.server.params import check_unsupported, resolve_max_tokens, truncate_prompt, validate_token_ids
+from pdserve.server.params import (
+    check_completion_request,
+    completion_prompt_items,
+    resolve_max_tokens,
+    truncate_prompt,
+    validate_token_ids,
+)
 from pdserve.server.protocol import CompletionRequest
 from pdserve.server.serving_common import (
     Recorders,
@@ -29,17 +35,7 @@ from pdserve.text.logprobs import LogprobFormatter
 
 
 async def _prompts(state: ServerState, req: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
-    prompt = req.prompt
-    if prompt is None:
-        raise bad_request("Either prompt or prompt_embeds must be provided.", "prompt")
-    if isinstance(prompt, str):
-        items: list[Any] = [prompt]
-    elif prompt and isinstance(prompt[0], int):
-        items = [prompt]
-    else:
-        items = list(prompt)
-    if not items:
-        raise bad_request("Prompt cannot be empty.", "prompt")
+    items = completion_prompt_items(req)
     ids_list: list[list[int]] = []
     texts: list[str | None] = []
     for item in items:
@@ -59,11 +55,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     arrival = now()
     model = state.check_model(req.model)
     state.check_accepting()
-    check_unsupported(req)
-    if req.suffix is not None:
-        raise not_supported("suffix")
-    if req.best_of is not None and req.best_of != req.n:
-        raise not_supported("best_of", " (other than equal to n)")
+    check_completion_request(req)
     prompts, texts = await _prompts(state, req)
     max_tokens = [resolve_max_tokens(req.max_tokens, len(p), state.max_model_len, state.defaults, "max_tokens")
                   for p in prompts]
