@@ -35,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-FLASHINFER_H200 = {  # /work/shared/reference/h200-facts.md, measured with our pool layout
+FLASHINFER_H200 = {  # ../shared/reference/h200-facts.md (the team notes), measured with our pool layout
     "decode_b8_kv2048_us": 54.7,
     "decode_b8_kv2048_us_pool_view_tuple": 50.6,
     "prefill_b8_q512_kv2048_tflops_sm90": 406.0,
