@@ -7,13 +7,11 @@ latency it adds at concurrency 1 (p50/p99 of request time minus the direct two-l
 is this client doing the prefill leg then the decode leg itself). Targets are interleaved (one request
 each in turn for latency, rounds for saturation) so that other load on the machine hits all alike.
 
-vLLM's toy proxy is not part of this repository. Get it into a temporary folder first, e.g.
+vLLM's toy proxy is not part of this repository. Take it from a vLLM checkout (file
+tests/v1/kv_connector/nixl_integration/toy_proxy_server.py of vllm-project/vllm; the numbers in
+BENCHMARKS.md used commit 030ea52), outside this repository, then
 
-    curl -sLo /tmp/toy_proxy_server.py https://raw.githubusercontent.com/vllm-project/vllm/main/tests/v1/kv_connector/nixl_integration/toy_proxy_server.py
-
-(or `git show HEAD:tests/v1/kv_connector/nixl_integration/toy_proxy_server.py` in a vLLM checkout), then
-
-    python benchmarks/bench_proxy.py --toy-proxy /tmp/toy_proxy_server.py
+    python benchmarks/bench_proxy.py --toy-proxy PATH/TO/toy_proxy_server.py
 
 Without --toy-proxy (or when the file is absent) the toy proxy's rows are skipped. It runs with the
 fastapi/uvicorn/httpx of this environment, as its own README command does (uvicorn access log on).
