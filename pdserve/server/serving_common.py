@@ -32,6 +32,11 @@ def make_choices(state: ServerState, req: _SamplingFields, base_id: str, prompts
                  per_prompt_suffix: bool) -> list[Choice]:
     choices: list[Choice] = []
     n = req.n
+    if (kv_transfer_params or {}).get("do_remote_prefill") and n * len(prompts) > 1:
+        # One producer lease can be claimed once: a second choice would fail its load, or silently
+        # recompute the whole prompt. Proxies send such requests to one instance without P/D params.
+        raise APIError("kv_transfer_params.do_remote_prefill allows exactly one prompt and n=1 (one remote KV "
+                       "lease serves one request)", 400, "kv_transfer_params")
     for i, ids in enumerate(prompts):
         stem = f"{base_id}-{i}" if per_prompt_suffix else base_id
         for j in range(n):
