@@ -111,3 +111,17 @@ def test_smollm2_default_matches_transformers():
     engine = make_engine(model, max_model_len=512)
     assert run_engine(engine, prompts, GREEDY) == hf_greedy(model, prompts, 16)
     assert_accounting_clean(engine)
+
+
+def test_warm_up_leaves_the_engine_as_new_and_exact(tiny_llama):
+    """The GPU start-up warm-up (run here on the CPU): no request, block or counter left behind, and a
+    prompt sharing the warm-up's prefix (a prefix-cache hit on its blocks) still matches transformers."""
+    free = make_engine(tiny_llama, block_size=4).blocks.num_free_blocks
+    engine = make_engine(tiny_llama, block_size=4, warm_up=True)
+    assert not engine.has_unfinished() and not engine.scheduler.has_work()
+    assert engine.num_finished == 0 and engine.blocks.prefix_queries == 0
+    assert engine.blocks.num_free_blocks == free
+    prompts = [list(range(1, 15)), [5, 6, 7, 8, 9]]
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert run_engine(engine, prompts, greedy) == hf_greedy(tiny_llama, prompts, 6)
+    assert engine.blocks.prefix_hits > 0

@@ -53,20 +53,19 @@ def test_host_batch_layout_matches_the_flattened_batch():
     batch = [(a, 6), (b, 2), (c, 1)]
     buf = np.full(256, -99, dtype=np.int64)
     hb = HostBatch(batch, bs, buf)
-    t, s = 9, 3
-    ids, pos, slots = buf[:t], buf[t : 2 * t], buf[2 * t : 3 * t]
-    assert ids.tolist() == prompt_a[4:10] + [3, 42] + [77]
-    assert pos.tolist() == [4, 5, 6, 7, 8, 9, 2, 3, 5]
+    assert hb.size <= HostBatch.max_size(9, 3, 3)
+    seg = {name: hb.view(buf, name) for name in HostBatch.SEGMENTS}
+    assert all(lo % 2 == 0 for lo, _ in hb.offsets.values())  # 16-byte aligned: no new Triton variants
+    assert seg["ids"].tolist() == prompt_a[4:10] + [3, 42] + [77]
+    assert seg["positions"].tolist() == [4, 5, 6, 7, 8, 9, 2, 3, 5]
     want_slots = [3 * 4 + 0, 3 * 4 + 1, 3 * 4 + 2, 3 * 4 + 3, 9 * 4 + 0, 9 * 4 + 1, 5 * 4 + 2, 5 * 4 + 3, 6 * 4 + 1]
-    assert slots.tolist() == want_slots
-    o = 3 * t
-    assert buf[o : o + s + 1].tolist() == [0, 6, 8, 9]
-    assert buf[o + s + 1 : o + 2 * s + 1].tolist() == [10, 4, 6]
+    assert seg["slots"].tolist() == want_slots
+    assert seg["query_start_loc"].tolist() == [0, 6, 8, 9]
+    assert seg["seq_lens"].tolist() == [10, 4, 6]
     # every request reaches its frontier here: sampled rows are each sequence's last row
     assert hb.num_rows == 3 and [r.request_id for r in hb.sampling] == ["a", "b", "c"]
-    rows = buf[o + 2 * s + 1 : o + 2 * s + 1 + hb.num_rows]
-    assert rows.tolist() == [5, 7, 8]
-    tables = buf[o + 2 * s + 1 + hb.num_rows : hb.size].reshape(s, hb.width)
+    assert seg["sample_rows"].tolist() == [5, 7, 8]
+    tables = seg["block_tables"].reshape(3, hb.width)
     assert hb.width == 3
     assert tables[0].tolist() == [7, 3, 9] and tables[1, 0] == 5 and tables[2, :2].tolist() == [2, 6]
 

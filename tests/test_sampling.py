@@ -93,3 +93,64 @@ def test_invalid_params(kwargs, param):
     with pytest.raises(ParamError) as e:
         SamplingParams(**kwargs)
     assert e.value.param == param
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 3, 1.0), (1.3, 0, 0.6)])
+def test_batched_draws_follow_the_truncated_softmax(temperature, top_k, top_p):
+    """20k rows sampled in one batch: the frequencies match softmax(logits / T) restricted to the kept
+    tokens and renormalised (the sampler's default generator is seeded, so this is deterministic)."""
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, -3.0, 0.2, 1.5])
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    expect = torch.softmax(logits / temperature, -1)
+    order = torch.argsort(expect, descending=True)
+    keep = torch.zeros(8, dtype=torch.bool)
+    if top_k:
+        keep[order[:top_k]] = True
+    elif top_p < 1.0:
+        n = int((torch.cumsum(expect[order], 0) - expect[order] < top_p).sum())
+        keep[order[:n]] = True
+    else:
+        keep[:] = True
+    expect = torch.where(keep, expect, 0.0)
+    expect /= expect.sum()
+    n = 20_000
+    reqs = [_req(params, f"r{i}") for i in range(n)]
+    toks, _ = Sampler(0).sample(logits.expand(n, 8), reqs)
+    freq = torch.bincount(torch.tensor(toks), minlength=8).float() / n
+    assert torch.all(freq[~keep] == 0)
+    assert torch.allclose(freq, expect, atol=0.015), (freq, expect)
+
+
+def test_seeded_row_repeats_whatever_it_is_batched_with():
+    torch.manual_seed(1)
+    logits = torch.randn(4, 100)
+    seeded = SamplingParams(temperature=1.0, seed=7)
+    alone = Sampler(0)
+    together = Sampler(123)
+    a = [alone.sample(logits[1:2], [_req(seeded, "s")])[0][0] for _ in range(20)]
+    b = []
+    for step in range(20):
+        others = [_req(SamplingParams(temperature=1.0), f"o{step}{j}") for j in range(3)]
+        toks, _ = together.sample(logits, [others[0], _req(seeded, "s"), others[1], others[2]])
+        b.append(toks[1])
+    assert a == b
+    assert len(set(a)) > 1
+
+
+def test_greedy_and_sampled_rows_in_one_batch_with_logprobs():
+    torch.manual_seed(2)
+    logits = torch.randn(3, 50)
+    reqs = [_req(SamplingParams(temperature=0, logprobs=3), "g"),
+            _req(SamplingParams(temperature=1.0, top_k=1), "k1"),
+            _req(SamplingParams(temperature=2.0, logprobs=0, seed=3), "s")]
+    toks, lps = Sampler(0).sample(logits, reqs)
+    best = logits.argmax(-1).tolist()
+    assert toks[0] == best[0] and toks[1] == best[1]  # top_k=1 is greedy whatever the temperature
+    assert lps[1] is None
+    full = torch.log_softmax(logits, -1)
+    assert [t for t, _ in lps[0].top] == torch.topk(full[0], 3).indices.tolist()
+    assert lps[0].rank == 1
+    s = lps[2]
+    assert s.token_id == toks[2] and s.top == []
+    assert s.logprob == pytest.approx(float(full[2, toks[2]]), abs=1e-5)
+    assert s.rank == int((full[2] > full[2, toks[2]]).sum()) + 1

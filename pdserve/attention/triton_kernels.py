@@ -79,7 +79,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 # decode
 # ---------------------------------------------------------------------------------------------------
 # Sizes that vary per step are not specialized (Triton would compile a separate kernel when one is 1).
-@triton.jit(do_not_specialize=["num_splits"])
+# stride_bt is the step's block-table width in eager steps: specialising on it (divisible by 16 or
+# not) would compile new variants mid-serving, ~1 s each.
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
     q_ptr, stride_q_t, stride_q_h,
     k_cache_ptr, v_cache_ptr, stride_c_blk, stride_c_tok, stride_c_head,
@@ -276,7 +278,7 @@ def _attend_tiles(
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_q_blocks"])
+@triton.jit(do_not_specialize=["num_seqs", "num_q_blocks", "stride_bt"])
 def _prefill_kernel(
     q_ptr, stride_q_t, stride_q_h,
     k_cache_ptr, v_cache_ptr, stride_c_blk, stride_c_tok, stride_c_head,

@@ -16,6 +16,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request, Status
 from pdserve.engine.sampling_params import ParamError, SamplingParams
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.step_log import StepLog
 from pdserve.model.config import ModelConfig, load_model_config
 
 log = logging.getLogger("pdserve.engine")
@@ -84,6 +85,32 @@ class LLMEngine:
         self.aborted_while_loading: set[str] = set()
         self.connector = connector_factory(self) if connector_factory else None
         self.num_finished = 0
+        self.step_log = StepLog.from_env((config.kv_transfer_config or {}).get("kv_role", "engine"))
+        if config.warm_up or (config.warm_up is None and self.runner.device.type == "cuda"):
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Requests through a full-budget prefill, a mixed prefill+decode step, decode graphs and the
+        sampler before serving: the first clients would otherwise pay the kernels' JIT compilation and
+        first-use costs (2.3 s of TTFT for the 8B shape's first 8k prompt on the H200)."""
+        bs = self.config.block_size
+        pool_tokens = (self.blocks.num_blocks // 2 - 1) * bs
+        n = max(1, min(self.scheduler.max_num_batched_tokens, self.max_model_len - 4, pool_tokens))
+        prompt = [i % self.model_cfg.vocab_size for i in range(1, n + 1)]
+        short = prompt[: min(n, 3 * bs + 5)][::-1]
+        self.add_request("__warmup_0", prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        for step in range(64):  # bounded: two 3-token requests finish in a handful of steps
+            if step == 1:
+                self.add_request("__warmup_1", short, SamplingParams(max_tokens=3, ignore_eos=True))
+            self.step()
+            if step >= 1 and not self.requests:
+                break
+        for rid in list(self.requests):
+            self.abort_request(rid)
+        self.num_finished = 0
+        self.blocks.prefix_queries = self.blocks.prefix_hits = 0
+        if self.runner.gpu is not None:
+            self.runner.gpu.timing.reset()
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -147,6 +174,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         if self.connector is not None:
             outputs.extend(self._poll_connector())
+        t_start = time.perf_counter()
         sched = self.scheduler.schedule()
         for req in sched.start_loads:
             self._start_load(req, outputs)
@@ -156,7 +184,11 @@ class LLMEngine:
         for req, _ in sched.scheduled:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
+        t_sched = time.perf_counter()
+        gpu = self.runner.gpu
+        graphs0, wait0 = (gpu.timing.graph_steps, gpu.timing.wait_s) if gpu is not None else (0, 0.0)
         reqs, tokens, logprobs = self.runner.execute(sched.scheduled)
+        t_exec = time.perf_counter()
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
             self.blocks.cache_full_blocks(req)
@@ -173,6 +205,12 @@ class LLMEngine:
                 outputs.append(self._finish(req, hold=req.hold_for_remote_decode))
             else:
                 outputs.append(self._emit(req))
+        if self.step_log is not None:
+            self.step_log.record(
+                t_start, t_sched, t_exec, time.perf_counter(), seqs=len(sched.scheduled),
+                tokens=sched.num_tokens, prefill_tokens=sum(n for _, n in sched.scheduled if n > 1),
+                graph=gpu is not None and gpu.timing.graph_steps > graphs0,
+                wait_s=gpu.timing.wait_s - wait0 if gpu is not None else 0.0, outputs=len(outputs))
         return outputs
 
     def _emit(self, req: Request, finished: bool = False) -> RequestOutput:
@@ -278,3 +316,5 @@ class LLMEngine:
     def shutdown(self) -> None:
         if self.connector is not None:
             self.connector.shutdown()
+        if self.step_log is not None:
+            self.step_log.close()

@@ -6,6 +6,7 @@ Decides *how* a step runs, never *what* runs (that is the scheduler's job).
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -56,6 +57,11 @@ class ModelRunner:
         self.config = config
         self.model_cfg = model_cfg
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
+            # The host only stages inputs here; a full-width OpenMP pool per server process makes
+            # instances sharing a host (collocated replicas, P next to D) spin against each other.
+            log.info("reducing torch CPU threads from %d to 1 (set OMP_NUM_THREADS to choose)", torch.get_num_threads())
+            torch.set_num_threads(1)
         self.dtype = resolve_dtype(config.dtype, model_cfg, self.device)
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
@@ -90,8 +96,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * self.config.gpu_memory_utilization - (total - free)
-            budget -= 2 * 1024**3  # headroom for activations and CUDA graphs
+            # A per-instance share of the GPU, as vLLM's flag means it: other processes on the same GPU
+            # (a P next to its D) count only through what is actually free.
+            own = torch.cuda.memory_reserved(self.device)
+            budget = min(total * self.config.gpu_memory_utilization - own, free)
+            budget -= 2 * 1024**3  # headroom for activations, CUDA graphs and the CUDA context
         else:
             budget = self.config.cpu_kv_cache_gb * 1024**3
         blocks = int(budget // self.block_bytes)

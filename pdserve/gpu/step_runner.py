@@ -8,7 +8,7 @@ ModelRunner delegates `execute` here on CUDA. What it does differently from the 
   store). The graph holds the whole model, the lm_head and the greedy argmax. Block tables live on the
   device as one persistent row per request; a step sends only the blocks added since the last one.
 - Greedy requests (no logprobs, min_tokens reached) are sampled by an argmax on the GPU, one small
-  device->host copy per step; anything else goes through the CPU sampler with the logits.
+  device->host copy per step; anything else goes through the batched sampler on the device.
 - No host sync inside the model: kernel grids come from host-known sizes, sequence lengths are read on
   the device.
 """
@@ -50,7 +50,7 @@ def pick_graph_size(sizes: list[int], batch: int) -> int | None:
 
 
 def greedy_on_device(reqs: list[Request]) -> bool:
-    """True when the CPU sampler would return exactly the argmax of the raw logits for every request."""
+    """True when the sampler would return exactly the argmax of the raw logits for every request."""
     return all(
         r.params.greedy and r.params.logprobs is None and len(r.output_token_ids) >= r.params.min_tokens
         for r in reqs
@@ -113,11 +113,19 @@ class BlockTableCache:
                 del self._entries[rid]
 
 
+def _align2(n: int) -> int:
+    return (n + 1) & ~1
+
+
 class HostBatch:
     """Flattened inputs for one step, built with numpy into a slice of a pinned int64 buffer.
 
-    Layout: ids[T] | positions[T] | slots[T] | query_start_loc[S+1] | seq_lens[S] | sample_rows[R] |
-    block_tables[S, W]."""
+    Segments, each starting on a 16-byte boundary: ids[T] | positions[T] | slots[T] | query_start_loc[S+1] |
+    seq_lens[S] | sample_rows[R] | block_tables[S, W]. Triton specialises pointer arguments on 16-byte
+    alignment: segments at odd offsets would make each new parity mix of T, S and R compile another
+    kernel variant mid-serving (~2 s each, measured on the H200 as mixed steps of 2 s)."""
+
+    SEGMENTS = ("ids", "positions", "slots", "query_start_loc", "seq_lens", "sample_rows", "block_tables")
 
     def __init__(self, batch: list[tuple[Request, int]], block_size: int, buf: np.ndarray,
                  tables_cache: BlockTableCache | None = None):
@@ -136,17 +144,16 @@ class HostBatch:
                 rows.append(end - 1)
                 self.sampling.append(req)
         self.num_rows = r = len(rows)
-        self.size = 3 * t + 2 * s + 1 + r + s * w
+        self.offsets: dict[str, tuple[int, int]] = {}
+        o = 0
+        for name, length in zip(self.SEGMENTS, (t, t, t, s + 1, s, r, s * w), strict=True):
+            self.offsets[name] = (o, o + length)
+            o = _align2(o + length)
+        self.size = o
         assert buf.shape[0] >= self.size
-        ids = buf[0:t]
-        pos = buf[t : 2 * t]
-        slots = buf[2 * t : 3 * t]
-        o = 3 * t
-        qsl = buf[o : o + s + 1]
-        seql = buf[o + s + 1 : o + 2 * s + 1]
-        o += 2 * s + 1
-        buf[o : o + r] = rows
-        tables = buf[o + r : o + r + s * w].reshape(s, w)
+        ids, pos, slots, qsl, seql, sample_rows, flat_tables = (self.view(buf, name) for name in self.SEGMENTS)
+        tables = flat_tables.reshape(s, w)
+        sample_rows[:] = rows
         qsl[0] = 0
         qsl[1:] = np.cumsum(self.query_lens)
         seql[:] = self.seq_lens
@@ -171,6 +178,16 @@ class HostBatch:
             pos[off : off + n] = p
             slots[off : off + n] = table[p // bs] * bs + p % bs
             off += n
+
+    @staticmethod
+    def max_size(num_tokens: int, num_seqs: int, width: int) -> int:
+        """An upper bound on `size` (each of the seven segments pads at most one element)."""
+        return 3 * num_tokens + 3 * num_seqs + 1 + num_seqs * width + 7
+
+    def view(self, buf, name: str):
+        """The named segment of `buf` (the host buffer or its device copy)."""
+        lo, hi = self.offsets[name]
+        return buf[lo:hi]
 
 
 class GpuStepRunner:
@@ -374,19 +391,15 @@ class GpuStepRunner:
     # ---- eager steps ---------------------------------------------------------------------------
     def _run_eager(self, batch: list[tuple[Request, int]]) -> tuple[HostBatch, torch.Tensor | None]:
         bs = self.block_size
-        t = sum(n for _, n in batch)
-        s = len(batch)
         w = max((r.num_computed_tokens + n + bs - 1) // bs for r, n in batch)
-        host, dev = self._staging(3 * t + 3 * s + 1 + s * w)
+        host, dev = self._staging(HostBatch.max_size(sum(n for _, n in batch), len(batch), w))
         hb = HostBatch(batch, bs, host.numpy(), self.tables)
         dev[: hb.size].copy_(host[: hb.size], non_blocking=True)
-        o = 3 * t
-        r = hb.num_rows
         meta = AttentionMetadata(
-            query_start_loc=dev[o : o + s + 1],
-            seq_lens=dev[o + s + 1 : o + 2 * s + 1],
-            block_tables=dev[o + 2 * s + 1 + r : hb.size].view(s, hb.width),
-            slot_mapping=dev[2 * t : 3 * t],
+            query_start_loc=hb.view(dev, "query_start_loc"),
+            seq_lens=hb.view(dev, "seq_lens"),
+            block_tables=hb.view(dev, "block_tables").view(hb.num_seqs, hb.width),
+            slot_mapping=hb.view(dev, "slots"),
             block_size=bs,
             max_query_len=max(hb.query_lens),
             max_seq_len=max(hb.seq_lens),
@@ -394,11 +407,10 @@ class GpuStepRunner:
             query_lens_host=hb.query_lens,
             seq_lens_host=hb.seq_lens,
         )
-        hidden = self.model(dev[0:t], dev[t : 2 * t], self.runner.kv_pool, meta, self.backend)
-        if r == 0:
+        hidden = self.model(hb.view(dev, "ids"), hb.view(dev, "positions"), self.runner.kv_pool, meta, self.backend)
+        if hb.num_rows == 0:
             return hb, None
-        rows = dev[o + 2 * s + 1 : o + 2 * s + 1 + r]
-        return hb, self.model.compute_logits(hidden[rows])
+        return hb, self.model.compute_logits(hidden[hb.view(dev, "sample_rows")])
 
     # ---- one step ------------------------------------------------------------------------------
     def execute(self, batch: list[tuple[Request, int]]) -> tuple[list[Request], list[int], list[TokenLogprob | None]]:

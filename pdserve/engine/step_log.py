@@ -1,0 +1,44 @@
+"""Per-step timing as JSON lines, for diagnosing a server under load (`PDSERVE_STEP_LOG=FILE`).
+
+Each line is one engine step: when it started, the gap since the previous step ended (time the engine
+thread spent elsewhere: draining commands, idle waits, the GIL), how long scheduling, the model step and
+the bookkeeping after it took, and what ran (sequences, tokens, prefill tokens, whether a CUDA graph
+replayed). `{role}` in the path becomes the instance's kv_role (or "engine"). Off by default; when off, the engine pays one `is None` check per step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import IO
+
+
+class StepLog:
+    ENV = "PDSERVE_STEP_LOG"
+
+    def __init__(self, path: str):
+        self._file: IO[str] = open(path, "a", buffering=1)  # noqa: SIM115 - line-buffered, lives as long as the engine
+        self._last_end: float | None = None
+
+    @classmethod
+    def from_env(cls, role: str = "engine") -> StepLog | None:
+        """`{role}` and `{pid}` in the path are replaced, so one setting serves several instances."""
+        path = os.environ.get(cls.ENV)
+        if not path:
+            return None
+        return cls(path.replace("{role}", role).replace("{pid}", str(os.getpid())))
+
+    def record(self, start: float, scheduled: float, executed: float, end: float, *, seqs: int, tokens: int,
+               prefill_tokens: int, graph: bool, wait_s: float, outputs: int) -> None:
+        gap = 0.0 if self._last_end is None else start - self._last_end
+        self._last_end = end
+        self._file.write(json.dumps({
+            "t": round(start, 6), "gap_ms": round(gap * 1e3, 3),
+            "sched_ms": round((scheduled - start) * 1e3, 3), "exec_ms": round((executed - scheduled) * 1e3, 3),
+            "wait_ms": round(wait_s * 1e3, 3), "post_ms": round((end - executed) * 1e3, 3),
+            "seqs": seqs, "tokens": tokens, "prefill_tokens": prefill_tokens, "graph": graph, "outputs": outputs,
+        }) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
