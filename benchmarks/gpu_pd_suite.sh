@@ -8,8 +8,11 @@
 #   preflight  pdserve up (1P1D over GPUs 0 and 1) + pdserve preflight against it
 #   compare    pdserve bench compare: collocated:2 (one replica per GPU) vs 1p1d (P on GPU 0, D on GPU 1),
 #              seed workload (random 8192 in / 256 out, ignore-eos, goodput ttft:2000 tpot:30)
+#   compare1   the same on one GPU: one collocated replica vs 1P1D sharing GPU 0 (each instance may use 42 %
+#              of its memory, on both sides)
 # Usage: bash benchmarks/gpu_pd_suite.sh STAGE... (default: topology kv pd1 pd2)
-# Env: TOK (tokenizer folder for the dummy model's servers), RATES, NUM_PROMPTS.
+# Env: TOK (tokenizer folder for the dummy model's servers), RATES, NUM_PROMPTS, MODEL (compare stages:
+# a packaged dummy shape, default Llama-3.1-8B), COMPARE_DIR (compare stages' output folder).
 set -u
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
@@ -60,10 +63,20 @@ for stage in "${stages[@]}"; do
       UP="--gpus 0,1 --serve-arg=--load-format --serve-arg=dummy --serve-arg=--no-enable-prefix-caching \
           --serve-arg=--tokenizer --serve-arg=$TOK --startup-timeout 400"
       timeout 560 python3 -m pdserve bench compare --launch collocated=collocated:2 --launch pd=1p1d \
-        --launch-args "--model Llama-3.1-8B $UP" --model Llama-3.1-8B --tokenizer "$TOK" \
+        --launch-args "--model ${MODEL:-Llama-3.1-8B} $UP" --model "${MODEL:-Llama-3.1-8B}" --tokenizer "$TOK" \
         --dataset-name random --random-input-len 8192 --random-output-len 256 --ignore-eos \
         --num-prompts "${NUM_PROMPTS:-24}" --request-rates "${RATES:-0.4,1,2}" \
         --percentile-metrics ttft,tpot,itl --metric-percentiles 50,99 --goodput ttft:2000 tpot:30 \
-        --transfer-check-url auto --output-dir "$OUT/compare" --disable-tqdm 2>&1 | tail -40 ;;
+        --transfer-check-url auto --output-dir "${COMPARE_DIR:-$OUT/compare}" --disable-tqdm 2>&1 | tail -40 ;;
+    compare1)
+      UP="--gpus 0 --serve-arg=--load-format --serve-arg=dummy --serve-arg=--no-enable-prefix-caching \
+          --serve-arg=--tokenizer --serve-arg=$TOK --serve-arg=--gpu-memory-utilization --serve-arg=0.42 \
+          --startup-timeout 400"
+      timeout 560 python3 -m pdserve bench compare --launch collocated=collocated:1 --launch pd=1p1d \
+        --launch-args "--model ${MODEL:-Llama-3.1-8B} $UP" --model "${MODEL:-Llama-3.1-8B}" --tokenizer "$TOK" \
+        --dataset-name random --random-input-len 8192 --random-output-len 256 --ignore-eos \
+        --num-prompts "${NUM_PROMPTS:-24}" --request-rates "${RATES:-0.4,1,2}" \
+        --percentile-metrics ttft,tpot,itl --metric-percentiles 50,99 --goodput ttft:2000 tpot:30 \
+        --transfer-check-url auto --output-dir "${COMPARE_DIR:-$OUT/compare1}" --disable-tqdm 2>&1 | tail -40 ;;
   esac
 done
