@@ -1,6 +1,6 @@
 """Summarises a `PDSERVE_STEP_LOG` file: step time split by kind (graph decode, eager decode, mixed,
 prefill only), where the time went (gap between steps, scheduling, model, waiting on the device,
-bookkeeping), optionally restricted to a time window.
+bookkeeping), and the requests' lifecycle medians, optionally restricted to a time window.
 
     python benchmarks/step_log_summary.py steps.jsonl [--since T] [--until T]
 """
@@ -50,6 +50,17 @@ def summarise(steps: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summarise_requests(requests: list[dict]) -> str:
+    """Median times from a request's arrival in the engine (ms): remote KV load started and done,
+    first scheduled, first token, finished."""
+    keys = ("load_start_ms", "load_done_ms", "scheduled_ms", "first_token_ms", "finished_ms")
+    cells = []
+    for key in keys:
+        values = [r[key] for r in requests if r.get(key) is not None]
+        cells.append(f"{key.removesuffix('_ms')} {statistics.median(values):.2f}" if values else f"{key.removesuffix('_ms')} -")
+    return f"{len(requests)} requests, p50 ms after arrival: " + ", ".join(cells)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path")
@@ -57,10 +68,13 @@ def main() -> None:
     ap.add_argument("--until", type=float, default=None)
     args = ap.parse_args()
     with open(args.path) as f:
-        steps = [json.loads(line) for line in f if line.strip()]
-    steps = [s for s in steps if (args.since is None or s["t"] >= args.since)
+        lines = [json.loads(line) for line in f if line.strip()]
+    lines = [s for s in lines if (args.since is None or s["t"] >= args.since)
              and (args.until is None or s["t"] <= args.until)]
-    print(summarise(steps))
+    print(summarise([s for s in lines if "request" not in s]))
+    requests = [s for s in lines if "request" in s and not s["request"].startswith("__warmup")]
+    if requests:
+        print(summarise_requests(requests))
 
 
 if __name__ == "__main__":

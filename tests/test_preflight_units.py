@@ -116,6 +116,11 @@ def test_gpu_rows_skip_on_cpu_and_need_gpu_ids() -> None:
     assert row.status == SKIP and "--prefill-gpu" in row.detail
     row = check_gpu_p2p(gpu, Options(prefill_gpu="3", decode_gpu="3"))
     assert row.status == PASS and "GPU 3 serves both" in row.detail
+    # what `pdserve up` deploys: each instance sees one GPU and reports which physical one in /pdserve/info
+    up = Target([_inst("prefill", 1, device="cuda:0", cuda_visible_devices="2"),
+                 _inst("decode", 2, device="cuda:0", cuda_visible_devices="2")], True)
+    row = check_gpu_p2p(up, Options())
+    assert row.status == PASS and "GPU 2 serves both" in row.detail
 
 
 def _snap(transfers: int, xfer_s: float, nbytes: float, failed: float = 0, expired: float = 0) -> NixlSnapshot:

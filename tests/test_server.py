@@ -204,6 +204,7 @@ def test_models_tokenize_detokenize(server: ServerProcess, offline) -> None:
     info = httpx.get(f"{server.url}/pdserve/info").json()
     assert info["served_model_name"] == MODEL and info["max_model_len"] == MAX_MODEL_LEN
     assert info["num_layers"] == 2 and info["num_kv_heads"] == 2 and info["head_dim"] == 16
+    assert info["device"] == "cpu" and info["gpu_uuid"] is None and "cuda_visible_devices" in info
 
 
 def test_request_id_header(server: ServerProcess) -> None:

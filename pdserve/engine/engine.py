@@ -235,6 +235,11 @@ class LLMEngine:
     def _finish(self, req: Request, hold: bool) -> RequestOutput:
         req.status = Status.FINISHED
         req.metrics.finished_time = time.monotonic()
+        if self.step_log is not None:
+            self.step_log.record_request(
+                req.request_id, req.metrics, prompt_tokens=req.num_prompt_tokens,
+                cached_tokens=max(req.num_cached_tokens, 0), output_tokens=len(req.output_token_ids),
+                finish_reason=req.finish_reason)
         self.requests.pop(req.request_id, None)
         self.runner.sampler.forget(req.request_id)
         self.num_finished += 1
@@ -251,6 +256,7 @@ class LLMEngine:
     def _start_load(self, req: Request, outputs: list[RequestOutput]) -> None:
         assert self.connector is not None
         first_block = req.num_computed_tokens // self.config.block_size
+        req.metrics.kv_load_start_time = time.monotonic()
         try:
             # Tokens [0, len - 1) come from the producer; the last prompt token is recomputed here for logits.
             self.connector.start_load(req.request_id, req.kv_transfer_params, list(req.block_ids), first_block,
@@ -269,6 +275,7 @@ class LLMEngine:
             req = self.scheduler.loading.get(res.request_id)
             if req is None:
                 continue
+            req.metrics.kv_load_done_time = time.monotonic()
             if res.request_id in self.aborted_while_loading:
                 self.aborted_while_loading.discard(res.request_id)
                 self.scheduler.loading.pop(res.request_id, None)

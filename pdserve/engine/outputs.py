@@ -21,6 +21,8 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    kv_load_start_time: float | None = None  # consumer: the remote read was started
+    kv_load_done_time: float | None = None  # consumer: the remote read ended (or failed)
 
 
 @dataclass

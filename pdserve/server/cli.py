@@ -117,6 +117,15 @@ def _check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _gpu_uuid(device) -> str | None:
+    if device.type != "cuda":
+        return None
+    import torch
+
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return f"GPU-{uuid}" if uuid is not None else None
+
+
 def build_state(args: argparse.Namespace) -> Any:
     """Loads the model and tokenizer and builds the engine (not started: the app's lifespan starts it)."""
     from prometheus_client import CollectorRegistry
@@ -163,6 +172,9 @@ def build_state(args: argparse.Namespace) -> Any:
         "kv_buffer_device": (kv_cfg.kv_buffer_device if kv_cfg is not None else None)
         or ("cuda" if runner.device.type == "cuda" else "cpu"),
         "ucx_tls": os.environ.get("UCX_TLS"),
+        # which physical GPU this is (preflight's p2p and UCX checks map instances to GPU pairs with it)
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "gpu_uuid": _gpu_uuid(runner.device),
         "num_gpu_blocks": runner.num_blocks,
         "tokens_only": args.tokens_only,
     }
