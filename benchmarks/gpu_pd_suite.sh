@@ -23,6 +23,18 @@ stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(topology kv pd1 pd2)
 SERVE_ARGS=(--serve-arg=--tokenizer "--serve-arg=$TOK" --serve-arg=--max-num-seqs --serve-arg=64)
 
+# pdserve bench compare on the seed's workload: COLLOCATED_TOPOLOGY vs 1p1d, with `pdserve up` arguments.
+seed_compare() {
+  local up="$2 --serve-arg=--load-format --serve-arg=dummy --serve-arg=--no-enable-prefix-caching \
+    --serve-arg=--tokenizer --serve-arg=$TOK --startup-timeout 400"
+  timeout 560 python3 -m pdserve bench compare --launch "collocated=$1" --launch pd=1p1d \
+    --launch-args "--model ${MODEL:-Llama-3.1-8B} $up" --model "${MODEL:-Llama-3.1-8B}" --tokenizer "$TOK" \
+    --dataset-name random --random-input-len 8192 --random-output-len 256 --ignore-eos \
+    --num-prompts "${NUM_PROMPTS:-24}" --request-rates "${RATES:-0.4,1,2}" \
+    --percentile-metrics ttft,tpot,itl --metric-percentiles 50,99 --goodput ttft:2000 tpot:30 \
+    --transfer-check-url auto --output-dir "$3" --disable-tqdm 2>&1 | tail -40
+}
+
 for stage in "${stages[@]}"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case $stage in
@@ -60,23 +72,11 @@ for stage in "${stages[@]}"; do
       fi
       kill -TERM $up; wait $up ;;
     compare)
-      UP="--gpus 0,1 --serve-arg=--load-format --serve-arg=dummy --serve-arg=--no-enable-prefix-caching \
-          --serve-arg=--tokenizer --serve-arg=$TOK --startup-timeout 400"
-      timeout 560 python3 -m pdserve bench compare --launch collocated=collocated:2 --launch pd=1p1d \
-        --launch-args "--model ${MODEL:-Llama-3.1-8B} $UP" --model "${MODEL:-Llama-3.1-8B}" --tokenizer "$TOK" \
-        --dataset-name random --random-input-len 8192 --random-output-len 256 --ignore-eos \
-        --num-prompts "${NUM_PROMPTS:-24}" --request-rates "${RATES:-0.4,1,2}" \
-        --percentile-metrics ttft,tpot,itl --metric-percentiles 50,99 --goodput ttft:2000 tpot:30 \
-        --transfer-check-url auto --output-dir "${COMPARE_DIR:-$OUT/compare}" --disable-tqdm 2>&1 | tail -40 ;;
+      # one collocated replica per GPU vs P on GPU 0, D on GPU 1
+      seed_compare collocated:2 "--gpus 0,1" "${COMPARE_DIR:-$OUT/compare}" ;;
     compare1)
-      UP="--gpus 0 --serve-arg=--load-format --serve-arg=dummy --serve-arg=--no-enable-prefix-caching \
-          --serve-arg=--tokenizer --serve-arg=$TOK --serve-arg=--gpu-memory-utilization --serve-arg=0.42 \
-          --startup-timeout 400"
-      timeout 560 python3 -m pdserve bench compare --launch collocated=collocated:1 --launch pd=1p1d \
-        --launch-args "--model ${MODEL:-Llama-3.1-8B} $UP" --model "${MODEL:-Llama-3.1-8B}" --tokenizer "$TOK" \
-        --dataset-name random --random-input-len 8192 --random-output-len 256 --ignore-eos \
-        --num-prompts "${NUM_PROMPTS:-24}" --request-rates "${RATES:-0.4,1,2}" \
-        --percentile-metrics ttft,tpot,itl --metric-percentiles 50,99 --goodput ttft:2000 tpot:30 \
-        --transfer-check-url auto --output-dir "${COMPARE_DIR:-$OUT/compare1}" --disable-tqdm 2>&1 | tail -40 ;;
+      # one GPU: one collocated replica vs P and D sharing it, every instance limited to 42 % of its memory
+      seed_compare collocated:1 "--gpus 0 --serve-arg=--gpu-memory-utilization --serve-arg=0.42" \
+        "${COMPARE_DIR:-$OUT/compare1}" ;;
   esac
 done
