@@ -6,6 +6,7 @@
 #   pd1        bench_pd: 1P1D sharing GPU 0 vs collocated on GPU 0 (TTFT added by the handoff)
 #   pd2        bench_pd: P on GPU 0, D on GPU 1 vs collocated on GPU 0
 #   preflight  pdserve up (1P1D over GPUs 0 and 1) + pdserve preflight against it
+#   preflight1 the same with P and D sharing GPU 0
 #   compare    pdserve bench compare: collocated:2 (one replica per GPU) vs 1p1d (P on GPU 0, D on GPU 1),
 #              seed workload (random 8192 in / 256 out, ignore-eos, goodput ttft:2000 tpot:30)
 #   compare1   the same on one GPU: one collocated replica vs 1P1D sharing GPU 0 (each instance may use 42 %
@@ -22,6 +23,23 @@ NGPU=$(nvidia-smi -L | wc -l)
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(topology kv pd1 pd2)
 SERVE_ARGS=(--serve-arg=--tokenizer "--serve-arg=$TOK" --serve-arg=--max-num-seqs --serve-arg=64)
+
+# pdserve up a 1P1D (with these `pdserve up` arguments), then pdserve preflight against its proxy.
+live_preflight() {
+  # shellcheck disable=SC2086 # $1 is a list of arguments
+  python3 -m pdserve up --topology 1p1d --model "${MODEL:-Llama-3.1-8B}" $1 --log-dir "$OUT/up-logs" \
+    --serve-arg=--load-format --serve-arg=dummy --serve-arg=--tokenizer "--serve-arg=$TOK" \
+    --startup-timeout 300 > "$OUT/up.txt" 2>&1 &
+  local up=$! proxy
+  for _ in $(seq 300); do grep -q PDSERVE_READY "$OUT/up.txt" && break; kill -0 $up 2>/dev/null || break; sleep 1; done
+  proxy=$(grep -o 'PDSERVE_READY proxy=[^ ]*' "$OUT/up.txt" | head -1 | cut -d= -f2)
+  if [ -n "$proxy" ]; then
+    timeout 180 python3 -m pdserve preflight --proxy "$proxy" --long-prompt-tokens 8192 2>&1 | tee "$OUT/preflight.txt"
+  else
+    tail -30 "$OUT/up.txt"
+  fi
+  kill -TERM $up; wait $up
+}
 
 # pdserve bench compare on the seed's workload: COLLOCATED_TOPOLOGY vs 1p1d, with `pdserve up` arguments.
 seed_compare() {
@@ -59,18 +77,10 @@ for stage in "${stages[@]}"; do
         --prompt-len 8192 --output-len 64 --num-requests 5 "${SERVE_ARGS[@]}" 2>&1 | tail -12 | tee "$OUT/pd2.txt" ;;
     preflight)
       # A live 1P1D (P on GPU 0, D on GPU 1), then the seed's go/no-go checks against it.
-      python3 -m pdserve up --topology 1p1d --model Llama-3.1-8B --gpus 0,1 --log-dir "$OUT/up-logs" \
-        --serve-arg=--load-format --serve-arg=dummy --serve-arg=--tokenizer "--serve-arg=$TOK" \
-        --startup-timeout 300 > "$OUT/up.txt" 2>&1 &
-      up=$!
-      for _ in $(seq 300); do grep -q PDSERVE_READY "$OUT/up.txt" && break; kill -0 $up 2>/dev/null || break; sleep 1; done
-      proxy=$(grep -o 'PDSERVE_READY proxy=[^ ]*' "$OUT/up.txt" | head -1 | cut -d= -f2)
-      if [ -n "$proxy" ]; then
-        timeout 180 python3 -m pdserve preflight --proxy "$proxy" --long-prompt-tokens 8192 2>&1 | tee "$OUT/preflight.txt"
-      else
-        tail -30 "$OUT/up.txt"
-      fi
-      kill -TERM $up; wait $up ;;
+      live_preflight "--gpus 0,1" ;;
+    preflight1)
+      # The same with P and D sharing GPU 0.
+      live_preflight "--gpus 0 --serve-arg=--gpu-memory-utilization --serve-arg=0.42" ;;
     compare)
       # one collocated replica per GPU vs P on GPU 0, D on GPU 1
       seed_compare collocated:2 "--gpus 0,1" "${COMPARE_DIR:-$OUT/compare}" ;;
