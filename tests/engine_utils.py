@@ -37,7 +37,8 @@ def make_engine(model_dir: Path, **kw) -> LLMEngine:
 _HF_CACHE: dict[str, object] = {}
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, **generate_kwargs) -> list[list[int]]:
+    """transformers' greedy `generate`; `generate_kwargs` add logits processors (e.g. repetition_penalty)."""
     from transformers import AutoModelForCausalLM
 
     key = str(model_dir)
@@ -48,7 +49,7 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
     with torch.no_grad():
         for p in prompts:
             g = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)
+                               eos_token_id=None, pad_token_id=0, **generate_kwargs)
             outs.append(g[0, len(p):].tolist())
     return outs
 

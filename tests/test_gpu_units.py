@@ -42,6 +42,12 @@ def test_greedy_on_device_only_when_cpu_sampler_would_argmax():
     # min_tokens not yet reached: the sampler masks EOS first
     assert not greedy_on_device([_req("a", [1], 0, [0], temperature=0.0, min_tokens=3, max_tokens=8)])
     assert greedy_on_device([_req("a", [1], 0, [0], [5, 6, 7], temperature=0.0, min_tokens=3, max_tokens=8)])
+    # the graph's argmax sees none of these: the sampler must apply them
+    for adjust in ({"repetition_penalty": 1.2}, {"presence_penalty": 0.5}, {"frequency_penalty": -0.5},
+                   {"logit_bias": {3: 5.0}}, {"allowed_token_ids": [3, 4]}):
+        assert not greedy_on_device([_req("a", [1], 0, [0], temperature=0.0),
+                                     _req("b", [1], 0, [0], temperature=0.0, **adjust)]), adjust
+    assert greedy_on_device([_req("a", [1], 0, [0], temperature=0.0, repetition_penalty=1.0, logit_bias={})])
 
 
 def test_host_batch_layout_matches_the_flattened_batch():

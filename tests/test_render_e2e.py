@@ -184,6 +184,9 @@ COMPLETION_CASES = {
     "token_prompt_n2_echo": {"prompt": [1000, 2000, 3000], "max_tokens": 5, "n": 2, "temperature": 0.9, "seed": 3,
                              "return_token_ids": True, "echo": True, "logprobs": 1},
     "stop_string": {"prompt": "x\n", "max_tokens": 30, "stop": ["plan"], "include_stop_str_in_output": True},
+    "penalties_bias_allowed": {"prompt": "Weather report:\n", "max_tokens": 10, "return_token_ids": True,
+                               "allowed_token_ids": [1000, 2000, 3000, 4000], "logit_bias": {"2000": 3},
+                               "frequency_penalty": 1.5, "presence_penalty": 0.2, "repetition_penalty": 1.2},
 }
 
 
@@ -199,6 +202,8 @@ def test_completions_three_hop_equals_in_process(procs: dict[str, Proc], case: s
     assert a == b
     if case == "stop_string":
         assert a["choices"][0]["text"].endswith("Let me plan") and a["choices"][0]["stop_reason"] == "plan"
+    if case == "penalties_bias_allowed":  # the fields went through render's JSON to the engine
+        assert set(a["choices"][0]["token_ids"]) <= {1000, 2000, 3000, 4000}
 
 
 @pytest.mark.skipif(not HAVE_NIXL, reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
@@ -323,7 +328,10 @@ def test_tokens_only_abort(procs: dict[str, Proc]) -> None:
     ({"token_ids": [5], "sampling_params": {"temperature": -1}}, None),
     ({"token_ids": [5], "sampling_params": {"seed": 2**70}}, "sampling_params"),
     ({"token_ids": [5], "sampling_params": {"n": 0}}, "sampling_params.n"),
-    ({"token_ids": [5], "sampling_params": {"logit_bias": {"5": 1.0}}}, "sampling_params.logit_bias"),
+    ({"token_ids": [5], "sampling_params": {"logit_bias": {"abc": 1.0}}}, "sampling_params.logit_bias"),
+    ({"token_ids": [5], "sampling_params": {"logit_bias": {"1000000": 1.0}}}, "sampling_params.logit_bias"),
+    ({"token_ids": [5], "sampling_params": {"allowed_token_ids": [5, 10**6]}}, "sampling_params.allowed_token_ids"),
+    ({"token_ids": [5], "sampling_params": {"repetition_penalty": 0}}, "sampling_params.repetition_penalty"),
     ({"token_ids": list(range(600))}, "prompt"),
 ])
 def test_tokens_only_bad_input(procs: dict[str, Proc], body: dict[str, Any], param: str | None) -> None:
@@ -409,8 +417,11 @@ def test_stop_string_aborts_engine_request(procs: dict[str, Proc]) -> None:
 
 def test_engine_errors_pass_through(procs: dict[str, Proc], tmp_path: Path) -> None:
     r = post(procs["render"], "/v1/chat/completions", {"model": "tiny", "messages": ASK, "max_tokens": 5,
-                                                       "logit_bias": {"1": 2}})
+                                                       "presence_penalty": 3})
     assert r.status_code == 400  # refused by render before any engine call
+    r = post(procs["render"], "/v1/chat/completions", {"model": "tiny", "messages": ASK, "max_tokens": 5,
+                                                       "logit_bias": {"1000000": 2}})
+    assert r.status_code == 400 and "out of vocabulary" in r.json()["error"]["message"]  # the engine's check
     unreachable = Proc(tmp_path / "r.log", "render", "smollm2-135m", "--max-model-len", "64", "--engine",
                        "127.0.0.1:9")
     try:

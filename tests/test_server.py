@@ -144,6 +144,30 @@ def test_logprobs_echo_and_n(client: openai.OpenAI) -> None:
     assert len({c.text for c in greedy.choices}) == 1
 
 
+def test_penalties_match_offline_engine(client: openai.OpenAI, offline) -> None:
+    kw = {"max_tokens": 16, "temperature": 0, "presence_penalty": 0.4, "frequency_penalty": 0.3}
+    ref = offline.generate(PROMPTS, SamplingParams(**kw, repetition_penalty=1.3))
+    res = client.completions.create(model=MODEL, prompt=PROMPTS, **kw,
+                                    extra_body={"repetition_penalty": 1.3, "return_token_ids": True})
+    assert [c.token_ids for c in res.choices] == [r.outputs[0].token_ids for r in ref]
+    plain = offline.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0))
+    assert [r.outputs[0].token_ids for r in ref] != [r.outputs[0].token_ids for r in plain]
+
+
+def test_logit_bias_and_allowed_token_ids(client: openai.OpenAI) -> None:
+    forced = 4242
+    res = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0,
+                                    logit_bias={str(forced): 100},
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert res.choices[0].token_ids == [forced] * 6
+    allowed = [300, 301, 302, 4242]
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=12, temperature=1.0,
+                                          seed=5, extra_body={"allowed_token_ids": allowed, "ignore_eos": True,
+                                                              "return_token_ids": True})
+    ids = chat.choices[0].model_extra["token_ids"]
+    assert len(ids) == 12 and set(ids) <= set(allowed)
+
+
 # ---- chat -------------------------------------------------------------------------------------------
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"}]
 
@@ -258,7 +282,14 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": -2.5}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1000000": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"-1": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [5, 1000000]}, 400, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
     ("/v1/completions", {"prompt": "x" * 300000}, 413, None),
@@ -266,6 +297,9 @@ ERROR_CASES = [
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 3}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "presence_penalty": -3}, 400, "presence_penalty"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"1.5": 2}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "allowed_token_ids": [-1]}, 400, "allowed_token_ids"),
     ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
      400, "tool_choice"),
     ("/v1/chat/completions", {"messages": MESSAGES, "kv_transfer_params": {"prompt_token_ids": [1, True]}},
@@ -355,6 +389,11 @@ _COMMON = {
     "kv_transfer_params": st.one_of(st.none(), st.dictionaries(st.sampled_from(
         ["do_remote_decode", "do_remote_prefill", "prompt_token_ids", "remote_block_ids"]), _WEIRD, max_size=3)),
     "truncate_prompt_tokens": _WEIRD, "echo": _WEIRD, "unknown_field": _WEIRD,
+    "presence_penalty": st.one_of(st.floats(-3, 3), _WEIRD), "frequency_penalty": st.one_of(st.floats(-3, 3), _WEIRD),
+    "repetition_penalty": st.one_of(st.floats(0, 3), _WEIRD),
+    "logit_bias": st.one_of(st.dictionaries(st.integers(-3, 60000).map(str), st.floats(-300, 300), max_size=3),
+                            _WEIRD),
+    "allowed_token_ids": _WEIRD,
 }
 _PROMPT = st.one_of(st.text(max_size=40), st.lists(st.integers(-3, 60000), max_size=8),
                     st.lists(st.text(max_size=10), max_size=3), st.lists(st.lists(st.integers(-1, 60000), max_size=4),

@@ -62,10 +62,11 @@ def tok() -> Tokenizer:
     return load_tokenizer(Path(resolve_model("smollm2-135m")))
 
 
-def make_client(tok: Tokenizer, script: Script) -> tuple[httpx.AsyncClient, ScriptedEngine]:
+def make_client(tok: Tokenizer, script: Script,
+                defaults: GenerationDefaults | None = None) -> tuple[httpx.AsyncClient, ScriptedEngine]:
     engine = ScriptedEngine(script)
     state = ServerState(engine=engine, tokenizer=tok, served_model_names=["m"], model_path="/m",
-                        max_model_len=64, vocab_size=tok.vocab_size, defaults=GenerationDefaults(),
+                        max_model_len=64, vocab_size=tok.vocab_size, defaults=defaults or GenerationDefaults(),
                         metrics=ServerMetrics("m", 64, engine.stats))
     app = build_app(state, manage_engine=False)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test"), engine
@@ -175,5 +176,49 @@ def test_stop_string_aborts_the_engine_request(tok: Tokenizer) -> None:
             choice = r.json()["choices"][0]
             assert choice["text"] == " alpha beta " and choice["stop_reason"] == "gamma"
             assert engine.aborted == [engine.calls[0][0]]
+
+    run(go())
+
+
+def test_generation_config_repetition_penalty_is_a_default(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.15, "temperature": 0.6}))
+    assert GenerationDefaults.from_model_dir(tmp_path) == GenerationDefaults(temperature=0.6, repetition_penalty=1.15)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"repetition_penalty": 0}))
+    assert GenerationDefaults.from_model_dir(tmp_path).repetition_penalty == 1.0  # would fail every request
+
+
+def test_penalties_logit_bias_and_allowed_ids_reach_the_engine(tok: Tokenizer) -> None:
+    ids = words(tok, " a")
+
+    def script(rid: str, prompt: list[int], params: SamplingParams, kv: dict | None) -> list[RequestOutput]:
+        return [output(rid, prompt, ids, 1, True, "length")]
+
+    async def go() -> None:
+        client, engine = make_client(tok, script, GenerationDefaults(repetition_penalty=1.15))
+        async with client:
+            r = await client.post("/v1/completions", json={
+                "prompt": "x", "max_tokens": 1, "presence_penalty": 0.5, "frequency_penalty": -1,
+                "logit_bias": {"5": 250, "7": -3.5}, "allowed_token_ids": [5, 7, 9]})
+            assert r.status_code == 200, r.text
+            p = engine.calls[-1][2]
+            assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1.0, 1.15)
+            assert p.logit_bias == {5: 100.0, 7: -3.5} and p.allowed_token_ids == [5, 7, 9]  # clamped as OpenAI
+            r = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "repetition_penalty": 1.0,
+                "presence_penalty": None})
+            assert r.status_code == 200, r.text
+            p = engine.calls[-1][2]
+            assert (p.presence_penalty, p.repetition_penalty, p.logit_bias, p.allowed_token_ids) == (0.0, 1.0, None,
+                                                                                                       None)
+            calls = len(engine.calls)
+            for body, param in (({"presence_penalty": 3}, "presence_penalty"),
+                                ({"frequency_penalty": -2.5}, "frequency_penalty"),
+                                ({"repetition_penalty": 0}, "repetition_penalty"),
+                                ({"logit_bias": {"abc": 1}}, "logit_bias"),
+                                ({"allowed_token_ids": []}, "allowed_token_ids")):
+                r = await client.post("/v1/completions", json={"prompt": "x", **body})
+                assert r.status_code == 400, (body, r.text)
+                assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "BadRequestError"
+            assert len(engine.calls) == calls  # refused before the engine
 
     run(go())

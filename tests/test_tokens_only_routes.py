@@ -152,3 +152,25 @@ def test_abort_reaches_every_choice(client_factory: Any) -> None:
         finishes = [line for line in lines if '"abort"' in line]
     assert sorted(engine.aborted) == ["1_generate-tokens-x", "generate-tokens-x"]
     assert len(finishes) == 2
+
+
+def test_penalties_logit_bias_and_allowed_ids_reach_the_engine(client_factory: Any) -> None:
+    engine = FakeEngine([9])
+    client = client_factory(engine, tokens_only=True, scale_out=False)
+    r = client.post("/inference/v1/generate", json={"token_ids": [1, 2], "sampling_params": {
+        "max_tokens": 1, "presence_penalty": -0.5, "frequency_penalty": 2, "repetition_penalty": 1.3,
+        "logit_bias": {"9": -101, "4": 0.5}, "allowed_token_ids": [4, 9]}})
+    assert r.status_code == 200, r.text
+    p = engine.calls[-1]["params"]
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (-0.5, 2.0, 1.3)
+    assert p.logit_bias == {9: -100.0, 4: 0.5} and p.allowed_token_ids == [4, 9]
+    r = client.post("/inference/v1/generate", json={"token_ids": [1, 2], "sampling_params": {"max_tokens": 1}})
+    p = engine.calls[-1]["params"]
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias) == (0.0, 0.0, 1.0, None)
+    calls = len(engine.calls)
+    for sp, param in (({"presence_penalty": 3}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+                      ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"allowed_token_ids": []}, "allowed_token_ids")):
+        r = client.post("/inference/v1/generate", json={"token_ids": [1], "sampling_params": sp})
+        assert r.status_code == 400, (sp, r.text)
+        assert r.json()["error"]["param"] == f"sampling_params.{param}"
+    assert len(engine.calls) == calls

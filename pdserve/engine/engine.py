@@ -124,6 +124,10 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or t < 0 or t >= vocab), None)
         if bad is not None:
             raise ParamError(f"token id {bad} is out of vocabulary (size {vocab})", "prompt")
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+            bad = next((t for t in ids or () if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ParamError(f"{name} has token id {bad}, out of vocabulary (size {vocab})", name)
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
             raise PromptTooLongError(

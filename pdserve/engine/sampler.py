@@ -1,10 +1,18 @@
 """Token sampling as batched tensor ops on the logits' device: greedy, temperature, top-k, top-p, min-p,
-per-request seeds, min_tokens, logprobs.
+per-request seeds, min_tokens, allowed_token_ids, logit_bias, presence/frequency/repetition penalties,
+logprobs.
 
 Everything runs on the device that holds the logits (the GPU when serving on one), for all rows at
 once; the host sees one small copy of the chosen ids (and of the logprobs, when asked for). A per-row
 loop on the CPU cost ~6 ms per sampled request per step for a 128k vocabulary on the H200 host, more
 than the 8B model's whole decode step.
+
+The logits are adjusted in vLLM's (V1) order before the choice: allowed_token_ids (every other token to
+-inf), logit_bias, the min_tokens ban on EOS and stop ids, then the penalties: repetition (HF style, on
+tokens of the prompt or the output), frequency (per occurrence in the output) and presence (once per
+token in the output). Greedy rows take the argmax of the adjusted logits. Logprobs are those of the raw
+logits (vLLM's default). A batch where nothing adjusts is not copied; token counts are built only for
+the rows with a penalty.
 
 Sampling draws by an exponential race: with q_i ~ Exp(1) independent, argmax_i p_i / q_i is token i with
 probability p_i / sum(p), so one batched `exponential_` and one argmax sample every row. Rows with a
@@ -44,22 +52,36 @@ class Sampler:
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits: [len(reqs), vocab] on any device, any float dtype (computed in float32)."""
         raw = logits.float()
-        masked = self._mask_early_stops(raw, reqs)
+        adjusted = self.adjust(raw, reqs)
         if all(r.params.greedy for r in reqs):
-            chosen = masked.argmax(dim=-1)
+            chosen = adjusted.argmax(dim=-1)
         else:
-            chosen = self._sample(masked, reqs)
+            chosen = self._sample(adjusted, reqs)
         want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if not want:
             return chosen.tolist(), [None] * len(reqs)
         return self._with_logprobs(raw, chosen, reqs, want)
 
+    @classmethod
+    def adjust(cls, raw: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """The logits the choice is made from: `raw` itself when nothing applies (the common case costs no
+        copy), else an adjusted copy (`raw` stays as it is for the logprobs)."""
+        bans = cls._early_stop_bans(reqs, raw.shape[1])
+        if not bans[0] and not any(r.params.adjusts_logits for r in reqs):
+            return raw
+        x = raw.clone()
+        cls._restrict(x, reqs)
+        cls._bias(x, reqs)
+        if bans[0]:
+            x[torch.tensor(bans[0], device=x.device), torch.tensor(bans[1], device=x.device)] = float("-inf")
+        cls._penalize(x, reqs)
+        return x
+
     @staticmethod
-    def _mask_early_stops(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """Before min_tokens are out, neither EOS nor stop token ids may be sampled."""
+    def _early_stop_bans(reqs: list[Request], vocab: int) -> tuple[list[int], list[int]]:
+        """(rows, cols) to mask: before min_tokens are out, neither EOS nor stop token ids may be sampled."""
         rows: list[int] = []
         cols: list[int] = []
-        vocab = logits.shape[1]
         for i, req in enumerate(reqs):
             if len(req.output_token_ids) >= req.params.min_tokens:
                 continue
@@ -70,11 +92,67 @@ class Sampler:
                 if t < vocab:
                     rows.append(i)
                     cols.append(t)
-        if not rows:
-            return logits
-        logits = logits.clone()
-        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
-        return logits
+        return rows, cols
+
+    @staticmethod
+    def _restrict(x: torch.Tensor, reqs: list[Request]) -> None:
+        """In place: rows with allowed_token_ids keep only those tokens."""
+        restricted = [(i, r.params.allowed_token_ids) for i, r in enumerate(reqs) if r.params.allowed_token_ids]
+        if not restricted:
+            return
+        dev = x.device
+        keep = torch.zeros(len(restricted), x.shape[1], dtype=torch.bool, device=dev)
+        r = torch.tensor([j for j, (_, ids) in enumerate(restricted) for _ in ids], device=dev)
+        c = torch.tensor([t for _, ids in restricted for t in ids], device=dev)
+        keep.index_put_((r, c), torch.ones_like(r, dtype=torch.bool))
+        rows = torch.tensor([i for i, _ in restricted], device=dev)
+        x[rows] = x[rows].masked_fill(~keep, float("-inf"))
+
+    @staticmethod
+    def _bias(x: torch.Tensor, reqs: list[Request]) -> None:
+        """In place: adds each row's logit_bias."""
+        biased = [(i, r.params.logit_bias) for i, r in enumerate(reqs) if r.params.logit_bias]
+        if not biased:
+            return
+        dev = x.device
+        r = torch.tensor([i for i, bias in biased for _ in bias], device=dev)
+        c = torch.tensor([t for _, bias in biased for t in bias], device=dev)
+        v = torch.tensor([b for _, bias in biased for b in bias.values()], dtype=x.dtype, device=dev)
+        x.index_put_((r, c), v, accumulate=True)
+
+    @staticmethod
+    def _penalize(x: torch.Tensor, reqs: list[Request]) -> None:
+        """In place, on the rows with a penalty only: repetition (prompt and output tokens), then frequency
+        and presence (output tokens), as vLLM applies them."""
+        pen = [i for i, r in enumerate(reqs) if r.params.has_penalties]
+        if not pen:
+            return
+        dev = x.device
+        params = [reqs[i].params for i in pen]
+        outputs = [reqs[i].output_token_ids for i in pen]
+        rows = torch.tensor(pen, device=dev)
+        sub = x[rows]
+        counts = torch.zeros_like(sub)  # occurrences of each token in the output so far
+        if any(outputs):
+            r = torch.tensor([j for j, ids in enumerate(outputs) for _ in ids], device=dev)
+            c = torch.tensor([t for ids in outputs for t in ids], device=dev)
+            counts.index_put_((r, c), torch.ones(len(c), dtype=sub.dtype, device=dev), accumulate=True)
+        in_output = counts > 0
+        if any(p.repetition_penalty != 1.0 for p in params):
+            prompts = [reqs[i].prompt_token_ids for i in pen]
+            seen = in_output.clone()
+            r = torch.tensor([j for j, ids in enumerate(prompts) for _ in ids], device=dev)
+            c = torch.tensor([t for ids in prompts for t in ids], device=dev)
+            seen.index_put_((r, c), torch.ones_like(r, dtype=torch.bool))
+            rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
+            # divided (vLLM multiplies by 1/p) as transformers does: the same float32 results as its
+            # RepetitionPenaltyLogitsProcessor
+            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+            freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
+            pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
+            sub = sub - freq * counts - pres * in_output
+        x[rows] = sub
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         dev = logits.device

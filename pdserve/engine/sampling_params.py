@@ -29,6 +29,11 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token (0 = only the sampled one)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # on prompt and output tokens: positive logits / p, negative ones * p
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -37,14 +42,29 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self.validate()
+        if self.logit_bias is not None:
+            # OpenAI's range; vLLM clamps the same way
+            self.logit_bias = {t: min(100.0, max(-100.0, float(b))) for t, b in self.logit_bias.items()}
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits change before sampling (min_tokens aside, which depends on the progress)."""
+        return self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
+
     def validate(self) -> None:
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise ParamError(f"{name} must be a finite number, got {getattr(self, name)}.", name)
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -67,3 +87,25 @@ class SamplingParams:
             raise ParamError(f"logprobs must be in [0, 20], got {self.logprobs}.", "logprobs")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ParamError("stop_token_ids must be non-negative integers.", "stop_token_ids")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ParamError(f"{name} must be in [-2, 2], got {getattr(self, name)}.", name)
+        if self.repetition_penalty <= 0.0:
+            raise ParamError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.",
+                             "repetition_penalty")
+        # Token ids are checked against the vocabulary where it is known: LLMEngine.add_request.
+        if self.logit_bias is not None:
+            if any(not _is_int(t) for t in self.logit_bias):
+                raise ParamError("logit_bias keys must be integer token ids.", "logit_bias")
+            if any(not isinstance(b, (int, float)) or isinstance(b, bool) or not math.isfinite(b)
+                   for b in self.logit_bias.values()):
+                raise ParamError("logit_bias values must be finite numbers.", "logit_bias")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ParamError("allowed_token_ids must not be empty.", "allowed_token_ids")
+            if any(not _is_int(t) for t in self.allowed_token_ids):
+                raise ParamError("allowed_token_ids must be integer token ids.", "allowed_token_ids")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

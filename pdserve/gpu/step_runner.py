@@ -7,8 +7,9 @@ ModelRunner delegates `execute` here on CUDA. What it does differently from the 
   next larger batch size; padding rows carry seq_len 0 (attention writes zeros) and slot -1 (no K/V
   store). The graph holds the whole model, the lm_head and the greedy argmax. Block tables live on the
   device as one persistent row per request; a step sends only the blocks added since the last one.
-- Greedy requests (no logprobs, min_tokens reached) are sampled by an argmax on the GPU, one small
-  device->host copy per step; anything else goes through the batched sampler on the device.
+- Greedy requests (no logprobs, min_tokens reached, no penalty, logit_bias or allowed_token_ids) are
+  sampled by an argmax on the GPU, one small device->host copy per step; anything else goes through the
+  batched sampler on the device.
 - No host sync inside the model: kernel grids come from host-known sizes, sequence lengths are read on
   the device.
 """
@@ -50,9 +51,11 @@ def pick_graph_size(sizes: list[int], batch: int) -> int | None:
 
 
 def greedy_on_device(reqs: list[Request]) -> bool:
-    """True when the sampler would return exactly the argmax of the raw logits for every request."""
+    """True when the sampler would return exactly the argmax of the raw logits for every request (the
+    graph's argmax sees no penalty, logit_bias or allowed_token_ids)."""
     return all(
         r.params.greedy and r.params.logprobs is None and len(r.output_token_ids) >= r.params.min_tokens
+        and not r.params.adjusts_logits
         for r in reqs
     )
 

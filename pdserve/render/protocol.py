@@ -52,7 +52,7 @@ class GenerateSamplingParams(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
-    repetition_penalty: float | None = 1.0
+    repetition_penalty: float | None = None  # None: generation_config's default
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None

@@ -28,6 +28,7 @@ class GenerationDefaults:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
     max_new_tokens: int | None = None
 
     @classmethod
@@ -47,17 +48,17 @@ class GenerationDefaults:
             return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
         max_new = cfg.get("max_new_tokens")
+        repetition = num("repetition_penalty", 1.0)
         defaults = cls(
             temperature=num("temperature", 1.0),
             top_p=num("top_p", 1.0),
             top_k=int(num("top_k", 0)),
             min_p=num("min_p", 0.0),
+            repetition_penalty=repetition if repetition > 0 else 1.0,  # a bad value would fail every request
             max_new_tokens=max_new if isinstance(max_new, int) and max_new > 0 else None,
         )
         if defaults != cls():
             log.info("default sampling parameters from the model's generation_config.json: %s", defaults)
-        if num("repetition_penalty", 1.0) != 1.0:
-            log.warning("generation_config.json sets repetition_penalty, which pdserve does not implement")
         return defaults
 
 
@@ -65,16 +66,6 @@ def check_unsupported(req: _SamplingFields) -> None:
     """Fields vLLM accepts that this engine cannot honour: a clear 400 rather than silently different output."""
     if req.use_beam_search:
         raise not_supported("use_beam_search")
-    if req.frequency_penalty not in (None, 0.0):
-        raise not_supported("frequency_penalty", " (only 0 is accepted)")
-    if req.presence_penalty not in (None, 0.0):
-        raise not_supported("presence_penalty", " (only 0 is accepted)")
-    if req.repetition_penalty not in (None, 1.0):
-        raise not_supported("repetition_penalty", " (only 1 is accepted)")
-    if req.logit_bias:
-        raise not_supported("logit_bias")
-    if req.allowed_token_ids is not None:
-        raise not_supported("allowed_token_ids")
     if req.prompt_logprobs is not None:
         raise not_supported("prompt_logprobs")
     if req.response_format is not None and req.response_format.type != "text":
@@ -176,9 +167,29 @@ def build_sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: in
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+            frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
+            repetition_penalty=(defaults.repetition_penalty if req.repetition_penalty is None
+                                else req.repetition_penalty),
+            logit_bias=logit_bias_by_id(req.logit_bias, "logit_bias"),
+            allowed_token_ids=req.allowed_token_ids,
         )
     except ParamError as e:
         raise APIError(str(e), 400, e.param) from e
+
+
+def logit_bias_by_id(bias: dict[str, float] | None, param: str) -> dict[int, float] | None:
+    """OpenAI's JSON keys token ids as strings; the engine wants ints (values are clamped to [-100, 100] by
+    SamplingParams, and ids checked against the vocabulary by the engine)."""
+    if bias is None:
+        return None
+    by_id: dict[int, float] = {}
+    for token, value in bias.items():
+        try:
+            by_id[int(token)] = value
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids (integers), got {token!r}.", param) from None
+    return by_id
 
 
 def child_seed(seed: int | None, index: int) -> int | None:

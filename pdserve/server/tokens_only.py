@@ -22,6 +22,7 @@ Decisions where vLLM leaves room:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -44,7 +45,14 @@ from pdserve.server.errors import (
 )
 from pdserve.server.generation import Choice, Generation
 from pdserve.server.http_utils import SSE_DONE, ClientGone, parse_model, read_json, sse
-from pdserve.server.params import MAX_N, child_seed, resolve_max_tokens, stop_list, truncate_prompt
+from pdserve.server.params import (
+    MAX_N,
+    child_seed,
+    logit_bias_by_id,
+    resolve_max_tokens,
+    stop_list,
+    truncate_prompt,
+)
 from pdserve.server.serving_common import Recorders, now, run_to_end, start_generation, usage
 from pdserve.server.state import ServerState
 from pdserve.text.logprobs import clamp
@@ -55,6 +63,7 @@ ABORT_PATH = "/inference/v1/abort_requests"
 LEGACY_ABORT_PATH = "/abort_requests"
 ID_PREFIX = "generate-tokens-"
 CLIENT_CLOSED = 499
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 # Routes that need text; a --tokens-only server has no tokenizer (vLLM: skip_tokenizer_init).
@@ -87,12 +96,7 @@ def forbidden() -> JSONResponse:
 
 # ---- request -> engine parameters --------------------------------------------------------------------
 def _check_unsupported(sp: GenerateSamplingParams) -> None:
-    for name, value, default in (("presence_penalty", sp.presence_penalty, 0.0),
-                                 ("frequency_penalty", sp.frequency_penalty, 0.0),
-                                 ("repetition_penalty", sp.repetition_penalty, 1.0)):
-        if value not in (None, default):
-            raise not_supported(f"sampling_params.{name}", f" (only {default} is accepted)")
-    for name in ("logit_bias", "allowed_token_ids", "bad_words", "structured_outputs", "prompt_logprobs"):
+    for name in ("bad_words", "structured_outputs", "prompt_logprobs"):
         if getattr(sp, name):
             raise not_supported(f"sampling_params.{name}")
     if not 1 <= sp.n <= MAX_N:
@@ -123,6 +127,11 @@ def engine_params(state: ServerState, sp: GenerateSamplingParams, max_tokens: in
             logprobs=sp.logprobs,
             skip_special_tokens=sp.skip_special_tokens,
             include_stop_str_in_output=sp.include_stop_str_in_output,
+            presence_penalty=0.0 if sp.presence_penalty is None else sp.presence_penalty,
+            frequency_penalty=0.0 if sp.frequency_penalty is None else sp.frequency_penalty,
+            repetition_penalty=d.repetition_penalty if sp.repetition_penalty is None else sp.repetition_penalty,
+            logit_bias=logit_bias_by_id(sp.logit_bias, "sampling_params.logit_bias"),
+            allowed_token_ids=sp.allowed_token_ids,
         )
     except ParamError as e:
         raise APIError(str(e), 400, f"sampling_params.{e.param}" if e.param else None) from e
@@ -211,8 +220,10 @@ class TokensRoutes:
         self.running.add(external, engine_ids)
         try:
             gen = await start_generation(state, raw, choices)
-        except BaseException:
+        except BaseException as e:
             self.running.remove(external, engine_ids)
+            if isinstance(e, APIError) and e.param in SAMPLING_FIELDS:
+                e.param = f"sampling_params.{e.param}"  # the engine's checks (e.g. vocabulary) name the bare field
             raise
         view = _GenerateView(req, external, model, ids, text_mode, kv)
         recorders = Recorders(state, choices, arrival)
