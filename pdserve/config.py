@@ -27,7 +27,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False  # GPU: disable CUDA graphs
-    warm_up: bool | None = None  # two short requests before serving (JIT compiles); default: on for CUDA
+    warm_up: bool | None = None  # a prefill, a mixed step and decodes before serving (JIT); default: on for CUDA
     max_waiting_requests: int | None = None  # queue bound: beyond it new requests are refused (server: 503)
     kv_transfer_config: dict[str, Any] | None = None  # vLLM's --kv-transfer-config JSON
     extra: dict[str, Any] = field(default_factory=dict)

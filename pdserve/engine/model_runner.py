@@ -60,7 +60,8 @@ class ModelRunner:
         if self.device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
             # The host only stages inputs here; a full-width OpenMP pool per server process makes
             # instances sharing a host (collocated replicas, P next to D) spin against each other.
-            log.info("reducing torch CPU threads from %d to 1 (set OMP_NUM_THREADS to choose)", torch.get_num_threads())
+            log.info("reducing torch CPU threads from %d to 1 (set OMP_NUM_THREADS to choose)",
+                     torch.get_num_threads())
             torch.set_num_threads(1)
         self.dtype = resolve_dtype(config.dtype, model_cfg, self.device)
         self.block_size = config.block_size

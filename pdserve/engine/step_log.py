@@ -1,9 +1,11 @@
 """Per-step timing as JSON lines, for diagnosing a server under load (`PDSERVE_STEP_LOG=FILE`).
 
-Each line is one engine step, or (lines with a "request" key) one finished request's lifecycle. A step: when it started, the gap since the previous step ended (time the engine
-thread spent elsewhere: draining commands, idle waits, the GIL), how long scheduling, the model step and
-the bookkeeping after it took, and what ran (sequences, tokens, prefill tokens, whether a CUDA graph
-replayed). `{role}` in the path becomes the instance's kv_role (or "engine"). Off by default; when off, the engine pays one `is None` check per step.
+Each line is one engine step, or (lines with a "request" key) one finished request's lifecycle. A step:
+when it started, the gap since the previous step ended (time the engine thread spent elsewhere: draining
+commands, idle waits, the GIL), how long scheduling, the model step and the bookkeeping after it took,
+and what ran (sequences, tokens, prefill tokens, whether a CUDA graph replayed). `{role}` in the path
+becomes the instance's kv_role (or "engine") and `{pid}` its process id. Off by default; when off, the
+engine pays one `is None` check per step.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ class StepLog:
     ENV = "PDSERVE_STEP_LOG"
 
     def __init__(self, path: str):
-        self._file: IO[str] = open(path, "a", buffering=1)  # noqa: SIM115 - line-buffered, lives as long as the engine
+        self._file: IO[str] = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the engine
         self._last_end: float | None = None
 
     @classmethod
@@ -57,4 +59,3 @@ class StepLog:
 
     def close(self) -> None:
         self._file.close()
-

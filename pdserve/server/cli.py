@@ -117,7 +117,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _gpu_uuid(device) -> str | None:
+def _gpu_uuid(device: Any) -> str | None:
     if device.type != "cuda":
         return None
     import torch
