@@ -13,7 +13,8 @@
 #              of its memory, on both sides)
 # Usage: bash benchmarks/gpu_pd_suite.sh STAGE... (default: topology kv pd1 pd2)
 # Env: TOK (tokenizer folder for the dummy model's servers), RATES, NUM_PROMPTS, MODEL (compare stages:
-# a packaged dummy shape, default Llama-3.1-8B), COMPARE_DIR (compare stages' output folder).
+# a packaged dummy shape, default Llama-3.1-8B), COMPARE_DIR (compare stages' output folder),
+# COMPARE_TIMEOUT (seconds, default 560).
 set -u
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
@@ -45,7 +46,7 @@ live_preflight() {
 seed_compare() {
   local up="$2 --serve-arg=--load-format --serve-arg=dummy --serve-arg=--no-enable-prefix-caching \
     --serve-arg=--tokenizer --serve-arg=$TOK --startup-timeout 400"
-  timeout 560 python3 -m pdserve bench compare --launch "collocated=$1" --launch pd=1p1d \
+  timeout "${COMPARE_TIMEOUT:-560}" python3 -m pdserve bench compare --launch "collocated=$1" --launch pd=1p1d \
     --launch-args "--model ${MODEL:-Llama-3.1-8B} $up" --model "${MODEL:-Llama-3.1-8B}" --tokenizer "$TOK" \
     --dataset-name random --random-input-len 8192 --random-output-len 256 --ignore-eos \
     --num-prompts "${NUM_PROMPTS:-24}" --request-rates "${RATES:-0.4,1,2}" \
