@@ -22,10 +22,24 @@ with it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
+
+
+def _pairs(rows: Iterable[int], id_lists: Iterable[Iterable[int]],
+           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token id) index tensors for `index_put_`: each row paired with every id of its list."""
+    r: list[int] = []
+    c: list[int] = []
+    for row, ids in zip(rows, id_lists, strict=True):
+        before = len(c)
+        c.extend(ids)
+        r.extend([row] * (len(c) - before))
+    return torch.tensor(r, dtype=torch.long, device=device), torch.tensor(c, dtype=torch.long, device=device)
 
 
 class Sampler:
@@ -102,8 +116,7 @@ class Sampler:
             return
         dev = x.device
         keep = torch.zeros(len(restricted), x.shape[1], dtype=torch.bool, device=dev)
-        r = torch.tensor([j for j, (_, ids) in enumerate(restricted) for _ in ids], device=dev)
-        c = torch.tensor([t for _, ids in restricted for t in ids], device=dev)
+        r, c = _pairs(range(len(restricted)), (ids for _, ids in restricted), dev)
         keep.index_put_((r, c), torch.ones_like(r, dtype=torch.bool))
         rows = torch.tensor([i for i, _ in restricted], device=dev)
         x[rows] = x[rows].masked_fill(~keep, float("-inf"))
@@ -115,8 +128,7 @@ class Sampler:
         if not biased:
             return
         dev = x.device
-        r = torch.tensor([i for i, bias in biased for _ in bias], device=dev)
-        c = torch.tensor([t for _, bias in biased for t in bias], device=dev)
+        r, c = _pairs((i for i, _ in biased), (bias.keys() for _, bias in biased), dev)
         v = torch.tensor([b for _, bias in biased for b in bias.values()], dtype=x.dtype, device=dev)
         x.index_put_((r, c), v, accumulate=True)
 
@@ -134,15 +146,13 @@ class Sampler:
         sub = x[rows]
         counts = torch.zeros_like(sub)  # occurrences of each token in the output so far
         if any(outputs):
-            r = torch.tensor([j for j, ids in enumerate(outputs) for _ in ids], device=dev)
-            c = torch.tensor([t for ids in outputs for t in ids], device=dev)
+            r, c = _pairs(range(len(pen)), outputs, dev)
             counts.index_put_((r, c), torch.ones(len(c), dtype=sub.dtype, device=dev), accumulate=True)
         in_output = counts > 0
         if any(p.repetition_penalty != 1.0 for p in params):
             prompts = [reqs[i].prompt_token_ids for i in pen]
             seen = in_output.clone()
-            r = torch.tensor([j for j, ids in enumerate(prompts) for _ in ids], device=dev)
-            c = torch.tensor([t for ids in prompts for t in ids], device=dev)
+            r, c = _pairs(range(len(pen)), prompts, dev)
             seen.index_put_((r, c), torch.ones_like(r, dtype=torch.bool))
             rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
             # divided (vLLM multiplies by 1/p) as transformers does: the same float32 results as its
