@@ -10,12 +10,20 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from pdserve.server.errors import APIError, bad_request, error_body, sse_error_frame
+from pdserve.server.errors import APIError, bad_request, sse_error_frame
 from pdserve.server.generation import Generation
-from pdserve.server.http_utils import SSE_DONE, base_request_id, sse
+from pdserve.server.http_utils import base_request_id, sse
 from pdserve.server.params import check_chat_fields, resolve_max_tokens, truncate_prompt, validate_token_ids
 from pdserve.server.protocol import ChatCompletionRequest
-from pdserve.server.serving_common import Recorders, make_choices, now, run_to_end, start_generation, usage
+from pdserve.server.serving_common import (
+    Recorders,
+    guarded_stream,
+    make_choices,
+    now,
+    run_to_end,
+    start_generation,
+    usage,
+)
 from pdserve.server.state import ServerState
 from pdserve.text.chat import ChatTemplateError, message_text
 from pdserve.text.logprobs import LogprobFormatter
@@ -184,66 +192,57 @@ class _ChatView:
                 f'"created": {self.created}, "model": {json.dumps(self.model)}, '
                 f'"choices": {json.dumps(choices)}{extra}}}\n\n')
 
-    async def stream(self, gen: Generation, recorders: Recorders) -> AsyncIterator[str]:
+    def stream(self, gen: Generation, recorders: Recorders) -> AsyncIterator[str]:
+        return guarded_stream(self._frames(gen, recorders), gen, recorders)
+
+    async def _frames(self, gen: Generation, recorders: Recorders) -> AsyncIterator[str]:
         req = self.req
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(include_usage and opts and opts.continuous_usage_stats)
-        try:
-            # The role first (one chunk per choice), then the echoed last message if asked.
-            for c in gen.choices:
-                extra = f', "prompt_token_ids": {json.dumps(self.prompt_ids)}' if req.return_token_ids else ""
-                yield self._chunk([{"index": c.index, "delta": {"role": self.role, "content": ""},
-                                    "logprobs": None, "finish_reason": None}], extra)
-                if self.echo:
-                    yield self._chunk([{"index": c.index, "delta": {"content": self.echo},
-                                        "logprobs": None, "finish_reason": None}])
-            async for c, out, delta in gen:
-                recorders.on_output(c, out, delta.finished)
-                if delta.finished and c.error:
-                    yield sse_error_frame(f"Internal server error: {c.error}", 500)
-                    yield SSE_DONE
-                    return
-                message: dict[str, Any] = {"content": delta.text}
-                finish_reason = delta.finish_reason if delta.finished else None
-                parser = self.parsers.get(c.index)
-                if parser is not None:
-                    parsed = parser.feed(delta.text)
-                    if delta.finished:
-                        parsed += parser.finish()
-                        if parser.tools_called:
-                            finish_reason = "tool_calls"
-                    message = parsed_delta(parsed)
-                    if not (message or delta.finished or delta.logprobs or req.return_token_ids):
-                        continue  # text held back by a parser (a partial tag, an open tool call)
-                choice: dict[str, Any] = {
-                    "index": c.index,
-                    "delta": message,
-                    "logprobs": self._logprobs(delta.logprobs),
-                    "finish_reason": finish_reason,
-                }
+        # The role first (one chunk per choice), then the echoed last message if asked.
+        for c in gen.choices:
+            extra = f', "prompt_token_ids": {json.dumps(self.prompt_ids)}' if req.return_token_ids else ""
+            yield self._chunk([{"index": c.index, "delta": {"role": self.role, "content": ""},
+                                "logprobs": None, "finish_reason": None}], extra)
+            if self.echo:
+                yield self._chunk([{"index": c.index, "delta": {"content": self.echo},
+                                    "logprobs": None, "finish_reason": None}])
+        async for c, out, delta in gen:
+            recorders.on_output(c, out, delta.finished)
+            if delta.finished and c.error:
+                yield sse_error_frame(f"Internal server error: {c.error}", 500)
+                return
+            message: dict[str, Any] = {"content": delta.text}
+            finish_reason = delta.finish_reason if delta.finished else None
+            parser = self.parsers.get(c.index)
+            if parser is not None:
+                parsed = parser.feed(delta.text)
                 if delta.finished:
-                    choice["stop_reason"] = delta.stop_reason
-                if req.return_token_ids:
-                    choice["token_ids"] = delta.token_ids
-                extra = ""
-                if delta.finished:
-                    extra += f', "kv_transfer_params": {json.dumps(c.kv_transfer_result)}'
-                if continuous:
-                    extra += f', "usage": {json.dumps(usage([c], [self.prompt_ids], 1, None))}'
-                yield self._chunk([choice], extra)
-            if include_usage:
-                final = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                         "model": self.model, "choices": [],
-                         "usage": usage(gen.choices, [self.prompt_ids], req.n, self.kv)}
-                yield sse(json.dumps(final))
-            yield SSE_DONE
-        except APIError as e:
-            yield f"data: {json.dumps(error_body(e.message, e.status, e.param))}\n\n"
-            yield SSE_DONE
-        except Exception as e:  # noqa: BLE001 - after the 200: the error goes in the stream
-            yield sse_error_frame(f"Internal server error: {e}", 500)
-            yield SSE_DONE
-        finally:
-            recorders.finish_unfinished(gen.choices)
-            await gen.close()
+                    parsed += parser.finish()
+                    if parser.tools_called:
+                        finish_reason = "tool_calls"
+                message = parsed_delta(parsed)
+                if not (message or delta.finished or delta.logprobs or req.return_token_ids):
+                    continue  # text held back by a parser (a partial tag, an open tool call)
+            choice: dict[str, Any] = {
+                "index": c.index,
+                "delta": message,
+                "logprobs": self._logprobs(delta.logprobs),
+                "finish_reason": finish_reason,
+            }
+            if delta.finished:
+                choice["stop_reason"] = delta.stop_reason
+            if req.return_token_ids:
+                choice["token_ids"] = delta.token_ids
+            extra = ""
+            if delta.finished:
+                extra += f', "kv_transfer_params": {json.dumps(c.kv_transfer_result)}'
+            if continuous:
+                extra += f', "usage": {json.dumps(usage([c], [self.prompt_ids], 1, None))}'
+            yield self._chunk([choice], extra)
+        if include_usage:
+            final = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                     "model": self.model, "choices": [],
+                     "usage": usage(gen.choices, [self.prompt_ids], req.n, self.kv)}
+            yield sse(json.dumps(final))

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from pdserve.engine.sampling_params import ParamError
-from pdserve.server.errors import APIError
+from pdserve.server.errors import APIError, sse_error_frame
 from pdserve.server.generation import Choice, Generation
-from pdserve.server.http_utils import until_disconnect
+from pdserve.server.http_utils import SSE_DONE, until_disconnect
 from pdserve.server.metrics import RequestRecorder
 from pdserve.server.params import build_sampling_params, child_seed
 from pdserve.server.protocol import _SamplingFields
@@ -126,6 +126,28 @@ class Recorders:
             if c.index not in self._done:
                 self._done.add(c.index)
                 self._recs[c.index].on_finish(None, "abort", len(c.prompt_token_ids), c.num_output_tokens)
+
+
+async def guarded_stream(frames: AsyncGenerator[str, None], gen: Generation,
+                         recorders: Recorders) -> AsyncIterator[str]:
+    """A streaming response's SSE frames, then `[DONE]`. After the 200 is out an error can only go in the
+    stream: a client mistake found late (APIError) as its OpenAI error body, anything else as a 500 frame.
+    However the stream ends (done, error, client gone), unfinished requests are recorded and the engine
+    requests closed."""
+    try:
+        async for frame in frames:
+            yield frame
+        yield SSE_DONE
+    except APIError as e:
+        yield sse_error_frame(e.message, e.status, e.param)
+        yield SSE_DONE
+    except Exception as e:  # noqa: BLE001 - after the 200: the error goes in the stream
+        yield sse_error_frame(f"Internal server error: {e}", 500)
+        yield SSE_DONE
+    finally:
+        await frames.aclose()
+        recorders.finish_unfinished(gen.choices)
+        await gen.close()
 
 
 def now() -> float:

@@ -10,9 +10,9 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from pdserve.server.errors import APIError, bad_request, error_body, sse_error_frame
+from pdserve.server.errors import bad_request, sse_error_frame
 from pdserve.server.generation import Choice, Generation
-from pdserve.server.http_utils import SSE_DONE, base_request_id, sse
+from pdserve.server.http_utils import base_request_id, sse
 from pdserve.server.params import (
     check_completion_request,
     completion_prompt_items,
@@ -24,6 +24,7 @@ from pdserve.server.protocol import CompletionRequest
 from pdserve.server.serving_common import (
     Recorders,
     encode,
+    guarded_stream,
     make_choices,
     now,
     run_to_end,
@@ -128,7 +129,10 @@ class _CompletionView:
         return JSONResponse(body)
 
     # ---- stream ----------------------------------------------------------------------------------
-    async def stream(self, gen: Generation, recorders: Recorders) -> AsyncIterator[str]:
+    def stream(self, gen: Generation, recorders: Recorders) -> AsyncIterator[str]:
+        return guarded_stream(self._frames(gen, recorders), gen, recorders)
+
+    async def _frames(self, gen: Generation, recorders: Recorders) -> AsyncIterator[str]:
         req = self.req
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -137,49 +141,37 @@ class _CompletionView:
         text_len: dict[int, int] = {}
         head = f'{{"id": {json.dumps(self.id)}, "object": "text_completion", "created": {self.created}, ' \
                f'"model": {json.dumps(self.model)}, '
-        try:
-            async for c, out, delta in gen:
-                recorders.on_output(c, out, delta.finished)
-                if delta.finished and c.error:
-                    yield sse_error_frame(f"Internal server error: {c.error}", 500)
-                    yield SSE_DONE
-                    return
-                text = delta.text
-                first = c.index not in first_sent
+        async for c, out, delta in gen:
+            recorders.on_output(c, out, delta.finished)
+            if delta.finished and c.error:
+                yield sse_error_frame(f"Internal server error: {c.error}", 500)
+                return
+            text = delta.text
+            first = c.index not in first_sent
+            if first:
+                first_sent.add(c.index)
+                if req.echo:
+                    text = self.echo_texts[c.prompt_index] + text
+            offset = text_len.get(c.index, 0)
+            text_len[c.index] = offset + len(text)
+            choice: dict[str, Any] = {
+                "index": c.index,
+                "text": text,
+                "logprobs": self._logprobs(c, delta.token_ids, delta.logprobs, bool(req.echo) and first, offset),
+                "finish_reason": delta.finish_reason if delta.finished else None,
+                "stop_reason": delta.stop_reason if delta.finished else None,
+            }
+            if req.return_token_ids:
+                choice["token_ids"] = delta.token_ids
                 if first:
-                    first_sent.add(c.index)
-                    if req.echo:
-                        text = self.echo_texts[c.prompt_index] + text
-                offset = text_len.get(c.index, 0)
-                text_len[c.index] = offset + len(text)
-                choice: dict[str, Any] = {
-                    "index": c.index,
-                    "text": text,
-                    "logprobs": self._logprobs(c, delta.token_ids, delta.logprobs, bool(req.echo) and first, offset),
-                    "finish_reason": delta.finish_reason if delta.finished else None,
-                    "stop_reason": delta.stop_reason if delta.finished else None,
-                }
-                if req.return_token_ids:
-                    choice["token_ids"] = delta.token_ids
-                    if first:
-                        choice["prompt_token_ids"] = c.prompt_token_ids
-                tail = ""
-                if delta.finished:
-                    tail += f', "kv_transfer_params": {json.dumps(c.kv_transfer_result)}'
-                if continuous:
-                    tail += f', "usage": {json.dumps(usage([c], [c.prompt_token_ids], 1, None))}'
-                yield f"data: {head}\"choices\": [{json.dumps(choice)}]{tail}}}\n\n"
-            if include_usage:
-                final = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                         "choices": [], "usage": usage(gen.choices, self.prompts, req.n, req.kv_transfer_params)}
-                yield sse(json.dumps(final))
-            yield SSE_DONE
-        except APIError as e:
-            yield f"data: {json.dumps(error_body(e.message, e.status, e.param))}\n\n"
-            yield SSE_DONE
-        except Exception as e:  # noqa: BLE001 - after the 200: the error goes in the stream
-            yield sse_error_frame(f"Internal server error: {e}", 500)
-            yield SSE_DONE
-        finally:
-            recorders.finish_unfinished(gen.choices)
-            await gen.close()
+                    choice["prompt_token_ids"] = c.prompt_token_ids
+            tail = ""
+            if delta.finished:
+                tail += f', "kv_transfer_params": {json.dumps(c.kv_transfer_result)}'
+            if continuous:
+                tail += f', "usage": {json.dumps(usage([c], [c.prompt_token_ids], 1, None))}'
+            yield f"data: {head}\"choices\": [{json.dumps(choice)}]{tail}}}\n\n"
+        if include_usage:
+            final = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                     "choices": [], "usage": usage(gen.choices, self.prompts, req.n, req.kv_transfer_params)}
+            yield sse(json.dumps(final))
