@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -27,6 +26,7 @@ import time
 from pathlib import Path
 
 import httpx
+from bench_procs import stop, wait_healthy
 
 TOY_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
               "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -60,17 +60,10 @@ class Instance:
                                      preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
 
     def wait(self, timeout: float = 900) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name} not ready")
+        try:
+            wait_healthy(self.proc, self.url, timeout, self.name)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}; see {self.log.name}") from None
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -82,13 +75,7 @@ class Instance:
         return out
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop(self.proc)
         self.log.close()
 
 

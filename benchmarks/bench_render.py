@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from bench_procs import stop, wait_healthy
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo",
          "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor",
@@ -158,16 +158,7 @@ def over_http(model: str, model_dir: Path, args: argparse.Namespace) -> dict[str
                              "--disable-uvicorn-access-log", "--log-level", "warning"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("pdserve render did not start")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(proc, url, 120, "pdserve render", poll_s=0.2)
         text = make_prompt(load_tokenizer(model_dir), args.prompt_tokens)
         body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 16}
         asyncio.run(http_load(url, body, min(20, args.requests), args.concurrency))  # warm-up
@@ -175,12 +166,7 @@ def over_http(model: str, model_dir: Path, args: argparse.Namespace) -> dict[str
         wall, errors = asyncio.run(http_load(url, body, args.requests, args.concurrency))
         cpu = cpu_seconds(proc.pid) - cpu0
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop(proc, grace_s=20)
     return {"requests": args.requests, "errors": errors, "wall_s": wall, "requests_per_s": args.requests / wall,
             "server_cpu_s": cpu, "cores_used": cpu / wall, "requests_per_s_per_core": args.requests / cpu,
             "server_cpu_ms_per_request": cpu / args.requests * 1000}

@@ -27,7 +27,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import socket
 import statistics
 import subprocess
@@ -36,6 +35,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench_procs import stop, wait_healthy
 
 
 @dataclass
@@ -165,22 +166,6 @@ def start_server(args: argparse.Namespace, port: int, log_path: Path) -> subproc
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
-def wait_ready(proc: subprocess.Popen, url: str, timeout: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("server did not become ready")
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
@@ -215,7 +200,7 @@ def main() -> int:
     client_cpu: list[float] = []
     rounds: list[tuple[list[ClientResult], float]] = []
     try:
-        wait_ready(proc, url, 600)
+        wait_healthy(proc, url, 600)
         asyncio.run(run_clients(url, "bench", prompts[: args.concurrency], args))  # warm-up
         # Alternate offline and server rounds so that a change in machine load hits both alike.
         for r in range(args.rounds):
@@ -231,12 +216,7 @@ def main() -> int:
             print(f"round {r + 1}: offline {tps:.1f} tok/s ({cpu:.2f} CPU-s/1k tok), server {tokens / el:.1f} tok/s "
                   f"(server {server_cpu[-1]:.2f}, client {client_cpu[-1]:.2f} CPU-s/1k tok)", flush=True)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop(proc)
     results = [x for res, _ in rounds for x in res]
     ok = [x for x in results if x.ok]
     failed = [x for x in results if not x.ok]
