@@ -1,6 +1,6 @@
 """Proxy overhead: `pdserve proxy` vs vLLM's toy proxy vs calling the backends directly.
 
-Backends are stand-ins (`python -m pdserve.proxy.standin`) on 127.0.0.1 that answer at once: the
+Backends are stand-ins (`python -m pdserve.testing.standin`) on 127.0.0.1 that answer at once: the
 prefill returns `kv_transfer_params`, the decode streams `--tokens` SSE events and `[DONE]`. So what is
 measured is the proxy alone: requests/s at saturation (`--concurrency` streams in flight) and the
 latency it adds at concurrency 1 (p50/p99 of request time minus the direct two-leg time, where "direct"
@@ -260,7 +260,7 @@ def main() -> int:
     logdir = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
     servers: list[Server] = []
     try:
-        standin = [py, "-m", "pdserve.proxy.standin", "--port", "0"]
+        standin = [py, "-m", "pdserve.testing.standin", "--port", "0"]
         p = _spawn("prefill", standin, logdir, "standin listening on")
         servers.append(p)
         d = _spawn("decode", standin, logdir, "standin listening on")

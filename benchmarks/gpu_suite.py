@@ -162,7 +162,7 @@ def ceilings() -> dict[str, Any]:
 
 
 def correctness_kernels() -> dict[str, Any]:
-    from pdserve.gpu.check_correctness import check_kernels, check_ops
+    from pdserve.testing.gpu_correctness import check_kernels, check_ops
 
     k = check_kernels()
     o = check_ops()
@@ -171,14 +171,14 @@ def correctness_kernels() -> dict[str, Any]:
 
 
 def correctness_engines() -> dict[str, Any]:
-    from pdserve.gpu.check_correctness import check_engines_tiny
+    from pdserve.testing.gpu_correctness import check_engines_tiny
 
     r = check_engines_tiny()
     return {"archs": r, "ok": all(x["ok"] for x in r)}
 
 
 def correctness_8b() -> dict[str, Any]:
-    from pdserve.gpu.check_correctness import check_8b_logits
+    from pdserve.testing.gpu_correctness import check_8b_logits
 
     return check_8b_logits()
 
@@ -192,7 +192,7 @@ def _attention_flops(heads: int, d: int, q_lens: list[int], seq_lens: list[int])
 def kernel_sweeps() -> dict[str, Any]:
     from pdserve.attention import triton_backend as tb
     from pdserve.attention import triton_kernels as tk
-    from pdserve.gpu.check_correctness import make_paged_case
+    from pdserve.testing.gpu_correctness import make_paged_case
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     res: dict[str, Any] = {"decode": [], "prefill": []}

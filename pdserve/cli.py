@@ -11,9 +11,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("pdserve.generate_cli", "offline generation with the engine"),
     "serve": ("pdserve.server.cli", "OpenAI-compatible instance server (collocated, prefill or decode)"),
     "proxy": ("pdserve.proxy.cli", "the P/D proxy in front of prefill and decode instances"),
-    "up": ("pdserve.launch", "launch a local topology (collocated, 1P1D, xPyD) behind the proxy"),
-    "preflight": ("pdserve.preflight", "go/no-go checks against a running deployment"),
-    "plan": ("pdserve.plan", "KV transfer arithmetic for a model and prompt length"),
+    "up": ("pdserve.launch.cli", "launch a local topology (collocated, 1P1D, xPyD) behind the proxy"),
+    "preflight": ("pdserve.preflight.cli", "go/no-go checks against a running deployment"),
+    "plan": ("pdserve.preflight.plan", "KV transfer arithmetic for a model and prompt length"),
     "bench": ("pdserve.bench.cli", "goodput benchmark client and collocated-vs-disaggregated compare"),
     "render": ("pdserve.render.cli", "GPU-less render tier: templating, tokenisation, parsers"),
 }

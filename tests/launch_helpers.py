@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from pdserve.launch_procs import pid_alive
+from pdserve.launch.procs import pid_alive
 
 
 def tiny_model_with_tokenizer(src: Path, out: Path) -> Path:

@@ -1,7 +1,7 @@
 """The GPU kernels' logic on the CPU, through Triton's interpreter (TRITON_INTERPRET=1).
 
 Skipped where triton is not installed (the CPU torch wheel does not bring it): a developer runs them with
-`pip install triton` in the venv. On the GPU machine, pdserve/gpu/check_correctness.py checks the
+`pip install triton` in the venv. On the GPU machine, pdserve/testing/gpu_correctness.py checks the
 compiled kernels on full-size inputs.
 """
 
@@ -22,7 +22,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import triton.runtime.interpreter as _interp  # noqa: E402
 
 from pdserve.attention import triton_kernels as tk  # noqa: E402
-from pdserve.gpu.check_correctness import SdpaReference, check_ops, make_paged_case, rel_err  # noqa: E402
+from pdserve.testing.gpu_correctness import SdpaReference, check_ops, make_paged_case, rel_err  # noqa: E402
 
 # triton 3.6's interpreter holds scalars as 1-element arrays and converts them with int(), which numpy 2
 # refuses for 1-D arrays: `range(tensor)` in a kernel fails. Convert through the single element instead.

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.launch_config import LaunchConfig, apply_file, load_file, parse_topology
-from pdserve.launch_spec import build_deployment, cpu_list, split_cpus
+from pdserve.launch.config import LaunchConfig, apply_file, load_file, parse_topology
+from pdserve.launch.spec import build_deployment, cpu_list, split_cpus
 
 
 @pytest.mark.parametrize(
@@ -208,7 +208,7 @@ def test_instances_sharing_a_gpu_split_its_memory() -> None:
 
 
 def test_tools_do_not_import_torch() -> None:
-    code = ("import sys, pdserve.launch, pdserve.preflight, pdserve.plan, pdserve.launch_demo, pdserve.preflight_gpu; "
+    code = ("import sys, pdserve.launch.cli, pdserve.preflight.cli, pdserve.preflight.plan, pdserve.launch.demo, pdserve.preflight.gpu; "
             "print(' '.join(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""

@@ -15,8 +15,8 @@ import pytest
 from launch_helpers import port_free
 from server_utils import free_port
 
-from pdserve import launch_procs
-from pdserve.launch_spec import ProcSpec
+from pdserve.launch import procs as launch_procs
+from pdserve.launch.spec import ProcSpec
 
 CHILD = textwrap.dedent(
     """
@@ -133,8 +133,8 @@ def test_children_stop_when_launcher_is_killed(tmp_path: Path) -> None:
         f"""
         import sys, time
         from pathlib import Path
-        from pdserve import launch_procs
-        from pdserve.launch_spec import ProcSpec
+        from pdserve.launch import procs as launch_procs
+        from pdserve.launch.spec import ProcSpec
         watchdog = launch_procs.Watchdog(grace=5)
         child = launch_procs.start(ProcSpec("decode", "decode", {s.argv!r}, {{}}, "127.0.0.1", {s.port},
                                             Path({str(s.log_path)!r})))
@@ -167,9 +167,9 @@ RUN = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    from pdserve import launch
-    from pdserve.launch_config import LaunchConfig
-    from pdserve.launch_spec import Deployment, ProcSpec
+    from pdserve.launch import cli as launch
+    from pdserve.launch.config import LaunchConfig
+    from pdserve.launch.spec import Deployment, ProcSpec
     specs = [ProcSpec(**{**d, "log_path": Path(d["log_path"])}) for d in json.loads(sys.argv[1])]
     cfg = LaunchConfig(log_dir=specs[0].log_path.parent, stop_timeout=10, startup_timeout=60)
     dep = Deployment(specs[:-1], specs[-1], "toy", "cuda")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.plan import KVShape, format_plan, make_plan, parse_bandwidth, resolve_shape
+from pdserve.preflight.plan import KVShape, format_plan, make_plan, parse_bandwidth, resolve_shape
 
 
 def test_seed_llama_70b_320_kib_per_token_and_64_ms() -> None:
@@ -94,6 +94,6 @@ def test_cli_json_and_errors() -> None:
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "not a known name" in bad.stderr
     assert "torch" not in subprocess.run(
-        [sys.executable, "-c", "import sys, pdserve.plan; print(' '.join(sys.modules))"],
+        [sys.executable, "-c", "import sys, pdserve.preflight.plan; print(' '.join(sys.modules))"],
         capture_output=True, text=True, check=True,
     ).stdout.split()

@@ -28,8 +28,8 @@ from launch_helpers import (
 )
 from server_utils import free_port
 
-from pdserve import launch_procs
-from pdserve.launch_spec import ProcSpec, kv_transfer_config
+from pdserve.launch import procs as launch_procs
+from pdserve.launch.spec import ProcSpec, kv_transfer_config
 
 STARTUP_S = 400
 

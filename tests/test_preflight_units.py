@@ -8,8 +8,7 @@ import sys
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from pdserve.preflight import check_gpu_p2p, check_ucx_transport, verdict
-from pdserve.preflight_checks import (
+from pdserve.preflight.checks import (
     FAIL,
     PASS,
     SKIP,
@@ -22,9 +21,10 @@ from pdserve.preflight_checks import (
     check_counters,
     check_transfer_time,
 )
-from pdserve.preflight_gpu import ProbeResult, p2p_status, parse_topo_p2p, run_probe
-from pdserve.preflight_metrics import EXPIRED, FAILED, XFER_TIME, NixlSnapshot, parse_log_line, parse_nixl
-from pdserve.preflight_probe import parse_proto_info
+from pdserve.preflight.cli import check_gpu_p2p, check_ucx_transport, verdict
+from pdserve.preflight.gpu import ProbeResult, p2p_status, parse_topo_p2p, run_probe
+from pdserve.preflight.metrics import EXPIRED, FAILED, XFER_TIME, NixlSnapshot, parse_log_line, parse_nixl
+from pdserve.preflight.probe import parse_proto_info
 
 TOPO = """\
  \tGPU0\tGPU1\tGPU2\t

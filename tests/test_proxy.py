@@ -1,6 +1,6 @@
 """`pdserve proxy` against stand-in vLLM backends, every server a real process on 127.0.0.1.
 
-The stand-ins (`python -m pdserve.proxy.standin`) record what they receive and misbehave on demand;
+The stand-ins (`python -m pdserve.testing.standin`) record what they receive and misbehave on demand;
 the proxy runs as `python -m pdserve proxy ...`.
 """
 
@@ -63,7 +63,7 @@ class Proc:
 
 def start_standin(log: Path, port: int = 0) -> Proc:
     return Proc(
-        [sys.executable, "-m", "pdserve.proxy.standin", "--port", str(port)], log, "standin listening on"
+        [sys.executable, "-m", "pdserve.testing.standin", "--port", str(port)], log, "standin listening on"
     )
 
 

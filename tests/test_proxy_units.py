@@ -275,7 +275,7 @@ def test_proxy_import_graph_is_light() -> None:
     import sys
 
     code = (
-        "import sys; import pdserve.cli, pdserve.proxy.app, pdserve.proxy.cli, pdserve.proxy.standin; "
+        "import sys; import pdserve.cli, pdserve.proxy.app, pdserve.proxy.cli, pdserve.testing.standin; "
         "heavy = [m for m in ('torch', 'numpy', 'transformers', 'fastapi') if m in sys.modules]; print(heavy)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

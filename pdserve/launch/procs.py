@@ -3,7 +3,7 @@
 Each child is a session (and process-group) leader, so a terminal's Ctrl-C reaches only the launcher, which
 then stops the children in order; stopping signals the whole group (grandchildren included): SIGTERM, a
 bounded wait, then SIGKILL. If the launcher itself is killed (SIGKILL), a watchdog process
-(`pdserve.launch_watchdog`, in its own session) sees its pipe close and stops the groups; on Linux each
+(`pdserve.launch.watchdog`, in its own session) sees its pipe close and stops the groups; on Linux each
 child also gets PR_SET_PDEATHSIG(SIGTERM).
 """
 
@@ -22,7 +22,7 @@ from typing import IO
 
 import httpx
 
-from pdserve.launch_spec import ProcSpec
+from pdserve.launch.spec import ProcSpec
 
 POLL_S = 0.25
 KILL_WAIT_S = 5.0
@@ -183,11 +183,11 @@ def tail(path: Path, lines: int = 20) -> list[str]:
 
 
 class Watchdog:
-    """The launcher's dead-man switch: see `pdserve.launch_watchdog`."""
+    """The launcher's dead-man switch: see `pdserve.launch.watchdog`."""
 
     def __init__(self, grace: float) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.launch_watchdog", str(grace)],
+            [sys.executable, "-m", "pdserve.launch.watchdog", str(grace)],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             start_new_session=True,

@@ -1,7 +1,7 @@
 """A tiny NIXL READ between two processes, to see which UCX transport a KV pull really takes.
 
-    python -m pdserve.preflight_probe --mem vram --target-gpu 0 --initiator-gpu 1 [--size-mib 64]
-    python -m pdserve.preflight_probe --mem dram
+    python -m pdserve.preflight.probe --mem vram --target-gpu 0 --initiator-gpu 1 [--size-mib 64]
+    python -m pdserve.preflight.probe --mem dram
 
 The target process (the prefill side) registers a buffer and starts the initiator (the decode side) as a
 child process with CUDA_VISIBLE_DEVICES set to its own GPU, as `pdserve up` runs instances. The initiator
@@ -137,7 +137,7 @@ def run_target(mem: str, size: int, target_gpu: str | None, initiator_gpu: str |
     if initiator_gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = initiator_gpu
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.preflight_probe", "--role", "initiator", "--mem", mem],
+        [sys.executable, "-m", "pdserve.preflight.probe", "--role", "initiator", "--mem", mem],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
     )
     assert proc.stdin is not None and proc.stdout is not None
@@ -165,7 +165,7 @@ def run_target(mem: str, size: int, target_gpu: str | None, initiator_gpu: str |
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdserve.preflight_probe", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m pdserve.preflight.probe", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--role", choices=("target", "initiator"), default="target")
     p.add_argument("--mem", choices=("dram", "vram"), default="dram")

@@ -1,6 +1,6 @@
 """Watchdog of `pdserve up`: stops the launcher's process groups if the launcher dies without doing it.
 
-    python -m pdserve.launch_watchdog GRACE_S      (stdin: one process-group id per line)
+    python -m pdserve.launch.watchdog GRACE_S      (stdin: one process-group id per line)
 
 The launcher starts this in its own session with a pipe on stdin and writes the id of every child process
 group it starts. When the pipe closes (the launcher exited, even by SIGKILL) the watchdog sends SIGTERM

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.preflight_metrics import NixlSnapshot, log_lines, scrape
+from pdserve.preflight.metrics import NixlSnapshot, log_lines, scrape
 
 DEFAULT_PROMPT = "The three primary colours are"
 

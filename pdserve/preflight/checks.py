@@ -16,8 +16,8 @@ from urllib.parse import urlparse
 
 import httpx
 
-from pdserve.plan import BANDWIDTH_PRESETS, dtype_bytes, parse_bandwidth
-from pdserve.preflight_metrics import COUNTERS, EXPIRED, FAILED, NixlSnapshot, scrape
+from pdserve.preflight.metrics import COUNTERS, EXPIRED, FAILED, NixlSnapshot, scrape
+from pdserve.preflight.plan import BANDWIDTH_PRESETS, dtype_bytes, parse_bandwidth
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
 

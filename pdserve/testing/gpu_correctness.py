@@ -1,5 +1,5 @@
 """GPU correctness checks, run on the GPU machine (benchmarks/gpu_suite.py calls them; also runnable alone:
-`python -m pdserve.gpu.check_correctness`).
+`python -m pdserve.testing.gpu_correctness`).
 
 1. Kernels vs a float32 SDPA reference on random paged inputs (relative error), incl. chunked prefill,
    prefix context, decode rows in mixed steps, GQA groups of 4 and 7, padding rows, every split count.

@@ -25,9 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from pdserve import launch_procs
-from pdserve.launch_config import ENGINES, LaunchConfig, apply_file, load_file, parse_topology
-from pdserve.launch_spec import Deployment, ProcSpec, build_deployment, cpu_list, format_shell
+from pdserve.launch import procs as launch_procs
+from pdserve.launch.config import ENGINES, LaunchConfig, apply_file, load_file, parse_topology
+from pdserve.launch.spec import Deployment, ProcSpec, build_deployment, cpu_list, format_shell
 
 TAIL_LINES = 25
 
@@ -306,7 +306,7 @@ def _interruptible(fn: Callable[[], bool], stopping: _Stop) -> bool | None:
 def run(cfg: LaunchConfig, dep: Deployment, *, demo: bool, exit_after: bool, demo_prompt: str | None,
         demo_max_tokens: int, say: Callable[[str], None] = _say) -> int:
     """Start everything, wait for readiness, optionally run the demo, serve until stopped; tear down."""
-    from pdserve.launch_demo import DEFAULT_PROMPT, run_demo, served_model
+    from pdserve.launch.demo import DEFAULT_PROMPT, run_demo, served_model
 
     t0 = time.monotonic()
     env = dict(os.environ)

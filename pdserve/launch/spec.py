@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.launch_config import LaunchConfig, parse_gpus
+from pdserve.launch.config import LaunchConfig, parse_gpus
 
 DEFAULT_PROXY_PORT = 8192
 UCX_GET_ZCOPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"

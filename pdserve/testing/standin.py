@@ -11,7 +11,7 @@ Control routes (tests drive these over HTTP): `GET/DELETE /_standin/requests` (w
 path, headers, body, and for prefill legs the response), `GET /_standin/stats`, `POST /_standin/behaviour` (JSON merged into the
 Behaviour below), `POST /_standin/release` (lets held requests go on).
 
-    python -m pdserve.proxy.standin --port 0 [--model NAME] [--api-key KEY]
+    python -m pdserve.testing.standin --port 0 [--model NAME] [--api-key KEY]
 """
 
 from __future__ import annotations
@@ -332,7 +332,7 @@ async def _serve(host: str, port: int, model: str, api_key: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pdserve.proxy.standin",
+        prog="python -m pdserve.testing.standin",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,5 +1,5 @@
 """GPU checks of `pdserve preflight`: peer-to-peer between the prefill and decode GPUs, and the UCX
-transport a NIXL READ really takes between them (the probe in `pdserve.preflight_probe`)."""
+transport a NIXL READ really takes between them (the probe in `pdserve.preflight.probe`)."""
 
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def run_probe(target_gpu: str, initiator_gpu: str, env_overrides: dict[str, str]
     env.update(env_overrides)
     env["UCX_PROTO_INFO"] = "y"
     used = {k: v for k, v in env.items() if k.startswith("UCX_") and k != "UCX_PROTO_INFO"}
-    argv = [sys.executable, "-m", "pdserve.preflight_probe", "--mem", mem, "--size-mib", str(size_mib),
+    argv = [sys.executable, "-m", "pdserve.preflight.probe", "--mem", mem, "--size-mib", str(size_mib),
             "--timeout", str(timeout / 2)]
     if mem == "vram":
         argv += ["--target-gpu", target_gpu, "--initiator-gpu", initiator_gpu]

@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from pdserve.preflight_checks import (
+from pdserve.preflight.checks import (
     DEFAULT_FLOOR_MS,
     DEFAULT_LONG_TOKENS,
     FAIL,
@@ -80,7 +80,7 @@ def _pairs(target: Target, opts: Options) -> tuple[list[tuple[str, str]], str | 
 
 
 def check_gpu_p2p(target: Target, opts: Options) -> Check:
-    from pdserve.preflight_gpu import p2p_status
+    from pdserve.preflight.gpu import p2p_status
 
     if not target.disaggregated:
         return Check("gpu p2p", SKIP, "collocated deployment: no KV moves between instances")
@@ -105,7 +105,7 @@ def check_gpu_p2p(target: Target, opts: Options) -> Check:
 
 
 def check_ucx_transport(target: Target, opts: Options) -> Check:
-    from pdserve.preflight_gpu import run_probe
+    from pdserve.preflight.gpu import run_probe
 
     if not target.disaggregated:
         return Check("ucx transport", SKIP, "collocated deployment: no KV transfer")
@@ -244,7 +244,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
     if args.slow_factor <= 0 or args.max_xfer_ms <= 0 or args.timeout <= 0:
         raise ValueError("--slow-factor, --max-xfer-ms and --timeout must be > 0")
     if args.bandwidth:
-        from pdserve.plan import parse_bandwidth
+        from pdserve.preflight.plan import parse_bandwidth
 
         parse_bandwidth(args.bandwidth)
     return Options(

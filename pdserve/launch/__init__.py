@@ -1,0 +1,1 @@
+"""`pdserve up`: topology config, process specs, starting/supervising/stopping instances, the demo."""

@@ -1,0 +1,1 @@
+"""`pdserve preflight` (go/no-go checks, GPU probes, metrics scraping) and `pdserve plan` (KV arithmetic)."""
