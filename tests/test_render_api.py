@@ -234,6 +234,14 @@ def test_bad_input_is_400(render: Proc, path: str, body: Any, param: str | None)
 def test_unknown_model_is_404(render: Proc) -> None:
     r = post(render, "/v1/chat/completions/render", {**CHAT, "model": "other"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert "Served models: tiny" in r.json()["error"]["message"]
+
+
+def test_empty_or_missing_model_is_the_default(render: Proc) -> None:
+    """vLLM serves its one model to a request without a model name."""
+    body = {k: v for k, v in CHAT.items() if k != "model"}
+    assert post(render, "/v1/chat/completions/render", body).status_code == 200
+    assert post(render, "/v1/chat/completions/render", {**body, "model": ""}).status_code == 200
 
 
 def test_no_parser_server_needs_no_chat_request(tok_dir: Path) -> None:

@@ -14,8 +14,12 @@ class ParamError(ValueError):
         self.param = param
 
 
+MAX_N = 128  # choices per prompt; beyond it a request is refused
+
+
 @dataclass
 class SamplingParams:
+    n: int = 1  # outputs per prompt (the offline API runs n requests; servers make one choice each)
     max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -34,6 +38,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # on prompt and output tokens: positive logits / p, negative ones * p
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
     allowed_token_ids: list[int] | None = None  # only these may be sampled
+    detokenize: bool = True  # False: token ids only (the offline API's skip_tokenizer_init)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,10 +68,14 @@ class SamplingParams:
         return self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
 
     def validate(self) -> None:
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ParamError(f"n must be an int in [1, {MAX_N}], got {self.n!r}.", "n")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise ParamError(f"{name} must be a finite number, got {getattr(self, name)}.", name)
+        if self.stop and not self.detokenize:
+            raise ParamError("stop strings are only supported when detokenize is True.", "stop")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ParamError(f"max_tokens must be at least 1, got {self.max_tokens}.", "max_tokens")
         if self.temperature < 0:
@@ -105,6 +114,14 @@ class SamplingParams:
                 raise ParamError("allowed_token_ids must not be empty.", "allowed_token_ids")
             if any(not _is_int(t) for t in self.allowed_token_ids):
                 raise ParamError("allowed_token_ids must be integer token ids.", "allowed_token_ids")
+
+
+def child_seed(seed: int | None, index: int) -> int | None:
+    """n > 1: each choice is its own engine request; a fixed seed gives each a distinct, reproducible one."""
+    if seed is None or index == 0:
+        return seed
+    value = seed + index
+    return value if value <= 2**63 - 1 else value - 2**64
 
 
 def _is_int(value: object) -> bool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.server.errors import APIError
+from pdserve.server.errors import check_served_model
 from pdserve.server.params import GenerationDefaults
 from pdserve.text.output_parsers import ParserConfig
 from pdserve.text.tokenizer import Tokenizer, load_tokenizer
@@ -81,6 +81,4 @@ class RenderContext:
         return self.config.served_model_names[0]
 
     def check_model(self, name: str | None) -> str:
-        if name is None or name in self.config.served_model_names:
-            return name or self.model_name
-        raise APIError(f"The model `{name}` does not exist.", 404, "model")
+        return check_served_model(name, self.config.served_model_names)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from http import HTTPStatus
 
 from fastapi import FastAPI
@@ -40,6 +41,16 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 def not_supported(field: str, detail: str = "") -> APIError:
     return APIError(f"{field} is not supported by this server{detail}.", 400, field)
+
+
+def check_served_model(name: str | None, served_names: Sequence[str]) -> str:
+    """The model name a response reports. An empty or missing name means the default (first) served model,
+    as vLLM serves its one model; a name not served is a 404 that lists the served ones."""
+    if not name:
+        return served_names[0]
+    if name in served_names:
+        return name
+    raise APIError(f"The model `{name}` does not exist. Served models: {', '.join(served_names)}.", 404, "model")
 
 
 def error_body(message: str, status: int, param: str | None = None, err_type: str | None = None) -> dict:

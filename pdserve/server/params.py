@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.engine.sampling_params import ParamError, SamplingParams
+from pdserve.engine.sampling_params import MAX_N, ParamError, SamplingParams, child_seed  # noqa: F401 - re-exported
 from pdserve.server.errors import APIError, bad_request, not_supported
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from pdserve.text.output_parsers import ToolChoiceError, parses_tool_calls
@@ -16,7 +16,6 @@ from pdserve.text.output_parsers import ToolChoiceError, parses_tool_calls
 log = logging.getLogger("pdserve.server")
 
 MAX_LOGPROBS = 20
-MAX_N = 128
 
 
 @dataclass(frozen=True)
@@ -190,14 +189,6 @@ def logit_bias_by_id(bias: dict[str, float] | None, param: str) -> dict[int, flo
         except ValueError:
             raise bad_request(f"logit_bias keys must be token ids (integers), got {token!r}.", param) from None
     return by_id
-
-
-def child_seed(seed: int | None, index: int) -> int | None:
-    """n > 1: each choice is its own engine request; a fixed seed gives each a distinct, reproducible one."""
-    if seed is None or index == 0:
-        return seed
-    value = seed + index
-    return value if value <= 2**63 - 1 else value - 2**64
 
 
 def validate_token_ids(ids: Any, vocab_size: int, param: str) -> list[int]:

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.server.errors import APIError
+from pdserve.server.errors import APIError, check_served_model
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.params import GenerationDefaults
 from pdserve.text.output_parsers import ParserConfig
@@ -42,10 +42,8 @@ class ServerState:
         return self.served_model_names[0]
 
     def check_model(self, name: str | None) -> str:
-        """The name to report back; 404 for a model this server does not serve."""
-        if name is None or name in self.served_model_names:
-            return name or self.model_name
-        raise APIError(f"The model `{name}` does not exist.", 404, "model")
+        """The name to report back (the default for an empty one); 404 for a model not served here."""
+        return check_served_model(name, self.served_model_names)
 
     def check_accepting(self) -> None:
         if self.draining:

@@ -174,8 +174,9 @@ class OutputProcessor:
 class OfflineOutputCollector:
     """What `pdserve.llm.LLM` uses: `add(out)` returns True when a stop string ended the request."""
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: StopParams):
-        self._proc = OutputProcessor.from_params(tokenizer, prompt_token_ids, params)
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: StopParams,
+                 detokenize: bool = True):
+        self._proc = OutputProcessor.from_params(tokenizer, prompt_token_ids, params, detokenize)
         self._wants_logprobs = getattr(params, "logprobs", None) is not None
 
     def add(self, out: EngineOutput) -> bool:

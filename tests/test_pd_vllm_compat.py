@@ -1,0 +1,89 @@
+"""What vLLM users reach for, over 1P1D: `pdserve proxy` in front of a producer and a consumer `pdserve serve`
+(real NIXL DRAM transfers), next to a collocated instance as the reference. The shipped Grafana dashboard's
+queries name only metrics that these live processes export.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_utils import MODEL, PdserveProcess, ServerProcess, free_port, make_model_dir
+
+pytest.importorskip("nixl_cu12", reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
+
+COMMON = ("--max-model-len", "512", "--num-gpu-blocks-override", "128", "--block-size", "16")
+DASHBOARD = Path(__file__).resolve().parents[1] / "pdserve" / "data" / "grafana" / "pdserve-dashboard.json"
+
+
+def kv_config(role: str) -> str:
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
+                       "kv_connector_extra_config": {"transfer_timeout_s": 5.0, "handshake_timeout_s": 5.0}})
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[dict[str, PdserveProcess]]:
+    model_dir = make_model_dir(tmp_path_factory.mktemp("pdc-model"))
+    logs = tmp_path_factory.mktemp("pdc-logs")
+    procs: dict[str, PdserveProcess] = {}
+    try:
+        procs["collocated"] = ServerProcess(model_dir, logs / "collocated.log", *COMMON)
+        procs["prefill"] = ServerProcess(model_dir, logs / "prefill.log", *COMMON, "--kv-transfer-config",
+                                         kv_config("kv_producer"), "--side-channel-port", "0")
+        procs["decode"] = ServerProcess(model_dir, logs / "decode.log", *COMMON, "--kv-transfer-config",
+                                        kv_config("kv_consumer"))
+        for p in procs.values():
+            p.wait_ready()
+        port = free_port()
+        procs["proxy"] = PdserveProcess(logs / "proxy.log", port, [
+            "proxy", "--host", "127.0.0.1", "--port", str(port), "--prefill", procs["prefill"].url,
+            "--decode", procs["decode"].url]).wait_ready()
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def client(proc: PdserveProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def exported_names(url: str) -> set[str]:
+    """Every sample name on a /metrics page (histograms give _bucket/_sum/_count, counters _total)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def dashboard_queries(dashboard: dict) -> list[str]:
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if v.get("definition")]
+    return exprs
+
+
+def test_grafana_dashboard_queries_exported_metrics(cluster) -> None:
+    # one request through the proxy, so every instance has served (and transferred) something
+    out = client(cluster["proxy"]).completions.create(model=MODEL, prompt="Hello there", max_tokens=4,
+                                                      temperature=0)
+    assert out.choices[0].text is not None
+    exported = set()
+    for name in ("prefill", "decode", "proxy"):
+        exported |= exported_names(cluster[name].url)
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = dashboard_queries(dashboard)
+    assert len(queries) >= 25
+    named = set()
+    for expr in queries:
+        metrics = set(re.findall(r"\b(?:vllm:|pdserve:|pdserve_)[A-Za-z0-9_:]+", expr))
+        assert metrics, f"a query without a pdserve/vLLM metric: {expr}"
+        named |= metrics
+    missing = sorted(named - exported)
+    assert not missing, f"dashboard queries metrics no live process exports: {missing}"
+    # and it covers each family: the engine, the KV transfer, the proxy, pdserve's own
+    for prefix in ("vllm:e2e_", "vllm:nixl_", "pdserve_proxy_", "pdserve:"):
+        assert any(m.startswith(prefix) for m in named), prefix
