@@ -255,3 +255,9 @@ def test_no_parser_server_needs_no_chat_request(tok_dir: Path) -> None:
     with pytest.raises(APIError) as e:  # but tools with "auto" need the parser flags
         derender_chat(ctx, {"generate_response": {"request_id": "r", "choices": []}, "chat_request": CHAT})
     assert e.value.status == 400 and "enable-auto-tool-choice" in e.value.message
+
+
+def test_n_is_rendered(render: Proc) -> None:
+    r = post(render, "/v1/completions/render", {"model": "tiny", "prompt": "hi", "n": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()[0]["sampling_params"]["n"] == 3

@@ -36,7 +36,7 @@ def base_id(header_request_id: str | None, body_request_id: str | None) -> str:
 
 
 def sampling_params_dict(params: SamplingParams, n: int) -> dict[str, Any]:
-    return {"n": n, **dataclasses.asdict(params)}
+    return {**dataclasses.asdict(params), "n": n}
 
 
 def _hoisted_kv(req: _SamplingFields) -> dict[str, Any] | None:
