@@ -28,8 +28,7 @@ from pathlib import Path
 import httpx
 from bench_procs import stop, wait_healthy
 
-TOY_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-              "remote_block_ids": None, "remote_host": None, "remote_port": None}
+from pdserve.api.pd import build_decode_body, build_prefill_body
 
 
 def free_port() -> int:
@@ -125,10 +124,8 @@ def run_disagg(p: Instance, d: Instance, args: argparse.Namespace) -> list[tuple
     for i in range(args.num_requests + 1):
         body = body_for(args, i)
         t0 = time.perf_counter()
-        pbody = dict(body, stream=False, max_tokens=1, kv_transfer_params=TOY_PARAMS)
-        pbody.pop("stream_options")
-        params = CLIENT.post(f"{p.url}/v1/completions", json=pbody).json()["kv_transfer_params"]
-        ttft, end, n = stream_completion(d.url, dict(body, kv_transfer_params=params), t0)
+        params = CLIENT.post(f"{p.url}/v1/completions", json=build_prefill_body(body)).json()["kv_transfer_params"]
+        ttft, end, n = stream_completion(d.url, build_decode_body(body, params), t0)
         if i > 0:
             res.append((ttft, (n - 1) / (end - ttft)))
     return res

@@ -38,7 +38,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pdserve.proxy.protocol import build_decode_body, build_prefill_body  # noqa: E402
+from pdserve.api.pd import build_decode_body, build_prefill_body  # noqa: E402
 
 READY_TIMEOUT_S = 60.0
 

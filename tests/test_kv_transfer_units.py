@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from pdserve.api.pd import build_producer_params, parse_remote_prefill_params
 from pdserve.kv_transfer import side_channel
 from pdserve.kv_transfer.compat import PROTOCOL_VERSION, compat_differences, make_compat
 from pdserve.kv_transfer.config import KVTransferConfig
@@ -26,7 +27,6 @@ from pdserve.kv_transfer.errors import (
 )
 from pdserve.kv_transfer.leases import ClaimRefused, LeaseTable
 from pdserve.kv_transfer.metrics import TransferMetrics
-from pdserve.kv_transfer.params import build_producer_params, parse_remote_prefill_params
 from pdserve.kv_transfer.pool import (
     RemotePool,
     coalesce_block_runs,

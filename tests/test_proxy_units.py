@@ -1,4 +1,5 @@
-"""Unit tests of the proxy's pure parts: the P/D protocol bodies, estimates, pools, configuration."""
+"""Unit tests of the proxy's pure parts: the P/D protocol bodies (pdserve.api.pd), estimates, pools,
+configuration."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import copy
 
 import pytest
 
+from pdserve.api import pd
 from pdserve.proxy import protocol
 from pdserve.proxy.cli import add_arguments, config_from_args
 from pdserve.proxy.config import ProxyConfig, load_config_file
@@ -36,7 +38,7 @@ def test_prefill_body_is_vllm_toy_proxy_body() -> None:
         "kv_transfer_params": {"something": "client-sent"},
     }
     original = copy.deepcopy(body)
-    prefill = protocol.build_prefill_body(body)
+    prefill = pd.build_prefill_body(body)
     assert prefill == {
         "model": "m",
         "prompt": "hello",
@@ -48,7 +50,7 @@ def test_prefill_body_is_vllm_toy_proxy_body() -> None:
     }
     assert body == original  # the client's body is not modified
     # max_completion_tokens is only set when the client sent it; chat asks for token ids on demand.
-    chat = protocol.build_prefill_body({"messages": [], "stream": False}, chat_token_ids=True)
+    chat = pd.build_prefill_body({"messages": [], "stream": False}, chat_token_ids=True)
     assert chat == {
         "messages": [],
         "stream": False,
@@ -66,25 +68,25 @@ def test_decode_body_carries_params_verbatim() -> None:
         "remote_host": "10.0.0.1",
         "x": {"y": [1.5]},
     }
-    decode = protocol.build_decode_body(body, params)
+    decode = pd.build_decode_body(body, params)
     assert decode == {**body, "kv_transfer_params": params}
     assert "kv_transfer_params" not in body
-    handed = protocol.build_decode_body(body, params, prompt_token_ids=[5, 6], remote_host="p-host")
+    handed = pd.build_decode_body(body, params, prompt_token_ids=[5, 6], remote_host="p-host")
     assert handed["kv_transfer_params"] == {**params, "prompt_token_ids": [5, 6], "remote_host": "p-host"}
     assert params["remote_host"] == "10.0.0.1"  # the prefill's dict is not modified
     # remote_host is only rewritten when the prefill sent one.
     assert (
-        "remote_host" not in protocol.build_decode_body(body, {"a": 1}, remote_host="h")["kv_transfer_params"]
+        "remote_host" not in pd.build_decode_body(body, {"a": 1}, remote_host="h")["kv_transfer_params"]
     )
 
 
 def test_prefill_response_parsing() -> None:
-    assert protocol.prefill_kv_params({"kv_transfer_params": {"a": 1}}) == {"a": 1}
+    assert pd.prefill_kv_params({"kv_transfer_params": {"a": 1}}) == {"a": 1}
     for bad in ({"kv_transfer_params": None}, {"kv_transfer_params": {}}, {}, [], "x"):
-        assert protocol.prefill_kv_params(bad) is None
-    assert protocol.prefill_prompt_token_ids({"prompt_token_ids": [1, 0, 7]}) == [1, 0, 7]
+        assert pd.prefill_kv_params(bad) is None
+    assert pd.prefill_prompt_token_ids({"prompt_token_ids": [1, 0, 7]}) == [1, 0, 7]
     for bad_ids in ([], [1, -1], [1, True], [1.0], None, "12"):
-        assert protocol.prefill_prompt_token_ids({"prompt_token_ids": bad_ids}) is None
+        assert pd.prefill_prompt_token_ids({"prompt_token_ids": bad_ids}) is None
 
 
 @pytest.mark.parametrize(
@@ -100,6 +102,9 @@ def test_prefill_response_parsing() -> None:
             },
             True,
         ),
+        # The server renders these as text too, so the proxy and the server agree they are text-only.
+        ({"messages": [{"role": "user", "content": ["a", {"type": "input_text", "text": "b"}]}]}, True),
+        ({"messages": [{"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}]}, True),
         ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, False),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -110,7 +115,7 @@ def test_prefill_response_parsing() -> None:
     ],
 )
 def test_chat_token_id_eligibility(body: dict, expected: bool) -> None:
-    assert protocol.wants_chat_token_ids(body) is expected
+    assert pd.chat_prompt_ids_allowed(body.get("messages"), body.get("echo")) is expected
 
 
 def test_estimates_and_batch_detection() -> None:
@@ -120,11 +125,11 @@ def test_estimates_and_batch_detection() -> None:
     assert protocol.estimate_prompt_tokens({"messages": [{"role": "user", "content": "a" * 40}]}) == 14
     assert protocol.max_output_tokens({"max_tokens": 5, "max_completion_tokens": 7}) == 7
     assert protocol.max_output_tokens({}) == 0
-    assert protocol.is_batch_prompt({"prompt": ["a", "b"]})
-    assert protocol.is_batch_prompt({"prompt": [[1, 2], [3]]})
-    assert not protocol.is_batch_prompt({"prompt": [1, 2, 3]})
-    assert not protocol.is_batch_prompt({"prompt": ["only"]})
-    assert not protocol.is_batch_prompt({"prompt": "text"})
+    assert pd.is_batch_prompt({"prompt": ["a", "b"]})
+    assert pd.is_batch_prompt({"prompt": [[1, 2], [3]]})
+    assert not pd.is_batch_prompt({"prompt": [1, 2, 3]})
+    assert not pd.is_batch_prompt({"prompt": ["only"]})
+    assert not pd.is_batch_prompt({"prompt": "text"})
 
 
 @pytest.mark.parametrize(
@@ -141,7 +146,7 @@ def test_estimates_and_batch_detection() -> None:
     ],
 )
 def test_local_only_reason(body: dict, reason: str | None) -> None:
-    assert protocol.local_only_reason(body) == reason
+    assert pd.local_only_reason(body) == reason
 
 
 def test_affinity_key_uses_prefix_only() -> None:
@@ -270,12 +275,13 @@ def test_config_validation(changes: dict) -> None:
 
 
 def test_proxy_import_graph_is_light() -> None:
-    """The proxy runs on machines without torch: none of its modules may pull it in."""
+    """The proxy (and the P/D wire contract it builds on) runs on machines without torch: none of its modules
+    may pull it in."""
     import subprocess
     import sys
 
     code = (
-        "import sys; import pdserve.cli, pdserve.proxy.app, pdserve.proxy.cli, pdserve.testing.standin; "
+        "import sys; import pdserve.cli, pdserve.api.pd, pdserve.proxy.app, pdserve.proxy.cli, pdserve.testing.standin; "
         "heavy = [m for m in ('torch', 'numpy', 'transformers', 'fastapi') if m in sys.modules]; print(heavy)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

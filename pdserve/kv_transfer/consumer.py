@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.api.pd import RemotePrefillParams, parse_remote_prefill_params
 from pdserve.kv_transfer import side_channel
 from pdserve.kv_transfer.compat import check_compat
 from pdserve.kv_transfer.config import KVTransferConfig
@@ -35,7 +36,6 @@ from pdserve.kv_transfer.errors import (
 )
 from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.nixl_agent import NixlAgent
-from pdserve.kv_transfer.params import RemotePrefillParams, parse_remote_prefill_params
 from pdserve.kv_transfer.pool import (
     PoolRegion,
     RemotePool,

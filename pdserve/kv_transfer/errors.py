@@ -6,6 +6,13 @@ without importing NIXL (which is only loaded when a connector is built).
 
 from __future__ import annotations
 
+from pdserve.api.pd import InvalidKVTransferParams  # the wire contract's error, re-exported here
+
+__all__ = [
+    "CompatibilityError", "InvalidKVTransferParams", "KVTransferError", "NixlUnavailableError", "SideChannelError",
+    "SideChannelRefused", "SideChannelTimeout", "TransferFailed", "TransferTimeout",
+]
+
 
 class KVTransferError(RuntimeError):
     """Base class of KV transfer failures (handshake, claim, transfer, release)."""
@@ -13,10 +20,6 @@ class KVTransferError(RuntimeError):
 
 class NixlUnavailableError(KVTransferError):
     """No NIXL Python package could be imported."""
-
-
-class InvalidKVTransferParams(ValueError):
-    """`kv_transfer_params` of a request are missing, partial or malformed (the server answers 400)."""
 
 
 class CompatibilityError(KVTransferError):

@@ -16,13 +16,13 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pdserve.api.pd import build_producer_params
 from pdserve.kv_transfer.compat import compat_differences
 from pdserve.kv_transfer.config import KVTransferConfig
 from pdserve.kv_transfer.errors import SideChannelRefused
 from pdserve.kv_transfer.leases import ClaimRefused, LeaseTable
 from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.nixl_agent import NixlAgent
-from pdserve.kv_transfer.params import build_producer_params
 from pdserve.kv_transfer.pool import PoolRegion, bind_cuda_device
 from pdserve.kv_transfer.side_channel import SideChannelServer
 

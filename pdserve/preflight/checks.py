@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 
 import httpx
 
+from pdserve.api.pd import build_decode_body, build_prefill_body, prefill_kv_params
 from pdserve.preflight.metrics import COUNTERS, EXPIRED, FAILED, NixlSnapshot, scrape
 from pdserve.preflight.plan import BANDWIDTH_PRESETS, dtype_bytes, parse_bandwidth
 
@@ -290,14 +291,11 @@ class Requester:
         if not prefill:
             return self._post(d.url + "/v1/completions", body)
         p = prefill[self._rr % len(prefill)]
-        p_body = dict(body, max_tokens=1, stream=False, kv_transfer_params={
-            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-            "remote_block_ids": None, "remote_host": None, "remote_port": None})
-        p_out = self._post(p.url + "/v1/completions", p_body)
-        params = p_out.get("kv_transfer_params")
-        if not params:
+        p_out = self._post(p.url + "/v1/completions", build_prefill_body(body))
+        params = prefill_kv_params(p_out)
+        if params is None:
             raise RuntimeError(f"prefill {p.url} returned no kv_transfer_params")
-        return self._post(d.url + "/v1/completions", dict(body, kv_transfer_params=params))
+        return self._post(d.url + "/v1/completions", build_decode_body(body, params))
 
 
 def check_short_request(req: Requester) -> Check:

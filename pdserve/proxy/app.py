@@ -15,21 +15,19 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from pdserve.api.pd import (
+    build_decode_body,
+    build_prefill_body,
+    chat_prompt_ids_allowed,
+    local_only_reason,
+    prefill_prompt_token_ids,
+)
 from pdserve.proxy.config import ProxyConfig
 from pdserve.proxy.errors import error_response
 from pdserve.proxy.health import HealthChecker, probe
 from pdserve.proxy.legs import relay_decode, run_prefill
 from pdserve.proxy.pool import ROLES, Instance
-from pdserve.proxy.protocol import (
-    affinity_key,
-    build_decode_body,
-    build_prefill_body,
-    estimate_prompt_tokens,
-    local_only_reason,
-    max_output_tokens,
-    prefill_prompt_token_ids,
-    wants_chat_token_ids,
-)
+from pdserve.proxy.protocol import affinity_key, estimate_prompt_tokens, max_output_tokens
 from pdserve.proxy.state import ProxyState
 
 logger = logging.getLogger("pdserve.proxy")
@@ -153,7 +151,8 @@ class ProxyHandlers:
         cfg = self.config
         state = self.state
         rid = headers["X-Request-Id"]
-        token_ids = cfg.chat_token_ids and api_path == CHAT_COMPLETIONS and wants_chat_token_ids(body)
+        token_ids = (cfg.chat_token_ids and api_path == CHAT_COMPLETIONS
+                     and chat_prompt_ids_allowed(body.get("messages"), body.get("echo")))
         prefill_payload = json.dumps(build_prefill_body(body, chat_token_ids=token_ids)).encode()
         affinity = affinity_key(body, cfg.prefix_affinity_chars) if cfg.prefix_affinity else None
         result = await run_prefill(state, api_path, prefill_payload, headers, tokens, affinity)

@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from pdserve.api.pd import prefill_kv_params
 from pdserve.proxy.errors import (
     SSE_DONE,
     error_payload,
@@ -21,7 +22,6 @@ from pdserve.proxy.errors import (
     sse_error_event,
 )
 from pdserve.proxy.pool import Instance
-from pdserve.proxy.protocol import prefill_kv_params
 from pdserve.proxy.state import ProxyState
 
 logger = logging.getLogger("pdserve.proxy")

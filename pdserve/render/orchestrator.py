@@ -31,6 +31,7 @@ import aiohttp
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
+from pdserve.api.pd import build_prefill_generate_body, prefill_kv_params
 from pdserve.render.engine_client import EnginePool
 from pdserve.render.workers import RenderWorkers
 from pdserve.server.errors import APIError, error_body
@@ -38,12 +39,6 @@ from pdserve.server.http_utils import SSE_DONE, sse, until_disconnect
 from pdserve.text.output_parsers import PROMPT_TAIL_TOKENS
 
 log = logging.getLogger("pdserve.render")
-
-PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
-    "remote_host": None, "remote_port": None,
-}
-
 
 @dataclass
 class _Leg:
@@ -101,14 +96,9 @@ class Orchestrator:
         decode instance alone (as the P/D proxy does)."""
         if self.prefill is None or body["sampling_params"].get("n", 1) > 1:
             return
-        p_body = copy.deepcopy(body)
-        p_body["request_id"] = f"{body['request_id']}-prefill"
-        p_body["sampling_params"].update({"max_tokens": 1, "n": 1, "min_tokens": 0})
-        p_body["stream_options"] = None
-        p_body["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
-        resp = await self.prefill.generate(self.prefill.pick(), p_body)
-        kv = resp.get("kv_transfer_params")
-        if isinstance(kv, dict):
+        resp = await self.prefill.generate(self.prefill.pick(), build_prefill_generate_body(body))
+        kv = prefill_kv_params(resp)
+        if kv is not None:
             body["kv_transfer_params"] = kv
         else:
             log.warning("prefill returned no kv_transfer_params for %s; decode prefills locally", body["request_id"])

@@ -12,6 +12,7 @@ import dataclasses
 import uuid
 from typing import Any
 
+from pdserve.api.pd import PROMPT_TOKEN_IDS
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.render.context import RenderContext
 from pdserve.server.errors import APIError, bad_request
@@ -45,7 +46,7 @@ def _hoisted_kv(req: _SamplingFields) -> dict[str, Any] | None:
     kv = dict(req.kv_transfer_params)
     # The proxy's chat hand-off saves a decode instance the tokenisation; the render tier has already
     # tokenised, so the ids are dropped rather than sent to the engine.
-    kv.pop("prompt_token_ids", None)
+    kv.pop(PROMPT_TOKEN_IDS, None)
     return kv
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -143,38 +144,50 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
     return value
 
 
-def build_sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | None,
-                          defaults: GenerationDefaults, seed: int | None) -> SamplingParams:
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def sampling_param_name(param: str | None, prefix: str) -> str | None:
+    """The name a client error gives a sampling field: `/inference/v1/generate` nests them under
+    `sampling_params.`, the OpenAI routes keep them at the top level (other params are left alone)."""
+    return f"{prefix}{param}" if prefix and param in SAMPLING_FIELDS else param
+
+
+def build_sampling_params(fields: Any, *, max_tokens: int, logprobs: int | None, defaults: GenerationDefaults,
+                          seed: int | None, param_prefix: str = "") -> SamplingParams:
+    """Engine parameters from a request's sampling fields (an OpenAI request, or a GenerateRequest's
+    `sampling_params`: the same names); omitted fields get the model's generation defaults."""
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(
             f"Requested sample logprobs of {logprobs}, which is greater than max allowed: {MAX_LOGPROBS}"
-            if logprobs > MAX_LOGPROBS else f"logprobs must be non-negative, got {logprobs}.", "logprobs"
+            if logprobs > MAX_LOGPROBS else f"logprobs must be non-negative, got {logprobs}.",
+            sampling_param_name("logprobs", param_prefix),
         )
-    top_k = defaults.top_k if req.top_k is None else req.top_k
+    top_k = defaults.top_k if fields.top_k is None else fields.top_k
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=defaults.temperature if req.temperature is None else req.temperature,
-            top_p=defaults.top_p if req.top_p is None else req.top_p,
+            temperature=defaults.temperature if fields.temperature is None else fields.temperature,
+            top_p=defaults.top_p if fields.top_p is None else fields.top_p,
             top_k=0 if top_k == -1 else top_k,
-            min_p=defaults.min_p if req.min_p is None else req.min_p,
+            min_p=defaults.min_p if fields.min_p is None else fields.min_p,
             seed=seed,
-            stop=stop_list(req.stop),
-            stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=req.ignore_eos,
-            min_tokens=req.min_tokens,
+            stop=stop_list(fields.stop),
+            stop_token_ids=list(fields.stop_token_ids or []),
+            ignore_eos=fields.ignore_eos,
+            min_tokens=fields.min_tokens,
             logprobs=logprobs,
-            skip_special_tokens=req.skip_special_tokens,
-            include_stop_str_in_output=req.include_stop_str_in_output,
-            presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
-            frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
-            repetition_penalty=(defaults.repetition_penalty if req.repetition_penalty is None
-                                else req.repetition_penalty),
-            logit_bias=logit_bias_by_id(req.logit_bias, "logit_bias"),
-            allowed_token_ids=req.allowed_token_ids,
+            skip_special_tokens=fields.skip_special_tokens,
+            include_stop_str_in_output=fields.include_stop_str_in_output,
+            presence_penalty=0.0 if fields.presence_penalty is None else fields.presence_penalty,
+            frequency_penalty=0.0 if fields.frequency_penalty is None else fields.frequency_penalty,
+            repetition_penalty=(defaults.repetition_penalty if fields.repetition_penalty is None
+                                else fields.repetition_penalty),
+            logit_bias=logit_bias_by_id(fields.logit_bias, sampling_param_name("logit_bias", param_prefix)),
+            allowed_token_ids=fields.allowed_token_ids,
         )
     except ParamError as e:
-        raise APIError(str(e), 400, e.param) from e
+        raise APIError(str(e), 400, sampling_param_name(e.param, param_prefix)) from e
 
 
 def logit_bias_by_id(bias: dict[str, float] | None, param: str) -> dict[int, float] | None:

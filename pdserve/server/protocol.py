@@ -1,7 +1,8 @@
-"""OpenAI request/response schemas as vLLM's server accepts and emits them.
+"""OpenAI request schemas as vLLM's server accepts them, and the /v1/models listing.
 
 Requests ignore unknown fields (a proxy passes through whatever the client sent). Non-finite floats are
-rejected at parse time: NaN would slip through every range check. No torch here: the render tier
+rejected at parse time: NaN would slip through every range check. Responses are built as plain dicts by
+the views in serving_completion.py, serving_chat.py and tokens_only.py. No torch here: the render tier
 reuses these models.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,18 +24,6 @@ def random_uuid() -> str:
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, protected_namespaces=())
-
-
-# ---- errors -----------------------------------------------------------------------------------------
-class ErrorInfo(OpenAIBaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-
-
-class ErrorResponse(OpenAIBaseModel):
-    error: ErrorInfo
 
 
 # ---- shared request pieces --------------------------------------------------------------------------
@@ -134,154 +123,9 @@ class TokenizeRequest(OpenAIBaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeResponse(OpenAIBaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     tokens: list[int]
-
-
-class DetokenizeResponse(OpenAIBaseModel):
-    prompt: str
-
-
-# ---- responses --------------------------------------------------------------------------------------
-class PromptTokenUsageInfo(OpenAIBaseModel):
-    cached_tokens: int | None = None
-
-
-class UsageInfo(OpenAIBaseModel):
-    prompt_tokens: int = 0
-    total_tokens: int = 0
-    completion_tokens: int | None = 0
-    prompt_tokens_details: PromptTokenUsageInfo | None = None
-
-
-class CompletionLogProbs(OpenAIBaseModel):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class CompletionResponseChoice(OpenAIBaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_logprobs: list[dict[int, Any] | None] | None = None
-    token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
-
-
-class CompletionResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionResponseChoice]
-    service_tier: str | None = None
-    system_fingerprint: str | None = None
-    usage: UsageInfo
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-class CompletionResponseStreamChoice(OpenAIBaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
-
-
-class CompletionStreamResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionResponseStreamChoice]
-    usage: UsageInfo | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-class ChatCompletionLogProb(OpenAIBaseModel):
-    token: str
-    logprob: float = -9999.0
-    bytes: list[int] | None = None
-
-
-class ChatCompletionLogProbsContent(ChatCompletionLogProb):
-    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
-
-
-class ChatCompletionLogProbs(OpenAIBaseModel):
-    content: list[ChatCompletionLogProbsContent] | None = None
-
-
-class ChatMessage(OpenAIBaseModel):
-    role: str
-    content: str | None = None
-    refusal: str | None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
-    reasoning: str | None = None
-
-
-class ChatCompletionResponseChoice(OpenAIBaseModel):
-    index: int
-    message: ChatMessage
-    logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: str | None = "stop"
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-
-
-class ChatCompletionResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionResponseChoice]
-    service_tier: str | None = None
-    system_fingerprint: str | None = None
-    usage: UsageInfo
-    prompt_logprobs: list[dict[int, Any] | None] | None = None
-    prompt_token_ids: list[int] | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-class DeltaMessage(OpenAIBaseModel):
-    role: str | None = None
-    content: str | None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
-    reasoning: str | None = None
-
-
-class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-
-
-class ChatCompletionStreamResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatCompletionResponseStreamChoice]
-    usage: UsageInfo | None = None
-    prompt_token_ids: list[int] | None = None
-    kv_transfer_params: dict[str, Any] | None = None
 
 
 # ---- models -----------------------------------------------------------------------------------------

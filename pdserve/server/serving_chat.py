@@ -7,23 +7,15 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from pdserve.server.errors import APIError, bad_request, sse_error_frame
+from pdserve.api.pd import PROMPT_TOKEN_IDS, chat_prompt_ids_allowed
+from pdserve.server.errors import APIError, bad_request
 from pdserve.server.generation import Generation
 from pdserve.server.http_utils import base_request_id, sse
 from pdserve.server.params import check_chat_fields, resolve_max_tokens, truncate_prompt, validate_token_ids
+from pdserve.server.pipeline import Recorders, encode, make_choices, now, outputs, respond, usage
 from pdserve.server.protocol import ChatCompletionRequest
-from pdserve.server.serving_common import (
-    Recorders,
-    guarded_stream,
-    make_choices,
-    now,
-    run_to_end,
-    start_generation,
-    usage,
-)
 from pdserve.server.state import ServerState
 from pdserve.text.chat import ChatTemplateError, message_text
 from pdserve.text.logprobs import LogprobFormatter
@@ -33,20 +25,7 @@ from pdserve.text.output_parsers import (
     prompt_tail_text,
 )
 
-PROMPT_IDS_PARAM = "kv_transfer_params.prompt_token_ids"
-
-
-def _text_only(messages: list[dict[str, Any]]) -> bool:
-    for m in messages:
-        content = m.get("content")
-        if content is None or isinstance(content, str):
-            continue
-        if not isinstance(content, list):
-            return False
-        for part in content:
-            if not (isinstance(part, str) or (isinstance(part, dict) and part.get("type") in ("text", "input_text"))):
-                return False
-    return True
+PROMPT_IDS_PARAM = f"kv_transfer_params.{PROMPT_TOKEN_IDS}"
 
 
 def parsed_delta(parsed: ChatDelta) -> dict[str, Any]:
@@ -71,11 +50,11 @@ def chat_role(req: ChatCompletionRequest) -> str:
 
 async def _prompt_ids(state: ServerState, req: ChatCompletionRequest,
                       kv: dict[str, Any] | None) -> list[int]:
-    """The engine prompt: a proxy-provided `kv_transfer_params.prompt_token_ids` (section 2.3 rules), or the
-    rendered template."""
-    if kv is not None and "prompt_token_ids" in kv:
-        given = kv.pop("prompt_token_ids")
-        if not req.echo and _text_only(req.messages):
+    """The engine prompt: a proxy-provided `kv_transfer_params.prompt_token_ids` where the wire contract
+    allows them (otherwise they are dropped), or the rendered template."""
+    if kv is not None and PROMPT_TOKEN_IDS in kv:
+        given = kv.pop(PROMPT_TOKEN_IDS)
+        if chat_prompt_ids_allowed(req.messages, req.echo):
             if not isinstance(given, list) or not given:
                 raise bad_request("prompt_token_ids must be a non-empty list of token ids.", PROMPT_IDS_PARAM)
             return validate_token_ids(given, state.vocab_size, PROMPT_IDS_PARAM)
@@ -88,8 +67,6 @@ async def _prompt_ids(state: ServerState, req: ChatCompletionRequest,
         )
     except ChatTemplateError as e:
         raise APIError(str(e), 400, e.param) from e
-    from pdserve.server.serving_common import encode
-
     ids = await encode(state, text, req.add_special_tokens)
     if not ids:
         raise bad_request("The rendered chat prompt is empty.", "messages")
@@ -109,16 +86,12 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     request_id = f"chatcmpl-{base_request_id(raw, req.request_id)}"
     choices = make_choices(state, req, request_id, [ids], [max_tokens], logprobs, kv, per_prompt_suffix=False)
-    gen = await start_generation(state, raw, choices)
     role = chat_role(req)
     echo = ""
     if req.echo and req.messages and isinstance(req.messages[-1], dict) and req.messages[-1].get("role") == role:
         echo = message_text(req.messages[-1])
     view = _ChatView(state, req, request_id, model, ids, role, echo, kv, use_tools)
-    recorders = Recorders(state, choices, arrival)
-    if req.stream:
-        return StreamingResponse(view.stream(gen, recorders), media_type="text/event-stream")
-    return await view.collect(gen, recorders, raw)
+    return await respond(state, raw, choices, view, stream=bool(req.stream), arrival=arrival)
 
 
 class _ChatView:
@@ -146,8 +119,7 @@ class _ChatView:
             return None
         return self.fmt.chat(lps, self.top)
 
-    async def collect(self, gen: Generation, recorders: Recorders, raw: Request) -> JSONResponse:
-        await run_to_end(gen, recorders, raw)
+    def body(self, gen: Generation) -> dict[str, Any]:
         req = self.req
         out_choices = []
         for c in gen.choices:
@@ -172,7 +144,7 @@ class _ChatView:
                 "stop_reason": proc.stop_reason,
                 "token_ids": list(proc.token_ids) if req.return_token_ids else None,
             })
-        body = {
+        return {
             "id": self.id,
             "object": "chat.completion",
             "created": self.created,
@@ -185,17 +157,13 @@ class _ChatView:
             "prompt_token_ids": self.prompt_ids if req.return_token_ids else None,
             "kv_transfer_params": gen.choices[0].kv_transfer_result,
         }
-        return JSONResponse(body)
 
     def _chunk(self, choices: list[dict[str, Any]], extra: str = "") -> str:
         return (f'data: {{"id": {json.dumps(self.id)}, "object": "chat.completion.chunk", '
                 f'"created": {self.created}, "model": {json.dumps(self.model)}, '
                 f'"choices": {json.dumps(choices)}{extra}}}\n\n')
 
-    def stream(self, gen: Generation, recorders: Recorders) -> AsyncIterator[str]:
-        return guarded_stream(self._frames(gen, recorders), gen, recorders)
-
-    async def _frames(self, gen: Generation, recorders: Recorders) -> AsyncIterator[str]:
+    async def frames(self, gen: Generation, recorders: Recorders) -> AsyncIterator[str]:
         req = self.req
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -208,11 +176,7 @@ class _ChatView:
             if self.echo:
                 yield self._chunk([{"index": c.index, "delta": {"content": self.echo},
                                     "logprobs": None, "finish_reason": None}])
-        async for c, out, delta in gen:
-            recorders.on_output(c, out, delta.finished)
-            if delta.finished and c.error:
-                yield sse_error_frame(f"Internal server error: {c.error}", 500)
-                return
+        async for c, delta in outputs(gen, recorders):
             message: dict[str, Any] = {"content": delta.text}
             finish_reason = delta.finish_reason if delta.finished else None
             parser = self.parsers.get(c.index)

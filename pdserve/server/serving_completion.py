@@ -7,10 +7,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from pdserve.server.errors import bad_request, sse_error_frame
+from pdserve.server.errors import bad_request
 from pdserve.server.generation import Choice, Generation
 from pdserve.server.http_utils import base_request_id, sse
 from pdserve.server.params import (
@@ -20,17 +19,8 @@ from pdserve.server.params import (
     truncate_prompt,
     validate_token_ids,
 )
+from pdserve.server.pipeline import Recorders, encode, make_choices, now, outputs, respond, usage
 from pdserve.server.protocol import CompletionRequest
-from pdserve.server.serving_common import (
-    Recorders,
-    encode,
-    guarded_stream,
-    make_choices,
-    now,
-    run_to_end,
-    start_generation,
-    usage,
-)
 from pdserve.server.state import ServerState
 from pdserve.text.logprobs import LogprobFormatter
 
@@ -67,12 +57,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     if req.echo:
         echo_texts = [t if t is not None else state.tokenizer.decode(p, skip_special_tokens=False)
                       for p, t in zip(prompts, texts, strict=True)]
-    gen = await start_generation(state, raw, choices)
     view = _CompletionView(state, req, request_id, model, prompts, echo_texts)
-    recorders = Recorders(state, choices, arrival)
-    if req.stream:
-        return StreamingResponse(view.stream(gen, recorders), media_type="text/event-stream")
-    return await view.collect(gen, recorders, raw)
+    return await respond(state, raw, choices, view, stream=bool(req.stream), arrival=arrival)
 
 
 class _CompletionView:
@@ -97,8 +83,7 @@ class _CompletionView:
         return self.fmt.completion(ids, lps, self.req.logprobs, offset)
 
     # ---- whole response --------------------------------------------------------------------------
-    async def collect(self, gen: Generation, recorders: Recorders, raw: Request) -> JSONResponse:
-        await run_to_end(gen, recorders, raw)
+    def body(self, gen: Generation) -> dict[str, Any]:
         req = self.req
         out_choices = []
         for c in gen.choices:
@@ -115,7 +100,7 @@ class _CompletionView:
                 "token_ids": list(proc.token_ids) if req.return_token_ids else None,
                 "prompt_token_ids": c.prompt_token_ids if req.return_token_ids else None,
             })
-        body = {
+        return {
             "id": self.id,
             "object": "text_completion",
             "created": self.created,
@@ -126,13 +111,9 @@ class _CompletionView:
             "usage": usage(gen.choices, self.prompts, req.n, req.kv_transfer_params),
             "kv_transfer_params": gen.choices[0].kv_transfer_result,
         }
-        return JSONResponse(body)
 
     # ---- stream ----------------------------------------------------------------------------------
-    def stream(self, gen: Generation, recorders: Recorders) -> AsyncIterator[str]:
-        return guarded_stream(self._frames(gen, recorders), gen, recorders)
-
-    async def _frames(self, gen: Generation, recorders: Recorders) -> AsyncIterator[str]:
+    async def frames(self, gen: Generation, recorders: Recorders) -> AsyncIterator[str]:
         req = self.req
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -141,11 +122,7 @@ class _CompletionView:
         text_len: dict[int, int] = {}
         head = f'{{"id": {json.dumps(self.id)}, "object": "text_completion", "created": {self.created}, ' \
                f'"model": {json.dumps(self.model)}, '
-        async for c, out, delta in gen:
-            recorders.on_output(c, out, delta.finished)
-            if delta.finished and c.error:
-                yield sse_error_frame(f"Internal server error: {c.error}", 500)
-                return
+        async for c, delta in outputs(gen, recorders):
             text = delta.text
             first = c.index not in first_sent
             if first:

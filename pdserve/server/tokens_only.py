@@ -22,48 +22,32 @@ Decisions where vLLM leaves room:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pdserve.engine.sampling_params import ParamError, SamplingParams
+from pdserve.api.pd import is_prefill_leg
 from pdserve.render.protocol import AbortRequestsBody, GenerateRequest, GenerateSamplingParams
-from pdserve.server.errors import (
-    APIError,
-    bad_request,
-    error_body,
-    error_response,
-    not_supported,
-    sse_error_frame,
-)
+from pdserve.server.errors import APIError, bad_request, error_body, error_response, not_supported
 from pdserve.server.generation import Choice, Generation
-from pdserve.server.http_utils import SSE_DONE, ClientGone, parse_model, read_json, sse
-from pdserve.server.params import (
-    MAX_N,
-    child_seed,
-    logit_bias_by_id,
-    resolve_max_tokens,
-    stop_list,
-    truncate_prompt,
-)
-from pdserve.server.serving_common import Recorders, now, run_to_end, start_generation, usage
+from pdserve.server.http_utils import ClientGone, parse_model, read_json, sse
+from pdserve.server.params import MAX_N, resolve_max_tokens, stop_list, truncate_prompt
+from pdserve.server.pipeline import Recorders, make_choices, now, outputs, respond, usage
 from pdserve.server.state import ServerState
 from pdserve.text.logprobs import clamp
-from pdserve.text.output import OutputProcessor
 
 GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATH = "/inference/v1/abort_requests"
 LEGACY_ABORT_PATH = "/abort_requests"
 ID_PREFIX = "generate-tokens-"
 CLIENT_CLOSED = 499
-SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+SAMPLING_PREFIX = "sampling_params."  # where this route's sampling fields live, for error params
 
 
 # Routes that need text; a --tokens-only server has no tokenizer (vLLM: skip_tokenizer_init).
@@ -95,46 +79,16 @@ def forbidden() -> JSONResponse:
 
 
 # ---- request -> engine parameters --------------------------------------------------------------------
-def _check_unsupported(sp: GenerateSamplingParams) -> None:
+def _check_request(sp: GenerateSamplingParams, text_mode: bool) -> None:
+    """What this route refuses before any engine parameter is built (the rest is the shared pipeline's)."""
     for name in ("bad_words", "structured_outputs", "prompt_logprobs"):
         if getattr(sp, name):
             raise not_supported(f"sampling_params.{name}")
     if not 1 <= sp.n <= MAX_N:
         raise bad_request(f"sampling_params.n must be in 1..{MAX_N}, got {sp.n}.", "sampling_params.n")
-    if sp.logprobs is not None and not 0 <= sp.logprobs <= 20:
-        raise bad_request(f"sampling_params.logprobs must be in [0, 20], got {sp.logprobs}.", "sampling_params.logprobs")
-
-
-def engine_params(state: ServerState, sp: GenerateSamplingParams, max_tokens: int, seed: int | None,
-                  text_mode: bool) -> SamplingParams:
-    d = state.defaults
-    stops = stop_list(sp.stop)
-    if stops and not text_mode:
+    if stop_list(sp.stop) and not text_mode:
         raise bad_request("Stop strings are not supported in tokens mode (the engine works on token ids, not "
                           "text); use sampling_params.stop_token_ids.", "sampling_params.stop")
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=d.temperature if sp.temperature is None else sp.temperature,
-            top_p=d.top_p if sp.top_p is None else sp.top_p,
-            top_k=d.top_k if sp.top_k is None else (0 if sp.top_k == -1 else sp.top_k),
-            min_p=d.min_p if sp.min_p is None else sp.min_p,
-            seed=seed,
-            stop=stops,
-            stop_token_ids=list(sp.stop_token_ids or []),
-            ignore_eos=sp.ignore_eos,
-            min_tokens=sp.min_tokens,
-            logprobs=sp.logprobs,
-            skip_special_tokens=sp.skip_special_tokens,
-            include_stop_str_in_output=sp.include_stop_str_in_output,
-            presence_penalty=0.0 if sp.presence_penalty is None else sp.presence_penalty,
-            frequency_penalty=0.0 if sp.frequency_penalty is None else sp.frequency_penalty,
-            repetition_penalty=d.repetition_penalty if sp.repetition_penalty is None else sp.repetition_penalty,
-            logit_bias=logit_bias_by_id(sp.logit_bias, "sampling_params.logit_bias"),
-            allowed_token_ids=sp.allowed_token_ids,
-        )
-    except ParamError as e:
-        raise APIError(str(e), 400, f"sampling_params.{e.param}" if e.param else None) from e
 
 
 def tokens_logprobs(lps: list[Any] | None, num_top: int | None) -> dict[str, Any] | None:
@@ -195,9 +149,9 @@ class TokensRoutes:
         if req.output_mode == "derender":
             raise not_supported("output_mode 'derender'", "; derender with the render tier (pdserve render)")
         sp = req.sampling_params
-        _check_unsupported(sp)
-        kv = req.kv_transfer_params
-        if req.stream and isinstance(kv, dict) and kv.get("do_remote_decode"):
+        _check_request(sp, text_mode)
+        kv = dict(req.kv_transfer_params) if req.kv_transfer_params is not None else None
+        if req.stream and is_prefill_leg(kv):
             raise bad_request("A prefill leg (kv_transfer_params.do_remote_decode) must use stream: false: streamed "
                               "chunks do not carry kv_transfer_params.", "stream")
         ids = list(req.token_ids)
@@ -209,38 +163,13 @@ class TokensRoutes:
                                         "sampling_params.max_tokens")
         external = ID_PREFIX + (raw.headers.get("x-request-id") or req.request_id)
         raw.state.request_id = external
-        choices = []
-        for j in range(sp.n):
-            params = engine_params(state, sp, max_tokens, child_seed(sp.seed, j), text_mode)
-            engine_id = state.engine_request_id(external if j == 0 else f"{j}_{external}")
-            proc = OutputProcessor.from_params(state.tokenizer, ids, params, detokenize=text_mode)
-            choices.append(Choice(index=j, prompt_index=0, engine_id=engine_id, prompt_token_ids=ids, params=params,
-                                  kv_transfer_params=dict(kv) if kv is not None else None, processor=proc))
+        choices = make_choices(state, sp, external, [ids], [max_tokens], sp.logprobs, kv, per_prompt_suffix=False,
+                               param_prefix=SAMPLING_PREFIX, detokenize=text_mode)
         engine_ids = [c.engine_id for c in choices]
         self.running.add(external, engine_ids)
-        try:
-            gen = await start_generation(state, raw, choices)
-        except BaseException as e:
-            self.running.remove(external, engine_ids)
-            if isinstance(e, APIError) and e.param in SAMPLING_FIELDS:
-                e.param = f"sampling_params.{e.param}"  # the engine's checks (e.g. vocabulary) name the bare field
-            raise
         view = _GenerateView(req, external, model, ids, text_mode, kv)
-        recorders = Recorders(state, choices, arrival)
-        if req.stream:
-            return StreamingResponse(self._release(view.stream(gen, recorders), external, engine_ids),
-                                     media_type="text/event-stream")
-        try:
-            return await view.collect(gen, recorders, raw)
-        finally:
-            self.running.remove(external, engine_ids)
-
-    async def _release(self, it: AsyncIterator[str], external: str, engine_ids: list[str]) -> AsyncIterator[str]:
-        try:
-            async for item in it:
-                yield item
-        finally:
-            self.running.remove(external, engine_ids)
+        return await respond(state, raw, choices, view, stream=req.stream, arrival=arrival,
+                             param_prefix=SAMPLING_PREFIX, on_close=lambda: self.running.remove(external, engine_ids))
 
     async def abort(self, raw: Request) -> Any:
         if not self.enabled:
@@ -317,8 +246,7 @@ class _GenerateView:
             item["text"] = text
         return item
 
-    async def collect(self, gen: Generation, recorders: Recorders, raw: Request) -> JSONResponse:
-        await run_to_end(gen, recorders, raw)
+    def body(self, gen: Generation) -> dict[str, Any]:
         choices = []
         for c in gen.choices:
             p = c.processor
@@ -326,7 +254,7 @@ class _GenerateView:
             choices.append(self._choice(c, list(p.token_ids), lps, True, p.finish_reason, p.stop_reason,
                                         p.text if self.text_mode else None))
         u = usage(gen.choices, [self.prompt_ids], len(gen.choices), self.kv)
-        return JSONResponse({
+        return {
             "request_id": self.id,
             "model": self.model,
             "created": self.created,
@@ -340,46 +268,30 @@ class _GenerateView:
             "metrics": None,
             "kv_transfer_params": gen.choices[0].kv_transfer_result,
             "ec_transfer_params": None,
-        })
+        }
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         body = {"request_id": self.id, "model": self.model, "created": self.created, "output_mode": self.mode,
                 "choices": choices, **extra}
         return sse(json.dumps(body))
 
-    async def stream(self, gen: Generation, recorders: Recorders) -> AsyncIterator[str]:
+    async def frames(self, gen: Generation, recorders: Recorders) -> AsyncIterator[str]:
         opts = self.req.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(include_usage and opts and opts.continuous_usage_stats)
         first = True
-        try:
-            async for c, out, delta in gen:
-                recorders.on_output(c, out, delta.finished)
-                if delta.finished and c.error:
-                    yield sse_error_frame(f"Internal server error: {c.error}", 500)
-                    yield SSE_DONE
-                    return
-                lps = delta.logprobs if self.num_top is not None else None
-                item = self._choice(c, delta.token_ids, lps, delta.finished, delta.finish_reason, delta.stop_reason,
-                                    delta.text if self.text_mode else None)
-                extra: dict[str, Any] = {}
-                if first and self.req.return_token_ids:
-                    extra["prompt_token_ids"] = self.prompt_ids
-                first = False
-                if continuous:
-                    u = usage([c], [self.prompt_ids], 1, None)
-                    extra["usage"] = {k: u[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-                yield self._chunk([item], **extra)
-            if include_usage:
-                u = usage(gen.choices, [self.prompt_ids], len(gen.choices), self.kv)
-                yield self._chunk([], usage={k: u[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")})
-            yield SSE_DONE
-        except APIError as e:
-            yield sse(json.dumps(error_body(e.message, e.status, e.param)))
-            yield SSE_DONE
-        except Exception as e:  # noqa: BLE001 - after the 200: the error goes in the stream
-            yield sse_error_frame(f"Internal server error: {e}", 500)
-            yield SSE_DONE
-        finally:
-            recorders.finish_unfinished(gen.choices)
-            await gen.close()
+        async for c, delta in outputs(gen, recorders):
+            lps = delta.logprobs if self.num_top is not None else None
+            item = self._choice(c, delta.token_ids, lps, delta.finished, delta.finish_reason, delta.stop_reason,
+                                delta.text if self.text_mode else None)
+            extra: dict[str, Any] = {}
+            if first and self.req.return_token_ids:
+                extra["prompt_token_ids"] = self.prompt_ids
+            first = False
+            if continuous:
+                u = usage([c], [self.prompt_ids], 1, None)
+                extra["usage"] = {k: u[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+            yield self._chunk([item], **extra)
+        if include_usage:
+            u = usage(gen.choices, [self.prompt_ids], len(gen.choices), self.kv)
+            yield self._chunk([], usage={k: u[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")})

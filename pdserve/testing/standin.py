@@ -30,6 +30,8 @@ from typing import Any
 
 from aiohttp import web
 
+from pdserve.api.pd import build_producer_params, is_prefill_leg
+
 MAX_RECORDED = 10_000
 
 
@@ -116,7 +118,7 @@ class Standin:
         chat = request.path.endswith("/chat/completions")
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         kv = body.get("kv_transfer_params")
-        if isinstance(kv, dict) and kv.get("do_remote_decode"):
+        if is_prefill_leg(kv):
             st.stats["prefill"] += 1
             out = self._prefill(body, chat, rid)
             entry["response"] = out
@@ -164,18 +166,12 @@ class Standin:
             n_blocks = (len(ids) + 15) // 16
             blocks = list(range(st.next_block, st.next_block + n_blocks))
             st.next_block += n_blocks
-            kv = {
-                "do_remote_prefill": True,
-                "do_remote_decode": False,
-                "remote_block_ids": [blocks],
-                "remote_engine_id": st.engine_id,
-                "remote_request_id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}-0-{uuid.uuid4().hex[:8]}",
-                "remote_host": "localhost",
-                "remote_port": 5600,
-                "tp_size": 1,
-                "remote_num_tokens": len(ids),
-                "transfer_mode": "pull",
-            }
+            # The shape a real prefill instance answers with; the blocks are only numbers here.
+            kv = build_producer_params(
+                request_id=f"{'chatcmpl' if chat else 'cmpl'}-{rid}-0-{uuid.uuid4().hex[:8]}",
+                block_ids=blocks, num_tokens=len(ids), num_cached_tokens=0, engine_id=st.engine_id,
+                host="localhost", port=5600, generation=0, lease_duration_s=30.0,
+            )
         out = self._final(body, chat, rid, " tok0", 1, kv)
         if chat and body.get("return_token_ids"):
             out["prompt_token_ids"] = ids

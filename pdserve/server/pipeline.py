@@ -1,21 +1,34 @@
-"""Pieces shared by the completions and chat routes: choices, usage, engine errors, sub-request ids."""
+"""The one request pipeline of completions, chat and tokens-only (`/inference/v1/generate`).
+
+A route turns its request into prompts (token ids) and a response view; everything between is here:
+
+    make_choices    sampling fields -> engine parameters, one choice per prompt per n, the P/D lease rule
+    respond         submit every engine request (client mistakes the engine finds are 400s, before any
+                    byte is sent), then either run to the end and answer the view's JSON body, or stream
+                    the view's SSE frames behind `guarded_stream` (late errors as frames, [DONE], cleanup)
+    outputs         the choice loop a view's frames iterate: metrics recorded, an engine failure raised
+
+A view only formats: `body(gen)` for the whole response, `frames(gen, recorders)` for the stream.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from typing import Any, Protocol
 
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.api.pd import is_remote_prefill, one_lease_violation
 from pdserve.engine.sampling_params import ParamError
 from pdserve.server.errors import APIError, sse_error_frame
 from pdserve.server.generation import Choice, Generation
 from pdserve.server.http_utils import SSE_DONE, until_disconnect
 from pdserve.server.metrics import RequestRecorder
-from pdserve.server.params import build_sampling_params, child_seed
-from pdserve.server.protocol import _SamplingFields
+from pdserve.server.params import build_sampling_params, child_seed, sampling_param_name
 from pdserve.server.state import ServerState
-from pdserve.text.output import OutputProcessor
+from pdserve.text.output import OutputProcessor, TextDelta
 
 # Prompts longer than this (characters) are tokenized off the event loop.
 INLINE_TOKENIZE_CHARS = 4096
@@ -27,29 +40,33 @@ async def encode(state: ServerState, text: str, add_special_tokens: bool) -> lis
     return await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens)
 
 
-def make_choices(state: ServerState, req: _SamplingFields, base_id: str, prompts: Sequence[list[int]],
-                 max_tokens: Sequence[int], logprobs: int | None, kv_transfer_params: dict[str, Any] | None,
-                 per_prompt_suffix: bool) -> list[Choice]:
+def make_choices(state: ServerState, fields: Any, base_id: str, prompts: Sequence[list[int]],
+                 max_tokens: Sequence[int], logprobs: int | None, kv_transfer_params: dict[str, Any] | None, *,
+                 per_prompt_suffix: bool, param_prefix: str = "", detokenize: bool = True) -> list[Choice]:
+    """One engine request per prompt per choice (`fields.n`), each with its own sampling parameters (a
+    fixed seed gives every choice its own) and output processor. `fields` holds the sampling fields: an
+    OpenAI request, or a GenerateRequest's `sampling_params` (then `param_prefix="sampling_params."`)."""
+    n = fields.n
+    violation = one_lease_violation(kv_transfer_params, n * len(prompts))
+    if violation is not None:
+        # Proxies send such requests to one instance without P/D params (pdserve.api.pd.local_only_reason).
+        raise APIError(violation, 400, "kv_transfer_params")
     choices: list[Choice] = []
-    n = req.n
-    if (kv_transfer_params or {}).get("do_remote_prefill") and n * len(prompts) > 1:
-        # One producer lease can be claimed once: a second choice would fail its load, or silently
-        # recompute the whole prompt. Proxies send such requests to one instance without P/D params.
-        raise APIError("kv_transfer_params.do_remote_prefill allows exactly one prompt and n=1 (one remote KV "
-                       "lease serves one request)", 400, "kv_transfer_params")
     for i, ids in enumerate(prompts):
         stem = f"{base_id}-{i}" if per_prompt_suffix else base_id
         for j in range(n):
-            params = build_sampling_params(req, max_tokens=max_tokens[i], logprobs=logprobs,
-                                           defaults=state.defaults, seed=child_seed(req.seed, j))
+            params = build_sampling_params(fields, max_tokens=max_tokens[i], logprobs=logprobs,
+                                           defaults=state.defaults, seed=child_seed(fields.seed, j),
+                                           param_prefix=param_prefix)
             engine_id = state.engine_request_id(stem if j == 0 else f"{j}_{stem}")
-            processor = OutputProcessor.from_params(state.tokenizer, ids, params)
+            processor = OutputProcessor.from_params(state.tokenizer, ids, params, detokenize=detokenize)
             choices.append(Choice(index=i * n + j, prompt_index=i, engine_id=engine_id, prompt_token_ids=ids,
                                   params=params, kv_transfer_params=kv_transfer_params, processor=processor))
     return choices
 
 
-async def start_generation(state: ServerState, raw_request: Any, choices: list[Choice]) -> Generation:
+async def start_generation(state: ServerState, raw_request: Any, choices: list[Choice],
+                           param_prefix: str = "") -> Generation:
     """Submits the engine requests; client mistakes the engine finds become 400s, a full queue 503."""
     from pdserve.engine.async_engine import EngineDeadError, QueueFullError
 
@@ -57,7 +74,7 @@ async def start_generation(state: ServerState, raw_request: Any, choices: list[C
     try:
         await until_disconnect(raw_request, gen.start())
     except ParamError as e:
-        raise APIError(str(e), 400, e.param) from e
+        raise APIError(str(e), 400, sampling_param_name(e.param, param_prefix)) from e
     except QueueFullError as e:
         raise APIError(str(e), 503) from e
     except EngineDeadError as e:
@@ -67,6 +84,50 @@ async def start_generation(state: ServerState, raw_request: Any, choices: list[C
     return gen
 
 
+class ResponseView(Protocol):
+    """How one route formats what the pipeline produces."""
+
+    def body(self, gen: Generation) -> dict[str, Any]:
+        """The whole response, once every choice has finished."""
+
+    def frames(self, gen: Generation, recorders: Recorders) -> AsyncGenerator[str, None]:
+        """The SSE frames of a streamed response, iterating `outputs(gen, recorders)` ([DONE] is added)."""
+
+
+async def respond(state: ServerState, raw_request: Any, choices: list[Choice], view: ResponseView, *,
+                  stream: bool, arrival: float, param_prefix: str = "",
+                  on_close: Callable[[], None] | None = None) -> Response:
+    """Runs the choices and answers: the view's JSON body, or its stream. `on_close` runs once the engine
+    requests are over (or could not start)."""
+    try:
+        gen = await start_generation(state, raw_request, choices, param_prefix)
+    except BaseException:
+        if on_close is not None:
+            on_close()
+        raise
+    recorders = Recorders(state, choices, arrival)
+    if stream:
+        return StreamingResponse(guarded_stream(view.frames(gen, recorders), gen, recorders, on_close),
+                                 media_type="text/event-stream")
+    try:
+        await run_to_end(gen, recorders, raw_request)
+        return JSONResponse(view.body(gen))
+    finally:
+        if on_close is not None:
+            on_close()
+
+
+async def outputs(gen: Generation, recorders: Recorders) -> AsyncIterator[tuple[Choice, TextDelta]]:
+    """The choice loop of a stream: `(choice, delta)` as they arrive, merged across choices, each engine
+    output recorded in the metrics; a choice the engine failed ends the stream with a 500 frame (raised
+    here, written by `guarded_stream`)."""
+    async for choice, out, delta in gen:
+        recorders.on_output(choice, out, delta.finished)
+        if delta.finished and choice.error:
+            raise APIError(f"Internal server error: {choice.error}", 500)
+        yield choice, delta
+
+
 def usage(choices: Sequence[Choice], prompts: Sequence[list[int]], n: int,
           kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
     """Prompt tokens count once per prompt (not per choice), as in vLLM."""
@@ -74,7 +135,7 @@ def usage(choices: Sequence[Choice], prompts: Sequence[list[int]], n: int,
     completion_tokens = sum(c.num_output_tokens for c in choices)
     cached = sum(c.num_cached_tokens for c in choices if c.index % n == 0)
     remote = (kv_transfer_params or {}).get("remote_prefill_cached_tokens")
-    if (kv_transfer_params or {}).get("do_remote_prefill") and type(remote) is int and remote >= 0:
+    if is_remote_prefill(kv_transfer_params) and type(remote) is int and remote >= 0:
         cached = remote  # D reports P's prefix-cache hits, not its own ~100 % "hit" from the transfer
     return {
         "prompt_tokens": prompt_tokens,
@@ -128,8 +189,8 @@ class Recorders:
                 self._recs[c.index].on_finish(None, "abort", len(c.prompt_token_ids), c.num_output_tokens)
 
 
-async def guarded_stream(frames: AsyncGenerator[str, None], gen: Generation,
-                         recorders: Recorders) -> AsyncIterator[str]:
+async def guarded_stream(frames: AsyncGenerator[str, None], gen: Generation, recorders: Recorders,
+                         on_close: Callable[[], None] | None = None) -> AsyncIterator[str]:
     """A streaming response's SSE frames, then `[DONE]`. After the 200 is out an error can only go in the
     stream: a client mistake found late (APIError) as its OpenAI error body, anything else as a 500 frame.
     However the stream ends (done, error, client gone), unfinished requests are recorded and the engine
@@ -148,6 +209,8 @@ async def guarded_stream(frames: AsyncGenerator[str, None], gen: Generation,
         await frames.aclose()
         recorders.finish_unfinished(gen.choices)
         await gen.close()
+        if on_close is not None:
+            on_close()
 
 
 def now() -> float:

@@ -1,0 +1,347 @@
+"""The P/D wire contract, as vLLM 0.33 speaks it: the one place its field names and rules are written.
+
+A disaggregated request is two HTTP legs (see the protocol notes, sections 1-3):
+
+1. Prefill leg: the client's body with `max_tokens=1`, `stream=false` and the 6-key
+   `kv_transfer_params` {do_remote_decode: true, ...} (`build_prefill_body`, or
+   `build_prefill_generate_body` for `/inference/v1/generate`). The prefill instance answers with
+   `kv_transfer_params` pointing at blocks it holds under a lease (`build_producer_params`).
+2. Decode leg: the client's original body plus those params, verbatim (`build_decode_body`). The decode
+   instance validates them as untrusted input (`parse_remote_prefill_params`), pulls the blocks, and
+   generates.
+
+Rules shared by the proxy, the render tier and the server: one lease serves one engine request
+(`local_only_reason`, `one_lease_violation`), and which chat requests may carry the prompt token ids in
+the decode leg's params (`chat_prompt_ids_allowed`).
+
+Mirrored from vLLM: tests/v1/kv_connector/nixl_integration/toy_proxy_server.py (the prefill leg), the
+NixlConnector's `request_finished` (the producer's params) and the chat server's `prompt_token_ids`
+hand-off (vllm-project/vllm PR #48145).
+
+No torch, no pydantic: plain functions over JSON-shaped dicts.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# ---- the prefill leg -----------------------------------------------------------------------------------
+
+# What a prefill leg sends, exactly as vLLM's toy proxy does (a fresh copy per request: `prefill_leg_params`).
+PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+# Keys a prefill leg must not carry (they conflict with max_tokens=1 or stream=false).
+PREFILL_DROPPED_KEYS = ("stream_options", "min_tokens", "min_completion_tokens")
+
+# The chat hand-off key inside a decode leg's kv_transfer_params (vLLM PR #48145).
+PROMPT_TOKEN_IDS = "prompt_token_ids"
+
+
+def prefill_leg_params() -> dict[str, Any]:
+    return dict(PREFILL_KV_TRANSFER_PARAMS)
+
+
+def is_prefill_leg(params: Any) -> bool:
+    """A request whose params ask it to compute the prompt and hold the KV for a decode instance."""
+    return isinstance(params, Mapping) and bool(params.get("do_remote_decode"))
+
+
+def is_remote_prefill(params: Any) -> bool:
+    """A decode leg: its prompt's KV is to be pulled from a prefill instance."""
+    return isinstance(params, Mapping) and bool(params.get("do_remote_prefill"))
+
+
+def build_prefill_body(body: dict[str, Any], *, chat_token_ids: bool = False) -> dict[str, Any]:
+    """The prefill leg of an OpenAI completions/chat request (a new dict; `body` is not modified).
+    `chat_token_ids` also asks for `return_token_ids`, so the decode leg can skip templating."""
+    prefill = dict(body)
+    prefill["kv_transfer_params"] = prefill_leg_params()
+    prefill["stream"] = False
+    prefill["max_tokens"] = 1
+    if "max_completion_tokens" in prefill:
+        prefill["max_completion_tokens"] = 1
+    for key in PREFILL_DROPPED_KEYS:
+        prefill.pop(key, None)
+    if chat_token_ids:
+        prefill["return_token_ids"] = True
+    return prefill
+
+
+def build_prefill_generate_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg of a `/inference/v1/generate` request (sampling fields nested under
+    `sampling_params`): the same edits as `build_prefill_body`, one choice, its own request id."""
+    prefill = copy.deepcopy(body)
+    prefill["request_id"] = f"{body['request_id']}-prefill"
+    prefill["sampling_params"].update({"max_tokens": 1, "n": 1, "min_tokens": 0})
+    prefill["stream"] = False
+    prefill["stream_options"] = None
+    prefill["kv_transfer_params"] = prefill_leg_params()
+    return prefill
+
+
+def prefill_kv_params(response: Any) -> dict[str, Any] | None:
+    """The `kv_transfer_params` of a prefill response, or None when it has none (an error, an abort, or an
+    instance without a KV connector): then nothing can be handed to a decode instance."""
+    if not isinstance(response, dict):
+        return None
+    params = response.get("kv_transfer_params")
+    if isinstance(params, dict) and params:
+        return params
+    return None
+
+
+def prefill_prompt_token_ids(response: dict[str, Any]) -> list[int] | None:
+    """The top-level `prompt_token_ids` of a chat prefill response asked with `return_token_ids`, when
+    they are what a decode instance accepts (non-empty, non-negative plain ints)."""
+    ids = response.get(PROMPT_TOKEN_IDS)
+    if not isinstance(ids, list) or not ids:
+        return None
+    for token in ids:
+        if type(token) is not int or token < 0:
+            return None
+    return ids
+
+
+# ---- the decode leg ------------------------------------------------------------------------------------
+def build_decode_body(
+    body: dict[str, Any],
+    kv_params: dict[str, Any],
+    *,
+    prompt_token_ids: list[int] | None = None,
+    remote_host: str | None = None,
+) -> dict[str, Any]:
+    """The decode leg: the client's body plus the prefill's params, copied verbatim except for the opt-in
+    `prompt_token_ids` hand-off and `remote_host` rewrite (for a prefill that advertises an address the
+    decode instance cannot reach, as vLLM's disagg_proxy_demo.py does)."""
+    params = kv_params
+    if prompt_token_ids is not None or (remote_host is not None and "remote_host" in kv_params):
+        params = dict(kv_params)
+        if prompt_token_ids is not None:
+            params[PROMPT_TOKEN_IDS] = prompt_token_ids
+        if remote_host is not None and "remote_host" in params:
+            params["remote_host"] = remote_host
+    decode = dict(body)
+    decode["kv_transfer_params"] = params
+    return decode
+
+
+# ---- which requests can be disaggregated ---------------------------------------------------------------
+# Content parts that are text to a chat template (pdserve.text.chat renders exactly these).
+TEXT_PART_TYPES = ("text", "input_text", "output_text", "refusal")
+
+
+def chat_prompt_ids_allowed(messages: Any, echo: Any = False) -> bool:
+    """Whether a chat request's prompt token ids may travel in the decode leg's params instead of the decode
+    instance templating the messages itself (vLLM: single conversation, text-only content, no echo).
+
+    The proxy asks for the ids only when this holds, and the server honours given ids only when it holds
+    (otherwise it drops them and templates): one rule, so both sides agree."""
+    if echo or not isinstance(messages, list) or not messages:
+        return False
+    for message in messages:
+        if not isinstance(message, dict):
+            return False  # a batch of conversations (a list of lists), or malformed
+        content = message.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            return False
+        for part in content:
+            if isinstance(part, str):
+                continue
+            if not isinstance(part, dict) or part.get("type") not in TEXT_PART_TYPES:
+                return False
+    return True
+
+
+def is_batch_prompt(body: dict[str, Any]) -> bool:
+    """A completions request with several prompts: one prefill response carries only the first prompt's
+    params (vLLM returns `final_res_batch[0]`'s), so it cannot be disaggregated as one P/D pair."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or len(prompt) <= 1:
+        return False
+    # A single prompt given as token ids is a flat list of ints.
+    return not all(type(x) is int for x in prompt)
+
+
+def local_only_reason(body: dict[str, Any]) -> str | None:
+    """Why an OpenAI request cannot be served as one P/D pair (a decode instance then serves it whole), or
+    None. One prefill lease can be claimed once, by one engine request:
+
+    - several prompts: the prefill response carries only the first prompt's params;
+    - n/best_of > 1: every sampled choice would claim the same prefill's KV lease;
+    - prompt logprobs (`prompt_logprobs`, or completions `echo` with `logprobs`): they need the prompt's
+      logits, which only the prefill instance computed.
+    """
+    if is_batch_prompt(body):
+        return "several prompts"
+    for key in ("n", "best_of"):
+        value = body.get(key)
+        if type(value) is int and value > 1:
+            return f"{key} > 1"
+    if body.get("prompt_logprobs") is not None or (body.get("echo") and body.get("logprobs") is not None):
+        return "prompt logprobs"
+    return None
+
+
+def one_lease_violation(params: Any, num_engine_requests: int) -> str | None:
+    """The server side of the same rule: a decode leg fans out to exactly one engine request. A second one
+    would fail its load, or silently recompute the whole prompt. Returns the client error, or None."""
+    if is_remote_prefill(params) and num_engine_requests > 1:
+        return ("kv_transfer_params.do_remote_prefill allows exactly one prompt and n=1 (one remote KV lease "
+                "serves one request)")
+    return None
+
+
+# ---- the prefill instance's answer ---------------------------------------------------------------------
+def build_producer_params(
+    *,
+    request_id: str,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    num_cached_tokens: int,
+    engine_id: str,
+    host: str,
+    port: int,
+    generation: int,
+    lease_duration_s: float,
+) -> dict[str, Any]:
+    """The `kv_transfer_params` a prefill response carries (vLLM 0.33 pull mode, plus `lease_expires_at`)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        # One KV-cache group (plain decoder): a list holding one list of block ids.
+        "remote_block_ids": [[int(b) for b in block_ids]],
+        "remote_engine_id": engine_id,
+        "remote_request_id": request_id,
+        "remote_host": host,
+        "remote_port": port,
+        "remote_num_tokens": int(num_tokens),
+        "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_blocks_expiry_time": None,
+        "remote_registration_generation": generation,
+        "transfer_mode": "pull",
+        "remote_prefill_cached_tokens": int(num_cached_tokens),
+        # Ours: wall-clock end of the lease as issued (heartbeats extend it on the producer).
+        "lease_expires_at": time.time() + lease_duration_s,
+    }
+
+
+# ---- the decode instance's validation ------------------------------------------------------------------
+class InvalidKVTransferParams(ValueError):
+    """`kv_transfer_params` of a request are missing, partial or malformed (the server answers 400)."""
+
+
+_REQUIRED = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+
+
+@dataclass(frozen=True)
+class RemotePrefillParams:
+    """The validated subset of a decode request's `kv_transfer_params` the consumer acts on."""
+
+    remote_engine_id: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+    remote_block_ids: tuple[int, ...]
+    remote_num_tokens: int | None
+    generation: int | None  # remote_registration_generation: which producer incarnation issued them
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self.remote_host, self.remote_port)
+
+
+def _bad(msg: str) -> InvalidKVTransferParams:
+    return InvalidKVTransferParams(f"invalid kv_transfer_params: {msg}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_remote_prefill_params(params: Any) -> RemotePrefillParams:
+    """Validate the params of a decode (D) request; raise InvalidKVTransferParams naming the problem.
+    The proxy copies them verbatim from the prefill's answer, so they are untrusted input: a malformed
+    dict is a 400, never a half-scheduled request."""
+    if not isinstance(params, Mapping):
+        raise _bad(f"expected a JSON object, got {type(params).__name__}")
+    if not params.get("do_remote_prefill"):
+        raise _bad("do_remote_prefill is not true (nothing to load)")
+    missing = [k for k in _REQUIRED if params.get(k) is None]
+    if missing:
+        raise _bad(
+            f"missing {', '.join(missing)} (send the complete kv_transfer_params the prefill instance returned)"
+        )
+    mode = params.get("transfer_mode", "pull")
+    if mode != "pull":
+        raise _bad(f"transfer_mode {mode!r} is not supported (pull only)")
+
+    groups = params["remote_block_ids"]
+    if not isinstance(groups, list) or not groups:
+        raise _bad("remote_block_ids must be a non-empty list of per-group block id lists")
+    if all(_is_int(b) for b in groups):
+        # vLLM < HMA (schema v1) sent one flat list; accept it as the single group.
+        groups = [groups]
+    if len(groups) != 1:
+        raise _bad(
+            f"remote_block_ids has {len(groups)} KV-cache groups; only single-group models are supported"
+        )
+    blocks = groups[0]
+    if not isinstance(blocks, list) or not all(_is_int(b) and b >= 0 for b in blocks):
+        raise _bad("remote_block_ids[0] must be a list of non-negative integers")
+
+    engine_id = params["remote_engine_id"]
+    request_id = params["remote_request_id"]
+    host = params["remote_host"]
+    for name, value in (
+        ("remote_engine_id", engine_id),
+        ("remote_request_id", request_id),
+        ("remote_host", host),
+    ):
+        if not isinstance(value, str) or not value:
+            raise _bad(f"{name} must be a non-empty string, got {value!r}")
+    port = params["remote_port"]
+    if not _is_int(port) or not 1 <= port <= 65535:
+        raise _bad(f"remote_port must be an integer in 1..65535, got {port!r}")
+
+    for name in ("tp_size", "pp_size", "dcp_size"):
+        value = params.get(name, 1)
+        if value is None:
+            value = 1
+        if not _is_int(value) or value < 1:
+            raise _bad(f"{name} must be a positive integer, got {value!r}")
+        if value != 1:
+            raise _bad(
+                f"{name}={value}: producers with tensor/pipeline/context parallelism are not supported"
+            )
+
+    num_tokens = params.get("remote_num_tokens")
+    if num_tokens is not None and (not _is_int(num_tokens) or num_tokens < 0):
+        raise _bad(f"remote_num_tokens must be a non-negative integer, got {num_tokens!r}")
+    generation = params.get("remote_registration_generation")
+    if generation is not None and not _is_int(generation):
+        raise _bad(f"remote_registration_generation must be an integer, got {generation!r}")
+
+    return RemotePrefillParams(
+        remote_engine_id=engine_id,
+        remote_request_id=request_id,
+        remote_host=host,
+        remote_port=port,
+        remote_block_ids=tuple(blocks),
+        remote_num_tokens=num_tokens,
+        generation=generation,
+    )
