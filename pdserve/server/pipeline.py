@@ -21,12 +21,12 @@ from typing import Any, Protocol
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.api.pd import is_remote_prefill, one_lease_violation
-from pdserve.engine.sampling_params import ParamError
+from pdserve.engine.sampling_params import ParamError, child_seed
 from pdserve.server.errors import APIError, sse_error_frame
 from pdserve.server.generation import Choice, Generation
 from pdserve.server.http_utils import SSE_DONE, until_disconnect
 from pdserve.server.metrics import RequestRecorder
-from pdserve.server.params import build_sampling_params, child_seed, sampling_param_name
+from pdserve.server.params import build_sampling_params, sampling_param_name
 from pdserve.server.state import ServerState
 from pdserve.text.output import OutputProcessor, TextDelta
 
