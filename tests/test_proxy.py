@@ -96,6 +96,7 @@ class Standin:
             json={
                 "fail_status": 0,
                 "fail_count": 0,
+                "retry_after": "",
                 "no_params": False,
                 "hold_before_response": False,
                 "hold_after_chunks": -1,
@@ -508,10 +509,13 @@ def test_decode_connect_failure_retries_on_another_instance(
     start_proxy: Callable[..., str], backends: dict[str, Standin], logs: Path
 ) -> None:
     dead = start_standin(logs / "dead.log")
-    dead_url = dead.url
-    dead.stop()  # nothing listens there any more: connection refused
     b = backends
-    url = start_proxy("--prefill", b["p1"].url, "--decode", dead_url, b["d1"].url, "--eject-after", "100")
+    url = start_proxy(
+        "--prefill", b["p1"].url, "--decode", dead.url, b["d1"].url, "--eject-after", "100",
+        "--health-interval", "3600",
+    )
+    wait_until(lambda: http.get(url + "/health").json()["decode_healthy"] == 2, "both decode instances admitted")
+    dead.stop()  # admitted, then nothing listens there any more: connection refused
     for _ in range(4):
         resp = http.post(url + "/v1/completions", json={"model": "standin", "prompt": "x", "max_tokens": 1})
         assert resp.status_code == 200
@@ -719,9 +723,7 @@ def test_api_key_upstream_key_and_admin(
     assert http.get(url + "/metrics").status_code == 200
 
     admin = {"Authorization": "Bearer admin-secret"}
-    assert http.get(url + "/pdserve/instances").status_code == 401
-    assert http.get(url + "/pdserve/instances", headers=client).status_code == 401
-    listing = http.get(url + "/pdserve/instances", headers=admin).json()
+    listing = http.get(url + "/pdserve/instances").json()  # read-only: open, like /health and /metrics
     assert [i["url"] for i in listing["prefill"]] == [b["p1"].url]
     assert [i["url"] for i in listing["decode"]] == [b["d1"].url]
     assert set(listing["decode"][0]) >= {"url", "healthy", "in_flight"}
@@ -731,12 +733,9 @@ def test_api_key_upstream_key_and_admin(
             url + "/pdserve/instances", headers=admin, json={"action": action, "role": role, "url": target}
         )
 
-    assert (
-        http.post(
-            url + "/pdserve/instances", json={"action": "add", "role": "decode", "url": b["d2"].url}
-        ).status_code
-        == 401
-    )
+    add_d2 = {"action": "add", "role": "decode", "url": b["d2"].url}
+    assert http.post(url + "/pdserve/instances", json=add_d2).status_code == 401
+    assert http.post(url + "/pdserve/instances", json=add_d2, headers=client).status_code == 401
     added = change("add", "decode", b["d2"].url.removeprefix("http://"))
     assert added.status_code == 200
     assert [(i["url"], i["healthy"]) for i in added.json()["decode"]] == [
@@ -806,3 +805,109 @@ def test_dead_decode_instance_is_ejected_and_readmitted(
         assert metric(text, "pdserve_proxy_instance_ejections_total", role="decode", url=victim.url) == 1
     finally:
         victim.stop()
+
+
+# -- hardening: admin off by default, readiness, Retry-After, retry budget ------------------------------
+
+
+def test_admin_route_is_off_without_admin_key(start_proxy: Callable[..., str], backends: dict[str, Standin]) -> None:
+    b = backends
+    url = start_proxy("--prefill", b["p1"].url, "--decode", b["d1"].url)
+    for change in ({"action": "add", "role": "decode", "url": "127.0.0.1:1"},
+                   {"action": "remove", "role": "prefill", "url": b["p1"].url}):
+        resp = http.post(url + "/pdserve/instances", json=change)
+        assert resp.status_code == 403 and "--admin-key" in resp.json()["error"]["message"]
+    listing = http.get(url + "/pdserve/instances").json()
+    assert [i["url"] for i in listing["prefill"]] == [b["p1"].url]
+    assert [i["url"] for i in listing["decode"]] == [b["d1"].url]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_instances_admitted_only_after_a_probe_and_requests_wait_for_one(
+    start_proxy: Callable[..., str], logs: Path
+) -> None:
+    """A proxy started before its instance: /health is 503 and the instance 'starting'; a request waits
+    (bounded) and gets 503 with Retry-After, or its answer once the instance comes up meanwhile."""
+    port = free_port()
+    url = start_proxy("--decode", f"127.0.0.1:{port}", "--instance-wait-timeout", "0.5")
+    health = http.get(url + "/health")
+    assert health.status_code == 503 and health.json()["decode_healthy"] == 0
+    assert http.get(url + "/pdserve/instances").json()["decode"][0]["state"] == "starting"
+    body = {"model": "standin", "prompt": "x", "max_tokens": 1}
+    resp = http.post(url + "/v1/completions", json=body)
+    assert resp.status_code == 503 and resp.json()["error"]["type"] == "ServiceUnavailableError"
+    assert int(resp.headers["Retry-After"]) >= 1
+    assert http.get(url + "/v1/models").status_code == 503
+    # Now a request that arrives first and an instance that starts while it waits.
+    url = start_proxy("--decode", f"127.0.0.1:{port}", "--instance-wait-timeout", "60")
+    results: list[int] = []
+    waiter = threading.Thread(target=lambda: results.append(http.post(url + "/v1/completions", json=body).status_code))
+    waiter.start()
+    late = start_standin(logs / "late.log", port=port)
+    try:
+        waiter.join(timeout=60)
+        assert results == [200]
+        assert http.get(url + "/health").status_code == 200
+        assert len(Standin(late).generation_requests()) == 1
+    finally:
+        late.stop()
+        waiter.join(timeout=60)
+
+
+def test_upstream_retry_after_is_respected(start_proxy: Callable[..., str], backends: dict[str, Standin]) -> None:
+    b = backends
+    url = start_proxy("--decode", b["d1"].url, b["d2"].url, "--instance-wait-timeout", "0.3")
+    wait_until(lambda: http.get(url + "/health").json()["decode_healthy"] == 2, "both decode instances admitted")
+    b["d1"].behave(fail_status=503, fail_count=-1, retry_after="30")
+    body = {"model": "standin", "prompt": "x", "max_tokens": 1}
+    for _ in range(6):  # the one that meets d1 is retried on d2; then d1 is passed over
+        assert http.post(url + "/v1/completions", json=body).status_code == 200
+    assert len(b["d1"].generation_requests()) == 1 and len(b["d2"].generation_requests()) == 6
+    d1 = next(i for i in http.get(url + "/pdserve/instances").json()["decode"] if i["url"] == b["d1"].url)
+    assert d1["state"] == "backoff" and d1["healthy"] and d1["ejections_total"] == 0  # busy, not broken
+    b["d2"].behave(fail_status=503, fail_count=-1, retry_after="7")
+    busy = http.post(url + "/v1/completions", json=body)
+    assert busy.status_code == 503 and busy.headers["Retry-After"] == "7"
+    none_left = http.post(url + "/v1/completions", json=body)  # both back off: nothing sent, 503
+    assert none_left.status_code == 503 and 1 <= int(none_left.headers["Retry-After"]) <= 7
+    assert len(b["d1"].generation_requests()) == 1 and len(b["d2"].generation_requests()) == 7
+
+
+def test_retry_budget_caps_prefill_work_in_an_error_storm(
+    start_proxy: Callable[..., str], backends: dict[str, Standin]
+) -> None:
+    b = backends
+    url = start_proxy(
+        "--prefill", b["p1"].url, b["p2"].url, "--decode", b["d1"].url, "--eject-after", "1000",
+        "--retry-budget-ratio", "0.1", "--retry-budget-burst", "1", "--retry-budget-min-per-s", "0",
+    )
+    for name in ("p1", "p2"):
+        b[name].behave(fail_status=500, fail_count=-1)
+    n = 40
+    for _ in range(n):
+        body = {"model": "standin", "prompt": "x", "max_tokens": 1}
+        assert http.post(url + "/v1/completions", json=body).status_code == 502
+    prefill, decode = legs(b)
+    retries = len(prefill) - n
+    assert decode == [] and 1 <= retries <= 1 + n * 0.1  # not 2n legs: the budget held
+    text = http.get(url + "/metrics").text
+    assert metric(text, "pdserve_proxy_retries_total", leg="prefill") == retries
+    assert metric(text, "pdserve_proxy_errors_total", kind="retry_budget") == n - retries
+
+
+def test_proxy_on_a_busy_port_says_so_in_one_line(backends: dict[str, Standin], tmp_path: Path) -> None:
+    busy = backends["d1"].proc.port
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve", "proxy", "--port", str(busy), "--decode", backends["d1"].url],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1].startswith(f"pdserve proxy: cannot listen on 127.0.0.1:{busy}")
+    assert "Traceback" not in out.stderr

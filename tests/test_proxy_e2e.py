@@ -47,7 +47,8 @@ class Server:
         )
         self.url = url
 
-    def wait_ready(self) -> Server:
+    def wait_ready(self, status: int = 200) -> Server:
+        """Until GET /health answers `status` (a proxy without a live prefill instance answers 503)."""
         for _ in range(int(READY_TIMEOUT_S / 0.25)):
             if self.proc.poll() is not None:
                 raise RuntimeError(
@@ -58,7 +59,7 @@ class Server:
                 self.url = match.group(1) if match else None
             if self.url is not None:
                 try:
-                    if http.get(self.url + "/health", timeout=2).status_code == 200:
+                    if http.get(self.url + "/health", timeout=2).status_code == status:
                         return self
                 except httpx.HTTPError:
                     pass
@@ -237,7 +238,8 @@ def test_1p1d_through_proxy_matches_collocated(pd: dict[str, Server]) -> None:
 
 
 def test_1p1d_prefill_instance_down_fails_cleanly(pd: dict[str, Server]) -> None:
-    """An unreachable prefill instance is a clean 502 under the default policy, never a silent recompute."""
+    """An unreachable prefill instance is never admitted: the proxy's /health says 503 and a request gets a
+    clean 503 with Retry-After once --instance-wait-timeout passes, never a silent recompute."""
     proxy_log = pd["proxy"].log.parent / "proxy-dead-prefill.log"
     dead = f"http://127.0.0.1:{free_port()}"
     proxy = Server(
@@ -254,14 +256,18 @@ def test_1p1d_prefill_instance_down_fails_cleanly(pd: dict[str, Server]) -> None
             dead,
             "--decode",
             pd["decode"].url or "",
+            "--instance-wait-timeout",
+            "1",
         ],
         proxy_log,
     )
     try:
-        proxy.wait_ready()  # /health answers 200 while a prefill instance is not yet ejected
+        proxy.wait_ready(status=503)
         resp = http.post(
             f"{proxy.url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}
         )
-        assert resp.status_code == 502 and resp.json()["error"]["type"] == "BadGatewayError"
+        assert resp.status_code == 503 and resp.json()["error"]["type"] == "ServiceUnavailableError"
+        assert int(resp.headers["Retry-After"]) >= 1
+        assert "no prefill instance available" in resp.json()["error"]["message"]
     finally:
         proxy.stop()

@@ -9,10 +9,12 @@ import copy
 import pytest
 
 from pdserve.api import pd
+from pdserve.bindcheck import exposure_warning, is_loopback, port_taken
 from pdserve.proxy import protocol
 from pdserve.proxy.cli import add_arguments, config_from_args
 from pdserve.proxy.config import ProxyConfig, load_config_file
 from pdserve.proxy.pool import Pool, normalize_url
+from pdserve.proxy.retry import RetryBudget, parse_retry_after, retry_after_header
 
 SIX_KEYS = {
     "do_remote_decode": True,
@@ -170,7 +172,7 @@ def test_normalize_url() -> None:
 
 
 def test_pool_least_loaded_with_rotating_ties() -> None:
-    pool = Pool("decode", ["h:1", "h:2", "h:3"])
+    pool = Pool("decode", ["h:1", "h:2", "h:3"], healthy=True)
     a, b, c = pool.instances
     # All idle: ties rotate, so consecutive choices cover every instance.
     assert {pool.choose().url for _ in range(3)} == {a.url, b.url, c.url}
@@ -184,22 +186,86 @@ def test_pool_least_loaded_with_rotating_ties() -> None:
     assert pool.choose(exclude=[a, b, c]) is None
 
 
-def test_pool_ejection_readmission_and_panic() -> None:
+def test_pool_admission_ejection_readmission() -> None:
     pool = Pool("prefill", ["h:1", "h:2"])
     a, b = pool.instances
+    # Nothing is admitted before a successful probe: no candidate, state "starting".
+    assert pool.choose() is None and pool.healthy_count() == 0
+    assert a.to_json()["state"] == b.state == "starting"
+    assert a.record_success() and b.record_success()
     assert not a.record_failure("boom", eject_after=2)
     assert a.record_failure("boom", eject_after=2)
-    assert not a.healthy and a.ejections_total == 1
+    assert not a.healthy and a.ejections_total == 1 and a.state == "ejected"
     assert all(pool.choose() is b for _ in range(4))
     assert b.record_failure("x", eject_after=1) and not b.healthy
-    # Nothing healthy: every instance is a candidate rather than refusing everything.
-    assert pool.choose() in (a, b)
+    # Nothing healthy: no candidate (callers wait for a probe to re-admit one, then answer 503).
+    assert pool.choose() is None
     assert a.record_success() and a.healthy and a.consecutive_failures == 0
     assert not a.record_success()
 
 
+def test_pool_upstream_backoff() -> None:
+    pool = Pool("decode", ["h:1", "h:2"], healthy=True)
+    a, b = pool.instances
+    assert pool.backoff_left() is None
+    a.back_off(30)
+    assert a.state == "backoff" and a.healthy
+    assert all(pool.choose() is b for _ in range(4))
+    b.back_off(5)
+    assert pool.choose() is None
+    assert 4 < pool.backoff_left() <= 5
+    a.backoff_until = b.backoff_until = 0.0
+    assert pool.choose() in (a, b)
+
+
+def test_retry_budget_is_a_fraction_of_traffic() -> None:
+    now = [0.0]
+    budget = RetryBudget(ratio=0.1, min_per_s=0.0, burst=2, clock=lambda: now[0])
+    assert budget.try_spend() and budget.try_spend() and not budget.try_spend()  # the burst, then empty
+    spent = 0
+    for _ in range(1000):  # an error storm: every request wants a retry
+        budget.deposit()
+        spent += budget.try_spend()
+    assert spent == 100  # 10 % of the traffic, never more
+    floor = RetryBudget(ratio=0.0, min_per_s=2.0, burst=1, clock=lambda: now[0])
+    assert floor.try_spend() and not floor.try_spend()
+    now[0] += 0.5
+    assert floor.try_spend() and not floor.try_spend()  # 2 per second whatever the traffic
+    now[0] += 100
+    assert floor.tokens == 1.0  # never more than the burst saved up
+    with pytest.raises(ValueError):
+        RetryBudget(ratio=-1, min_per_s=0, burst=1)
+
+
+def test_parse_retry_after() -> None:
+    assert parse_retry_after(None) is None and parse_retry_after("soon") is None
+    assert parse_retry_after("7") == 7.0
+    assert parse_retry_after("100000") == 300.0  # capped
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:10 GMT", now=1445412480.0) == 10.0
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412490.0) == 0.0
+    assert retry_after_header(0.2) == "1" and retry_after_header(2.1) == "3"
+
+
+def test_bindcheck_loopback_exposure_and_ports() -> None:
+    import socket
+
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.1.2.3", "localhost", "::1", "[::1]"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "", "10.0.0.1", "example.com"))
+    assert exposure_warning("pdserve proxy", "127.0.0.1", None) is None
+    assert exposure_warning("pdserve proxy", "0.0.0.0", "key") is None
+    warning = exposure_warning("pdserve proxy", "0.0.0.0", None)
+    assert warning is not None and "0.0.0.0" in warning and "--api-key" in warning
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        assert "not free" in (port_taken("127.0.0.1", port) or "")
+    assert port_taken("127.0.0.1", port) is None
+    assert port_taken("127.0.0.1", 0) is None
+
+
 def test_pool_prefix_affinity_is_consistent_and_yields_to_load() -> None:
-    pool = Pool("prefill", ["h:1", "h:2", "h:3", "h:4"])
+    pool = Pool("prefill", ["h:1", "h:2", "h:3", "h:4"], healthy=True)
     targets = {pool.choose(affinity="shared prefix", affinity_slack=2) for _ in range(8)}
     assert len(targets) == 1
     target = targets.pop()

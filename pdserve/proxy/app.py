@@ -25,9 +25,10 @@ from pdserve.api.pd import (
 from pdserve.proxy.config import ProxyConfig
 from pdserve.proxy.errors import error_response
 from pdserve.proxy.health import HealthChecker, probe
-from pdserve.proxy.legs import relay_decode, run_prefill
+from pdserve.proxy.legs import no_instance_response, relay_decode, run_prefill
 from pdserve.proxy.pool import ROLES, Instance
 from pdserve.proxy.protocol import affinity_key, estimate_prompt_tokens, max_output_tokens
+from pdserve.proxy.retry import retry_after_header
 from pdserve.proxy.state import ProxyState
 
 logger = logging.getLogger("pdserve.proxy")
@@ -94,6 +95,7 @@ class ProxyHandlers:
                 headers={"Retry-After": "1"},
             )
         started = time.perf_counter()
+        state.retry_budget.deposit()
         state.in_flight += 1
         self.metrics.in_flight.inc()
         try:
@@ -159,7 +161,8 @@ class ProxyHandlers:
         if result.passthrough is not None:
             return result.passthrough
         if result.kv_params is None:
-            if cfg.on_prefill_failure == "decode-local":
+            # A fallback after a prefill that did work repeats it: paid from the retry budget.
+            if cfg.on_prefill_failure == "decode-local" and (not result.reached or state.spend_retry()):
                 logger.warning(
                     "request %s: prefill failed (%s); decode instance prefills locally "
                     "(--on-prefill-failure decode-local)",
@@ -170,7 +173,17 @@ class ProxyHandlers:
                 return await relay_decode(
                     state, request, api_path, raw, headers, tokens=decode_tokens, kv_claimed=False
                 )
+            if result.unavailable:
+                return no_instance_response(state, "prefill", rid, result.retry_after)
             self.metrics.error("prefill_failed")
+            if result.retry_after is not None:  # the prefill instance asked for a pause: pass it on
+                return error_response(
+                    503,
+                    f"prefill instance busy: {result.error}",
+                    "ServiceUnavailableError",
+                    request_id=rid,
+                    headers={"Retry-After": retry_after_header(result.retry_after)},
+                )
             logger.warning(
                 "request %s: prefill failed (%s); answering 502 (--on-prefill-failure %s)",
                 rid,
@@ -210,8 +223,8 @@ class ProxyHandlers:
         data = await request.read() if request.can_read_body else None
         tried: list[Instance] = []
         last = "no decode instance available"
-        for _ in range(1 + self.config.decode_retries):
-            inst = state.decode.choose(tried)
+        for attempt in range(1 + self.config.decode_retries):
+            inst = await state.choose(state.decode, tried, wait=attempt == 0)
             if inst is None:
                 break
             tried.append(inst)
@@ -231,7 +244,9 @@ class ProxyHandlers:
                 inst.record_failure(last, self.config.eject_after)
                 continue
             return web.Response(status=status, body=body, headers={"Content-Type": ctype})
-        return error_response(502 if tried else 503, last, "BadGatewayError")
+        if not tried:
+            return no_instance_response(state, "decode", rid)
+        return error_response(502, last, "BadGatewayError")
 
     # -- operational routes -----------------------------------------------------------------------
 
@@ -274,13 +289,20 @@ class ProxyHandlers:
         return {pool.role: [inst.to_json() for inst in pool.instances] for pool in self.state.pools()}
 
     async def list_instances(self, request: web.Request) -> web.Response:
-        denied = self._unauthorized(request, self.config.admin_key)
-        if denied is not None:
-            return denied
+        """Read-only, open like /health and /metrics (which carry the same URLs and health states)."""
         return web.json_response(self._listing())
 
     async def change_instances(self, request: web.Request) -> web.Response:
-        """POST {"action": "add"|"remove", "role": "prefill"|"decode", "url": "host:port"}."""
+        """POST {"action": "add"|"remove", "role": "prefill"|"decode", "url": "host:port"}; off without
+        --admin-key."""
+        if self.config.admin_key is None:
+            self.metrics.error("unauthorized")
+            return error_response(
+                403,
+                "the admin route is off: start the proxy with --admin-key KEY (or env PDSERVE_ADMIN_KEY) to "
+                "add or remove instances",
+                "PermissionDeniedError",
+            )
         denied = self._unauthorized(request, self.config.admin_key)
         if denied is not None:
             return denied
@@ -305,6 +327,7 @@ class ProxyHandlers:
                 reason = await probe(self.state.http(), inst, self.config.health_timeout)
                 if reason is None:
                     inst.record_success()
+                    self.state.readiness.notify()
                 else:
                     inst.last_error = reason
                 logger.warning("admin: added %s instance %s (healthy: %s)", role, inst.url, inst.healthy)
@@ -344,9 +367,12 @@ def create_app(config: ProxyConfig) -> web.Application:
             interval=config.health_interval,
             timeout=config.health_timeout,
             eject_after=config.eject_after,
+            on_admit=state.readiness.notify,
         )
+        state.checker = checker
         checker.start()
         yield
+        state.checker = None
         await checker.stop()
         await state.close()
 

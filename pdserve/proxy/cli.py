@@ -15,6 +15,7 @@ import signal
 import sys
 from typing import Any
 
+from pdserve.bindcheck import exposure_warning
 from pdserve.proxy.config import PREFILL_FAILURE_POLICIES, ProxyConfig, load_config_file
 
 SHUTDOWN_GRACE_S = 10.0
@@ -53,7 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--api-key", default=s, help="require 'Authorization: Bearer KEY' on /v1 routes")
     parser.add_argument(
-        "--admin-key", default=s, help="require 'Authorization: Bearer KEY' on /pdserve/instances"
+        "--admin-key",
+        default=s,
+        help="enable POST /pdserve/instances (add/remove instances) for 'Authorization: Bearer KEY'; "
+        "without it that route is off (403)",
     )
     parser.add_argument(
         "--upstream-api-key",
@@ -154,11 +158,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"consecutive failures (probes or requests) before ejection (default {_D.eject_after})",
     )
     parser.add_argument(
+        "--instance-wait-timeout",
+        type=float,
+        default=s,
+        help="seconds a request waits for an instance when none is ready (starting, ejected, backing off) "
+        f"before 503 with Retry-After (default {_D.instance_wait_timeout:g})",
+    )
+    parser.add_argument(
+        "--retry-budget-ratio",
+        type=float,
+        default=s,
+        help="retries (and decode-local fallbacks) allowed per client request, as a fraction of traffic "
+        f"(default {_D.retry_budget_ratio:g})",
+    )
+    parser.add_argument(
+        "--retry-budget-min-per-s",
+        type=float,
+        default=s,
+        help=f"retries per second allowed whatever the traffic (default {_D.retry_budget_min_per_s:g})",
+    )
+    parser.add_argument(
+        "--retry-budget-burst",
+        type=float,
+        default=s,
+        help=f"most retries the budget can save up (default {_D.retry_budget_burst:g})",
+    )
+    parser.add_argument(
         "--log-level",
         choices=("debug", "info", "warning", "error"),
         default=s,
         help=f"(default {_D.log_level})",
     )
+
+
+class BindError(Exception):
+    """The proxy cannot listen on its address (one line for the user, no traceback)."""
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -184,7 +218,14 @@ async def serve(config: ProxyConfig) -> None:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, backlog=4096)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise BindError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+    warning = exposure_warning("pdserve proxy", config.host, config.api_key)
+    if warning:
+        logging.getLogger("pdserve.proxy").warning(warning)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -223,6 +264,9 @@ def main(args: argparse.Namespace) -> int:
         loop = asyncio.new_event_loop()
     try:
         loop.run_until_complete(serve(config))
+    except BindError as exc:
+        print(f"pdserve proxy: {exc}", file=sys.stderr)
+        return 1
     finally:
         loop.close()
     return 0

@@ -21,7 +21,8 @@ class ProxyConfig:
     decode: list[str] = field(default_factory=list)
     # Client-facing auth: `Authorization: Bearer <api_key>` on /v1 routes.
     api_key: str | None = None
-    # Admin auth: `Authorization: Bearer <admin_key>` on /pdserve/instances.
+    # Admin auth: `Authorization: Bearer <admin_key>` on POST /pdserve/instances. Without a key the
+    # admin (mutating) route is off: anyone reaching the proxy could otherwise add or remove instances.
     admin_key: str | None = None
     # Upstream auth: sent as `Authorization: Bearer <key>` to instances. When unset, the client's
     # Authorization header is forwarded unless the proxy checks its own --api-key.
@@ -42,6 +43,12 @@ class ProxyConfig:
     health_interval: float = 5.0
     health_timeout: float = 2.0
     eject_after: int = 3
+    # A request finding no available instance waits this long for one to be admitted, then gets 503.
+    instance_wait_timeout: float = 15.0
+    # Retry budget (see pdserve/proxy/retry.py): retries <= burst + ratio x requests + min_per_s x seconds.
+    retry_budget_ratio: float = 0.05
+    retry_budget_min_per_s: float = 1.0
+    retry_budget_burst: float = 10.0
     log_level: str = "info"
 
     def validate(self) -> ProxyConfig:
@@ -72,6 +79,11 @@ class ProxyConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        for name in ("instance_wait_timeout", "retry_budget_ratio", "retry_budget_min_per_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.retry_budget_burst < 1:
+            raise ValueError("retry_budget_burst must be >= 1")
         return self
 
 

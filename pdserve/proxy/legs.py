@@ -22,12 +22,16 @@ from pdserve.proxy.errors import (
     sse_error_event,
 )
 from pdserve.proxy.pool import Instance
+from pdserve.proxy.readiness import retry_after_s
+from pdserve.proxy.retry import parse_retry_after, retry_after_header
 from pdserve.proxy.state import ProxyState
 
 logger = logging.getLogger("pdserve.proxy")
 
 # Upstream statuses that mean "try elsewhere" rather than "the client's request is wrong".
 _RETRYABLE_4XX = (408, 429)
+# Statuses whose Retry-After the proxy honours (the instance is passed over until then).
+_BACKOFF_STATUSES = (429, 503)
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
 
@@ -38,13 +42,31 @@ def _describe(exc: BaseException) -> str:
 
 @dataclass
 class PrefillResult:
-    """Outcome of the prefill leg: params (success), a client error to relay verbatim, or a failure."""
+    """Outcome of the prefill leg: params (success), a client error to relay verbatim, or a failure.
+
+    On failure: `unavailable` when no prefill instance was available at all, `reached` when the failed
+    leg reached an instance (so retrying may repeat prefill work), `retry_after` when the instance (or
+    the lack of one) says when to come back.
+    """
 
     kv_params: dict[str, Any] | None = None
     response: dict[str, Any] | None = None
     instance: Instance | None = None
     passthrough: web.Response | None = None
     error: str | None = None
+    unavailable: bool = False
+    reached: bool = False
+    retry_after: float | None = None
+
+
+def _backoff(inst: Instance, status: int, headers: Any) -> float | None:
+    """Honour an upstream Retry-After on 429/503: the instance is passed over until then."""
+    if status not in _BACKOFF_STATUSES:
+        return None
+    seconds = parse_retry_after(headers.get("Retry-After"))
+    if seconds is not None and seconds > 0:
+        inst.back_off(seconds)
+    return seconds
 
 
 async def _prefill_once(
@@ -56,6 +78,7 @@ async def _prefill_once(
     status = 0
     data = b""
     ctype = "application/json"
+    retry_after: float | None = None
     inst.acquire(tokens)
     try:
         async with state.http().post(
@@ -63,6 +86,7 @@ async def _prefill_once(
         ) as resp:
             status = resp.status
             ctype = resp.headers.get("Content-Type", ctype)
+            retry_after = _backoff(inst, status, resp.headers)
             data = await resp.read()
     except _CONNECT_ERRORS as exc:
         kind, reason = "prefill_connect", _describe(exc)
@@ -85,7 +109,8 @@ async def _prefill_once(
             )
         if status != 200:
             kind, reason = "prefill_status", f"status {status}: {data[:200]!r}"
-            counts_against_instance = status >= 500
+            # An instance that asked for a pause (Retry-After) is busy, not broken: no ejection.
+            counts_against_instance = status >= 500 and retry_after is None
         else:
             try:
                 parsed = json.loads(data)
@@ -102,7 +127,9 @@ async def _prefill_once(
     if counts_against_instance:
         inst.record_failure(reason, state.config.eject_after)
     logger.warning("prefill leg of request %s failed on %s: %s", headers["X-Request-Id"], inst.url, reason)
-    return PrefillResult(instance=inst, error=f"{inst.url}: {reason}")
+    return PrefillResult(
+        instance=inst, error=f"{inst.url}: {reason}", reached=kind != "prefill_connect", retry_after=retry_after
+    )
 
 
 async def run_prefill(
@@ -114,23 +141,32 @@ async def run_prefill(
     affinity: str | None,
 ) -> PrefillResult:
     """The prefill leg on the chosen instance, then on other instances while retries are allowed
-    (none under --on-prefill-failure fail)."""
+    (none under --on-prefill-failure fail) and the retry budget has room.
+
+    With no prefill instance available, the first attempt waits (bounded) for one, except under
+    --on-prefill-failure decode-local, which serves such a request locally at once instead.
+    """
     cfg = state.config
     attempts = 1 if cfg.on_prefill_failure == "fail" else 1 + cfg.prefill_retries
+    wait = cfg.on_prefill_failure != "decode-local"
     tried: list[Instance] = []
-    last_error = "no prefill instance available"
+    last = PrefillResult(error="no prefill instance available", unavailable=True)
     for attempt in range(attempts):
-        inst = state.prefill.choose(tried, affinity=affinity, affinity_slack=cfg.prefix_affinity_slack)
+        inst = await state.choose(state.prefill, tried, wait=wait and attempt == 0, affinity=affinity)
         if inst is None:
             break
         if attempt:
+            if last.reached and not state.spend_retry():
+                break
             state.metrics.retries["prefill"].inc()
         tried.append(inst)
         result = await _prefill_once(state, inst, api_path, payload, headers, tokens)
         if result.kv_params is not None or result.passthrough is not None:
             return result
-        last_error = result.error or last_error
-    return PrefillResult(error=last_error)
+        last = result
+    if last.unavailable:
+        last.retry_after = retry_after_s(state.prefill, cfg.health_interval)
+    return last
 
 
 async def relay_decode(
@@ -145,20 +181,26 @@ async def relay_decode(
 ) -> web.StreamResponse:
     """Send the decode leg and relay its response. A leg that never reached an instance (connect
     failure) is retried on another one; other failures are retried only when `kv_claimed` is False:
-    a P/D decode leg that reached its instance may have claimed the prefill's KV lease."""
+    a P/D decode leg that reached its instance may have claimed the prefill's KV lease. Retries after a
+    leg that reached an instance are paid from the retry budget; with no decode instance available the
+    first attempt waits (bounded) for one, then the answer is 503 with Retry-After."""
     cfg = state.config
     rid = headers["X-Request-Id"]
     tried: list[Instance] = []
     last_kind: str | None = None
     last_reason = ""
+    last_retry_after: float | None = None
     for attempt in range(1 + cfg.decode_retries):
-        inst = state.decode.choose(tried)
+        inst = await state.choose(state.decode, tried, wait=attempt == 0)
         if inst is None:
             break
         if attempt:
+            if last_kind != "decode_connect" and not state.spend_retry():
+                break
             state.metrics.retries["decode"].inc()
         tried.append(inst)
         may_retry = attempt < cfg.decode_retries
+        last_retry_after = None
         inst.acquire(tokens)
         try:
             started = time.perf_counter()
@@ -174,22 +216,45 @@ async def relay_decode(
                 last_kind, last_reason = "decode_io", _describe(exc)
             else:
                 if resp.status >= 500 and not kv_claimed and may_retry:
+                    last_retry_after = _backoff(inst, resp.status, resp.headers)
                     body = await _read_quietly(resp)
                     last_kind, last_reason = "decode_status", f"status {resp.status}: {body[:200]!r}"
                 else:
                     return await _relay_response(state, request, inst, resp, started, rid)
             state.metrics.error(last_kind)
-            inst.record_failure(last_reason, cfg.eject_after)
+            if last_retry_after is None:
+                inst.record_failure(last_reason, cfg.eject_after)
             logger.warning("decode leg of request %s failed on %s: %s", rid, inst.url, last_reason)
             if kv_claimed and last_kind != "decode_connect":
                 break
         finally:
             inst.release(tokens)
     if last_kind is None:
-        state.metrics.error("no_instance")
-        return error_response(503, "no decode instance available", "ServiceUnavailableError", request_id=rid)
+        return no_instance_response(state, "decode", rid)
+    if last_retry_after is not None:
+        return error_response(
+            503,
+            f"decode instance busy: {last_reason}",
+            "ServiceUnavailableError",
+            request_id=rid,
+            headers={"Retry-After": retry_after_header(last_retry_after)},
+        )
     status = 504 if last_kind == "decode_timeout" else 502
     return error_response(status, f"decode leg failed: {last_reason}", "BadGatewayError", request_id=rid)
+
+
+def no_instance_response(state: ProxyState, role: str, rid: str | None, seconds: float | None = None) -> web.Response:
+    """503 with Retry-After: no `role` instance became available within --instance-wait-timeout."""
+    state.metrics.error("no_instance")
+    if seconds is None:
+        seconds = retry_after_s(state.pool(role), state.config.health_interval)
+    return error_response(
+        503,
+        f"no {role} instance available (none became ready within {state.config.instance_wait_timeout:g}s)",
+        "ServiceUnavailableError",
+        request_id=rid,
+        headers={"Retry-After": retry_after_header(seconds)},
+    )
 
 
 async def _read_quietly(resp: aiohttp.ClientResponse) -> bytes:
@@ -212,6 +277,7 @@ async def _relay_response(
     metrics = state.metrics
     status = resp.status
     ctype = resp.headers.get("Content-Type", "application/json")
+    retry_after = _backoff(inst, status, resp.headers)
     finished = False
     try:
         if status >= 400 or not ctype.startswith("text/event-stream"):
@@ -231,7 +297,8 @@ async def _relay_response(
             metrics.decode_ttfb_seconds.observe(time.perf_counter() - started)
             if status >= 500:
                 metrics.error("decode_status")
-                inst.record_failure(f"status {status}", state.config.eject_after)
+                if retry_after is None:
+                    inst.record_failure(f"status {status}", state.config.eject_after)
                 if not is_openai_error_body(data):
                     data = json.dumps(
                         error_payload(
@@ -243,9 +310,10 @@ async def _relay_response(
                     ctype = "application/json"
             else:
                 inst.record_success()
-            return web.Response(
-                status=status, body=data, headers={"Content-Type": ctype, "X-Request-Id": rid}
-            )
+            out_headers = {"Content-Type": ctype, "X-Request-Id": rid}
+            if "Retry-After" in resp.headers:
+                out_headers["Retry-After"] = resp.headers["Retry-After"]
+            return web.Response(status=status, body=data, headers=out_headers)
         out, finished = await _relay_stream(state, request, inst, resp, started, rid, ctype)
         return out
     finally:

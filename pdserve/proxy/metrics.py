@@ -28,6 +28,7 @@ ERROR_KINDS = (
     "decode_status",
     "decode_stream",
     "no_instance",
+    "retry_budget",
     "client_disconnect",
 )
 LATENCY_BUCKETS = (
@@ -54,7 +55,9 @@ class _PoolCollector(Collector):
             labels=labels,
         )
         healthy = GaugeMetricFamily(
-            "pdserve_proxy_instance_healthy", "1 when the instance is admitted, 0 when ejected", labels=labels
+            "pdserve_proxy_instance_healthy",
+            "1 when the instance is admitted, 0 when starting (not yet probed) or ejected",
+            labels=labels,
         )
         requests = CounterMetricFamily(
             "pdserve_proxy_instance_requests", "Legs sent to the instance", labels=labels
@@ -107,6 +110,9 @@ class ProxyMetrics:
             registry=reg,
         )
         reg.register(_PoolCollector(pools))
+        self.retry_budget_tokens = Gauge(
+            "pdserve_proxy_retry_budget_tokens", "Retries the retry budget allows right now", registry=reg
+        )
 
     def error(self, kind: str) -> None:
         self.errors[kind].inc()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,11 +36,16 @@ def normalize_url(url: str) -> str:
 
 @dataclass(eq=False)
 class Instance:
-    """One prefill or decode server and what the proxy knows of it."""
+    """One prefill or decode server and what the proxy knows of it.
+
+    `healthy` starts False: an instance is admitted only by a successful `/health` probe (or a request
+    that succeeded), so a proxy started before its instances listen sends them nothing. `backoff_until`
+    (monotonic seconds) is set from an upstream `Retry-After`: until then the instance is passed over.
+    """
 
     url: str
     role: str
-    healthy: bool = True
+    healthy: bool = False
     in_flight: int = 0
     outstanding_tokens: int = 0
     consecutive_failures: int = 0
@@ -47,11 +53,29 @@ class Instance:
     failures_total: int = 0
     ejections_total: int = 0
     last_error: str | None = None
+    ever_healthy: bool = False
+    backoff_until: float = 0.0
     host: str = field(init=False)
     _endpoints: dict[str, URL] = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.host = URL(self.url).host or ""
+        self.ever_healthy = self.healthy
+
+    def available(self, now: float) -> bool:
+        """Admitted and not in an upstream-requested back-off."""
+        return self.healthy and now >= self.backoff_until
+
+    def back_off(self, seconds: float) -> None:
+        """The instance asked (Retry-After) not to be sent work for `seconds`."""
+        self.backoff_until = max(self.backoff_until, time.monotonic() + seconds)
+        logger.warning("%s instance %s asked to back off for %.1fs", self.role, self.url, seconds)
+
+    @property
+    def state(self) -> str:
+        if not self.healthy:
+            return "ejected" if self.ever_healthy else "starting"
+        return "backoff" if time.monotonic() < self.backoff_until else "healthy"
 
     def endpoint(self, path: str) -> URL:
         """The URL of `path` on this instance, parsed once (yarl parsing is a visible cost per leg)."""
@@ -75,7 +99,11 @@ class Instance:
         if self.healthy:
             return False
         self.healthy = True
-        logger.warning("%s instance %s re-admitted", self.role, self.url)
+        if self.ever_healthy:
+            logger.warning("%s instance %s re-admitted", self.role, self.url)
+        else:
+            logger.info("%s instance %s admitted (first successful probe)", self.role, self.url)
+        self.ever_healthy = True
         return True
 
     def record_failure(self, reason: str, eject_after: int) -> bool:
@@ -100,6 +128,7 @@ class Instance:
         return {
             "url": self.url,
             "healthy": self.healthy,
+            "state": self.state,
             "in_flight": self.in_flight,
             "outstanding_tokens": self.outstanding_tokens,
             "consecutive_failures": self.consecutive_failures,
@@ -116,16 +145,16 @@ def _rendezvous_score(key_digest: bytes, url: str) -> bytes:
 
 class Pool:
     """The instances of one role. Choice: least outstanding requests, then least outstanding tokens,
-    ties rotated; optional prefix affinity by rendezvous hashing over the healthy instances."""
+    ties rotated; optional prefix affinity by rendezvous hashing over the available instances."""
 
-    def __init__(self, role: str, urls: Iterable[str] = ()) -> None:
+    def __init__(self, role: str, urls: Iterable[str] = (), *, healthy: bool = False) -> None:
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}")
         self.role = role
         self._instances: list[Instance] = []
         self._rotation = 0
         for url in urls:
-            self.add(url)
+            self.add(url, healthy=healthy)
 
     @property
     def instances(self) -> list[Instance]:
@@ -137,11 +166,17 @@ class Pool:
     def healthy_count(self) -> int:
         return sum(1 for inst in self._instances if inst.healthy)
 
+    def backoff_left(self) -> float | None:
+        """Seconds until the first admitted instance in back-off is available again; None if none is."""
+        now = time.monotonic()
+        waits = [inst.backoff_until - now for inst in self._instances if inst.healthy and inst.backoff_until > now]
+        return min(waits) if waits else None
+
     def get(self, url: str) -> Instance | None:
         url = normalize_url(url)
         return next((inst for inst in self._instances if inst.url == url), None)
 
-    def add(self, url: str, *, healthy: bool = True) -> Instance:
+    def add(self, url: str, *, healthy: bool = False) -> Instance:
         url = normalize_url(url)
         if self.get(url) is not None:
             raise ValueError(f"{self.role} instance {url} is already registered")
@@ -162,14 +197,14 @@ class Pool:
         affinity: str | None = None,
         affinity_slack: int = 0,
     ) -> Instance | None:
-        """The instance for the next leg, or None when every instance is excluded. When no instance is
-        healthy, all are candidates (better to try than to refuse everything on a flapping probe)."""
+        """The instance for the next leg, or None when no instance outside `exclude` is available
+        (admitted and not backing off). Callers wait for one (bounded) or answer 503: sending work to
+        an instance that failed its probes only turns a clean 503 into a slow 502."""
         excluded = set(exclude)
-        candidates = [inst for inst in self._instances if inst.healthy and inst not in excluded]
+        now = time.monotonic()
+        candidates = [inst for inst in self._instances if inst.available(now) and inst not in excluded]
         if not candidates:
-            candidates = [inst for inst in self._instances if inst not in excluded]
-            if not candidates:
-                return None
+            return None
         least = self._least_loaded(candidates)
         if not excluded:  # rotate ties once per request, not once per retry
             self._rotation += 1

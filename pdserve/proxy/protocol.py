@@ -14,7 +14,9 @@ def _text_of_content(content: Any) -> str:
         return content
     if isinstance(content, list):
         return "".join(
-            part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text"
+            part["text"]
+            for part in content
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
         )
     return ""
 

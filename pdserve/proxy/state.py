@@ -7,8 +7,11 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from pdserve.proxy.config import ProxyConfig
+from pdserve.proxy.health import HealthChecker
 from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.proxy.pool import Pool
+from pdserve.proxy.pool import Instance, Pool
+from pdserve.proxy.readiness import Readiness, choose_ready
+from pdserve.proxy.retry import RetryBudget
 
 # Below uvicorn's (and so vLLM's) 5 s server keep-alive: the proxy drops an idle pooled connection
 # before the server may close it under a request in flight.
@@ -23,11 +26,16 @@ class ProxyState:
     metrics: ProxyMetrics
     session: aiohttp.ClientSession | None = None
     in_flight: int = 0
+    checker: HealthChecker | None = None
+    readiness: Readiness = field(default_factory=Readiness)
+    retry_budget: RetryBudget = field(init=False)
     prefill_timeout: aiohttp.ClientTimeout = field(init=False)
     decode_timeout: aiohttp.ClientTimeout = field(init=False)
 
     def __post_init__(self) -> None:
         cfg = self.config
+        self.retry_budget = RetryBudget(cfg.retry_budget_ratio, cfg.retry_budget_min_per_s, cfg.retry_budget_burst)
+        self.metrics.retry_budget_tokens.set_function(lambda: self.retry_budget.tokens)
         self.prefill_timeout = aiohttp.ClientTimeout(
             total=cfg.prefill_timeout, sock_connect=cfg.connect_timeout
         )
@@ -51,6 +59,32 @@ class ProxyState:
         if role == "decode":
             return self.decode
         raise ValueError(f"unknown role {role!r}")
+
+    def nudge_health(self) -> None:
+        if self.checker is not None:
+            self.checker.nudge()
+
+    async def choose(
+        self,
+        pool: Pool,
+        exclude: list[Instance],
+        *,
+        wait: bool,
+        affinity: str | None = None,
+    ) -> Instance | None:
+        """An available instance of `pool`; with `wait`, up to --instance-wait-timeout for one to be admitted."""
+        wait_s = self.config.instance_wait_timeout if wait else 0.0
+        slack = self.config.prefix_affinity_slack
+        return await choose_ready(
+            pool, self.readiness, self.nudge_health, wait_s, exclude, affinity=affinity, affinity_slack=slack
+        )
+
+    def spend_retry(self) -> bool:
+        """Take one retry from the proxy's budget (counted as an error of kind retry_budget when refused)."""
+        if self.retry_budget.try_spend():
+            return True
+        self.metrics.error("retry_budget")
+        return False
 
     async def open(self) -> None:
         connector = aiohttp.TCPConnector(

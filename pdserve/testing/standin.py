@@ -39,6 +39,7 @@ MAX_RECORDED = 10_000
 class Behaviour:
     fail_status: int = 0  # answer generation requests with this status ...
     fail_count: int = 0  # ... this many times (-1: always)
+    retry_after: str = ""  # the Retry-After header of those failures ("" = none)
     no_params: bool = False  # prefill legs answer 200 with kv_transfer_params null
     max_tokens: int = 64  # cap on generated tokens (a D stream has one event per token)
     hold_before_response: bool = False  # wait for /_standin/release before answering
@@ -88,6 +89,38 @@ def _prompt_ids(body: dict[str, Any]) -> list[int]:
     return [ord(c) % 50_000 for c in text] or [1]
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _invalid(body: Any, chat: bool) -> str | None:
+    """Why a generation body is malformed (vLLM answers those with a 400 too), or None. Only what the
+    stand-in reads is checked, so that fuzzing the proxy in front of it never meets a stand-in crash."""
+    if not isinstance(body, dict):
+        return "the body must be a JSON object"
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            return "messages must be a non-empty list of objects"
+        for m in messages:
+            content = m.get("content")
+            parts = content if isinstance(content, list) else []
+            if not (content is None or isinstance(content, str | list)) or not all(
+                isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in parts
+            ):
+                return "message content must be a string or a list of text parts"
+    elif not isinstance(body.get("prompt"), str | list):
+        return "prompt must be a string or a list"
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is not None and not (_is_int(value) and value >= 1):
+            return f"{key} must be an integer >= 1"
+    for key, kind in (("stream", bool), ("stream_options", dict), ("kv_transfer_params", dict)):
+        if body.get(key) is not None and not isinstance(body[key], kind):
+            return f"{key} must be a {kind.__name__}"
+    return None
+
+
 def _error(status: int, message: str) -> web.Response:
     payload = {"error": {"message": message, "type": "StandinError", "param": None, "code": status}}
     return web.json_response(payload, status=status)
@@ -106,13 +139,19 @@ class Standin:
             return _error(400, "invalid JSON")
         entry: dict[str, Any] = {"path": request.path, "headers": dict(request.headers), "body": body}
         st.received.append(entry)
+        problem = _invalid(body, request.path.endswith("/chat/completions"))
+        if problem is not None:
+            return _error(400, problem)
         if st.api_key is not None and request.headers.get("Authorization") != f"Bearer {st.api_key}":
             return _error(401, "unauthorized")
         b = st.behaviour
         if b.fail_status and b.fail_count != 0:
             if b.fail_count > 0:
                 b.fail_count -= 1
-            return _error(b.fail_status, "injected failure")
+            failure = _error(b.fail_status, "injected failure")
+            if b.retry_after:
+                failure.headers["Retry-After"] = b.retry_after
+            return failure
         if b.hold_before_response:
             await st.gate_event().wait()
         chat = request.path.endswith("/chat/completions")
@@ -259,9 +298,25 @@ class Standin:
         return web.json_response({"object": "list", "data": [model]})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = await request.json()
+        try:
+            body = json.loads(await request.read())
+        except ValueError:
+            return _error(400, "invalid JSON")
+        problem = _invalid(body, isinstance(body, dict) and "messages" in body)
+        if problem is not None:
+            return _error(400, problem)
         ids = _prompt_ids(body)
         return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": 4096})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = json.loads(await request.read())
+        except ValueError:
+            return _error(400, "invalid JSON")
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t < 50_000 for t in tokens):
+            return _error(400, "tokens must be a list of token ids")
+        return web.json_response({"prompt": "".join(chr(t) for t in tokens)})
 
     async def get_requests(self, request: web.Request) -> web.Response:
         return web.json_response(list(self.state.received))
@@ -299,6 +354,7 @@ def create_app(model: str = "standin", api_key: str | None = None) -> web.Applic
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_post("/tokenize", handlers.tokenize)
+    app.router.add_post("/detokenize", handlers.detokenize)
     app.router.add_get("/_standin/requests", handlers.get_requests)
     app.router.add_delete("/_standin/requests", handlers.clear_requests)
     app.router.add_get("/_standin/stats", handlers.get_stats)

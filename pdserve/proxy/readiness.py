@@ -1,0 +1,71 @@
+"""Choosing an instance when none may be ready yet: a bounded wait instead of an immediate failure.
+
+A request that finds no available instance in a pool (all starting, ejected or backing off) asks the
+health checker for a probe round now and waits until an instance is admitted, a back-off ends, or
+`--instance-wait-timeout` passes; then the caller answers 503 with `Retry-After`. This is what lets a proxy
+started together with its instances (README's three commands, `pdserve up` restarting one) answer its
+first request instead of a 502.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterable
+
+from pdserve.proxy.pool import Instance, Pool
+
+
+class Readiness:
+    """Wakes every waiter when an instance is admitted (one event per generation of waiters)."""
+
+    def __init__(self) -> None:
+        self._event: asyncio.Event | None = None
+
+    def notify(self) -> None:
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    async def wait(self, timeout: float) -> None:
+        if self._event is None:
+            self._event = asyncio.Event()
+        event = self._event
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+
+
+async def choose_ready(
+    pool: Pool,
+    readiness: Readiness,
+    nudge: Callable[[], None],
+    wait_s: float,
+    exclude: Iterable[Instance] = (),
+    *,
+    affinity: str | None = None,
+    affinity_slack: int = 0,
+) -> Instance | None:
+    """`pool.choose(...)`, waiting up to `wait_s` seconds for an instance to become available."""
+    excluded = list(exclude)
+    inst = pool.choose(excluded, affinity=affinity, affinity_slack=affinity_slack)
+    if inst is not None or wait_s <= 0 or len(pool) == 0:
+        return inst
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while True:
+        nudge()
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return None
+        backoff = pool.backoff_left()
+        await readiness.wait(min(remaining, backoff + 0.01) if backoff is not None else remaining)
+        inst = pool.choose(excluded, affinity=affinity, affinity_slack=affinity_slack)
+        if inst is not None:
+            return inst
+
+
+def retry_after_s(pool: Pool, health_interval: float) -> float:
+    """How long a client should wait when `pool` has nothing available: the end of the shortest upstream
+    back-off, else about one health-probe interval (when a recovering instance can be admitted)."""
+    backoff = pool.backoff_left()
+    return backoff if backoff is not None else min(health_interval, 5.0)
