@@ -6,6 +6,7 @@ The 1P1D lifecycle (SIGTERM teardown) is exercised by the deployment fixture of 
 from __future__ import annotations
 
 import re
+import shutil
 import signal
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from launch_helpers import (
     ports_in,
     tiny_model_with_tokenizer,
 )
+
+from pdserve.model.default_model import cache_dir, resolve_model
 
 STARTUP_S = 400  # bounds only: a loaded 2-core CI box can take minutes to import torch twice
 
@@ -74,6 +77,7 @@ def test_child_crash_at_startup_is_reported(tiny: Path, tmp_path: Path) -> None:
 
 def test_readme_command_default_model(tmp_path: Path) -> None:
     """README command 1 as written (`pdserve up --demo`: embedded SmolLM2, 1P1D + proxy), then Ctrl-C."""
+    resolve_model(None)  # converted already, so `up` must not say it is preparing it
     up = Up(["--demo"], cwd=tmp_path)
     pids: list[int] = []
     try:
@@ -92,12 +96,20 @@ def test_readme_command_default_model(tmp_path: Path) -> None:
         out = up.output
         assert rc == 0, out
         assert out.rstrip().endswith("stopped.")
+        log_dir = Path(info["log_dir"])  # the user cache, not the current directory
+        assert not (tmp_path / "pdserve-logs").exists() and log_dir.is_relative_to(cache_dir() / "logs")
         for name in ("prefill.log", "decode.log", "proxy.log"):
-            assert (tmp_path / "pdserve-logs" / name).stat().st_size > 0
+            assert (log_dir / name).stat().st_size > 0
+        key_file = log_dir / "admin-key"
+        assert f"proxy admin key (POST /pdserve/instances) in {key_file}" in out
+        assert key_file.stat().st_mode & 0o777 == 0o600 and len(key_file.read_text().strip()) >= 32
+        assert "preparing model" not in out  # converted by an earlier run: nothing to prepare
         assert_all_gone(pids, ports_in(out))
     finally:
         up.kill()
         kill_leftovers(pids)
+        if "info" in locals():
+            shutil.rmtree(info["log_dir"], ignore_errors=True)
 
 
 def test_ctrl_c_during_startup_stops_everything(tiny: Path, tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ CHILD = textwrap.dedent(
     write_marker, check_marker = (sys.argv[3:5] + ["-", "-"])[:2]
     if check_marker != "-":
         print("saw-marker", os.path.exists(check_marker), flush=True)
-    if mode == "crash":
+    if mode == "crash" or mode == "once" and os.path.exists(write_marker):
         print("fatal: cannot load model", flush=True)
         sys.exit(3)
     if mode == "ignore":
@@ -171,7 +171,8 @@ RUN = textwrap.dedent(
     from pdserve.launch.config import LaunchConfig
     from pdserve.launch.spec import Deployment, ProcSpec
     specs = [ProcSpec(**{**d, "log_path": Path(d["log_path"])}) for d in json.loads(sys.argv[1])]
-    cfg = LaunchConfig(log_dir=specs[0].log_path.parent, stop_timeout=10, startup_timeout=60)
+    cfg = LaunchConfig(log_dir=specs[0].log_path.parent, stop_timeout=10, startup_timeout=60,
+                       **json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}"))
     dep = Deployment(specs[:-1], specs[-1], "toy", "cuda")
     sys.exit(launch.run(cfg, dep, demo=False, exit_after=False, demo_prompt=None, demo_max_tokens=1))
     """
@@ -219,6 +220,98 @@ def test_run_starts_waves_in_order_and_tears_down_on_sigterm(tmp_path: Path) -> 
             assert not launch_procs.pid_alive(p)
         for spec in specs:
             assert port_free(int(spec["port"]))  # type: ignore[arg-type]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for p in pids:
+            if launch_procs.pid_alive(p):
+                os.killpg(p, signal.SIGKILL)
+
+
+def _toy_deployment(tmp_path: Path, prefill_mode: str, settings: dict) -> subprocess.Popen[str]:
+    """launch.run over toy children (prefill in `prefill_mode`, decode, proxy), started as a subprocess."""
+    import json
+
+    (tmp_path / "child.py").write_text(CHILD)
+    (tmp_path / "run.py").write_text(RUN)
+    specs = []
+    for name, role, mode in (("prefill", "prefill", prefill_mode), ("decode", "decode", "normal"),
+                             ("proxy", "proxy", "normal")):
+        port = free_port()
+        marker = str(tmp_path / f"{name}-started")
+        specs.append({"name": name, "role": role, "argv": [sys.executable, str(tmp_path / "child.py"), str(port),
+                      mode, marker, "-"], "env": {}, "host": "127.0.0.1", "port": port,
+                      "log_path": str(tmp_path / "logs" / f"{name}.log")})
+    return subprocess.Popen([sys.executable, str(tmp_path / "run.py"), json.dumps(specs), json.dumps(settings)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _read_until(proc: subprocess.Popen[str], lines: list[str], pattern: str) -> re.Match[str]:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if m := re.search(pattern, line):
+            return m
+    raise AssertionError(f"no {pattern!r} before exit:\n{''.join(lines)}")
+
+
+def _all_pids(text: str) -> set[int]:
+    return {int(p) for p in re.findall(r"pid[s =]+([\d,]+)", text) for p in p.split(",") if p}
+
+
+def test_dead_instance_is_restarted_while_the_others_keep_serving(tmp_path: Path) -> None:
+    """SIGKILL of a serving child: restarted after its backoff on the same port, announced ready again,
+    the others untouched; its log keeps the lines of the run before the restart."""
+    proc = _toy_deployment(tmp_path, "normal", {"max_restarts": 3})
+    lines: list[str] = []
+    pids: set[int] = set()
+    try:
+        ready = _read_until(proc, lines, r"^PDSERVE_READY .*pids=([\d,]+)")
+        prefill, decode, proxy = (int(p) for p in ready.group(1).split(","))
+        pids = {prefill, decode, proxy}
+        os.kill(prefill, signal.SIGKILL)
+        _read_until(proc, lines, r"prefill \(pid \d+\) was killed by SIGKILL; restarting it in 1s")
+        restarted = int(_read_until(proc, lines, r"prefill restarted \(pid (\d+)\)").group(1))
+        pids.add(restarted)
+        _read_until(proc, lines, r"prefill ready again")
+        assert restarted != prefill and launch_procs.pid_alive(restarted)
+        assert launch_procs.pid_alive(decode) and launch_procs.pid_alive(proxy)
+        log = (tmp_path / "logs" / "prefill.log").read_text()
+        assert log.count("grandchild") == 2 and "===== pdserve up: restart 1 of prefill" in log
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, "".join(lines) + rest
+        assert not any(launch_procs.pid_alive(p) for p in pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for p in pids:
+            if launch_procs.pid_alive(p):
+                os.killpg(p, signal.SIGKILL)
+
+
+def test_crash_loop_ends_the_deployment_with_the_log_tail(tmp_path: Path) -> None:
+    """A child that crashes at every restart: after --max-restarts restarts the deployment stops, showing
+    the crash's last log lines, and nothing is left running."""
+    proc = _toy_deployment(tmp_path, "once", {"max_restarts": 2})
+    lines: list[str] = []
+    pids: set[int] = set()
+    try:
+        ready = _read_until(proc, lines, r"^PDSERVE_READY .*pids=([\d,]+)")
+        pids = {int(p) for p in ready.group(1).split(",")}
+        os.kill(int(ready.group(1).split(",")[0]), signal.SIGKILL)  # the prefill
+        rest, _ = proc.communicate(timeout=120)
+        out = "".join(lines) + rest
+        assert proc.returncode == 1, out
+        assert "restarting it in 1s (restart 1 of at most 2" in out and "restarting it in 2s (restart 2" in out
+        assert re.search(r"pdserve up: prefill exited with code 3 while serving, after 2 restart\(s\) within "
+                         r"600s \(crash loop\)\. Last lines of .*prefill\.log:\n(  \| .*\n)*  \| fatal: cannot "
+                         r"load model\n", out), out
+        pids |= _all_pids(out)
+        assert out.rstrip().endswith("stopped.")
+        assert not any(launch_procs.pid_alive(p) for p in pids)
     finally:
         if proc.poll() is None:
             proc.kill()

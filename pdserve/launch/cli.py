@@ -6,15 +6,22 @@
     pdserve up --config deploy.yaml --dry-run   # print the equivalent shell commands
     pdserve up Qwen/Qwen2.5-7B-Instruct --engine vllm --gpus 0,1 --dry-run
 
-Instances start first (each in its own process group, logs in --log-dir), then the proxy once every
-instance answers GET /health. When all is ready a line `PDSERVE_READY proxy=URL ...` is printed for
-scripts. Ctrl-C or SIGTERM stops everything: SIGTERM to every process group, a bounded wait, SIGKILL.
+Instances start first (each in its own process group, logs in --log-dir, default a new folder under
+~/.cache/pdserve/logs/), then the proxy once every instance answers GET /health. When all is ready a line
+`PDSERVE_READY proxy=URL ...` is printed for scripts. While serving, a process that dies is restarted
+(same ports) after a backoff of 1, 2, 4 ... s while the others keep serving; the proxy routes around it
+(decode instances prefill locally while no prefill instance is up). More than --max-restarts deaths of one
+process within --restart-window s is a crash loop: its last log lines are shown and everything stops.
+The proxy's admin route gets a generated key, in the file admin-key (mode 0600) of the log folder.
+Ctrl-C or SIGTERM stops everything: SIGTERM to every process group, a bounded wait, SIGKILL.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -25,9 +32,12 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
+import httpx
+
 from pdserve.launch import procs as launch_procs
 from pdserve.launch.config import ENGINES, LaunchConfig, apply_file, load_file, parse_topology
-from pdserve.launch.spec import Deployment, ProcSpec, build_deployment, cpu_list, format_shell
+from pdserve.launch.spec import ADMIN_KEY_ENV, Deployment, ProcSpec, build_deployment, cpu_list, format_shell
+from pdserve.launch.supervise import RestartPolicy, RestartTracker
 
 TAIL_LINES = 25
 
@@ -55,11 +65,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cpu-pinning", action="store_true",
                         help="CPU mode: do not split the cores among instances")
     parser.add_argument("--log-dir", default=None, help="where prefill.log, decode.log, proxy.log go "
-                        "(default ./pdserve-logs)")
+                        "(default: a new folder under ~/.cache/pdserve/logs/, printed at start)")
     parser.add_argument("--startup-timeout", type=float, default=None,
                         help="seconds for every instance to become healthy (default 600)")
     parser.add_argument("--stop-timeout", type=float, default=None,
                         help="seconds between SIGTERM and SIGKILL at teardown (default 15)")
+    parser.add_argument("--max-restarts", type=int, default=None,
+                        help="while serving, restarts of one process within --restart-window before the deployment "
+                        "stops as a crash loop (default 5; 0 = stop at the first death)")
+    parser.add_argument("--restart-window", type=float, default=None,
+                        help="seconds over which restarts are counted (default 600)")
     parser.add_argument("--serve-arg", action="append", default=[], metavar="ARGS",
                         help="arguments for every instance, shell-quoted; repeatable (--serve-arg='--block-size 8')")
     parser.add_argument("--prefill-arg", action="append", default=[], metavar="ARGS", help="prefill instances only")
@@ -118,7 +133,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     if args.topology is not None:
         cfg.topology = parse_topology(args.topology)
     for name in ("engine", "host", "port", "base_port", "gpus", "startup_timeout", "stop_timeout",
-                 "kv_load_failure_policy"):
+                 "kv_load_failure_policy", "max_restarts", "restart_window"):
         value = getattr(args, name)
         if value is not None:
             setattr(cfg, name, value)
@@ -152,12 +167,13 @@ def _describe(spec: ProcSpec) -> str:
 def _model_arg(cfg: LaunchConfig, dry_run: bool) -> str:
     """What MODEL the instances get. The embedded default is resolved (converted once) here, before the
     instances start, so that they do not all convert it at once; vLLM gets the converted folder."""
-    from pdserve.model.default_model import DEFAULT_MODEL, MODELS, resolve_model
+    from pdserve.model.default_model import DEFAULT_MODEL, MODELS, is_converted, resolve_model
 
     name = cfg.model or DEFAULT_MODEL
     if name not in MODELS or dry_run and cfg.engine == "pdserve":
         return name
-    _say(f"preparing model {name} (the first run converts the embedded GGUF) ...")
+    if not is_converted(name):
+        _say(f"preparing model {name} (converting the embedded GGUF once) ...")
     folder = str(resolve_model(name))
     return folder if cfg.engine == "vllm" else name
 
@@ -187,13 +203,29 @@ class _Stop:
         return self.event.is_set()
 
 
-def _report_death(child: launch_procs.Child, when: str) -> None:
+def _how_it_ended(child: launch_procs.Child) -> str:
     code = child.exited()
-    how = f"exited with code {code}" if code is not None and code >= 0 else f"was killed by signal {-(code or 0)}"
-    print(f"pdserve up: {child.name} {how} {when}. Last lines of {child.spec.log_path}:", file=sys.stderr)
-    for line in launch_procs.tail(child.spec.log_path, TAIL_LINES):
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _print_tail(child: launch_procs.Child, lines: int = TAIL_LINES) -> None:
+    tail = launch_procs.tail(child.spec.log_path, lines)
+    if not any(line.strip() for line in tail):
+        print(f"  | (nothing in {child.spec.log_path})", file=sys.stderr)
+    for line in tail:
         print(f"  | {line}", file=sys.stderr)
     sys.stderr.flush()
+
+
+def _report_death(child: launch_procs.Child, when: str) -> None:
+    print(f"pdserve up: {child.name} {_how_it_ended(child)} {when}. Last lines of {child.spec.log_path}:",
+          file=sys.stderr)
+    _print_tail(child)
 
 
 def _ready_line(dep: Deployment, model: str | None, log_dir: Path, children: list[launch_procs.Child]) -> str:
@@ -260,19 +292,55 @@ class _Session:
         for child in ready.timed_out or []:
             print(f"pdserve up: {child.name} not ready in time; last lines of {child.spec.log_path}:",
                   file=sys.stderr)
-            for line in launch_procs.tail(child.spec.log_path, TAIL_LINES):
-                print(f"  | {line}", file=sys.stderr)
+            _print_tail(child)
         if ready.timed_out:
             return 1
         return 130 if self.stopping.signum == signal.SIGINT else 143
 
     def serve_until_stopped(self) -> int:
+        """Watch the children; restart the dead ones (backoff) until stopped or a crash loop."""
         self.say("serving; Ctrl-C stops everything.")
-        while not self.stopping.event.wait(0.5):
-            dead = next((c for c in self.children if c.exited() is not None), None)
-            if dead is not None:
-                _report_death(dead, "while serving")
-                return 1
+        policy = RestartPolicy(self.cfg.max_restarts, self.cfg.restart_window).validate()
+        tracker = RestartTracker(policy)
+        due: dict[str, float] = {}  # name -> when to restart it
+        recovering: dict[str, launch_procs.Child] = {}  # restarted, not yet answering /health
+        with httpx.Client(timeout=1.0, trust_env=False) as client:
+            while not self.stopping.event.wait(0.25):
+                for child in self.children:
+                    if child.name in due or child.exited() is None:
+                        continue
+                    recovering.pop(child.name, None)
+                    delay = tracker.on_death(child.name)
+                    if delay is None:
+                        _report_death(child, f"while serving, after {policy.max_restarts} restart(s) within "
+                                      f"{policy.window_s:g}s (crash loop)")
+                        return 1
+                    print(f"pdserve up: {child.name} (pid {child.pid}) {_how_it_ended(child)}; restarting it in "
+                          f"{delay:g}s (restart {tracker.count(child.name)} of at most {policy.max_restarts} "
+                          f"within {policy.window_s:g}s). Last lines of {child.spec.log_path}:", file=sys.stderr)
+                    _print_tail(child, 8)
+                    child.signal_group(signal.SIGKILL)  # what is left of its process group
+                    due[child.name] = time.monotonic() + delay
+                for name, when in list(due.items()):
+                    index = next(i for i, c in enumerate(self.children) if c.name == name)
+                    old = self.children[index]
+                    if time.monotonic() < when or old.group_alive():
+                        continue
+                    del due[name]
+                    old.log.close()
+                    new = launch_procs.start(old.spec, self.env, restart=tracker.count(name))
+                    self.children[index] = new
+                    self.watchdog.watch(new)
+                    recovering[name] = new
+                    self.say(f"pdserve up: {name} restarted (pid {new.pid}); waiting for it to answer /health")
+                for name, child in list(recovering.items()):
+                    try:
+                        ok = client.get(child.spec.url + "/health").status_code == 200
+                    except httpx.HTTPError:
+                        ok = False
+                    if ok:
+                        del recovering[name]
+                        self.say(f"pdserve up: {name} ready again (pid {child.pid}) at {child.spec.url}")
         return 0
 
     def stop(self) -> None:
@@ -303,6 +371,17 @@ def _interruptible(fn: Callable[[], bool], stopping: _Stop) -> bool | None:
     return result[0] if result else None
 
 
+def _write_admin_key(path: Path) -> str:
+    """A new random key in `path`, readable by this user only."""
+    key = secrets.token_urlsafe(32)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    return key
+
+
 def run(cfg: LaunchConfig, dep: Deployment, *, demo: bool, exit_after: bool, demo_prompt: str | None,
         demo_max_tokens: int, say: Callable[[str], None] = _say) -> int:
     """Start everything, wait for readiness, optionally run the demo, serve until stopped; tear down."""
@@ -310,6 +389,7 @@ def run(cfg: LaunchConfig, dep: Deployment, *, demo: bool, exit_after: bool, dem
 
     t0 = time.monotonic()
     env = dict(os.environ)
+    assert cfg.log_dir is not None  # build_deployment resolved it
     if demo and "VLLM_LOG_STATS_INTERVAL" not in env:
         env["VLLM_LOG_STATS_INTERVAL"] = "1"  # so that the demo shows the log line without waiting 10 s
     with _Stop() as stopping:
@@ -321,6 +401,10 @@ def run(cfg: LaunchConfig, dep: Deployment, *, demo: bool, exit_after: bool, dem
             for spec in dep.instances:
                 say(_describe(spec))
             cfg.log_dir.mkdir(parents=True, exist_ok=True)
+            say(f"  logs in {cfg.log_dir}")
+            if dep.admin_key_file is not None:
+                dep.proxy.env[ADMIN_KEY_ENV] = _write_admin_key(dep.admin_key_file)
+                say(f"  proxy admin key (POST /pdserve/instances) in {dep.admin_key_file}")
             ready = session.start_all(dep)
             if not ready.ok:
                 return session.report_not_ready(ready)

@@ -7,7 +7,7 @@ A config file holds the same settings as the flags (flags win), plus per-pool se
     engine: pdserve                # or vllm
     gpus: "0,1"                    # or "none"/"auto"
     port: 8192                     # the proxy's; 0 = any free port
-    log_dir: ./pdserve-logs
+    log_dir: ./logs                # default: a new folder under ~/.cache/pdserve/logs/
     startup_timeout: 600
     serve_args: ["--max-model-len", "2048"]       # every instance
     prefill: {serve_args: [...], ports: [8100], side_channel_ports: [5600], env: {KEY: value}}
@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,9 +87,11 @@ class LaunchConfig:
     base_port: int | None = None  # instances at base+i (prefill/collocated) and base+100+i (decode)
     gpus: str = "auto"  # "auto" | "none" | "0,1,..."
     cpu_pinning: bool = True  # CPU mode: split the cores among instances
-    log_dir: Path = Path("pdserve-logs")
+    log_dir: Path | None = None  # None: default_log_dir(), resolved by `pdserve up` before anything starts
     startup_timeout: float = 600.0
     stop_timeout: float = 15.0
+    max_restarts: int = 5  # while serving: restarts of one process within restart_window before giving up
+    restart_window: float = 600.0
     serve_args: list[str] = field(default_factory=list)
     pools: dict[str, PoolSettings] = field(default_factory=lambda: {r: PoolSettings() for r in ROLES})
     proxy_args: list[str] = field(default_factory=list)
@@ -104,6 +107,8 @@ class LaunchConfig:
             raise ValueError(f"base port {self.base_port} out of range")
         if self.startup_timeout <= 0 or self.stop_timeout <= 0:
             raise ValueError("startup and stop timeouts must be > 0")
+        if self.max_restarts < 0 or self.restart_window <= 0:
+            raise ValueError("max_restarts must be >= 0 and restart_window > 0")
         if self.kv_load_failure_policy not in ("fail", "recompute"):
             raise ValueError(f"kv_load_failure_policy must be fail or recompute, got {self.kv_load_failure_policy!r}")
         counts = {"prefill": self.topology.num_prefill, "decode": self.topology.num_decode,
@@ -119,6 +124,14 @@ class LaunchConfig:
                     if not 1 <= p <= 65535:
                         raise ValueError(f"{role}.{what}: {p} is not a port")
         return self
+
+
+def default_log_dir() -> Path:
+    """A new folder per run under the user cache (`$PDSERVE_CACHE_DIR`, `$XDG_CACHE_HOME/pdserve` or
+    `~/.cache/pdserve`): logs/up-YYYYmmdd-HHMMSS-PID. Never the current directory."""
+    from pdserve.model.default_model import cache_dir  # standard library only
+
+    return cache_dir() / "logs" / f"up-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
 
 def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -170,7 +183,7 @@ def _ports(value: Any, where: str) -> list[int]:
 _TOP_KEYS = {
     "model", "topology", "engine", "host", "port", "base_port", "gpus", "cpu_pinning", "log_dir",
     "startup_timeout", "stop_timeout", "serve_args", "prefill", "decode", "collocated", "proxy",
-    "kv_load_failure_policy", "python",
+    "kv_load_failure_policy", "python", "max_restarts", "restart_window",
 }
 
 
@@ -186,10 +199,10 @@ def apply_file(cfg: LaunchConfig, data: dict[str, Any], where: str = "config fil
     for key in ("engine", "host", "gpus", "python", "kv_load_failure_policy"):
         if key in data:
             setattr(cfg, key, str(data[key]))
-    for key in ("port", "base_port"):
+    for key in ("port", "base_port", "max_restarts"):
         if key in data:
             setattr(cfg, key, None if data[key] is None else int(data[key]))
-    for key in ("startup_timeout", "stop_timeout"):
+    for key in ("startup_timeout", "stop_timeout", "restart_window"):
         if key in data:
             setattr(cfg, key, float(data[key]))
     if "cpu_pinning" in data:

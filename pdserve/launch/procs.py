@@ -118,10 +118,15 @@ class Child:
             os.killpg(self.proc.pid, sig)
 
 
-def start(spec: ProcSpec, env: dict[str, str] | None = None) -> Child:
-    """Start `spec` with stdout and stderr to its log file (truncated), in a new session."""
+def start(spec: ProcSpec, env: dict[str, str] | None = None, *, restart: int = 0) -> Child:
+    """Start `spec` with stdout and stderr to its log file, in a new session. The log is truncated on the
+    first start; a restart appends to it after a marker line, so the crash before it stays readable."""
     spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(spec.log_path, "wb")  # noqa: SIM115 - closed by stop_all
+    log = open(spec.log_path, "ab" if restart else "wb")  # noqa: SIM115 - closed by stop_all
+    if restart:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        log.write(f"\n===== pdserve up: restart {restart} of {spec.name} at {stamp} =====\n".encode())
+        log.flush()
     child_env = dict(os.environ if env is None else env)
     child_env.update(spec.env)
     child_env.setdefault("PYTHONUNBUFFERED", "1")

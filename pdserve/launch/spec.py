@@ -16,11 +16,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.launch.config import LaunchConfig, parse_gpus
+from pdserve.launch.config import LaunchConfig, default_log_dir, parse_gpus
 
 DEFAULT_PROXY_PORT = 8192
 UCX_GET_ZCOPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 GPU_MEMORY_UTILIZATION = 0.9  # what one instance alone on a GPU uses (vllm serve's default)
+ADMIN_KEY_FILE = "admin-key"  # in the log folder, mode 0600: the proxy's --admin-key (env PDSERVE_ADMIN_KEY)
+ADMIN_KEY_ENV = "PDSERVE_ADMIN_KEY"
 
 
 @dataclass
@@ -49,6 +51,7 @@ class Deployment:
     model: str  # as passed to the instances
     device: str  # "cpu" or "cuda"
     notes: list[str] = field(default_factory=list)
+    admin_key_file: Path | None = None  # None: the user gave the proxy its admin key (or none is made)
 
     def role(self, role: str) -> list[ProcSpec]:
         return [s for s in self.instances if s.role == role]
@@ -192,6 +195,8 @@ def build_deployment(
     `env`: the environment the children inherit (to avoid overriding a user's UCX settings).
     """
     env = dict(os.environ) if env is None else env
+    if cfg.log_dir is None:
+        cfg.log_dir = default_log_dir()
     auto = cfg.gpus.strip().lower() == "auto"
     if gpus is None:
         gpus = detect_gpus(env) if auto else (parse_gpus(cfg.gpus) or [])
@@ -296,9 +301,16 @@ def build_deployment(
     decode = [s.url for s in instances if s.role in ("decode", "collocated")]
     if prefill:
         proxy_argv += ["--prefill", *prefill]
-    proxy_argv += ["--decode", *decode, *cfg.proxy_args]
+    proxy_argv += ["--decode", *decode]
+    if prefill and not has_flag(cfg.proxy_args, "--on-prefill-failure"):
+        # While a prefill instance is down (restarting), decode instances prefill locally: the deployment
+        # keeps answering, and the proxy's retry budget bounds the extra work.
+        proxy_argv += ["--on-prefill-failure", "decode-local"]
+    proxy_argv += cfg.proxy_args
     proxy = ProcSpec("proxy", "proxy", proxy_argv, {}, cfg.host, proxy_port, cfg.log_dir / "proxy.log")
-    return Deployment(instances, proxy, model_arg, device, notes)
+    user_key = has_flag(cfg.proxy_args, "--admin-key") or bool(env.get(ADMIN_KEY_ENV))
+    admin_key_file = None if user_key else cfg.log_dir / ADMIN_KEY_FILE
+    return Deployment(instances, proxy, model_arg, device, notes, admin_key_file)
 
 
 def has_flag(argv: list[str], flag: str) -> bool:
@@ -359,7 +371,16 @@ def format_shell(dep: Deployment, cfg: LaunchConfig) -> str:
         for spec in specs:
             lines.append(f"until curl -sf {spec.url}/health >/dev/null; do sleep 1; done")
         lines.append("")
-    lines += [f"# proxy: clients talk to {dep.proxy.url}", _shell_line(dep.proxy), ""]
+    lines.append(f"# proxy: clients talk to {dep.proxy.url}")
+    if dep.admin_key_file is not None:
+        key = shlex.quote(str(dep.admin_key_file))
+        lines += [
+            "# its admin key (POST /pdserve/instances), readable only by you",
+            f"(umask 077 && {shlex.quote(sys.executable)} -c 'import secrets; print(secrets.token_urlsafe(32))' "
+            f"> {key})",
+            f'{ADMIN_KEY_ENV}="$(cat {key})" \\',
+        ]
+    lines += [_shell_line(dep.proxy), ""]
     lines.append(f"until curl -sf {dep.proxy.url}/health >/dev/null; do sleep 1; done")
     lines.append(f"echo 'ready: {dep.proxy.url}/v1/completions'")
     return "\n".join(lines) + "\n"

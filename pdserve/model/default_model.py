@@ -136,6 +136,17 @@ def _is_complete(folder: Path) -> bool:
     return (folder / MARKER).is_file()
 
 
+def is_converted(name: str = DEFAULT_MODEL) -> bool:
+    """Whether the embedded model `name` is already converted in the cache (resolve_model is then quick)."""
+    try:
+        key = _cache_key(name, find_embedded_gguf(name))
+    except (ModelNotFoundError, OSError):
+        return False
+    roots = [cache_dir() / "models",
+             Path(tempfile.gettempdir()) / f"pdserve-cache-{os.getuid() if hasattr(os, 'getuid') else 0}" / "models"]
+    return any(_is_complete(root / key) for root in roots)
+
+
 def resolve_model(name_or_path: str | os.PathLike[str] | None) -> Path:
     """A local Hugging Face model folder for a model name or path.
 
@@ -603,6 +614,7 @@ __all__ = [
     "cache_dir",
     "convert_gguf_to_hf",
     "find_embedded_gguf",
+    "is_converted",
     "resolve_model",
     "unpermute_rotary",
 ]
