@@ -25,30 +25,33 @@ class TorchAttention:
         if meta.decode_only:
             return self._decode(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
-        bs = meta.block_size
         start = 0
-        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
-            n_blocks = (seq_len + bs - 1) // bs
-            table = meta.block_tables[i, :n_blocks]
-            k = k_cache[table].flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, d]
-            v = v_cache[table].flatten(0, 1)[:seq_len]
-            qi = q[start : start + q_len].transpose(0, 1)  # [heads, q_len, d]
-            if q_len == seq_len:
-                mask = None
-                causal = True
-            else:
-                # Queries are the last q_len positions: query j sees keys [0, seq_len - q_len + j].
-                ctx = seq_len - q_len
-                dev = q.device
-                mask = torch.arange(seq_len, device=dev)[None, :] <= (ctx + torch.arange(q_len, device=dev))[:, None]
-                causal = False
-            o = F.scaled_dot_product_attention(
-                qi, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=causal, scale=scale,
-                enable_gqa=True,
-            )
-            out[start : start + q_len] = o.transpose(0, 1)
+        for i, q_len in enumerate(meta.query_lens_host):
+            out[start : start + q_len] = self.attend_one(q[start : start + q_len], k_cache, v_cache, meta, i, scale)
             start += q_len
         return out
+
+    def attend_one(self, qi, k_cache, v_cache, meta: AttentionMetadata, i: int, scale: float) -> torch.Tensor:
+        """Sequence i's query rows qi ([q_len, heads, d]) over its gathered blocks."""
+        q_len, seq_len = qi.shape[0], meta.seq_lens_host[i]
+        n_blocks = (seq_len + meta.block_size - 1) // meta.block_size
+        table = meta.block_tables[i, :n_blocks]
+        k = k_cache[table].flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, d]
+        v = v_cache[table].flatten(0, 1)[:seq_len]
+        if q_len == seq_len:
+            mask = None
+            causal = True
+        else:
+            # Queries are the last q_len positions: query j sees keys [0, seq_len - q_len + j].
+            ctx = seq_len - q_len
+            dev = qi.device
+            mask = torch.arange(seq_len, device=dev)[None, :] <= (ctx + torch.arange(q_len, device=dev))[:, None]
+            causal = False
+        o = F.scaled_dot_product_attention(
+            qi.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=causal,
+            scale=scale, enable_gqa=True,
+        )
+        return o.transpose(0, 1)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # One padded batched SDPA call for all sequences: much cheaper than a Python loop per sequence.

@@ -47,9 +47,13 @@ def select_attention_backend(device: torch.device):
             return TritonAttention()
         except ImportError:
             log.warning("GPU attention kernels unavailable; using the torch SDPA reference backend")
-    from pdserve.attention.torch_ref import TorchAttention
+            from pdserve.attention.torch_ref import TorchAttention
 
-    return TorchAttention()
+            return TorchAttention()
+    from pdserve.attention.cpu_paged import CpuPagedAttention
+    from pdserve.cpu import native
+
+    return CpuPagedAttention(native.load())
 
 
 class ModelRunner:
@@ -67,6 +71,10 @@ class ModelRunner:
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         self.model = build_model(model_cfg, model_dir, self.dtype, self.device, config.load_format, config.seed)
+        if self.device.type == "cpu":
+            from pdserve.cpu.packed_linear import pack_linears
+
+            pack_linears(self.model, self.dtype)
         self.backend = select_attention_backend(self.device)
         self.num_blocks = self._decide_num_blocks()
         # The block-contiguous pool: one block spans every layer, so one NIXL descriptor moves one block.

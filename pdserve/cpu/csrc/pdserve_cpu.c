@@ -1,0 +1,146 @@
+/* pdserve's CPU kernels (float32), built once per machine by pdserve/cpu/native.py and called via ctypes.
+ *
+ * Plain C with OpenMP: loaded after torch, the library binds to the libgomp that torch already loaded,
+ * so its parallel loops run on torch's thread pool; callers pass torch.get_num_threads() (OpenMP's own
+ * thread-count setting is per calling thread, and the engine steps in its own thread).
+ *
+ * Reductions use `omp simd reduction` (vectorised without -ffast-math, which would also switch the whole
+ * process to flush-to-zero).
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* exp(x) for x <= 0 (softmax after subtracting the max), vectorisable: Cephes' expf polynomial after
+ * reducing by n*ln2, scaled by 2^n through the exponent bits; within 2 ulp of expf. Below -87.3 it returns
+ * ~1e-38 instead of a denormal or zero, which no sum of >= 1 notices. */
+#pragma omp declare simd notinbranch
+static inline float pd_expf(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union {
+        int32_t i;
+        float f;
+    } scale = {.i = ((int32_t)n + 127) << 23};
+    return p * scale.f;
+}
+
+/* Paged causal attention for short query runs (decode, and short chunks), reading K/V where they lie in the
+ * pool: no gather into a contiguous copy, no padding.
+ *
+ * Sequence s (for s in seq_ids) owns query rows [query_start_loc[s], query_start_loc[s+1]); they are its
+ * last q_len positions out of seq_lens[s], so row j (0-based within the run) sees keys
+ * [0, seq_lens[s] - q_len + j]. Key t of sequence s lies in block block_tables[s * table_stride + t / bs]
+ * at offset t % bs.
+ *
+ * q/out: [num_tokens, num_heads, head_dim] with row strides q_row_stride / out_row_stride (elements) and
+ * heads contiguous. k_cache/v_cache: per-layer views [num_blocks, block_size, num_kv_heads, head_dim] with
+ * element strides (block, token, head); head_dim contiguous. Query head h reads KV head h / (num_heads /
+ * num_kv_heads) (GQA).
+ */
+void pd_paged_attention(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
+                        int64_t block_stride, int64_t token_stride, int64_t head_stride,
+                        const int32_t *block_tables, int64_t table_stride, const int32_t *query_start_loc,
+                        const int32_t *seq_lens, const int32_t *seq_ids, int num_selected, int num_heads,
+                        int num_kv_heads, int head_dim, int block_size, float scale, float *out,
+                        int64_t out_row_stride, int num_threads) {
+    const int group = num_heads / num_kv_heads;
+
+    /* One work item per sequence: each key row (all KV heads, contiguous) is read once for every query
+     * head of the row, and each sequence's sums are one thread's, so results do not depend on the
+     * thread count. */
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = NULL; /* [num_heads][seq_len] */
+        int64_t scores_cap = 0;
+        float *acc = (float *)malloc(sizeof(float) * (size_t)num_heads * (size_t)head_dim);
+        float *denom = (float *)malloc(sizeof(float) * (size_t)num_heads);
+
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < num_selected; item++) {
+            const int s = seq_ids[item];
+            const int row0 = query_start_loc[s];
+            const int q_len = query_start_loc[s + 1] - row0;
+            const int seq_len = seq_lens[s];
+            const int ctx = seq_len - q_len;
+            const int32_t *table = block_tables + (int64_t)s * table_stride;
+            if ((int64_t)num_heads * seq_len > scores_cap) {
+                scores_cap = (int64_t)num_heads * seq_len;
+                free(scores);
+                scores = (float *)malloc(sizeof(float) * (size_t)scores_cap);
+            }
+            for (int j = 0; j < q_len; j++) {
+                const int n_keys = ctx + j + 1;
+                const float *qrow = q + (int64_t)(row0 + j) * q_row_stride;
+                /* scores[h][t] = scale * q_h . k_t */
+                for (int t0 = 0; t0 < n_keys; t0 += block_size) {
+                    const float *kb = k_cache + (int64_t)table[t0 / block_size] * block_stride;
+                    const int t_end = t0 + block_size < n_keys ? t0 + block_size : n_keys;
+                    for (int t = t0; t < t_end; t++) {
+                        const float *krow = kb + (int64_t)(t - t0) * token_stride;
+                        for (int h = 0; h < num_heads; h++) {
+                            const float *qh = qrow + (int64_t)h * head_dim;
+                            const float *kp = krow + (int64_t)(h / group) * head_stride;
+                            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                            for (int d = 0; d < head_dim; d++) dot += qh[d] * kp[d];
+                            scores[(int64_t)h * seq_len + t] = dot * scale;
+                        }
+                    }
+                }
+                /* softmax numerators in place; the denominators divide at the end */
+                for (int h = 0; h < num_heads; h++) {
+                    float *sh = scores + (int64_t)h * seq_len;
+                    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+                    for (int t = 0; t < n_keys; t++) m = sh[t] > m ? sh[t] : m;
+                    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                    for (int t = 0; t < n_keys; t++) {
+                        sh[t] = pd_expf(sh[t] - m);
+                        sum += sh[t];
+                    }
+                    denom[h] = sum;
+                }
+                for (int i = 0; i < num_heads * head_dim; i++) acc[i] = 0.0f;
+                for (int t0 = 0; t0 < n_keys; t0 += block_size) {
+                    const float *vb = v_cache + (int64_t)table[t0 / block_size] * block_stride;
+                    const int t_end = t0 + block_size < n_keys ? t0 + block_size : n_keys;
+                    for (int t = t0; t < t_end; t++) {
+                        const float *vrow = vb + (int64_t)(t - t0) * token_stride;
+                        for (int h = 0; h < num_heads; h++) {
+                            const float p = scores[(int64_t)h * seq_len + t];
+                            const float *vp = vrow + (int64_t)(h / group) * head_stride;
+                            float *ah = acc + (int64_t)h * head_dim;
+#pragma omp simd
+                            for (int d = 0; d < head_dim; d++) ah[d] += p * vp[d];
+                        }
+                    }
+                }
+                float *orow = out + (int64_t)(row0 + j) * out_row_stride;
+                for (int h = 0; h < num_heads; h++) {
+                    const float inv = 1.0f / denom[h];
+#pragma omp simd
+                    for (int d = 0; d < head_dim; d++) orow[(int64_t)h * head_dim + d] = acc[h * head_dim + d] * inv;
+                }
+            }
+        }
+        free(scores);
+        free(acc);
+        free(denom);
+    }
+}
+
+/* The OpenMP runtime this library is bound to, to check it is torch's (one thread pool, not two). */
+extern int omp_get_max_threads(void);
+void *pd_omp_runtime(void) { return (void *)&omp_get_max_threads; }
