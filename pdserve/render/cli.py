@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("pdserve.render")
 
@@ -121,5 +123,14 @@ def main(args: argparse.Namespace) -> int:
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5, lifespan="on",
     ))
+    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown (the lifespan stops the render workers) and then
+    # re-raises the signal under the handler installed before it: with the default one the process would
+    # die right there, so make it a no-op and exit normally.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _ignore_signal)
     server.run()
     return 0 if server.started else 1
+
+
+def _ignore_signal(signum: int, frame: Any) -> None:
+    log.debug("signal %d after shutdown", signum)

@@ -5,6 +5,11 @@ run on the event loop. One worker (the default) is one dedicated thread in the s
 N spawned processes, each with its own tokenizer, fed through a `ProcessPoolExecutor`. Every job is a
 plain function of JSON-able arguments, and errors come back as data (status, message, param) so they
 cross the process boundary intact.
+
+No worker outlives the server: `shutdown` joins them (bounded) and terminates what remains, and each
+worker also exits by itself once its parent is gone (a SIGKILLed server, a signal during startup), since
+a pool worker holds its own task queue's write end and so never sees the pipe close. The multiprocessing
+resource tracker then exits too (it lives until the last holder of its pipe is gone).
 """
 
 from __future__ import annotations
@@ -12,7 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import sys
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
@@ -38,6 +46,8 @@ JOBS: dict[str, Callable[..., Any]] = {
 
 _worker_ctx: RenderContext | None = None  # per worker process
 _worker_thread: ThreadPoolExecutor | None = None
+PARENT_POLL_S = 1.0
+SHUTDOWN_JOIN_S = 5.0
 
 
 def run_job(ctx: RenderContext, name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -49,8 +59,20 @@ def run_job(ctx: RenderContext, name: str, args: tuple[Any, ...]) -> tuple[Any, 
         return ("err", 400, f"Invalid request: {e}", None, None)
 
 
-def _init_worker(config: RenderConfig) -> None:
+def _exit_with_parent(parent: int) -> None:
+    """In a worker: leave as soon as the server process that started it is gone (reparented)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="pdserve-render-parent-watch", daemon=True).start()
+
+
+def _init_worker(config: RenderConfig, parent: int) -> None:
     global _worker_ctx, _worker_thread
+    _exit_with_parent(parent)
     _worker_ctx = RenderContext(config)
     # Jobs run on a secondary thread: measured on glibc, tokenising a long prompt there is ~1.5x faster than
     # on a process's main thread (whose malloc arena Python's own allocations share).
@@ -74,7 +96,7 @@ class RenderWorkers:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="pdserve-render")
         else:
             self._executor = ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_init_worker, initargs=(config,))
+                                                 initializer=_init_worker, initargs=(config, os.getpid()))
 
     async def start(self) -> None:
         """Starts every worker (each loads its tokenizer) before the server reports healthy."""
@@ -91,5 +113,22 @@ class RenderWorkers:
         _, status, message, param, err_type = result
         raise APIError(message, status, param, err_type)
 
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+    def shutdown(self, timeout: float = SHUTDOWN_JOIN_S) -> None:
+        """Stop the workers: queued jobs are cancelled, worker processes joined up to `timeout` seconds,
+        then terminated (killed if need be). Idempotent."""
+        executor = self._executor
+        # ProcessPoolExecutor keeps its processes in `_processes` (no public accessor); read it before
+        # shutdown clears it.
+        procs = list((getattr(executor, "_processes", None) or {}).values())
+        executor.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in procs:
+            if proc.is_alive():
+                log.warning("render worker %s did not exit in %.0fs: terminating it", proc.pid, timeout)
+                proc.terminate()
+                proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2.0)
