@@ -7,8 +7,9 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.llm import LLM
+    from pdserve.structured.params import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -21,4 +22,8 @@ def __getattr__(name: str):
         from pdserve.engine.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from pdserve.structured.params import StructuredOutputsParams
+
+        return StructuredOutputsParams
     raise AttributeError(name)

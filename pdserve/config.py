@@ -30,6 +30,9 @@ class EngineConfig:
     warm_up: bool | None = None  # a prefill, a mixed step and decodes before serving (JIT); default: on for CUDA
     max_waiting_requests: int | None = None  # queue bound: beyond it new requests are refused (server: 503)
     kv_transfer_config: dict[str, Any] | None = None  # vLLM's --kv-transfer-config JSON
+    # vLLM's --structured-outputs-config JSON: backend (auto | guidance), disable_any_whitespace,
+    # disable_additional_properties
+    structured_outputs_config: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -41,3 +44,11 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
+        so = self.structured_outputs_config or {}
+        unknown = set(so) - {"backend", "disable_any_whitespace", "disable_additional_properties",
+                             "disable_fallback"}
+        if unknown:
+            raise ValueError(f"structured_outputs_config: unknown keys {sorted(unknown)}")
+        if so.get("backend", "auto") not in ("auto", "guidance"):
+            raise ValueError(f"structured_outputs_config.backend {so['backend']!r} is not available: the built-in "
+                             "grammar engine is llguidance ('guidance'; 'auto' picks it)")

@@ -192,3 +192,33 @@ def test_vllm_quickstart_runs_as_is(smol_llm, tmp_path):
     assert proc.stdout.count("Generated text:") == 4 and "Chat: " in proc.stdout
     assert "Processed prompts" in proc.stderr  # the progress bar, as vLLM shows it
 
+
+
+def test_structured_outputs_offline(smol_llm):
+    """vLLM's offline form: SamplingParams(structured_outputs=StructuredOutputsParams(...))."""
+    import json
+    import re
+
+    import jsonschema
+
+    from pdserve import StructuredOutputsParams
+    from pdserve.testing.json_schemas import SCHEMAS
+
+    name, schema, _ = SCHEMAS[17]
+    params = SamplingParams(max_tokens=300, temperature=0, structured_outputs=StructuredOutputsParams(
+        json=schema, disable_any_whitespace=True))
+    out = smol_llm.generate(["Order:", "Another order:"], params, use_tqdm=False)
+    for r in out:
+        jsonschema.validate(json.loads(r.outputs[0].text), schema)
+        assert r.outputs[0].finish_reason == "stop" and r.outputs[0].token_ids[-1] == 2  # ends with EOS
+    # min_tokens bans EOS, the complete grammar allows only EOS: the grammar wins, nothing breaks
+    pick = SamplingParams(max_tokens=20, temperature=0, min_tokens=10,
+                          structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    res = smol_llm.generate("Yes or no?", pick, use_tqdm=False)[0].outputs[0]
+    assert res.text in ("yes", "no") and res.finish_reason == "stop"
+    regex = SamplingParams(n=3, seed=1, max_tokens=30, structured_outputs={"regex": r"[0-9]{3}-[a-z]{2,4}"})
+    for o in smol_llm.generate("Code:", regex, use_tqdm=False)[0].outputs:
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", o.text), o.text
+    with pytest.raises(ValueError, match="Grammar error|Invalid"):
+        smol_llm.generate("x", SamplingParams(structured_outputs={"regex": "(unclosed"}), use_tqdm=False)
+    assert not smol_llm.engine.has_unfinished()

@@ -1,6 +1,7 @@
 """What vLLM users reach for, over 1P1D: `pdserve proxy` in front of a producer and a consumer `pdserve serve`
 (real NIXL DRAM transfers), next to a collocated instance as the reference. The shipped Grafana dashboard's
-queries name only metrics that these live processes export.
+queries name only metrics that these live processes export; structured outputs through the proxy equal
+the collocated instance's (the decode side owns the grammar; the prefill leg's token is never shown).
 """
 
 from __future__ import annotations
@@ -11,14 +12,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_utils import MODEL, PdserveProcess, ServerProcess, free_port, make_model_dir
+from server_utils import MODEL, PdserveProcess, ServerProcess, free_port, make_model_dir, metric_value
+
+from pdserve.testing.json_schemas import SCHEMAS
 
 pytest.importorskip("nixl_cu12", reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
 
-COMMON = ("--max-model-len", "512", "--num-gpu-blocks-override", "128", "--block-size", "16")
+COMMON = ("--max-model-len", "512", "--num-gpu-blocks-override", "128", "--block-size", "16",
+          "--structured-outputs-config", '{"disable_any_whitespace": true}')  # a random model: see test_vllm_compat
 DASHBOARD = Path(__file__).resolve().parents[1] / "pdserve" / "data" / "grafana" / "pdserve-dashboard.json"
 
 
@@ -87,3 +92,32 @@ def test_grafana_dashboard_queries_exported_metrics(cluster) -> None:
     # and it covers each family: the engine, the KV transfer, the proxy, pdserve's own
     for prefix in ("vllm:e2e_", "vllm:nixl_", "pdserve_proxy_", "pdserve:"):
         assert any(m.startswith(prefix) for m in named), prefix
+
+
+def disagg_count(proxy: PdserveProcess) -> float:
+    return metric_value(httpx.get(f"{proxy.url}/metrics", timeout=10).text, 'pdserve_proxy_requests_total{path="disagg"}')
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_structured_outputs_over_pd_equal_collocated(cluster, stream: bool) -> None:
+    before = disagg_count(cluster["proxy"])
+    picks = [SCHEMAS[i] for i in (0, 4, 10, 17)]
+    for name, schema, _ in picks:
+        texts = []
+        for which in ("proxy", "collocated"):
+            kw = dict(model=MODEL, messages=[{"role": "user", "content": f"JSON for {name}"}], max_tokens=300,
+                      temperature=0, response_format={"type": "json_schema",
+                                                      "json_schema": {"name": name, "schema": schema}})
+            if stream:
+                chunks = client(cluster[which]).chat.completions.create(stream=True, **kw)
+                texts.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+            else:
+                texts.append(client(cluster[which]).chat.completions.create(**kw).choices[0].message.content)
+        assert texts[0] == texts[1], name
+        jsonschema.validate(json.loads(texts[0]), schema)
+    assert disagg_count(cluster["proxy"]) - before == len(picks)  # every one went prefill -> decode
+    regex = r"[A-Z][a-z]{1,5} [0-9]{2}"
+    out = [client(cluster[w]).completions.create(model=MODEL, prompt="Name and age:", max_tokens=20, temperature=0,
+                                                 extra_body={"structured_outputs": {"regex": regex}}).choices[0].text
+           for w in ("proxy", "collocated")]
+    assert out[0] == out[1] and re.fullmatch(regex, out[0])

@@ -145,6 +145,9 @@ CHAT_CASES = {
     "no_reasoning_field": {"messages": ASK, "tools": TOOLS, "include_reasoning": False},
     "logprobs": {"messages": ASK, "tools": TOOLS, "logprobs": True, "top_logprobs": 3, "return_token_ids": True},
     "thinking_off": {"messages": ASK, "chat_template_kwargs": {"enable_thinking": False}, "max_tokens": 12},
+    "response_format": {"messages": ASK, "chat_template_kwargs": {"enable_thinking": False}, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object", "properties": {
+            "sky": {"enum": ["clear", "cloudy"]}}, "required": ["sky"]}}}},
     "stop_string": {"messages": ASK, "stop": ["Sure"]},
     "n2_seeded": {"messages": ASK, "n": 2, "temperature": 0.8, "seed": 11, "max_tokens": 6,
                   "chat_template_kwargs": {"enable_thinking": False}},
@@ -187,6 +190,13 @@ COMPLETION_CASES = {
     "penalties_bias_allowed": {"prompt": "Weather report:\n", "max_tokens": 10, "return_token_ids": True,
                                "allowed_token_ids": [1000, 2000, 3000, 4000], "logit_bias": {"2000": 3},
                                "frequency_penalty": 1.5, "presence_penalty": 0.2, "repetition_penalty": 1.2},
+    # structured outputs: render passes the spec on, the engine (P/D: the decode side) holds the grammar
+    "structured_choice": {"prompt": "Weather report:\n", "max_tokens": 10,
+                          "structured_outputs": {"choice": ["sunny", "rainy", "windy"]}},
+    "structured_json": {"prompt": "x\n", "max_tokens": 60, "structured_outputs": {
+        "disable_any_whitespace": True,  # a random model would pick whitespace forever
+        "json": {"type": "object", "properties": {"sky": {"enum": ["clear", "cloudy"]}, "days": {"enum": [1, 2]}},
+                 "required": ["sky", "days"], "additionalProperties": False}}},
 }
 
 
@@ -204,6 +214,10 @@ def test_completions_three_hop_equals_in_process(procs: dict[str, Proc], case: s
         assert a["choices"][0]["text"].endswith("Let me plan") and a["choices"][0]["stop_reason"] == "plan"
     if case == "penalties_bias_allowed":  # the fields went through render's JSON to the engine
         assert set(a["choices"][0]["token_ids"]) <= {1000, 2000, 3000, 4000}
+    if case == "structured_choice":
+        assert a["choices"][0]["text"] in ("sunny", "rainy", "windy")
+    if case == "structured_json":
+        assert set(json.loads(a["choices"][0]["text"])) == {"sky", "days"}
 
 
 @pytest.mark.skipif(not HAVE_NIXL, reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")

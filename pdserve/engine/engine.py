@@ -11,6 +11,7 @@ from typing import Any
 
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.grammars import Grammars
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request, Status
@@ -74,6 +75,8 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.model_cfg.max_position_embeddings
         self.eos_token_ids = read_eos_ids(self.model_dir, self.model_cfg)
         self.runner = ModelRunner(config, self.model_cfg, self.model_dir)
+        self.grammars = Grammars(config.tokenizer or str(self.model_dir), self.model_cfg.vocab_size,
+                                 self.eos_token_ids, config.structured_outputs_config)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         default_budget = 8192 if self.runner.device.type == "cuda" else 2048
         budget = config.max_num_batched_tokens or default_budget
@@ -139,8 +142,10 @@ class LLMEngine:
                 f"the prompt needs {self.blocks.blocks_needed(n + 1)} KV blocks but the pool has "
                 f"{self.blocks.num_blocks}", "prompt"
             )
+        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs is not None else None
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, self.max_model_len,
                       kv_transfer_params)
+        req.grammar = grammar
         if req.remote_prefill_pending:
             if self.connector is None:
                 req.remote_prefill_pending = False  # no connector configured: plain local prefill, as vLLM
@@ -204,7 +209,7 @@ class LLMEngine:
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.metrics.last_token_time = now
-            if req.check_stop(tok):
+            if req.check_stop(tok) or (req.grammar is not None and self.grammars.advance(req, tok)):
                 self.scheduler.remove(req)
                 outputs.append(self._finish(req, hold=req.hold_for_remote_decode))
             else:

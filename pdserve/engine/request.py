@@ -46,6 +46,7 @@ class Request:
     remote_load_done: bool = False
     hold_for_remote_decode: bool = False  # producer: keep blocks after finishing, for a consumer to read
     result_kv_transfer_params: dict[str, Any] | None = None
+    grammar: Any = None  # structured outputs: the request's matcher (pdserve.structured.grammar.Grammar)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)

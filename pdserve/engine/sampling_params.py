@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class ParamError(ValueError):
@@ -39,6 +40,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     detokenize: bool = True  # False: token ids only (the offline API's skip_tokenizer_init)
+    # what the output must match (pdserve.structured.params.StructuredOutputsParams, or its dict form)
+    structured_outputs: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +52,10 @@ class SamplingParams:
             self.top_k = 0
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.structured_outputs is not None:
+            from pdserve.structured.params import StructuredOutputsParams
+
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self.validate()
         if self.logit_bias is not None:
             # OpenAI's range; vLLM clamps the same way
@@ -65,7 +72,8 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Whether the logits change before sampling (min_tokens aside, which depends on the progress)."""
-        return self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
+        return (self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
+                or self.structured_outputs is not None)
 
     def validate(self) -> None:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:

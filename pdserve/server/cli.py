@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-transfer-config", default=None, help="vLLM's KV transfer JSON")
+    p.add_argument("--structured-outputs-config", default=None,
+                   help='vLLM\'s JSON: {"backend": "auto"|"guidance", "disable_any_whitespace": bool, '
+                        '"disable_additional_properties": bool}')
     p.add_argument("--side-channel-host", default=None,
                    help="KV side-channel host (env VLLM_NIXL_SIDE_CHANNEL_HOST as fallback)")
     p.add_argument("--side-channel-port", type=int, default=None,
@@ -94,6 +97,8 @@ def engine_config(args: argparse.Namespace) -> Any:
         enforce_eager=args.enforce_eager,
         max_waiting_requests=args.max_waiting_requests,
         kv_transfer_config=kv,
+        structured_outputs_config=json.loads(args.structured_outputs_config) if args.structured_outputs_config
+        else None,
     )
 
 
@@ -108,6 +113,12 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return "--max-request-body-bytes must be at least 1024"
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         return "--max-waiting-requests must be at least 1"
+    if args.structured_outputs_config is not None:
+        try:
+            if not isinstance(json.loads(args.structured_outputs_config), dict):
+                return "--structured-outputs-config must be a JSON object"
+        except ValueError as e:
+            return f"--structured-outputs-config is not valid JSON: {e}"
     if args.kv_transfer_config is not None:
         try:
             if not isinstance(json.loads(args.kv_transfer_config), dict):

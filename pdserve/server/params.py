@@ -12,6 +12,7 @@ from typing import Any
 from pdserve.engine.sampling_params import MAX_N, ParamError, SamplingParams, child_seed  # noqa: F401 - re-exported
 from pdserve.server.errors import APIError, bad_request, not_supported
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from pdserve.structured.params import LEGACY_FIELDS, StructuredOutputsParams, from_openai_request
 from pdserve.text.output_parsers import ToolChoiceError, parses_tool_calls
 
 log = logging.getLogger("pdserve.server")
@@ -68,8 +69,6 @@ def check_unsupported(req: _SamplingFields) -> None:
         raise not_supported("use_beam_search")
     if req.prompt_logprobs is not None:
         raise not_supported("prompt_logprobs")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise not_supported("response_format", f" (type {req.response_format.type!r}; structured output)")
     if req.stream_options is not None and not req.stream:
         raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
     if req.n < 1:
@@ -185,9 +184,18 @@ def build_sampling_params(fields: Any, *, max_tokens: int, logprobs: int | None,
                                 else fields.repetition_penalty),
             logit_bias=logit_bias_by_id(fields.logit_bias, sampling_param_name("logit_bias", param_prefix)),
             allowed_token_ids=fields.allowed_token_ids,
+            structured_outputs=structured_outputs_of(fields),
         )
     except ParamError as e:
         raise APIError(str(e), 400, sampling_param_name(e.param, param_prefix)) from e
+
+
+def structured_outputs_of(fields: Any) -> StructuredOutputsParams | None:
+    """`structured_outputs`, `response_format` and the legacy `guided_*` fields (those a request has) as one
+    spec (ParamError for a malformed one; the grammar itself is checked by the engine)."""
+    legacy = {k: getattr(fields, k) for k in LEGACY_FIELDS if getattr(fields, k, None) is not None}
+    return from_openai_request(getattr(fields, "structured_outputs", None), getattr(fields, "response_format", None),
+                               legacy)
 
 
 def logit_bias_by_id(bias: dict[str, float] | None, param: str) -> dict[int, float] | None:

@@ -65,6 +65,13 @@ class _SamplingFields(OpenAIBaseModel):
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's StructuredOutputsParams fields
+    # vLLM's pre-0.12 names for structured_outputs' fields (older clients still send them)
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
     priority: int = 0
     request_id: str | None = None
     return_tokens_as_token_ids: bool | None = None

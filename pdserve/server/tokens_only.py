@@ -81,7 +81,7 @@ def forbidden() -> JSONResponse:
 # ---- request -> engine parameters --------------------------------------------------------------------
 def _check_request(sp: GenerateSamplingParams, text_mode: bool) -> None:
     """What this route refuses before any engine parameter is built (the rest is the shared pipeline's)."""
-    for name in ("bad_words", "structured_outputs", "prompt_logprobs"):
+    for name in ("bad_words", "prompt_logprobs"):
         if getattr(sp, name):
             raise not_supported(f"sampling_params.{name}")
     if not 1 <= sp.n <= MAX_N:
