@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 
@@ -24,12 +25,17 @@ def main(args: argparse.Namespace) -> int:
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.llm import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, load_format=args.load_format)
+    # Bad input is one line and exit code 2, checked before the (slow) model load where possible.
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed)
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, load_format=args.load_format)
+    except (ValueError, OSError) as e:  # ModelNotFoundError, ParamError, a device this machine lacks, ...
+        print(f"pdserve generate: error: {e}", file=sys.stderr)
+        return 2
     prompts = list(args.prompt)
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
     t0 = time.perf_counter()
     results = llm.generate(prompts, params)
     dt = time.perf_counter() - t0

@@ -18,7 +18,7 @@ from pdserve.engine.request import Request, Status
 from pdserve.engine.sampling_params import ParamError, SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.step_log import StepLog
-from pdserve.model.config import ModelConfig, load_model_config
+from pdserve.model.config import ModelConfig, derived_max_model_len, load_model_config, verify_max_model_len
 
 log = logging.getLogger("pdserve.engine")
 
@@ -72,7 +72,8 @@ class LLMEngine:
         self.config = config
         self.model_dir = resolve_model_dir(config.model, config.load_format)
         self.model_cfg = load_model_config(self.model_dir)
-        self.max_model_len = config.max_model_len or self.model_cfg.max_position_embeddings
+        self.max_model_len = verify_max_model_len(config.max_model_len, derived_max_model_len(
+            self.model_cfg.max_position_embeddings, self.model_cfg.rope_scaling))  # before loading weights
         self.eos_token_ids = read_eos_ids(self.model_dir, self.model_cfg)
         self.runner = ModelRunner(config, self.model_cfg, self.model_dir)
         self.grammars = Grammars(config.tokenizer or str(self.model_dir), self.model_cfg.vocab_size,

@@ -25,9 +25,19 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_device(name: str) -> torch.device:
+    """`auto`, `cpu`, `cuda` or `cuda:N`; a ValueError (one readable line) for anything this machine lacks."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a device (expected auto, cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available here (torch {torch.__version__}, "
+                         f"CUDA {torch.version.cuda or 'not compiled in'}); use --device cpu or auto")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: only cpu and cuda are supported")
+    return device
 
 
 def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:

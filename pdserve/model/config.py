@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,3 +105,40 @@ def parse_model_config(cfg: dict[str, Any]) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
     )
+
+
+# vLLM's escape hatch (vllm/config/model.py, _get_and_verify_max_len): a --max-model-len above what the
+# model's config allows is refused unless this is set to 1.
+ALLOW_LONG_MAX_MODEL_LEN_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+def derived_max_model_len(max_position_embeddings: int, rope_scaling: dict[str, Any] | None = None) -> int:
+    """The context length the model's config supports: max_position_embeddings, times the factor of a
+    linear RoPE scaling (llama3 scaling's max_position_embeddings is already the scaled one), as vLLM does."""
+    factor = 1.0
+    if rope_scaling:
+        kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        if kind not in ("default", "su", "longrope", "llama3"):
+            factor = float(rope_scaling.get("factor", 1.0))
+    return int(max_position_embeddings * factor)
+
+
+def verify_max_model_len(requested: int | None, derived: int, env: dict[str, str] | None = None) -> int:
+    """The max_model_len to use: `derived` when none is requested; a requested one above `derived` is a
+    ValueError unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (then a warning: positions beyond the trained ones
+    give garbage)."""
+    if requested is None:
+        return derived
+    if requested < 2:
+        raise ValueError(f"--max-model-len must be at least 2, got {requested}")
+    if requested <= derived:
+        return requested
+    msg = (f"--max-model-len {requested} is greater than the model's maximum context length ({derived}, from "
+           f"max_position_embeddings in its config.json)")
+    if (os.environ if env is None else env).get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "").lower() in ("1", "true"):
+        logging.getLogger("pdserve").warning(
+            "%s; allowed by %s=1: positions beyond the trained ones give meaningless output", msg,
+            ALLOW_LONG_MAX_MODEL_LEN_ENV)
+        return requested
+    raise ValueError(f"{msg}. To allow it anyway, set the environment variable {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1 "
+                     "(positions beyond the trained ones give meaningless output)")

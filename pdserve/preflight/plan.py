@@ -7,11 +7,17 @@ the output: 1 GB = 10^9 bytes, 1 GiB = 2^30 bytes, 1 Gb/s = 10^9 bit/s.
     pdserve plan llama-3.1-70b --prompt-len 10000 --bandwidth 400Gb/s
     pdserve plan ./my-model --prompt-len 8192 --bandwidth 50GB/s --bandwidth 0.5GB/s
     pdserve plan --layers 80 --kv-heads 8 --head-dim 128 --dtype bf16 --prompt-len 10000 --bandwidth 400Gb/s
+    pdserve plan --instance http://127.0.0.1:8100 --prompt-len 4096     # a running instance's own KV shape
+
+A model's config gives the dtype of its released weights; a server's KV cache may differ (pdserve runs
+float32 on CPU by default): plan against the instance (`--instance URL` reads its /pdserve/info) or say
+`--dtype`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
@@ -101,6 +107,7 @@ class KVShape:
     num_kv_heads: int
     head_dim: int
     dtype: str  # canonical name (bfloat16, float32, ...)
+    dtype_note: str = ""  # a caveat printed with the plan (the dtype is a guess)
 
     @property
     def bytes_per_token(self) -> int:
@@ -119,8 +126,30 @@ def _shape_from_config_dict(cfg: dict[str, Any], source: str) -> KVShape:
         raise ValueError(f"{source}: config.json lacks {e.args[0]!r}") from None
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or hidden // heads)
-    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    return KVShape(source, layers, kv_heads, head_dim, canonical_dtype(dtype))
+    dtype = canonical_dtype(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"))
+    return KVShape(source, layers, kv_heads, head_dim, dtype, _weights_dtype_note(dtype))
+
+
+def _weights_dtype_note(dtype: str) -> str:
+    return (f"{dtype} is the dtype of the model's weights; a server's KV cache may use another (pdserve on CPU: "
+            "float32 by default). Give --dtype, or --instance URL to read a running instance's.")
+
+
+def shape_from_instance(url: str, timeout: float = 10.0) -> tuple[KVShape, int]:
+    """(KV shape, block size) of a running pdserve instance, from its GET /pdserve/info."""
+    import httpx
+
+    base = url.rstrip("/") if "://" in url else "http://" + url.rstrip("/")
+    try:
+        resp = httpx.get(base + "/pdserve/info", timeout=timeout, trust_env=False)
+        resp.raise_for_status()
+        info = resp.json()
+        shape = KVShape(f"instance {base} (/pdserve/info)", int(info["num_layers"]), int(info["num_kv_heads"]),
+                        int(info["head_dim"]), canonical_dtype(str(info["dtype"])))
+        return shape, int(info.get("block_size") or 16)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--instance {url}: cannot read its KV shape from /pdserve/info ({type(e).__name__}: {e})"
+                         ) from None
 
 
 def _known(name: str) -> tuple[int, int, int, str] | None:
@@ -144,7 +173,7 @@ def resolve_shape(model: str | None, *, layers: int | None = None, kv_heads: int
         elif (path / "config.json").is_file():
             base = _shape_from_config_dict(json.loads((path / "config.json").read_text()), str(path / "config.json"))
         elif (known := _known(model)) is not None:
-            base = KVShape(f"built-in table ({model})", *known)
+            base = KVShape(f"built-in table ({model})", *known, _weights_dtype_note(known[3]))
         else:
             from pdserve.model.default_model import MODELS, resolve_model
 
@@ -168,6 +197,7 @@ def resolve_shape(model: str | None, *, layers: int | None = None, kv_heads: int
         kv_heads if kv_heads is not None else base.num_kv_heads,
         head_dim if head_dim is not None else base.head_dim,
         canonical_dtype(dtype) if dtype is not None else base.dtype,
+        base.dtype_note if dtype is None else "",
     )
     dtype_bytes(shape.dtype)  # validate
     for name, v in (("layers", shape.num_layers), ("kv heads", shape.num_kv_heads), ("head_dim", shape.head_dim)):
@@ -251,6 +281,8 @@ def format_plan(plan: Plan) -> str:
     for link in plan.links:
         lines.append(f"  {link.bandwidth:>14}  ({_rate(link.bytes_per_s)}):  {_duration(link.wire_time_s)}")
     lines.append("units: 1 kB = 10^3 B, 1 KiB = 2^10 B, 1 GB = 10^9 B, 1 GiB = 2^30 B, 1 Gb/s = 10^9 bit/s")
+    if s.dtype_note:
+        lines.append(f"note: {s.dtype_note}")
     per_token_kib = plan.bytes_per_token / 1024
     if per_token_kib == int(per_token_kib) and plan.prompt_len >= 1000:
         # The back-of-envelope form: "320 KiB/token x 10k tokens = 3.2 GB" reads KiB as 10^3 B (2.4% low).
@@ -279,16 +311,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=None, help="number of layers (overrides the model's)")
     parser.add_argument("--kv-heads", type=int, default=None, help="number of KV heads (overrides the model's)")
     parser.add_argument("--head-dim", type=int, default=None, help="head dimension (overrides the model's)")
-    parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
+    parser.add_argument("--instance", default=None, metavar="URL",
+                        help="a running pdserve instance: its /pdserve/info gives layers, KV heads, head_dim, dtype "
+                        "and block size (instead of MODEL)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="KV block size in tokens (default: the instance's, else 16)")
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        shape = resolve_shape(args.model, layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                              dtype=args.dtype)
+        block_size = args.block_size
+        if args.instance is not None:
+            if args.model is not None:
+                raise ValueError("give either MODEL or --instance URL, not both")
+            live, live_block = shape_from_instance(args.instance)
+            shape = resolve_shape(None, layers=args.layers or live.num_layers,
+                                  kv_heads=args.kv_heads or live.num_kv_heads,
+                                  head_dim=args.head_dim or live.head_dim, dtype=args.dtype or live.dtype)
+            overridden = any(v is not None for v in (args.layers, args.kv_heads, args.head_dim, args.dtype))
+            shape = dataclasses.replace(shape, source=live.source + (" + command line" if overridden else ""))
+            block_size = block_size or live_block
+        else:
+            shape = resolve_shape(args.model, layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                                  dtype=args.dtype)
         bandwidths = args.bandwidth or list(DEFAULT_BANDWIDTHS)
-        plan = make_plan(shape, args.prompt_len, bandwidths, args.block_size)
+        plan = make_plan(shape, args.prompt_len, bandwidths, block_size or 16)
     except (ValueError, FileNotFoundError) as e:
         print(f"pdserve plan: {e}", file=sys.stderr)
         return 2

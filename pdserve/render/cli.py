@@ -110,6 +110,15 @@ def main(args: argparse.Namespace) -> int:
     if problem:
         print(f"pdserve render: error: {problem}", file=sys.stderr)
         return 2
+    from pdserve.bindcheck import exposure_warning, port_taken
+
+    problem = port_taken(args.host, args.port)
+    if problem:
+        print(f"pdserve render: error: --port: {problem}", file=sys.stderr)
+        return 1
+    warning = exposure_warning("pdserve render", args.host, args.api_key or os.environ.get("VLLM_API_KEY"))
+    if warning:
+        log.warning(warning)
     import uvicorn
 
     try:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve.model.config import derived_max_model_len, verify_max_model_len
 from pdserve.server.errors import check_served_model
 from pdserve.server.params import GenerationDefaults
 from pdserve.text.output_parsers import ParserConfig
@@ -47,10 +48,15 @@ class RenderConfig:
             cfg = loaded if isinstance(loaded, dict) else {}
         text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
         model_len = text_cfg.get("max_position_embeddings")
-        if max_model_len is None:
-            if not isinstance(model_len, int) or model_len < 2:
-                raise RenderSetupError(f"{folder} has no max_position_embeddings in config.json; pass --max-model-len")
-            max_model_len = model_len
+        if isinstance(model_len, int) and model_len >= 2:  # the engine's rule, so that both refuse alike
+            scaling = text_cfg.get("rope_scaling")
+            try:
+                max_model_len = verify_max_model_len(
+                    max_model_len, derived_max_model_len(model_len, scaling if isinstance(scaling, dict) else None))
+            except ValueError as e:
+                raise RenderSetupError(str(e)) from None
+        elif max_model_len is None:
+            raise RenderSetupError(f"{folder} has no max_position_embeddings in config.json; pass --max-model-len")
         if max_model_len < 2:
             raise RenderSetupError("--max-model-len must be at least 2")
         vocab = text_cfg.get("vocab_size")

@@ -27,6 +27,7 @@ from pdserve.server.params import (
     validate_token_ids,
 )
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from pdserve.server.tokenization import check_prompt_chars
 from pdserve.text.chat import ChatTemplateError
 from pdserve.text.output_parsers import prompt_tail_text
 from pdserve.text.reasoning import prompt_opens_reasoning
@@ -76,6 +77,7 @@ def render_chat(ctx: RenderContext, body: Any, header_request_id: str | None = N
     model = ctx.check_model(req.model)
     check_chat_request(ctx, req)
     text = chat_prompt_text(ctx, req)
+    check_prompt_chars(ctx.tokenizer, text, ctx.max_model_len, "messages")
     ids = ctx.tokenizer.encode(text, req.add_special_tokens)
     if not ids:
         raise bad_request("The rendered chat prompt is empty.", "messages")
@@ -118,6 +120,7 @@ def completion_prompts(ctx: RenderContext, req: CompletionRequest) -> list[list[
     out: list[list[int]] = []
     for item in items:
         if isinstance(item, str):
+            check_prompt_chars(ctx.tokenizer, item, ctx.max_model_len, "prompt")
             ids = ctx.tokenizer.encode(item, req.add_special_tokens)
             if not ids:
                 raise bad_request("Prompt cannot be empty.", "prompt")

@@ -209,19 +209,50 @@ def build_state(args: argparse.Namespace) -> Any:
     )
 
 
+def _check_ports(args: argparse.Namespace) -> str | None:
+    """Why this server could not bind its HTTP port or its KV side channel (a producer's), checked before
+    the model is loaded; None when both are free."""
+    from pdserve.bindcheck import port_taken
+    from pdserve.server.kv import parse_kv_transfer_config
+
+    problem = port_taken(args.host, args.port)
+    if problem:
+        return f"--port: {problem}"
+    try:
+        kv_cfg = parse_kv_transfer_config(args.kv_transfer_config, args.side_channel_host, args.side_channel_port)
+    except ValueError as e:
+        return f"--kv-transfer-config: {e}"
+    if kv_cfg is not None and kv_cfg.is_producer:
+        problem = port_taken(kv_cfg.bind_host, kv_cfg.side_channel_port)
+        if problem:
+            return (f"KV side channel: {problem}; is another prefill instance using it? Give each producer its "
+                    "own --side-channel-port (or VLLM_NIXL_SIDE_CHANNEL_PORT)")
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     problem = _check_args(args)
     if problem:
         print(f"pdserve serve: error: {problem}", file=sys.stderr)
         return 2
+    problem = _check_ports(args)
+    if problem:
+        print(f"pdserve serve: error: {problem}", file=sys.stderr)
+        return 1
+    from pdserve.bindcheck import exposure_warning
+
+    warning = exposure_warning("pdserve serve", args.host, args.api_key or os.environ.get("VLLM_API_KEY"))
+    if warning:
+        log.warning(warning)
     import uvicorn
 
+    from pdserve.kv_transfer.errors import KVTransferError
     from pdserve.server.app import build_app
 
     try:
         state = build_state(args)
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except (ValueError, FileNotFoundError, OSError, KVTransferError) as e:  # one line, no traceback
         print(f"pdserve serve: error: {e}", file=sys.stderr)
         return 1
     app = build_app(state)

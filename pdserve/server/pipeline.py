@@ -28,6 +28,7 @@ from pdserve.server.http_utils import SSE_DONE, until_disconnect
 from pdserve.server.metrics import RequestRecorder
 from pdserve.server.params import build_sampling_params, sampling_param_name
 from pdserve.server.state import ServerState
+from pdserve.server.tokenization import check_prompt_chars
 from pdserve.text.output import OutputProcessor, TextDelta
 
 # Prompts longer than this (characters) are tokenized off the event loop.
@@ -35,6 +36,7 @@ INLINE_TOKENIZE_CHARS = 4096
 
 
 async def encode(state: ServerState, text: str, add_special_tokens: bool) -> list[int]:
+    check_prompt_chars(state.tokenizer, text, state.max_model_len)
     if len(text) <= INLINE_TOKENIZE_CHARS:
         return state.tokenizer.encode(text, add_special_tokens)
     return await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens)

@@ -9,6 +9,18 @@ from pdserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from pdserve.text.chat import ChatTemplateError
 
 
+def check_prompt_chars(tok: Any, text: str, max_model_len: int, param: str | None = None) -> None:
+    """A 400 before tokenizing a text too long to fit in the context however it tokenizes (more than
+    max_model_len x the longest vocabulary entry characters): tokenizing megabytes takes seconds of CPU for
+    a request that is refused anyway. Applies to truncate_prompt_tokens requests too."""
+    limit = max_model_len * tok.max_token_chars
+    if len(text) > limit:
+        raise APIError(
+            f"The prompt has {len(text)} characters; at most {limit} can fit in this model's context of "
+            f"{max_model_len} tokens (max_model_len x {tok.max_token_chars}, the longest token in characters).",
+            400, param)
+
+
 def tokenize_body(tok: Any, req: TokenizeRequest, max_model_len: int) -> dict[str, Any]:
     """A prompt, or messages through the chat template, -> their token ids."""
     if req.messages is not None:
@@ -26,6 +38,7 @@ def tokenize_body(tok: Any, req: TokenizeRequest, max_model_len: int) -> dict[st
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
     else:
         raise APIError("Either prompt or messages must be provided.", 400, "prompt")
+    check_prompt_chars(tok, text, max_model_len, "messages" if req.messages is not None else "prompt")
     ids = tok.encode(text, add_special)
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
             "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Sequence
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +124,13 @@ class Tokenizer:
         if chat_template is not None and Path(chat_template).is_file():
             chat_template = Path(chat_template).read_text(encoding="utf-8")
         return cls(hf, str(folder), chat_template)
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token covers: the longest vocabulary entry (byte-level
+        entries have one character per byte, and a decoded character is at least one byte). So a text of
+        more than max_model_len x this many characters cannot fit in the context, whatever it says."""
+        return max((len(piece) for piece in self.hf.get_vocab()), default=1) or 1
 
     # ---- text <-> ids ----------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
