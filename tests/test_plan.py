@@ -97,3 +97,47 @@ def test_cli_json_and_errors() -> None:
         [sys.executable, "-c", "import sys, pdserve.preflight.plan; print(' '.join(sys.modules))"],
         capture_output=True, text=True, check=True,
     ).stdout.split()
+
+
+# -- the P:D ratio (rule 3 of the seed's vendor article) ------------------------------------------------
+
+
+def test_ratio_seed_examples() -> None:
+    """The rule's arithmetic on the seed's two workloads, with per-instance throughputs that make its
+    ratios come out (32k/400 -> 3:2 needs prefill 53x a decode instance's tokens/s; 4k/8k -> 1:3 needs 1.5x):
+    the ratio is a function of measured rates, not a constant."""
+    from pdserve.preflight.ratio import recommend
+
+    rag = recommend(32_000, 400, prefill_tps=40_000, decode_tps=750)
+    assert (rag.num_prefill, rag.num_decode) == (3, 2) and rag.bottleneck == "balanced"
+    assert rag.balanced_ratio == pytest.approx(1.5) and rag.max_rate == pytest.approx(3.75)
+    cot = recommend(4_000, 8_000, prefill_tps=4_000, decode_tps=2_666.67)
+    assert (cot.num_prefill, cot.num_decode) == (1, 3) and cot.efficiency > 0.99
+    big = recommend(32_000, 400, prefill_tps=40_000, decode_tps=750, instances=8)
+    assert big.topology == "5p3d"  # min(5/0.8, 3/0.533) = 5.625 req/s beats 4p4d (5.0) and 6p2d (3.75)
+    assert big.max_rate == pytest.approx(5.625)
+
+
+def test_ratio_errors_and_cli(tmp_path: Path) -> None:
+    from pdserve.preflight.ratio import best_split
+
+    with pytest.raises(ValueError, match="--instances"):
+        best_split(100, 10, 1.0, 1.0, 1)
+    with pytest.raises(ValueError, match="--decode-tps"):
+        best_split(100, 10, 1.0, 0.0, 4)
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve", "plan", "--isl", "32000", "--osl", "400", "--prefill-tps", "40000",
+         "--decode-tps", "750", "--json"], capture_output=True, text=True, check=True)
+    data = json.loads(out.stdout)
+    assert data["ratio"]["topology"] == "3p2d" and "bytes_per_token" not in data  # no model: no KV part
+    text = subprocess.run(
+        [sys.executable, "-m", "pdserve", "plan", "llama-3.1-8b", "--isl", "4000", "--osl", "8000",
+         "--prefill-tps", "4000", "--decode-tps", "2700"], capture_output=True, text=True, check=True).stdout
+    assert "4,000 tokens ->" in text and "recommended:      1p3d" in text  # KV of an --isl prompt, then the split
+    bad = subprocess.run([sys.executable, "-m", "pdserve", "plan", "--isl", "10"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--osl --prefill-tps --decode-tps" in bad.stderr
+    # what `pdserve up --ray --from-plan` reads
+    from pdserve.launch.ray_cli import topology_from_plan
+
+    (tmp_path / "plan.json").write_text(out.stdout)
+    assert topology_from_plan(str(tmp_path / "plan.json")) == "3p2d"

@@ -91,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --demo: stop everything after the demo (exit 0 if it succeeded)")
     parser.add_argument("--demo-prompt", default=None, help="prompt of the demo request")
     parser.add_argument("--demo-max-tokens", type=int, default=24, help="max_tokens of the demo request (default 24)")
+    from pdserve.launch.ray_cli import add_ray_arguments
+
+    add_ray_arguments(parser)
     parser.epilog = "Arguments after -- are added to every instance's serve command."
     _split_double_dash(parser)
 
@@ -434,6 +437,10 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"pdserve up: {e}", file=sys.stderr)
         return 2
+    if args.ray is not None:
+        from pdserve.launch import ray_cli
+
+        return ray_cli.main(args, cfg)
     if cfg.engine == "vllm" and not args.dry_run and shutil.which("vllm") is None:
         print("pdserve up: --engine vllm needs the `vllm` command on PATH (pip install vllm nixl); "
               "--dry-run prints the commands without it", file=sys.stderr)

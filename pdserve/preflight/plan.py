@@ -12,6 +12,12 @@ the output: 1 GB = 10^9 bytes, 1 GiB = 2^30 bytes, 1 Gb/s = 10^9 bit/s.
 A model's config gives the dtype of its released weights; a server's KV cache may differ (pdserve runs
 float32 on CPU by default): plan against the instance (`--instance URL` reads its /pdserve/info) or say
 `--dtype`.
+
+With the workload and measured per-instance throughputs it also recommends a starting P:D split
+(pdserve/preflight/ratio.py); with a model it adds the KV arithmetic of a prompt of --isl tokens:
+
+    pdserve plan --isl 32000 --osl 400 --prefill-tps 40000 --decode-tps 1200 --instances 8
+    pdserve plan llama-3.1-8b --isl 4000 --osl 8000 --prefill-tps 20000 --decode-tps 2500 --json > plan.json
 """
 
 from __future__ import annotations
@@ -300,7 +306,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("model", nargs="?", default=None,
                         help="model folder, config.json, or a known name (" + ", ".join(sorted(KNOWN_MODELS)) + ")")
-    parser.add_argument("--prompt-len", type=int, required=True, help="prompt length in tokens")
+    parser.add_argument("--prompt-len", type=int, default=None, help="prompt length in tokens (default: --isl)")
     parser.add_argument(
         "--bandwidth", action="append", default=None, metavar="RATE",
         help="link rate, e.g. 400Gb/s (bits) or 50GB/s (bytes), or a preset: "
@@ -317,31 +323,69 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=None,
                         help="KV block size in tokens (default: the instance's, else 16)")
     parser.add_argument("--json", action="store_true", help="print JSON")
+    ratio = parser.add_argument_group("P:D ratio (the seed's rule 3)")
+    ratio.add_argument("--isl", type=int, default=None, help="input (prompt) tokens per request")
+    ratio.add_argument("--osl", type=int, default=None, help="output tokens per request")
+    ratio.add_argument("--prefill-tps", type=float, default=None,
+                       help="measured prompt tokens/s of one prefill instance")
+    ratio.add_argument("--decode-tps", type=float, default=None,
+                       help="measured output tokens/s of one decode instance (at the batch its ITL target allows)")
+    ratio.add_argument("--instances", type=int, default=None,
+                       help="split this many instances (default: the smallest near-balanced split)")
+
+
+_RATIO_FLAGS = ("isl", "osl", "prefill_tps", "decode_tps")
+
+
+def _ratio(args: argparse.Namespace):  # -> RatioPlan | None
+    from pdserve.preflight.ratio import recommend
+
+    given = [f for f in _RATIO_FLAGS if getattr(args, f) is not None]
+    if not given:
+        if args.instances is not None:
+            raise ValueError("--instances needs --isl --osl --prefill-tps --decode-tps")
+        return None
+    missing = [f"--{f.replace('_', '-')}" for f in _RATIO_FLAGS if getattr(args, f) is None]
+    if missing:
+        raise ValueError(f"the P:D recommendation needs {' '.join(missing)} too")
+    return recommend(args.isl, args.osl, args.prefill_tps, args.decode_tps, args.instances)
 
 
 def main(args: argparse.Namespace) -> int:
+    from pdserve.preflight.ratio import format_ratio
+
     try:
-        block_size = args.block_size
-        if args.instance is not None:
-            if args.model is not None:
-                raise ValueError("give either MODEL or --instance URL, not both")
-            live, live_block = shape_from_instance(args.instance)
-            shape = resolve_shape(None, layers=args.layers or live.num_layers,
-                                  kv_heads=args.kv_heads or live.num_kv_heads,
-                                  head_dim=args.head_dim or live.head_dim, dtype=args.dtype or live.dtype)
-            overridden = any(v is not None for v in (args.layers, args.kv_heads, args.head_dim, args.dtype))
-            shape = dataclasses.replace(shape, source=live.source + (" + command line" if overridden else ""))
-            block_size = block_size or live_block
-        else:
-            shape = resolve_shape(args.model, layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                                  dtype=args.dtype)
-        bandwidths = args.bandwidth or list(DEFAULT_BANDWIDTHS)
-        plan = make_plan(shape, args.prompt_len, bandwidths, block_size or 16)
+        ratio = _ratio(args)
+        plan = None
+        prompt_len = args.prompt_len if args.prompt_len is not None else args.isl
+        kv_wanted = ratio is None or args.model is not None or args.layers is not None or args.instance is not None
+        if kv_wanted:
+            if prompt_len is None:
+                raise ValueError("give --prompt-len (or --isl)")
+            block_size = args.block_size
+            if args.instance is not None:
+                if args.model is not None:
+                    raise ValueError("give either MODEL or --instance URL, not both")
+                live, live_block = shape_from_instance(args.instance)
+                shape = resolve_shape(None, layers=args.layers or live.num_layers,
+                                      kv_heads=args.kv_heads or live.num_kv_heads,
+                                      head_dim=args.head_dim or live.head_dim, dtype=args.dtype or live.dtype)
+                overridden = any(v is not None for v in (args.layers, args.kv_heads, args.head_dim, args.dtype))
+                shape = dataclasses.replace(shape, source=live.source + (" + command line" if overridden else ""))
+                block_size = block_size or live_block
+            else:
+                shape = resolve_shape(args.model, layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                                      dtype=args.dtype)
+            plan = make_plan(shape, prompt_len, args.bandwidth or list(DEFAULT_BANDWIDTHS), block_size or 16)
     except (ValueError, FileNotFoundError) as e:
         print(f"pdserve plan: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(plan.to_json(), indent=2))
+        out = plan.to_json() if plan is not None else {}
+        if ratio is not None:
+            out["ratio"] = ratio.to_json()
+        print(json.dumps(out, indent=2))
     else:
-        print(format_plan(plan))
+        print("\n\n".join(text for text in (format_plan(plan) if plan else "",
+                                            format_ratio(ratio) if ratio else "") if text))
     return 0
