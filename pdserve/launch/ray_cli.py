@@ -32,6 +32,7 @@ from pdserve.launch.config import LaunchConfig, parse_topology
 from pdserve.launch.ray_spec import RayOptions, build_app_spec, controller_name, parse_resources
 
 POLL_S = 0.5
+RAY_MAX_RESTARTS = 20  # default times Ray restarts one instance or the proxy
 STOP_GRACE_S = 60.0
 
 
@@ -50,8 +51,6 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
         g.add_argument(f"--{role}-resources", default=None, metavar="JSON",
                        help=f"custom Ray resources each {role} instance reserves, e.g. '{{\"{role}_node\": 1}}' "
                        "(nodes offer them with `ray start --resources`)")
-    g.add_argument("--max-restarts", type=int, default=20,
-                   help="times Ray restarts a crashed instance or proxy (-1: always; default 20)")
     g.add_argument("--placement-timeout", type=float, default=120.0,
                    help="seconds to wait for the cluster to fit an instance's resources (default 120)")
     g.add_argument("--discovery-interval", type=float, default=1.0,
@@ -124,7 +123,9 @@ def options_from_args(args: argparse.Namespace, cfg: LaunchConfig) -> RayOptions
             role_resources[role] = parse_resources(text, f"--{role}-resources")
     return RayOptions(
         address=args.ray, namespace=args.ray_namespace, app=args.app_name, cpus_per_instance=args.cpus_per_instance,
-        gpus_per_instance=args.gpus_per_instance, role_resources=role_resources, max_restarts=args.max_restarts,
+        gpus_per_instance=args.gpus_per_instance, role_resources=role_resources,
+        # `pdserve up`'s --max-restarts; under Ray it counts over the app's life (Ray's max_restarts, -1: always)
+        max_restarts=RAY_MAX_RESTARTS if args.max_restarts is None else args.max_restarts,
         placement_timeout=args.placement_timeout, discovery_interval=args.discovery_interval,
         autoscale=_autoscale(args, cfg),
     ).validate()

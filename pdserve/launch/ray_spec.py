@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.launch.config import LaunchConfig
+from pdserve.launch.config import LaunchConfig, default_log_dir
 from pdserve.launch.spec import UCX_GET_ZCOPY, has_flag, kv_transfer_config
 
 ROLES = ("prefill", "decode", "collocated")
@@ -216,7 +216,8 @@ def build_app_spec(cfg: LaunchConfig, opts: RayOptions, *, model: str, cluster_g
     topo = cfg.topology
     roles = ([("prefill", topo.num_prefill), ("decode", topo.num_decode)] if topo.disaggregated
              else [("collocated", topo.num_collocated)])
-    log_dir = cfg.log_dir.expanduser().absolute()
+    # the same absolute path on every node (each node writes its own instances' logs there)
+    log_dir = (cfg.log_dir or default_log_dir()).expanduser().absolute()
     templates = {role: _instance_spec(cfg, opts, role, model, gpus_each, log_dir, served_model_name)
                  for role, _ in roles}
     instances = [templates[role] for role, count in roles for _ in range(count)]
