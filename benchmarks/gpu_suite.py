@@ -361,7 +361,7 @@ class EngineBench:
             prefill_steps.append(time.perf_counter() - t)
         for _ in range(3):  # settle
             eng.step()
-        runner_timing = eng.runner.gpu.timing
+        runner_timing = eng.runner.step_timing
         runner_timing.reset()
         times = []
         ctx = []
@@ -444,7 +444,7 @@ class EngineBench:
         ids = self.add(self.prompts(batch, prompt_len), steps + 40)
         while any(not eng.requests[r].output_token_ids for r in ids):
             eng.step()
-        timing = eng.runner.gpu.timing
+        timing = eng.runner.step_timing
         timing.reset()
         plain = []
         for _ in range(10):
@@ -521,7 +521,7 @@ class EngineBench:
 
     def offline(self, n_prompts: int, in_len: int, out_len: int, deadline_s: float) -> dict[str, Any]:
         eng = self.engine
-        timing = eng.runner.gpu.timing
+        timing = eng.runner.step_timing
         timing.reset()
         ids = self.add(self.prompts(n_prompts, in_len), out_len)
         steps = 0

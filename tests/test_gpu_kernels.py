@@ -96,7 +96,6 @@ def test_gpu_step_runner_is_token_exact_with_the_cpu_engine(tiny_llama):
 
     from pdserve.attention.triton_backend import TritonAttention
     from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.gpu.step_runner import GpuStepRunner
 
     gen = torch.Generator().manual_seed(1)
     shared = torch.randint(3, 320, (50,), generator=gen).tolist()
@@ -108,8 +107,8 @@ def test_gpu_step_runner_is_token_exact_with_the_cpu_engine(tiny_llama):
     want = run_engine(ref_engine, prompts, params) + run_engine(ref_engine, again, params)
     engine = make_engine(tiny_llama, **kw)
     engine.runner.backend = TritonAttention(num_sms=4)
-    engine.runner.gpu = GpuStepRunner(engine.runner, simulate_graphs=True)
+    engine.runner.use_gpu_step_runner(simulate_graphs=True)
     got = run_engine(engine, prompts, params) + run_engine(engine, again, params)
     assert got == want
-    assert engine.runner.gpu.timing.graph_steps > 0
+    assert engine.runner.step_timing.graph_steps > 0
     assert engine.stats().prefix_cache_hits > 0

@@ -122,18 +122,13 @@ def test_block_table_cache_follows_appends_and_replacements():
 
 
 def _bare_step_runner(max_num_seqs: int = 4, max_model_len: int = 64):
-    """A GpuStepRunner over a stand-in ModelRunner: only the host-side bookkeeping is exercised."""
-    import types
-
+    """A GpuStepRunner without a model: only the host-side bookkeeping is exercised."""
     import torch
 
-    from pdserve.config import EngineConfig
     from pdserve.gpu.step_runner import GpuStepRunner
 
-    runner = types.SimpleNamespace(model=None, device=torch.device("cpu"), block_size=4, backend=None,
-                                   config=EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len),
-                                   model_cfg=None, sampler=None, kv_pool=None)
-    return GpuStepRunner(runner, simulate_graphs=True)
+    return GpuStepRunner(None, torch.zeros(1), None, None, block_size=4,  # type: ignore[arg-type]
+                         max_num_seqs=max_num_seqs, max_model_len=max_model_len, simulate_graphs=True)
 
 
 def _rows_table(g) -> list[list[int]]:

@@ -537,3 +537,24 @@ def test_prometheus_names_labels_and_separate_registries() -> None:
         'vllm:nixl_num_descriptors_bucket{engine="0",le="20.0",model_name="llama"} 1.0',
     ):
         assert line in text, line
+
+
+def test_connector_implements_the_engines_protocol():
+    """Every member the engine calls exists on KVConnector, with the same parameters."""
+    import inspect
+
+    from pdserve.engine.kv_connector_protocol import KVConnectorProtocol
+    from pdserve.kv_transfer import KVConnector
+
+    members = [n for n in vars(KVConnectorProtocol) if not n.startswith("_")]
+    assert {"can_load", "can_send", "load_failure_policy", "start_load", "poll_loads", "hold"} <= set(members)
+    for name in members:
+        want, got = getattr(KVConnectorProtocol, name), getattr(KVConnector, name, None)
+        assert got is not None, name
+        if isinstance(want, property):
+            assert isinstance(got, property), name
+        else:
+            def params(f) -> list[str]:
+                return [p for p in inspect.signature(f).parameters if p != "self"]  # validate is static
+
+            assert params(got) == params(want), name

@@ -146,7 +146,7 @@ class AsyncEngine:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
                 if not self.engine.has_unfinished():
                     # Idle: sleep until a command arrives (bounded, so held leases still get reaped).
-                    self._wake.wait(0.01 if (self.engine.held or self.engine.scheduler.loading) else 0.05)
+                    self._wake.wait(0.01 if (self.engine.held or self.engine.num_loading) else 0.05)
                     self._wake.clear()
                 elif not self.engine.scheduler.has_work():
                     self._wake.wait(0.001)  # only remote loads in flight

@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.grammars import Grammars
+from pdserve.engine.kv_connector_protocol import KVConnectorProtocol
+from pdserve.engine.kv_handoff import KVHandoff
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request, Status
@@ -19,6 +22,9 @@ from pdserve.engine.sampling_params import ParamError, SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.step_log import StepLog
 from pdserve.model.config import ModelConfig, derived_max_model_len, load_model_config, verify_max_model_len
+
+if TYPE_CHECKING:
+    ConnectorFactory = Callable[["LLMEngine"], KVConnectorProtocol]
 
 log = logging.getLogger("pdserve.engine")
 
@@ -68,7 +74,7 @@ def read_eos_ids(model_dir: Path | None, model_cfg: ModelConfig) -> frozenset[in
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, connector_factory: Any = None):
+    def __init__(self, config: EngineConfig, connector_factory: ConnectorFactory | None = None):
         self.config = config
         self.model_dir = resolve_model_dir(config.model, config.load_format)
         self.model_cfg = load_model_config(self.model_dir)
@@ -86,8 +92,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, budget, config.enable_chunked_prefill)
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # producer: finished P legs whose blocks a consumer may read
-        self.aborted_while_loading: set[str] = set()
-        self.connector = connector_factory(self) if connector_factory else None
+        self.connector: KVConnectorProtocol | None = connector_factory(self) if connector_factory else None
         self.num_finished = 0
         self.step_log = StepLog.from_env((config.kv_transfer_config or {}).get("kv_role", "engine"))
         if config.warm_up or (config.warm_up is None and self.runner.device.type == "cuda"):
@@ -113,8 +118,7 @@ class LLMEngine:
             self.abort_request(rid)
         self.num_finished = 0
         self.blocks.prefix_queries = self.blocks.prefix_hits = 0
-        if self.runner.gpu is not None:
-            self.runner.gpu.timing.reset()
+        self.runner.step_timing.reset()
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -144,20 +148,18 @@ class LLMEngine:
                 f"{self.blocks.num_blocks}", "prompt"
             )
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs is not None else None
-        req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, self.max_model_len,
-                      kv_transfer_params)
+        conn = self.connector
+        kv = KVHandoff.from_params(kv_transfer_params, can_load=conn is not None and conn.can_load,
+                                   can_send=conn is not None and conn.can_send)
+        if kv.needs_load:
+            assert conn is not None
+            try:
+                conn.validate(kv_transfer_params)
+            except ValueError as e:
+                raise ParamError(f"invalid kv_transfer_params: {e}", "kv_transfer_params") from e
+            conn.add_waiting(request_id, kv_transfer_params)  # last: nothing after it can refuse the request
+        req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, self.max_model_len, kv)
         req.grammar = grammar
-        if req.remote_prefill_pending:
-            if self.connector is None:
-                req.remote_prefill_pending = False  # no connector configured: plain local prefill, as vLLM
-            else:
-                try:
-                    self.connector.validate(kv_transfer_params)
-                except ValueError as e:
-                    raise ParamError(f"invalid kv_transfer_params: {e}", "kv_transfer_params") from e
-                self.connector.add_waiting(request_id, kv_transfer_params)
-        if req.hold_for_remote_decode and self.connector is None:
-            req.hold_for_remote_decode = False
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -165,12 +167,12 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return None
-        if req.status == Status.WAITING_FOR_REMOTE_KVS:
+        if req.kv.loading:
             # The NIXL read may still be writing into these blocks: free them only when it ends.
-            self.aborted_while_loading.add(request_id)
+            req.kv.request_abort()
             req.finish_reason = "abort"
             return None
-        if req.remote_prefill_pending and self.connector is not None:
+        if req.kv.needs_load and self.connector is not None:
             self.connector.remove_waiting(request_id)  # the producer frees its lease early
         self.scheduler.remove(req)
         req.finish_reason = "abort"
@@ -195,8 +197,8 @@ class LLMEngine:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
         t_sched = time.perf_counter()
-        gpu = self.runner.gpu
-        graphs0, wait0 = (gpu.timing.graph_steps, gpu.timing.wait_s) if gpu is not None else (0, 0.0)
+        timing = self.runner.step_timing
+        graphs0, wait0 = timing.graph_steps, timing.wait_s
         reqs, tokens, logprobs = self.runner.execute(sched.scheduled)
         t_exec = time.perf_counter()
         for req, n in sched.scheduled:
@@ -212,15 +214,14 @@ class LLMEngine:
             req.metrics.last_token_time = now
             if req.check_stop(tok) or (req.grammar is not None and self.grammars.advance(req, tok)):
                 self.scheduler.remove(req)
-                outputs.append(self._finish(req, hold=req.hold_for_remote_decode))
+                outputs.append(self._finish(req, hold=req.kv.send))
             else:
                 outputs.append(self._emit(req))
         if self.step_log is not None:
             self.step_log.record(
                 t_start, t_sched, t_exec, time.perf_counter(), seqs=len(sched.scheduled),
                 tokens=sched.num_tokens, prefill_tokens=sum(n for _, n in sched.scheduled if n > 1),
-                graph=gpu is not None and gpu.timing.graph_steps > graphs0,
-                wait_s=gpu.timing.wait_s - wait0 if gpu is not None else 0.0, outputs=len(outputs))
+                graph=timing.graph_steps > graphs0, wait_s=timing.wait_s - wait0, outputs=len(outputs))
         return outputs
 
     def _emit(self, req: Request, finished: bool = False) -> RequestOutput:
@@ -269,10 +270,13 @@ class LLMEngine:
         req.metrics.kv_load_start_time = time.monotonic()
         try:
             # Tokens [0, len - 1) come from the producer; the last prompt token is recomputed here for logits.
-            self.connector.start_load(req.request_id, req.kv_transfer_params, list(req.block_ids), first_block,
+            self.connector.start_load(req.request_id, req.kv.params, list(req.block_ids), first_block,
                                       num_tokens=req.num_prompt_tokens - 1)
         except Exception as e:  # noqa: BLE001 - any connector failure goes through the failure policy
-            self._load_failed(req, f"KV load could not start: {e}", outputs)
+            # Not a transfer outcome but a refusal to start: log where it came from.
+            log.exception("request %s: the KV load could not start", req.request_id)
+            self.connector.remove_waiting(req.request_id)  # stop heartbeats; the producer frees early
+            self._load_ended(req, ok=False, error=f"KV load could not start: {e}", outputs=outputs)
 
     def _poll_connector(self) -> list[RequestOutput]:
         assert self.connector is not None
@@ -284,35 +288,35 @@ class LLMEngine:
         for res in self.connector.poll_loads():
             req = self.scheduler.loading.get(res.request_id)
             if req is None:
+                log.warning("KV load result for request %s, which is not loading; ignored", res.request_id)
                 continue
-            req.metrics.kv_load_done_time = time.monotonic()
-            if res.request_id in self.aborted_while_loading:
-                self.aborted_while_loading.discard(res.request_id)
-                self.scheduler.loading.pop(res.request_id, None)
-                outputs.append(self._finish(req, hold=False))
-                continue
-            if res.ok:
-                req.remote_load_done = True
-                req.num_cached_tokens = req.num_prompt_tokens - 1
-                self.scheduler.finish_load(req, req.num_prompt_tokens - 1)
-                self.blocks.cache_full_blocks(req)
-            else:
-                self._load_failed(req, res.error or "KV transfer failed", outputs)
+            self._load_ended(req, ok=res.ok, error=res.error or "KV transfer failed", outputs=outputs)
         return outputs
 
-    def _load_failed(self, req: Request, error: str, outputs: list[RequestOutput]) -> None:
-        policy = self.connector.config.kv_load_failure_policy if self.connector else "fail"
-        if policy == "recompute":
+    def _load_ended(self, req: Request, ok: bool, error: str, outputs: list[RequestOutput]) -> None:
+        """The one place a remote read ends: loaded, aborted meanwhile, or failed (then the policy)."""
+        assert self.connector is not None
+        req.metrics.kv_load_done_time = time.monotonic()
+        if req.kv.abort_requested:
+            self.scheduler.end_load(req, ok, resume=False)
+            outputs.append(self._finish(req, hold=False))
+        elif ok:
+            req.num_cached_tokens = req.num_prompt_tokens - 1
+            self.scheduler.end_load(req, ok=True)
+        elif self.connector.load_failure_policy == "recompute":
             log.warning("request %s: %s; recomputing the prompt locally", req.request_id, error)
-            local = req.num_computed_tokens  # the local prefix-cache hit stays valid
-            req.num_cached_tokens = local
-            self.scheduler.finish_load(req, local)
-            return
-        log.error("request %s: %s", req.request_id, error)
-        self.scheduler.loading.pop(req.request_id, None)
-        req.finish_reason = "error"
-        req.error = error
-        outputs.append(self._finish(req, hold=False))
+            req.num_cached_tokens = req.num_computed_tokens  # the local prefix-cache hit stays valid
+            self.scheduler.end_load(req, ok=False)
+        else:
+            log.error("request %s: %s", req.request_id, error)
+            self.scheduler.end_load(req, ok=False, resume=False)
+            req.finish_reason = "error"
+            req.error = error
+            outputs.append(self._finish(req, hold=False))
+
+    @property
+    def num_loading(self) -> int:
+        return len(self.scheduler.loading)
 
     # ---- introspection -----------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -320,7 +324,7 @@ class LLMEngine:
         return EngineStats(
             num_running=len(s.running),
             num_waiting=len(s.waiting) + len(s.loading),
-            num_loading=len(s.loading),
+            num_loading=self.num_loading,
             num_held=len(self.held),
             kv_cache_usage=self.blocks.usage,
             num_blocks=self.blocks.num_blocks,

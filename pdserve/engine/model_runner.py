@@ -16,6 +16,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
+from pdserve.gpu.step_timing import StepTiming
 from pdserve.model.config import ModelConfig
 from pdserve.model.loader import build_model
 
@@ -93,10 +94,25 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         # CUDA: fused kernels, pinned batched inputs, decode CUDA graphs, greedy argmax on the device.
         self.gpu = None
+        self._cpu_timing = StepTiming()  # stays zero: the CPU path has no graphs and no device to wait on
         if self.device.type == "cuda":
-            from pdserve.gpu.step_runner import GpuStepRunner  # GPU-only, imported lazily
+            self.use_gpu_step_runner()
 
-            self.gpu = GpuStepRunner(self)
+    def use_gpu_step_runner(self, simulate_graphs: bool = False) -> None:
+        """Run steps through the CUDA path (on CPU too with simulate_graphs, for tests), built from this
+        runner's model, pool, attention backend and sampler."""
+        from pdserve.gpu.step_runner import GpuStepRunner  # GPU-only, imported lazily
+
+        cfg = self.config
+        self.gpu = GpuStepRunner(
+            self.model, self.kv_pool, self.backend, self.sampler, block_size=self.block_size,
+            max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len or self.model_cfg.max_position_embeddings,
+            enforce_eager=cfg.enforce_eager, simulate_graphs=simulate_graphs)
+
+    @property
+    def step_timing(self) -> StepTiming:
+        """Accumulated host-side step counters (graph steps, time waiting on the device); reset() them."""
+        return self.gpu.timing if self.gpu is not None else self._cpu_timing
 
     # ---- sizing ------------------------------------------------------------------------------
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:

@@ -7,13 +7,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.engine.kv_handoff import KVHandoff
 from pdserve.engine.outputs import RequestMetrics, TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):
     WAITING = "waiting"
-    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # blocks allocated, NIXL read in flight
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # blocks allocated, NIXL read in flight (kv.loading)
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -25,7 +26,7 @@ class Request:
     params: SamplingParams
     eos_token_ids: frozenset[int]
     max_model_len: int
-    kv_transfer_params: dict[str, Any] | None = None
+    kv: KVHandoff = field(default_factory=KVHandoff)  # this request's part in a P/D handoff, if any
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: Status = Status.WAITING
@@ -41,18 +42,11 @@ class Request:
     error: str | None = None
     num_emitted: int = 0  # output tokens already reported to the caller
     metrics: RequestMetrics = field(init=False)
-    # P/D roles, decided per request by kv_transfer_params as vLLM does
-    remote_prefill_pending: bool = False  # consumer: must load the prompt's KV from a producer first
-    remote_load_done: bool = False
-    hold_for_remote_decode: bool = False  # producer: keep blocks after finishing, for a consumer to read
-    result_kv_transfer_params: dict[str, Any] | None = None
+    result_kv_transfer_params: dict[str, Any] | None = None  # producer: what a consumer needs to read
     grammar: Any = None  # structured outputs: the request's matcher (pdserve.structured.grammar.Grammar)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
-        kv = self.kv_transfer_params or {}
-        self.hold_for_remote_decode = bool(kv.get("do_remote_decode"))
-        self.remote_prefill_pending = bool(kv.get("do_remote_prefill"))
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,5 +1,10 @@
 """Continuous batching with chunked prefill under a token budget, preemption by recompute, and the
-consumer side's remote-KV wait. Decides *what* runs each step; never touches tensors."""
+consumer side's remote-KV wait. Decides *what* runs each step; never touches tensors.
+
+Queues: `waiting` (FIFO, preempted requests go back to its front), `loading` (consumer requests whose
+blocks a NIXL read is filling: not in `running`, so never a preemption victim) and `running`. A request's
+P/D state is `req.kv` (see kv_handoff.py); `loading` holds exactly the requests whose `kv.loading` is set.
+"""
 
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.loading: dict[str, Request] = {}  # consumer requests whose KV is being read from a producer
+        self.loading: dict[str, Request] = {}  # consumer requests whose KV a NIXL read is writing
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
@@ -51,6 +56,8 @@ class Scheduler:
                 self.waiting.remove(req)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Back to the front of the queue, to be recomputed (the prefix cache may still hold its blocks).
+        Only running requests are victims: a loading one's blocks belong to its transfer."""
         self.running.remove(req)
         self.blocks.release(req)
         req.num_computed_tokens = 0
@@ -91,13 +98,15 @@ class Scheduler:
                 break
             req = self.waiting[0]
             cached = self.blocks.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
-            if req.remote_prefill_pending:
-                # Consumer: allocate the whole prompt, then read what the local prefix cache lacks.
+            if req.kv.needs_load:
+                # Consumer, first admission only: allocate the whole prompt, then read what the local
+                # prefix cache lacks. Once loaded, a preempted request comes back through the local path.
                 if not self.blocks.allocate(req, req.num_prompt_tokens, cached):
                     break
                 self.waiting.popleft()
                 self._note_prefix(req, len(cached))
                 req.num_computed_tokens = len(cached) * self.blocks.block_size
+                req.kv.begin_load()
                 req.status = Status.WAITING_FOR_REMOTE_KVS
                 self.loading[req.request_id] = req
                 out.start_loads.append(req)
@@ -127,9 +136,16 @@ class Scheduler:
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = hit
 
-    def finish_load(self, req: Request, num_computed_tokens: int) -> None:
-        """A remote read ended (or was replaced by local recompute): the request joins the running set."""
-        self.loading.pop(req.request_id, None)
-        req.num_computed_tokens = num_computed_tokens
-        req.status = Status.RUNNING
-        self.running.append(req)
+    def end_load(self, req: Request, ok: bool, resume: bool = True) -> None:
+        """A remote read ended; its blocks are no longer the transfer's. ok: the prompt's KV but the last
+        token's is in req's blocks (registered in the prefix cache, so a preemption can reuse them).
+        resume: the request joins the running set (after a failure, it recomputes locally from its prefix
+        cache hit); otherwise the caller finishes it and frees its blocks."""
+        del self.loading[req.request_id]
+        req.kv.end_load(ok)
+        if ok:
+            req.num_computed_tokens = req.num_prompt_tokens - 1
+            self.blocks.cache_full_blocks(req)
+        if resume:
+            req.status = Status.RUNNING
+            self.running.append(req)

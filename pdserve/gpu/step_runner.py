@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from pdserve.attention.base import AttentionMetadata
+from pdserve.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
-
-if TYPE_CHECKING:
-    from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sampler import Sampler
+from pdserve.gpu.step_timing import StepTiming
+from pdserve.model.decoder import DecoderLM
 
 log = logging.getLogger("pdserve.engine")
 
@@ -58,21 +56,6 @@ def greedy_on_device(reqs: list[Request]) -> bool:
         and not r.params.adjusts_logits
         for r in reqs
     )
-
-
-@dataclass
-class StepTiming:
-    """Accumulated host-side timing, to report the CPU's share of a step."""
-
-    steps: int = 0
-    graph_steps: int = 0
-    total_s: float = 0.0  # inside execute()
-    wait_s: float = 0.0  # blocked on the device result (the device busy, the host idle)
-    launch_s: float = 0.0  # in graph.replay() (host side of the launch)
-
-    def reset(self) -> None:
-        self.steps = self.graph_steps = 0
-        self.total_s = self.wait_s = self.launch_s = 0.0
 
 
 class BlockTableCache:
@@ -194,22 +177,26 @@ class HostBatch:
 
 
 class GpuStepRunner:
-    def __init__(self, runner: ModelRunner, simulate_graphs: bool = False):
-        """simulate_graphs (tests on CPU): run the decode-graph path's static buffers and padding eagerly
+    def __init__(self, model: DecoderLM, kv_pool: torch.Tensor, backend: AttentionBackend, sampler: Sampler, *,
+                 block_size: int, max_num_seqs: int, max_model_len: int, enforce_eager: bool = False,
+                 simulate_graphs: bool = False):
+        """The model, its paged KV pool (block-contiguous, on the device the steps run on), the attention
+        backend and the sampler are the model runner's; the rest sizes the graphs and block tables.
+        simulate_graphs (tests on CPU): run the decode-graph path's static buffers and padding eagerly
         instead of capturing, so its input handling is checked where no CUDA exists."""
-        self.runner = runner
         self.simulate_graphs = simulate_graphs
-        self.pin = runner.device.type == "cuda"
-        self.model = runner.model
-        self.device = runner.device
-        self.block_size = runner.block_size
-        self.backend = runner.backend
-        cfg = runner.config
+        self.model = model
+        self.kv_pool = kv_pool
+        self.backend = backend
+        self.sampler = sampler
+        self.device = kv_pool.device
+        self.pin = self.device.type == "cuda"
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
         if getattr(self.backend, "name", "") == "triton":
             from pdserve.gpu import ops  # triton kernels; only ever imported on CUDA
 
             self.model.fused_ops = ops
-        max_model_len = cfg.max_model_len or runner.model_cfg.max_position_embeddings
         self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
         self.max_model_len = max_model_len
         self.timing = StepTiming()
@@ -221,8 +208,8 @@ class GpuStepRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         # Graphs need a backend that reads sequence lengths on the device (the captured metadata's host
         # lists are placeholders); the torch reference reads the host lists, so it runs eagerly.
-        if not cfg.enforce_eager and getattr(self.backend, "name", "") != "torch-sdpa":
-            self.graph_sizes = graph_sizes_for(cfg.max_num_seqs)
+        if not enforce_eager and getattr(self.backend, "name", "") != "torch-sdpa":
+            self.graph_sizes = graph_sizes_for(max_num_seqs)
             self._capture()
 
     # ---- staging -------------------------------------------------------------------------------
@@ -246,7 +233,7 @@ class GpuStepRunner:
         # blocks added since the last (one in block_size steps per request). Row 0 stays zero, for the
         # padding rows. The graph gathers its batch's rows; rewriting [B, W] tables from Python lists each
         # step cost ~8 us per request on the H200 machine's CPU (~0.6 ms at batch 64).
-        self._num_rows = self.runner.config.max_num_seqs + 64
+        self._num_rows = self.max_num_seqs + 64
         self._g_rows = torch.zeros((self._num_rows + 1, width), dtype=torch.int64, device=self.device)
         self._row_of: dict[str, list] = {}  # request id -> [request, its block list, blocks written, row]
         self._free_rows = list(range(self._num_rows, 0, -1))
@@ -285,7 +272,7 @@ class GpuStepRunner:
             query_lens_host=[1] * size,
             seq_lens_host=[self.max_model_len] * size,
         )
-        hidden = self.model(hdr[0:size], hdr[b : b + size], self.runner.kv_pool, meta, self.backend)
+        hidden = self.model(hdr[0:size], hdr[b : b + size], self.kv_pool, meta, self.backend)
         logits = self.model.compute_logits(hidden)
         return logits, logits.argmax(dim=-1)
 
@@ -410,7 +397,7 @@ class GpuStepRunner:
             query_lens_host=hb.query_lens,
             seq_lens_host=hb.seq_lens,
         )
-        hidden = self.model(hb.view(dev, "ids"), hb.view(dev, "positions"), self.runner.kv_pool, meta, self.backend)
+        hidden = self.model(hb.view(dev, "ids"), hb.view(dev, "positions"), self.kv_pool, meta, self.backend)
         if hb.num_rows == 0:
             return hb, None
         return hb, self.model.compute_logits(hidden[hb.view(dev, "sample_rows")])
@@ -443,7 +430,7 @@ class GpuStepRunner:
                 ids = tokens.tolist()  # the step's one device->host copy, and its one sync
                 lps: list[TokenLogprob | None] = [None] * len(sampling)
             else:
-                ids, lps = self.runner.sampler.sample(logits, sampling)
+                ids, lps = self.sampler.sample(logits, sampling)
             self.timing.wait_s += time.perf_counter() - t1
             result = (sampling, ids, lps)
         else:

@@ -1,4 +1,5 @@
-"""`KVConnector`: the one object the engine talks to (see ARCHITECTURE.md, "KV connector").
+"""`KVConnector`: the one object the engine talks to (see ARCHITECTURE.md, "KV connector"); it implements
+`pdserve.engine.kv_connector_protocol.KVConnectorProtocol`.
 
     connector = KVConnector(config, pool, compat, block_size, registry=metrics_registry, model_name=name)
     # producer (P leg finished by length/stop): keep the blocks, then
@@ -141,6 +142,18 @@ class KVConnector:
     @property
     def engine_id(self) -> str:
         return self.config.engine_id
+
+    @property
+    def can_load(self) -> bool:
+        return self.config.is_consumer
+
+    @property
+    def can_send(self) -> bool:
+        return self.config.is_producer
+
+    @property
+    def load_failure_policy(self) -> str:
+        return self.config.kv_load_failure_policy
 
     @property
     def side_channel_port(self) -> int | None:

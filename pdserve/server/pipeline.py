@@ -14,6 +14,7 @@ A view only formats: `body(gen)` for the whole response, `frames(gen, recorders)
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
@@ -30,6 +31,8 @@ from pdserve.server.params import build_sampling_params, sampling_param_name
 from pdserve.server.state import ServerState
 from pdserve.server.tokenization import check_prompt_chars
 from pdserve.text.output import OutputProcessor, TextDelta
+
+log = logging.getLogger("pdserve.server")
 
 # Prompts longer than this (characters) are tokenized off the event loop.
 INLINE_TOKENIZE_CHARS = 4096
@@ -205,6 +208,7 @@ async def guarded_stream(frames: AsyncGenerator[str, None], gen: Generation, rec
         yield sse_error_frame(e.message, e.status, e.param)
         yield SSE_DONE
     except Exception as e:  # noqa: BLE001 - after the 200: the error goes in the stream
+        log.exception("internal error in a streamed response")
         yield sse_error_frame(f"Internal server error: {e}", 500)
         yield SSE_DONE
     finally:

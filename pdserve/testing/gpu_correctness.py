@@ -312,7 +312,7 @@ def check_engines_tiny(archs: tuple[str, ...] = ("llama", "qwen2", "qwen3"), max
             hits[dev] = eng.stats().prefix_cache_hits
             if dev != "cpu":
                 gpu_info = {"backend": eng.runner.backend.name, "graphs": eng.runner.gpu.graph_sizes,
-                            "graph_steps": eng.runner.gpu.timing.graph_steps, "steps": eng.runner.gpu.timing.steps}
+                            "graph_steps": eng.runner.step_timing.graph_steps, "steps": eng.runner.step_timing.steps}
             del eng
         hf = _hf_greedy(model_dir, wave1 + wave2, max_tokens)
         n_prompts = len(hf)

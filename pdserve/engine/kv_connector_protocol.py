@@ -1,0 +1,69 @@
+"""What the engine needs from a KV connector (`pdserve.kv_transfer.KVConnector` implements it).
+
+Typed here, on the engine's side, so that the engine never imports the transfer stack (NIXL, the side
+channel) and a test can check the real connector against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+
+class LoadOutcome(Protocol):
+    """How one `start_load` ended."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def ok(self) -> bool: ...
+
+    @property
+    def error(self) -> str | None: ...
+
+
+@runtime_checkable
+class KVConnectorProtocol(Protocol):
+    @property
+    def can_load(self) -> bool:
+        """Consumer role: requests with `do_remote_prefill` read their prompt's KV from a producer."""
+        ...
+
+    @property
+    def can_send(self) -> bool:
+        """Producer role: requests with `do_remote_decode` keep their blocks for a consumer."""
+        ...
+
+    @property
+    def load_failure_policy(self) -> str:
+        """'fail' (the request ends with an error) or 'recompute' (local prefill instead)."""
+        ...
+
+    # ---- consumer ----
+    def validate(self, params: Any) -> object:
+        """Raise ValueError naming what is wrong with a decode request's kv_transfer_params."""
+        ...
+
+    def add_waiting(self, request_id: str, params: Any) -> None: ...
+
+    def remove_waiting(self, request_id: str) -> None: ...
+
+    def start_load(self, request_id: str, params: Any, local_block_ids: Sequence[int], first_block: int = 0,
+                   num_tokens: int | None = None) -> None:
+        """Start reading into local_block_ids[first_block:]; the outcome comes from `poll_loads`."""
+        ...
+
+    def poll_loads(self) -> Sequence[LoadOutcome]: ...
+
+    # ---- producer ----
+    def hold(self, request_id: str, block_ids: Sequence[int], num_tokens: int,
+             num_cached_tokens: int = 0) -> dict[str, Any]:
+        """Lease the blocks; returns the response's kv_transfer_params."""
+        ...
+
+    def poll_released(self) -> list[str]:
+        """Request ids whose lease ended: their blocks can be freed now."""
+        ...
+
+    def shutdown(self) -> None: ...
