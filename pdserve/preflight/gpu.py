@@ -77,8 +77,6 @@ def p2p_status(a: str, b: str) -> P2PResult:
                              f"NVML P2P read GPU {a} <-> GPU {b}: {'OK' if ok else f'status {status}'}", "nvml")
         except Exception as e:  # NVML raises its own NVMLError types
             nvml_error = f"NVML failed ({e}); "
-        else:  # pragma: no cover - returned above
-            nvml_error = ""
     else:
         nvml_error = "" if pynvml is not None else "pynvml not installed; "
     smi = shutil.which("nvidia-smi")

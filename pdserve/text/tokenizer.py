@@ -150,14 +150,7 @@ class Tokenizer:
     def convert_ids_to_tokens(self, token_ids: Iterable[int]) -> list[str]:
         return list(self.hf.convert_ids_to_tokens(list(token_ids)))
 
-    def is_valid_id(self, token_id: object) -> bool:
-        return type(token_id) is int and 0 <= token_id <= self.max_token_id
-
     # ---- chat --------------------------------------------------------------------------------
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(self.chat_template)
-
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
