@@ -67,6 +67,11 @@ class CpuPagedAttention:
 
     def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
         self.reference.write_kv(k_cache, v_cache, k, v, meta)
+        self.remember_new_kv(k, v)
+
+    def remember_new_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This layer's new rows ([T, KVH, D]), just stored in the cache (by write_kv, or by the fused
+        RoPE + store of pdserve.cpu.ops): the next forward's fresh prompts attend over them."""
         self._k_new, self._v_new = k, v
 
     def _plan_for(self, meta: AttentionMetadata) -> _StepPlan:

@@ -40,6 +40,10 @@ _ptr = ctypes.c_void_p
 _SIGNATURES: dict[str, list] = {
     "pd_paged_attention": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i32, _i32,
                            _i32, _i32, _i32, _f32, _ptr, _i64, _i32],
+    "pd_rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _f32, _i64, _i32, _ptr, _i64, _i32],
+    "pd_silu_and_mul": [_ptr, _i64, _i64, _i32, _ptr, _i64, _i32],
+    "pd_rope_write_kv": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i32, _i32, _i32, _ptr, _ptr,
+                         _ptr, _ptr, _i64, _i64, _i64, _ptr, _i32, _i32],
     "pd_omp_runtime": [],
 }
 

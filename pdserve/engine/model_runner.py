@@ -82,11 +82,19 @@ class ModelRunner:
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         self.model = build_model(model_cfg, model_dir, self.dtype, self.device, config.load_format, config.seed)
+        self.cpu_threads = None
         if self.device.type == "cpu":
             from pdserve.cpu.packed_linear import pack_linears
+            from pdserve.cpu.threads import StepThreads
 
             pack_linears(self.model, self.dtype)
+            self.cpu_threads = StepThreads.from_env()
+            log.info("CPU threads: %s", self.cpu_threads)
         self.backend = select_attention_backend(self.device)
+        if self.device.type == "cpu" and self.dtype == torch.float32 and self.backend.lib is not None:
+            from pdserve.cpu.ops import CpuOps
+
+            self.model.fused_ops = CpuOps(self.backend.lib, self.backend)
         self.num_blocks = self._decide_num_blocks()
         # The block-contiguous pool: one block spans every layer, so one NIXL descriptor moves one block.
         # torch.zeros touches every page now, not during the first transfer.
@@ -196,6 +204,8 @@ class ModelRunner:
         logprobs. Requests mid-way through a chunked prefill sample nothing."""
         if self.gpu is not None:
             return self.gpu.execute(batch)
+        if self.cpu_threads is not None:
+            self.cpu_threads.apply(sum(n for _, n in batch))
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_pool, meta, self.backend)
         rows: list[int] = []

@@ -1,13 +1,14 @@
 """One decoder family for Llama, Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm): they differ only by flags.
 
 Two forward paths over the same weights: plain torch ops (CPU, and the GPU reference), and on CUDA the
-fused path (`DecoderLM.fused_ops` set to `pdserve.gpu.ops`): one Triton kernel each for residual-add +
-RMSNorm, RoPE + K/V store and SiLU-and-mul, rounding where the torch path rounds.
+fused path (`DecoderLM.fused_ops` set to `pdserve.gpu.ops` on CUDA, to `pdserve.cpu.ops.CpuOps` on CPU): one
+kernel each for residual-add + RMSNorm, RoPE + K/V store and SiLU-and-mul, rounding where the torch path
+rounds.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,21 @@ from torch import nn
 from pdserve.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.model.config import ModelConfig
 from pdserve.model.rope import RotaryEmbedding, apply_rotary
+
+
+class FusedOps(Protocol):
+    """What the fused path calls (the module pdserve.gpu.ops, or a pdserve.cpu.ops.CpuOps)."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def rope_and_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -63,7 +79,7 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(-1, self.q_size))
 
     def forward_fused(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend,
-                      ops: ModuleType) -> torch.Tensor:
+                      ops: FusedOps) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -116,8 +132,9 @@ class DecoderLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # pdserve.gpu.ops on CUDA (set by the GPU step runner); None = the plain torch path
-        self.fused_ops: ModuleType | None = None
+        # pdserve.gpu.ops on CUDA (set by the GPU step runner), CpuOps on CPU (the model runner); None = the
+        # plain torch path
+        self.fused_ops: FusedOps | None = None
 
     def forward(
         self,
@@ -137,7 +154,7 @@ class DecoderLM(nn.Module):
             x = layer(x, cos, sin, kv_pool[:, i, 0], kv_pool[:, i, 1], meta, backend)
         return self.norm(x)
 
-    def _forward_fused(self, x, cos, sin, kv_pool, meta, backend, ops: ModuleType) -> torch.Tensor:
+    def _forward_fused(self, x, cos, sin, kv_pool, meta, backend, ops: FusedOps) -> torch.Tensor:
         # `residual` carries the stream x_i; each fused_add_rms_norm adds the last block's output to it
         # in place and normalises, so the adds round exactly where DecoderLayer.forward's adds round.
         eps = self.cfg.rms_norm_eps

