@@ -33,6 +33,9 @@ class EngineConfig:
     # vLLM's --structured-outputs-config JSON: backend (auto | guidance), disable_any_whitespace,
     # disable_additional_properties
     structured_outputs_config: dict[str, Any] | None = None
+    tensor_parallel_size: int = 1  # ranks; > 1 starts one worker process per extra rank (pdserve.parallel)
+    distributed_timeout_s: float = 120.0  # bound on every tensor-parallel collective while serving
+    distributed_setup_timeout_s: float = 900.0  # bound on starting the ranks and loading their weights
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -52,3 +55,8 @@ class EngineConfig:
         if so.get("backend", "auto") not in ("auto", "guidance"):
             raise ValueError(f"structured_outputs_config.backend {so['backend']!r} is not available: the built-in "
                              "grammar engine is llguidance ('guidance'; 'auto' picks it)")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if self.distributed_timeout_s <= 0 or self.distributed_setup_timeout_s <= 0:
+            raise ValueError("distributed timeouts must be positive")

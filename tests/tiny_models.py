@@ -10,7 +10,9 @@ VOCAB = 320
 
 
 def make_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, vocab_size: int = VOCAB,
-                    max_position_embeddings: int = 1024, tie: bool = False, rope_scaling: dict | None = None) -> Path:
+                    max_position_embeddings: int = 1024, tie: bool = False, rope_scaling: dict | None = None,
+                    **overrides) -> Path:
+    """overrides: config fields (e.g. num_key_value_heads=1, attention_bias=True) over the tiny defaults."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -25,6 +27,7 @@ def make_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, vocab_siz
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
+    common.update(overrides)
     if arch == "llama":
         cfg = LlamaConfig(**common, rope_scaling=rope_scaling)
         cls = LlamaForCausalLM

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pdserve.config import EngineConfig
@@ -40,6 +40,8 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.dead_error: BaseException | None = None
+        # called once from the engine thread when the loop dies (the server uses it to exit)
+        self.on_dead: Callable[[BaseException], None] | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -139,6 +141,7 @@ class AsyncEngine:
         assert self._loop is not None
         try:
             while not self._stop.is_set():
+                self.engine.check_health()
                 outputs = self._drain_commands()
                 if self.engine.has_unfinished() or self.engine.held or self.engine.connector is not None:
                     outputs.extend(self.engine.step())
@@ -156,6 +159,8 @@ class AsyncEngine:
             self.dead_error = e
             err = EngineDeadError(f"the engine has stopped: {e}")
             self._loop.call_soon_threadsafe(self._fail_all, err)
+            if self.on_dead is not None:
+                self.on_dead(e)
 
     def _fail_all(self, err: BaseException) -> None:
         for stream in self._streams.values():

@@ -81,7 +81,20 @@ class LLMEngine:
         self.max_model_len = verify_max_model_len(config.max_model_len, derived_max_model_len(
             self.model_cfg.max_position_embeddings, self.model_cfg.rope_scaling))  # before loading weights
         self.eos_token_ids = read_eos_ids(self.model_dir, self.model_cfg)
-        self.runner = ModelRunner(config, self.model_cfg, self.model_dir)
+        if config.tensor_parallel_size > 1:
+            from pdserve.parallel.executor import start_tensor_parallel  # workers only when they exist
+
+            self.runner = start_tensor_parallel(config, self.model_cfg, self.model_dir)
+        else:
+            self.runner = ModelRunner(config, self.model_cfg, self.model_dir)
+        try:
+            self._init_rest(config, connector_factory)
+        except BaseException:
+            self.runner.shutdown()  # tensor-parallel workers must not outlive a failed start
+            raise
+
+    def _init_rest(self, config: EngineConfig, connector_factory: ConnectorFactory | None) -> None:
+        self.connector: KVConnectorProtocol | None = None
         self.grammars = Grammars(config.tokenizer or str(self.model_dir), self.model_cfg.vocab_size,
                                  self.eos_token_ids, config.structured_outputs_config)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -92,11 +105,16 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, budget, config.enable_chunked_prefill)
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # producer: finished P legs whose blocks a consumer may read
-        self.connector: KVConnectorProtocol | None = connector_factory(self) if connector_factory else None
+        self.connector = connector_factory(self) if connector_factory else None
         self.num_finished = 0
         self.step_log = StepLog.from_env((config.kv_transfer_config or {}).get("kv_role", "engine"))
         if config.warm_up or (config.warm_up is None and self.runner.device.type == "cuda"):
-            self._warm_up()
+            try:
+                self._warm_up()
+            except BaseException:
+                if self.connector is not None:
+                    self.connector.shutdown()
+                raise
 
     def _warm_up(self) -> None:
         """Requests through a full-budget prefill, a mixed prefill+decode step, decode graphs and the
@@ -180,6 +198,10 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def check_health(self) -> None:
+        """Raises when the engine cannot run another step (a tensor-parallel worker died)."""
+        self.runner.check_alive()
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -337,5 +359,6 @@ class LLMEngine:
     def shutdown(self) -> None:
         if self.connector is not None:
             self.connector.shutdown()
+        self.runner.shutdown()
         if self.step_log is not None:
             self.step_log.close()

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +21,10 @@ from pdserve.engine.sampler import Sampler
 from pdserve.gpu.step_timing import StepTiming
 from pdserve.model.config import ModelConfig
 from pdserve.model.loader import build_model
+
+if TYPE_CHECKING:
+    from pdserve.parallel.comm import TPGroup
+    from pdserve.parallel.executor import TPWorkers
 
 log = logging.getLogger("pdserve.engine")
 
@@ -68,10 +74,18 @@ def select_attention_backend(device: torch.device):
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model_dir: Path | None):
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model_dir: Path | None,
+                 tp: TPGroup | None = None):
+        """tp: this rank's tensor-parallel group (None: one process, no collectives). Every rank builds a
+        ModelRunner over its shard; rank 0's runs in the engine process and forwards each step's inputs to
+        the others (`step_sink`), which replay them (`replay`)."""
         self.config = config
         self.model_cfg = model_cfg
-        self.device = resolve_device(config.device)
+        self.tp = tp
+        # ranks 1..N-1 when this is rank 0 of a TP group (set by pdserve.parallel.executor)
+        self.workers: TPWorkers | None = None
+        self.step_sink: Callable[[tuple], None] | None = None
+        self.device = resolve_device(config.device) if tp is None else tp.device
         if self.device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
             # The host only stages inputs here; a full-width OpenMP pool per server process makes
             # instances sharing a host (collocated replicas, P next to D) spin against each other.
@@ -81,7 +95,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, model_cfg, self.device)
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
-        self.model = build_model(model_cfg, model_dir, self.dtype, self.device, config.load_format, config.seed)
+        self.model = build_model(model_cfg, model_dir, self.dtype, self.device, config.load_format, config.seed,
+                                 tp=tp)
+        self.num_kv_heads = self.model.shard.kv_heads  # this rank's share of the KV heads
         self.cpu_threads = None
         if self.device.type == "cpu":
             from pdserve.cpu.packed_linear import pack_linears
@@ -116,6 +132,40 @@ class ModelRunner:
             self.model, self.kv_pool, self.backend, self.sampler, block_size=self.block_size,
             max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len or self.model_cfg.max_position_embeddings,
             enforce_eager=cfg.enforce_eager, simulate_graphs=simulate_graphs)
+        if self.step_sink is not None:  # rank 0: the other ranks switch too (their graphs capture in lockstep)
+            self.step_sink(("use_gpu_step_runner", simulate_graphs))
+            self.gpu.step_sink = self.step_sink
+
+    def set_step_sink(self, sink: Callable[[tuple], None] | None) -> None:
+        """Rank 0 of a TP group: `sink(message)` hands each step's inputs to the other ranks before this
+        rank runs it."""
+        self.step_sink = sink
+        if self.gpu is not None:
+            self.gpu.step_sink = sink
+
+    def replay(self, msg: tuple) -> None:
+        """Ranks 1..N-1: run the step rank 0 described (their outputs are rank 0's through the collectives)."""
+        kind = msg[0]
+        if kind == "cpu":
+            if self.cpu_threads is not None:
+                self.cpu_threads.apply(int(msg[1].shape[0]))
+            with torch.inference_mode():
+                self._forward_cpu(*msg[1:])
+        elif kind == "use_gpu_step_runner":
+            self.use_gpu_step_runner(simulate_graphs=msg[1])
+        else:
+            assert self.gpu is not None, f"step {kind!r} for a rank without the GPU step runner"
+            self.gpu.replay(msg)
+
+    def check_alive(self) -> None:
+        """Raises when a tensor-parallel worker rank has died (a no-op with one rank)."""
+        if self.workers is not None:
+            self.workers.check_alive()
+
+    def shutdown(self) -> None:
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
 
     @property
     def step_timing(self) -> StepTiming:
@@ -125,13 +175,13 @@ class ModelRunner:
     # ---- sizing ------------------------------------------------------------------------------
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         c = self.model_cfg
-        return (num_blocks, c.num_layers, 2, self.block_size, c.num_kv_heads, c.head_dim)
+        return (num_blocks, c.num_layers, 2, self.block_size, self.num_kv_heads, c.head_dim)
 
     @property
     def block_bytes(self) -> int:
         c = self.model_cfg
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return c.num_layers * 2 * self.block_size * c.num_kv_heads * c.head_dim * elem
+        return c.num_layers * 2 * self.block_size * self.num_kv_heads * c.head_dim * elem
 
     def _decide_num_blocks(self) -> int:
         if self.config.num_gpu_blocks_override:
@@ -147,6 +197,8 @@ class ModelRunner:
         else:
             budget = self.config.cpu_kv_cache_gb * 1024**3
         blocks = int(budget // self.block_bytes)
+        if self.tp is not None:
+            blocks = self.tp.min_int(blocks)  # one block table drives every rank: the tightest one decides
         if blocks < 1:
             raise RuntimeError("no memory left for the KV cache; lower the model size or raise the memory budget")
         return blocks
@@ -207,7 +259,6 @@ class ModelRunner:
         if self.cpu_threads is not None:
             self.cpu_threads.apply(sum(n for _, n in batch))
         input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_pool, meta, self.backend)
         rows: list[int] = []
         sampling: list[Request] = []
         end = 0
@@ -216,8 +267,18 @@ class ModelRunner:
             if req.num_computed_tokens + n == req.num_tokens:
                 rows.append(end - 1)
                 sampling.append(req)
-        if not sampling:
+        if self.step_sink is not None:
+            self.step_sink(("cpu", input_ids, positions, meta, rows))
+        logits = self._forward_cpu(input_ids, positions, meta, rows)
+        if logits is None:
             return [], [], []
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         tokens, logprobs = self.sampler.sample(logits, sampling)
         return sampling, tokens, logprobs
+
+    def _forward_cpu(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                     rows: list[int]) -> torch.Tensor | None:
+        """The model over one step's flattened batch; logits of `rows` (None when no row samples)."""
+        hidden = self.model(input_ids, positions, self.kv_pool, meta, self.backend)
+        if not rows:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])

@@ -12,12 +12,17 @@ ModelRunner delegates `execute` here on CUDA. What it does differently from the 
   batched sampler on the device.
 - No host sync inside the model: kernel grids come from host-known sizes, sequence lengths are read on
   the device.
+- Tensor parallelism: rank 0 hands each step's staged host inputs to `step_sink` before running it; the
+  other ranks `replay` them through the same device code (graph replay or eager), so every rank runs the
+  same graph with the same inputs, collectives included. Only rank 0 samples.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -103,6 +108,23 @@ def _align2(n: int) -> int:
     return (n + 1) & ~1
 
 
+@dataclass(frozen=True)
+class EagerShape:
+    """What the device half of an eager step needs besides the staged buffer (also sent to other TP ranks)."""
+
+    offsets: dict[str, tuple[int, int]]
+    size: int
+    num_seqs: int
+    width: int
+    query_lens: list[int]
+    seq_lens: list[int]
+    num_rows: int
+
+    def view(self, buf, name: str):
+        lo, hi = self.offsets[name]
+        return buf[lo:hi]
+
+
 class HostBatch:
     """Flattened inputs for one step, built with numpy into a slice of a pinned int64 buffer.
 
@@ -175,6 +197,10 @@ class HostBatch:
         lo, hi = self.offsets[name]
         return buf[lo:hi]
 
+    def shape(self) -> EagerShape:
+        return EagerShape(self.offsets, self.size, self.num_seqs, self.width, self.query_lens, self.seq_lens,
+                          self.num_rows)
+
 
 class GpuStepRunner:
     def __init__(self, model: DecoderLM, kv_pool: torch.Tensor, backend: AttentionBackend, sampler: Sampler, *,
@@ -201,6 +227,7 @@ class GpuStepRunner:
         self.max_model_len = max_model_len
         self.timing = StepTiming()
         self.tables = BlockTableCache()
+        self.step_sink: Callable[[tuple], None] | None = None  # rank 0 of a TP group: the other ranks' inputs
         # eager-step staging: grown on demand (a prefill step's size depends on the token budget)
         self._host = torch.empty(0, dtype=torch.int64)
         self._dev = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -357,6 +384,17 @@ class GpuStepRunner:
         buf[2 * b + n : 2 * b + size] = -1
         buf[3 * b + n : 3 * b + size] = 0
         buf[4 * b + n : 4 * b + size] = 0
+        if self.step_sink is not None:
+            self.step_sink(("graph", size, buf.copy(), updates))
+        logits, tokens = self._replay_graph(size, updates)
+        keep = None
+        if partial:
+            skip = set(partial)
+            keep = [i for i in range(n) if i not in skip]
+        return logits[:n], tokens[:n], keep
+
+    def _replay_graph(self, size: int, updates: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device half of a graph step, from the staged header (`_g_host`) and new block-table entries."""
         self._g_dev.copy_(self._g_host, non_blocking=True)
         if updates:
             m = len(updates) // 2
@@ -372,11 +410,7 @@ class GpuStepRunner:
             t = time.perf_counter()
             graph.replay()
             self.timing.launch_s += time.perf_counter() - t
-        keep = None
-        if partial:
-            skip = set(partial)
-            keep = [i for i in range(n) if i not in skip]
-        return logits[:n], tokens[:n], keep
+        return logits, tokens
 
     # ---- eager steps ---------------------------------------------------------------------------
     def _run_eager(self, batch: list[tuple[Request, int]]) -> tuple[HostBatch, torch.Tensor | None]:
@@ -384,6 +418,14 @@ class GpuStepRunner:
         w = max((r.num_computed_tokens + n + bs - 1) // bs for r, n in batch)
         host, dev = self._staging(HostBatch.max_size(sum(n for _, n in batch), len(batch), w))
         hb = HostBatch(batch, bs, host.numpy(), self.tables)
+        shape = hb.shape()
+        if self.step_sink is not None:
+            self.step_sink(("eager", shape, host.numpy()[: hb.size].copy()))
+        return hb, self._eager_device(shape, host, dev)
+
+    def _eager_device(self, hb: EagerShape, host: torch.Tensor, dev: torch.Tensor) -> torch.Tensor | None:
+        """The device half of an eager step: logits of the sampling rows (None when none samples)."""
+        bs = self.block_size
         dev[: hb.size].copy_(host[: hb.size], non_blocking=True)
         meta = AttentionMetadata(
             query_start_loc=hb.view(dev, "query_start_loc"),
@@ -399,8 +441,25 @@ class GpuStepRunner:
         )
         hidden = self.model(hb.view(dev, "ids"), hb.view(dev, "positions"), self.kv_pool, meta, self.backend)
         if hb.num_rows == 0:
-            return hb, None
-        return hb, self.model.compute_logits(hidden[hb.view(dev, "sample_rows")])
+            return None
+        return self.model.compute_logits(hidden[hb.view(dev, "sample_rows")])
+
+    # ---- other tensor-parallel ranks -----------------------------------------------------------
+    @torch.inference_mode()
+    def replay(self, msg: tuple) -> None:
+        """Runs a step rank 0 staged (`step_sink`'s message) on this rank's shard; nothing is sampled."""
+        if msg[0] == "graph":
+            _, size, header, updates = msg
+            self._g_host_np[:] = header
+            self._replay_graph(size, updates)
+        else:
+            _, shape, buf = msg
+            host, dev = self._staging(shape.size)
+            host.numpy()[: shape.size] = buf
+            self._eager_device(shape, host, dev)
+        if self.device.type == "cuda":
+            # the pinned staging buffers are rewritten by the next message: the copies must be done
+            torch.cuda.current_stream().synchronize()
 
     # ---- one step ------------------------------------------------------------------------------
     def execute(self, batch: list[tuple[Request, int]]) -> tuple[list[Request], list[int], list[TokenLogprob | None]]:

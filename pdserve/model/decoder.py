@@ -4,11 +4,16 @@ Two forward paths over the same weights: plain torch ops (CPU, and the GPU refer
 fused path (`DecoderLM.fused_ops` set to `pdserve.gpu.ops` on CUDA, to `pdserve.cpu.ops.CpuOps` on CPU): one
 kernel each for residual-add + RMSNorm, RoPE + K/V store and SiLU-and-mul, rounding where the torch path
 rounds.
+
+Tensor parallelism (`tp`, a `pdserve.parallel.comm.TPGroup`; None = one rank, and then no collective runs):
+the modules hold this rank's shard (`pdserve.parallel.layout.TPShard`): qkv and gate_up column-parallel,
+o_proj and down_proj row-parallel followed by an all-reduce, embedding and LM head vocab-parallel (a masked
+lookup summed over ranks; logits gathered).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +22,15 @@ from torch import nn
 from pdserve.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.model.config import ModelConfig
 from pdserve.model.rope import RotaryEmbedding, apply_rotary
+from pdserve.parallel.layout import TPShard
+
+if TYPE_CHECKING:
+    from pdserve.parallel.comm import TPGroup
+
+
+def shard_of(cfg: ModelConfig, tp: TPGroup | None) -> TPShard:
+    rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
+    return TPShard(rank, size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size)
 
 
 class FusedOps(Protocol):
@@ -49,13 +63,15 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        shard = shard_of(cfg, tp)
+        self.tp = tp
+        self.num_heads = shard.heads
+        self.num_kv_heads = shard.kv_heads
         self.head_dim = cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         # q, k and v fused into one matmul; the loader concatenates the checkpoint's three weights.
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
@@ -76,7 +92,11 @@ class Attention(nn.Module):
         k = apply_rotary(k, cos, sin)
         backend.write_kv(k_cache, v_cache, k, v, meta)
         o = backend.forward(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return self._out(o)
+
+    def _out(self, o: torch.Tensor) -> torch.Tensor:
+        out = self.o_proj(o.reshape(-1, self.q_size))
+        return self.tp.all_reduce(out) if self.tp is not None else out
 
     def forward_fused(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend,
                       ops: FusedOps) -> torch.Tensor:
@@ -91,30 +111,35 @@ class Attention(nn.Module):
         # RoPE on q and k and the K/V store in one kernel; q comes back contiguous.
         q = ops.rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_size)
         o = backend.forward(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return self._out(o)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
         if cfg.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: silu")
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.tp = tp
+        self.intermediate = shard_of(cfg, tp).intermediate
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down(F.silu(gate) * up)
+
+    def down(self, h: torch.Tensor) -> torch.Tensor:
+        out = self.down_proj(h)
+        return self.tp.all_reduce(out) if self.tp is not None else out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta, backend):
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, backend)
@@ -122,14 +147,17 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.tp = tp
+        self.shard = shard_of(cfg, tp)
+        vocab = self.shard.vocab_per_rank  # the whole vocabulary with one rank
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # pdserve.gpu.ops on CUDA (set by the GPU step runner), CpuOps on CPU (the model runner); None = the
@@ -146,7 +174,7 @@ class DecoderLM(nn.Module):
     ) -> torch.Tensor:
         """Returns the final hidden states [num_tokens, hidden]. kv_pool is the block-contiguous pool
         [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]."""
-        x = self.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         if self.fused_ops is not None:
             return self._forward_fused(x, cos, sin, kv_pool, meta, backend, self.fused_ops)
@@ -165,9 +193,22 @@ class DecoderLM(nn.Module):
                 h, residual = ops.fused_add_rms_norm(x, residual, layer.input_layernorm.weight, eps)
             a = layer.self_attn.forward_fused(h, cos, sin, kv_pool[:, i, 0], kv_pool[:, i, 1], meta, backend, ops)
             h, residual = ops.fused_add_rms_norm(a, residual, layer.post_attention_layernorm.weight, eps)
-            x = layer.mlp.down_proj(ops.silu_and_mul(layer.mlp.gate_up_proj(h)))
+            x = layer.mlp.down(ops.silu_and_mul(layer.mlp.gate_up_proj(h)))
         out, _ = ops.fused_add_rms_norm(x, residual, self.norm.weight, eps)
         return out
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.embed_tokens(input_ids)
+        # Vocab-parallel: each rank looks up the ids in its slice, zeros elsewhere; the sum over ranks has
+        # exactly one non-zero term per token, so it equals the unsharded lookup bit for bit.
+        lo, hi = self.shard.vocab_start, self.shard.vocab_end
+        outside = (input_ids < lo) | (input_ids >= hi)
+        x = self.embed_tokens((input_ids - lo).masked_fill(outside, 0))
+        return self.tp.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0.0))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if self.tp is None:
+            return logits
+        return self.tp.all_gather_last_dim(logits)[..., : self.cfg.vocab_size]

@@ -1,9 +1,16 @@
-"""Builds the decoder and fills it from *.safetensors (or random weights for `--load-format dummy`)."""
+"""Builds the decoder and fills it from *.safetensors (or random weights for `--load-format dummy`).
+
+With tensor parallelism each rank reads only its slices (`safe_open(...).get_slice`): column-parallel
+weights by rows, row-parallel ones by columns, the vocabulary by rows (see `pdserve.parallel.layout`).
+A row-parallel bias (o_proj with attention_bias, down_proj with mlp_bias) is added once, by rank 0: the
+other ranks hold zeros, since the all-reduce sums the ranks' outputs.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -11,6 +18,10 @@ from safetensors import safe_open
 from pdserve.model.config import ModelConfig
 from pdserve.model.decoder import DecoderLM
 from pdserve.model.rope import inverse_frequencies
+from pdserve.parallel.layout import TPShard
+
+if TYPE_CHECKING:
+    from pdserve.parallel.comm import TPGroup
 
 # checkpoint name fragment -> (our parameter, shard index among the fused pieces)
 _FUSED = {
@@ -23,11 +34,48 @@ _FUSED = {
 
 
 def _fused_offsets(model: DecoderLM, fused: str) -> list[int]:
-    cfg = model.cfg
+    sh, d = model.shard, model.cfg.head_dim
     if fused == "qkv_proj":
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, kv = sh.heads * d, sh.kv_heads * d
         return [0, q, q + kv, q + 2 * kv]
-    return [0, cfg.intermediate_size, 2 * cfg.intermediate_size]
+    return [0, sh.intermediate, 2 * sh.intermediate]
+
+
+# How each checkpoint weight splits over ranks: (dim, first, end) of this rank's slice, or None (whole).
+_Split = tuple[int, int, int] | None
+
+
+def _split_of(shard: TPShard, head_dim: int, name: str) -> _Split:
+    if shard.size == 1:
+        return None
+    d = head_dim
+    parts = name.split(".")
+    if "q_proj" in parts:
+        return (0, shard.head_start * d, (shard.head_start + shard.heads) * d)
+    if "k_proj" in parts or "v_proj" in parts:
+        return (0, shard.kv_start * d, (shard.kv_start + shard.kv_heads) * d)
+    if "gate_proj" in parts or "up_proj" in parts:
+        return (0, shard.inter_start, shard.inter_start + shard.intermediate)
+    if parts[-1] == "weight" and "o_proj" in parts:
+        return (1, shard.head_start * d, (shard.head_start + shard.heads) * d)
+    if parts[-1] == "weight" and "down_proj" in parts:
+        return (1, shard.inter_start, shard.inter_start + shard.intermediate)
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        return (0, shard.vocab_start, shard.vocab_end)
+    return None
+
+
+def _is_row_parallel_bias(name: str) -> bool:
+    parts = name.split(".")
+    return parts[-1] == "bias" and ("o_proj" in parts or "down_proj" in parts)
+
+
+def _read(f: Any, name: str, split: _Split) -> torch.Tensor:
+    if split is None:
+        return f.get_tensor(name)
+    dim, lo, hi = split
+    sl = f.get_slice(name)
+    return sl[lo:hi] if dim == 0 else sl[:, lo:hi]
 
 
 def _safetensor_files(model_dir: Path) -> list[Path]:
@@ -47,13 +95,26 @@ def _safetensor_files(model_dir: Path) -> list[Path]:
 def load_weights(model: DecoderLM, model_dir: Path) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    tp_shard = model.shard
+    if tp_shard.size > 1:
+        # the last rank's vocabulary slice may be short: its padding rows stay zero
+        model.embed_tokens.weight.zero_()
+        model.lm_head.weight.zero_()
     for file in _safetensor_files(model_dir):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 target = name.removeprefix("model.")
                 if "rotary_emb" in target:
                     continue
-                tensor = f.get_tensor(name)
+                if target == "lm_head.weight" and model.cfg.tie_word_embeddings:
+                    continue
+                if tp_shard.rank > 0 and _is_row_parallel_bias(target):
+                    if target not in params:
+                        raise ValueError(f"unexpected weight {name!r} in {file.name}")
+                    params[target].zero_()  # added by rank 0 only
+                    loaded.add(target)
+                    continue
+                tensor = _read(f, name, _split_of(tp_shard, model.cfg.head_dim, target))
                 parts = target.split(".")
                 fused = next((p for p in parts if p in _FUSED), None)
                 if fused is not None:
@@ -63,11 +124,12 @@ def load_weights(model: DecoderLM, model_dir: Path) -> None:
                     params[pname][lo:hi].copy_(tensor)
                     loaded.add(f"{pname}#{shard}")
                     continue
-                if target == "lm_head.weight" and model.cfg.tie_word_embeddings:
-                    continue
                 if target not in params:
                     raise ValueError(f"unexpected weight {name!r} in {file.name}")
-                params[target].copy_(tensor)
+                if target in ("embed_tokens.weight", "lm_head.weight"):
+                    params[target][: tensor.shape[0]].copy_(tensor)
+                else:
+                    params[target].copy_(tensor)
                 loaded.add(target)
     missing = []
     for pname in params:
@@ -84,8 +146,9 @@ def load_weights(model: DecoderLM, model_dir: Path) -> None:
 
 @torch.no_grad()
 def init_dummy_weights(model: DecoderLM, seed: int) -> None:
-    """Random weights in the real shapes: they cost exactly what real weights cost to run."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    """Random weights in the real shapes: they cost exactly what real weights cost to run (each rank draws
+    its own shard)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed + 7919 * model.shard.rank)
     for name, p in model.named_parameters():
         if "norm" in name:
             p.fill_(1.0)
@@ -94,9 +157,9 @@ def init_dummy_weights(model: DecoderLM, seed: int) -> None:
 
 
 def build_model(cfg: ModelConfig, model_dir: Path | None, dtype: torch.dtype, device: torch.device,
-                load_format: str, seed: int) -> DecoderLM:
+                load_format: str, seed: int, tp: TPGroup | None = None) -> DecoderLM:
     with torch.device("meta"):
-        model = DecoderLM(cfg)
+        model = DecoderLM(cfg, tp)
     # Allocate directly in the target dtype: an 8B model never exists in float32.
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:

@@ -8,12 +8,14 @@ import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("pdserve.server")
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+_DEAD_EXIT_DELAY_S = 1.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,8 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS[:-1])
     p.add_argument("--uvicorn-log-level", default="info", choices=LOG_LEVELS)
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks (GPUs) for one instance; each rank beyond the first is a worker process")
+    p.add_argument("--distributed-timeout", type=float, default=120.0,
+                   help="seconds any tensor-parallel collective may take before the instance fails")
     # Accepted for command-line compatibility with `vllm serve`; they change nothing here.
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--disable-log-requests", action="store_true")
     p.add_argument("--enable-log-requests", action="store_true")
@@ -99,14 +104,18 @@ def engine_config(args: argparse.Namespace) -> Any:
         kv_transfer_config=kv,
         structured_outputs_config=json.loads(args.structured_outputs_config) if args.structured_outputs_config
         else None,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_timeout_s=args.distributed_timeout,
     )
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         return "--enable-auto-tool-choice requires --tool-call-parser"
-    if args.tensor_parallel_size != 1:
-        return "--tensor-parallel-size other than 1 is not supported"
+    if args.tensor_parallel_size < 1:
+        return f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}"
+    if args.distributed_timeout <= 0:
+        return "--distributed-timeout must be positive"
     if not 0 < args.port < 65536:
         return f"--port must be in 1..65535, got {args.port}"
     if args.max_request_body_bytes < 1024:
@@ -173,6 +182,7 @@ def build_state(args: argparse.Namespace) -> Any:
         "kv_layout": runner.layout,
         "num_layers": cfg.num_layers,
         "num_kv_heads": cfg.num_kv_heads,
+        "tensor_parallel_size": inner.config.tensor_parallel_size,
         "head_dim": cfg.head_dim,
         "max_model_len": inner.max_model_len,
         "device": str(runner.device),
@@ -248,11 +258,12 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pdserve.kv_transfer.errors import KVTransferError
+    from pdserve.parallel.executor import WorkerDiedError
     from pdserve.server.app import build_app
 
     try:
         state = build_state(args)
-    except (ValueError, FileNotFoundError, OSError, KVTransferError) as e:  # one line, no traceback
+    except (ValueError, FileNotFoundError, OSError, KVTransferError, WorkerDiedError) as e:  # one line, no traceback
         print(f"pdserve serve: error: {e}", file=sys.stderr)
         return 1
     app = build_app(state)
@@ -267,8 +278,16 @@ def main(args: argparse.Namespace) -> int:
     # that was installed before it: make that one a no-op so a requested shutdown exits with status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _ignore_signal)
+
+    def engine_died(error: BaseException) -> None:
+        # /health answers 503 for a moment (probes see why), then the server exits: a supervisor
+        # (`pdserve up`) restarts it, which an instance without a working engine cannot do for itself.
+        log.error("the engine has stopped (%s); exiting in %.0f s", error, _DEAD_EXIT_DELAY_S)
+        threading.Timer(_DEAD_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True)).start()
+
+    state.engine.on_dead = engine_died
     server.run()
-    code = 0 if server.started else 1
+    code = 0 if server.started and state.engine.dead_error is None else 1
     # The engine and the KV connector are already shut down (the app's lifespan). Skip the interpreter's
     # teardown of torch and friends, which takes seconds and holds ports' owners alive for nothing.
     logging.shutdown()

@@ -1,0 +1,131 @@
+"""A tensor-parallel worker: ranks 1..N-1 of an engine, each its own process (`python -m
+pdserve.parallel.worker --fd N`), started by `pdserve.parallel.executor`.
+
+It builds a ModelRunner over its shard (weights, KV pool, attention backend, CUDA graphs), then replays the
+steps rank 0 sends over its pipe until told to stop, its pipe closes, or a collective fails. It never
+schedules, samples or serves HTTP. It dies with its parent (a watchdog thread polls the parent pid; the
+pipe's EOF ends the step loop too), so a killed engine leaves no rank behind.
+
+Pipe protocol (pickled tuples; `multiprocessing.connection.Connection` over a socketpair):
+    engine -> worker: ("init", WorkerInit) once, then step messages (ModelRunner.replay), ("stop",)
+    worker -> engine: ("hello",) after imports, ("ready", info) or ("error", text) after building the runner
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("pdserve.parallel")
+
+
+@dataclass(frozen=True)
+class WorkerInit:
+    config: Any  # EngineConfig
+    model_cfg: Any  # ModelConfig
+    model_dir: Path | None
+    rank: int
+    size: int
+    store_port: int
+    device: str  # "cpu" or "cuda:<rank>"
+    timeout_s: float
+    setup_timeout_s: float
+    torch_threads: int | None
+
+
+def send(conn: Connection, msg: tuple) -> None:
+    # Plain pickle, not multiprocessing's ForkingPickler: that one would move torch tensors through shared
+    # memory file descriptors, which cost more than copying a step's few kilobytes.
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv(conn: Connection) -> tuple:
+    return pickle.loads(conn.recv_bytes())
+
+
+def _die_with_parent(parent: int, poll_s: float = 0.5) -> None:
+    """Exit when the engine process is gone, even in the middle of a collective. (PR_SET_PDEATHSIG would
+    fire when the engine's *thread* that started us ends, which is not the engine's death.)"""
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            time.sleep(poll_s)
+
+    threading.Thread(target=watch, name="pdserve-tp-parent-watch", daemon=True).start()
+
+
+def run(conn: Connection) -> int:
+    msg = recv(conn)
+    assert msg[0] == "init", msg
+    init: WorkerInit = msg[1]
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s %(name)s [tp rank {init.rank}]: %(message)s")
+    import torch
+
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.parallel.comm import TPGroup, connect_store
+
+    if init.torch_threads:
+        torch.set_num_threads(init.torch_threads)
+    device = torch.device(init.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    send(conn, ("hello",))
+    try:
+        store = connect_store(init.store_port, init.size, init.setup_timeout_s)
+        group = TPGroup(store, init.rank, init.size, device, timeout_s=init.timeout_s,
+                        setup_timeout_s=init.setup_timeout_s)
+        runner = ModelRunner(init.config, init.model_cfg, init.model_dir, tp=group)
+    except BaseException as e:  # noqa: BLE001 - reported to rank 0, which names it in its error
+        send(conn, ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return 1
+    send(conn, ("ready", {"num_blocks": runner.num_blocks, "pid": os.getpid()}))
+    while True:
+        try:
+            msg = recv(conn)
+        except (EOFError, OSError):
+            log.info("the engine closed the step pipe; exiting")
+            return 0
+        if msg[0] == "stop":
+            return 0
+        try:
+            runner.replay(msg)
+        except BaseException:  # noqa: BLE001 - a failed collective: rank 0 fails too; leave at once
+            log.exception("tensor-parallel step failed")
+            return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pdserve.parallel.worker")
+    p.add_argument("--fd", type=int, required=True, help="the engine's end of the step pipe (inherited)")
+    p.add_argument("--parent", type=int, required=True, help="the engine's pid")
+    args = p.parse_args(argv)
+    if os.getppid() != args.parent:
+        return 1
+    _die_with_parent(args.parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the engine decides
+    conn = Connection(args.fd)
+    try:
+        code = run(conn)
+    finally:
+        conn.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip torch's slow interpreter teardown
+
+
+if __name__ == "__main__":
+    main()
