@@ -135,14 +135,18 @@ def _worker_procs(engine):
 def test_tp2_through_the_gpu_step_runner_eager_path(tiny_llama, monkeypatch):
     """The GPU step runner's messages (staged host buffers) replayed by the other rank, on CPU: eager steps
     (no CUDA graphs here), the same code the CUDA path runs around its kernels. The C kernel takes the
-    CPU path's int32 tables only, so both ranks use the reference attention (the env reaches the worker),
-    one sequence per step (the GPU path leaves block-table padding unset, which only the reference reads)."""
+    CPU path's int32 tables only, so both ranks use the reference attention (rank 0 set here, the worker
+    through the env: this process may have loaded the kernel already), one sequence per step (the GPU path
+    leaves block-table padding unset, which only the reference reads)."""
+    from pdserve.attention.torch_ref import TorchAttention
+
     monkeypatch.setenv("PDSERVE_CPU_KERNELS", "0")
     prompts = mixed_prompts(320, lengths=(3, 17, 40))
     want = hf_greedy(tiny_llama, prompts, GREEDY.max_tokens)
     engine = make_engine(tiny_llama, tensor_parallel_size=2, enforce_eager=True, max_num_batched_tokens=32,
                          max_num_seqs=1)
     try:
+        engine.runner.backend = TorchAttention()
         engine.runner.use_gpu_step_runner()
         assert run_engine(engine, prompts, GREEDY) == want
         assert engine.runner.step_timing.steps > 0
