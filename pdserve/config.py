@@ -6,6 +6,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's CacheDType names that pdserve implements (vllm/config/cache.py); pdserve.attention.fp8_kv stores them
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def canonical_kv_cache_dtype(name: str) -> str:
+    """`auto`, `fp8_e4m3` or `fp8_e5m2` (`fp8` means `fp8_e4m3`, as in vLLM on CUDA); ValueError otherwise."""
+    key = str(name).strip().lower()
+    if key not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    return "fp8_e4m3" if key == "fp8" else key
 
 
 @dataclass
@@ -21,6 +31,8 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # token budget per step (chunked prefill); default 2048 CPU / 8192 GPU
     block_size: int = 16
+    # vLLM's --kv-cache-dtype: auto (the model's dtype) | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2
+    kv_cache_dtype: str = "auto"
     num_gpu_blocks_override: int | None = None  # fix the KV pool size in blocks (tests force tiny pools)
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float = 1.0  # KV pool size on CPU when num_gpu_blocks_override is unset
@@ -41,6 +53,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        canonical_kv_cache_dtype(self.kv_cache_dtype)  # ValueError naming the choices
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

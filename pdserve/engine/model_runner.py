@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.attention import fp8_kv
 from pdserve.attention.base import AttentionMetadata
 from pdserve.config import EngineConfig
 from pdserve.engine.outputs import TokenLogprob
@@ -56,7 +57,16 @@ def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> to
     return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
-def select_attention_backend(device: torch.device):
+def select_attention_backend(device: torch.device, kv_format: fp8_kv.Fp8Format | None = None):
+    backend = _float_attention_backend(device)
+    if kv_format is not None:
+        from pdserve.attention.fp8_gather import Fp8GatherAttention
+
+        return Fp8GatherAttention(backend, kv_format)
+    return backend
+
+
+def _float_attention_backend(device: torch.device):
     if device.type == "cuda":
         try:
             from pdserve.attention.triton_backend import TritonAttention  # GPU-only, imported lazily
@@ -106,15 +116,19 @@ class ModelRunner:
             pack_linears(self.model, self.dtype)
             self.cpu_threads = StepThreads.from_env()
             log.info("CPU threads: %s", self.cpu_threads)
-        self.backend = select_attention_backend(self.device)
-        if self.device.type == "cpu" and self.dtype == torch.float32 and self.backend.lib is not None:
+        # None: KV in the model's dtype; else the pool is uint8 rows of fp8 values + their scales (fp8_kv)
+        self.kv_format = fp8_kv.fp8_format(config.kv_cache_dtype)
+        self.backend = select_attention_backend(self.device, self.kv_format)
+        # the fused CPU ops store K/V into a float pool themselves: an fp8 pool takes the plain path
+        if (self.device.type == "cpu" and self.dtype == torch.float32 and self.kv_format is None
+                and self.backend.lib is not None):
             from pdserve.cpu.ops import CpuOps
 
             self.model.fused_ops = CpuOps(self.backend.lib, self.backend)
         self.num_blocks = self._decide_num_blocks()
         # The block-contiguous pool: one block spans every layer, so one NIXL descriptor moves one block.
         # torch.zeros touches every page now, not during the first transfer.
-        self.kv_pool = torch.zeros(self.pool_shape(self.num_blocks), dtype=self.dtype, device=self.device)
+        self.kv_pool = torch.zeros(self.pool_shape(self.num_blocks), dtype=self.kv_storage_dtype, device=self.device)
         self.sampler = Sampler(config.seed)
         # CUDA: fused kernels, pinned batched inputs, decode CUDA graphs, greedy argmax on the device.
         self.gpu = None
@@ -131,7 +145,8 @@ class ModelRunner:
         self.gpu = GpuStepRunner(
             self.model, self.kv_pool, self.backend, self.sampler, block_size=self.block_size,
             max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len or self.model_cfg.max_position_embeddings,
-            enforce_eager=cfg.enforce_eager, simulate_graphs=simulate_graphs)
+            enforce_eager=cfg.enforce_eager or not getattr(self.backend, "supports_graphs", True),
+            simulate_graphs=simulate_graphs)
         if self.step_sink is not None:  # rank 0: the other ranks switch too (their graphs capture in lockstep)
             self.step_sink(("use_gpu_step_runner", simulate_graphs))
             self.gpu.step_sink = self.step_sink
@@ -173,15 +188,33 @@ class ModelRunner:
         return self.gpu.timing if self.gpu is not None else self._cpu_timing
 
     # ---- sizing ------------------------------------------------------------------------------
+    @property
+    def kv_storage_dtype(self) -> torch.dtype:
+        """The pool's element type: the model's dtype, or uint8 bytes for an fp8 cache."""
+        return self.dtype if self.kv_format is None else torch.uint8
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """What the KV cache stores, as /pdserve/info and the handshake name it."""
+        return str(self.dtype).removeprefix("torch.") if self.kv_format is None else self.kv_format.name
+
+    @property
+    def kv_scales(self) -> str:
+        """Where the KV cache's quantization scales live (`none` for an unquantized cache)."""
+        return "none" if self.kv_format is None else fp8_kv.SCALE_SCHEME
+
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         c = self.model_cfg
-        return (num_blocks, c.num_layers, 2, self.block_size, self.num_kv_heads, c.head_dim)
+        row = c.head_dim if self.kv_format is None else self.kv_format.row_bytes(c.head_dim)
+        return (num_blocks, c.num_layers, 2, self.block_size, self.num_kv_heads, row)
 
     @property
     def block_bytes(self) -> int:
-        c = self.model_cfg
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return c.num_layers * 2 * self.block_size * self.num_kv_heads * c.head_dim * elem
+        elem = torch.tensor([], dtype=self.kv_storage_dtype).element_size()
+        n = 1
+        for dim in self.pool_shape(1):
+            n *= dim
+        return n * elem
 
     def _decide_num_blocks(self) -> int:
         if self.config.num_gpu_blocks_override:

@@ -31,8 +31,15 @@ def make_compat(
     num_kv_heads: int,
     head_dim: int,
     kv_layout: str = POOL_LAYOUT,
+    kv_cache_dtype: str | None = None,
+    kv_scales: str = "none",
 ) -> dict[str, Any]:
-    """Build the dict the engine passes to `KVConnector` (model = a stable identity of the weights)."""
+    """Build the dict the engine passes to `KVConnector` (model = a stable identity of the weights).
+
+    dtype is the model's compute dtype; kv_cache_dtype what the pool stores (default: dtype) and kv_scales
+    where its quantization scales live (pdserve.attention.fp8_kv.SCALE_SCHEME for fp8). A producer and a
+    consumer that differ in either would read each other's bytes as something else, so they are refused.
+    """
     return normalize_compat(
         {
             "model": model,
@@ -42,6 +49,8 @@ def make_compat(
             "num_kv_heads": num_kv_heads,
             "head_dim": head_dim,
             "kv_layout": kv_layout,
+            "kv_cache_dtype": kv_cache_dtype or str(dtype).removeprefix("torch."),
+            "kv_scales": kv_scales,
         }
     )
 
@@ -54,6 +63,8 @@ def normalize_compat(compat: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(compat)
     out["dtype"] = str(out["dtype"]).removeprefix("torch.")
     out.setdefault("kv_layout", POOL_LAYOUT)
+    out.setdefault("kv_cache_dtype", out["dtype"])
+    out.setdefault("kv_scales", "none")
     out["pdserve_version"] = __version__
     out["protocol_version"] = PROTOCOL_VERSION
     for key in ("block_size", "num_layers", "num_kv_heads", "head_dim"):

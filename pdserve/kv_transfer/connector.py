@@ -46,8 +46,15 @@ def _check_pool_matches(
         "block_size": bs,
         "num_kv_heads": heads,
         "head_dim": dim,
-        "dtype": region_dtype,
+        "kv_cache_dtype": region_dtype,
     }
+    if compat["kv_scales"] != "none":  # an fp8 pool: uint8 rows of head_dim fp8 values + inline scale bytes
+        from pdserve.attention import fp8_kv
+
+        if compat["kv_scales"] != fp8_kv.SCALE_SCHEME:
+            raise ValueError(f"unknown kv_scales scheme {compat['kv_scales']!r}")
+        expected["head_dim"] = dim - fp8_kv.SCALE_BYTES
+        expected["kv_cache_dtype"] = compat["kv_cache_dtype"] if region_dtype == "uint8" else region_dtype
     wrong = [f"{k}: compat={compat[k]!r} pool={v!r}" for k, v in expected.items() if compat[k] != v]
     if block_size != bs:
         wrong.append(f"block_size argument {block_size} != pool {bs}")

@@ -33,6 +33,8 @@ def connector_factory(kv_config: Any, registry: CollectorRegistry, model_name: s
             num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
+            kv_cache_dtype=runner.kv_cache_dtype,
+            kv_scales=runner.kv_scales,
         )
         return KVConnector(kv_config, runner.kv_pool, compat, runner.block_size, registry=registry,
                            model_name=model_name)
