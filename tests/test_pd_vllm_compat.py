@@ -121,3 +121,33 @@ def test_structured_outputs_over_pd_equal_collocated(cluster, stream: bool) -> N
                                                  extra_body={"structured_outputs": {"regex": regex}}).choices[0].text
            for w in ("proxy", "collocated")]
     assert out[0] == out[1] and re.fullmatch(regex, out[0])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_several_prompts_split_into_pd_pairs(cluster, stream: bool) -> None:
+    """A completions request with several prompts: one P/D pair per prompt (not served locally), merged
+    into the answer the collocated instance gives the same request."""
+    before = metric_value(httpx.get(f"{cluster['proxy'].url}/metrics", timeout=10).text,
+                          'pdserve_proxy_requests_total{path="disagg_split"}')
+    prompts = ["The capital of France is", "1 2 3 4 5", "Once upon a time"]
+    answers = []
+    for which in ("proxy", "collocated"):
+        kw = dict(model=MODEL, prompt=prompts, max_tokens=8, temperature=0)
+        if stream:
+            texts = {i: "" for i in range(len(prompts))}
+            usage = None
+            for chunk in client(cluster[which]).completions.create(stream=True, stream_options={"include_usage": True},
+                                                                   **kw):
+                for c in chunk.choices:
+                    texts[c.index] += c.text
+                usage = chunk.usage or usage
+            answers.append(([texts[i] for i in sorted(texts)], usage.prompt_tokens, usage.completion_tokens))
+        else:
+            res = client(cluster[which]).completions.create(**kw)
+            answers.append(([c.text for c in sorted(res.choices, key=lambda c: c.index)], res.usage.prompt_tokens,
+                            res.usage.completion_tokens))
+    assert answers[0] == answers[1]
+    assert answers[0][2] == 8 * len(prompts)
+    after = metric_value(httpx.get(f"{cluster['proxy'].url}/metrics", timeout=10).text,
+                         'pdserve_proxy_requests_total{path="disagg_split"}')
+    assert after == before + 1

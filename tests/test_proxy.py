@@ -641,20 +641,23 @@ def test_collocated_mode_and_batch_prompts(
         assert http.post(url + "/v1/completions", json=body).status_code == 200
     assert [r["body"] for r in b["d1"].generation_requests() + b["d2"].generation_requests()] == [body, body]
     assert metric(http.get(url + "/metrics").text, "pdserve_proxy_requests_total", path="collocated") == 2
-    # With a prefill pool, a multi-prompt completions request is served locally by one decode instance.
+    # With a prefill pool, a multi-prompt completions request becomes one P/D pair per prompt, merged.
     url2 = start_proxy("--prefill", b["p1"].url, "--decode", b["d1"].url)
     batch = {"model": "standin", "prompt": ["first", "second"], "max_tokens": 1}
-    assert http.post(url2 + "/v1/completions", json=batch).status_code == 200
-    assert b["p1"].generation_requests() == []
-    # So is a request sampling several choices (each would claim the same prefill's KV lease).
+    merged = http.post(url2 + "/v1/completions", json=batch)
+    assert merged.status_code == 200, merged.text
+    assert [c["index"] for c in merged.json()["choices"]] == [0, 1]
+    assert sorted(r["body"]["prompt"] for r in b["p1"].generation_requests()) == ["first", "second"]
+    assert sorted(r["body"]["prompt"] for r in b["d1"].generation_requests()[-2:]) == ["first", "second"]
+    # A request sampling several choices is served locally (each would claim the same prefill's KV lease).
     several = {"model": "standin", "prompt": "pick two", "max_tokens": 1, "n": 2}
+    p1_before = len(b["p1"].generation_requests())
     assert http.post(url2 + "/v1/completions", json=several).status_code == 200
-    assert b["p1"].generation_requests() == []
+    assert len(b["p1"].generation_requests()) == p1_before
     assert b["d1"].generation_requests()[-1]["body"] == several
-    assert (
-        metric(http.get(url2 + "/metrics").text, "pdserve_proxy_requests_total", path="conditional_local")
-        == 2
-    )
+    text = http.get(url2 + "/metrics").text
+    assert metric(text, "pdserve_proxy_requests_total", path="conditional_local") == 1
+    assert metric(text, "pdserve_proxy_requests_total", path="disagg_split") == 1
 
 
 # -- admission control and auth -------------------------------------------------------------------

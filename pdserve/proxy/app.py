@@ -19,16 +19,25 @@ from pdserve.api.pd import (
     build_decode_body,
     build_prefill_body,
     chat_prompt_ids_allowed,
+    is_batch_prompt,
     local_only_reason,
     prefill_prompt_token_ids,
 )
 from pdserve.proxy.config import ProxyConfig
 from pdserve.proxy.errors import error_response
 from pdserve.proxy.health import HealthChecker, probe
-from pdserve.proxy.legs import no_instance_response, relay_decode, run_prefill
+from pdserve.proxy.legs import (
+    DecodeLeg,
+    no_instance_response,
+    relay_decode,
+    relay_leg,
+    run_prefill,
+    send_decode,
+)
 from pdserve.proxy.pool import ROLES, Instance
 from pdserve.proxy.protocol import affinity_key, estimate_prompt_tokens, max_output_tokens
 from pdserve.proxy.retry import retry_after_header
+from pdserve.proxy.split import serve_batch
 from pdserve.proxy.state import ProxyState
 
 logger = logging.getLogger("pdserve.proxy")
@@ -130,6 +139,17 @@ class ProxyHandlers:
             path = "collocated"
         elif tokens < cfg.disagg_threshold_tokens:
             path, reason = "conditional_local", f"~{tokens} prompt tokens < --disagg-threshold-tokens"
+        elif (api_path == COMPLETIONS and is_batch_prompt(body)
+              and local_only_reason({**body, "prompt": body["prompt"][0]}) is None):
+            # several prompts: one P/D pair each, merged into one response
+            self.metrics.path["disagg_split"].inc()
+
+            async def pair(sub: dict[str, Any], sub_headers: dict[str, str]) -> DecodeLeg | web.Response:
+                sub_tokens = estimate_prompt_tokens(sub)
+                return await self.start_pair(api_path, sub, json.dumps(sub).encode(), sub_headers, sub_tokens,
+                                             sub_tokens + max_output_tokens(sub), count_path=False)
+
+            return await serve_batch(request, body, headers, pair)
         elif (reason := local_only_reason(body)) is not None:
             path = "conditional_local"
         else:
@@ -150,6 +170,26 @@ class ProxyHandlers:
         tokens: int,
         decode_tokens: int,
     ) -> web.StreamResponse:
+        leg = await self.start_pair(api_path, body, raw, headers, tokens, decode_tokens)
+        if isinstance(leg, web.Response):
+            return leg
+        try:
+            return await relay_leg(self.state, request, leg, headers["X-Request-Id"])
+        finally:
+            leg.done()
+
+    async def start_pair(
+        self,
+        api_path: str,
+        body: dict[str, Any],
+        raw: bytes,
+        headers: dict[str, str],
+        tokens: int,
+        decode_tokens: int,
+        count_path: bool = True,
+    ) -> DecodeLeg | web.Response:
+        """One P/D pair up to the decode leg's response headers (or the client's error response): the
+        prefill leg, its failure policy, then the decode leg with the prefill's kv_transfer_params."""
         cfg = self.config
         state = self.state
         rid = headers["X-Request-Id"]
@@ -169,10 +209,9 @@ class ProxyHandlers:
                     rid,
                     result.error,
                 )
-                self.metrics.path["decode_local_fallback"].inc()
-                return await relay_decode(
-                    state, request, api_path, raw, headers, tokens=decode_tokens, kv_claimed=False
-                )
+                if count_path:
+                    self.metrics.path["decode_local_fallback"].inc()
+                return await send_decode(state, api_path, raw, headers, tokens=decode_tokens, kv_claimed=False)
             if result.unavailable:
                 return no_instance_response(state, "prefill", rid, result.retry_after)
             self.metrics.error("prefill_failed")
@@ -199,16 +238,11 @@ class ProxyHandlers:
         decode_body = build_decode_body(
             body, result.kv_params, prompt_token_ids=prompt_ids, remote_host=remote_host
         )
-        self.metrics.path["disagg"].inc()
+        if count_path:
+            self.metrics.path["disagg"].inc()
         logger.debug("request %s: disagg via %s", rid, result.instance.url)
-        return await relay_decode(
-            state,
-            request,
-            api_path,
-            json.dumps(decode_body).encode(),
-            headers,
-            tokens=decode_tokens,
-            kv_claimed=True,
+        return await send_decode(
+            state, api_path, json.dumps(decode_body).encode(), headers, tokens=decode_tokens, kv_claimed=True
         )
 
     # -- pass-through routes (served by a decode instance) ---------------------------------------

@@ -169,6 +169,19 @@ async def run_prefill(
     return last
 
 
+@dataclass
+class DecodeLeg:
+    """A decode leg whose response headers arrived: the caller reads `resp`, then calls `done()`."""
+
+    instance: Instance
+    resp: aiohttp.ClientResponse
+    started: float
+    tokens: int
+
+    def done(self) -> None:
+        self.instance.release(self.tokens)
+
+
 async def relay_decode(
     state: ProxyState,
     request: web.Request,
@@ -179,11 +192,36 @@ async def relay_decode(
     tokens: int,
     kv_claimed: bool,
 ) -> web.StreamResponse:
-    """Send the decode leg and relay its response. A leg that never reached an instance (connect
-    failure) is retried on another one; other failures are retried only when `kv_claimed` is False:
-    a P/D decode leg that reached its instance may have claimed the prefill's KV lease. Retries after a
-    leg that reached an instance are paid from the retry budget; with no decode instance available the
-    first attempt waits (bounded) for one, then the answer is 503 with Retry-After."""
+    """Send the decode leg (`send_decode`) and relay its response to the client."""
+    leg = await send_decode(state, api_path, payload, headers, tokens=tokens, kv_claimed=kv_claimed)
+    if isinstance(leg, web.Response):
+        return leg
+    try:
+        return await relay_leg(state, request, leg, headers["X-Request-Id"])
+    finally:
+        leg.done()
+
+
+async def relay_leg(state: ProxyState, request: web.Request, leg: DecodeLeg, rid: str) -> web.StreamResponse:
+    """A decode leg's response relayed to the client as it comes (whole or SSE)."""
+    return await _relay_response(state, request, leg.instance, leg.resp, leg.started, rid)
+
+
+async def send_decode(
+    state: ProxyState,
+    api_path: str,
+    payload: bytes,
+    headers: dict[str, str],
+    *,
+    tokens: int,
+    kv_claimed: bool,
+) -> DecodeLeg | web.Response:
+    """Send the decode leg; returns it once an instance answered (any status but a retried 5xx), or the
+    error response for the client. A leg that never reached an instance (connect failure) is retried on
+    another one; other failures are retried only when `kv_claimed` is False: a P/D decode leg that reached
+    its instance may have claimed the prefill's KV lease. Retries after a leg that reached an instance are
+    paid from the retry budget; with no decode instance available the first attempt waits (bounded) for
+    one, then the answer is 503 with Retry-After."""
     cfg = state.config
     rid = headers["X-Request-Id"]
     tried: list[Instance] = []
@@ -202,6 +240,7 @@ async def relay_decode(
         may_retry = attempt < cfg.decode_retries
         last_retry_after = None
         inst.acquire(tokens)
+        handed_over = False
         try:
             started = time.perf_counter()
             try:
@@ -220,7 +259,8 @@ async def relay_decode(
                     body = await _read_quietly(resp)
                     last_kind, last_reason = "decode_status", f"status {resp.status}: {body[:200]!r}"
                 else:
-                    return await _relay_response(state, request, inst, resp, started, rid)
+                    handed_over = True
+                    return DecodeLeg(inst, resp, started, tokens)
             state.metrics.error(last_kind)
             if last_retry_after is None:
                 inst.record_failure(last_reason, cfg.eject_after)
@@ -228,7 +268,8 @@ async def relay_decode(
             if kv_claimed and last_kind != "decode_connect":
                 break
         finally:
-            inst.release(tokens)
+            if not handed_over:
+                inst.release(tokens)
     if last_kind is None:
         return no_instance_response(state, "decode", rid)
     if last_retry_after is not None:

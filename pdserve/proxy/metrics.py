@@ -10,7 +10,7 @@ from prometheus_client.registry import Collector
 
 from pdserve.proxy.pool import Pool
 
-PATHS = ("disagg", "conditional_local", "collocated", "decode_local_fallback")
+PATHS = ("disagg", "disagg_split", "conditional_local", "collocated", "decode_local_fallback")
 LEGS = ("prefill", "decode")
 ERROR_KINDS = (
     "bad_request",
