@@ -151,3 +151,35 @@ def test_several_prompts_split_into_pd_pairs(cluster, stream: bool) -> None:
     after = metric_value(httpx.get(f"{cluster['proxy'].url}/metrics", timeout=10).text,
                          'pdserve_proxy_requests_total{path="disagg_split"}')
     assert after == before + 1
+
+
+def xfer_count(decode: PdserveProcess) -> float:
+    return metric_value(httpx.get(f"{decode.url}/metrics", timeout=10).text, "vllm:nixl_xfer_time_seconds_count")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_n_over_pd_equals_collocated(cluster, stream: bool) -> None:
+    """n=4 over 1P1D: one prefill, one KV transfer, the decode instance forks the load into 4 choices;
+    with seeds, the choices equal the collocated instance's (choice j has seed + j on both)."""
+    prompt = "In a quiet village by the sea, " * 3  # several full blocks: the forks share them
+    answers = []
+    for which in ("proxy", "collocated"):
+        xfers = xfer_count(cluster["decode"])
+        kw = dict(model=MODEL, prompt=prompt, n=4, max_tokens=12, temperature=0.9, seed=11)
+        if stream:
+            texts = ["", "", "", ""]
+            for chunk in client(cluster[which]).completions.create(stream=True, **kw):
+                for c in chunk.choices:
+                    texts[c.index] += c.text
+        else:
+            res = client(cluster[which]).completions.create(**kw)
+            texts = [c.text for c in sorted(res.choices, key=lambda c: c.index)]
+        answers.append(texts)
+        if which == "proxy":
+            assert xfer_count(cluster["decode"]) == xfers + 1  # one transfer for the four choices
+    assert answers[0] == answers[1]
+    assert len(set(answers[0])) > 1  # four different samples, not four copies
+    chat = [client(cluster[w]).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                       n=3, max_tokens=8, temperature=0.9, seed=5)
+            for w in ("proxy", "collocated")]
+    assert [c.message.content for c in chat[0].choices] == [c.message.content for c in chat[1].choices]

@@ -649,15 +649,23 @@ def test_collocated_mode_and_batch_prompts(
     assert [c["index"] for c in merged.json()["choices"]] == [0, 1]
     assert sorted(r["body"]["prompt"] for r in b["p1"].generation_requests()) == ["first", "second"]
     assert sorted(r["body"]["prompt"] for r in b["d1"].generation_requests()[-2:]) == ["first", "second"]
-    # A request sampling several choices is served locally (each would claim the same prefill's KV lease).
+    # A request sampling several choices is one pair: the prefill leg asks one choice (one held lease), the
+    # decode instance forks the load into the n choices.
     several = {"model": "standin", "prompt": "pick two", "max_tokens": 1, "n": 2}
-    p1_before = len(b["p1"].generation_requests())
     assert http.post(url2 + "/v1/completions", json=several).status_code == 200
+    assert b["p1"].generation_requests()[-1]["body"]["n"] == 1
+    assert b["d1"].generation_requests()[-1]["body"]["n"] == 2
+    assert "kv_transfer_params" in b["d1"].generation_requests()[-1]["body"]
+    text = http.get(url2 + "/metrics").text
+    assert metric(text, "pdserve_proxy_requests_total", path="disagg_split") == 1
+    assert metric(text, "pdserve_proxy_requests_total", path="disagg") == 1
+    # In front of vLLM decode instances (which cannot fork a load), --no-disagg-n serves it locally.
+    url3 = start_proxy("--prefill", b["p1"].url, "--decode", b["d1"].url, "--no-disagg-n")
+    p1_before = len(b["p1"].generation_requests())
+    assert http.post(url3 + "/v1/completions", json=several).status_code == 200
     assert len(b["p1"].generation_requests()) == p1_before
     assert b["d1"].generation_requests()[-1]["body"] == several
-    text = http.get(url2 + "/metrics").text
-    assert metric(text, "pdserve_proxy_requests_total", path="conditional_local") == 1
-    assert metric(text, "pdserve_proxy_requests_total", path="disagg_split") == 1
+    assert metric(http.get(url3 + "/metrics").text, "pdserve_proxy_requests_total", path="conditional_local") == 1
 
 
 # -- admission control and auth -------------------------------------------------------------------

@@ -151,6 +151,16 @@ def test_local_only_reason(body: dict, reason: str | None) -> None:
     assert pd.local_only_reason(body) == reason
 
 
+def test_n_forks_over_pd() -> None:
+    """pdserve decode instances fork one load into n choices: n > 1 stays one pair, whose prefill leg asks
+    one choice (one held lease)."""
+    assert pd.local_only_reason({"prompt": "x", "n": 4}, fork_n=True) is None
+    assert pd.local_only_reason({"prompt": "x", "best_of": 4}, fork_n=True) == "best_of > 1"
+    assert pd.build_prefill_body({"prompt": "x", "n": 4, "max_tokens": 9})["n"] == 1
+    assert pd.one_lease_violation({"do_remote_prefill": True}, 1) is None
+    assert "one prompt" in pd.one_lease_violation({"do_remote_prefill": True}, 2)
+
+
 def test_affinity_key_uses_prefix_only() -> None:
     a = protocol.affinity_key({"prompt": "x" * 100 + "tail-a"}, 100)
     b = protocol.affinity_key({"prompt": "x" * 100 + "tail-b"}, 100)

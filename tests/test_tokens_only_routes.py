@@ -135,23 +135,19 @@ def test_kv_transfer_params_and_request_ids(client_factory: Any) -> None:
         assert client.post(path, json={}).status_code == 400
 
 
-def test_remote_prefill_with_n_above_one_is_a_400(client_factory: Any) -> None:
-    """One prefill lease serves one engine request, on this route as on completions and chat (the shared
-    pipeline's rule): a second choice would fail its load or silently recompute the prompt."""
-    engine = FakeEngine([9])
-    client = client_factory(engine, tokens_only=True, scale_out=False)
+def test_remote_prefill_with_n_above_one_forks_the_load(client_factory: Any) -> None:
+    """One prefill lease is loaded once, on this route as on completions and chat (the shared pipeline):
+    with n > 1 the first choice loads the KV and the others are submitted after it, without the params
+    (they share the loaded blocks through the prefix cache)."""
     kv = {"do_remote_prefill": True, "remote_block_ids": [[0]], "remote_engine_id": "p", "remote_request_id": "r",
           "remote_host": "127.0.0.1", "remote_port": 5600}
     for stream in (False, True):
+        engine = FakeEngine([9])
+        client = client_factory(engine, tokens_only=True, scale_out=False)
         r = client.post("/inference/v1/generate", json={"token_ids": [1, 2], "kv_transfer_params": kv,
-                                                        "stream": stream, "sampling_params": {"n": 2, "max_tokens": 1}})
-        assert r.status_code == 400, r.text
-        assert r.json()["error"]["param"] == "kv_transfer_params"
-        assert "n=1" in r.json()["error"]["message"]
-    assert engine.calls == []
-    r = client.post("/inference/v1/generate", json={"token_ids": [1, 2], "kv_transfer_params": kv,
-                                                    "sampling_params": {"n": 1, "max_tokens": 1}})
-    assert r.status_code == 200 and engine.calls[0]["kv"] == kv, r.text
+                                                        "stream": stream, "sampling_params": {"n": 3, "max_tokens": 1}})
+        assert r.status_code == 200, r.text
+        assert [c["kv"] for c in engine.calls] == [kv, None, None]
 
 
 def test_abort_reaches_every_choice(client_factory: Any) -> None:

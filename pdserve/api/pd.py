@@ -69,6 +69,8 @@ def build_prefill_body(body: dict[str, Any], *, chat_token_ids: bool = False) ->
     prefill["kv_transfer_params"] = prefill_leg_params()
     prefill["stream"] = False
     prefill["max_tokens"] = 1
+    if "n" in prefill:
+        prefill["n"] = 1  # one held lease: the decode instance forks it into the n choices
     if "max_completion_tokens" in prefill:
         prefill["max_completion_tokens"] = 1
     for key in PREFILL_DROPPED_KEYS:
@@ -175,18 +177,19 @@ def is_batch_prompt(body: dict[str, Any]) -> bool:
     return not all(type(x) is int for x in prompt)
 
 
-def local_only_reason(body: dict[str, Any]) -> str | None:
+def local_only_reason(body: dict[str, Any], *, fork_n: bool = False) -> str | None:
     """Why an OpenAI request cannot be served as one P/D pair (a decode instance then serves it whole), or
     None. One prefill lease can be claimed once, by one engine request:
 
     - several prompts: the prefill response carries only the first prompt's params;
-    - n/best_of > 1: every sampled choice would claim the same prefill's KV lease;
+    - n/best_of > 1: every sampled choice would claim the same prefill's KV lease, unless the decode
+      instances fork one load into the n choices (`fork_n`: pdserve's do; vLLM's do not);
     - prompt logprobs (`prompt_logprobs`, or completions `echo` with `logprobs`): they need the prompt's
       logits, which only the prefill instance computed.
     """
     if is_batch_prompt(body):
         return "several prompts"
-    for key in ("n", "best_of"):
+    for key in ("best_of",) if fork_n else ("n", "best_of"):
         value = body.get(key)
         if type(value) is int and value > 1:
             return f"{key} > 1"
@@ -195,12 +198,13 @@ def local_only_reason(body: dict[str, Any]) -> str | None:
     return None
 
 
-def one_lease_violation(params: Any, num_engine_requests: int) -> str | None:
-    """The server side of the same rule: a decode leg fans out to exactly one engine request. A second one
-    would fail its load, or silently recompute the whole prompt. Returns the client error, or None."""
-    if is_remote_prefill(params) and num_engine_requests > 1:
-        return ("kv_transfer_params.do_remote_prefill allows exactly one prompt and n=1 (one remote KV lease "
-                "serves one request)")
+def one_lease_violation(params: Any, num_prompts: int) -> str | None:
+    """The server side of the same rule: a decode leg loads one prompt's KV once. Several prompts would
+    claim one lease several times; n choices of one prompt are fine (the first loads, the others fork the
+    loaded blocks). Returns the client error, or None."""
+    if is_remote_prefill(params) and num_prompts > 1:
+        return ("kv_transfer_params.do_remote_prefill allows exactly one prompt (one remote KV lease serves one "
+                "prompt; n > 1 choices share its load)")
     return None
 
 

@@ -302,6 +302,8 @@ def build_deployment(
     if prefill:
         proxy_argv += ["--prefill", *prefill]
     proxy_argv += ["--decode", *decode]
+    if prefill and cfg.engine == "vllm" and not has_flag(cfg.proxy_args, "--no-disagg-n"):
+        proxy_argv.append("--no-disagg-n")  # vLLM's decode instances cannot fork one KV load into n choices
     if prefill and not has_flag(cfg.proxy_args, "--on-prefill-failure"):
         # While a prefill instance is down (restarting), decode instances prefill locally: the deployment
         # keeps answering, and the proxy's retry budget bounds the extra work.

@@ -140,7 +140,7 @@ class ProxyHandlers:
         elif tokens < cfg.disagg_threshold_tokens:
             path, reason = "conditional_local", f"~{tokens} prompt tokens < --disagg-threshold-tokens"
         elif (api_path == COMPLETIONS and is_batch_prompt(body)
-              and local_only_reason({**body, "prompt": body["prompt"][0]}) is None):
+              and local_only_reason({**body, "prompt": body["prompt"][0]}, fork_n=cfg.disagg_n) is None):
             # several prompts: one P/D pair each, merged into one response
             self.metrics.path["disagg_split"].inc()
 
@@ -150,7 +150,7 @@ class ProxyHandlers:
                                              sub_tokens + max_output_tokens(sub), count_path=False)
 
             return await serve_batch(request, body, headers, pair)
-        elif (reason := local_only_reason(body)) is not None:
+        elif (reason := local_only_reason(body, fork_n=cfg.disagg_n)) is not None:
             path = "conditional_local"
         else:
             return await self._disaggregated(request, api_path, body, raw, headers, tokens, decode_tokens)

@@ -115,6 +115,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="replace remote_host in the prefill's kv_transfer_params by the host the proxy reached it at",
     )
     parser.add_argument(
+        "--no-disagg-n",
+        dest="disagg_n",
+        action="store_false",
+        default=s,
+        help="serve n > 1 requests on one decode instance (needed in front of vLLM decode instances, which "
+             "cannot fork one KV load into n choices)",
+    )
+    parser.add_argument(
         "--no-chat-token-ids",
         dest="chat_token_ids",
         action="store_false",

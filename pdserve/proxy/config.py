@@ -36,6 +36,9 @@ class ProxyConfig:
     prefix_affinity_slack: int = 4
     rewrite_remote_host: bool = False
     chat_token_ids: bool = True
+    # n > 1 as one P/D pair: pdserve decode instances fork the one KV load into the n choices (vLLM's
+    # cannot: --no-disagg-n serves such requests locally)
+    disagg_n: bool = True
     max_inflight: int = 4096
     connect_timeout: float = 10.0
     prefill_timeout: float = 300.0

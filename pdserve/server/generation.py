@@ -28,6 +28,7 @@ class Choice:
     params: SamplingParams
     kv_transfer_params: dict[str, Any] | None
     processor: OutputProcessor
+    fork_of: int | None = None  # P/D n > 1: submitted once this choice (the one loading the KV) has output
     # filled while running
     num_cached_tokens: int = 0
     kv_transfer_result: dict[str, Any] | None = None
@@ -48,12 +49,29 @@ class Generation:
         self._closed = False
 
     async def start(self) -> None:
-        """Submits all engine requests; raises the first submission error (after aborting the others)."""
-        self._gens = [
-            self.engine.generate(c.engine_id, c.prompt_token_ids, c.params, kv_transfer_params=c.kv_transfer_params)
-            for c in self.choices
-        ]
-        firsts = [asyncio.ensure_future(g.__anext__()) for g in self._gens]
+        """Submits all engine requests and waits for each one's first output; raises the first submission
+        error (after aborting the others). Forks (`fork_of`) are submitted after the choices they fork
+        have their first output, i.e. once the KV they share is loaded."""
+        self._gens = [None] * len(self.choices)  # type: ignore[list-item]
+        first = [c for c in self.choices if c.fork_of is None]
+        await self._submit(first)
+        forks = [c for c in self.choices if c.fork_of is not None]
+        if not forks:
+            return
+        failed = {c.index for c in first if c.first_output is not None and c.first_output.finish_reason == "error"}
+        for c in forks:
+            if c.fork_of in failed:  # the load failed: the request fails with it, nothing to fork
+                c.fork_of = None
+                c.finished = True
+                c.error = next(x.first_output.error for x in first if x.index in failed) or "KV load failed"
+        await self._submit([c for c in forks if not c.finished])
+
+    async def _submit(self, choices: list[Choice]) -> None:
+        slots = [self.choices.index(c) for c in choices]
+        for slot, c in zip(slots, choices, strict=True):
+            self._gens[slot] = self.engine.generate(c.engine_id, c.prompt_token_ids, c.params,
+                                                    kv_transfer_params=c.kv_transfer_params)
+        firsts = [asyncio.ensure_future(self._gens[slot].__anext__()) for slot in slots]
         try:
             results = await asyncio.gather(*firsts, return_exceptions=True)
         except BaseException:  # cancelled while waiting (client went away)
@@ -68,7 +86,7 @@ class Generation:
             if isinstance(error, StopAsyncIteration):
                 raise RuntimeError("the engine ended a request without any output")
             raise error
-        for choice, first in zip(self.choices, results, strict=True):
+        for choice, first in zip(choices, results, strict=True):
             choice.first_output = first  # type: ignore[assignment]
 
     def _handle(self, choice: Choice, out: RequestOutput) -> TextDelta:

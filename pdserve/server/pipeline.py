@@ -52,10 +52,14 @@ def make_choices(state: ServerState, fields: Any, base_id: str, prompts: Sequenc
     fixed seed gives every choice its own) and output processor. `fields` holds the sampling fields: an
     OpenAI request, or a GenerateRequest's `sampling_params` (then `param_prefix="sampling_params."`)."""
     n = fields.n
-    violation = one_lease_violation(kv_transfer_params, n * len(prompts))
+    violation = one_lease_violation(kv_transfer_params, len(prompts))
     if violation is not None:
         # Proxies send such requests to one instance without P/D params (pdserve.api.pd.local_only_reason).
         raise APIError(violation, 400, "kv_transfer_params")
+    # P/D with n > 1: choice 0 loads the prompt's KV; the others are submitted once it has, as local
+    # requests whose prompt hits the loaded full blocks in the prefix cache (shared, ref-counted: a
+    # copy-on-write fork; each recomputes only the partial last block).
+    fork = is_remote_prefill(kv_transfer_params) and n > 1
     choices: list[Choice] = []
     for i, ids in enumerate(prompts):
         stem = f"{base_id}-{i}" if per_prompt_suffix else base_id
@@ -65,8 +69,10 @@ def make_choices(state: ServerState, fields: Any, base_id: str, prompts: Sequenc
                                            param_prefix=param_prefix)
             engine_id = state.engine_request_id(stem if j == 0 else f"{j}_{stem}")
             processor = OutputProcessor.from_params(state.tokenizer, ids, params, detokenize=detokenize)
+            forked = fork and j > 0
             choices.append(Choice(index=i * n + j, prompt_index=i, engine_id=engine_id, prompt_token_ids=ids,
-                                  params=params, kv_transfer_params=kv_transfer_params, processor=processor))
+                                  params=params, kv_transfer_params=None if forked else kv_transfer_params,
+                                  processor=processor, fork_of=i * n if forked else None))
     return choices
 
 
