@@ -4,8 +4,8 @@
 render -> `POST {engine}/inference/v1/generate` -> derender, streaming included. With `--prefill URL
 --decode URL` it is the disaggregated variant: render once -> prefill generate (`max_tokens=1`,
 `stream=false`, `kv_transfer_params.do_remote_decode`) -> decode generate with the prefill's
-`kv_transfer_params` -> derender. Requests with n > 1 go to a decode instance alone (a prefill lease is
-claimed once, and n choices are n engine requests).
+`kv_transfer_params` -> derender. With n > 1 the prefill leg still asks one choice; the decode instance
+forks its one KV load into the n choices.
 
 Beyond a plain relay:
 
@@ -91,10 +91,9 @@ class Orchestrator:
         return body
 
     async def _prefill(self, leg: _Leg, body: dict[str, Any]) -> None:
-        """P/D: the prefill leg; its kv_transfer_params go to the decode leg. With n > 1 the decode instance
-        runs n engine requests, and one prefill lease can be claimed once: such requests are served by the
-        decode instance alone (as the P/D proxy does)."""
-        if self.prefill is None or body["sampling_params"].get("n", 1) > 1:
+        """P/D: the prefill leg (one choice); its kv_transfer_params go to the decode leg, where n > 1
+        choices fork the one load (pdserve.server.pipeline)."""
+        if self.prefill is None:
             return
         resp = await self.prefill.generate(self.prefill.pick(), build_prefill_generate_body(body))
         kv = prefill_kv_params(resp)
