@@ -16,10 +16,20 @@ from starlette.requests import Request
 
 from pdserve import __version__
 from pdserve.render.orchestrator import Orchestrator
+from pdserve.render.protocol import ChatDerenderRequest, CompletionDerenderRequest
 from pdserve.render.workers import RenderWorkers
 from pdserve.server.errors import add_error_handlers, error_body
 from pdserve.server.http_utils import ClientGone, RequestIdAuthMiddleware, read_json
-from pdserve.server.protocol import ModelCard, ModelList, ModelPermission
+from pdserve.server.openapi import document_json_bodies
+from pdserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    ModelPermission,
+    TokenizeRequest,
+)
 
 log = logging.getLogger("pdserve.render")
 
@@ -118,4 +128,10 @@ def build_app(workers: RenderWorkers, *, orchestrator: Orchestrator | None = Non
         })
 
     app.add_middleware(RequestIdAuthMiddleware, api_key=api_key)
+    document_json_bodies(app, {
+        "/v1/chat/completions/render": ChatCompletionRequest, "/v1/completions/render": CompletionRequest,
+        "/v1/chat/completions/derender": ChatDerenderRequest, "/v1/completions/derender": CompletionDerenderRequest,
+        "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+        "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+    })
     return app

@@ -13,8 +13,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
 from pdserve import __version__
+from pdserve.render.protocol import AbortRequestsBody, GenerateRequest
 from pdserve.server.errors import add_error_handlers, error_body
 from pdserve.server.http_utils import ClientGone, RequestIdAuthMiddleware, parse_model, read_json
+from pdserve.server.openapi import document_json_bodies
 from pdserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -28,7 +30,7 @@ from pdserve.server.serving_chat import create_chat_completion
 from pdserve.server.serving_completion import create_completion
 from pdserve.server.state import ServerState
 from pdserve.server.tokenization import detokenize_body, tokenize_body
-from pdserve.server.tokens_only import TokenizerlessGuard, build_router
+from pdserve.server.tokens_only import ABORT_PATH, GENERATE_PATH, TokenizerlessGuard, build_router
 
 log = logging.getLogger("pdserve.server")
 
@@ -135,4 +137,9 @@ def build_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
     if state.tokenizer is None:
         app.add_middleware(TokenizerlessGuard)  # the text routes answer 400 on a --tokens-only server
     app.add_middleware(RequestIdAuthMiddleware, api_key=state.api_key)
+    document_json_bodies(app, {
+        "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+        "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+        GENERATE_PATH: GenerateRequest, ABORT_PATH: AbortRequestsBody,
+    })
     return app

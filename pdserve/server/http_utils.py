@@ -109,6 +109,12 @@ def sse(data: str) -> str:
     return f"data: {data}\n\n"
 
 
+def header_safe(text: str) -> bytes:
+    """`text` as an HTTP header value: visible ASCII and inner spaces only (a body's request_id may hold
+    control characters or non-Latin text, which uvicorn refuses to send, dropping the connection)."""
+    return "".join(c for c in text if " " <= c <= "~").strip().encode("ascii")
+
+
 class RequestIdAuthMiddleware:
     """Pure ASGI (no buffering of streams): `--api-key` on the API prefixes, X-Request-Id echo."""
 
@@ -139,7 +145,7 @@ class RequestIdAuthMiddleware:
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 rid = state.get("request_id")
-                value = rid.encode("latin-1", "replace") if isinstance(rid, str) else incoming
+                value = header_safe(rid) if isinstance(rid, str) else incoming
                 if value:
                     message.setdefault("headers", [])
                     message["headers"] = [*message["headers"], (b"x-request-id", value)]
