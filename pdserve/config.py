@@ -8,6 +8,8 @@ from typing import Any
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # vLLM's CacheDType names that pdserve implements (vllm/config/cache.py); pdserve.attention.fp8_kv stores them
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# An fp8 cache row is head_dim fp8 bytes + this many bytes of scale (a bfloat16 per token and KV head)
+KV_FP8_SCALE_BYTES = 2
 
 
 def canonical_kv_cache_dtype(name: str) -> str:

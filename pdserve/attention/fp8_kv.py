@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.config import canonical_kv_cache_dtype
+from pdserve.config import KV_FP8_SCALE_BYTES, canonical_kv_cache_dtype
 
-SCALE_BYTES = 2  # one bfloat16 per (token, kv head) row
+SCALE_BYTES = KV_FP8_SCALE_BYTES  # one bfloat16 per (token, kv head) row
 SCALE_SCHEME = "per-token-head-bf16-inline"  # what the handshake's compat dict calls this layout
 
 

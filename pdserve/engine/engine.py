@@ -260,6 +260,7 @@ class LLMEngine:
             finish_reason=req.finish_reason if finished else None,
             stop_reason=req.stop_reason if finished else None,
             error=req.error if finished else None,
+            error_status=req.error_status,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             kv_transfer_params=req.result_kv_transfer_params if finished else None,
             metrics=req.metrics,
@@ -312,6 +313,7 @@ class LLMEngine:
             if req is None:
                 log.warning("KV load result for request %s, which is not loading; ignored", res.request_id)
                 continue
+            req.error_status = getattr(res, "error_status", 500)  # pdserve's LoadResult: 409 = incompatible
             self._load_ended(req, ok=res.ok, error=res.error or "KV transfer failed", outputs=outputs)
         return outputs
 

@@ -41,3 +41,4 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or a remote transfer
     kv_transfer_params: dict | None = None  # set on the final output of a prefill (P) leg
     metrics: RequestMetrics | None = None
+    error_status: int = 500  # with `error`: 409 when a KV producer's cache cannot be read by this instance

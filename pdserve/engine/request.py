@@ -40,6 +40,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    error_status: int = 500  # the HTTP status a server answers `error` with
     num_emitted: int = 0  # output tokens already reported to the caller
     metrics: RequestMetrics = field(init=False)
     result_kv_transfer_params: dict[str, Any] | None = None  # producer: what a consumer needs to read

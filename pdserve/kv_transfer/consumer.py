@@ -61,6 +61,9 @@ class LoadResult:
     seconds: float = 0.0  # the whole load: handshake (if any), claim, READ, release
     num_descriptors: int = 0
     xfer_seconds: float = 0.0  # the NIXL READ alone (post to completion)
+    # the HTTP status a failed request gets: 409 when the producer's KV cannot be read here at all
+    # (incompatible layout, model or KV dtype: a deployment mistake, never retried), else 500
+    error_status: int = 500
 
 
 @dataclass(frozen=True)
@@ -81,11 +84,13 @@ class _LoadFailed(Exception):
     """
 
     def __init__(
-        self, message: str, *, release: tuple[_Remote, str] | None = None, abort: bool = False
+        self, message: str, *, release: tuple[_Remote, str] | None = None, abort: bool = False,
+        incompatible: bool = False,
     ) -> None:
         super().__init__(message)
         self.release = release
         self.abort = abort
+        self.incompatible = incompatible
 
 
 class KVConsumer:
@@ -216,7 +221,8 @@ class KVConsumer:
         except _LoadFailed as exc:
             after, abort = exc.release, exc.abort
             self._metrics.record_failed_transfer()
-            result = LoadResult(request_id, False, str(exc), seconds=time.perf_counter() - t0)
+            result = LoadResult(request_id, False, str(exc), seconds=time.perf_counter() - t0,
+                                error_status=409 if exc.incompatible else 500)
         except Exception as exc:
             logger.exception("KV load of request %s failed unexpectedly", request_id)
             self._metrics.record_failed_transfer()
@@ -409,7 +415,7 @@ class KVConsumer:
             )
         except SideChannelRefused as exc:
             if exc.reason == "incompatible":
-                raise _LoadFailed(f"KV handshake with {where} refused: {exc}", abort=True) from None
+                raise _LoadFailed(f"KV handshake with {where} refused: {exc}", abort=True, incompatible=True) from None
             raise _LoadFailed(f"KV handshake with {where} refused ({exc.reason}): {exc}") from None
         except SideChannelError as exc:
             raise _LoadFailed(f"KV handshake with {where} failed: {exc}") from None
@@ -423,12 +429,15 @@ class KVConsumer:
                 self._compat, reply["compat"], peer=f"producer {where}", labels=("consumer", "producer")
             )
             pool = RemotePool.from_handshake(reply["pool"])
-        except (CompatibilityError, KeyError, TypeError, ValueError) as exc:
+        except CompatibilityError as exc:
+            raise _LoadFailed(str(exc), abort=True, incompatible=True) from None
+        except (KeyError, TypeError, ValueError) as exc:
             raise _LoadFailed(str(exc), abort=True) from None
         if pool.block_bytes != self._region.block_bytes:
             raise _LoadFailed(
                 f"producer {where} has {pool.block_bytes}-byte blocks, this pool {self._region.block_bytes}-byte blocks",
                 abort=True,
+                incompatible=True,
             )
         if p.generation is not None and reply["generation"] != p.generation:
             raise _LoadFailed(

@@ -84,6 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--proxy-arg", action="append", default=[], metavar="ARGS", help="arguments for the proxy")
     parser.add_argument("--kv-load-failure-policy", choices=("fail", "recompute"), default=None,
                         help="kv_load_failure_policy of the decode instances (default fail)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), default=None,
+                        help="KV cache dtype of every instance (vLLM's flag; fp8 halves KV memory and transfer bytes)")
     parser.add_argument("--dry-run", action="store_true", help="print the equivalent shell commands and exit")
     parser.add_argument("--demo", action="store_true",
                         help="once ready, send one request through the proxy; print answer, TTFT, KV transfer line")
@@ -145,6 +147,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     if args.log_dir is not None:
         cfg.log_dir = Path(args.log_dir)
     cfg.serve_args += [w for a in args.serve_arg for w in shlex.split(a)] + extra
+    if args.kv_cache_dtype is not None:  # both pools must agree: the KV handshake refuses a mismatch
+        cfg.serve_args += ["--kv-cache-dtype", args.kv_cache_dtype]
     for role in ("prefill", "decode", "collocated"):
         cfg.pools[role].serve_args += [w for a in getattr(args, f"{role}_arg") for w in shlex.split(a)]
     cfg.proxy_args += [w for a in args.proxy_arg for w in shlex.split(a)]

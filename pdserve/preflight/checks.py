@@ -28,8 +28,8 @@ DEFAULT_FLOOR_MS = {"cpu": 5.0, "cuda": 1.0}  # fixed cost per transfer (post, c
 DEFAULT_LONG_TOKENS = {"cpu": 1024, "cuda": 8192}
 
 # Fields that must be equal on every instance of a deployment (vLLM's compatibility hash covers the same).
-MATCH_FIELDS = ("version", "model_name", "dtype", "block_size", "kv_layout", "num_layers", "num_kv_heads",
-                "head_dim", "device_type")
+MATCH_FIELDS = ("version", "model_name", "dtype", "kv_cache_dtype", "block_size", "kv_layout", "num_layers",
+                "num_kv_heads", "head_dim", "device_type")
 
 _WORD_TEXT = (
     "river stone cloud ember lantern quiet orbit maple harbor signal copper meadow falcon velvet prism anchor "
@@ -237,8 +237,8 @@ def check_configs(target: Target) -> Check:
     shape = ""
     if {"num_layers", "num_kv_heads", "head_dim"} <= summary.keys():
         shape = f", {summary['num_layers']} layers x {summary['num_kv_heads']} KV heads x {summary['head_dim']}"
-    detail = ", ".join(f"{k}={summary[k]}" for k in ("version", "model_name", "dtype", "block_size", "kv_layout",
-                                                      "device_type") if k in summary)
+    detail = ", ".join(f"{k}={summary[k]}" for k in ("version", "model_name", "dtype", "kv_cache_dtype", "block_size",
+                                                      "kv_layout", "device_type") if k in summary)
     return Check("versions/configs", PASS, f"match across {len(insts)} instance(s): {detail}{shape}",
                  {"fields": summary})
 

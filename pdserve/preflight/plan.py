@@ -103,7 +103,7 @@ def dtype_bytes(dtype: str) -> float:
 def canonical_dtype(dtype: str) -> str:
     key = dtype.strip().lower().replace("torch.", "")
     return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "f16": "float16",
-            "fp32": "float32", "f32": "float32"}.get(key, key)
+            "fp32": "float32", "f32": "float32", "fp8": "fp8_e4m3"}.get(key, key)
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,8 @@ def shape_from_instance(url: str, timeout: float = 10.0) -> tuple[KVShape, int]:
         resp.raise_for_status()
         info = resp.json()
         shape = KVShape(f"instance {base} (/pdserve/info)", int(info["num_layers"]), int(info["num_kv_heads"]),
-                        int(info["head_dim"]), canonical_dtype(str(info["dtype"])))
+                        int(info["head_dim"]),
+                        canonical_dtype(str(info.get("kv_cache_dtype") or info["dtype"])))
         return shape, int(info.get("block_size") or 16)
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"--instance {url}: cannot read its KV shape from /pdserve/info ({type(e).__name__}: {e})"
@@ -313,7 +314,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + ", ".join(f"{k}={v}" for k, v in BANDWIDTH_PRESETS.items())
         + "; repeat to compare (default: " + ", ".join(DEFAULT_BANDWIDTHS) + ")",
     )
-    parser.add_argument("--dtype", default=None, help="KV cache dtype: bf16, fp16, fp32, fp8 (default: the model's)")
+    parser.add_argument("--dtype", "--kv-cache-dtype", dest="dtype", default=None,
+                        help="KV cache dtype: bf16, fp16, fp32, fp8 (= fp8_e4m3), fp8_e5m2 (default: the model's); "
+                        "pdserve's fp8 cache adds 2 bytes of scale per token and KV head to what is shown")
     parser.add_argument("--layers", type=int, default=None, help="number of layers (overrides the model's)")
     parser.add_argument("--kv-heads", type=int, default=None, help="number of KV heads (overrides the model's)")
     parser.add_argument("--head-dim", type=int, default=None, help="head dimension (overrides the model's)")

@@ -33,6 +33,7 @@ class Choice:
     num_cached_tokens: int = 0
     kv_transfer_result: dict[str, Any] | None = None
     error: str | None = None
+    error_status: int = 500
     finished: bool = False
     first_output: RequestOutput | None = field(default=None, repr=False)
 
@@ -98,6 +99,7 @@ class Generation:
                 choice.kv_transfer_result = out.kv_transfer_params
                 if out.finish_reason == "error":
                     choice.error = out.error or "the engine failed this request"
+                    choice.error_status = out.error_status
         return delta
 
     async def _one(self, i: int) -> AsyncIterator[tuple[Choice, RequestOutput, TextDelta]]:

@@ -135,7 +135,7 @@ async def outputs(gen: Generation, recorders: Recorders) -> AsyncIterator[tuple[
     async for choice, out, delta in gen:
         recorders.on_output(choice, out, delta.finished)
         if delta.finished and choice.error:
-            raise APIError(f"Internal server error: {choice.error}", 500)
+            raise engine_error_response(choice)
         yield choice, delta
 
 
@@ -156,8 +156,17 @@ def usage(choices: Sequence[Choice], prompts: Sequence[list[int]], n: int,
     }
 
 
-def engine_error(choices: Sequence[Choice]) -> str | None:
-    return next((c.error for c in choices if c.error), None)
+def engine_error(choices: Sequence[Choice]) -> Choice | None:
+    """The first choice the engine failed, if any."""
+    return next((c for c in choices if c.error), None)
+
+
+def engine_error_response(choice: Choice) -> APIError:
+    """A 500 for an engine failure; a 409 when this decode instance cannot read its producer's KV at all
+    (an incompatible model, layout or KV cache dtype: the deployment is wrong, a retry will not help)."""
+    if choice.error_status == 409:
+        return APIError(f"KV transfer impossible: {choice.error}", 409, err_type="ConflictError")
+    return APIError(f"Internal server error: {choice.error}", 500)
 
 
 async def run_to_end(gen: Generation, recorders: Recorders, raw_request: Any) -> None:
@@ -172,9 +181,9 @@ async def run_to_end(gen: Generation, recorders: Recorders, raw_request: Any) ->
         await until_disconnect(raw_request, drain())
     finally:
         recorders.finish_unfinished(gen.choices)
-    error = engine_error(gen.choices)
-    if error:
-        raise APIError(f"Internal server error: {error}", 500)
+    failed = engine_error(gen.choices)
+    if failed is not None:
+        raise engine_error_response(failed)
 
 
 class Recorders:
