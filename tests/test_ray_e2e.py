@@ -209,6 +209,24 @@ def test_p_and_d_on_two_nodes_token_identical(app: App, cluster: Any, model_dir:
     assert transfers >= len(prompts)
 
 
+def test_unplaceable_instance_is_a_clear_error(cluster: Any, model_dir: Path, tmp_path: Path) -> None:
+    """No node offers the decode role's resource: one line says what could not be reserved and what the
+    cluster has; nothing was started (a second app name, beside the running one)."""
+    up = Up([str(model_dir), "--ray", cluster.address, "--app-name", "unplaceable", "--port", "0",
+             "--decode-resources", '{"gpu_node": 1}', "--placement-timeout", "2", "--log-dir", str(tmp_path)],
+            cwd=tmp_path, env=dict(os.environ))
+    try:
+        rc = up.wait(120)
+    finally:
+        up.kill()
+    out = up.output
+    assert rc == 1, out
+    assert "cannot reserve [{'CPU': 1.0}, {'CPU': 1.0, 'gpu_node': 1.0}] within 2s" in out
+    assert "decode_node: 3" in out and "_group_" not in out  # what the nodes offer, without Ray's internals
+    assert "PDSERVE_READY" not in out and "stopped." in out
+    assert not list(tmp_path.glob("unplaceable-inst-*.log"))  # no instance was started
+
+
 class Load:
     """Closed-loop clients (alternating streamed and plain requests) until stopped; every request recorded."""
 

@@ -450,5 +450,6 @@ class AppController:
 
 
 def _resources(res: dict[str, float]) -> str:
-    keep = {k: v for k, v in res.items() if not k.startswith("node:") and k not in ("memory", "object_store_memory")}
+    keep = {k: v for k, v in res.items() if not k.startswith("node:") and "_group_" not in k  # (placement groups')
+            and k not in ("memory", "object_store_memory")}
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(keep.items())) + "}"
