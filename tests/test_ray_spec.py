@@ -131,3 +131,12 @@ def test_relative_model_keeps_its_served_name() -> None:
                           proxy_node_id="n0", served_model_name="./m")
     argv = spec.templates["decode"].base_argv
     assert argv[3] == "/abs/m" and argv[argv.index("--served-model-name") + 1] == "./m"
+
+
+def test_proxy_prefills_locally_while_no_prefill_is_up_unless_told() -> None:
+    cfg = up_cli.config_from_args(_parse(["--ray", "--port", "0"]))
+    assert ray_cli._proxy_settings(cfg, "127.0.0.1")["on_prefill_failure"] == "decode-local"
+    cfg = up_cli.config_from_args(_parse(["--ray", "--port", "0", "--proxy-arg=--on-prefill-failure fail"]))
+    assert ray_cli._proxy_settings(cfg, "127.0.0.1")["on_prefill_failure"] == "fail"
+    cfg = up_cli.config_from_args(_parse(["--ray", "--port", "0", "--topology", "collocated:1"]))
+    assert ray_cli._proxy_settings(cfg, "127.0.0.1")["on_prefill_failure"] == "retry"

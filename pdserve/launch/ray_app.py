@@ -211,15 +211,19 @@ class AppController:
         except ray.exceptions.RayError as e:
             cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None else e
             raise RuntimeError(f"the proxy did not start: {cause}") from None
+        wanted = {u for role_urls in urls.values() for u in role_urls}
         deadline = time.monotonic() + PROXY_READY_TIMEOUT_S
-        while time.monotonic() < deadline:  # every instance admitted (the proxy's /health is 503 before)
+        admitted: set[str] = set()
+        while time.monotonic() < deadline:  # every instance admitted by the proxy's health checks
             try:
-                if self._client.get(self.proxy_info["url"] + "/health").status_code == 200:
+                listing = ray.get(self.proxy.listing.remote(), timeout=CALL_TIMEOUT_S)
+                admitted = {i["url"] for insts in listing.values() for i in insts if i["healthy"]}
+                if wanted <= admitted:
                     return
-            except httpx.HTTPError:
-                pass
+            except ray.exceptions.RayError as e:
+                logger.warning("proxy listing: %s", e)
             time.sleep(0.2)
-        raise RuntimeError(f"the proxy at {self.proxy_info['url']} did not report healthy instances within "
+        raise RuntimeError(f"the proxy at {self.proxy_info['url']} did not admit {sorted(wanted - admitted)} within "
                            f"{PROXY_READY_TIMEOUT_S:g}s")
 
     def _start_http(self) -> None:

@@ -159,6 +159,10 @@ def _proxy_settings(cfg: LaunchConfig, host: str) -> dict[str, Any]:
             raise ValueError(f"--proxy-arg --{flag}: under --ray the proxy's address comes from --host/--port "
                              "and its instances from Ray")
     ns.decode = ["http://placeholder:1"]  # validated here; replaced by the controller
+    if cfg.topology.disaggregated and not hasattr(ns, "on_prefill_failure"):
+        # as `pdserve up`: while a prefill instance is down (Ray restarting it), decode instances prefill
+        # locally; the proxy's retry budget bounds the extra work
+        ns.on_prefill_failure = "decode-local"
     values = dataclasses.asdict(proxy_cli.config_from_args(ns))
     ports = PortAllocator(host)
     try:
@@ -264,6 +268,10 @@ def main(args: argparse.Namespace, cfg: LaunchConfig) -> int:
             cfg.topology = parse_topology(topology_from_plan(args.from_plan))
         if args.demo or args.dry_run:
             raise ValueError("--demo and --dry-run are not available with --ray")
+        for flag, value in (("--gpus", args.gpus), ("--base-port", args.base_port)):
+            if value is not None:
+                raise ValueError(f"{flag} does not apply under --ray (Ray places instances: see "
+                                 "--gpus-per-instance and the role resources; ports are chosen on each node)")
         opts = options_from_args(args, cfg)
     except (ValueError, OSError) as e:
         print(f"pdserve up: {e}", file=sys.stderr)
