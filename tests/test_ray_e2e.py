@@ -163,6 +163,8 @@ def _complete(app: App, prompt: str, *, stream: bool = False, timeout: float = 1
         return {"ok": True, "text": ch["text"], "token_ids": ch["token_ids"], "prompt_ids": ch["prompt_token_ids"]}
     text, error = "", None
     with httpx.stream("POST", app.proxy + "/v1/completions", json=body, timeout=timeout) as r:
+        if r.status_code != 200:  # failed before the stream started: a JSON error body
+            return {"ok": False, "text": "", "error": r.read().decode(errors="replace")[:300]}
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -171,7 +173,7 @@ def _complete(app: App, prompt: str, *, stream: bool = False, timeout: float = 1
                 error = json.dumps(chunk["error"])[:300]
             for ch in chunk.get("choices", []):
                 text += ch.get("text") or ""
-    return {"ok": error is None and r.status_code == 200, "text": text, "error": error}
+    return {"ok": error is None, "text": text, "error": error}
 
 
 def _reference(model_dir: Path, prompt_ids: list[list[int]]) -> list[list[int]]:
@@ -273,9 +275,9 @@ def test_kill_restart_and_autoscale_under_load(app: App) -> None:
     prompt = _words(30, 5)
     ref = _complete(app, prompt)
     assert ref["ok"], ref
-    load = Load(app, workers=4, prompt=prompt)
+    load = Load(app, workers=6, prompt=prompt)
     try:
-        # 1. four requests in flight on one decode replica, target 2 per replica: a second one is added
+        # 1. six requests in flight on one decode replica, target 2 per replica: a second one is added
         assert wait_until(lambda: len([d for d in _decodes(app) if d["state"] == "serving"]) == 2, STEP_S, 1.0), (
             f"no decode replica added: {app.decisions()}")
         added = next(d for d in _decodes(app) if d["name"] != "default/inst-1")
