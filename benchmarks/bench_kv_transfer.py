@@ -25,24 +25,33 @@ import time
 import uuid
 from typing import Any
 
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "fp8_e4m3"}
 
 
 def _pool(args: argparse.Namespace, num_blocks: int, device: str, seed: int) -> Any:
     import torch
 
+    gen = torch.Generator(device=device).manual_seed(seed)
+    if args.dtype == "fp8":  # pdserve's fp8 pool: uint8 rows of head_dim fp8 values + a bf16 scale
+        from pdserve.attention.fp8_kv import SCALE_BYTES
+
+        shape = (num_blocks, args.layers, 2, args.block_size, args.kv_heads, args.head_dim + SCALE_BYTES)
+        return torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=gen)
     shape = (num_blocks, args.layers, 2, args.block_size, args.kv_heads, args.head_dim)
     pool = torch.empty(shape, dtype=getattr(torch, DTYPES[args.dtype]), device=device)
-    pool.normal_(generator=torch.Generator(device=device).manual_seed(seed))
+    pool.normal_(generator=gen)
     return pool
 
 
 def _connector(args: argparse.Namespace, role: str, pool: Any, port: int) -> Any:
     from pdserve.kv_transfer import KVConnector, KVTransferConfig, make_compat
 
+    fp8 = args.dtype == "fp8"
     compat = make_compat(
         model="bench-llama-3.1-8b-shape",
-        dtype=str(pool.dtype),
+        dtype="bfloat16" if fp8 else str(pool.dtype),
+        kv_cache_dtype="fp8_e4m3" if fp8 else None,
+        kv_scales="per-token-head-bf16-inline" if fp8 else "none",
         block_size=args.block_size,
         num_layers=args.layers,
         num_kv_heads=args.kv_heads,
@@ -65,7 +74,8 @@ def _checksum(pool: Any, ids: list[int]) -> int:
     import torch
 
     flat = pool[ids].contiguous().view(-1)
-    as_int = flat.view(torch.int16) if flat.element_size() == 2 else flat.view(torch.int32)
+    size = flat.element_size()
+    as_int = flat if size == 1 else flat.view(torch.int16) if size == 2 else flat.view(torch.int32)
     return int(as_int.to(torch.int64).sum().item())
 
 
@@ -126,7 +136,8 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                    help="pool dtype; fp8 = pdserve's --kv-cache-dtype fp8 pool (head_dim fp8 + 2 scale bytes)")
     ap.add_argument("--device", default="cuda", help="cpu, cuda or cuda:N (both processes use it)")
     ap.add_argument("--producer-device", default=None,
                     help="the producer's device when it differs (e.g. cuda:1 for a cross-GPU READ)")
@@ -143,8 +154,7 @@ def main() -> None:
     torch.set_num_threads(max(1, args.copy_threads))
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("CUDA is not available; use --device cpu")
-    elem = torch.empty(0, dtype=getattr(torch, DTYPES[args.dtype])).element_size()
-    token_bytes = args.layers * 2 * args.kv_heads * args.head_dim * elem
+    token_bytes = _pool(args, 1, "cpu", 0).numel() * _pool(args, 1, "cpu", 0).element_size() // args.block_size
     blocks = -(-args.tokens // args.block_size)
     block_bytes = token_bytes * args.block_size
     nbytes = blocks * block_bytes
@@ -167,11 +177,7 @@ def main() -> None:
         if not parent.poll(300):
             raise TimeoutError("producer did not start")
         parent.recv()  # the producer is up (its side-channel port travels in the params)
-        pool = torch.zeros(
-            (num_blocks, args.layers, 2, args.block_size, args.kv_heads, args.head_dim),
-            dtype=getattr(torch, DTYPES[args.dtype]),
-            device=args.device,
-        )
+        pool = torch.zeros_like(_pool(args, num_blocks, args.device, 0))
         connector = _connector(args, "kv_consumer", pool, 0)
         import random
 
