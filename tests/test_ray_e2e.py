@@ -71,8 +71,14 @@ def _descendants(roots: set[int]) -> set[int]:
 def cluster() -> Iterator[Any]:
     from ray.cluster_utils import Cluster
 
-    saved = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep 127.0.0.1 (see the module docstring)
+    env = {
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # keep 127.0.0.1 (see the module docstring)
+        # Ray's memory monitor kills the newest workers when the *machine* is nearly out of memory; on a CI
+        # box shared with other jobs that would kill this test's actors for memory it does not use
+        "RAY_memory_monitor_refresh_ms": "0",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     small = {"object_store_memory": OBJECT_STORE, "include_dashboard": False, "node_ip_address": "127.0.0.1"}
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"prefill_node": 2}, **small})
     try:
@@ -82,10 +88,11 @@ def cluster() -> Iterator[Any]:
         roots = {proc.pid for node in c.list_all_nodes() for _, proc in node.live_processes()}
         everything = _descendants(roots)
         c.shutdown()
-        if saved is None:
-            os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
-        else:
-            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = saved
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         left = [p for p in everything if pid_alive(p)]
         kill_leftovers(left)
         assert not left, f"Ray processes outlived cluster.shutdown(): {left}"
@@ -273,6 +280,7 @@ def _healthy_decode_urls(app: App) -> dict[str, int]:
 
 def test_kill_restart_and_autoscale_under_load(app: App) -> None:
     prompt = _words(30, 5)
+    first_decode_pid = next(d["pid"] for d in _decodes(app) if d["name"] == "default/inst-1")
     ref = _complete(app, prompt)
     assert ref["ok"], ref
     load = Load(app, workers=6, prompt=prompt)
@@ -285,8 +293,12 @@ def test_kill_restart_and_autoscale_under_load(app: App) -> None:
         up = [e for e in app.decisions() if e["kind"] == "decision" and e["action"] == "scale_up"]
         assert up and up[0]["role"] == "decode" and up[0]["numbers"]["decode"]["ongoing"] > 2
 
-        # 2. SIGKILL the original decode actor's process while both replicas serve
+        # 2. SIGKILL the original decode actor's process while both replicas serve, at a moment when the
+        # proxy has legs in flight on it
         victim = next(d for d in _decodes(app) if d["name"] == "default/inst-1")
+        assert victim["pid"] == first_decode_pid, "the decode actor was restarted before the test killed it"
+        assert wait_until(lambda: any(i["url"] == victim["url"] and i["in_flight"] > 0
+                                      for i in app.listing()["decode"]), 30, 0.05), app.listing()
         os.kill(victim["pid"], signal.SIGKILL)
         t_kill = time.monotonic()
 
@@ -304,23 +316,22 @@ def test_kill_restart_and_autoscale_under_load(app: App) -> None:
     assert not pid_alive(victim["pid"]) and not pid_alive(victim["server_pid"])  # no orphaned server
 
     hit = [r for r in records if r["start"] < t_kill < r["end"]]
-    failed = [r for r in hit if not r["ok"]]
-    assert failed, f"no request in flight on the killed decode failed: {hit}"
+    failed = [r for r in records if not r["ok"]]
+    # the failures are the killed decode's requests (including any sent to it in the instant before the
+    # proxy saw it die): decode-leg errors, ended after the kill, fast (the decode leg's own timeout is 600 s)
+    assert failed, f"no request on the killed decode failed: {hit}"
     assert all("decode" in (r["error"] or "") for r in failed), failed
-    # fail fast: the decode leg's own timeout is 600 s; these ended when the connection broke
-    assert all(r["end"] - t_kill < 60 for r in failed), [r["end"] - t_kill for r in failed]
+    assert all(t_kill <= r["end"] < t_kill + 60 for r in failed), [r["end"] - t_kill for r in failed]
     assert any(r["ok"] for r in hit), f"no request in flight elsewhere finished: {hit}"
     ok = [r for r in records if r["ok"]]
-    other_failures = [r for r in records if not r["ok"] and r not in failed]
-    assert not other_failures, other_failures  # only requests on the killed decode failed
     for r in ok:  # under load, across a kill and a restart: still the greedy tokens
         assert r["text"] == ref["text"]
         if "token_ids" in r:
             assert r["token_ids"] == ref["token_ids"]
     restart_events = [e for e in app.decisions() if e["kind"] == "restarted"]
     assert restart_events and "default/inst-1" in restart_events[0]["text"]
-    print(f"\n[ray e2e] {len(records)} requests under load, {len(failed)} failed (in flight on the killed decode, "
-          f"ended {max(r['end'] - t_kill for r in failed):.2f}s after the kill at most), {len(hit) - len(failed)} in "
+    print(f"\n[ray e2e] {len(records)} requests under load, {len(failed)} failed (on the killed decode, ended "
+          f"{max(r['end'] - t_kill for r in failed):.2f}s after the kill at most), {sum(r['ok'] for r in hit)} in "
           f"flight elsewhere finished; decode back and used again {back_s:.1f}s after the kill")
 
     # 3. no load: one decode replica is drained and removed
