@@ -24,6 +24,9 @@ _TYPES = {
 }
 
 
+RETRY_AFTER_S = "1"  # Retry-After of this server's 503s
+
+
 class APIError(Exception):
     """Raised anywhere in a request's handling; becomes an OpenAI error response."""
 
@@ -73,7 +76,9 @@ def add_error_handlers(app: FastAPI, log: logging.Logger) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+        # A 503 here is temporary (queue full, shutting down): say when to come back, which a proxy in front
+        # honours by passing this instance over meanwhile.
+        return error_response(exc, {"Retry-After": RETRY_AFTER_S} if exc.status == 503 else None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
