@@ -268,8 +268,22 @@ def consumer_spec(**kw: Any) -> dict[str, Any]:
     return {"role": "kv_consumer", "engine_id": f"cons-{uuid.uuid4().hex[:8]}", "seed": 2, **kw}
 
 
+@pytest.fixture(scope="module", params=["loopback-no-secret", "deployment-secret"])
+def kv_secret(request: pytest.FixtureRequest) -> Iterator[str | None]:
+    """Every test runs twice: without a secret (the loopback default) and with a deployment secret (what
+    `pdserve up` gives its instances). Peers read it from the environment: spawned ones inherit it."""
+    patch = pytest.MonkeyPatch()
+    secret = f"e2e-{uuid.uuid4().hex}" if request.param == "deployment-secret" else None
+    if secret is None:
+        patch.delenv("PDSERVE_KV_SECRET", raising=False)
+    else:
+        patch.setenv("PDSERVE_KV_SECRET", secret)
+    yield secret
+    patch.undo()
+
+
 @pytest.fixture(scope="module")
-def peers() -> Iterator[Peers]:
+def peers(kv_secret: str | None) -> Iterator[Peers]:
     group = Peers()
     try:
         yield group
@@ -382,7 +396,7 @@ def test_second_claim_of_the_same_lease_is_refused(pair: tuple[Peer, Peer]) -> N
     first = consumer.call("load", "d-twice-1", params, [10, 11], 0, 20.0)
     assert first["ok"], first["error"]
     second = consumer.call("load", "d-twice-2", params, [12, 13], 0, 20.0)
-    assert not second["ok"] and "unknown" in second["error"]
+    assert not second["ok"] and second["rejected"] == "unknown", second  # a client error, not a transfer fault
 
 
 def test_leases_expire_unless_heartbeats_keep_them(peers: Peers) -> None:

@@ -11,12 +11,14 @@ import threading
 import time
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from pdserve.api.pd import build_producer_params, parse_remote_prefill_params
 from pdserve.kv_transfer import side_channel
+from pdserve.kv_transfer.auth import REPLY, REQUEST, AuthRefused, MessageAuth, ReplayGuard, new_nonce
 from pdserve.kv_transfer.compat import PROTOCOL_VERSION, compat_differences, make_compat
 from pdserve.kv_transfer.config import KVTransferConfig
 from pdserve.kv_transfer.errors import (
@@ -120,11 +122,50 @@ def test_config_defaults_and_env_fallbacks() -> None:
             "0..65535",
         ),
         ("{not json", {}, "not valid JSON"),
+        (
+            '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}',
+            {"VLLM_NIXL_SIDE_CHANNEL_HOST": "0.0.0.0"},
+            "would listen on 0.0.0.0 without authentication.*PDSERVE_KV_SECRET.*--insecure-side-channel",
+        ),
+        (
+            '{"kv_connector":"NixlConnector","kv_role":"kv_both"}',
+            {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.1.2.3", "PDSERVE_KV_SECRET": "short"},
+            "PDSERVE_KV_SECRET must be a string of at least 16",
+        ),
+        (
+            '{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_connector_extra_config":'
+            '{"side_channel_secret":123}}',
+            {},
+            "side_channel_secret must be a string",
+        ),
     ],
 )
 def test_config_errors_are_clear(raw: str, env: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         KVTransferConfig.from_json(raw, env=env)
+
+
+def test_side_channel_secret_and_insecure_binding(caplog: pytest.LogCaptureFixture) -> None:
+    raw = {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
+    secret = "s3cret-" + "z" * 20
+    cfg = KVTransferConfig.from_json(raw, side_channel_host="0.0.0.0", env={"PDSERVE_KV_SECRET": secret})
+    assert cfg.side_channel_secret == secret and secret not in repr(cfg)
+    # the config key wins over the environment, is kept out of extra_config, and is warned about (argv)
+    with caplog.at_level(logging.WARNING, logger="pdserve.kv_transfer"):
+        cfg = KVTransferConfig.from_json(
+            {**raw, "kv_connector_extra_config": {"side_channel_secret": "k" * 16}},
+            env={"PDSERVE_KV_SECRET": secret},
+        )
+    assert cfg.side_channel_secret == "k" * 16 and "side_channel_secret" not in cfg.extra_config
+    assert "visible to every user" in caplog.text and "k" * 16 not in caplog.text
+    # no secret: loopback only, unless explicitly insecure (then a warning)
+    assert KVTransferConfig.from_json(raw, env={}).side_channel_secret is None
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pdserve.kv_transfer"):
+        cfg = KVTransferConfig.from_json(raw, side_channel_host="10.0.0.7", insecure_side_channel=True, env={})
+    assert cfg.insecure_side_channel and "INSECURE" in caplog.text
+    # a consumer binds nothing: no secret needed whatever the host
+    assert KVTransferConfig.from_json({**raw, "kv_role": "kv_consumer"}, side_channel_host="10.0.0.7", env={})
 
 
 # ---- params ---------------------------------------------------------------------------------------------
@@ -141,6 +182,7 @@ def _params(**overrides: Any) -> dict[str, Any]:
         port=5600,
         generation=7,
         lease_duration_s=30.0,
+        lease_token="tok-" + "x" * 28,
     )
     params.update(overrides)
     return params
@@ -150,6 +192,7 @@ def test_producer_params_round_trip() -> None:
     parsed = parse_remote_prefill_params(_params())
     assert parsed.remote_block_ids == (4, 5, 9) and parsed.generation == 7
     assert parsed.address == ("127.0.0.1", 5600) and parsed.remote_request_id == "r1"
+    assert parsed.lease_token == "tok-" + "x" * 28 and "tok-" not in repr(parsed)  # never logged
     # vLLM schema v1 sent a flat list.
     assert parse_remote_prefill_params(_params(remote_block_ids=[1, 2])).remote_block_ids == (1, 2)
 
@@ -168,7 +211,10 @@ def test_producer_params_round_trip() -> None:
         (_params(remote_port=0), "remote_port"),
         (_params(remote_block_ids=[[1], [2]]), "2 KV-cache groups"),
         (_params(remote_block_ids=[[1, -2]]), "non-negative"),
-        (_params(remote_block_ids=[["a"]]), "non-negative"),
+        (_params(remote_block_ids=[["a"]]), r"remote_block_ids\[0\] must be a list of non-negative"),
+        (_params(remote_block_ids=[1, "a"]), r"remote_block_ids must be a list of non-negative integers \(or"),
+        (_params(remote_lease_token=None), "missing remote_lease_token .only a pdserve prefill"),
+        (_params(remote_lease_token=5), "remote_lease_token must be a non-empty string"),
         (_params(remote_block_ids=[]), "non-empty"),
         (_params(tp_size=2), "tp_size=2"),
         (_params(remote_host=""), "remote_host"),
@@ -177,8 +223,9 @@ def test_producer_params_round_trip() -> None:
     ],
 )
 def test_malformed_params_are_rejected_with_a_message(params: Any, message: str) -> None:
-    with pytest.raises(InvalidKVTransferParams, match=message):
+    with pytest.raises(InvalidKVTransferParams, match=message) as exc:
         parse_remote_prefill_params(params)
+    assert str(exc.value).count("invalid kv_transfer_params") == 1
     assert issubclass(InvalidKVTransferParams, ValueError)
 
 
@@ -197,66 +244,99 @@ def _table(**kw: Any) -> tuple[LeaseTable, FakeClock, list[str], list[str]]:
 
 def test_lease_claim_release_frees_and_reports_held() -> None:
     table, clock, expired, _ = _table()
-    table.hold("a", [1, 2], 20)
-    assert len(table) == 1
-    blocks, token = table.claim("a", timeout_s=2.0)
+    lease = table.hold("a", [1, 2], 20)
+    assert len(table) == 1 and len(lease) >= 32
+    blocks, claim = table.claim("a", lease, timeout_s=2.0)
     assert blocks == (1, 2) and table.num_claimed == 1
     with pytest.raises(ClaimRefused) as exc:
-        table.claim("a", 2.0)
+        table.claim("a", lease, 2.0)
     assert exc.value.reason == "already_claimed"
-    assert table.release("a", "wrong-token") is False and len(table) == 1  # someone else's release: ignored
+    # someone else's release (a duplicate decode request holding the same params): ignored
+    assert table.release("a", lease, "wrong-claim") is False and len(table) == 1
     clock.now += 2.5  # past the read timeout but within the margin; the reaper has not freed it
     assert table.reap() == []
-    assert table.release("a", token) is True
+    assert table.release("a", lease, claim) is True
     assert table.poll_released() == ["a"] and table.poll_released() == []
     assert len(table) == 0 and table.num_claimed == 0 and expired == []
 
 
+def test_every_lease_op_needs_the_leases_own_token() -> None:
+    table, clock, expired, _ = _table()
+    lease_a = table.hold("a", [1, 2], 20)
+    lease_b = table.hold("b", [3], 4)
+    assert lease_a != lease_b
+    for call in (
+        lambda: table.claim("a", lease_b, 2.0),
+        lambda: table.claim("a", "", 2.0),
+        lambda: table.abort("a", lease_b),
+    ):
+        with pytest.raises(ClaimRefused) as exc:
+            call()
+        assert exc.value.reason == "bad_token" and lease_a not in str(exc.value)
+    # a heartbeat with the wrong token neither extends nor affects the honest pairs of the same batch
+    clock.now += 5.0
+    assert table.heartbeat([("a", lease_b), ("b", lease_b), ("zz", "x")]) == (["zz"], ["a"])
+    assert table.get("a").expires_at == 1010.0 and table.get("b").expires_at == pytest.approx(1005 + 20 / 3)
+    _, claim = table.claim("a", lease_a, 2.0)
+    with pytest.raises(ClaimRefused, match="does not match") as exc:
+        table.release("a", lease_b, claim)
+    assert table.get("a") is not None and table.release("a", lease_a, claim) is True
+    # an expired lease: only its own token learns that it expired
+    clock.now += 20.0
+    assert table.reap() == ["b"] and expired == ["b"]
+    with pytest.raises(ClaimRefused) as exc:
+        table.claim("b", lease_a, 2.0)
+    assert exc.value.reason == "bad_token"
+    with pytest.raises(ClaimRefused) as exc:
+        table.claim("b", lease_b, 2.0)
+    assert exc.value.reason == "expired"
+
+
 def test_lease_expiry_and_late_events_are_counted_once() -> None:
     table, clock, expired, late = _table()
-    table.hold("a", [1], 4)
+    lease = table.hold("a", [1], 4)
     clock.now += 9.9
     assert table.reap() == []
     clock.now += 0.2
     assert table.reap() == ["a"] and expired == ["a"] and table.num_expired == 1
     assert table.poll_released() == ["a"]
     with pytest.raises(ClaimRefused) as exc:
-        table.claim("a", 2.0)
+        table.claim("a", lease, 2.0)
     assert exc.value.reason == "expired"
-    assert table.release("a", "t") is False
+    assert table.release("a", lease, "t") is False
     table.note_read_notification("a")
     assert late == ["a"] and table.num_after_expiry == 1
     with pytest.raises(ClaimRefused) as exc:
-        table.claim("never-held", 2.0)
+        table.claim("never-held", lease, 2.0)
     assert exc.value.reason == "unknown"
 
 
 def test_claim_after_expiry_is_refused_even_before_the_reaper_runs() -> None:
     table, clock, expired, _ = _table()
-    table.hold("a", [1], 4)
+    lease = table.hold("a", [1], 4)
     clock.now += 10.0
     with pytest.raises(ClaimRefused, match="expired"):
-        table.claim("a", 2.0)
+        table.claim("a", lease, 2.0)
     assert expired == ["a"] and table.poll_released() == ["a"]
 
 
 def test_claimed_lease_past_its_deadline_is_reaped_and_release_says_not_held() -> None:
     table, clock, expired, late = _table()
-    table.hold("a", [3], 4)
-    _, token = table.claim("a", timeout_s=2.0)
+    lease = table.hold("a", [3], 4)
+    _, claim = table.claim("a", lease, timeout_s=2.0)
     clock.now += 3.01  # timeout + margin
     assert table.reap() == ["a"] and expired == ["a"]
-    assert table.release("a", token) is False and late == ["a"]
+    assert table.release("a", lease, claim) is False and late == ["a"]
 
 
 def test_heartbeat_extends_to_two_thirds_and_never_shortens() -> None:
     table, clock, _, _ = _table()
-    table.hold("a", [1], 4)  # expires at 1010
+    lease = table.hold("a", [1], 4)  # expires at 1010
     clock.now += 1.0
-    assert table.heartbeat(["a", "zz"]) == ["zz"]
+    assert table.heartbeat([("a", lease), ("zz", "t")]) == (["zz"], [])
     assert table.get("a").expires_at == 1010.0  # max(1010, 1001 + 6.67)
     clock.now += 8.0
-    table.heartbeat(["a"])
+    table.heartbeat([("a", lease)])
     assert table.get("a").expires_at == pytest.approx(1009.0 + 10 * 2 / 3)
     clock.now += 2.0  # 1011: past the original expiry, kept alive by the heartbeat
     assert table.reap() == []
@@ -264,10 +344,11 @@ def test_heartbeat_extends_to_two_thirds_and_never_shortens() -> None:
 
 def test_abort_frees_only_unclaimed_leases() -> None:
     table, _, expired, _ = _table()
-    table.hold("a", [1], 4)
-    table.hold("b", [2], 4)
-    table.claim("b", 2.0)
-    assert table.abort("a") is True and table.abort("b") is False and table.abort("zz") is False
+    lease_a = table.hold("a", [1], 4)
+    lease_b = table.hold("b", [2], 4)
+    table.claim("b", lease_b, 2.0)
+    assert table.abort("a", lease_a) is True and table.abort("b", lease_b) is False
+    assert table.abort("zz", lease_a) is False
     assert table.poll_released() == ["a"] and expired == []
     with pytest.raises(ValueError, match="already holds"):
         table.hold("b", [2], 4)
@@ -331,55 +412,65 @@ def test_compat_differences_name_the_fields() -> None:
 # ---- side channel ---------------------------------------------------------------------------------------
 
 
+ENGINE = "eng-under-test"
+
+
 @pytest.fixture
 def server() -> Any:
     calls: list[tuple[str, dict]] = []
+    refused: list[str] = []
 
     def handler(op: str, msg: dict[str, Any]) -> dict[str, Any]:
         calls.append((op, msg))
         if op == "claim":
             if msg["request_id"] == "gone":
                 raise SideChannelRefused("expired", "lease expired")
-            return {"block_ids": [1, 2], "token": "tok"}
+            return {"block_ids": [1, 2], "claim_token": "tok"}
         if op == "heartbeat":
             return {"unknown": []}
         if op == "release":
             return {"held_throughout": "yes"}  # wrong type: the client must refuse it
         raise RuntimeError("boom")
 
-    srv = side_channel.SideChannelServer("127.0.0.1", 0, handler)
+    srv = side_channel.SideChannelServer("127.0.0.1", 0, handler, engine_id=ENGINE, on_refused=refused.append)
     srv.start()
     srv.calls = calls  # type: ignore[attr-defined]
+    srv.refused = refused  # type: ignore[attr-defined]
     yield srv
     srv.close()
 
 
+CLAIM = {"request_id": "r", "lease_token": "lt", "generation": 1, "timeout_s": 2}
+HEARTBEAT: dict[str, Any] = {"request_ids": [], "lease_tokens": []}
+
+
 def test_side_channel_round_trip_and_refusals(server: Any) -> None:
     port = server.port
-    reply = side_channel.call(
-        "127.0.0.1", port, "claim", {"request_id": "r", "generation": 1, "timeout_s": 2}, 2.0
-    )
-    assert reply["block_ids"] == [1, 2] and reply["token"] == "tok" and reply["ok"] is True
-    assert (
-        side_channel.call("localhost", port, "heartbeat", {"request_ids": ["a", "b"]}, 2.0)["unknown"] == []
-    )
+    reply = side_channel.call("127.0.0.1", port, "claim", CLAIM, 2.0, to=ENGINE)
+    assert reply["block_ids"] == [1, 2] and reply["claim_token"] == "tok" and reply["ok"] is True
+    hb = {"request_ids": ["a", "b"], "lease_tokens": ["x", "y"]}
+    assert side_channel.call("localhost", port, "heartbeat", hb, 2.0, to=ENGINE)["unknown"] == []
     with pytest.raises(SideChannelRefused) as exc:
-        side_channel.call(
-            "127.0.0.1", port, "claim", {"request_id": "gone", "generation": 1, "timeout_s": 2}, 2.0
-        )
+        side_channel.call("127.0.0.1", port, "claim", {**CLAIM, "request_id": "gone"}, 2.0, to=ENGINE)
     assert exc.value.reason == "expired" and "lease expired" in str(exc.value)
     with pytest.raises(SideChannelRefused) as exc:
-        side_channel.call("127.0.0.1", port, "abort", {"request_id": "x"}, 2.0)
+        side_channel.call("127.0.0.1", port, "abort", {"request_id": "x", "lease_token": "t"}, 2.0, to=ENGINE)
     assert exc.value.reason == "internal" and "boom" in str(exc.value)
     with pytest.raises(side_channel.ProtocolError, match="held_throughout"):
-        side_channel.call("127.0.0.1", port, "release", {"request_id": "x", "token": "t"}, 2.0)
+        release = {"request_id": "x", "lease_token": "t", "claim_token": "c"}
+        side_channel.call("127.0.0.1", port, "release", release, 2.0, to=ENGINE)
     with pytest.raises(side_channel.ProtocolError, match="generation"):
-        side_channel.call(
-            "127.0.0.1", port, "claim", {"request_id": "r", "generation": True, "timeout_s": 2}, 2.0
-        )
+        side_channel.call("127.0.0.1", port, "claim", {**CLAIM, "generation": True}, 2.0, to=ENGINE)
+    # a message for another producer (e.g. replayed from one) is refused before the handler sees it
+    with pytest.raises(SideChannelRefused) as exc:
+        side_channel.call("127.0.0.1", port, "claim", CLAIM, 2.0, to="someone-else")
+    assert exc.value.reason == "wrong_engine"
+    assert [op for op, _ in server.calls] == ["claim", "heartbeat", "claim", "abort", "release"]
+    assert server.refused == ["expired", "internal", "wrong_engine"]
 
 
 def _raw_exchange(port: int, data: bytes) -> dict[str, Any]:
+    """Send raw bytes, return the reply's inner message (with the envelope's mac under "_mac")."""
     with socket.create_connection(("127.0.0.1", port), timeout=5.0) as sock:
         sock.sendall(data)
         decoder = side_channel.FrameDecoder()
@@ -387,27 +478,163 @@ def _raw_exchange(port: int, data: bytes) -> dict[str, Any]:
         while time.monotonic() < deadline:
             messages = decoder.feed(sock.recv(65536))
             if messages:
-                return messages[0]
+                envelope = messages[0]
+                assert envelope["v"] == PROTOCOL_VERSION
+                return {**msgpack.unpackb(envelope["msg"]), "_mac": envelope.get("mac")}
     raise AssertionError("no reply")
+
+
+def _envelope(msg: Any, *, v: int = PROTOCOL_VERSION, mac: bytes | None = None) -> bytes:
+    payload = msg if isinstance(msg, bytes) else msgpack.packb(msg)
+    return side_channel.encode_frame({"v": v, "msg": payload, "mac": mac})
+
+
+def _request(op: str, **fields: Any) -> dict[str, Any]:
+    return {"op": op, "to": ENGINE, "ts": time.time(), "nonce": new_nonce(), **fields}
 
 
 def test_side_channel_server_rejects_bad_input(server: Any) -> None:
     port = server.port
-    reply = _raw_exchange(port, side_channel.encode_frame({"v": 99, "op": "claim"}))
+    reply = _raw_exchange(port, side_channel.encode_frame({"v": 1, "op": "claim"}))  # protocol 1 (pre-auth)
     assert reply["ok"] is False and "version mismatch" in reply["error"]
-    reply = _raw_exchange(port, side_channel.encode_frame({"v": PROTOCOL_VERSION, "op": "steal"}))
+    reply = _raw_exchange(port, _envelope(_request("steal")))
     assert reply["ok"] is False and "unknown op" in reply["error"]
-    reply = _raw_exchange(
-        port, side_channel.encode_frame({"v": PROTOCOL_VERSION, "op": "claim", "request_id": 5})
-    )
+    reply = _raw_exchange(port, _envelope(_request("claim", request_id=5)))
     assert reply["ok"] is False and reply["reason"] == "bad_request"
     reply = _raw_exchange(port, (side_channel.MAX_FRAME_BYTES + 1).to_bytes(4, "big"))
     assert reply["ok"] is False and "exceeds" in reply["error"]
     reply = _raw_exchange(port, b"\x00\x00\x00\x02\xc1\xc1")  # 0xc1 is never valid msgpack
     assert reply["ok"] is False and "undecodable" in reply["error"]
+    reply = _raw_exchange(port, _envelope(b"\xc1"))
+    assert reply["ok"] is False and "undecodable message" in reply["error"]
     # Still serving after all that.
-    assert side_channel.call("127.0.0.1", port, "heartbeat", {"request_ids": []}, 2.0)["unknown"] == []
+    assert side_channel.call("127.0.0.1", port, "heartbeat", HEARTBEAT, 2.0, to=ENGINE)["unknown"] == []
     assert [op for op, _ in server.calls] == ["heartbeat"]
+    assert server.refused == ["bad_request"] * 6
+
+
+SECRET = "unit-test-secret-" + "q" * 16
+
+
+@pytest.fixture
+def auth_server() -> Any:
+    calls: list[str] = []
+    refused: list[str] = []
+
+    def handler(op: str, msg: dict[str, Any]) -> dict[str, Any]:
+        calls.append(op)
+        return {"unknown": list(msg["request_ids"])}
+
+    srv = side_channel.SideChannelServer(
+        "127.0.0.1", 0, handler, engine_id=ENGINE, auth=MessageAuth(SECRET), on_refused=refused.append
+    )
+    srv.start()
+    srv.calls = calls  # type: ignore[attr-defined]
+    srv.refused = refused  # type: ignore[attr-defined]
+    yield srv
+    srv.close()
+
+
+def test_authenticated_side_channel_refuses_unsigned_forged_and_replayed_messages(
+    auth_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    port, auth = auth_server.port, MessageAuth(SECRET)
+    hb = {"request_ids": ["a"], "lease_tokens": ["t"]}
+    assert side_channel.call("127.0.0.1", port, "heartbeat", hb, 2.0, to=ENGINE, auth=auth)["unknown"] == ["a"]
+    with caplog.at_level(logging.WARNING, logger="pdserve.kv_transfer"):
+        # no secret, a wrong secret: refused, and the refusal reveals nothing about what would be accepted
+        for wrong in (None, MessageAuth("another-secret-" + "q" * 16)):
+            with pytest.raises(SideChannelError) as exc:
+                side_channel.call("127.0.0.1", port, "heartbeat", hb, 2.0, to=ENGINE, auth=wrong)
+            if wrong is None:
+                assert isinstance(exc.value, SideChannelRefused) and exc.value.reason == "unauthenticated"
+                assert "requires the deployment secret" in str(exc.value) and SECRET not in str(exc.value)
+            else:  # its own check fails first: the reply is not signed with *its* secret
+                assert "not signed with this deployment's secret" in str(exc.value)
+        # a captured signed request, replayed verbatim
+        request = _request("heartbeat", **hb)
+        payload = msgpack.packb(request)
+        frame = _envelope(payload, mac=auth.sign(REQUEST, payload))
+        assert _raw_exchange(port, frame)["ok"] is True
+        replayed = _raw_exchange(port, frame)
+        assert replayed["ok"] is False and replayed["reason"] == "replay"
+        # a tampered one (the signature covers every byte)
+        tampered = msgpack.packb({**request, "nonce": new_nonce(), "request_ids": ["b"]})
+        reply = _raw_exchange(port, _envelope(tampered, mac=auth.sign(REQUEST, payload)))
+        assert reply["reason"] == "unauthenticated"
+        # an old one, signed properly
+        old = msgpack.packb({**_request("heartbeat", **hb), "ts": time.time() - 3600})
+        reply = _raw_exchange(port, _envelope(old, mac=auth.sign(REQUEST, old)))
+        assert reply["reason"] == "stale"
+        # a reply can never be passed off as a request (direction labels)
+        reply = _raw_exchange(port, _envelope(payload, mac=auth.sign(REPLY, payload)))
+        assert reply["reason"] == "unauthenticated"
+    assert auth_server.calls == ["heartbeat", "heartbeat"]
+    assert sorted(auth_server.refused) == sorted(
+        ["unauthenticated", "unauthenticated", "replay", "unauthenticated", "stale", "unauthenticated"]
+    )
+    assert "KV side channel refused heartbeat" in caplog.text and "(replay)" in caplog.text
+    # every refusal reply is itself signed, so a consumer with the secret can trust the reason it reads
+    assert auth.verify(REPLY, msgpack.packb({k: v for k, v in replayed.items() if k != "_mac"}), replayed["_mac"])
+
+
+def test_consumer_with_a_secret_refuses_unsigned_and_misdirected_replies(server: Any) -> None:
+    # The producer has no secret: its replies are unsigned, so a consumer with one must not believe them.
+    with pytest.raises(SideChannelError, match="not signed with this deployment's secret"):
+        side_channel.call("127.0.0.1", server.port, "heartbeat", HEARTBEAT, 2.0, to=ENGINE, auth=MessageAuth(SECRET))
+    # A signed reply that answers another request (another nonce) is refused too.
+    auth = MessageAuth(SECRET)
+    payload = msgpack.packb({"re": new_nonce(), "ok": True, "unknown": []})
+    envelope = {"v": PROTOCOL_VERSION, "msg": payload, "mac": auth.sign(REPLY, payload)}
+    with pytest.raises(side_channel.ProtocolError, match="answers another request"):
+        side_channel._open_reply(envelope, "heartbeat", new_nonce(), "test", auth)
+
+
+def test_concealed_metadata_needs_the_secret_nonce_and_generation() -> None:
+    auth, data, nonce = MessageAuth(SECRET), bytes(range(256)) * 9 + b"\x00tail", new_nonce()
+    sealed = auth.conceal(data, nonce, 17)
+    assert len(sealed) == len(data) and sealed != data and auth.reveal(sealed, nonce, 17) == data
+    assert auth.reveal(sealed, nonce, 18) != data and auth.reveal(sealed, new_nonce(), 17) != data
+    assert MessageAuth("another-secret-" + "q" * 16).reveal(sealed, nonce, 17) != data
+    assert auth.conceal(b"", nonce, 1) == b""
+
+
+def test_replay_guard_window_memory_and_restart_floor() -> None:
+    clock = FakeClock()
+    guard = ReplayGuard(30.0, clock=clock, max_nonces=3)
+    nonces = [new_nonce() for _ in range(5)]
+    guard.check(clock.now, nonces[0])
+    with pytest.raises(AuthRefused, match="already received"):
+        guard.check(clock.now, nonces[0])
+    for bad_ts in (clock.now - 31, clock.now + 31, float("nan")):
+        with pytest.raises(AuthRefused) as exc:
+            guard.check(bad_ts, nonces[1])
+        assert exc.value.reason == "stale"
+    # from before this producer started (a message captured before a restart): refused even within the skew
+    with pytest.raises(AuthRefused, match="before it started"):
+        guard.check(clock.now - 10, nonces[1])
+    clock.now += 40  # nonce 0's timestamp has left the window: forgotten, and its timestamp is refused anyway
+    guard.check(clock.now, nonces[1])
+    assert len(guard) == 1
+    guard.check(clock.now, nonces[2])
+    guard.check(clock.now, nonces[3])
+    with pytest.raises(AuthRefused) as exc:  # bounded memory: beyond it, refuse rather than forget early
+        guard.check(clock.now, nonces[4])
+    assert exc.value.reason == "busy"
+
+
+def test_refusal_log_is_rate_limited_but_counts_everything(caplog: pytest.LogCaptureFixture) -> None:
+    counted: list[str] = []
+    clock = FakeClock()
+    log = side_channel._RefusalLog(counted.append, clock=clock)
+    with caplog.at_level(logging.WARNING, logger="pdserve.kv_transfer"):
+        for _ in range(50):
+            log.note("unauthenticated", "10.0.0.9:4242", "claim", "no")
+        clock.now += 11
+        log.note("unauthenticated", "10.0.0.9:4242", "claim", "no")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(counted) == 51 and len(lines) == 2
+    assert "10.0.0.9:4242" in lines[0] and "and 49 more 'unauthenticated' refusals" in lines[1]
 
 
 class _SilentPeer:
@@ -445,19 +672,22 @@ class _SilentPeer:
             conn.close()
 
 
+ABORT = {"request_id": "x", "lease_token": "t"}
+
+
 def test_side_channel_client_never_hangs() -> None:
     silent = _SilentPeer()
     try:
         t0 = time.monotonic()
         with pytest.raises(SideChannelTimeout, match="no reply to abort within 0.3s"):
-            side_channel.call("127.0.0.1", silent.port, "abort", {"request_id": "x"}, 0.3)
+            side_channel.call("127.0.0.1", silent.port, "abort", ABORT, 0.3, to=ENGINE)
         assert time.monotonic() - t0 < 5.0
     finally:
         silent.close()
     zmq = _SilentPeer(b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f\x03")
     try:
         with pytest.raises(SideChannelError, match="ZeroMQ"):
-            side_channel.call("127.0.0.1", zmq.port, "abort", {"request_id": "x"}, 2.0)
+            side_channel.call("127.0.0.1", zmq.port, "abort", ABORT, 2.0, to=ENGINE)
     finally:
         zmq.close()
     free = socket.socket()
@@ -465,14 +695,14 @@ def test_side_channel_client_never_hangs() -> None:
     port = free.getsockname()[1]
     free.close()
     with pytest.raises(SideChannelError, match="unreachable"):
-        side_channel.call("127.0.0.1", port, "abort", {"request_id": "x"}, 2.0)
+        side_channel.call("127.0.0.1", port, "abort", ABORT, 2.0, to=ENGINE)
 
 
 def test_side_channel_port_in_use_names_the_port() -> None:
-    first = side_channel.SideChannelServer("127.0.0.1", 0)
+    first = side_channel.SideChannelServer("127.0.0.1", 0, engine_id=ENGINE)
     try:
         with pytest.raises(SideChannelError, match=rf"port {first.port} on 127.0.0.1 is already in use"):
-            side_channel.SideChannelServer("127.0.0.1", first.port)
+            side_channel.SideChannelServer("127.0.0.1", first.port, engine_id=ENGINE)
     finally:
         first.close()
 

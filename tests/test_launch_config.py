@@ -61,6 +61,9 @@ def test_1p1d_cpu_deployment() -> None:
     assert prefill.log_path == Path("logs/prefill.log") and dep.proxy.log_path == Path("logs/proxy.log")
     argv = dep.proxy.argv
     assert argv[argv.index("--prefill") + 1] == prefill.url and argv[argv.index("--decode") + 1] == decode.url
+    # a KV side-channel secret is made at start (by environment, never argv), unless the user has their own
+    assert dep.kv_secret and not any("SECRET" in a for s in dep.instances for a in s.argv)
+    assert not build_deployment(cfg, cpus=[0, 1, 2, 3], env={"PDSERVE_KV_SECRET": "x" * 32}).kv_secret
 
 
 def test_xpyd_gpu_round_robin_and_vllm_engine() -> None:
@@ -83,6 +86,7 @@ def test_collocated_has_no_kv_config_and_proxy_in_collocated_mode() -> None:
     cfg = LaunchConfig(model="m", topology=parse_topology("collocated:2"), gpus="none", cpu_pinning=False)
     dep = build_deployment(cfg, env={})
     assert [s.name for s in dep.instances] == ["collocated-0", "collocated-1"]
+    assert not dep.kv_secret  # no KV transfer, no side channel
     for s in dep.instances:
         assert "--kv-transfer-config" not in s.argv and s.side_channel_port is None and s.cpus is None
     assert "--prefill" not in dep.proxy.argv
@@ -157,6 +161,9 @@ def test_dry_run_pdserve_is_a_runnable_script(tmp_path: Path) -> None:
     assert prefill[-2:] == ["--block-size", "8"] and decode[-4:] == ["--block-size", "8", "--max-num-seqs", "8"]
     assert "taskset" in prefill and f"{tmp_path}/prefill.log" in script and f"{tmp_path}/proxy.log" in script
     assert "pdserve proxy" in script and "--prefill http://127.0.0.1:" in script
+    # the instances inherit a secret generated when the script runs (not one written into it)
+    exports = [ln for ln in script.splitlines() if ln.startswith("export PDSERVE_KV_SECRET=")]
+    assert len(exports) == 1 and "token_hex(32)" in exports[0]
 
 
 def test_dry_run_vllm_engine() -> None:

@@ -1,6 +1,11 @@
 """Disaggregated prefill/decode end to end: real `pdserve serve` producer and consumer processes, real
 NIXL DRAM transfers, the two HTTP legs exactly as vLLM's toy proxy sends them. Outputs must be
 token-identical to a collocated instance; failures must be bounded in time and never give wrong output.
+
+The module's instances share a KV side-channel secret (PDSERVE_KV_SECRET), as `pdserve up` gives its own;
+the loopback default without one is what test_pd_vllm_compat, test_proxy_e2e and the kv_transfer tests run.
+Params naming a lease the producer does not hold (forged, replayed, expired, someone else's) are the
+client's mistake: a 4xx with the reason, never a 500 or a failed transfer.
 """
 
 from __future__ import annotations
@@ -9,6 +14,8 @@ import copy
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +30,7 @@ COMMON = ("--max-model-len", "512", "--num-gpu-blocks-override", "128", "--block
 TOY_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                       "remote_block_ids": None, "remote_host": None, "remote_port": None}
 LEASE_S = 2
+SECRET_ENV = {"PDSERVE_KV_SECRET": "pd-e2e-" + os.urandom(16).hex()}
 
 
 def kv_config(role: str, policy: str = "fail", **extra) -> str:
@@ -32,7 +40,7 @@ def kv_config(role: str, policy: str = "fail", **extra) -> str:
 
 
 def start(model_dir: Path, logs: Path, name: str, *args: str, env: dict | None = None) -> ServerProcess:
-    srv = ServerProcess(model_dir, logs / f"{name}.log", *COMMON, *args, env=env)
+    srv = ServerProcess(model_dir, logs / f"{name}.log", *COMMON, *args, env={**SECRET_ENV, **(env or {})})
     srv.name = name  # type: ignore[attr-defined]
     return srv
 
@@ -161,7 +169,9 @@ def test_malformed_params_are_400(cluster):
                  "remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": "nope"}):
         r = decode_leg(cluster["decode"], "completions", body, bad, "bad")
         assert r.status_code == 400, r.text
-        assert "kv_transfer_params" in r.json()["error"]["message"]
+        message = r.json()["error"]["message"]
+        assert message.count("invalid kv_transfer_params:") == 1, message
+        assert r.json()["error"]["param"] == "kv_transfer_params"
     # one producer lease serves one prompt: several prompts cannot share it (n > 1 choices can: they fork)
     params = prefill_leg(cluster["prefill"], "completions", body, "n2")
     r = decode_leg(cluster["decode"], "completions", {**body, "prompt": ["hello there", "general kenobi"]}, params,
@@ -177,10 +187,9 @@ def _expired_count(url: str) -> float:
     return metric_value(httpx.get(f"{url}/metrics").text, "vllm:nixl_num_kv_expired_reqs_total")
 
 
-def test_lease_expiry_frees_blocks_and_late_pull_is_refused_or_recomputed(cluster):
+def test_lease_expiry_frees_blocks_and_a_late_pull_is_a_client_error(cluster):
     prefill = cluster["prefill"]
     body = {"model": "tiny", "prompt": long_prompt(40, 9), "max_tokens": 8, "temperature": 0}
-    ref = httpx.post(f"{cluster['collocated'].url}/v1/completions", json=body, timeout=60).json()
     before = _expired_count(prefill.url)
     p_fail = prefill_leg(prefill, "completions", body, "late-fail")
     p_recompute = prefill_leg(prefill, "completions", body, "late-recompute")
@@ -189,12 +198,92 @@ def test_lease_expiry_frees_blocks_and_late_pull_is_refused_or_recomputed(cluste
         time.sleep(0.2)
     assert _expired_count(prefill.url) == before + 2  # nobody pulled: both leases expired, counted
     wait_idle(prefill.url)  # and their blocks are free
-    late = decode_leg(cluster["decode"], "completions", body, p_fail, "late-fail")
-    assert late.status_code >= 500 and "error" in late.json()
-    rec = decode_leg(cluster["decode_recompute"], "completions", body, p_recompute, "late-recompute")
-    assert rec.status_code == 200 and rec.json()["choices"][0]["text"] == ref["choices"][0]["text"]
+    # An expired lease is the client's late (or replayed) params, whatever the failure policy: 410, not a
+    # failed transfer; kv_load_failure_policy is for transport failures.
+    for name, params in (("decode", p_fail), ("decode_recompute", p_recompute)):
+        before = _failed_transfers(cluster[name].url)
+        late = decode_leg(cluster[name], "completions", body, params, f"late-{name}")
+        assert late.status_code == 410, late.text
+        err = late.json()["error"]
+        assert err["param"] == "kv_transfer_params" and "expired" in err["message"], err
+        assert _failed_transfers(cluster[name].url) == before
     for name in ("decode", "decode_recompute", "prefill"):
         wait_idle(cluster[name].url)
+
+
+def _failed_transfers(url: str) -> float:
+    return metric_value(httpx.get(f"{url}/metrics").text, "vllm:nixl_num_failed_transfers_total")
+
+
+def _labelled(url: str, name: str) -> dict[str, float]:
+    """A `pdserve:*_total{..., reason=...}` counter by reason."""
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            out[line.split('reason="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_params_naming_a_lease_the_producer_does_not_hold_are_client_errors(cluster, stream):
+    """Forged, replayed and duplicated params: a 4xx naming the reason (also for a stream: before any byte),
+    counted as lease rejections on the decode and as refusals on the prefill, never as failed transfers."""
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    body = {"model": "tiny", "prompt": long_prompt(30, 7), "max_tokens": 4, "temperature": 0, "stream": stream}
+    ref = httpx.post(f"{cluster['collocated'].url}/v1/completions", json={**body, "stream": False}, timeout=60)
+    failed = _failed_transfers(decode.url)
+    refusals_before = _labelled(prefill.url, "pdserve:kv_side_channel_refused_total")
+    params = prefill_leg(prefill, "completions", body, f"forge-{stream}")
+
+    def refused(bad: dict, status: int, reason: str) -> None:
+        r = decode_leg(decode, "completions", body, bad, f"forge-{stream}-{reason}")
+        assert r.status_code == status, (reason, r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["param"] == "kv_transfer_params" and f"({reason})" in err["message"], err
+        assert params["remote_lease_token"] not in r.text
+
+    # (each answer holds however long the module's 2 s lease takes to expire: an expired lease also refuses
+    # a wrong token as bad_token; the honest request below is sent at once, as in the other tests)
+    refused({**params, "remote_lease_token": "forged-" + "x" * 24}, 400, "bad_token")
+    refused({**params, "remote_request_id": "cmpl-never-issued"}, 410, "unknown")
+    # an honest request works; its params replayed afterwards name a lease that is gone
+    params = prefill_leg(prefill, "completions", body, f"forge-{stream}-honest")
+    ok = decode_leg(decode, "completions", body, params, f"forge-{stream}-ok")
+    assert ok.status_code == 200 and text_of("completions", ok, stream) == text_of("completions", ref, False)
+    refused(params, 410, "unknown")
+    # params for a shorter prompt than this one (edited, or another request's): the lease cannot serve it
+    params = prefill_leg(prefill, "completions", {**body, "prompt": "hello"}, f"forge-{stream}-short")
+    refused(params, 400, "mismatch")
+    assert _failed_transfers(decode.url) == failed
+    rejected = _labelled(decode.url, "pdserve:kv_lease_rejected_total")
+    assert rejected.get("bad_token", 0) >= 1 and rejected.get("unknown", 0) >= 2 and rejected.get("mismatch", 0) >= 1
+    after = _labelled(prefill.url, "pdserve:kv_side_channel_refused_total")
+    assert after.get("bad_token", 0) == refusals_before.get("bad_token", 0) + 1
+    assert after.get("unknown", 0) == refusals_before.get("unknown", 0) + 2
+    assert " ERROR " not in decode.log_path.read_text()
+    for name in ("decode", "prefill"):
+        wait_idle(cluster[name].url)
+
+
+def test_the_instances_side_channel_is_authenticated(cluster, model_dir, tmp_path):
+    info = httpx.get(f"{cluster['prefill'].url}/pdserve/info").json()
+    assert info["side_channel_auth"] is True and SECRET_ENV["PDSERVE_KV_SECRET"] not in json.dumps(info)
+    # a consumer without the deployment secret cannot use the producer: a transport failure, and a clear one
+    outsider = ServerProcess(model_dir, tmp_path / "outsider.log", *COMMON, "--kv-transfer-config",
+                             kv_config("kv_consumer"), env={"PDSERVE_KV_SECRET": ""})
+    try:
+        outsider.wait_ready()
+        body = {"model": "tiny", "prompt": "hello there", "max_tokens": 2}
+        params = prefill_leg(cluster["prefill"], "completions", body, "outsider")
+        r = decode_leg(outsider, "completions", body, params, "outsider")
+        assert r.status_code == 500 and "requires the deployment secret" in r.json()["error"]["message"], r.text
+    finally:
+        outsider.stop()
+    # without a secret, a producer refuses to listen beyond loopback unless told to
+    proc = subprocess.run([sys.executable, "-m", "pdserve", "serve", str(model_dir), "--kv-transfer-config",
+                           kv_config("kv_producer"), "--side-channel-host", "0.0.0.0", "--port", "1"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PDSERVE_KV_SECRET": ""})
+    assert proc.returncode == 1 and "--insecure-side-channel" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("how", ["kill", "stop"])

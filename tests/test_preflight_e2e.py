@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from launch_helpers import (
 )
 from server_utils import free_port
 
+from pdserve.api.pd import build_decode_body, build_prefill_body
 from pdserve.launch import procs as launch_procs
 from pdserve.launch.spec import ProcSpec, kv_transfer_config
 
@@ -128,6 +130,42 @@ def test_preflight_go_on_healthy_1p1d(deployment: Deployment) -> None:
     assert json.loads(out.stdout)["verdict"] == "go"
 
 
+def test_preflight_go_after_client_mistakes_and_an_earlier_failure(deployment: Deployment) -> None:
+    """Forged params are the client's 4xx, not failed transfers; a transport failure before preflight ran is
+    reported, not judged (preflight looks at counter deltas over its own run)."""
+    info = deployment.info
+    prefill, decode = info["prefill"], info["decode"]
+    # `pdserve up` gave the instances a KV side-channel secret, by environment only
+    assert httpx.get(prefill + "/pdserve/info", timeout=10).json()["side_channel_auth"] is True
+    pids = [int(p) for p in info["pids"].split(",")]
+    secrets_seen, cmdlines = set(), b""
+    for pid in pids:
+        with suppress(OSError):
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            secrets_seen |= {e.split(b"=", 1)[1] for e in env if e.startswith(b"PDSERVE_KV_SECRET=")}
+            cmdlines += Path(f"/proc/{pid}/cmdline").read_bytes()
+    assert len(secrets_seen) == 1 and secrets_seen.pop() not in cmdlines + deployment.up.output.encode()
+
+    body = {"model": info["model"], "prompt": "Say hello twice.", "max_tokens": 2, "temperature": 0}
+    leg = httpx.post(prefill + "/v1/completions", timeout=120, json=build_prefill_body(body))
+    params = leg.json()["kv_transfer_params"]
+    for bad, status in (({**params, "remote_lease_token": "forged-" + "y" * 24}, 400),
+                        ({**params, "remote_request_id": "cmpl-made-up"}, 410)):
+        r = httpx.post(decode + "/v1/completions", timeout=120, json=build_decode_body(body, bad))
+        assert r.status_code == status and r.json()["error"]["param"] == "kv_transfer_params", r.text
+    # a real transport failure (nothing listens where these params point), before preflight runs
+    dead = {**params, "remote_port": free_port()}
+    r = httpx.post(decode + "/v1/completions", timeout=120, json=build_decode_body(body, dead))
+    assert r.status_code == 500, r.text
+    ok = httpx.post(decode + "/v1/completions", timeout=120, json=build_decode_body(body, params))
+    assert ok.status_code == 200, ok.text  # the lease is consumed: nothing expires later
+    out = _preflight("--proxy", info["proxy"], "--json", "--long-prompts", "1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    row = _rows(out)["leases/failures"]
+    assert row["status"] == "pass" and "before it, not judged" in str(row["detail"]), row
+    assert "nixl_num_failed_transfers" in str(row["detail"]) and json.loads(out.stdout)["verdict"] == "go"
+
+
 def test_preflight_flags_slow_transfers(deployment: Deployment) -> None:
     out = _preflight("--proxy", deployment.info["proxy"], "--long-prompts", "1", "--slow-factor", "0.001")
     assert out.returncode == 1, out.stdout + out.stderr
@@ -166,4 +204,4 @@ def test_preflight_decode_with_failing_transfers(deployment: Deployment) -> None
     assert rows["instances"]["status"] == "pass" and rows["versions/configs"]["status"] == "pass"
     assert rows["short request"]["status"] == "fail" and "handshake" in str(rows["short request"]["detail"])
     row = rows["leases/failures"]
-    assert row["status"] == "fail" and "nixl_num_failed_transfers=1" in str(row["detail"])
+    assert row["status"] == "fail" and "nixl_num_failed_transfers +1 during preflight" in str(row["detail"])

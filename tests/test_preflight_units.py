@@ -155,12 +155,21 @@ def test_check_transfer_time() -> None:
     assert check_transfer_time(run, Options(), target).status == FAIL
 
 
-def test_check_counters() -> None:
+def test_check_counters_judges_only_what_happened_during_preflight() -> None:
     run, target = _run(_snap(3, 0.006, 1e6))
-    assert check_counters(run, None, target).status == PASS  # type: ignore[arg-type]
+    assert check_counters(run.before, run.after, target).status == PASS
     run, target = _run(_snap(3, 0.006, 1e6, expired=2))
-    row = check_counters(run, None, target)  # type: ignore[arg-type]
-    assert row.status == FAIL and "nixl_num_kv_expired_reqs=2" in row.detail and "kv_lease_duration" in row.detail
+    row = check_counters(run.before, run.after, target)
+    assert row.status == FAIL and "nixl_num_kv_expired_reqs +2 during preflight" in row.detail
+    assert "kv_lease_duration" in row.detail and row.data["nixl_num_kv_expired_reqs"] == 2
+    # failures from before the run (a fault fixed since; a process's totals only grow): reported, not judged
+    earlier = {url: _snap(3, 0.006, 1e6, failed=5, expired=1) for url in run.before}
+    row = check_counters(earlier, earlier, target)
+    assert row.status == PASS and "before it, not judged" in row.detail and "nixl_num_failed_transfers=5" in row.detail
+    assert row.data["before_preflight"]["nixl_num_failed_transfers"] == 10
+    later = {**earlier, "http://127.0.0.1:2": _snap(3, 0.006, 1e6, failed=6, expired=1)}
+    row = check_counters(earlier, later, target)
+    assert row.status == FAIL and "nixl_num_failed_transfers +1 during preflight (total 6)" in row.detail
 
 
 def test_verdict() -> None:

@@ -53,6 +53,11 @@ def test_1p1d_cpu_specs_and_command_lines() -> None:
     assert "--block-size" in argv and "--block-size" not in p.base_argv
     assert spec.autoscale is None and spec.app == "default" and spec.namespace == "pdserve"
     assert RayAppSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+    # one KV side-channel secret per deployment, by environment (never argv), for scaled-up instances too
+    secret = p.env["PDSERVE_KV_SECRET"]
+    assert len(secret) == 64 and d.env["PDSERVE_KV_SECRET"] == secret
+    assert spec.templates["decode"].env["PDSERVE_KV_SECRET"] == secret and secret not in " ".join(argv)
+    assert _spec(["--ray"]).instances[0].env["PDSERVE_KV_SECRET"] != secret
 
 
 def test_collocated_and_gpu_bundles() -> None:
@@ -60,6 +65,7 @@ def test_collocated_and_gpu_bundles() -> None:
     assert [i.role for i in spec.instances] == ["collocated", "collocated"]
     assert spec.instances[0].bundle() == {"CPU": 1.0, "GPU": 1.0}
     assert "--side-channel-host" not in spec.instances[0].serve_argv("/py", "h", 1, "h")
+    assert "PDSERVE_KV_SECRET" not in spec.instances[0].env  # no KV transfer, no secret
     spec = _spec(["--ray", "--prefill-arg=--tensor-parallel-size 2", "--gpus-per-instance", "1"], gpus=8)
     assert spec.templates["prefill"].num_gpus == 2 and spec.templates["decode"].num_gpus == 1
     assert spec.templates["decode"].env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"

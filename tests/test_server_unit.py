@@ -107,6 +107,28 @@ def test_engine_error_is_500_or_an_error_frame(tok: Tokenizer) -> None:
     run(go())
 
 
+def test_a_refused_lease_is_the_clients_error_also_for_a_stream(tok: Tokenizer) -> None:
+    params = {"do_remote_prefill": True}
+
+    def script(rid: str, prompt: list[int], params: SamplingParams, kv: dict | None) -> list[RequestOutput]:
+        out = output(rid, prompt, [], 0, True, "error", error="producer refused claim: already claimed")
+        out.kv_rejection, out.error_status = "already_claimed", 409  # as the engine reports a refused lease
+        return [out]
+
+    async def go() -> None:
+        client, _ = make_client(tok, script)
+        async with client:
+            for stream, n in ((False, 1), (True, 1), (False, 2), (True, 2)):  # n = 2: the fork fails with it
+                r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": stream,
+                                                               "n": n, "kv_transfer_params": params})
+                assert r.status_code == 409, r.text  # before any byte of the stream: a real status
+                err = r.json()["error"]
+                assert err["param"] == "kv_transfer_params" and err["type"] == "ConflictError"
+                assert err["message"].startswith("kv_transfer_params rejected (already_claimed): producer refused")
+
+    run(go())
+
+
 def test_engine_refusals(tok: Tokenizer) -> None:
     def full(*_: Any) -> list[RequestOutput]:
         raise QueueFullError("the server's waiting queue is full (1 requests)")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # ---- the prefill leg -----------------------------------------------------------------------------------
@@ -220,8 +220,10 @@ def build_producer_params(
     port: int,
     generation: int,
     lease_duration_s: float,
+    lease_token: str,
 ) -> dict[str, Any]:
-    """The `kv_transfer_params` a prefill response carries (vLLM 0.33 pull mode, plus `lease_expires_at`)."""
+    """The `kv_transfer_params` a prefill response carries (vLLM 0.33 pull mode, plus `lease_expires_at` and
+    `remote_lease_token`)."""
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -241,6 +243,9 @@ def build_producer_params(
         "remote_prefill_cached_tokens": int(num_cached_tokens),
         # Ours: wall-clock end of the lease as issued (heartbeats extend it on the producer).
         "lease_expires_at": time.time() + lease_duration_s,
+        # Ours: the lease's own token; the producer acts on the lease (claim, heartbeat, abort, release) only
+        # for whoever presents it, so a request id alone does not let anyone touch another request's KV.
+        LEASE_TOKEN: lease_token,
     }
 
 
@@ -249,7 +254,25 @@ class InvalidKVTransferParams(ValueError):
     """`kv_transfer_params` of a request are missing, partial or malformed (the server answers 400)."""
 
 
-_REQUIRED = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+# The lease token a pdserve producer adds to its params (`build_producer_params`).
+LEASE_TOKEN = "remote_lease_token"
+_MAX_TOKEN_CHARS = 256
+
+_REQUIRED = (
+    "remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port", LEASE_TOKEN,
+)
+
+# Why a producer refused the lease a decode leg's params name, and the HTTP status the decode instance answers
+# with: forged, replayed, expired or duplicated params are the client's mistake (4xx with the reason), not a
+# failed transfer, and `kv_load_failure_policy` (which is for transport failures) does not apply to them.
+LEASE_REJECTION_STATUS: Mapping[str, int] = {
+    "unknown": 410,  # never held, or already read and freed (a replay)
+    "expired": 410,  # nobody claimed it within the lease
+    "already_claimed": 409,  # another decode request is reading it now
+    "bad_token": 400,  # the lease exists, but remote_lease_token is not its token
+    "mismatch": 400,  # the params name other blocks than the lease, or fewer tokens than this prompt needs
+}
+
 
 
 @dataclass(frozen=True)
@@ -263,6 +286,7 @@ class RemotePrefillParams:
     remote_block_ids: tuple[int, ...]
     remote_num_tokens: int | None
     generation: int | None  # remote_registration_generation: which producer incarnation issued them
+    lease_token: str = field(repr=False, default="")  # remote_lease_token; never logged
 
     @property
     def address(self) -> tuple[str, int]:
@@ -287,9 +311,9 @@ def parse_remote_prefill_params(params: Any) -> RemotePrefillParams:
         raise _bad("do_remote_prefill is not true (nothing to load)")
     missing = [k for k in _REQUIRED if params.get(k) is None]
     if missing:
-        raise _bad(
-            f"missing {', '.join(missing)} (send the complete kv_transfer_params the prefill instance returned)"
-        )
+        why = ("send the complete kv_transfer_params the prefill instance returned" if missing != [LEASE_TOKEN]
+               else "only a pdserve prefill instance issues it; a pdserve decode instance loads from no other")
+        raise _bad(f"missing {', '.join(missing)} ({why})")
     mode = params.get("transfer_mode", "pull")
     if mode != "pull":
         raise _bad(f"transfer_mode {mode!r} is not supported (pull only)")
@@ -297,8 +321,10 @@ def parse_remote_prefill_params(params: Any) -> RemotePrefillParams:
     groups = params["remote_block_ids"]
     if not isinstance(groups, list) or not groups:
         raise _bad("remote_block_ids must be a non-empty list of per-group block id lists")
-    if all(_is_int(b) for b in groups):
+    if all(not isinstance(g, list) for g in groups):
         # vLLM < HMA (schema v1) sent one flat list; accept it as the single group.
+        if not all(_is_int(b) and b >= 0 for b in groups):
+            raise _bad("remote_block_ids must be a list of non-negative integers (or a list of one such list)")
         groups = [groups]
     if len(groups) != 1:
         raise _bad(
@@ -318,6 +344,9 @@ def parse_remote_prefill_params(params: Any) -> RemotePrefillParams:
     ):
         if not isinstance(value, str) or not value:
             raise _bad(f"{name} must be a non-empty string, got {value!r}")
+    lease_token = params[LEASE_TOKEN]
+    if not isinstance(lease_token, str) or not 0 < len(lease_token) <= _MAX_TOKEN_CHARS:
+        raise _bad(f"{LEASE_TOKEN} must be a non-empty string of at most {_MAX_TOKEN_CHARS} characters")
     port = params["remote_port"]
     if not _is_int(port) or not 1 <= port <= 65535:
         raise _bad(f"remote_port must be an integer in 1..65535, got {port!r}")
@@ -348,4 +377,5 @@ def parse_remote_prefill_params(params: Any) -> RemotePrefillParams:
         remote_block_ids=tuple(blocks),
         remote_num_tokens=num_tokens,
         generation=generation,
+        lease_token=lease_token,
     )

@@ -173,8 +173,8 @@ class LLMEngine:
             assert conn is not None
             try:
                 conn.validate(kv_transfer_params)
-            except ValueError as e:
-                raise ParamError(f"invalid kv_transfer_params: {e}", "kv_transfer_params") from e
+            except ValueError as e:  # InvalidKVTransferParams: its message names the field
+                raise ParamError(str(e), "kv_transfer_params") from e
             conn.add_waiting(request_id, kv_transfer_params)  # last: nothing after it can refuse the request
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, self.max_model_len, kv)
         req.grammar = grammar
@@ -261,6 +261,7 @@ class LLMEngine:
             stop_reason=req.stop_reason if finished else None,
             error=req.error if finished else None,
             error_status=req.error_status,
+            kv_rejection=req.kv.rejection if finished else None,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             kv_transfer_params=req.result_kv_transfer_params if finished else None,
             metrics=req.metrics,
@@ -313,12 +314,15 @@ class LLMEngine:
             if req is None:
                 log.warning("KV load result for request %s, which is not loading; ignored", res.request_id)
                 continue
-            req.error_status = getattr(res, "error_status", 500)  # pdserve's LoadResult: 409 = incompatible
-            self._load_ended(req, ok=res.ok, error=res.error or "KV transfer failed", outputs=outputs)
+            req.error_status = getattr(res, "error_status", 500)  # the HTTP status a failure is answered with
+            self._load_ended(req, ok=res.ok, error=res.error or "KV transfer failed", outputs=outputs,
+                             rejected=getattr(res, "rejected", None))
         return outputs
 
-    def _load_ended(self, req: Request, ok: bool, error: str, outputs: list[RequestOutput]) -> None:
-        """The one place a remote read ends: loaded, aborted meanwhile, or failed (then the policy)."""
+    def _load_ended(self, req: Request, ok: bool, error: str, outputs: list[RequestOutput],
+                    rejected: str | None = None) -> None:
+        """The one place a remote read ends: loaded, aborted meanwhile, refused by the producer (the client's
+        mistake: finished with the reason), or failed (then the policy, which is for transport failures)."""
         assert self.connector is not None
         req.metrics.kv_load_done_time = time.monotonic()
         if req.kv.abort_requested:
@@ -327,6 +331,15 @@ class LLMEngine:
         elif ok:
             req.num_cached_tokens = req.num_prompt_tokens - 1
             self.scheduler.end_load(req, ok=True)
+        elif rejected is not None:
+            # Forged, replayed, expired or duplicated params: answered as the client's error, never recomputed
+            # (that would hide it) and never logged as an engine failure.
+            log.info("request %s: kv_transfer_params refused by the producer: %s", req.request_id, error)
+            self.scheduler.end_load(req, ok=False, resume=False)
+            req.kv.rejection = rejected
+            req.finish_reason = "error"
+            req.error = error
+            outputs.append(self._finish(req, hold=False))
         elif self.connector.load_failure_policy == "recompute":
             log.warning("request %s: %s; recomputing the prompt locally", req.request_id, error)
             req.num_cached_tokens = req.num_computed_tokens  # the local prefix-cache hit stays valid

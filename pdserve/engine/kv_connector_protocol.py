@@ -22,6 +22,11 @@ class LoadOutcome(Protocol):
     @property
     def error(self) -> str | None: ...
 
+    @property
+    def rejected(self) -> str | None:
+        """Why the producer refused the lease the params name (a client error), or None."""
+        ...
+
 
 @runtime_checkable
 class KVConnectorProtocol(Protocol):

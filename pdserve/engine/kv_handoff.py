@@ -45,6 +45,7 @@ class KVHandoff:
     load: LoadState = LoadState.NONE
     send: bool = False  # producer: on finishing, hold the blocks for a consumer instead of freeing them
     abort_requested: bool = False  # aborted while LOADING: finish once the read has ended
+    rejection: str | None = None  # FAILED because the producer refused the lease the params name (why)
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None, *, can_load: bool, can_send: bool) -> KVHandoff:

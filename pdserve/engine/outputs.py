@@ -41,4 +41,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or a remote transfer
     kv_transfer_params: dict | None = None  # set on the final output of a prefill (P) leg
     metrics: RequestMetrics | None = None
-    error_status: int = 500  # with `error`: 409 when a KV producer's cache cannot be read by this instance
+    # with `error`: the HTTP status it is answered with: 409 when a KV producer's cache cannot be read by this
+    # instance, a lease rejection's 4xx (below), else 500
+    error_status: int = 500
+    # With error: the producer refused the lease the request's kv_transfer_params name (why: a key of
+    # pdserve.api.pd.LEASE_REJECTION_STATUS), a client mistake rather than an engine failure.
+    kv_rejection: str | None = None

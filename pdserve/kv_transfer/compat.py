@@ -14,7 +14,7 @@ from pdserve import __version__
 from pdserve.kv_transfer.errors import CompatibilityError
 
 # Bumped whenever the side-channel messages or the transfer semantics change incompatibly.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: signed envelopes, lease tokens (issue 15)
 
 # The pool is [num_blocks, num_layers, 2 (K,V), block_size, num_kv_heads, head_dim].
 POOL_LAYOUT = "block,layer,kv,token,head,dim"

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.kv_transfer.auth import DEFAULT_MAX_SKEW_S, SECRET_ENV, SECRET_KEY, resolve_secret
+
 logger = logging.getLogger("pdserve.kv_transfer")
 
 SUPPORTED_CONNECTORS = ("NixlConnector", "NixlPullConnector")
@@ -59,6 +61,8 @@ _KNOWN_EXTRA_KEYS = frozenset(
         "handshake_timeout_s",
         "transfer_min_gbps",
         "num_load_workers",
+        SECRET_KEY,
+        "side_channel_max_skew_s",
         # vLLM keys that have no meaning here (single engine, pull mode only).
         "num_threads",
         "engine_ttl",
@@ -110,7 +114,12 @@ class KVTransferConfig:
     side_channel_host: str
     side_channel_port: int
     log_stats_interval_s: float = 10.0
-    extra_config: Mapping[str, Any] = field(default_factory=dict)
+    extra_config: Mapping[str, Any] = field(default_factory=dict)  # without the secret
+    # The deployment secret that authenticates side-channel messages (None: unauthenticated, loopback only
+    # unless `insecure_side_channel`). Never in repr: configs get logged.
+    side_channel_secret: str | None = field(default=None, repr=False)
+    side_channel_max_skew_s: float = DEFAULT_MAX_SKEW_S
+    insecure_side_channel: bool = False
 
     @property
     def is_producer(self) -> bool:
@@ -136,9 +145,14 @@ class KVTransferConfig:
         *,
         side_channel_host: str | None = None,
         side_channel_port: int | str | None = None,
+        insecure_side_channel: bool = False,
         env: Mapping[str, str] | None = None,
     ) -> KVTransferConfig:
-        """Parse `--kv-transfer-config`; explicit side-channel args win over the env variables."""
+        """Parse `--kv-transfer-config`; explicit side-channel args win over the env variables.
+
+        A producer without a side-channel secret binds only a loopback address unless `insecure_side_channel`
+        (`pdserve serve --insecure-side-channel`) says that an unauthenticated side channel on the network
+        is intended."""
         env = os.environ if env is None else env
         if isinstance(raw, str):
             try:
@@ -234,6 +248,29 @@ class KVTransferConfig:
         if not interval > 0:
             raise ValueError(f"{ENV_LOG_INTERVAL} must be > 0, got {interval_raw!r}")
 
+        secret = resolve_secret(extra, env)
+        if SECRET_KEY in extra:
+            logger.warning(
+                "kv_connector_extra_config.%s is visible to every user of this host in the process list; "
+                "prefer the environment variable %s",
+                SECRET_KEY,
+                SECRET_ENV,
+            )
+        host = host.strip()
+        if role in ("kv_producer", "kv_both") and secret is None and not is_loopback_host(host):
+            if not insecure_side_channel:
+                raise ValueError(
+                    f"the KV side channel would listen on {host} without authentication: anyone who reaches it "
+                    f"could read this instance's KV cache. Set a deployment secret ({SECRET_ENV}, the same on "
+                    "every instance), bind a loopback address, or pass --insecure-side-channel on a network "
+                    "you trust"
+                )
+            logger.warning(
+                "INSECURE: the KV side channel listens on %s without a secret (--insecure-side-channel): anyone "
+                "who reaches it can obtain the NIXL agent metadata and read this instance's KV cache",
+                host,
+            )
+
         return cls(
             kv_connector=connector,
             kv_role=role,
@@ -247,8 +284,11 @@ class KVTransferConfig:
             handshake_timeout_s=_number(extra, "handshake_timeout_s", 2.0),
             transfer_min_gbps=_number(extra, "transfer_min_gbps", 0.5),
             num_load_workers=workers,
-            side_channel_host=host.strip(),
+            side_channel_host=host,
             side_channel_port=port,
             log_stats_interval_s=interval,
-            extra_config=dict(extra),
+            extra_config={k: v for k, v in extra.items() if k != SECRET_KEY},
+            side_channel_secret=secret,
+            side_channel_max_skew_s=_number(extra, "side_channel_max_skew_s", DEFAULT_MAX_SKEW_S),
+            insecure_side_channel=insecure_side_channel,
         )

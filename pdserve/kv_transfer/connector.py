@@ -24,6 +24,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from pdserve.kv_transfer.auth import SECRET_ENV, MessageAuth, ReplayGuard
 from pdserve.kv_transfer.compat import normalize_compat
 from pdserve.kv_transfer.config import KVTransferConfig, is_loopback_host
 from pdserve.kv_transfer.consumer import KVConsumer, LoadResult
@@ -102,10 +103,18 @@ class KVConnector:
         self._agent: NixlAgent | None = None
         self.producer: KVProducer | None = None
         self.consumer: KVConsumer | None = None
+        auth = MessageAuth(config.side_channel_secret) if config.side_channel_secret is not None else None
         try:
             if config.is_producer:
                 # Bind before the (slower) agent creation so a taken port fails startup at once.
-                self._server = SideChannelServer(config.bind_host, config.side_channel_port)
+                self._server = SideChannelServer(
+                    config.bind_host,
+                    config.side_channel_port,
+                    engine_id=config.engine_id,
+                    auth=auth,
+                    replay_guard=ReplayGuard(config.side_channel_max_skew_s),
+                    on_refused=self.metrics.record_side_channel_refused,
+                )
             pretouch(self.region)
             self._agent = NixlAgent(config.engine_id, config.backends, dict(config.backend_params))
             self._agent.register(self.region)
@@ -118,11 +127,17 @@ class KVConnector:
                     region=self.region,
                     compat=self.compat,
                     metrics=self.metrics,
+                    auth=auth,
                 )
                 self._server.start()
             if config.is_consumer:
                 self.consumer = KVConsumer(
-                    config, agent=self._agent, region=self.region, compat=self.compat, metrics=self.metrics
+                    config,
+                    agent=self._agent,
+                    region=self.region,
+                    compat=self.compat,
+                    metrics=self.metrics,
+                    auth=auth,
                 )
         except BaseException:
             self.shutdown()
@@ -133,8 +148,15 @@ class KVConnector:
                 "VLLM_NIXL_SIDE_CHANNEL_HOST / --side-channel-host to an address they can reach",
                 config.side_channel_host,
             )
+        if config.is_producer and auth is None and not config.insecure_side_channel:
+            logger.warning(
+                "the KV side channel has no secret: any process on this host can obtain the NIXL agent metadata "
+                "and read this instance's KV cache; set %s (the same on every instance; `pdserve up` does)",
+                SECRET_ENV,
+            )
         logger.info(
-            "KV connector ready: role=%s engine_id=%s pool=%s %.1f MiB in %d blocks of %d bytes%s",
+            "KV connector ready: role=%s engine_id=%s pool=%s %.1f MiB in %d blocks of %d bytes%s, side-channel "
+            "messages %s",
             config.kv_role,
             config.engine_id,
             self.region.mem_type,
@@ -142,6 +164,7 @@ class KVConnector:
             self.region.num_blocks,
             self.region.block_bytes,
             f", side channel {config.side_channel_host}:{self.side_channel_port}" if self._server else "",
+            "authenticated (deployment secret)" if auth is not None else "unauthenticated",
         )
 
     # ---- common ------------------------------------------------------------------------------------
@@ -161,6 +184,11 @@ class KVConnector:
     @property
     def load_failure_policy(self) -> str:
         return self.config.kv_load_failure_policy
+
+    @property
+    def side_channel_authenticated(self) -> bool:
+        """Whether side-channel messages are signed with a deployment secret (what /pdserve/info reports)."""
+        return self.config.side_channel_secret is not None
 
     @property
     def side_channel_port(self) -> int | None:

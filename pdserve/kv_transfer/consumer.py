@@ -4,6 +4,11 @@ Safety rule: the bytes of a load are only reported usable if the producer confir
 was held from the claim until after the READ completed. Otherwise the blocks might have been freed and reused
 mid-read, so the load fails (and the engine applies its failure policy).
 
+A producer that refuses the lease the params name (unknown, expired, already claimed, wrong token: forged,
+replayed or duplicated params), or params that do not fit the request (`mismatch`), are not a failed
+transfer: the result says `rejected=<reason>`, it is counted in `pdserve:kv_lease_rejected_total`, and the
+engine answers the client's mistake as such.
+
 All network and NIXL work runs on a small worker pool; the engine thread only queues work and polls results.
 Every step has a deadline: side-channel calls time out, READs time out (a frozen producer never completes), and
 after a failed READ the handle is released and the remote agent removed (which disconnects it) *before* the
@@ -22,8 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.api.pd import RemotePrefillParams, parse_remote_prefill_params
+from pdserve.api.pd import LEASE_REJECTION_STATUS, RemotePrefillParams, parse_remote_prefill_params
 from pdserve.kv_transfer import side_channel
+from pdserve.kv_transfer.auth import MessageAuth
 from pdserve.kv_transfer.compat import check_compat
 from pdserve.kv_transfer.config import KVTransferConfig
 from pdserve.kv_transfer.errors import (
@@ -62,8 +68,10 @@ class LoadResult:
     num_descriptors: int = 0
     xfer_seconds: float = 0.0  # the NIXL READ alone (post to completion)
     # the HTTP status a failed request gets: 409 when the producer's KV cannot be read here at all
-    # (incompatible layout, model or KV dtype: a deployment mistake, never retried), else 500
+    # (incompatible layout, model or KV dtype: a deployment mistake, never retried), the lease rejection's
+    # status (pdserve.api.pd.LEASE_REJECTION_STATUS) when `rejected`, else 500
     error_status: int = 500
+    rejected: str | None = None  # the producer refused the lease the params name (a client error), and why
 
 
 @dataclass(frozen=True)
@@ -84,13 +92,19 @@ class _LoadFailed(Exception):
     """
 
     def __init__(
-        self, message: str, *, release: tuple[_Remote, str] | None = None, abort: bool = False,
+        self,
+        message: str,
+        *,
+        release: tuple[_Remote, str] | None = None,
+        abort: bool = False,
         incompatible: bool = False,
+        rejected: str | None = None,
     ) -> None:
         super().__init__(message)
         self.release = release
         self.abort = abort
         self.incompatible = incompatible
+        self.rejected = rejected
 
 
 class KVConsumer:
@@ -102,8 +116,10 @@ class KVConsumer:
         region: PoolRegion,
         compat: Mapping[str, Any],
         metrics: TransferMetrics,
+        auth: MessageAuth | None = None,
     ) -> None:
         self._config = config
+        self._auth = auth
         self._agent = agent
         self._region = region
         self._compat = dict(compat)
@@ -220,16 +236,29 @@ class KVConsumer:
             result = self._load(request_id, p, local, first_block, num_tokens, t0)
         except _LoadFailed as exc:
             after, abort = exc.release, exc.abort
-            self._metrics.record_failed_transfer()
-            result = LoadResult(request_id, False, str(exc), seconds=time.perf_counter() - t0,
-                                error_status=409 if exc.incompatible else 500)
+            if exc.rejected is not None:
+                self._metrics.record_lease_rejected(exc.rejected)
+                status = LEASE_REJECTION_STATUS[exc.rejected]
+            else:
+                self._metrics.record_failed_transfer()
+                status = 409 if exc.incompatible else 500
+            result = LoadResult(
+                request_id,
+                False,
+                str(exc),
+                seconds=time.perf_counter() - t0,
+                error_status=status,
+                rejected=exc.rejected,
+            )
         except Exception as exc:
             logger.exception("KV load of request %s failed unexpectedly", request_id)
             self._metrics.record_failed_transfer()
             result = LoadResult(
                 request_id, False, f"{type(exc).__name__}: {exc}", seconds=time.perf_counter() - t0
             )
-        if not result.ok:
+        if result.rejected is not None:
+            logger.info("KV load of request %s refused by the producer: %s", request_id, result.error)
+        elif not result.ok:
             logger.warning("KV load of request %s failed: %s", request_id, result.error)
         with self._lock:
             self._inflight.discard(request_id)
@@ -237,8 +266,8 @@ class KVConsumer:
         self._update_stages()
         if after is not None:
             # The producer can free its blocks early; the outcome does not depend on this call.
-            remote, token = after
-            self._release(remote, p.remote_request_id, token, timeout_s=_NOTIFY_TIMEOUT_S, best_effort=True)
+            remote, claim_token = after
+            self._release(remote, p, claim_token, timeout_s=_NOTIFY_TIMEOUT_S, best_effort=True)
         elif abort:
             self._abort_remote(p)
 
@@ -255,10 +284,12 @@ class KVConsumer:
             len(p.remote_block_ids) < len(local)
             or (p.remote_num_tokens is not None and p.remote_num_tokens < num_tokens)
         ):
+            # The prompt is not the one the prefill computed (or the params were edited): the client's mistake.
             raise _LoadFailed(
                 f"producer holds KV of {p.remote_num_tokens} tokens in {len(p.remote_block_ids)} blocks for "
                 f"request {p.remote_request_id}; {num_tokens} tokens ({len(local)} blocks) are needed",
                 abort=True,
+                rejected="mismatch",
             )
         n = min(len(local), len(p.remote_block_ids))
         if first_block >= n:
@@ -269,15 +300,16 @@ class KVConsumer:
         remote = self._remote_for(p)
         remote, block_ids, token, timeout_s = self._claim(p, remote, n - first_block)
         if tuple(block_ids) != p.remote_block_ids:
-            self._release(remote, p.remote_request_id, token, timeout_s=_NOTIFY_TIMEOUT_S, best_effort=True)
+            self._release(remote, p, token, timeout_s=_NOTIFY_TIMEOUT_S, best_effort=True)
             raise _LoadFailed(
-                f"producer's lease of {p.remote_request_id} covers other blocks than the params name"
+                f"producer's lease of {p.remote_request_id} covers other blocks than the params name",
+                rejected="mismatch",
             )
 
         try:
             check_block_ids(block_ids[first_block:n], remote.pool.num_blocks, "remote")
         except ValueError as exc:
-            self._release(remote, p.remote_request_id, token, timeout_s=_NOTIFY_TIMEOUT_S, best_effort=True)
+            self._release(remote, p, token, timeout_s=_NOTIFY_TIMEOUT_S, best_effort=True)
             raise _LoadFailed(str(exc)) from None
         runs = coalesce_block_runs(local[first_block:n], block_ids[first_block:n])
         local_descs, remote_descs = descriptor_arrays(runs, self._region, remote.pool)
@@ -299,7 +331,7 @@ class KVConsumer:
                 f"KV READ from {remote.host}:{remote.port} failed: {exc}", release=(remote, token)
             ) from None
 
-        held = self._release(remote, p.remote_request_id, token, timeout_s=self._config.transfer_timeout_s)
+        held = self._release(remote, p, token, timeout_s=self._config.transfer_timeout_s)
         if not held:
             raise _LoadFailed(
                 f"producer {remote.host}:{remote.port} did not hold the KV lease of {p.remote_request_id} "
@@ -325,43 +357,54 @@ class KVConsumer:
         timeout_s = self._config.transfer_timeout_s + nbytes / (self._config.transfer_min_gbps * 1e9)
         for attempt in range(2):
             try:
-                reply = side_channel.call(
+                reply = self._call(
                     remote.host,
                     remote.port,
+                    remote.engine_id,
                     "claim",
                     {
                         "request_id": p.remote_request_id,
+                        "lease_token": p.lease_token,
                         "generation": remote.generation,
                         "timeout_s": timeout_s,
                     },
                     self._config.transfer_timeout_s,
                 )
-                return remote, reply["block_ids"], reply["token"], timeout_s
+                return remote, reply["block_ids"], reply["claim_token"], timeout_s
             except SideChannelRefused as exc:
                 if exc.reason == "stale_generation" and attempt == 0:
                     # The producer restarted since we cached its metadata: handshake again, then retry.
                     remote = self._remote_for(p, force=True)
                     continue
+                if exc.reason in LEASE_REJECTION_STATUS:
+                    raise _LoadFailed(str(exc), rejected=exc.reason) from None
                 raise _LoadFailed(f"claim of {p.remote_request_id} refused ({exc.reason}): {exc}") from None
             except SideChannelError as exc:
                 raise _LoadFailed(f"claim of {p.remote_request_id} failed: {exc}") from None
         raise AssertionError("unreachable")
 
+    def _call(
+        self, host: str, port: int, engine_id: str, op: str, fields: Mapping[str, Any], timeout_s: float
+    ) -> dict[str, Any]:
+        return side_channel.call(host, port, op, fields, timeout_s, to=engine_id, auth=self._auth)
+
     def _release(
         self,
         remote: _Remote,
-        remote_request_id: str,
-        token: str,
+        p: RemotePrefillParams,
+        claim_token: str,
         *,
         timeout_s: float,
         best_effort: bool = False,
     ) -> bool:
+        remote_request_id = p.remote_request_id
         try:
-            reply = side_channel.call(
+            reply = self._call(
                 remote.host,
                 remote.port,
+                remote.engine_id,
                 "release",
-                {"request_id": remote_request_id, "token": token},
+                {"request_id": remote_request_id, "lease_token": p.lease_token, "claim_token": claim_token},
                 timeout_s,
             )
             return bool(reply["held_throughout"])
@@ -376,9 +419,18 @@ class KVConsumer:
 
     def _abort_remote(self, p: RemotePrefillParams) -> None:
         try:
-            side_channel.call(
-                p.remote_host, p.remote_port, "abort", {"request_id": p.remote_request_id}, _NOTIFY_TIMEOUT_S
+            self._call(
+                p.remote_host,
+                p.remote_port,
+                p.remote_engine_id,
+                "abort",
+                {"request_id": p.remote_request_id, "lease_token": p.lease_token},
+                _NOTIFY_TIMEOUT_S,
             )
+        except SideChannelRefused as exc:
+            if exc.reason not in LEASE_REJECTION_STATUS:
+                self._metrics.record_failed_notification()
+            logger.info("KV abort of %s refused: %s", p.remote_request_id, exc)  # e.g. forged params' token
         except SideChannelError as exc:
             self._metrics.record_failed_notification()
             logger.info("KV abort of %s not delivered: %s", p.remote_request_id, exc)
@@ -406,9 +458,10 @@ class KVConsumer:
     def _handshake(self, p: RemotePrefillParams) -> _Remote:
         where = f"{p.remote_host}:{p.remote_port}"
         try:
-            reply = side_channel.call(
+            reply = self._call(
                 p.remote_host,
                 p.remote_port,
+                p.remote_engine_id,
                 "handshake",
                 {"engine_id": self._config.engine_id, "compat": self._compat},
                 self._config.handshake_timeout_s,
@@ -444,8 +497,11 @@ class KVConsumer:
                 f"producer {where} restarted (generation {reply['generation']}) since it issued these params "
                 f"(generation {p.generation}); their KV is gone"
             )
+        metadata = reply["agent_metadata"]
+        if self._auth is not None:  # the reply is signed, so it came from a producer with the secret
+            metadata = self._auth.reveal(metadata, reply["re"], reply["generation"])
         try:
-            name = self._agent.add_remote(reply["agent_metadata"], reply["agent_name"])
+            name = self._agent.add_remote(metadata, reply["agent_name"])
         except KVTransferError as exc:
             raise _LoadFailed(f"producer {where}: {exc}", abort=True) from None
         logger.info(
@@ -483,15 +539,19 @@ class KVConsumer:
                 continue
             next_beat = time.monotonic() + interval
             with self._lock:
-                by_producer: dict[tuple[str, int], list[str]] = {}
+                by_producer: dict[tuple[str, int, str], list[RemotePrefillParams]] = {}
                 for p in self._waiting.values():
-                    by_producer.setdefault(p.address, []).append(p.remote_request_id)
-            for (host, port), rids in by_producer.items():
+                    by_producer.setdefault((*p.address, p.remote_engine_id), []).append(p)
+            for (host, port, engine_id), waiting in by_producer.items():
                 if self._stop.is_set():
                     return
+                fields = {
+                    "request_ids": [p.remote_request_id for p in waiting],
+                    "lease_tokens": [p.lease_token for p in waiting],
+                }
                 try:
-                    reply = side_channel.call(
-                        host, port, "heartbeat", {"request_ids": rids}, min(_NOTIFY_TIMEOUT_S, interval)
+                    reply = self._call(
+                        host, port, engine_id, "heartbeat", fields, min(_NOTIFY_TIMEOUT_S, interval)
                     )
                     if reply["unknown"]:
                         logger.info(

@@ -11,11 +11,16 @@ Life of a lease:
 "Freed" means the request id is queued for the engine (`poll_released`), which then frees the blocks.
 Blocks are only ever freed through this table, so a release that finds its lease still CLAIMED proves the
 blocks were untouched for the whole read: that is the `held_throughout` answer the consumer relies on.
+
+Every lease has a random token, handed out once by `hold` (it travels in the prefill response's
+`kv_transfer_params` as `remote_lease_token`). Claim, release, abort and heartbeat act on a lease only with
+its token: knowing a request id is not enough to claim, free or pin someone else's KV (`bad_token`).
 """
 
 from __future__ import annotations
 
 import enum
+import hmac
 import logging
 import secrets
 import threading
@@ -42,12 +47,16 @@ class ClaimRefused(Exception):
         self.reason = reason
 
 
+LEASE_TOKEN_BYTES = 24
+
+
 @dataclass
 class Lease:
     request_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
     expires_at: float
+    token: str
     state: LeaseState = LeaseState.HELD
     claim_token: str | None = None
     claim_deadline: float | None = None
@@ -77,8 +86,8 @@ class LeaseTable:
         self._on_late = on_late
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
-        # request id -> whether a late event was already counted for it.
-        self._expired: OrderedDict[str, bool] = OrderedDict()
+        # request id -> [its lease token, whether a late event was already counted for it].
+        self._expired: OrderedDict[str, list] = OrderedDict()
         self._released: list[str] = []
         self._num_claimed = 0
         self.num_expired = 0
@@ -86,17 +95,17 @@ class LeaseTable:
 
     # ---- engine side -------------------------------------------------------------------------------
 
-    def hold(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> float:
-        """Start a lease; returns its expiry on this table's clock."""
+    def hold(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> str:
+        """Start a lease; returns its token (only the request's own prefill response carries it)."""
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds a KV lease")
-            expires_at = self._clock() + self.duration_s
+            token = secrets.token_urlsafe(LEASE_TOKEN_BYTES)
             self._leases[request_id] = Lease(
-                request_id, tuple(int(b) for b in block_ids), num_tokens, expires_at
+                request_id, tuple(int(b) for b in block_ids), num_tokens, self._clock() + self.duration_s, token
             )
             self._expired.pop(request_id, None)
-            return expires_at
+            return token
 
     def poll_released(self) -> list[str]:
         with self._lock:
@@ -117,38 +126,41 @@ class LeaseTable:
 
     # ---- consumer side (via the side channel) ------------------------------------------------------
 
-    def heartbeat(self, request_ids: Iterable[str]) -> list[str]:
-        """Extend HELD leases to max(old, now + 2/3 duration); returns the ids this table does not hold."""
-        unknown = []
+    def heartbeat(self, leases: Iterable[tuple[str, str]]) -> tuple[list[str], list[str]]:
+        """Extend HELD leases, given as (request id, lease token), to max(old, now + 2/3 duration).
+
+        Returns (ids this table does not hold, ids whose token is wrong); neither is extended. One wrong pair
+        never affects the others: a batch may mix a consumer's honest leases with a client's forged ones.
+        """
+        unknown: list[str] = []
+        refused: list[str] = []
         with self._lock:
             now = self._clock()
-            for rid in request_ids:
+            for rid, token in leases:
                 lease = self._leases.get(rid)
                 if lease is None:
                     unknown.append(rid)
+                elif not _same(lease.token, token):
+                    refused.append(rid)
                 elif lease.state is LeaseState.HELD:
                     # vLLM extends by duration*2//3 (integer seconds); float keeps sub-second leases useful.
                     lease.expires_at = max(lease.expires_at, now + self.duration_s * 2.0 / 3.0)
-        return unknown
+        return unknown, refused
 
-    def claim(self, request_id: str, timeout_s: float) -> tuple[tuple[int, ...], str]:
-        """HELD -> CLAIMED for one read of at most `timeout_s`; returns (block ids, release token)."""
+    def claim(self, request_id: str, token: str, timeout_s: float) -> tuple[tuple[int, ...], str]:
+        """HELD -> CLAIMED for one read of at most `timeout_s`; returns (block ids, claim token)."""
         with self._lock:
             now = self._clock()
             lease = self._leases.get(request_id)
+            if lease is not None and not _same(lease.token, token):
+                raise ClaimRefused("bad_token", _BAD_TOKEN.format(request_id))
             if lease is not None and lease.state is LeaseState.HELD and lease.expires_at <= now:
                 # The reaper has not run yet, but the lease is over: never hand out expiring blocks.
                 self._free_expired_locked(lease)
                 lease = None
             if lease is None:
-                if request_id in self._expired:
-                    self._count_late_locked(request_id, "claim")
-                    raise ClaimRefused(
-                        "expired", f"KV lease of request {request_id!r} expired before the claim"
-                    )
-                raise ClaimRefused(
-                    "unknown", f"no KV lease for request {request_id!r} (never held or already freed)"
-                )
+                self._refuse_missing_locked(request_id, token, "claim")
+            assert lease is not None
             if lease.state is LeaseState.CLAIMED:
                 raise ClaimRefused(
                     "already_claimed", f"KV lease of request {request_id!r} is already claimed"
@@ -160,26 +172,32 @@ class LeaseTable:
             self._num_claimed += 1
             return lease.block_ids, lease.claim_token
 
-    def release(self, request_id: str, token: str) -> bool:
+    def release(self, request_id: str, token: str, claim_token: str) -> bool:
         """End a claimed read; True iff the blocks stayed held from the claim until now."""
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None:
-                if request_id in self._expired:
+                if self._expired_token_locked(request_id, token):
                     self._count_late_locked(request_id, "release")
                 return False
-            if lease.state is not LeaseState.CLAIMED or lease.claim_token != token:
+            if not _same(lease.token, token):
+                raise ClaimRefused("bad_token", _BAD_TOKEN.format(request_id))
+            if lease.state is not LeaseState.CLAIMED or not _same(lease.claim_token or "", claim_token):
                 # Not this caller's claim (e.g. a duplicate decode request): leave the lease alone.
                 logger.warning("KV release for request %s without its claim; ignored", request_id)
                 return False
             self._free_locked(lease)
             return True
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, token: str) -> bool:
         """The consumer gave up before reading: free a HELD lease now. A CLAIMED one is left to its reader."""
         with self._lock:
             lease = self._leases.get(request_id)
-            if lease is None or lease.state is not LeaseState.HELD:
+            if lease is None:
+                return False
+            if not _same(lease.token, token):
+                raise ClaimRefused("bad_token", _BAD_TOKEN.format(request_id))
+            if lease.state is not LeaseState.HELD:
                 return False
             self._free_locked(lease)
             return True
@@ -191,6 +209,7 @@ class LeaseTable:
             if lease is not None:
                 lease.read_notified = True
             elif request_id in self._expired:
+                # NIXL notifications are not authenticated; a forged one can only add to this count.
                 self._count_late_locked(request_id, "read notification")
 
     # ---- reaper ------------------------------------------------------------------------------------
@@ -224,7 +243,7 @@ class LeaseTable:
     def _free_expired_locked(self, lease: Lease) -> None:
         was_claimed = lease.state is LeaseState.CLAIMED
         self._free_locked(lease)
-        self._expired[lease.request_id] = False
+        self._expired[lease.request_id] = [lease.token, False]
         while len(self._expired) > _EXPIRED_MEMORY:
             self._expired.popitem(last=False)
         self.num_expired += 1
@@ -236,10 +255,25 @@ class LeaseTable:
         if self._on_expired is not None:
             self._on_expired(lease.request_id)
 
+    def _expired_token_locked(self, request_id: str, token: str) -> bool:
+        """Whether `request_id`'s lease expired recently and `token` was its token."""
+        entry = self._expired.get(request_id)
+        return entry is not None and _same(entry[0], token)
+
+    def _refuse_missing_locked(self, request_id: str, token: str, what: str) -> None:
+        entry = self._expired.get(request_id)
+        if entry is not None and not _same(entry[0], token):
+            raise ClaimRefused("bad_token", _BAD_TOKEN.format(request_id))
+        if entry is not None:
+            self._count_late_locked(request_id, what)
+            raise ClaimRefused("expired", f"KV lease of request {request_id!r} expired before the {what}")
+        raise ClaimRefused("unknown", f"no KV lease for request {request_id!r} (never held or already freed)")
+
     def _count_late_locked(self, request_id: str, what: str) -> None:
-        if self._expired.get(request_id):
+        entry = self._expired[request_id]
+        if entry[1]:
             return
-        self._expired[request_id] = True
+        entry[1] = True
         self.num_after_expiry += 1
         logger.error(
             "Late %s for request %s whose KV lease already expired; its blocks may have been reused",
@@ -248,3 +282,11 @@ class LeaseTable:
         )
         if self._on_late is not None:
             self._on_late(request_id)
+
+
+_BAD_TOKEN = "the lease token does not match the KV lease of request {!r}"
+
+
+def _same(expected: str, given: str) -> bool:
+    """Token comparison in constant time (no timing hints about how much of a guess was right)."""
+    return hmac.compare_digest(expected.encode(), given.encode())

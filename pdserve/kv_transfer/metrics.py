@@ -1,7 +1,10 @@
 """Transfer statistics: vLLM's periodic `KV Transfer metrics: ...` log line and its `vllm:nixl_*` metrics.
 
 Transfers are recorded by the side that initiates them (the consumer, in pull mode); lease expiries and late
-notifications by the producer. Prometheus objects live on the registry passed in, so several connectors in
+notifications by the producer. Two series of our own, labelled by reason, keep client mistakes and attacks
+out of the failure counts: `pdserve:kv_lease_rejected_total` (consumer: the producer refused the lease a
+request's params name, answered with a 4xx) and `pdserve:kv_side_channel_refused_total` (producer: every
+side-channel message it refused: unauthenticated, replayed, stale, wrong token, ...). Prometheus objects live on the registry passed in, so several connectors in
 one process (tests) never collide on the global registry.
 """
 
@@ -109,6 +112,8 @@ class TransferMetrics:
             "kv_expired_reqs": 0,
             "notifications_after_expiry": 0,
             "bytes": 0,
+            "lease_rejected": 0,
+            "side_channel_refused": 0,
         }
         labels = ["model_name", "engine"]
         values = (model_name, engine)
@@ -165,6 +170,19 @@ class TransferMetrics:
             labels,
             registry=reg,
         ).labels(*values)
+        self._lease_rejected = Counter(
+            "pdserve:kv_lease_rejected",
+            "Decode requests whose kv_transfer_params named a lease the producer refused (client errors, by reason).",
+            [*labels, "reason"],
+            registry=reg,
+        )
+        self._side_channel_refused = Counter(
+            "pdserve:kv_side_channel_refused",
+            "KV side-channel messages this producer refused, by reason (unauthenticated, replay, bad_token, ...).",
+            [*labels, "reason"],
+            registry=reg,
+        )
+        self._label_values = values
         stages = Gauge(
             "vllm:num_requests_kv_fetch_by_stage",
             "Decode requests fetching remote KV, by stage.",
@@ -212,6 +230,16 @@ class TransferMetrics:
         with self._lock:
             self._interval.notifs_after_expiry += 1
             self.totals["notifications_after_expiry"] += 1
+
+    def record_lease_rejected(self, reason: str) -> None:
+        self._lease_rejected.labels(*self._label_values, reason).inc()
+        with self._lock:
+            self.totals["lease_rejected"] += 1
+
+    def record_side_channel_refused(self, reason: str) -> None:
+        self._side_channel_refused.labels(*self._label_values, reason).inc()
+        with self._lock:
+            self.totals["side_channel_refused"] += 1
 
     def set_fetch_stages(self, *, waiting_to_start: int, in_progress: int, completed_waiting: int) -> None:
         self._stages["waiting_to_start"].set(waiting_to_start)

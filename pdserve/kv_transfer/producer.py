@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pdserve.api.pd import build_producer_params
+from pdserve.kv_transfer.auth import MessageAuth
 from pdserve.kv_transfer.compat import compat_differences
 from pdserve.kv_transfer.config import KVTransferConfig
 from pdserve.kv_transfer.errors import SideChannelRefused
@@ -24,7 +25,7 @@ from pdserve.kv_transfer.leases import ClaimRefused, LeaseTable
 from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.nixl_agent import NixlAgent
 from pdserve.kv_transfer.pool import PoolRegion, bind_cuda_device
-from pdserve.kv_transfer.side_channel import SideChannelServer
+from pdserve.kv_transfer.side_channel import PEER_KEY, SideChannelServer
 
 logger = logging.getLogger("pdserve.kv_transfer")
 
@@ -46,8 +47,10 @@ class KVProducer:
         region: PoolRegion,
         compat: Mapping[str, Any],
         metrics: TransferMetrics,
+        auth: MessageAuth | None = None,
     ) -> None:
         self._config = config
+        self._auth = auth
         self._server = server
         self._agent = agent
         self._region = region
@@ -80,7 +83,7 @@ class KVProducer:
             raise ValueError(
                 f"block ids out of range for a pool of {self._region.num_blocks} blocks: {bad[:8]}"
             )
-        self.leases.hold(request_id, block_ids, num_tokens)
+        lease_token = self.leases.hold(request_id, block_ids, num_tokens)
         return build_producer_params(
             request_id=request_id,
             block_ids=block_ids,
@@ -91,6 +94,7 @@ class KVProducer:
             port=self._server.port,
             generation=self.generation,
             lease_duration_s=self._config.kv_lease_duration,
+            lease_token=lease_token,
         )
 
     def poll_released(self) -> list[str]:
@@ -106,26 +110,37 @@ class KVProducer:
     def _handle(self, op: str, msg: dict[str, Any]) -> dict[str, Any]:
         if op == "handshake":
             return self._handshake(msg)
-        rid = msg.get("request_id")
-        if op == "claim":
-            if msg["generation"] != self.generation:
-                raise SideChannelRefused(
-                    "stale_generation",
-                    f"claim for generation {msg['generation']}, this producer is generation {self.generation}",
-                )
-            try:
-                block_ids, token = self.leases.claim(rid, msg["timeout_s"])
-            except ClaimRefused as exc:
-                raise SideChannelRefused(exc.reason, str(exc)) from None
-            self._wake.set()  # switch the progress loop to fast polling now
-            return {"block_ids": list(block_ids), "token": token}
-        if op == "release":
-            return {"held_throughout": self.leases.release(rid, msg["token"])}
-        if op == "abort":
-            return {"freed": self.leases.abort(rid)}
-        if op == "heartbeat":
-            return {"unknown": self.leases.heartbeat(msg["request_ids"])}
+        try:
+            if op == "heartbeat":
+                return self._heartbeat(msg["request_ids"], msg["lease_tokens"], msg.get(PEER_KEY, "?"))
+            rid, token = msg["request_id"], msg["lease_token"]
+            if op == "claim":
+                if msg["generation"] != self.generation:
+                    raise SideChannelRefused(
+                        "stale_generation",
+                        f"claim for generation {msg['generation']}, this producer is generation {self.generation}",
+                    )
+                block_ids, claim_token = self.leases.claim(rid, token, msg["timeout_s"])
+                self._wake.set()  # switch the progress loop to fast polling now
+                return {"block_ids": list(block_ids), "claim_token": claim_token}
+            if op == "release":
+                return {"held_throughout": self.leases.release(rid, token, msg["claim_token"])}
+            if op == "abort":
+                return {"freed": self.leases.abort(rid, token)}
+        except ClaimRefused as exc:
+            raise SideChannelRefused(exc.reason, str(exc)) from None
         raise SideChannelRefused("bad_request", f"unsupported op {op!r}")
+
+    def _heartbeat(self, request_ids: list[str], tokens: list[str], peer: str) -> dict[str, Any]:
+        if len(request_ids) != len(tokens):
+            raise SideChannelRefused(
+                "bad_request", f"heartbeat names {len(request_ids)} request ids but {len(tokens)} lease tokens"
+            )
+        unknown, refused = self.leases.heartbeat(zip(request_ids, tokens, strict=True))
+        for rid in refused:
+            # Counted and logged like any refusal; the consumer sees these leases as unknown (not extended).
+            self._server.note_refusal("bad_token", peer, "heartbeat", f"wrong lease token for {rid!r}; not extended")
+        return {"unknown": unknown + refused}
 
     def _handshake(self, msg: dict[str, Any]) -> dict[str, Any]:
         diffs = compat_differences(self._compat, msg["compat"], ("producer", "consumer"))
@@ -136,10 +151,14 @@ class KVProducer:
             raise SideChannelRefused("incompatible", f"incompatible KV layout/model: {text}")
         self._boost_until = time.monotonic() + _HANDSHAKE_BOOST_S
         self._wake.set()
+        metadata = self._agent_metadata
+        if self._auth is not None:
+            # Readable only with the secret, even if the (signed) request was relayed by someone without it.
+            metadata = self._auth.conceal(metadata, msg["nonce"], self.generation)
         return {
             "engine_id": self._config.engine_id,
             "agent_name": self._agent.name,
-            "agent_metadata": self._agent_metadata,
+            "agent_metadata": metadata,
             "generation": self.generation,
             "compat": self._compat,
             "pool": self._region.describe(),

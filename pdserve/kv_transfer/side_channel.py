@@ -1,16 +1,24 @@
 """The KV side channel: a small versioned RPC over TCP between a consumer and a producer.
 
-Wire format: each message is a 4-byte big-endian length followed by a msgpack map (never pickle)
-`{"v": PROTOCOL_VERSION, "op": <op>, ...fields}`; a reply is `{"v", "ok": true, ...fields}` or
-`{"v", "ok": false, "reason": <code>, "error": <text>}`. Every field is type-checked on both ends.
+Wire format: each frame is a 4-byte big-endian length followed by a msgpack map (never pickle), the envelope
+`{"v": PROTOCOL_VERSION, "msg": <bytes>, "mac": <bytes or nil>}`. `msg` is itself a msgpack map:
 
-Ops (consumer -> producer):
-    handshake  {engine_id, compat}                -> {engine_id, agent_name, agent_metadata, generation,
-                                                      compat, pool, lease_duration_s}
-    claim      {request_id, generation, timeout_s} -> {block_ids, token}
-    release    {request_id, token}                 -> {held_throughout}
-    abort      {request_id}                        -> {freed}
-    heartbeat  {request_ids}                       -> {unknown}
+    request  {"op", "to": producer engine id, "ts": wall-clock seconds, "nonce": 16 random bytes, ...fields}
+    reply    {"re": the request's nonce, "ok": true, ...fields}  or  {"re", "ok": false, "reason", "error"}
+
+With a deployment secret (`pdserve.kv_transfer.auth`), `mac` signs `msg` (HMAC-SHA256, direction-labelled):
+the producer acts only on requests that verify, are fresh and not replayed, and are addressed to it (`to`);
+the consumer accepts only replies that verify and answer its own nonce. Every field is type-checked on both
+ends; every refusal is counted (`on_refused`) and logged (rate-limited per reason).
+
+Ops (consumer -> producer); every lease op names the lease's own token, which only the prefill response of
+that request carried (`remote_lease_token`):
+    handshake  {engine_id, compat}                                 -> {engine_id, agent_name, agent_metadata,
+                                                                       generation, compat, pool, lease_duration_s}
+    claim      {request_id, lease_token, generation, timeout_s}    -> {block_ids, claim_token}
+    release    {request_id, lease_token, claim_token}              -> {held_throughout}
+    abort      {request_id, lease_token}                           -> {freed}
+    heartbeat  {request_ids, lease_tokens}                         -> {unknown}
 
 The client opens one connection per call: calls are rare (a handshake per producer, two calls per request,
 a heartbeat batch every few seconds) and a fresh connection can never carry a stale reply or outlive a
@@ -32,6 +40,7 @@ from typing import Any
 
 import msgpack
 
+from pdserve.kv_transfer.auth import REPLY, REQUEST, AuthRefused, MessageAuth, ReplayGuard, new_nonce
 from pdserve.kv_transfer.compat import PROTOCOL_VERSION
 from pdserve.kv_transfer.errors import SideChannelError, SideChannelRefused, SideChannelTimeout
 
@@ -45,12 +54,14 @@ _MAX_CONNECTIONS = 512
 _ZMTP_SIGNATURE = b"\xff\x00\x00\x00"
 
 _Number = (int, float)
+ENVELOPE_FIELDS: dict[str, Any] = {"v": int, "msg": bytes}
+COMMON_REQUEST_FIELDS: dict[str, Any] = {"op": str, "to": str, "ts": _Number, "nonce": bytes}
 REQUEST_FIELDS: dict[str, dict[str, Any]] = {
     "handshake": {"engine_id": str, "compat": dict},
-    "claim": {"request_id": str, "generation": int, "timeout_s": _Number},
-    "release": {"request_id": str, "token": str},
-    "abort": {"request_id": str},
-    "heartbeat": {"request_ids": (list, str)},
+    "claim": {"request_id": str, "lease_token": str, "generation": int, "timeout_s": _Number},
+    "release": {"request_id": str, "lease_token": str, "claim_token": str},
+    "abort": {"request_id": str, "lease_token": str},
+    "heartbeat": {"request_ids": (list, str), "lease_tokens": (list, str)},
 }
 REPLY_FIELDS: dict[str, dict[str, Any]] = {
     "handshake": {
@@ -62,7 +73,7 @@ REPLY_FIELDS: dict[str, dict[str, Any]] = {
         "pool": dict,
         "lease_duration_s": _Number,
     },
-    "claim": {"block_ids": (list, int), "token": str},
+    "claim": {"block_ids": (list, int), "claim_token": str},
     "release": {"held_throughout": bool},
     "abort": {"freed": bool},
     "heartbeat": {"unknown": (list, str)},
@@ -135,18 +146,52 @@ class FrameDecoder:
         return out
 
 
-def _error_reply(reason: str, error: str) -> dict[str, Any]:
-    return {"v": PROTOCOL_VERSION, "ok": False, "reason": reason, "error": error}
-
-
 Handler = Callable[[str, dict[str, Any]], dict[str, Any]]
+RefusalCounter = Callable[[str], None]
+
+# A refusal reason is logged at once the first time, then at most once per this many seconds (with a count of
+# the ones in between): a flood of forged messages must not flood the log.
+_REFUSAL_LOG_EVERY_S = 10.0
+
+
+class _Refusal(Exception):
+    def __init__(self, reason: str, message: str, nonce: bytes | None = None, op: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.nonce = nonce
+        self.op = op
+
+
+class _RefusalLog:
+    """Counts every refusal and logs it, rate-limited per reason."""
+
+    def __init__(self, counter: RefusalCounter | None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._counter = counter
+        self._clock = clock
+        self._next: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def note(self, reason: str, peer: str, op: str | None, text: str) -> None:
+        if self._counter is not None:
+            self._counter(reason)
+        now = self._clock()
+        with self._lock:
+            if now < self._next.get(reason, 0.0):
+                self._suppressed[reason] = self._suppressed.get(reason, 0) + 1
+                return
+            self._next[reason] = now + _REFUSAL_LOG_EVERY_S
+            suppressed = self._suppressed.pop(reason, 0)
+        more = f" (and {suppressed} more {reason!r} refusals since the last such line)" if suppressed else ""
+        logger.warning("KV side channel refused %s from %s (%s): %s%s", op or "a message", peer, reason, text, more)
 
 
 class _Conn:
-    __slots__ = ("sock", "decoder", "out", "last_active")
+    __slots__ = ("sock", "peer", "decoder", "out", "last_active")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock = sock
+        self.peer = peer
         self.decoder = FrameDecoder()
         self.out = bytearray()
         self.last_active = time.monotonic()
@@ -156,13 +201,28 @@ class SideChannelServer:
     """Single-threaded selector server; handlers are short (table lookups), so one thread suffices.
 
     Binding happens in the constructor so that a taken port fails startup at once with a clear message.
+    `engine_id` is the producer this channel serves (requests addressed to another are refused); with `auth`,
+    only signed, fresh, never-seen requests reach the handler.
     """
 
     def __init__(
-        self, host: str, port: int, handler: Handler | None = None, *, name: str = "pdserve-kv-side-channel"
+        self,
+        host: str,
+        port: int,
+        handler: Handler | None = None,
+        *,
+        engine_id: str,
+        auth: MessageAuth | None = None,
+        replay_guard: ReplayGuard | None = None,
+        on_refused: RefusalCounter | None = None,
+        name: str = "pdserve-kv-side-channel",
     ) -> None:
         self._handler = handler
         self._name = name
+        self._engine_id = engine_id
+        self._auth = auth
+        self._replay = (replay_guard or ReplayGuard()) if auth is not None else None
+        self._refusals = _RefusalLog(on_refused)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         # Lets a restarted producer rebind while old connections sit in TIME_WAIT; an active listener on the
@@ -188,6 +248,10 @@ class SideChannelServer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._conns: dict[int, _Conn] = {}
+
+    @property
+    def authenticated(self) -> bool:
+        return self._auth is not None
 
     def set_handler(self, handler: Handler) -> None:
         self._handler = handler
@@ -236,7 +300,7 @@ class SideChannelServer:
     def _accept(self, sel: selectors.BaseSelector) -> None:
         while True:
             try:
-                sock, _ = self._sock.accept()
+                sock, addr = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
@@ -247,7 +311,7 @@ class SideChannelServer:
                 continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock)
+            conn = _Conn(sock, f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr))
             self._conns[sock.fileno()] = conn
             sel.register(sock, selectors.EVENT_READ, conn)
 
@@ -277,14 +341,14 @@ class SideChannelServer:
                 return
             if data:
                 try:
-                    messages = conn.decoder.feed(data)
+                    frames = conn.decoder.feed(data)
                 except ProtocolError as exc:
-                    conn.out += encode_frame(_error_reply("bad_request", str(exc)))
+                    conn.out += encode_frame(self._refuse(_Refusal("bad_request", str(exc)), conn.peer, None))
                     self._flush(sel, conn)
                     self._drop(sel, conn)
                     return
-                for msg in messages:
-                    conn.out += encode_frame(self._dispatch(msg))
+                for frame in frames:
+                    conn.out += encode_frame(self._dispatch(frame, conn.peer))
         self._flush(sel, conn)
 
     def _flush(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
@@ -301,28 +365,90 @@ class SideChannelServer:
         with contextlib.suppress(KeyError, ValueError):
             sel.modify(conn.sock, want, conn)
 
-    def _dispatch(self, msg: dict[str, Any]) -> dict[str, Any]:
-        version = msg.get("v")
+    # ---- one request -------------------------------------------------------------------------------
+
+    def _seal(self, reply: Mapping[str, Any]) -> dict[str, Any]:
+        payload = msgpack.packb(dict(reply), use_bin_type=True)
+        mac = self._auth.sign(REPLY, payload) if self._auth is not None else None
+        return {"v": PROTOCOL_VERSION, "msg": payload, "mac": mac}
+
+    def _refuse(self, refusal: _Refusal, peer: str, op: str | None) -> dict[str, Any]:
+        self._refusals.note(refusal.reason, peer, op, str(refusal))
+        return self._seal({"re": refusal.nonce, "ok": False, "reason": refusal.reason, "error": str(refusal)})
+
+    def _open(self, frame: dict[str, Any]) -> dict[str, Any]:
+        """The request inside an envelope, once it is known to be acceptable (else `_Refusal`)."""
+        version = frame.get("v")
         if version != PROTOCOL_VERSION:
-            return _error_reply(
+            raise _Refusal(
                 "bad_request",
                 f"side channel protocol version mismatch: peer speaks {version!r}, this producer {PROTOCOL_VERSION}",
             )
+        payload = frame.get("msg")
+        if not isinstance(payload, bytes):
+            raise _Refusal("bad_request", "envelope lacks the message bytes")
+        if self._auth is not None and not self._auth.verify(REQUEST, payload, frame.get("mac")):
+            # Says nothing about what would have been accepted: the peer does not hold the secret.
+            raise _Refusal(
+                "unauthenticated",
+                f"this KV side channel requires the deployment secret ({_SECRET_HINT}); the message is not "
+                "signed with it",
+            )
+        try:
+            msg = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise _Refusal("bad_request", f"undecodable message: {exc}") from None
+        if not isinstance(msg, dict):
+            raise _Refusal("bad_request", "message is not a map")
+        nonce = msg.get("nonce") if isinstance(msg.get("nonce"), bytes) else None
         op = msg.get("op")
         if op not in REQUEST_FIELDS:
-            return _error_reply("bad_request", f"unknown op {op!r}")
+            raise _Refusal("bad_request", f"unknown op {op!r}", nonce)
         try:
+            check_fields(msg, COMMON_REQUEST_FIELDS, f"{op} request")
             check_fields(msg, REQUEST_FIELDS[op], f"{op} request")
+        except ProtocolError as exc:
+            raise _Refusal("bad_request", str(exc), nonce, op) from None
+        if msg["to"] != self._engine_id:
+            raise _Refusal(
+                "wrong_engine", f"this side channel serves engine {self._engine_id!r}, not {msg['to']!r}", nonce, op
+            )
+        if self._replay is not None:
+            try:
+                self._replay.check(float(msg["ts"]), msg["nonce"])
+            except AuthRefused as exc:
+                raise _Refusal(exc.reason, str(exc), nonce, op) from None
+        return msg
+
+    def note_refusal(self, reason: str, peer: str, op: str | None, text: str) -> None:
+        """Count and log (rate-limited) a refusal a handler answers inside a successful reply (e.g. the
+        heartbeat pairs with a wrong lease token)."""
+        self._refusals.note(reason, peer, op, text)
+
+    def _dispatch(self, frame: dict[str, Any], peer: str) -> dict[str, Any]:
+        op: str | None = None
+        nonce: bytes | None = None
+        try:
+            msg = self._open(frame)
+            op, nonce = msg["op"], msg["nonce"]
+            msg[PEER_KEY] = peer  # for the handler's own refusal notes
             assert self._handler is not None
             reply = self._handler(op, msg)
+        except _Refusal as exc:
+            return self._refuse(exc, peer, exc.op or op)
         except ProtocolError as exc:
-            return _error_reply("bad_request", str(exc))
+            return self._refuse(_Refusal("bad_request", str(exc), nonce), peer, op)
         except SideChannelRefused as exc:
-            return _error_reply(exc.reason, str(exc))
+            return self._refuse(_Refusal(exc.reason, str(exc), nonce), peer, op)
         except Exception as exc:
             logger.exception("KV side channel handler failed for op %s", op)
-            return _error_reply("internal", f"{type(exc).__name__}: {exc}")
-        return {"v": PROTOCOL_VERSION, "ok": True, **reply}
+            return self._refuse(_Refusal("internal", f"{type(exc).__name__}: {exc}", nonce), peer, op)
+        return self._seal({"re": nonce, "ok": True, **reply})
+
+
+_SECRET_HINT = "PDSERVE_KV_SECRET or kv_connector_extra_config.side_channel_secret"
+# The peer's address, added to a request's message for its handler (never a wire field: set after checks).
+PEER_KEY = "_peer"
 
 
 def _connect_host(host: str) -> str:
@@ -330,13 +456,29 @@ def _connect_host(host: str) -> str:
     return "127.0.0.1" if host == "localhost" else host
 
 
-def call(host: str, port: int, op: str, fields: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
-    """One request/reply on a fresh connection; the whole exchange is bounded by `timeout_s`."""
+def call(
+    host: str,
+    port: int,
+    op: str,
+    fields: Mapping[str, Any],
+    timeout_s: float,
+    *,
+    to: str,
+    auth: MessageAuth | None = None,
+) -> dict[str, Any]:
+    """One request/reply on a fresh connection to the producer `to`; the exchange is bounded by `timeout_s`.
+
+    With `auth` the request is signed and the reply must be signed with the same secret and answer this
+    request's nonce; without it the producer must not require a secret (it refuses otherwise).
+    """
     if op not in REQUEST_FIELDS:
         raise ValueError(f"unknown side channel op {op!r}")
-    request = {"v": PROTOCOL_VERSION, "op": op, **fields}
+    nonce = new_nonce()
+    request = {"op": op, "to": to, "ts": time.time(), "nonce": nonce, **fields}
     check_fields(request, REQUEST_FIELDS[op], f"{op} request")
-    frame = encode_frame(request)
+    payload = msgpack.packb(request, use_bin_type=True)
+    mac = auth.sign(REQUEST, payload) if auth is not None else None
+    frame = encode_frame({"v": PROTOCOL_VERSION, "msg": payload, "mac": mac})
     where = f"{host}:{port}"
     deadline = time.monotonic() + timeout_s
     try:
@@ -359,7 +501,7 @@ def call(host: str, port: int, op: str, fields: Mapping[str, Any], timeout_s: fl
                 raise SideChannelError(f"KV side channel {where} closed the connection during {op}")
             messages = decoder.feed(data)
             if messages:
-                reply = messages[0]
+                envelope = messages[0]
                 break
     except TimeoutError:
         raise SideChannelTimeout(
@@ -371,14 +513,39 @@ def call(host: str, port: int, op: str, fields: Mapping[str, Any], timeout_s: fl
         raise SideChannelError(f"KV side channel {where} failed during {op}: {exc}") from None
     finally:
         sock.close()
+    return _open_reply(envelope, op, nonce, where, auth)
 
-    if reply.get("v") != PROTOCOL_VERSION:
+
+def _open_reply(
+    envelope: dict[str, Any], op: str, nonce: bytes, where: str, auth: MessageAuth | None
+) -> dict[str, Any]:
+    if envelope.get("v") != PROTOCOL_VERSION:
         raise ProtocolError(
-            f"KV side channel {where} speaks protocol {reply.get('v')!r}, we speak {PROTOCOL_VERSION}"
+            f"KV side channel {where} speaks protocol {envelope.get('v')!r}, we speak {PROTOCOL_VERSION}"
         )
+    check_fields(envelope, ENVELOPE_FIELDS, f"{op} reply envelope from {where}")
+    payload = envelope["msg"]
+    if auth is not None and not auth.verify(REPLY, payload, envelope.get("mac")):
+        raise SideChannelError(
+            f"KV side channel {where}: the reply to {op} is not signed with this deployment's secret (the producer "
+            f"has no secret, or another one): give every instance the same {_SECRET_HINT}"
+        )
+    try:
+        reply = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"KV side channel {where}: undecodable reply: {exc}") from None
+    if not isinstance(reply, dict):
+        raise ProtocolError(f"KV side channel {where}: reply is not a map")
+    answers = reply.get("re")
     if reply.get("ok") is not True:
+        # An error names our nonce, or none when the producer could not read the request at all; either way it
+        # only ever makes the call fail.
+        if answers is not None and answers != nonce:
+            raise ProtocolError(f"KV side channel {where}: the reply answers another request")
         reason = reply.get("reason") if isinstance(reply.get("reason"), str) else "internal"
         error = reply.get("error") if isinstance(reply.get("error"), str) else "no error text"
         raise SideChannelRefused(reason, f"producer {where} refused {op}: {error}")
+    if answers != nonce:
+        raise ProtocolError(f"KV side channel {where}: the reply answers another request")
     check_fields(reply, REPLY_FIELDS[op], f"{op} reply from {where}")
     return reply

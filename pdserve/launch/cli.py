@@ -36,7 +36,15 @@ import httpx
 
 from pdserve.launch import procs as launch_procs
 from pdserve.launch.config import ENGINES, LaunchConfig, apply_file, load_file, parse_topology
-from pdserve.launch.spec import ADMIN_KEY_ENV, Deployment, ProcSpec, build_deployment, cpu_list, format_shell
+from pdserve.launch.spec import (
+    ADMIN_KEY_ENV,
+    KV_SECRET_ENV,
+    Deployment,
+    ProcSpec,
+    build_deployment,
+    cpu_list,
+    format_shell,
+)
 from pdserve.launch.supervise import RestartPolicy, RestartTracker
 
 TAIL_LINES = 25
@@ -412,6 +420,12 @@ def run(cfg: LaunchConfig, dep: Deployment, *, demo: bool, exit_after: bool, dem
             if dep.admin_key_file is not None:
                 dep.proxy.env[ADMIN_KEY_ENV] = _write_admin_key(dep.admin_key_file)
                 say(f"  proxy admin key (POST /pdserve/instances) in {dep.admin_key_file}")
+            if dep.kv_secret:
+                # One secret per deployment, in the instances' environment only (restarts reuse their spec).
+                secret = secrets.token_hex(32)
+                for spec in dep.instances:
+                    spec.env[KV_SECRET_ENV] = secret
+                say(f"  KV side channels authenticated with a secret of this deployment ({KV_SECRET_ENV})")
             ready = session.start_all(dep)
             if not ready.ok:
                 return session.report_not_ready(ready)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pdserve.launch.config import LaunchConfig, default_log_dir
-from pdserve.launch.spec import UCX_GET_ZCOPY, has_flag, kv_transfer_config
+from pdserve.launch.spec import KV_SECRET_ENV, UCX_GET_ZCOPY, has_flag, kv_transfer_config
 
 ROLES = ("prefill", "decode", "collocated")
 NAME_SEP = "/"  # Ray actor names: "<app>/inst-<k>", "<app>/proxy", "<app>/controller"
@@ -220,6 +222,13 @@ def build_app_spec(cfg: LaunchConfig, opts: RayOptions, *, model: str, cluster_g
     log_dir = (cfg.log_dir or default_log_dir()).expanduser().absolute()
     templates = {role: _instance_spec(cfg, opts, role, model, gpus_each, log_dir, served_model_name)
                  for role, _ in roles}
+    if topo.disaggregated:
+        # As `pdserve up`: one KV side-channel secret per deployment, in the instances' environment (the
+        # side channels listen on the nodes' addresses, which a producer without a secret refuses). The
+        # driver's own PDSERVE_KV_SECRET, if any, is the deployment's.
+        secret = os.environ.get(KV_SECRET_ENV) or secrets.token_hex(32)
+        for template in templates.values():
+            template.env.setdefault(KV_SECRET_ENV, secret)
     instances = [templates[role] for role, count in roles for _ in range(count)]
     if opts.autoscale is not None and not topo.disaggregated:
         raise ValueError("--autoscale sizes prefill and decode pools: it needs a P/D topology (e.g. 1p1d)")

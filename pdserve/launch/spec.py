@@ -23,6 +23,7 @@ UCX_GET_ZCOPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 GPU_MEMORY_UTILIZATION = 0.9  # what one instance alone on a GPU uses (vllm serve's default)
 ADMIN_KEY_FILE = "admin-key"  # in the log folder, mode 0600: the proxy's --admin-key (env PDSERVE_ADMIN_KEY)
 ADMIN_KEY_ENV = "PDSERVE_ADMIN_KEY"
+KV_SECRET_ENV = "PDSERVE_KV_SECRET"  # the KV side channel's deployment secret (pdserve.kv_transfer.auth)
 
 
 @dataclass
@@ -52,6 +53,9 @@ class Deployment:
     device: str  # "cpu" or "cuda"
     notes: list[str] = field(default_factory=list)
     admin_key_file: Path | None = None  # None: the user gave the proxy its admin key (or none is made)
+    # A KV side-channel secret is generated at start and given to every instance by environment (never argv);
+    # False: no KV transfer, another engine, or the user's own PDSERVE_KV_SECRET is inherited.
+    kv_secret: bool = False
 
     def role(self, role: str) -> list[ProcSpec]:
         return [s for s in self.instances if s.role == role]
@@ -312,7 +316,9 @@ def build_deployment(
     proxy = ProcSpec("proxy", "proxy", proxy_argv, {}, cfg.host, proxy_port, cfg.log_dir / "proxy.log")
     user_key = has_flag(cfg.proxy_args, "--admin-key") or bool(env.get(ADMIN_KEY_ENV))
     admin_key_file = None if user_key else cfg.log_dir / ADMIN_KEY_FILE
-    return Deployment(instances, proxy, model_arg, device, notes, admin_key_file)
+    user_secret = bool(env.get(KV_SECRET_ENV)) or any(KV_SECRET_ENV in s.env for s in instances)
+    kv_secret = topo.disaggregated and cfg.engine == "pdserve" and not user_secret
+    return Deployment(instances, proxy, model_arg, device, notes, admin_key_file, kv_secret)
 
 
 def has_flag(argv: list[str], flag: str) -> bool:
@@ -362,6 +368,13 @@ def format_shell(dep: Deployment, cfg: LaunchConfig) -> str:
         f"mkdir -p {shlex.quote(str(cfg.log_dir))}",
         "",
     ]
+    if dep.kv_secret:
+        lines += [
+            "# the instances' KV side channels authenticate each other with a secret of this deployment",
+            f"export {KV_SECRET_ENV}=\"$({shlex.quote(sys.executable)} -c 'import secrets; "
+            "print(secrets.token_hex(32))')\"",
+            "",
+        ]
     for wave in sorted({spec.wave for spec in dep.instances}):
         specs = [spec for spec in dep.instances if spec.wave == wave]
         for spec in specs:

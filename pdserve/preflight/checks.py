@@ -446,27 +446,41 @@ def check_transfer_time(run: TransferRun, opts: Options, target: Target) -> Chec
     return Check("kv transfer time", PASS, detail, data)
 
 
-def check_counters(run: TransferRun | None, client: httpx.Client, target: Target) -> Check:
-    """Row 5: lease expiries and failed transfers are zero on every instance (the seed's step 5)."""
-    snaps = run.after if run is not None else _snapshots(client, target.instances)
-    if not any(s.present for s in snaps.values()):
+def counter_snapshots(client: httpx.Client, target: Target) -> dict[str, NixlSnapshot]:
+    """Every instance's nixl counters now: taken when preflight starts, so that row 5 judges its own run."""
+    return _snapshots(client, target.instances)
+
+
+def check_counters(before: dict[str, NixlSnapshot], after: dict[str, NixlSnapshot], target: Target) -> Check:
+    """Row 5: no lease expired and no transfer or notification failed on any instance *while preflight ran*
+    (the seed's step 5). Counts from before the run are reported, never judged: they may be a fault fixed
+    since, and a process's totals only grow until it restarts."""
+    if not any(s.present for s in after.values()):
         return Check("leases/failures", SKIP, "no instance exports vllm:nixl_* counters")
-    problems, totals = [], {name: 0.0 for name in COUNTERS}
+    problems, earlier = [], []
+    deltas, totals = {name: 0.0 for name in COUNTERS}, {name: 0.0 for name in COUNTERS}
     for inst in target.instances:
-        snap = snaps.get(inst.url)
+        snap = after.get(inst.url)
         if snap is None or not snap.present:
             continue
+        base = before.get(inst.url) or NixlSnapshot()
         for name in COUNTERS:
-            value = snap.counter(name)
+            value, delta = snap.counter(name), snap.counter(name) - base.counter(name)
             totals[name] += value
-            if value > 0:
-                delta = f", +{value - run.before[inst.url].counter(name):g} during preflight" if run else ""
-                problems.append(f"{inst.role} {_short(inst.url)}: {name.removeprefix('vllm:')}={value:g}{delta}")
-    data = {k.removeprefix("vllm:"): v for k, v in totals.items()}
+            deltas[name] += delta
+            label = f"{inst.role} {_short(inst.url)}: {name.removeprefix('vllm:')}"
+            if delta > 0:
+                problems.append(f"{label} +{delta:g} during preflight (total {value:g})")
+            elif value > 0:
+                earlier.append(f"{label}={value:g}")
+    data = {k.removeprefix("vllm:"): v for k, v in deltas.items()}
+    data["before_preflight"] = {k.removeprefix("vllm:"): totals[k] - deltas[k] for k in COUNTERS}
     if problems:
-        hint = " (lease expiries: raise kv_lease_duration or fix slow/failed pulls)" if totals[EXPIRED] else ""
+        hint = " (lease expiries: raise kv_lease_duration or fix slow/failed pulls)" if deltas[EXPIRED] else ""
         return Check("leases/failures", FAIL, "; ".join(problems) + hint, data)
-    return Check("leases/failures", PASS, "expired leases, failed transfers and notifications: all 0", data)
+    note = f" (before it, not judged: {'; '.join(earlier)})" if earlier else ""
+    return Check("leases/failures", PASS,
+                 f"expired leases, failed transfers and notifications during preflight: all 0{note}", data)
 
 
 def bandwidth_help() -> str:

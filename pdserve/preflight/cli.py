@@ -34,12 +34,12 @@ from pdserve.preflight.checks import (
     Options,
     Requester,
     Target,
-    TransferRun,
     bandwidth_help,
     check_configs,
     check_counters,
     check_short_request,
     check_transfer_time,
+    counter_snapshots,
     discover,
     send_long_prompts,
 )
@@ -149,6 +149,7 @@ def run_checks(opts: Options) -> list[Check]:
         if target is None:
             checks += [Check(name, SKIP, "no deployment to check") for name in ROWS[1:]]
             return checks
+        baseline = counter_snapshots(client, target)  # row 5 judges what happens from here on
         checks.append(check_configs(target))
         checks.append(check_gpu_p2p(target, opts))
         checks.append(check_ucx_transport(target, opts))
@@ -157,11 +158,10 @@ def run_checks(opts: Options) -> list[Check]:
             # a KV transfer between mismatched instances can only fail (and count as a failure on decode)
             why = "versions/configs failed: a transfer between these instances would be refused"
             checks += [Check("short request", SKIP, why), Check("kv transfer time", SKIP, why),
-                       check_counters(None, client, target)]
+                       check_counters(baseline, counter_snapshots(client, target), target)]
             return checks
         short = check_short_request(req)
         checks.append(short)
-        run: TransferRun | None = None
         if not target.disaggregated:
             checks.append(Check("kv transfer time", SKIP, "collocated deployment: no KV transfer"))
         elif short.status == FAIL:
@@ -171,9 +171,8 @@ def run_checks(opts: Options) -> list[Check]:
             if isinstance(result, Check):
                 checks.append(result)
             else:
-                run = result
-                checks.append(check_transfer_time(run, opts, target))
-        checks.append(check_counters(run, client, target))
+                checks.append(check_transfer_time(result, opts, target))
+        checks.append(check_counters(baseline, counter_snapshots(client, target), target))
     return checks
 
 

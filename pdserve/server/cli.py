@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV side-channel host (env VLLM_NIXL_SIDE_CHANNEL_HOST as fallback)")
     p.add_argument("--side-channel-port", type=int, default=None,
                    help="KV side-channel port (env VLLM_NIXL_SIDE_CHANNEL_PORT as fallback)")
+    p.add_argument("--insecure-side-channel", action="store_true",
+                   help="let a producer's KV side channel listen on a non-loopback address without a deployment "
+                        "secret (PDSERVE_KV_SECRET): anyone who reaches it can read the KV cache")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 (env VLLM_API_KEY)")
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="bound on the waiting queue; requests beyond it get 503")
@@ -167,7 +170,8 @@ def build_state(args: argparse.Namespace) -> Any:
     config = engine_config(args)
     model_arg = config.model
     names = args.served_model_name or [model_arg or DEFAULT_MODEL]
-    kv_cfg = parse_kv_transfer_config(args.kv_transfer_config, args.side_channel_host, args.side_channel_port)
+    kv_cfg = parse_kv_transfer_config(args.kv_transfer_config, args.side_channel_host, args.side_channel_port,
+                                      args.insecure_side_channel)
     registry = CollectorRegistry()
     factory = connector_factory(kv_cfg, registry, names[0]) if kv_cfg is not None else None
     engine = AsyncEngine(config, factory)
@@ -195,6 +199,8 @@ def build_state(args: argparse.Namespace) -> Any:
         "engine_id": kv_cfg.engine_id if kv_cfg is not None else None,
         "side_channel_host": kv_cfg.side_channel_host if kv_cfg is not None else None,
         "side_channel_port": getattr(connector, "side_channel_port", None) if connector is not None else None,
+        # whether side-channel messages are signed with a deployment secret (the secret itself is never shown)
+        "side_channel_auth": kv_cfg.side_channel_secret is not None if kv_cfg is not None else None,
         "kv_buffer_device": (kv_cfg.kv_buffer_device if kv_cfg is not None else None)
         or ("cuda" if runner.device.type == "cuda" else "cpu"),
         "ucx_tls": os.environ.get("UCX_TLS"),
@@ -234,7 +240,8 @@ def _check_ports(args: argparse.Namespace) -> str | None:
     if problem:
         return f"--port: {problem}"
     try:
-        kv_cfg = parse_kv_transfer_config(args.kv_transfer_config, args.side_channel_host, args.side_channel_port)
+        kv_cfg = parse_kv_transfer_config(args.kv_transfer_config, args.side_channel_host, args.side_channel_port,
+                                          args.insecure_side_channel)
     except ValueError as e:
         return f"--kv-transfer-config: {e}"
     if kv_cfg is not None and kv_cfg.is_producer:

@@ -17,6 +17,8 @@ _TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    409: "ConflictError",
+    410: "GoneError",
     413: "RequestEntityTooLargeError",
     500: "InternalServerError",
     501: "NotImplementedError",

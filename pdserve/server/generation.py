@@ -33,7 +33,9 @@ class Choice:
     num_cached_tokens: int = 0
     kv_transfer_result: dict[str, Any] | None = None
     error: str | None = None
-    error_status: int = 500
+    error_status: int = 500  # with `error`: the HTTP status it is answered with
+    # The producer refused the lease the kv_transfer_params name (why): the error is the client's, not ours.
+    kv_rejection: str | None = None
     finished: bool = False
     first_output: RequestOutput | None = field(default=None, repr=False)
 
@@ -62,9 +64,12 @@ class Generation:
         failed = {c.index for c in first if c.first_output is not None and c.first_output.finish_reason == "error"}
         for c in forks:
             if c.fork_of in failed:  # the load failed: the request fails with it, nothing to fork
+                loader = next(x.first_output for x in first if x.index == c.fork_of)
+                assert loader is not None
                 c.fork_of = None
                 c.finished = True
-                c.error = next(x.first_output.error for x in first if x.index in failed) or "KV load failed"
+                c.error = loader.error or "KV load failed"
+                c.error_status, c.kv_rejection = loader.error_status, loader.kv_rejection  # the same answer
         await self._submit([c for c in forks if not c.finished])
 
     async def _submit(self, choices: list[Choice]) -> None:
@@ -100,6 +105,7 @@ class Generation:
                 if out.finish_reason == "error":
                     choice.error = out.error or "the engine failed this request"
                     choice.error_status = out.error_status
+                    choice.kv_rejection = out.kv_rejection
         return delta
 
     async def _one(self, i: int) -> AsyncIterator[tuple[Choice, RequestOutput, TextDelta]]:

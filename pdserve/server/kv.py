@@ -9,13 +9,15 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 
-def parse_kv_transfer_config(raw: str | None, side_channel_host: str | None, side_channel_port: int | None) -> Any:
+def parse_kv_transfer_config(raw: str | None, side_channel_host: str | None, side_channel_port: int | None,
+                             insecure_side_channel: bool = False) -> Any:
     """KVTransferConfig or None; raises ValueError with a readable message for a bad config."""
     if raw is None:
         return None
     from pdserve.kv_transfer.config import KVTransferConfig
 
-    return KVTransferConfig.from_json(raw, side_channel_host=side_channel_host, side_channel_port=side_channel_port)
+    return KVTransferConfig.from_json(raw, side_channel_host=side_channel_host, side_channel_port=side_channel_port,
+                                      insecure_side_channel=insecure_side_channel)
 
 
 def connector_factory(kv_config: Any, registry: CollectorRegistry, model_name: str) -> Callable[[Any], Any]:

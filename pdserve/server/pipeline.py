@@ -117,13 +117,17 @@ async def respond(state: ServerState, raw_request: Any, choices: list[Choice], v
             on_close()
         raise
     recorders = Recorders(state, choices, arrival)
-    if stream:
+    if stream and not any(_failed_at_once(c) for c in choices):
         return StreamingResponse(guarded_stream(view.frames(gen, recorders), gen, recorders, on_close),
                                  media_type="text/event-stream")
+    # Also a stream whose request already failed with a client-side status (a refused lease, an incompatible
+    # producer): known before any byte is sent, so it gets its 4xx (from run_to_end), not a frame in a 200.
     try:
         await run_to_end(gen, recorders, raw_request)
         return JSONResponse(view.body(gen))
     finally:
+        if stream:
+            await gen.close()
         if on_close is not None:
             on_close()
 
@@ -162,11 +166,23 @@ def engine_error(choices: Sequence[Choice]) -> Choice | None:
 
 
 def engine_error_response(choice: Choice) -> APIError:
-    """A 500 for an engine failure; a 409 when this decode instance cannot read its producer's KV at all
-    (an incompatible model, layout or KV cache dtype: the deployment is wrong, a retry will not help)."""
+    """The response for a choice the engine finished with an error: a 4xx naming kv_transfer_params when the
+    producer refused the lease they name (forged, replayed, expired, duplicated or mismatched params); a 409
+    when this decode instance cannot read its producer's KV at all (an incompatible model, layout or KV cache
+    dtype: the deployment is wrong, a retry will not help); else a 500."""
+    if choice.kv_rejection is not None and choice.error_status < 500:
+        return APIError(f"kv_transfer_params rejected ({choice.kv_rejection}): {choice.error}",
+                        choice.error_status, "kv_transfer_params")
     if choice.error_status == 409:
         return APIError(f"KV transfer impossible: {choice.error}", 409, err_type="ConflictError")
     return APIError(f"Internal server error: {choice.error}", 500)
+
+
+def _failed_at_once(choice: Choice) -> bool:
+    """The choice's first output already ended it with a client-side status (known before any byte)."""
+    first = choice.first_output
+    return (first is not None and first.finished and first.finish_reason == "error"
+            and first.error_status < 500)
 
 
 async def run_to_end(gen: Generation, recorders: Recorders, raw_request: Any) -> None:

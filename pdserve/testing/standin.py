@@ -210,6 +210,7 @@ class Standin:
                 request_id=f"{'chatcmpl' if chat else 'cmpl'}-{rid}-0-{uuid.uuid4().hex[:8]}",
                 block_ids=blocks, num_tokens=len(ids), num_cached_tokens=0, engine_id=st.engine_id,
                 host="localhost", port=5600, generation=0, lease_duration_s=30.0,
+                lease_token=uuid.uuid4().hex,
             )
         out = self._final(body, chat, rid, " tok0", 1, kv)
         if chat and body.get("return_token_ids"):
