@@ -10,12 +10,17 @@ import torch
 from pdserve.cpu.threads import DECODE_STEP_TOKENS, ENV, StepThreads
 
 
-def test_default_is_one_thread_for_decode_and_all_for_prefill(monkeypatch):
+def test_default_leaves_one_core(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     t = StepThreads.from_env()
-    assert (t.decode, t.prefill) == (1, torch.get_num_threads())
+    n = max(1, torch.get_num_threads() - 1)
+    assert (t.decode, t.prefill) == (n, n)
+
+
+def test_decode_and_prefill_sized_steps():
+    t = StepThreads(1, 3)
     assert t.for_step(1) == t.for_step(DECODE_STEP_TOKENS) == 1
-    assert t.for_step(DECODE_STEP_TOKENS + 1) == torch.get_num_threads()
+    assert t.for_step(DECODE_STEP_TOKENS + 1) == 3
 
 
 @pytest.mark.parametrize("value,expect", [("2", (2, 2)), ("1,3", (1, 3)), (" 2,1 ", (2, 1))])

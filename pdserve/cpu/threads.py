@@ -1,15 +1,15 @@
 """How many torch threads a CPU step runs with: one count for decode-sized steps, one for prefill-sized.
 
-A decode step is bound by streaming the weights; it gains little from a second thread on a small box, and
-every one of its ~300 short parallel regions waits at a barrier for the slowest thread, so when anything
-else wants a core (the HTTP event loop of the same server, a benchmark client, other processes) a thread
-that is descheduled stalls the whole step: measured on the shared 2-core box (load 3-5), a SmolLM2 decode
-step at batch 4 took 91 ms on one thread and 180-820 ms on two. Prefill steps are compute-bound and long
-per region, so they keep every core.
+Default: every core but one, for both (one on a 2-core box), as vLLM's CPU backend does (`reserve_cpu_num=1`:
+its log on the 2-core box reads "core ids=[0]", "Reducing Torch threads from 2 to 1 for serving"). A step is
+hundreds of OpenMP regions, and each waits at a barrier for its slowest thread; when the server's own HTTP
+thread, a client or another process takes one of the engine's cores, the thread the OS descheduled stalls
+every region. Measured on the shared 2-core box (load 3-5), a SmolLM2 decode step at batch 4 took 91 ms on one
+thread and 180-820 ms on two; under load 20-30 a 2048-token prefill took 6-13 s on two threads where vLLM's
+one thread prefilled at about twice that rate.
 
-`PDSERVE_CPU_THREADS=D[,P]` sets the decode and prefill counts (P defaults to D); unset, decode steps use
-one thread and prefill steps torch's default (`torch.get_num_threads()` at start: the cores, or
-OMP_NUM_THREADS).
+`PDSERVE_CPU_THREADS=D[,P]` sets the decode and prefill counts (P defaults to D), e.g. `2` to give the
+engine both cores of an otherwise idle 2-core box.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ class StepThreads:
     def from_env(cls) -> StepThreads:
         value = os.environ.get(ENV, "").strip()
         if not value:
-            return cls(1, torch.get_num_threads())
+            n = max(1, torch.get_num_threads() - 1)  # torch's default: the cores, or OMP_NUM_THREADS
+            return cls(n, n)
         try:
             parts = [int(p) for p in value.split(",")]
         except ValueError:
