@@ -62,9 +62,10 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
-def test_matches_reference(case, heads, kv_heads):
+@pytest.mark.parametrize("d", [32, 64, 128])  # 64 and 128 have unrolled kernels, others the generic loops
+def test_matches_reference(case, heads, kv_heads, d):
     lib = _lib()
-    pool, q, k, v, meta = _step(CASES[case], num_blocks=64, heads=heads, kv_heads=kv_heads, d=32, seed=3)
+    pool, q, k, v, meta = _step(CASES[case], num_blocks=64, heads=heads, kv_heads=kv_heads, d=d, seed=3)
     ref_pool = pool.clone()
     layer = 1
     ours = CpuPagedAttention(lib)

@@ -42,6 +42,71 @@ static inline float pd_expf_any(float x) {
     return pd_expf(x);
 }
 
+/* Per-block pieces of the attention, with head_dim a compile-time constant for the common sizes (64, 128):
+ * the loops unroll into whole-vector loads and FMAs; other sizes take the generic loops. */
+typedef float pd_v16 __attribute__((vector_size(64), aligned(4)));
+typedef float pd_v8 __attribute__((vector_size(32), aligned(4)));
+typedef float pd_v4 __attribute__((vector_size(16), aligned(4)));
+
+static inline float pd_hsum16(pd_v16 v) {
+    pd_v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    pd_v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* scores[t] = scale * (qh . k_t) for the n keys of one block (rows token_stride apart) */
+#define PD_BLOCK_DOTS(D)                                                                                      \
+    static void pd_block_dots_##D(const float *qh, const float *k, int64_t token_stride, int n, float scale,  \
+                                  float *scores, int head_dim) {                                              \
+        (void)head_dim;                                                                                       \
+        pd_v16 qv[D / 16];                                                                                    \
+        for (int j = 0; j < D / 16; j++) qv[j] = *(const pd_v16 *)(qh + 16 * j);                             \
+        for (int t = 0; t < n; t++) {                                                                         \
+            const float *kr = k + (int64_t)t * token_stride;                                                  \
+            pd_v16 acc = qv[0] * *(const pd_v16 *)kr;                                                         \
+            for (int j = 1; j < D / 16; j++) acc += qv[j] * *(const pd_v16 *)(kr + 16 * j);                  \
+            scores[t] = pd_hsum16(acc) * scale;                                                               \
+        }                                                                                                     \
+    }
+/* acc += sum_t p[t] * v_t over the n values of one block */
+#define PD_BLOCK_AXPY(D)                                                                                      \
+    static void pd_block_axpy_##D(const float *p, const float *v, int64_t token_stride, int n, float *acc,   \
+                                  int head_dim) {                                                             \
+        (void)head_dim;                                                                                       \
+        pd_v16 a[D / 16];                                                                                     \
+        for (int j = 0; j < D / 16; j++) a[j] = *(const pd_v16 *)(acc + 16 * j);                             \
+        for (int t = 0; t < n; t++) {                                                                         \
+            const float *vr = v + (int64_t)t * token_stride;                                                  \
+            for (int j = 0; j < D / 16; j++) a[j] += p[t] * *(const pd_v16 *)(vr + 16 * j);                  \
+        }                                                                                                     \
+        for (int j = 0; j < D / 16; j++) *(pd_v16 *)(acc + 16 * j) = a[j];                                   \
+    }
+PD_BLOCK_DOTS(64)
+PD_BLOCK_DOTS(128)
+PD_BLOCK_AXPY(64)
+PD_BLOCK_AXPY(128)
+
+static void pd_block_dots_any(const float *qh, const float *k, int64_t token_stride, int n, float scale,
+                              float *scores, int head_dim) {
+    for (int t = 0; t < n; t++) {
+        const float *kr = k + (int64_t)t * token_stride;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int d = 0; d < head_dim; d++) dot += qh[d] * kr[d];
+        scores[t] = dot * scale;
+    }
+}
+
+static void pd_block_axpy_any(const float *p, const float *v, int64_t token_stride, int n, float *acc,
+                              int head_dim) {
+    for (int t = 0; t < n; t++) {
+        const float *vr = v + (int64_t)t * token_stride;
+#pragma omp simd
+        for (int d = 0; d < head_dim; d++) acc[d] += p[t] * vr[d];
+    }
+}
+
 /* Paged causal attention for short query runs (decode, and short chunks), reading K/V where they lie in the
  * pool: no gather into a contiguous copy, no padding.
  *
@@ -62,6 +127,10 @@ void pd_paged_attention(const float *q, int64_t q_row_stride, const float *k_cac
                         int num_kv_heads, int head_dim, int block_size, float scale, float *out,
                         int64_t out_row_stride, int num_threads) {
     const int group = num_heads / num_kv_heads;
+    void (*block_dots)(const float *, const float *, int64_t, int, float, float *, int) =
+        head_dim == 64 ? pd_block_dots_64 : head_dim == 128 ? pd_block_dots_128 : pd_block_dots_any;
+    void (*block_axpy)(const float *, const float *, int64_t, int, float *, int) =
+        head_dim == 64 ? pd_block_axpy_64 : head_dim == 128 ? pd_block_axpy_128 : pd_block_axpy_any;
 
     /* One work item per sequence: each key row (all KV heads, contiguous) is read once for every query
      * head of the row, and each sequence's sums are one thread's, so results do not depend on the
@@ -89,21 +158,13 @@ void pd_paged_attention(const float *q, int64_t q_row_stride, const float *k_cac
             for (int j = 0; j < q_len; j++) {
                 const int n_keys = ctx + j + 1;
                 const float *qrow = q + (int64_t)(row0 + j) * q_row_stride;
-                /* scores[h][t] = scale * q_h . k_t */
+                /* scores[h][t] = scale * q_h . k_t, block by block */
                 for (int t0 = 0; t0 < n_keys; t0 += block_size) {
                     const float *kb = k_cache + (int64_t)table[t0 / block_size] * block_stride;
-                    const int t_end = t0 + block_size < n_keys ? t0 + block_size : n_keys;
-                    for (int t = t0; t < t_end; t++) {
-                        const float *krow = kb + (int64_t)(t - t0) * token_stride;
-                        for (int h = 0; h < num_heads; h++) {
-                            const float *qh = qrow + (int64_t)h * head_dim;
-                            const float *kp = krow + (int64_t)(h / group) * head_stride;
-                            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                            for (int d = 0; d < head_dim; d++) dot += qh[d] * kp[d];
-                            scores[(int64_t)h * seq_len + t] = dot * scale;
-                        }
-                    }
+                    const int n = t0 + block_size < n_keys ? block_size : n_keys - t0;
+                    for (int h = 0; h < num_heads; h++)
+                        block_dots(qrow + (int64_t)h * head_dim, kb + (int64_t)(h / group) * head_stride,
+                                   token_stride, n, scale, scores + (int64_t)h * seq_len + t0, head_dim);
                 }
                 /* softmax numerators in place; the denominators divide at the end */
                 for (int h = 0; h < num_heads; h++) {
@@ -122,17 +183,10 @@ void pd_paged_attention(const float *q, int64_t q_row_stride, const float *k_cac
                 for (int i = 0; i < num_heads * head_dim; i++) acc[i] = 0.0f;
                 for (int t0 = 0; t0 < n_keys; t0 += block_size) {
                     const float *vb = v_cache + (int64_t)table[t0 / block_size] * block_stride;
-                    const int t_end = t0 + block_size < n_keys ? t0 + block_size : n_keys;
-                    for (int t = t0; t < t_end; t++) {
-                        const float *vrow = vb + (int64_t)(t - t0) * token_stride;
-                        for (int h = 0; h < num_heads; h++) {
-                            const float p = scores[(int64_t)h * seq_len + t];
-                            const float *vp = vrow + (int64_t)(h / group) * head_stride;
-                            float *ah = acc + (int64_t)h * head_dim;
-#pragma omp simd
-                            for (int d = 0; d < head_dim; d++) ah[d] += p * vp[d];
-                        }
-                    }
+                    const int n = t0 + block_size < n_keys ? block_size : n_keys - t0;
+                    for (int h = 0; h < num_heads; h++)
+                        block_axpy(scores + (int64_t)h * seq_len + t0, vb + (int64_t)(h / group) * head_stride,
+                                   token_stride, n, acc + (int64_t)h * head_dim, head_dim);
                 }
                 float *orow = out + (int64_t)(row0 + j) * out_row_stride;
                 for (int h = 0; h < num_heads; h++) {
