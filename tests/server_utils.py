@@ -30,8 +30,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_model_dir(root: Path) -> Path:
-    """Tiny random Llama (vocab of SmolLM2) with SmolLM2's tokenizer, chat template and generation config."""
+def make_model_dir(root: Path, **overrides) -> Path:
+    """Tiny random Llama (vocab of SmolLM2) with SmolLM2's tokenizer, chat template and generation config;
+    `overrides` go to make_tiny_model (e.g. num_key_value_heads=1)."""
     from tiny_models import make_tiny_model
 
     from pdserve.model.default_model import resolve_model
@@ -39,7 +40,7 @@ def make_model_dir(root: Path) -> Path:
     src = Path(resolve_model("smollm2-135m"))
     out = root / "tiny-smol"
     out.mkdir(parents=True, exist_ok=True)
-    make_tiny_model(out, "llama", vocab_size=49152, max_position_embeddings=512)
+    make_tiny_model(out, "llama", vocab_size=49152, max_position_embeddings=512, **overrides)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(src / name, out / name)
     return out

@@ -193,6 +193,7 @@ def test_producer_params_round_trip() -> None:
     assert parsed.remote_block_ids == (4, 5, 9) and parsed.generation == 7
     assert parsed.address == ("127.0.0.1", 5600) and parsed.remote_request_id == "r1"
     assert parsed.lease_token == "tok-" + "x" * 28 and "tok-" not in repr(parsed)  # never logged
+    assert parsed.tp_size == 1 and parse_remote_prefill_params(_params(tp_size=4)).tp_size == 4
     # vLLM schema v1 sent a flat list.
     assert parse_remote_prefill_params(_params(remote_block_ids=[1, 2])).remote_block_ids == (1, 2)
 
@@ -216,7 +217,10 @@ def test_producer_params_round_trip() -> None:
         (_params(remote_lease_token=None), "missing remote_lease_token .only a pdserve prefill"),
         (_params(remote_lease_token=5), "remote_lease_token must be a non-empty string"),
         (_params(remote_block_ids=[]), "non-empty"),
-        (_params(tp_size=2), "tp_size=2"),
+        (_params(tp_size=0), "tp_size must be a positive integer"),
+        (_params(tp_size=True), "tp_size must be a positive integer"),
+        (_params(tp_size=4096), "tp_size=4096 is more than"),
+        (_params(pp_size=2), "pp_size=2: producers with pipeline"),
         (_params(remote_host=""), "remote_host"),
         (_params(transfer_mode="push"), "push"),
         (_params(remote_registration_generation="7"), "generation"),

@@ -221,9 +221,11 @@ def build_producer_params(
     generation: int,
     lease_duration_s: float,
     lease_token: str,
+    tp_size: int = 1,
 ) -> dict[str, Any]:
     """The `kv_transfer_params` a prefill response carries (vLLM 0.33 pull mode, plus `lease_expires_at` and
-    `remote_lease_token`)."""
+    `remote_lease_token`). `tp_size` is the producer's tensor-parallel size: its KV heads are split over that
+    many pools (the handshake describes each), and a consumer of another TP size maps heads between them."""
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -234,7 +236,7 @@ def build_producer_params(
         "remote_host": host,
         "remote_port": port,
         "remote_num_tokens": int(num_tokens),
-        "tp_size": 1,
+        "tp_size": int(tp_size),
         "dcp_size": 1,
         "pp_size": 1,
         "remote_blocks_expiry_time": None,
@@ -273,6 +275,8 @@ LEASE_REJECTION_STATUS: Mapping[str, int] = {
     "mismatch": 400,  # the params name other blocks than the lease, or fewer tokens than this prompt needs
 }
 
+# Bound on a producer's parallel sizes as read from params: more ranks than any host has is a bad value.
+MAX_TP_SIZE = 1024
 
 
 @dataclass(frozen=True)
@@ -287,6 +291,7 @@ class RemotePrefillParams:
     remote_num_tokens: int | None
     generation: int | None  # remote_registration_generation: which producer incarnation issued them
     lease_token: str = field(repr=False, default="")  # remote_lease_token; never logged
+    tp_size: int = 1  # the producer's tensor-parallel size (its KV heads live in that many pools)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -351,16 +356,18 @@ def parse_remote_prefill_params(params: Any) -> RemotePrefillParams:
     if not _is_int(port) or not 1 <= port <= 65535:
         raise _bad(f"remote_port must be an integer in 1..65535, got {port!r}")
 
+    sizes: dict[str, int] = {}
     for name in ("tp_size", "pp_size", "dcp_size"):
         value = params.get(name, 1)
         if value is None:
             value = 1
         if not _is_int(value) or value < 1:
             raise _bad(f"{name} must be a positive integer, got {value!r}")
-        if value != 1:
-            raise _bad(
-                f"{name}={value}: producers with tensor/pipeline/context parallelism are not supported"
-            )
+        if value > MAX_TP_SIZE:
+            raise _bad(f"{name}={value} is more than {MAX_TP_SIZE}")
+        if value != 1 and name != "tp_size":
+            raise _bad(f"{name}={value}: producers with pipeline/context parallelism are not supported")
+        sizes[name] = value
 
     num_tokens = params.get("remote_num_tokens")
     if num_tokens is not None and (not _is_int(num_tokens) or num_tokens < 0):
@@ -378,4 +385,5 @@ def parse_remote_prefill_params(params: Any) -> RemotePrefillParams:
         remote_num_tokens=num_tokens,
         generation=generation,
         lease_token=lease_token,
+        tp_size=sizes["tp_size"],
     )

@@ -14,12 +14,17 @@
     connector.shutdown()
 
 Roles: kv_producer runs the side channel and leases, kv_consumer loads, kv_both does both with one NIXL agent.
+
+Tensor parallelism (`tp_size` > 1): `pool` is rank 0's shard and `rank_agents(name, backends, params, loopback,
+gpu)` starts the NIXL agents of ranks 1..N-1 over their own shards (in their processes), returning handles
+with NixlAgent's methods and a `region`. The side channel, leases and load bookkeeping stay here; the
+handshake describes every rank, and each rank's READs run on its own agent.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -34,12 +39,16 @@ from pdserve.kv_transfer.params import RemotePrefillParams, parse_remote_prefill
 from pdserve.kv_transfer.pool import pretouch, region_of
 from pdserve.kv_transfer.producer import KVProducer
 from pdserve.kv_transfer.side_channel import SideChannelServer
+from pdserve.parallel.layout import kv_heads_per_rank
+
+# rank_agents(name prefix, backends, backend params, loopback, gpu) -> the agents of ranks 1..N-1
+RankAgentsFactory = Callable[[str, tuple[str, ...], dict, bool, bool], Sequence[Any]]
 
 logger = logging.getLogger("pdserve.kv_transfer")
 
 
 def _check_pool_matches(
-    region_shape: tuple[int, ...], region_dtype: str, compat: Mapping[str, Any], block_size: int
+    region_shape: tuple[int, ...], region_dtype: str, compat: Mapping[str, Any], block_size: int, tp_size: int = 1
 ) -> None:
     _, layers, _, bs, heads, dim = region_shape
     expected = {
@@ -56,7 +65,9 @@ def _check_pool_matches(
             raise ValueError(f"unknown kv_scales scheme {compat['kv_scales']!r}")
         expected["head_dim"] = dim - fp8_kv.SCALE_BYTES
         expected["kv_cache_dtype"] = compat["kv_cache_dtype"] if region_dtype == "uint8" else region_dtype
-    wrong = [f"{k}: compat={compat[k]!r} pool={v!r}" for k, v in expected.items() if compat[k] != v]
+    wanted = dict(compat)
+    wanted["num_kv_heads"] = kv_heads_per_rank(tp_size, int(compat["num_kv_heads"]))  # one rank's share
+    wrong = [f"{k}: compat={wanted[k]!r} pool={v!r}" for k, v in expected.items() if wanted[k] != v]
     if block_size != bs:
         wrong.append(f"block_size argument {block_size} != pool {bs}")
     if wrong:
@@ -74,11 +85,16 @@ class KVConnector:
         registry: CollectorRegistry | None = None,
         model_name: str | None = None,
         engine_label: str = "0",
+        tp_size: int = 1,
+        rank_agents: RankAgentsFactory | None = None,
     ) -> None:
         self.config = config
         self.compat = normalize_compat(compat)
         self.region = region_of(pool)
-        _check_pool_matches(self.region.shape, self.region.dtype, self.compat, block_size)
+        self.tp_size = tp_size
+        if (tp_size > 1) != (rank_agents is not None):
+            raise ValueError("a tensor-parallel connector needs its ranks' agents (and only it)")
+        _check_pool_matches(self.region.shape, self.region.dtype, self.compat, block_size, tp_size)
         if config.kv_buffer_device is not None:
             want = "VRAM" if config.kv_buffer_device == "cuda" else "DRAM"
             if want != self.region.mem_type:
@@ -101,6 +117,7 @@ class KVConnector:
         )
         self._server: SideChannelServer | None = None
         self._agent: NixlAgent | None = None
+        self._rank_agents: list[Any] = []  # ranks 1..N-1
         self.producer: KVProducer | None = None
         self.consumer: KVConsumer | None = None
         auth = MessageAuth(config.side_channel_secret) if config.side_channel_secret is not None else None
@@ -118,6 +135,17 @@ class KVConnector:
             pretouch(self.region)
             self._agent = NixlAgent(config.engine_id, config.backends, dict(config.backend_params))
             self._agent.register(self.region)
+            if rank_agents is not None:
+                self._rank_agents = list(rank_agents(
+                    config.engine_id, config.backends, dict(config.backend_params),
+                    is_loopback_host(config.side_channel_host), self.region.mem_type == "VRAM"))
+                for r, agent in enumerate(self._rank_agents, start=1):
+                    _check_pool_matches(tuple(agent.region.shape), agent.region.dtype, self.compat, block_size,
+                                        tp_size)
+                    if agent.region.num_blocks != self.region.num_blocks:
+                        raise ValueError(f"rank {r} has {agent.region.num_blocks} KV blocks, rank 0 "
+                                         f"{self.region.num_blocks}")
+            ranks = [(self._agent, self.region), *((a, a.region) for a in self._rank_agents)]
             if config.is_producer:
                 assert self._server is not None
                 self.producer = KVProducer(
@@ -128,6 +156,7 @@ class KVConnector:
                     compat=self.compat,
                     metrics=self.metrics,
                     auth=auth,
+                    ranks=ranks,
                 )
                 self._server.start()
             if config.is_consumer:
@@ -138,6 +167,7 @@ class KVConnector:
                     compat=self.compat,
                     metrics=self.metrics,
                     auth=auth,
+                    ranks=ranks,
                 )
         except BaseException:
             self.shutdown()
@@ -155,14 +185,15 @@ class KVConnector:
                 SECRET_ENV,
             )
         logger.info(
-            "KV connector ready: role=%s engine_id=%s pool=%s %.1f MiB in %d blocks of %d bytes%s, side-channel "
-            "messages %s",
+            "KV connector ready: role=%s engine_id=%s pool=%s %.1f MiB in %d blocks of %d bytes%s%s, "
+            "side-channel messages %s",
             config.kv_role,
             config.engine_id,
             self.region.mem_type,
             self.region.length / 2**20,
             self.region.num_blocks,
             self.region.block_bytes,
+            f" per rank, {tp_size} tensor-parallel ranks" if tp_size > 1 else "",
             f", side channel {config.side_channel_host}:{self.side_channel_port}" if self._server else "",
             "authenticated (deployment secret)" if auth is not None else "unauthenticated",
         )
@@ -205,6 +236,9 @@ class KVConnector:
         if self.producer is not None:
             self.producer.shutdown()
             self.producer = None
+        for agent in self._rank_agents:
+            agent.close()
+        self._rank_agents = []
         if self._agent is not None:
             self._agent.close()
             self._agent = None

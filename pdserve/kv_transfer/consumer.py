@@ -13,6 +13,10 @@ All network and NIXL work runs on a small worker pool; the engine thread only qu
 Every step has a deadline: side-channel calls time out, READs time out (a frozen producer never completes), and
 after a failed READ the handle is released and the remote agent removed (which disconnects it) *before* the
 failure is reported, so nothing can land in the local blocks after the engine gets them back.
+
+Tensor parallelism (either side): the handshake lists the producer's ranks; each local rank loads the agents
+of the producer ranks that hold its KV heads and READs exactly those heads into its own pool shard
+(`head_split`); one claim and one release cover all ranks, and a load succeeds only if every rank's READs did.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,17 +44,19 @@ from pdserve.kv_transfer.errors import (
     TransferFailed,
     TransferTimeout,
 )
+from pdserve.kv_transfer.head_split import RankRead, RowGeometry, plan_rank_reads, source_ranks
 from pdserve.kv_transfer.metrics import TransferMetrics
-from pdserve.kv_transfer.nixl_agent import NixlAgent
+from pdserve.kv_transfer.nixl_agent import NixlAgent, ReadStats
 from pdserve.kv_transfer.pool import (
     PoolRegion,
     RemotePool,
     bind_cuda_device,
     check_block_ids,
     coalesce_block_runs,
-    descriptor_arrays,
 )
 from pdserve.kv_transfer.producer import NOTIF_PREFIX
+from pdserve.kv_transfer.side_channel import POOL_FIELDS, ProtocolError, check_fields
+from pdserve.parallel.layout import kv_heads_per_rank
 
 logger = logging.getLogger("pdserve.kv_transfer")
 
@@ -75,6 +81,12 @@ class LoadResult:
 
 
 @dataclass(frozen=True)
+class _RemoteRank:
+    agent_name: str
+    pool: RemotePool
+
+
+@dataclass(frozen=True)
 class _Remote:
     engine_id: str
     agent_name: str
@@ -82,6 +94,12 @@ class _Remote:
     host: str
     port: int
     pool: RemotePool
+    tp_size: int = 1
+    ranks: tuple[_RemoteRank, ...] = ()  # every producer rank, rank 0 (agent_name, pool) first
+    # for each local rank, the producer agents it loaded (removed again when the producer is forgotten)
+    loaded: tuple[tuple[str, ...], ...] = ()
+
+_RANK_FIELDS = {"agent_name": str, "agent_metadata": bytes, "pool": dict}
 
 
 class _LoadFailed(Exception):
@@ -117,13 +135,24 @@ class KVConsumer:
         compat: Mapping[str, Any],
         metrics: TransferMetrics,
         auth: MessageAuth | None = None,
+        ranks: Sequence[tuple[Any, PoolRegion]] | None = None,
     ) -> None:
+        """ranks: (agent, region) of every local tensor-parallel rank, rank 0 (`agent`, `region`) first."""
         self._config = config
         self._auth = auth
         self._agent = agent
         self._region = region
+        self._ranks = list(ranks) if ranks is not None else [(agent, region)]
         self._compat = dict(compat)
         self._block_size = int(compat["block_size"])
+        self._num_kv_heads = int(compat["num_kv_heads"])
+        layers = int(compat["num_layers"])
+        local_heads = kv_heads_per_rank(len(self._ranks), self._num_kv_heads)
+        # one head's bytes in one token row, as the pool holds it (an fp8 head carries its scale bytes inline)
+        self._geometry = RowGeometry(layers, self._block_size,
+                                     region.block_bytes // (layers * 2 * self._block_size * local_heads))
+        # READs of the ranks (and of several producer ranks) of one load run side by side
+        self._read_pool: ThreadPoolExecutor | None = None
         self._metrics = metrics
         self._lock = threading.Lock()
         self._remotes: dict[str, _Remote] = {}
@@ -214,6 +243,8 @@ class KVConsumer:
         self._heartbeats.join(timeout=5.0)
         # Running loads finish within their deadlines; queued ones are dropped.
         self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._read_pool is not None:
+            self._read_pool.shutdown(wait=True)
 
     def num_cached_remotes(self) -> int:
         with self._lock:
@@ -308,22 +339,22 @@ class KVConsumer:
 
         try:
             check_block_ids(block_ids[first_block:n], remote.pool.num_blocks, "remote")
+            runs = coalesce_block_runs(local[first_block:n], block_ids[first_block:n])
+            plans = [
+                (d, plan_rank_reads(runs, geometry=self._geometry, num_kv_heads=self._num_kv_heads, dst_rank=d,
+                                    dst_tp=len(self._ranks), src_tp=remote.tp_size, local=region,
+                                    remotes=[r.pool for r in remote.ranks]))
+                for d, (_, region) in enumerate(self._ranks)
+            ]
         except ValueError as exc:
             self._release(remote, p, token, timeout_s=_NOTIFY_TIMEOUT_S, best_effort=True)
             raise _LoadFailed(str(exc)) from None
-        runs = coalesce_block_runs(local[first_block:n], block_ids[first_block:n])
-        local_descs, remote_descs = descriptor_arrays(runs, self._region, remote.pool)
-        nbytes = (n - first_block) * self._region.block_bytes
+        nbytes = sum(r.nbytes for _, reads in plans for r in reads)
+        num_descriptors = sum(r.num_descriptors for _, reads in plans for r in reads)
+        deadline = time.monotonic() + timeout_s
+        notif = NOTIF_PREFIX + p.remote_request_id.encode()
         try:
-            stats = self._agent.read(
-                local_descs=local_descs,
-                local_mem=self._region.mem_type,
-                remote_descs=remote_descs,
-                remote_mem=remote.pool.mem_type,
-                remote_name=remote.agent_name,
-                notif=NOTIF_PREFIX + p.remote_request_id.encode(),
-                deadline=time.monotonic() + timeout_s,
-            )
+            stats = self._read_all(plans, remote, notif, deadline)
         except (TransferTimeout, TransferFailed) as exc:
             # The peer is frozen or gone: disconnect it (cancels anything in flight) and re-handshake next time.
             self._forget_remote(remote)
@@ -338,21 +369,55 @@ class KVConsumer:
                 "throughout the READ (it expired); the data was discarded"
             )
         self._metrics.record_transfer(
-            xfer_s=stats.xfer_s, post_s=stats.post_s, nbytes=nbytes, num_descriptors=len(runs)
+            xfer_s=stats.xfer_s, post_s=stats.post_s, nbytes=nbytes, num_descriptors=num_descriptors
         )
         return LoadResult(
             request_id,
             True,
             bytes=nbytes,
             seconds=time.perf_counter() - t0,
-            num_descriptors=len(runs),
+            num_descriptors=num_descriptors,
             xfer_seconds=stats.xfer_s,
         )
+
+    def _read_one(self, dst_rank: int, read: RankRead, remote: _Remote, notif: bytes, deadline: float) -> ReadStats:
+        agent, region = self._ranks[dst_rank]
+        src = remote.ranks[read.src_rank]
+        return agent.read(local_descs=read.local_descs, local_mem=region.mem_type, remote_descs=read.remote_descs,
+                          remote_mem=src.pool.mem_type, remote_name=src.agent_name, notif=notif, deadline=deadline)
+
+    def _read_all(self, plans: list[tuple[int, list[RankRead]]], remote: _Remote, notif: bytes,
+                  deadline: float) -> ReadStats:
+        """Every local rank's READs; with one READ in all (one rank each side) on this thread, as without
+        tensor parallelism. Returns after all of them ended (so no READ still writes when a failure is
+        reported); raises the first failure."""
+        jobs = [(d, read) for d, reads in plans for read in reads]
+        if len(jobs) == 1:
+            return self._read_one(jobs[0][0], jobs[0][1], remote, notif, deadline)
+        with self._lock:
+            if self._read_pool is None:
+                self._read_pool = ThreadPoolExecutor(
+                    max(4, 2 * len(jobs)), thread_name_prefix="pdserve-kv-rank-read",
+                    initializer=bind_cuda_device, initargs=(self._region,))
+            pool = self._read_pool
+        futures: list[Future] = [pool.submit(self._read_one, d, read, remote, notif, deadline) for d, read in jobs]
+        errors: list[BaseException] = []
+        stats: list[ReadStats] = []
+        for fut in futures:
+            try:
+                stats.append(fut.result())  # each READ is bounded by the deadline
+            except (TransferTimeout, TransferFailed) as exc:
+                errors.append(exc)
+            except Exception as exc:  # noqa: BLE001 - a failed rank call is a failed READ
+                errors.append(TransferFailed(f"{type(exc).__name__}: {exc}"))
+        if errors:
+            raise errors[0]
+        return ReadStats(post_s=max(s.post_s for s in stats), xfer_s=max(s.xfer_s for s in stats))
 
     def _claim(
         self, p: RemotePrefillParams, remote: _Remote, num_blocks: int
     ) -> tuple[_Remote, list[int], str, float]:
-        nbytes = num_blocks * self._region.block_bytes
+        nbytes = num_blocks * self._region.block_bytes * len(self._ranks)
         # Big READs over a slow transport legitimately take longer than the base timeout.
         timeout_s = self._config.transfer_timeout_s + nbytes / (self._config.transfer_min_gbps * 1e9)
         for attempt in range(2):
@@ -448,6 +513,7 @@ class KVConsumer:
                 and not force
                 and (cached.host, cached.port) == p.address
                 and (p.generation is None or p.generation == cached.generation)
+                and p.tp_size == cached.tp_size
             ):
                 return cached
             remote = self._handshake(p)
@@ -482,13 +548,17 @@ class KVConsumer:
                 self._compat, reply["compat"], peer=f"producer {where}", labels=("consumer", "producer")
             )
             pool = RemotePool.from_handshake(reply["pool"])
+            ranks = self._remote_ranks(reply, pool, p)
         except CompatibilityError as exc:
             raise _LoadFailed(str(exc), abort=True, incompatible=True) from None
-        except (KeyError, TypeError, ValueError) as exc:
-            raise _LoadFailed(str(exc), abort=True) from None
-        if pool.block_bytes != self._region.block_bytes:
+        except (KeyError, TypeError, ValueError, ProtocolError) as exc:
+            raise _LoadFailed(f"producer {where}: {exc}", abort=True) from None
+        src_heads = kv_heads_per_rank(len(ranks), self._num_kv_heads)
+        bad = [r for r, rank in enumerate(ranks) if rank.pool.block_bytes != self._geometry.block_bytes(src_heads)]
+        if bad:
             raise _LoadFailed(
-                f"producer {where} has {pool.block_bytes}-byte blocks, this pool {self._region.block_bytes}-byte blocks",
+                f"producer {where} rank {bad[0]} has {ranks[bad[0]].pool.block_bytes}-byte blocks; "
+                f"{src_heads} KV heads of this model take {self._geometry.block_bytes(src_heads)}",
                 abort=True,
                 incompatible=True,
             )
@@ -497,20 +567,76 @@ class KVConsumer:
                 f"producer {where} restarted (generation {reply['generation']}) since it issued these params "
                 f"(generation {p.generation}); their KV is gone"
             )
-        metadata = reply["agent_metadata"]
+        # Every rank's agent metadata, in rank order; with a secret they are one concealed stream (the
+        # producer conceals their concatenation once, so no keystream byte serves two ranks).
+        entries = reply.get("ranks") or [{"agent_name": reply["agent_name"], "agent_metadata": reply["agent_metadata"]}]
+        blob = b"".join(e["agent_metadata"] for e in entries)
         if self._auth is not None:  # the reply is signed, so it came from a producer with the secret
-            metadata = self._auth.reveal(metadata, reply["re"], reply["generation"])
+            blob = self._auth.reveal(blob, reply["re"], reply["generation"])
+        metadata: dict[str, bytes] = {}
+        offset = 0
+        for e in entries:
+            n = len(e["agent_metadata"])
+            metadata[e["agent_name"]] = blob[offset : offset + n]
+            offset += n
+        loaded: list[list[str]] = [[] for _ in self._ranks]
         try:
-            name = self._agent.add_remote(metadata, reply["agent_name"])
+            for d, (agent, _) in enumerate(self._ranks):
+                for src in source_ranks(self._num_kv_heads, d, len(self._ranks), len(ranks)):
+                    name = ranks[src].agent_name
+                    agent.add_remote(metadata[name], name)
+                    loaded[d].append(name)
         except KVTransferError as exc:
+            self._remove_loaded(loaded)
             raise _LoadFailed(f"producer {where}: {exc}", abort=True) from None
         logger.info(
-            "KV handshake with %s done (engine %s, generation %d)",
+            "KV handshake with %s done (engine %s, generation %d, %d rank(s) there, %d here)",
             where,
             p.remote_engine_id,
             reply["generation"],
+            len(ranks),
+            len(self._ranks),
         )
-        return _Remote(p.remote_engine_id, name, reply["generation"], p.remote_host, p.remote_port, pool)
+        return _Remote(p.remote_engine_id, reply["agent_name"], reply["generation"], p.remote_host, p.remote_port,
+                       pool, len(ranks), tuple(ranks), tuple(tuple(names) for names in loaded))
+
+    def _remote_ranks(self, reply: Mapping[str, Any], pool: RemotePool, p: RemotePrefillParams) -> list[_RemoteRank]:
+        """The producer's ranks from its handshake (a producer without tensor parallelism lists none: rank 0
+        is the reply's own agent and pool)."""
+        entries = reply.get("ranks")
+        if entries is None:
+            ranks = [_RemoteRank(reply["agent_name"], pool)]
+        else:
+            if not isinstance(entries, list) or not entries:
+                raise ValueError("handshake field ranks must be a non-empty list")
+            ranks = []
+            for i, entry in enumerate(entries):
+                if not isinstance(entry, dict):
+                    raise ValueError(f"handshake ranks[{i}] is not a map")
+                check_fields(entry, _RANK_FIELDS, f"handshake ranks[{i}]")
+                check_fields(entry["pool"], POOL_FIELDS, f"handshake ranks[{i}].pool")
+                ranks.append(_RemoteRank(entry["agent_name"], RemotePool.from_handshake(entry["pool"])))
+            if ranks[0].agent_name != reply["agent_name"]:
+                raise ValueError("handshake ranks[0] is not the producer's own agent")
+            if len({r.agent_name for r in ranks}) != len(ranks):
+                raise ValueError("handshake ranks repeat an agent name")
+            if len({r.pool.num_blocks for r in ranks}) != 1:
+                raise ValueError("handshake ranks have different block counts")
+        tp = reply.get("tp_size", 1)
+        if tp != len(ranks):
+            raise ValueError(f"handshake says tp_size {tp!r} but lists {len(ranks)} rank(s)")
+        if p.tp_size != len(ranks):
+            raise ValueError(f"the params say the producer has tensor-parallel size {p.tp_size}, its handshake "
+                             f"{len(ranks)}")
+        return ranks
+
+    def _remove_loaded(self, loaded: Sequence[Sequence[str]]) -> None:
+        for (agent, _), names in zip(self._ranks, loaded, strict=True):
+            for name in names:
+                try:
+                    agent.remove_remote(name)
+                except Exception as exc:  # noqa: BLE001 - best effort: the rank may be gone
+                    logger.debug("removing remote agent %s: %s", name, exc)
 
     def _forget_remote(self, remote: _Remote) -> None:
         """Drop a failed producer so the next load handshakes again.
@@ -525,7 +651,7 @@ class KVConsumer:
                 if self._remotes.get(remote.engine_id) != remote:
                     return
                 del self._remotes[remote.engine_id]
-            self._agent.remove_remote(remote.agent_name)
+            self._remove_loaded(remote.loaded)
 
     # ---- background --------------------------------------------------------------------------------
 

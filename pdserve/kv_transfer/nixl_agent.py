@@ -176,16 +176,51 @@ class NixlAgent:
         caller hands them back (after a timeout the caller also removes the remote agent, which disconnects).
         """
         agent = self._agent
+        dlists: list[Any] = []  # prepared lists of a strided READ, released with the handle
         try:
-            handle = agent.initialize_xfer(
-                "READ",
-                agent.get_xfer_descs(local_descs, local_mem),
-                agent.get_xfer_descs(remote_descs, remote_mem),
-                remote_name,
-                notif,
-            )
+            if local_descs.shape[1] == 5:
+                handle = self._strided_xfer(local_descs, local_mem, remote_descs, remote_mem, remote_name, notif,
+                                            dlists)
+            else:
+                handle = agent.initialize_xfer(
+                    "READ",
+                    agent.get_xfer_descs(local_descs, local_mem),
+                    agent.get_xfer_descs(remote_descs, remote_mem),
+                    remote_name,
+                    notif,
+                )
         except Exception as exc:
+            self._release_dlists(dlists)
             raise TransferFailed(f"NIXL could not prepare the READ: {nixl_error_name(exc)}: {exc}") from exc
+        try:
+            return self._wait(handle, remote_name, deadline)
+        finally:
+            self._release_dlists(dlists)
+
+    def _strided_xfer(self, local_descs: np.ndarray, local_mem: str, remote_descs: np.ndarray, remote_mem: str,
+                      remote_name: str, notif: bytes, dlists: list[Any]) -> Any:
+        """A READ of Nx5 (address, length, device, stride, count) rows: `count` pieces each, `stride` bytes
+        apart (NIXL >= 1.5's compressed lists; used to move some KV heads of every token row)."""
+        agent = self._agent
+        n = int(local_descs[:, 4].sum())
+        if n != int(remote_descs[:, 4].sum()):
+            raise ValueError("strided READ: local and remote piece counts differ")
+        dlists.append(agent.prep_xfer_dlist("NIXL_INIT_AGENT", local_descs, local_mem))
+        dlists.append(agent.prep_xfer_dlist(remote_name, remote_descs, remote_mem))
+        idx = np.arange(n, dtype=np.int32)
+        return agent.make_prepped_xfer("READ", dlists[0], idx, dlists[1], idx, notif)
+
+    @staticmethod
+    def _release_dlists(dlists: list[Any]) -> None:
+        for d in dlists:
+            try:
+                d.release()
+            except Exception as exc:
+                logger.debug("releasing a NIXL descriptor list failed: %s", exc)
+        dlists.clear()
+
+    def _wait(self, handle: Any, remote_name: str, deadline: float) -> ReadStats:
+        agent = self._agent
         t0 = time.perf_counter()
         try:
             state = agent.transfer(handle)

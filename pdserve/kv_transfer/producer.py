@@ -48,7 +48,9 @@ class KVProducer:
         compat: Mapping[str, Any],
         metrics: TransferMetrics,
         auth: MessageAuth | None = None,
+        ranks: Sequence[tuple[Any, PoolRegion]] | None = None,
     ) -> None:
+        """ranks: (agent, region) of every tensor-parallel rank, rank 0 (`agent`, `region`) first; None = one."""
         self._config = config
         self._auth = auth
         self._server = server
@@ -66,6 +68,11 @@ class KVProducer:
         )
         self.num_refused_handshakes = 0
         self._agent_metadata = agent.metadata()
+        ranks = list(ranks) if ranks is not None else [(agent, region)]
+        self._worker_agents = [a for a, _ in ranks[1:]]  # their progress loops run in their processes
+        # What the handshake says about each rank: its agent and its pool shard.
+        self._ranks = [{"agent_name": a.name, "agent_metadata": a.metadata(), "pool": r.describe()}
+                       for a, r in ranks]
         self._boost_until = 0.0
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -95,6 +102,7 @@ class KVProducer:
             generation=self.generation,
             lease_duration_s=self._config.kv_lease_duration,
             lease_token=lease_token,
+            tp_size=len(self._ranks),
         )
 
     def poll_released(self) -> list[str]:
@@ -122,6 +130,8 @@ class KVProducer:
                     )
                 block_ids, claim_token = self.leases.claim(rid, token, msg["timeout_s"])
                 self._wake.set()  # switch the progress loop to fast polling now
+                for worker in self._worker_agents:  # and the other ranks' loops, while the claim may last
+                    worker.boost(float(msg["timeout_s"]))
                 return {"block_ids": list(block_ids), "claim_token": claim_token}
             if op == "release":
                 return {"held_throughout": self.leases.release(rid, token, msg["claim_token"])}
@@ -151,18 +161,27 @@ class KVProducer:
             raise SideChannelRefused("incompatible", f"incompatible KV layout/model: {text}")
         self._boost_until = time.monotonic() + _HANDSHAKE_BOOST_S
         self._wake.set()
-        metadata = self._agent_metadata
+        metadatas = [r["agent_metadata"] for r in self._ranks]  # rank 0's is self._agent_metadata
         if self._auth is not None:
             # Readable only with the secret, even if the (signed) request was relayed by someone without it.
-            metadata = self._auth.conceal(metadata, msg["nonce"], self.generation)
+            # Every rank's metadata is one concealed stream: their concatenation, then cut back into ranks,
+            # so no keystream byte is used for two of them.
+            blob = self._auth.conceal(b"".join(metadatas), msg["nonce"], self.generation)
+            cut, metadatas = 0, []
+            for r in self._ranks:
+                metadatas.append(blob[cut : cut + len(r["agent_metadata"])])
+                cut += len(r["agent_metadata"])
         return {
             "engine_id": self._config.engine_id,
             "agent_name": self._agent.name,
-            "agent_metadata": metadata,
+            "agent_metadata": metadatas[0],
             "generation": self.generation,
             "compat": self._compat,
             "pool": self._region.describe(),
             "lease_duration_s": self._config.kv_lease_duration,
+            # tensor parallelism: every rank's agent and pool shard (rank 0's are the fields above)
+            "tp_size": len(self._ranks),
+            "ranks": [dict(r, agent_metadata=md) for r, md in zip(self._ranks, metadatas, strict=True)],
         }
 
     # ---- progress ----------------------------------------------------------------------------------

@@ -32,7 +32,9 @@ from pdserve.config import EngineConfig
 from pdserve.engine.model_runner import ModelRunner, resolve_device
 from pdserve.model.config import ModelConfig
 from pdserve.parallel.comm import TPGroup, create_store
+from pdserve.parallel.kv_rank import RemoteRankAgent
 from pdserve.parallel.layout import TensorParallelError, check_tensor_parallel
+from pdserve.parallel.rank_rpc import RankClient
 from pdserve.parallel.worker import WorkerInit, recv, send
 
 log = logging.getLogger("pdserve.parallel")
@@ -70,20 +72,30 @@ class TPWorkers:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
+        self.clients: list[RankClient] = []  # calls beside the steps (the KV transfer's per-rank agents)
         self.errors: dict[int, str] = {}  # rank -> what it reported before exiting
 
     def spawn(self, init: WorkerInit) -> None:
         ours, theirs = socket.socketpair()
+        rpc_ours, rpc_theirs = socket.socketpair()
         cmd = [sys.executable, "-m", "pdserve.parallel.worker", "--fd", str(theirs.fileno()),
-               "--parent", str(os.getpid())]
+               "--rpc-fd", str(rpc_theirs.fileno()), "--parent", str(os.getpid())]
         try:
-            proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), rpc_theirs.fileno()), stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
+            rpc_theirs.close()
         self.procs.append(proc)
         conn = Connection(ours.detach())
         self.conns.append(conn)
+        self.clients.append(RankClient(Connection(rpc_ours.detach()), init.rank))
         send(conn, ("init", init))
+
+    def kv_agents(self, name: str, backends: tuple[str, ...], backend_params: dict, loopback: bool,
+                  gpu: bool) -> list[RemoteRankAgent]:
+        """Starts every worker rank's NIXL agent over its KV pool (`KVConnector`'s rank_agents)."""
+        return [RemoteRankAgent.start(c, f"{name}-tp{c.rank}", backends, backend_params, loopback=loopback, gpu=gpu)
+                for c in self.clients]
 
     def rank_of(self, i: int) -> int:
         return i + 1
@@ -170,9 +182,15 @@ class TPWorkers:
                 log.warning("tensor-parallel worker pid %d did not stop; killing it", proc.pid)
                 proc.kill()
                 proc.wait(5.0)
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
         for conn in self.conns:
             conn.close()
         self.conns.clear()
+        for client in self.clients:
+            client.close()
+        self.clients.clear()
 
     def kill(self) -> None:
         for proc in self.procs:
@@ -183,9 +201,7 @@ class TPWorkers:
                 proc.wait(5.0)
             except subprocess.TimeoutExpired:
                 log.error("tensor-parallel worker pid %d survived SIGKILL", proc.pid)
-        for conn in self.conns:
-            conn.close()
-        self.conns.clear()
+        self._close_pipes()
 
 
 def start_tensor_parallel(config: EngineConfig, model_cfg: ModelConfig, model_dir: Path | None) -> ModelRunner:

@@ -9,6 +9,8 @@ pipe's EOF ends the step loop too), so a killed engine leaves no rank behind.
 Pipe protocol (pickled tuples; `multiprocessing.connection.Connection` over a socketpair):
     engine -> worker: ("init", WorkerInit) once, then step messages (ModelRunner.replay), ("stop",)
     worker -> engine: ("hello",) after imports, ("ready", info) or ("error", text) after building the runner
+A second socketpair (`--rpc-fd`) carries calls into the rank beside the steps (`rank_rpc`): its KV transfer
+agent (`kv_rank.RankKVService`), served once the runner exists.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def _die_with_parent(parent: int, poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="pdserve-tp-parent-watch", daemon=True).start()
 
 
-def run(conn: Connection) -> int:
+def run(conn: Connection, rpc_conn: Connection) -> int:
     msg = recv(conn)
     assert msg[0] == "init", msg
     init: WorkerInit = msg[1]
@@ -76,7 +78,9 @@ def run(conn: Connection) -> int:
     import torch
 
     from pdserve.engine.model_runner import ModelRunner
+    from pdserve.parallel import rank_rpc
     from pdserve.parallel.comm import TPGroup, connect_store
+    from pdserve.parallel.kv_rank import RankKVService
 
     if init.torch_threads:
         torch.set_num_threads(init.torch_threads)
@@ -92,6 +96,9 @@ def run(conn: Connection) -> int:
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, which names it in its error
         send(conn, ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return 1
+    kv = RankKVService(runner.kv_pool)
+    threading.Thread(target=rank_rpc.serve, args=(rpc_conn, kv.handlers()), name="pdserve-rank-rpc-serve",
+                     daemon=True).start()
     send(conn, ("ready", {"num_blocks": runner.num_blocks, "pid": os.getpid()}))
     while True:
         try:
@@ -111,6 +118,7 @@ def run(conn: Connection) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pdserve.parallel.worker")
     p.add_argument("--fd", type=int, required=True, help="the engine's end of the step pipe (inherited)")
+    p.add_argument("--rpc-fd", type=int, required=True, help="the engine's end of the call pipe (inherited)")
     p.add_argument("--parent", type=int, required=True, help="the engine's pid")
     args = p.parse_args(argv)
     if os.getppid() != args.parent:
@@ -118,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent(args.parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the engine decides
     conn = Connection(args.fd)
+    rpc_conn = Connection(args.rpc_fd)
     try:
-        code = run(conn)
+        code = run(conn, rpc_conn)
     finally:
         conn.close()
     sys.stdout.flush()

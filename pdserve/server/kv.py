@@ -38,8 +38,10 @@ def connector_factory(kv_config: Any, registry: CollectorRegistry, model_name: s
             kv_cache_dtype=runner.kv_cache_dtype,
             kv_scales=runner.kv_scales,
         )
+        workers = runner.workers  # tensor parallelism: ranks 1..N-1 register their own pool shards
         return KVConnector(kv_config, runner.kv_pool, compat, runner.block_size, registry=registry,
-                           model_name=model_name)
+                           model_name=model_name, tp_size=engine.config.tensor_parallel_size,
+                           rank_agents=workers.kv_agents if workers is not None else None)
 
     return build
 

@@ -1,0 +1,169 @@
+"""A worker rank's share of KV transfer: its own NIXL agent over its own pool shard.
+
+Every rank registers its pool with NIXL itself (a pool in another process, or on another GPU, cannot be
+registered by the engine process). The engine process keeps the side channel, the leases and the load
+bookkeeping; for ranks 1..N-1 it reaches their agents through `RemoteRankAgent`, which has the methods of
+`pdserve.kv_transfer.nixl_agent.NixlAgent` that the connector uses, carried over `rank_rpc`.
+
+Worker side (`RankKVService`): `kv_init` creates the agent and registers the pool, then a progress thread
+polls the agent's notifications (that also progresses it as a READ target: connection setup, TCP
+transports), every 10 ms when idle and every ~50 us for a while after the engine's `boost` (a claim).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from pdserve.kv_transfer.errors import TransferFailed, TransferTimeout
+from pdserve.kv_transfer.nixl_agent import NixlAgent, ReadStats, apply_env_defaults, load_nixl
+from pdserve.kv_transfer.pool import PoolRegion, bind_cuda_device, pretouch, region_of
+from pdserve.parallel.rank_rpc import RankCallError, RankClient
+
+log = logging.getLogger("pdserve.parallel")
+
+_FAST_POLL_S = 0.00005
+_IDLE_POLL_S = 0.01
+# Slack on top of a READ's own deadline before the engine gives up on the rank's answer.
+_CALL_SLACK_S = 5.0
+_SETUP_TIMEOUT_S = 60.0
+
+
+class RankKVService:
+    """Runs in a worker: the handlers of the KV calls, over this rank's KV pool."""
+
+    def __init__(self, kv_pool: Any) -> None:
+        self._pool = kv_pool
+        self.region: PoolRegion | None = None
+        self.agent: NixlAgent | None = None
+        self._boost_until = 0.0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._progress: threading.Thread | None = None
+
+    def handlers(self) -> dict[str, Any]:
+        return {"kv_init": self.kv_init, "add_remote": self.add_remote, "remove_remote": self.remove_remote,
+                "read": self.read, "boost": self.boost, "kv_close": self.close}
+
+    def kv_init(self, name: str, backends: tuple[str, ...], backend_params: dict, loopback: bool,
+                gpu: bool) -> dict[str, Any]:
+        if self.agent is not None:
+            raise RuntimeError("this rank's KV agent already exists")
+        apply_env_defaults(loopback=loopback, gpu=gpu)
+        load_nixl()
+        region = region_of(self._pool)
+        pretouch(region)
+        bind_cuda_device(region)
+        agent = NixlAgent(name, tuple(backends), dict(backend_params))
+        agent.register(region)
+        self.region, self.agent = region, agent
+        self._progress = threading.Thread(target=self._progress_loop, name="pdserve-kv-rank-progress",
+                                          daemon=True)
+        self._progress.start()
+        return {"agent_name": agent.name, "agent_metadata": agent.metadata(), "pool": region.describe(),
+                "shape": list(region.shape), "dtype": region.dtype}
+
+    def _need(self) -> NixlAgent:
+        if self.agent is None:
+            raise RuntimeError("this rank's KV agent is not initialised (kv_init)")
+        return self.agent
+
+    def add_remote(self, metadata: bytes, expected_name: str) -> str:
+        return self._need().add_remote(metadata, expected_name)
+
+    def remove_remote(self, name: str) -> None:
+        self._need().remove_remote(name)
+
+    def read(self, local_descs: np.ndarray, local_mem: str, remote_descs: np.ndarray, remote_mem: str,
+             remote_name: str, notif: bytes, timeout_s: float) -> ReadStats:
+        assert self.region is not None
+        bind_cuda_device(self.region)  # RPC threads are fresh threads without a CUDA context
+        return self._need().read(local_descs=local_descs, local_mem=local_mem, remote_descs=remote_descs,
+                                 remote_mem=remote_mem, remote_name=remote_name, notif=notif,
+                                 deadline=time.monotonic() + timeout_s)
+
+    def boost(self, seconds: float) -> None:
+        self._boost_until = max(self._boost_until, time.monotonic() + seconds)
+        self._wake.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._progress is not None:
+            self._progress.join(timeout=5.0)
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
+
+    def _progress_loop(self) -> None:
+        assert self.region is not None and self.agent is not None
+        bind_cuda_device(self.region)
+        while not self._stop.is_set():
+            try:
+                self.agent.get_notifs()  # read notifications are the lease's business, on rank 0
+            except Exception:  # noqa: BLE001 - keep progressing
+                log.exception("NIXL notification polling failed")
+            if time.monotonic() < self._boost_until:
+                time.sleep(_FAST_POLL_S)
+            else:
+                self._wake.wait(_IDLE_POLL_S)
+                self._wake.clear()
+
+
+class RemoteRankAgent:
+    """The engine process's handle on a worker rank's NIXL agent (the NixlAgent methods the connector
+    uses), plus the rank's pool as a PoolRegion."""
+
+    def __init__(self, client: RankClient, info: dict[str, Any]) -> None:
+        self.client = client
+        self.rank = client.rank
+        self.name: str = info["agent_name"]
+        self._metadata: bytes = info["agent_metadata"]
+        pool = info["pool"]
+        self.region = PoolRegion(base_addr=pool["base_addr"], length=pool["length"],
+                                 num_blocks=pool["num_blocks"], block_bytes=pool["block_bytes"],
+                                 mem_type=pool["mem_type"], device_id=pool["device_id"],
+                                 shape=tuple(info["shape"]), dtype=info["dtype"])
+
+    @classmethod
+    def start(cls, client: RankClient, name: str, backends: tuple[str, ...], backend_params: dict,
+              *, loopback: bool, gpu: bool) -> RemoteRankAgent:
+        info = client.call("kv_init", name, tuple(backends), dict(backend_params), loopback, gpu,
+                           timeout_s=_SETUP_TIMEOUT_S)
+        return cls(client, info)
+
+    def metadata(self) -> bytes:
+        return self._metadata
+
+    def add_remote(self, metadata: bytes, expected_name: str) -> str:
+        try:
+            return self.client.call("add_remote", metadata, expected_name, timeout_s=_SETUP_TIMEOUT_S)
+        except (TimeoutError, RankCallError) as e:
+            raise TransferFailed(str(e)) from None
+
+    def remove_remote(self, name: str) -> None:
+        self.client.call("remove_remote", name, timeout_s=_SETUP_TIMEOUT_S)
+
+    def read(self, *, local_descs: np.ndarray, local_mem: str, remote_descs: np.ndarray, remote_mem: str,
+             remote_name: str, notif: bytes, deadline: float) -> ReadStats:
+        timeout_s = max(0.0, deadline - time.monotonic())
+        try:
+            return self.client.call("read", local_descs, local_mem, remote_descs, remote_mem, remote_name,
+                                    notif, timeout_s, timeout_s=timeout_s + _CALL_SLACK_S)
+        except TimeoutError as e:
+            raise TransferTimeout(str(e)) from None
+        except RankCallError as e:
+            raise TransferFailed(str(e)) from None
+
+    def boost(self, seconds: float) -> None:
+        self.client.notify("boost", seconds)
+
+    def close(self) -> None:
+        try:
+            self.client.call("kv_close", timeout_s=10.0)
+        except Exception as e:  # noqa: BLE001 - the rank may be gone already
+            log.debug("closing rank %d's KV agent: %s", self.rank, e)

@@ -1,0 +1,138 @@
+"""Calls from the engine process into a worker rank, beside the step pipe (the KV transfer's per-rank NIXL
+work: registering a rank's pool, loading a producer's agent, READs into a rank's blocks).
+
+Messages are pickled tuples on their own socketpair: request (call id, op, args) -> reply (call id, ok,
+value or exception). Calls run concurrently on the worker (a small thread pool) and complete out of order;
+every call has a timeout on the engine side. A call id of None is a one-way notification.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import pickle
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any
+
+log = logging.getLogger("pdserve.parallel")
+
+
+class RankCallError(RuntimeError):
+    """A call into a worker rank failed without a result (the rank is gone, or it raised something that
+    does not travel)."""
+
+
+def _dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """The exception itself when it survives a round trip through pickle, else a RankCallError with its text."""
+    try:
+        pickle.loads(_dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any pickling problem: send the text instead
+        return RankCallError(f"{type(exc).__name__}: {exc}")
+
+
+class RankClient:
+    """The engine's end: `call(op, *args, timeout_s=...)` from any thread."""
+
+    def __init__(self, conn: Connection, rank: int) -> None:
+        self.rank = rank
+        self._conn = conn
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._pending: dict[int, Future] = {}
+        self._ids = itertools.count()
+        self._closed: str | None = None
+        self._reader = threading.Thread(target=self._read_loop, name=f"pdserve-rank{rank}-rpc", daemon=True)
+        self._reader.start()
+
+    def call(self, op: str, *args: Any, timeout_s: float) -> Any:
+        fut: Future = Future()
+        with self._lock:
+            if self._closed is not None:
+                raise RankCallError(self._closed)
+            call_id = next(self._ids)
+            self._pending[call_id] = fut
+        try:
+            with self._send_lock:
+                self._conn.send_bytes(_dumps((call_id, op, args)))
+        except OSError as e:
+            with self._lock:
+                self._pending.pop(call_id, None)
+            raise RankCallError(f"tensor-parallel rank {self.rank} is gone ({e})") from None
+        try:
+            return fut.result(timeout_s)
+        except TimeoutError:
+            with self._lock:
+                self._pending.pop(call_id, None)
+            raise TimeoutError(f"tensor-parallel rank {self.rank}: no answer to {op} within {timeout_s:g} s") from None
+
+    def notify(self, op: str, *args: Any) -> None:
+        """Fire and forget (best effort: a gone rank is noticed elsewhere)."""
+        with contextlib.suppress(OSError), self._send_lock:
+            self._conn.send_bytes(_dumps((None, op, args)))
+
+    def _read_loop(self) -> None:
+        reason = f"tensor-parallel rank {self.rank} closed its control pipe"
+        try:
+            while True:
+                call_id, ok, value = pickle.loads(self._conn.recv_bytes())
+                with self._lock:
+                    fut = self._pending.pop(call_id, None)
+                if fut is None:
+                    continue  # its caller timed out
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(value)
+        except (EOFError, OSError):
+            pass
+        except Exception as e:  # noqa: BLE001 - an undecodable reply ends the channel
+            reason = f"tensor-parallel rank {self.rank}: bad reply on the control pipe ({e})"
+        with self._lock:
+            self._closed = reason
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            fut.set_exception(RankCallError(reason))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = self._closed or "closed"
+        with contextlib.suppress(OSError):
+            self._conn.close()
+
+
+def serve(conn: Connection, handlers: dict[str, Callable[..., Any]], max_workers: int = 8) -> None:
+    """The worker's end: runs each call on a thread pool, until the pipe closes. Returns then."""
+    send_lock = threading.Lock()
+
+    def run(call_id: int | None, op: str, args: tuple) -> None:
+        try:
+            handler = handlers.get(op)
+            if handler is None:
+                raise RankCallError(f"unknown rank call {op!r}")
+            reply: tuple = (call_id, True, handler(*args))
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+            if call_id is None:
+                log.warning("rank notification %s failed: %s", op, e)
+                return
+            reply = (call_id, False, _portable(e))
+        if call_id is None:
+            return
+        with contextlib.suppress(OSError), send_lock:
+            conn.send_bytes(_dumps(reply))
+
+    with ThreadPoolExecutor(max_workers, thread_name_prefix="pdserve-rank-rpc") as pool:
+        while True:
+            try:
+                call_id, op, args = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                return
+            pool.submit(run, call_id, op, args)

@@ -1,0 +1,78 @@
+"""The descriptors of reads between pools of different TP sizes, checked without NIXL: each descriptor row
+is applied as the byte copy NIXL would do (Nx3: one piece; Nx5: `count` pieces `stride` apart), and every
+consumer rank's pool must end up holding exactly its KV heads of the global KV."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pdserve.kv_transfer.head_split import RowGeometry, plan_rank_reads, source_ranks
+from pdserve.kv_transfer.pool import PoolRegion, RemotePool, coalesce_block_runs
+from pdserve.parallel.layout import kv_head_start, kv_heads_per_rank
+
+LAYERS, BS, HD = 2, 4, 3  # small rows: 2 layers x K/V x 4 tokens, heads of 3 float32 values
+GEOM = RowGeometry(LAYERS, BS, HD * 4)
+
+
+def _rank_pool(global_kv: np.ndarray, rank: int, tp: int) -> np.ndarray:
+    k = global_kv.shape[4]
+    start, n = kv_head_start(rank, tp, k), kv_heads_per_rank(tp, k)
+    return np.ascontiguousarray(global_kv[:, :, :, :, start : start + n, :])
+
+
+def _region(pool: np.ndarray) -> PoolRegion:
+    # addresses relative to the pool's own buffer: base 0 (the copies below index bytes of each pool)
+    return PoolRegion(0, pool.nbytes, pool.shape[0], pool.nbytes // pool.shape[0], "DRAM", 0, pool.shape, "float32")
+
+
+def _apply(local: np.ndarray, remote: np.ndarray, local_descs: np.ndarray, remote_descs: np.ndarray) -> None:
+    dst, src = local.view(np.uint8).reshape(-1), remote.view(np.uint8).reshape(-1)
+    for lrow, rrow in zip(local_descs.tolist(), remote_descs.tolist(), strict=True):
+        if len(lrow) == 3:
+            (la, length, _), (ra, rlen, _) = lrow, rrow
+            assert length == rlen
+            dst[la : la + length] = src[ra : ra + length]
+            continue
+        la, length, _, lstride, count = lrow
+        ra, rlen, _, rstride, rcount = rrow
+        assert (length, count) == (rlen, rcount) and length <= lstride and length <= rstride
+        for i in range(count):
+            dst[la + i * lstride : la + i * lstride + length] = src[ra + i * rstride : ra + i * rstride + length]
+
+
+@pytest.mark.parametrize(("kv_heads", "src_tp", "dst_tp"), [
+    (8, 1, 1), (8, 2, 2), (8, 2, 1), (8, 1, 2), (8, 4, 2), (8, 2, 4), (8, 1, 4), (8, 4, 1),
+    (2, 4, 1), (2, 4, 2), (2, 1, 4), (2, 4, 4), (1, 2, 4), (1, 4, 1), (1, 1, 2),
+])
+def test_every_consumer_rank_gets_exactly_its_heads(kv_heads: int, src_tp: int, dst_tp: int) -> None:
+    rng = np.random.default_rng(kv_heads * 100 + src_tp * 10 + dst_tp)
+    blocks = 9
+    global_kv = rng.standard_normal((blocks, LAYERS, 2, BS, kv_heads, HD)).astype(np.float32)
+    producers = [_rank_pool(global_kv, r, src_tp) for r in range(src_tp)]
+    remotes = [RemotePool(0, p.nbytes, "DRAM", 0, p.nbytes // blocks, blocks) for p in producers]
+    # the consumer's blocks 0..5 <- the producer's 8, 7, 6 (a descending run), 1, 2 and 5
+    local_ids, remote_ids = [0, 1, 2, 3, 4, 5], [8, 7, 6, 1, 2, 5]
+    runs = coalesce_block_runs(local_ids, remote_ids)
+    for d in range(dst_tp):
+        consumer = np.zeros((blocks, LAYERS, 2, BS, kv_heads_per_rank(dst_tp, kv_heads), HD), dtype=np.float32)
+        reads = plan_rank_reads(runs, geometry=GEOM, num_kv_heads=kv_heads, dst_rank=d, dst_tp=dst_tp,
+                                src_tp=src_tp, local=_region(consumer), remotes=remotes)
+        assert sorted(r.src_rank for r in reads) == source_ranks(kv_heads, d, dst_tp, src_tp)
+        for read in reads:
+            _apply(consumer, producers[read.src_rank], read.local_descs, read.remote_descs)
+            assert read.num_descriptors <= len(runs) * kv_heads  # a row per run (and head run), never per token
+        want = _rank_pool(global_kv, d, dst_tp)[remote_ids]
+        np.testing.assert_array_equal(consumer[local_ids], want)
+        assert not consumer[6:].any()  # nothing outside the named blocks
+        assert sum(r.nbytes for r in reads) == len(local_ids) * consumer.nbytes // blocks
+        whole = src_tp == dst_tp or kv_heads_per_rank(src_tp, kv_heads) == kv_heads_per_rank(dst_tp, kv_heads) == 1
+        assert all(r.local_descs.shape[1] == (3 if whole else 5) for r in reads)
+
+
+def test_block_size_mismatch_is_refused() -> None:
+    consumer = np.zeros((4, LAYERS, 2, BS, 2, HD), dtype=np.float32)
+    bad = RemotePool(0, 4096, "DRAM", 0, 1000, 4)
+    with pytest.raises(ValueError, match="producer rank 0 has 1000-byte blocks"):
+        plan_rank_reads([(0, 0, 1)], geometry=GEOM, num_kv_heads=2, dst_rank=0, dst_tp=1, src_tp=1,
+                        local=_region(consumer), remotes=[bad])
