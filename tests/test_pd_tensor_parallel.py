@@ -21,6 +21,8 @@ from server_utils import MODEL, ServerProcess, make_model_dir, metric_value
 from pdserve.api.pd import build_decode_body, build_prefill_body, prefill_kv_params
 
 pytest.importorskip("nixl_cu12", reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
+# five servers and two worker ranks start in the module fixture: slow on a loaded CI box
+pytestmark = pytest.mark.timeout(1200)
 
 COMMON = ("--max-model-len", "512", "--num-gpu-blocks-override", "96", "--block-size", "16", "--device", "cpu")
 

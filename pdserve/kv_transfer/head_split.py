@@ -11,8 +11,8 @@ over the whole pool, with one block = `num_layers * 2 * block_size` consecutive 
   `n * head_dim * elem` bytes, and the pieces of a run of blocks are evenly spaced on both sides (the row
   sizes). One strided descriptor (NIXL >= 1.5's Nx5 form: address, length, device, stride, count) per run
   and producer rank covers them. The descriptor list stays as short as for whole blocks; NIXL expands each
-  into `count` pieces of one row's heads (an fp8 head's inline scale bytes travel with it), which is where a layout with heads outside tokens (vLLM's HND)
-  would move block_size times larger pieces.
+  into `count` pieces of one row's heads (an fp8 head's inline scale bytes travel with it), which is where
+  a layout with heads outside tokens (vLLM's HND) would move block_size times larger pieces.
 """
 
 from __future__ import annotations
