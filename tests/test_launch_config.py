@@ -219,3 +219,57 @@ def test_tools_do_not_import_torch() -> None:
             "print(' '.join(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_tensor_parallel_instances_get_one_gpu_per_rank() -> None:
+    cfg = LaunchConfig(model="m", topology=parse_topology("1p2d"))
+    cfg.pools["prefill"].tp = 2
+    dep = build_deployment(cfg.validate(), gpus=["0", "1", "2", "3"], env={})
+    p, d0, d1 = dep.instances
+    assert (p.gpu, d0.gpu, d1.gpu) == ("0,1", "2", "3")
+    assert p.env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert p.argv[p.argv.index("--tensor-parallel-size") + 1] == "2"
+    assert "--tensor-parallel-size" not in d0.argv
+    # a rank count the GPUs cannot hold, or instances overlapping on part of their GPUs, are refused
+    with pytest.raises(ValueError, match="tensor-parallel size 2 but --gpus gives 1"):
+        build_deployment(cfg, gpus=["0"], env={})
+    two = LaunchConfig(model="m", topology=parse_topology("2p1d"))
+    two.pools["prefill"].tp = 2
+    with pytest.raises(ValueError, match="overlap on GPU"):
+        build_deployment(two, gpus=["0", "1", "2"], env={})
+    with pytest.raises(ValueError, match="overlap on GPU 0"):  # decode on GPU 0 of the prefills' 0,1
+        build_deployment(two, gpus=["0", "1"], env={})
+    # instances on the same whole set share it as one-GPU instances share theirs
+    both = LaunchConfig(model="m")
+    both.pools["prefill"].tp = both.pools["decode"].tp = 2
+    shared = build_deployment(both, gpus=["0", "1"], env={})
+    assert [s.gpu for s in shared.instances] == ["0,1", "0,1"]
+    assert shared.instances[0].argv[-2:] == ["--gpu-memory-utilization", "0.45"]
+    assert any("GPU 0,1 is shared" in n for n in shared.notes)
+
+
+def test_tensor_parallel_from_flags_files_and_serve_args(tmp_path: Path) -> None:
+    from pdserve.launch.cli import add_arguments, config_from_args
+
+    parser = __import__("argparse").ArgumentParser()
+    add_arguments(parser)
+    cfg = config_from_args(parser.parse_args(["m", "--prefill-tp", "2", "--decode-tp", "4", "--gpus", "none"]))
+    assert (cfg.tensor_parallel_size("prefill"), cfg.tensor_parallel_size("decode")) == (2, 4)
+    # CPU mode: cores in proportion to the ranks (one process per rank)
+    dep = build_deployment(cfg, cpus=list(range(12)), env={})
+    p, d = dep.instances
+    assert p.cpus == [0, 1, 2, 3] and d.cpus == list(range(4, 12)) and p.env["OMP_NUM_THREADS"] == "4"
+    assert d.argv[d.argv.index("--tensor-parallel-size") + 1] == "4"
+    # the serve arguments' own flag counts, and must not contradict the pool's
+    cfg = LaunchConfig(model="m", serve_args=["-tp", "2"], gpus="none")
+    assert cfg.tensor_parallel_size("decode") == 2
+    dep = build_deployment(cfg.validate(), cpus=list(range(8)), env={})
+    assert all(s.argv.count("-tp") == 1 and "--tensor-parallel-size" not in s.argv for s in dep.instances)
+    cfg.pools["decode"].tp = 4
+    with pytest.raises(ValueError, match="tensor-parallel size 4 but its serve arguments say 2"):
+        cfg.validate()
+    f = tmp_path / "up.yaml"
+    f.write_text("model: m\ndecode: {tp: 2}\n")
+    cfg = LaunchConfig()
+    apply_file(cfg, load_file(str(f)), str(f))
+    assert cfg.validate().tensor_parallel_size("decode") == 2 and cfg.tensor_parallel_size("prefill") == 1

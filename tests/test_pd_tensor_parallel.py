@@ -24,6 +24,7 @@ pytest.importorskip("nixl_cu12", reason="NIXL is not installed (pip install --no
 # five servers and two worker ranks start in the module fixture: slow on a loaded CI box
 pytestmark = pytest.mark.timeout(1200)
 
+SECRET = "tp-test-deployment-secret"
 COMMON = ("--max-model-len", "512", "--num-gpu-blocks-override", "96", "--block-size", "16", "--device", "cpu")
 
 
@@ -44,7 +45,8 @@ def servers(request, tmp_path_factory) -> Iterator[dict[str, ServerProcess]]:
     logs = tmp_path_factory.mktemp("pd-tp-logs")
 
     def start(name: str, *args: str) -> ServerProcess:
-        return ServerProcess(model_dir, logs / f"{name}.log", *COMMON, *args)
+        # with a deployment secret: every rank's NIXL metadata travels concealed in the handshake
+        return ServerProcess(model_dir, logs / f"{name}.log", *COMMON, *args, env={"PDSERVE_KV_SECRET": SECRET})
 
     procs = {
         "collocated": start("collocated"),

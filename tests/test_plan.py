@@ -141,3 +141,26 @@ def test_ratio_errors_and_cli(tmp_path: Path) -> None:
 
     (tmp_path / "plan.json").write_text(out.stdout)
     assert topology_from_plan(str(tmp_path / "plan.json")) == "3p2d"
+
+
+def test_tensor_parallel_reads_per_decode_rank() -> None:
+    shape = resolve_shape("llama-3.1-70b")  # 8 KV heads, 320 KiB per token
+    plan = make_plan(shape, 10_000, ["400Gb/s"], 16, prefill_tp=4, decode_tp=8)
+    tp = plan.tensor_parallel
+    assert [r.sources for r in tp.ranks][:3] == [[(0, 0, 1)], [(0, 1, 1)], [(1, 2, 1)]]
+    assert tp.total_bytes == plan.prompt_bytes  # every head once
+    assert tp.max_rank_bytes == plan.prompt_bytes // 8 and not tp.whole_blocks
+    assert (tp.pieces_per_block, tp.piece_bytes) == (80 * 2 * 16, 128 * 2)
+    text = format_plan(plan)
+    assert "decode rank 7 reads head 7 from prefill rank 3" in text and "8.19 ms" in text
+    same = make_plan(shape, 10_000, ["400Gb/s"], 16, prefill_tp=2, decode_tp=2).tensor_parallel
+    assert same.whole_blocks and [r.sources for r in same.ranks] == [[(0, 0, 4)], [(1, 4, 4)]]
+    # more decode ranks than KV heads: the replicated heads are moved once per rank storing them
+    wide = make_plan(shape, 1000, ["400Gb/s"], 16, prefill_tp=1, decode_tp=16).tensor_parallel
+    assert wide.total_bytes == 2 * make_plan(shape, 1000, ["400Gb/s"], 16).prompt_bytes
+    with pytest.raises(ValueError, match="--decode-tp 3 and 8 KV heads"):
+        make_plan(shape, 100, ["400Gb/s"], 16, decode_tp=3)
+    out = subprocess.run([sys.executable, "-m", "pdserve", "plan", "llama-3.1-8b", "--prompt-len", "4096",
+                          "--prefill-tp", "2", "--decode-tp", "1", "--json"], capture_output=True, text=True, check=True)
+    data = json.loads(out.stdout)["tensor_parallel"]
+    assert data["prefill_tp"] == 2 and data["ranks"][0]["sources"] == [[0, 0, 4], [1, 4, 4]]

@@ -224,3 +224,43 @@ def test_cli_arguments() -> None:
     assert out.returncode == 1 and data["verdict"] == "no-go"
     assert data["checks"][0]["name"] == "instances" and data["checks"][0]["status"] == FAIL
     assert {c["status"] for c in data["checks"][1:]} == {SKIP}
+
+
+def test_check_configs_reports_tensor_parallel_sizes() -> None:
+    target = Target([_inst("prefill", 1, tensor_parallel_size=2), _inst("decode", 2)], True)
+    row = check_configs(target)
+    assert row.status == PASS and "tensor parallel: prefill TP 2, decode TP 1" in row.detail
+    assert row.data["fields"]["tensor_parallel_size"] == {"127.0.0.1:1": 2, "127.0.0.1:2": 1}
+    # a size that cannot split the KV heads (only reachable by a hand-edited info, but named if it is)
+    bad = check_configs(Target([_inst("prefill", 1, tensor_parallel_size=3), _inst("decode", 2)], True))
+    assert bad.status == FAIL and "tensor_parallel_size 3, which does not split 2 KV heads" in bad.detail
+    assert "tensor parallel" not in check_configs(Target([_inst("prefill", 1), _inst("decode", 2)], True)).detail
+
+
+def test_check_transfer_time_counts_decode_ranks_on_gpus() -> None:
+    after = _snap(3, 3 * 0.006, 3 * 64 * 2**20)  # 64 MiB in 6 ms each
+    target = Target([_inst("prefill", 1, device="cuda:0"),
+                     _inst("decode", 2, device="cuda:0", tensor_parallel_size=4)], True)
+    before = {i.url: _snap(0, 0.0, 0.0) for i in target.instances}
+    run = TransferRun(before, {**before, "http://127.0.0.1:2": after}, 3, 1024, [])
+    row = check_transfer_time(run, Options(bandwidth="50GB/s", latency_floor_ms=0.5), target)
+    # 64 MiB / 4 ranks / 50 GB/s + 0.5 ms = 0.84 ms expected
+    assert abs(row.data["expected_s"] - (64 * 2**20 / 4 / 50e9 + 0.0005)) < 1e-9
+    assert "per decode rank x 4 ranks" in row.detail
+
+
+def test_gpu_pairs_follow_the_tensor_parallel_reads() -> None:
+    from pdserve.preflight.cli import _pairs
+
+    # prefill TP=2 on GPUs 0,1 and decode TP=1 on GPU 2: the decode rank reads from both prefill GPUs
+    target = Target([_inst("prefill", 1, device="cuda:0", cuda_visible_devices="0,1", tensor_parallel_size=2),
+                     _inst("decode", 2, device="cuda:0", cuda_visible_devices="2")], True)
+    assert _pairs(target, Options()) == ([("0", "2"), ("1", "2")], None)
+    # prefill TP=1 on 0, decode TP=2 on 2,3: each decode rank reads from GPU 0
+    target = Target([_inst("prefill", 1, device="cuda:0", cuda_visible_devices="0"),
+                     _inst("decode", 2, device="cuda:0", cuda_visible_devices="2,3", tensor_parallel_size=2)], True)
+    assert _pairs(target, Options()) == ([("0", "2"), ("0", "3")], None)
+    # same TP: rank to rank only
+    target = Target([_inst("prefill", 1, device="cuda:0", cuda_visible_devices="0,1", tensor_parallel_size=2),
+                     _inst("decode", 2, device="cuda:0", cuda_visible_devices="2,3", tensor_parallel_size=2)], True)
+    assert _pairs(target, Options()) == ([("0", "2"), ("1", "3")], None)

@@ -87,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="arguments for every instance, shell-quoted; repeatable (--serve-arg='--block-size 8')")
     parser.add_argument("--prefill-arg", action="append", default=[], metavar="ARGS", help="prefill instances only")
     parser.add_argument("--decode-arg", action="append", default=[], metavar="ARGS", help="decode instances only")
+    for role in ("prefill", "decode", "collocated"):
+        parser.add_argument(f"--{role}-tp", type=int, default=None, metavar="N",
+                            help=f"tensor-parallel size of each {role} instance (N GPUs each, or N CPU processes)")
     parser.add_argument("--collocated-arg", action="append", default=[], metavar="ARGS",
                         help="collocated replicas only")
     parser.add_argument("--proxy-arg", action="append", default=[], metavar="ARGS", help="arguments for the proxy")
@@ -159,6 +162,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         cfg.serve_args += ["--kv-cache-dtype", args.kv_cache_dtype]
     for role in ("prefill", "decode", "collocated"):
         cfg.pools[role].serve_args += [w for a in getattr(args, f"{role}_arg") for w in shlex.split(a)]
+        if getattr(args, f"{role}_tp") is not None:
+            cfg.pools[role].tp = getattr(args, f"{role}_tp")
     cfg.proxy_args += [w for a in args.proxy_arg for w in shlex.split(a)]
     if args.exit_after and not args.demo:
         raise ValueError("--exit/--once needs --demo")
@@ -174,7 +179,8 @@ def _say(text: str = "") -> None:
 def _describe(spec: ProcSpec) -> str:
     if spec.role == "proxy":
         return f"  {spec.name:<12} {spec.url:<24} log {spec.log_path}"
-    where = f"GPU {spec.gpu}" if spec.gpu is not None else (f"CPUs {cpu_list(spec.cpus)}" if spec.cpus else "CPU")
+    where = (f"GPU{'s' if ',' in spec.gpu else ''} {spec.gpu}" if spec.gpu is not None
+             else f"CPUs {cpu_list(spec.cpus)}" if spec.cpus else "CPU")
     sc = f", side channel :{spec.side_channel_port}" if spec.side_channel_port else ""
     return f"  {spec.name:<12} {spec.url:<24} ({where}{sc})  log {spec.log_path}"
 

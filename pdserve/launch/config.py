@@ -10,8 +10,8 @@ A config file holds the same settings as the flags (flags win), plus per-pool se
     log_dir: ./logs                # default: a new folder under ~/.cache/pdserve/logs/
     startup_timeout: 600
     serve_args: ["--max-model-len", "2048"]       # every instance
-    prefill: {serve_args: [...], ports: [8100], side_channel_ports: [5600], env: {KEY: value}}
-    decode:  {serve_args: [...], ports: [8200], side_channel_ports: [5601]}
+    prefill: {serve_args: [...], ports: [8100], side_channel_ports: [5600], env: {KEY: value}, tp: 4}
+    decode:  {serve_args: [...], ports: [8200], side_channel_ports: [5601], tp: 2}   # tp: GPUs per instance
     collocated: {serve_args: [...], ports: [8100, 8101]}
     proxy: {args: ["--prefix-affinity"]}
 """
@@ -71,6 +71,7 @@ def parse_topology(text: str) -> Topology:
 
 @dataclass
 class PoolSettings:
+    tp: int | None = None  # tensor-parallel size of each instance of the role (GPUs or CPU processes)
     serve_args: list[str] = field(default_factory=list)
     ports: list[int] = field(default_factory=list)
     side_channel_ports: list[int] = field(default_factory=list)
@@ -114,6 +115,7 @@ class LaunchConfig:
         counts = {"prefill": self.topology.num_prefill, "decode": self.topology.num_decode,
                   "collocated": self.topology.num_collocated}
         for role, pool in self.pools.items():
+            self.tensor_parallel_size(role)  # raises on a bad or contradicted size
             for what, values in (("ports", pool.ports), ("side_channel_ports", pool.side_channel_ports)):
                 if values and len(values) != counts[role]:
                     raise ValueError(
@@ -124,6 +126,38 @@ class LaunchConfig:
                     if not 1 <= p <= 65535:
                         raise ValueError(f"{role}.{what}: {p} is not a port")
         return self
+
+
+    def tensor_parallel_size(self, role: str) -> int:
+        """The TP size of each `role` instance: `tp` (--prefill-tp, ...), or a --tensor-parallel-size/-tp in
+        its serve arguments; 1 when neither says."""
+        pool = self.pools[role]
+        from_args = tp_in_args(self.serve_args + pool.serve_args)
+        if pool.tp is not None and pool.tp < 1:
+            raise ValueError(f"{role} tensor-parallel size must be >= 1, got {pool.tp}")
+        if pool.tp is not None and from_args is not None and pool.tp != from_args:
+            raise ValueError(f"{role}: tensor-parallel size {pool.tp} but its serve arguments say {from_args}")
+        return pool.tp or from_args or 1
+
+
+def tp_in_args(argv: list[str]) -> int | None:
+    """`--tensor-parallel-size N` / `-tp N` / `--tensor-parallel-size=N` in serve arguments (the last one
+    wins, as argparse reads them), or None."""
+    value = None
+    for i, word in enumerate(argv):
+        if word in ("--tensor-parallel-size", "-tp") and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif word.startswith(("--tensor-parallel-size=", "-tp=")):
+            value = word.split("=", 1)[1]
+    if value is None:
+        return None
+    try:
+        tp = int(value)
+    except ValueError:
+        raise ValueError(f"--tensor-parallel-size {value!r} is not an integer") from None
+    if tp < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {tp}")
+    return tp
 
 
 def default_log_dir() -> Path:
@@ -216,10 +250,12 @@ def apply_file(cfg: LaunchConfig, data: dict[str, Any], where: str = "config fil
             continue
         if not isinstance(section, dict):
             raise ValueError(f"{where}: {role} must be a mapping")
-        bad = set(section) - {"serve_args", "ports", "side_channel_ports", "env"}
+        bad = set(section) - {"serve_args", "ports", "side_channel_ports", "env", "tp"}
         if bad:
             raise ValueError(f"{where}: {role}: unknown keys {', '.join(sorted(bad))}")
         pool = cfg.pools[role]
+        if section.get("tp") is not None:
+            pool.tp = int(section["tp"])
         pool.serve_args += _args_list(section.get("serve_args"), f"{where}: {role}.serve_args")
         pool.ports = _ports(section.get("ports"), f"{where}: {role}.ports") or pool.ports
         pool.side_channel_ports = (

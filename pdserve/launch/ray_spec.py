@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.launch.config import LaunchConfig, default_log_dir
+from pdserve.launch.config import LaunchConfig, default_log_dir, tp_in_args
 from pdserve.launch.spec import KV_SECRET_ENV, UCX_GET_ZCOPY, has_flag, kv_transfer_config
 
 ROLES = ("prefill", "decode", "collocated")
@@ -42,21 +42,9 @@ def controller_name(app: str) -> str:
 
 
 def tensor_parallel_size(argv: list[str]) -> int:
-    """`--tensor-parallel-size N` / `-tp N` / `--tensor-parallel-size=N` in serve arguments (default 1):
-    an instance with TP=N reserves N GPUs in one placement-group bundle (its ranks share one node)."""
-    value = "1"
-    for i, word in enumerate(argv):
-        if word in ("--tensor-parallel-size", "-tp") and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif word.startswith("--tensor-parallel-size="):
-            value = word.split("=", 1)[1]
-    try:
-        tp = int(value)
-    except ValueError:
-        raise ValueError(f"--tensor-parallel-size {value!r} is not an integer") from None
-    if tp < 1:
-        raise ValueError(f"--tensor-parallel-size must be >= 1, got {tp}")
-    return tp
+    """The TP size in serve arguments (default 1): an instance with TP=N reserves N GPUs in one
+    placement-group bundle (its ranks share one node)."""
+    return tp_in_args(argv) or 1
 
 
 @dataclass
@@ -181,6 +169,8 @@ def _instance_spec(cfg: LaunchConfig, opts: RayOptions, role: str, model: str, n
     if role in ("prefill", "decode"):
         words += ["--kv-transfer-config", kv_transfer_config(role, cfg.kv_load_failure_policy)]
     words += cfg.serve_args + pool.serve_args
+    if (pool.tp or 1) > 1 and tp_in_args(words) is None:  # --prefill-tp / --decode-tp
+        words += ["--tensor-parallel-size", str(pool.tp)]
     if served_model_name and not has_flag(words, "--served-model-name"):
         words += ["--served-model-name", served_model_name]
     tp = tensor_parallel_size(words)

@@ -257,7 +257,9 @@ def build_deployment(
     finally:
         ports.close()
 
-    shares = split_cpus(cpus if cpus is not None else available_cpus(), len(plan)) if device == "cpu" else []
+    tps = [cfg.tensor_parallel_size(role) for role, _, _, _ in plan]
+    shares = _rank_shares(cpus if cpus is not None else available_cpus(), tps) if device == "cpu" else []
+    gpu_sets = _gpu_sets(gpus, tps, [name for _, name, _, _ in plan]) if device == "cuda" else []
     instances: list[ProcSpec] = []
     for k, (role, name, port, sc) in enumerate(plan):
         pool = cfg.pools[role]
@@ -265,7 +267,7 @@ def build_deployment(
         spec_cpus: list[int] | None = None
         gpu: str | None = None
         if device == "cuda":
-            gpu = gpus[k % len(gpus)]
+            gpu = gpu_sets[k]  # one GPU per tensor-parallel rank: "2" or "2,3"
             child_env["CUDA_VISIBLE_DEVICES"] = gpu
             if topo.disaggregated and UCX_GET_ZCOPY not in env:
                 # without it UCX silently reads over TCP when no NVLink is detected (PCIe-only boxes)
@@ -293,6 +295,8 @@ def build_deployment(
                     "--side-channel-host", cfg.host, "--side-channel-port", str(sc),
                 ]
         argv += cfg.serve_args + pool.serve_args
+        if tps[k] > 1 and not (has_flag(argv, "--tensor-parallel-size") or has_flag(argv, "-tp")):
+            argv += ["--tensor-parallel-size", str(tps[k])]
         child_env.update(pool.env)
         instances.append(ProcSpec(name, role, argv, child_env, cfg.host, port, cfg.log_dir / f"{name}.log",
                                   cpus=spec_cpus, gpu=gpu, side_channel_port=sc))
@@ -319,6 +323,34 @@ def build_deployment(
     user_secret = bool(env.get(KV_SECRET_ENV)) or any(KV_SECRET_ENV in s.env for s in instances)
     kv_secret = topo.disaggregated and cfg.engine == "pdserve" and not user_secret
     return Deployment(instances, proxy, model_arg, device, notes, admin_key_file, kv_secret)
+
+
+def _rank_shares(cpus: list[int], tps: list[int]) -> list[list[int]]:
+    """CPU mode: each instance's cores, in proportion to its tensor-parallel ranks (one process each)."""
+    per_rank = split_cpus(cpus, sum(tps))
+    out, i = [], 0
+    for tp in tps:
+        out.append(sorted({c for share in per_rank[i : i + tp] for c in share}))
+        i += tp
+    return out
+
+
+def _gpu_sets(gpus: list[str], tps: list[int], names: list[str]) -> list[str]:
+    """GPU mode: `tp` consecutive GPUs per instance, round-robin over `gpus` (instances share GPUs when
+    there are fewer than all ranks need; an instance's ranks never share one)."""
+    sets, cursor = [], 0
+    for tp, name in zip(tps, names, strict=True):
+        if tp > len(gpus):
+            raise ValueError(f"{name} has tensor-parallel size {tp} but --gpus gives {len(gpus)} GPU(s)")
+        sets.append(",".join(gpus[(cursor + j) % len(gpus)] for j in range(tp)))
+        cursor += tp
+    used: dict[str, str] = {}
+    for gpu_set in sets:  # sharing is by whole sets (the memory split below); a partial overlap is refused
+        for g in gpu_set.split(","):
+            if used.setdefault(g, gpu_set) != gpu_set:
+                raise ValueError(f"instances on GPUs {used[g]} and {gpu_set} overlap on GPU {g}: give --gpus a "
+                                 "multiple of the tensor-parallel sizes, or enough GPUs for every rank")
+    return sets
 
 
 def has_flag(argv: list[str], flag: str) -> bool:
@@ -378,7 +410,7 @@ def format_shell(dep: Deployment, cfg: LaunchConfig) -> str:
     for wave in sorted({spec.wave for spec in dep.instances}):
         specs = [spec for spec in dep.instances if spec.wave == wave]
         for spec in specs:
-            where = f"GPU {spec.gpu}" if spec.gpu is not None else (
+            where = f"GPU{'s' if ',' in spec.gpu else ''} {spec.gpu}" if spec.gpu is not None else (
                 f"CPUs {cpu_list(spec.cpus)}" if spec.cpus else "CPU")
             extra = f", side channel :{spec.side_channel_port}" if spec.side_channel_port else ""
             lines += [f"# {spec.name}: {spec.url} ({where}{extra})", _shell_line(spec), ""]

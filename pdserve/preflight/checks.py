@@ -232,6 +232,7 @@ def check_configs(target: Target) -> Check:
             channels[key] = i.url
     if any(i.engine == "vllm" for i in insts):
         summary["note"] = "vLLM instances expose no block size/layout over HTTP; their NIXL handshake checks them"
+    tp = _tensor_parallel(target, insts, summary, problems)
     if problems:
         return Check("versions/configs", FAIL, "; ".join(problems), {"fields": summary})
     shape = ""
@@ -239,8 +240,25 @@ def check_configs(target: Target) -> Check:
         shape = f", {summary['num_layers']} layers x {summary['num_kv_heads']} KV heads x {summary['head_dim']}"
     detail = ", ".join(f"{k}={summary[k]}" for k in ("version", "model_name", "dtype", "kv_cache_dtype", "block_size",
                                                       "kv_layout", "device_type") if k in summary)
-    return Check("versions/configs", PASS, f"match across {len(insts)} instance(s): {detail}{shape}",
+    return Check("versions/configs", PASS, f"match across {len(insts)} instance(s): {detail}{shape}{tp}",
                  {"fields": summary})
+
+
+def _tensor_parallel(target: Target, insts: list[Instance], summary: dict[str, Any], problems: list[str]) -> str:
+    """Tensor-parallel sizes may differ between instances (each decode rank reads its KV heads from the
+    prefill ranks holding them); each must split the KV heads. Returns the text for the PASS line."""
+    sizes = {i.url: int(i.field("tensor_parallel_size") or 1) for i in insts if i.engine == "pdserve"}
+    if not sizes or set(sizes.values()) == {1}:
+        return ""
+    heads = summary.get("num_kv_heads")
+    for url, tp in sizes.items():
+        if isinstance(heads, int) and heads % tp and tp % heads:
+            problems.append(f"{_short(url)} has tensor_parallel_size {tp}, which does not split {heads} KV heads")
+    summary["tensor_parallel_size"] = {_short(u): tp for u, tp in sizes.items()}
+    by_role = {role: sorted({sizes[i.url] for i in target.role(role) if i.url in sizes})
+               for role in ("prefill", "decode")}
+    parts = [f"{role} TP {'/'.join(map(str, tps))}" for role, tps in by_role.items() if tps]
+    return "; tensor parallel: " + (", ".join(parts) if parts else "/".join(map(str, sorted(set(sizes.values())))))
 
 
 def _short(url: str) -> str:
@@ -411,6 +429,8 @@ def check_transfer_time(run: TransferRun, opts: Options, target: Target) -> Chec
     info = next((i.info for i in decodes if i.info), {}) or {}
     bpt = _bytes_per_token(info)
     arithmetic = bpt * run.tokens if bpt else None
+    # A tensor-parallel decode's ranks read their shares side by side, on GPUs over a link each.
+    ranks = int(info.get("tensor_parallel_size") or 1) if target.device() == "cuda" else 1
     data: dict[str, Any] = {
         "prompts": run.prompts, "prompt_tokens": run.tokens, "transfers": transfers, "failed": failed,
         "bandwidth": bw_name, "bandwidth_bytes_per_s": bw, "latency_floor_ms": floor_ms,
@@ -427,7 +447,7 @@ def check_transfer_time(run: TransferRun, opts: Options, target: Target) -> Chec
         return Check("kv transfer time", FAIL, f"{head}: no successful KV transfer on decode: {why}", data)
     avg_s = xfer_sum / transfers
     avg_bytes = bytes_sum / bytes_count if bytes_count else (arithmetic or 0) * run.prompts / transfers
-    expected_s = avg_bytes / bw + floor_ms / 1e3
+    expected_s = avg_bytes / ranks / bw + floor_ms / 1e3
     limit_s = min(opts.slow_factor * expected_s, opts.max_xfer_ms / 1e3)
     data.update({"avg_xfer_s": avg_s, "avg_bytes": avg_bytes, "expected_s": expected_s, "limit_s": limit_s,
                  "arithmetic_bytes_per_prompt": arithmetic,
@@ -435,8 +455,8 @@ def check_transfer_time(run: TransferRun, opts: Options, target: Target) -> Chec
     rate = f"{avg_bytes / avg_s / 1e9:.2f} GB/s" if avg_s > 0 else "n/a"
     arith = f" (arithmetic {arithmetic / 2**20:.2f} MiB per prompt)" if arithmetic else ""
     detail = (f"{head}: {transfers} transfer(s), avg {avg_s * 1e3:.2f} ms for {avg_bytes / 2**20:.2f} MiB{arith}"
-              f" = {rate}; expected {expected_s * 1e3:.2f} ms at {bw_name} ({bw / 1e9:g} GB/s) + "
-              f"{floor_ms:g} ms floor")
+              f" = {rate}; expected {expected_s * 1e3:.2f} ms at {bw_name} ({bw / 1e9:g} GB/s)"
+              f"{f' per decode rank x {ranks} ranks' if ranks > 1 else ''} + {floor_ms:g} ms floor")
     if avg_s >= opts.max_xfer_ms / 1e3:
         return Check("kv transfer time", FAIL,
                      f"{detail}; avg >= {opts.max_xfer_ms:g} ms: fix the transport before measuring anything", data)

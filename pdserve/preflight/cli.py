@@ -48,35 +48,48 @@ ROWS = ("instances", "versions/configs", "gpu p2p", "ucx transport", "short requ
         "leases/failures")
 
 
-def _gpu_of(target: Target, role: str, explicit: str | None) -> list[str | None]:
-    """Physical GPU ids of the instances of `role`: --prefill-gpu/--decode-gpu (comma list, by position),
-    else what the instance reports (`cuda_visible_devices` in /pdserve/info), else unknown (None)."""
+def _gpu_of(target: Target, role: str, explicit: str | None) -> list[list[str] | None]:
+    """Physical GPU ids of each instance of `role`, one per tensor-parallel rank: --prefill-gpu/--decode-gpu
+    (comma list, one GPU per instance, by position), else what the instance reports (`cuda_visible_devices`
+    and its TP size in /pdserve/info: rank r on the r-th visible GPU), else unknown (None)."""
     insts = target.role(role)
     given = [g.strip() for g in explicit.split(",")] if explicit else []
-    out: list[str | None] = []
+    out: list[list[str] | None] = []
     for k, inst in enumerate(insts):
         if k < len(given):
-            out.append(given[k])
+            out.append([given[k]])
             continue
-        visible = (inst.info or {}).get("cuda_visible_devices")
-        device = str((inst.info or {}).get("device") or "")
+        info = inst.info or {}
+        visible = info.get("cuda_visible_devices")
+        device = str(info.get("device") or "")
+        tp = int(info.get("tensor_parallel_size") or 1)
         if visible:
             ids = [v.strip() for v in str(visible).split(",") if v.strip()]
             index = int(device.split(":")[1]) if ":" in device and device.split(":")[1].isdigit() else 0
-            out.append(ids[index] if index < len(ids) else None)
+            out.append(ids[index : index + tp] if index + tp <= len(ids) else None)
         else:
             out.append(None)
     return out
 
 
 def _pairs(target: Target, opts: Options) -> tuple[list[tuple[str, str]], str | None]:
-    """Distinct (prefill GPU, decode GPU) pairs, or why they are unknown."""
+    """Distinct (prefill GPU, decode GPU) pairs that KV moves over (with tensor parallelism: each decode
+    rank's GPU and the GPUs of the prefill ranks it reads from), or why they are unknown."""
+    from pdserve.parallel.layout import head_sources
+
     p_gpus, d_gpus = _gpu_of(target, "prefill", opts.prefill_gpu), _gpu_of(target, "decode", opts.decode_gpu)
     if None in p_gpus or None in d_gpus:
         return [], ("cannot tell which physical GPUs the instances use (they report only their device index "
                     "under their own CUDA_VISIBLE_DEVICES); pass --prefill-gpu and --decode-gpu")
-    pairs = sorted({(p, d) for p in p_gpus for d in d_gpus if p is not None and d is not None})
-    return pairs, None
+    heads = next((int(i.info["num_kv_heads"]) for i in target.instances if i.info and i.info.get("num_kv_heads")), 1)
+    pairs: set[tuple[str, str]] = set()
+    for p_ranks in p_gpus:
+        for d_ranks in d_gpus:
+            assert p_ranks is not None and d_ranks is not None
+            for d, d_gpu in enumerate(d_ranks):
+                for seg in head_sources(heads, d, len(d_ranks), len(p_ranks)):
+                    pairs.add((p_ranks[seg.src_rank], d_gpu))
+    return sorted(pairs), None
 
 
 def check_gpu_p2p(target: Target, opts: Options) -> Check:

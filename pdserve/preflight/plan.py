@@ -8,6 +8,7 @@ the output: 1 GB = 10^9 bytes, 1 GiB = 2^30 bytes, 1 Gb/s = 10^9 bit/s.
     pdserve plan ./my-model --prompt-len 8192 --bandwidth 50GB/s --bandwidth 0.5GB/s
     pdserve plan --layers 80 --kv-heads 8 --head-dim 128 --dtype bf16 --prompt-len 10000 --bandwidth 400Gb/s
     pdserve plan --instance http://127.0.0.1:8100 --prompt-len 4096     # a running instance's own KV shape
+    pdserve plan llama-3.1-70b --prompt-len 10000 --prefill-tp 4 --decode-tp 8   # tensor-parallel P and D
 
 A model's config gives the dtype of its released weights; a server's KV cache may differ (pdserve runs
 float32 on CPU by default): plan against the instance (`--instance URL` reads its /pdserve/info) or say
@@ -230,15 +231,19 @@ class Plan:
     bytes_per_block: int
     num_blocks: int
     links: list[LinkEstimate]
+    tensor_parallel: Any = None  # a tp_plan.TPPlan when --prefill-tp/--decode-tp are given
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
+        if self.tensor_parallel is not None:
+            out["tensor_parallel"] = self.tensor_parallel.to_json()
         out["shape"]["bytes_per_token"] = self.bytes_per_token
         out["units"] = {"GB": 10**9, "GiB": 2**30, "Gb/s": "10^9 bit/s", "KiB": 1024}
         return out
 
 
-def make_plan(shape: KVShape, prompt_len: int, bandwidths: list[str], block_size: int = 16) -> Plan:
+def make_plan(shape: KVShape, prompt_len: int, bandwidths: list[str], block_size: int = 16,
+              prefill_tp: int | None = None, decode_tp: int | None = None) -> Plan:
     if prompt_len < 1:
         raise ValueError(f"--prompt-len must be >= 1, got {prompt_len}")
     if block_size < 1:
@@ -249,8 +254,15 @@ def make_plan(shape: KVShape, prompt_len: int, bandwidths: list[str], block_size
     for bw in bandwidths:
         rate = parse_bandwidth(bw)
         links.append(LinkEstimate(bw, rate, total / rate))
+    tp = None
+    if prefill_tp is not None or decode_tp is not None:
+        from pdserve.preflight.tp_plan import make_tp_plan
+
+        tp = make_tp_plan(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                          elem_bytes=dtype_bytes(shape.dtype), prompt_len=prompt_len, block_size=block_size,
+                          prefill_tp=prefill_tp or 1, decode_tp=decode_tp or 1)
     return Plan(shape, prompt_len, block_size, per_token, total, per_token * block_size,
-                -(-prompt_len // block_size), links)
+                -(-prompt_len // block_size), links, tp)
 
 
 def _bytes(n: float) -> str:
@@ -287,6 +299,11 @@ def format_plan(plan: Plan) -> str:
     ]
     for link in plan.links:
         lines.append(f"  {link.bandwidth:>14}  ({_rate(link.bytes_per_s)}):  {_duration(link.wire_time_s)}")
+    if plan.tensor_parallel is not None:
+        from pdserve.preflight.tp_plan import format_tp_plan
+
+        lines += format_tp_plan(plan.tensor_parallel, [(link.bandwidth, link.bytes_per_s) for link in plan.links],
+                                _bytes, _duration)
     lines.append("units: 1 kB = 10^3 B, 1 KiB = 2^10 B, 1 GB = 10^9 B, 1 GiB = 2^30 B, 1 Gb/s = 10^9 bit/s")
     if s.dtype_note:
         lines.append(f"note: {s.dtype_note}")
@@ -325,6 +342,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "and block size (instead of MODEL)")
     parser.add_argument("--block-size", type=int, default=None,
                         help="KV block size in tokens (default: the instance's, else 16)")
+    parser.add_argument("--prefill-tp", type=int, default=None, metavar="N",
+                        help="tensor-parallel size of the prefill instance: which of its ranks each decode rank reads")
+    parser.add_argument("--decode-tp", type=int, default=None, metavar="N",
+                        help="tensor-parallel size of the decode instance (its ranks read in parallel, one link each)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     ratio = parser.add_argument_group("P:D ratio (the seed's rule 3)")
     ratio.add_argument("--isl", type=int, default=None, help="input (prompt) tokens per request")
@@ -379,7 +400,8 @@ def main(args: argparse.Namespace) -> int:
             else:
                 shape = resolve_shape(args.model, layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
                                       dtype=args.dtype)
-            plan = make_plan(shape, prompt_len, args.bandwidth or list(DEFAULT_BANDWIDTHS), block_size or 16)
+            plan = make_plan(shape, prompt_len, args.bandwidth or list(DEFAULT_BANDWIDTHS), block_size or 16,
+                             args.prefill_tp, args.decode_tp)
     except (ValueError, FileNotFoundError) as e:
         print(f"pdserve plan: {e}", file=sys.stderr)
         return 2
