@@ -108,6 +108,8 @@ def test_pd_across_tp_sizes_matches_collocated(servers, prefill: str, decode: st
     bytes1, loads1 = _loaded_bytes(d.url)
     assert loads1 - loads0 == len(_prompts(seed))
     assert bytes1 - bytes0 == expected_bytes
+    for proc in (p, d):  # the handshakes were signed and every rank's metadata concealed
+        assert "side-channel messages authenticated" in Path(proc.log_path).read_text()
 
 
 def test_consumer_refuses_params_whose_tp_size_is_not_the_producers(servers) -> None:
