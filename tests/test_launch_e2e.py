@@ -57,7 +57,7 @@ def test_collocated_demo_exit(tiny: Path, tmp_path: Path) -> None:
 
 def test_child_crash_at_startup_is_reported(tiny: Path, tmp_path: Path) -> None:
     """A bad serve argument on decode: prefill is stopped, decode's log tail shown, exit code non-zero."""
-    up = Up([str(tiny), "--port", "0", "--decode-arg=--tensor-parallel-size 0", "--log-dir", str(tmp_path)],
+    up = Up([str(tiny), "--port", "0", "--decode-arg=--max-waiting-requests 0", "--log-dir", str(tmp_path)],
             cwd=tmp_path)
     try:
         rc = up.wait(STARTUP_S)
@@ -66,7 +66,7 @@ def test_child_crash_at_startup_is_reported(tiny: Path, tmp_path: Path) -> None:
     out = up.output
     assert rc == 1, out
     assert "pdserve up: decode exited with code 2 during startup" in out
-    assert "  | pdserve serve: error: --tensor-parallel-size must be at least 1, got 0" in out
+    assert "  | pdserve serve: error: --max-waiting-requests must be at least 1" in out
     assert "PDSERVE_READY" not in out
     stopping = re.search(r"^stopping: (.*)$", out, re.M)
     assert stopping, out
