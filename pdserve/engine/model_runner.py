@@ -142,14 +142,15 @@ class ModelRunner:
         from pdserve.gpu.step_runner import GpuStepRunner  # GPU-only, imported lazily
 
         cfg = self.config
+        if self.step_sink is not None:
+            # rank 0: the other ranks switch first; graph capture runs collectives, which every rank must join
+            self.step_sink(("use_gpu_step_runner", simulate_graphs))
         self.gpu = GpuStepRunner(
             self.model, self.kv_pool, self.backend, self.sampler, block_size=self.block_size,
             max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len or self.model_cfg.max_position_embeddings,
             enforce_eager=cfg.enforce_eager or not getattr(self.backend, "supports_graphs", True),
             simulate_graphs=simulate_graphs)
-        if self.step_sink is not None:  # rank 0: the other ranks switch too (their graphs capture in lockstep)
-            self.step_sink(("use_gpu_step_runner", simulate_graphs))
-            self.gpu.step_sink = self.step_sink
+        self.gpu.step_sink = self.step_sink
 
     def set_step_sink(self, sink: Callable[[tuple], None] | None) -> None:
         """Rank 0 of a TP group: `sink(message)` hands each step's inputs to the other ranks before this
