@@ -44,6 +44,7 @@ class EngineConfig:
     warm_up: bool | None = None  # a prefill, a mixed step and decodes before serving (JIT); default: on for CUDA
     max_waiting_requests: int | None = None  # queue bound: beyond it new requests are refused (server: 503)
     kv_transfer_config: dict[str, Any] | None = None  # vLLM's --kv-transfer-config JSON
+    kv_events_config: dict[str, Any] | None = None  # vLLM's --kv-events-config JSON (pdserve.kv_events)
     # vLLM's --structured-outputs-config JSON: backend (auto | guidance), disable_any_whitespace,
     # disable_additional_properties
     structured_outputs_config: dict[str, Any] | None = None
@@ -70,6 +71,9 @@ class EngineConfig:
         if so.get("backend", "auto") not in ("auto", "guidance"):
             raise ValueError(f"structured_outputs_config.backend {so['backend']!r} is not available: the built-in "
                              "grammar engine is llguidance ('guidance'; 'auto' picks it)")
+        from pdserve.kv_events.config import KVEventsConfig
+
+        KVEventsConfig.from_json(self.kv_events_config)  # ValueError naming the bad key or value
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")

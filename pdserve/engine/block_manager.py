@@ -2,36 +2,40 @@
 
 A block whose ref count drops to zero goes to the back of the free queue but keeps its hash, so a later
 request with the same prefix can revive it; blocks are evicted (hash dropped) from the front, LRU first.
-Only block ids live here: the tensors belong to the model runner.
+Only block ids live here: the tensors belong to the model runner. Block identities are the chained
+hashes of pdserve.kv_events.block_hash (one definition, shared with routers); with events enabled, every
+change of what the pool holds is queued as a vLLM-compatible KV event (BlockStored / BlockRemoved /
+AllBlocksCleared, medium "GPU") for the engine to publish once per step, as vLLM's block_pool.py does.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pdserve.engine.request import Request
-
-_HASH_SEED = 0x5EED
-
-
-def hash_block(parent: int | None, tokens: Sequence[int]) -> int:
-    return hash((_HASH_SEED if parent is None else parent, tuple(tokens)))
+from pdserve.kv_events.block_hash import external_block_hash, hash_block_tokens
+from pdserve.kv_events.events import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 enable_events: bool = False):
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # hash -> block id
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # hash -> block id
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # tokens found there
+        self._events: list[KVCacheEvent] | None = [] if enable_events else None
+        # Called with (block id, hash) just before a cached block's identity is dropped to reuse the block:
+        # its KV is still intact, so an offload tier can copy it out first.
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     # ---- accounting -------------------------------------------------------------------------
     @property
@@ -54,7 +58,7 @@ class BlockManager:
             i = len(req.block_hashes)
             parent = req.block_hashes[-1] if req.block_hashes else None
             toks = [req.token_at(j) for j in range(i * bs, (i + 1) * bs)]
-            req.block_hashes.append(hash_block(parent, toks))
+            req.block_hashes.append(hash_block_tokens(parent, toks))
 
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Block ids of the longest cached prefix of req's tokens. At least one token is always left to
@@ -83,6 +87,7 @@ class BlockManager:
         if full <= req.num_registered_blocks:
             return  # nothing new: keeps the per-step cost independent of context length
         self._compute_hashes(req, req.num_computed_tokens)
+        run_start = -1  # first block of the current run of newly cached blocks (one BlockStored per run)
         for i in range(req.num_registered_blocks, full):
             bid = req.block_ids[i]
             h = req.block_hashes[i]
@@ -90,16 +95,52 @@ class BlockManager:
                 # (an identical block may already exist; then this one stays uncached)
                 self.block_hash[bid] = h
                 self.cached[h] = bid
+                if run_start < 0:
+                    run_start = i
+            elif run_start >= 0:
+                self._stored_event(req, run_start, i)
+                run_start = -1
+        if run_start >= 0:
+            self._stored_event(req, run_start, full)
         req.num_registered_blocks = full
+
+    # ---- events -------------------------------------------------------------------------------
+    def _stored_event(self, req: Request, first: int, end: int) -> None:
+        if self._events is None:
+            return
+        bs = self.block_size
+        self._events.append(BlockStored(
+            block_hashes=[external_block_hash(h) for h in req.block_hashes[first:end]],
+            parent_block_hash=external_block_hash(req.block_hashes[first - 1]) if first > 0 else None,
+            token_ids=[req.token_at(j) for j in range(first * bs, end * bs)],
+            block_size=bs, medium=MEDIUM_DEVICE))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events queued since the last call (consecutive removals merged into one event)."""
+        if not self._events:
+            return []
+        out: list[KVCacheEvent] = []
+        for e in self._events:
+            prev = out[-1] if out else None
+            if isinstance(e, BlockRemoved) and isinstance(prev, BlockRemoved) and prev.medium == e.medium:
+                prev.block_hashes.extend(e.block_hashes)
+            else:
+                out.append(e)
+        self._events = []
+        return out
 
     # ---- allocation -------------------------------------------------------------------------
     def _take_free(self) -> int:
         bid, _ = self.free.popitem(last=False)
         h = self.block_hash[bid]
         if h is not None:  # evict its cached identity
+            if self.on_evict is not None:
+                self.on_evict(bid, h)
             self.block_hash[bid] = None
             if self.cached.get(h) == bid:
                 del self.cached[h]
+                if self._events is not None:
+                    self._events.append(BlockRemoved([external_block_hash(h)], MEDIUM_DEVICE))
         self.ref_cnt[bid] = 1
         return bid
 
@@ -139,3 +180,5 @@ class BlockManager:
         for h, bid in list(self.cached.items()):
             self.block_hash[bid] = None
             del self.cached[h]
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())

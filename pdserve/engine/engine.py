@@ -21,6 +21,8 @@ from pdserve.engine.request import Request, Status
 from pdserve.engine.sampling_params import ParamError, SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.step_log import StepLog
+from pdserve.kv_events.config import KVEventsConfig
+from pdserve.kv_events.events import KVEventBatch
 from pdserve.model.config import ModelConfig, derived_max_model_len, load_model_config, verify_max_model_len
 
 if TYPE_CHECKING:
@@ -97,7 +99,11 @@ class LLMEngine:
         self.connector: KVConnectorProtocol | None = None
         self.grammars = Grammars(config.tokenizer or str(self.model_dir), self.model_cfg.vocab_size,
                                  self.eos_token_ids, config.structured_outputs_config)
-        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        events_cfg = KVEventsConfig.from_json(config.kv_events_config)
+        publish = events_cfg is not None and events_cfg.active and config.enable_prefix_caching
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                   enable_events=publish)
+        self.kv_events = None  # the ZMQ publisher of the pool's KV events, when --kv-events-config enables it
         default_budget = 8192 if self.runner.device.type == "cuda" else 2048
         budget = config.max_num_batched_tokens or default_budget
         if not config.enable_chunked_prefill:
@@ -106,6 +112,15 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # producer: finished P legs whose blocks a consumer may read
         self.connector = connector_factory(self) if connector_factory else None
+        if publish:
+            from pdserve.kv_events.publisher import ZmqEventPublisher  # pyzmq only where events are on
+
+            try:
+                self.kv_events = ZmqEventPublisher(events_cfg)
+            except BaseException:
+                if self.connector is not None:
+                    self.connector.shutdown()
+                raise
         self.num_finished = 0
         self.step_log = StepLog.from_env((config.kv_transfer_config or {}).get("kv_role", "engine"))
         if config.warm_up or (config.warm_up is None and self.runner.device.type == "cuda"):
@@ -114,6 +129,8 @@ class LLMEngine:
             except BaseException:
                 if self.connector is not None:
                     self.connector.shutdown()
+                if self.kv_events is not None:
+                    self.kv_events.shutdown()
                 raise
 
     def _warm_up(self) -> None:
@@ -205,6 +222,15 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        outputs = self._step()
+        if self.kv_events is not None:
+            # one batch per step with whatever the pool gained or lost in it, as vLLM's scheduler publishes
+            events = self.blocks.take_events()
+            if events:
+                self.kv_events.publish(KVEventBatch(ts=time.time(), events=events))
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         if self.connector is not None:
             outputs.extend(self._poll_connector())
@@ -374,6 +400,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         if self.connector is not None:
             self.connector.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
         self.runner.shutdown()
         if self.step_log is not None:
             self.step_log.close()

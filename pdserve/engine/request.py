@@ -35,7 +35,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens not computed here (prefix cache or transfer); -1 = unset
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of this request's full blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks (kv_events.block_hash)
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     finish_reason: str | None = None
     stop_reason: int | str | None = None

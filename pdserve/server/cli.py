@@ -45,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-transfer-config", default=None, help="vLLM's KV transfer JSON")
+    p.add_argument("--kv-events-config", default=None,
+                   help='vLLM\'s JSON: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
+                        '"tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}: publish the KV pool\'s '
+                        'BlockStored/BlockRemoved/AllBlocksCleared events (vLLM\'s wire format) for routers')
     p.add_argument("--structured-outputs-config", default=None,
                    help='vLLM\'s JSON: {"backend": "auto"|"guidance", "disable_any_whitespace": bool, '
                         '"disable_additional_properties": bool}')
@@ -109,6 +113,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         enforce_eager=args.enforce_eager,
         max_waiting_requests=args.max_waiting_requests,
         kv_transfer_config=kv,
+        kv_events_config=json.loads(args.kv_events_config) if args.kv_events_config else None,
         structured_outputs_config=json.loads(args.structured_outputs_config) if args.structured_outputs_config
         else None,
         tensor_parallel_size=args.tensor_parallel_size,
@@ -135,6 +140,13 @@ def _check_args(args: argparse.Namespace) -> str | None:
                 return "--structured-outputs-config must be a JSON object"
         except ValueError as e:
             return f"--structured-outputs-config is not valid JSON: {e}"
+    if args.kv_events_config is not None:
+        from pdserve.kv_events.config import KVEventsConfig
+
+        try:
+            KVEventsConfig.from_json(args.kv_events_config)
+        except (ValueError, TypeError) as e:
+            return str(e) if str(e).startswith("--kv-events-config") else f"--kv-events-config: {e}"
     if args.kv_transfer_config is not None:
         try:
             if not isinstance(json.loads(args.kv_transfer_config), dict):
@@ -151,6 +163,34 @@ def _gpu_uuid(device: Any) -> str | None:
 
     uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
     return f"GPU-{uuid}" if uuid is not None else None
+
+
+def kv_events_info(publisher: Any, http_host: str, block_size: int) -> dict[str, Any] | None:
+    """The KV events endpoints as a router elsewhere reaches them: a wildcard bind address (tcp://*:5557
+    binds 0.0.0.0) is replaced by the HTTP --host, or this machine's name when that is a wildcard too."""
+    if publisher is None:
+        return None
+    import socket
+
+    host = http_host if http_host not in ("0.0.0.0", "::", "", "*") else socket.getfqdn()
+
+    def reachable(endpoint: str | None) -> str | None:
+        if endpoint is None or not endpoint.startswith("tcp://"):
+            return endpoint
+        addr, _, port = endpoint[len("tcp://"):].rpartition(":")
+        if addr in ("0.0.0.0", "*", "[::]", "::", ""):
+            addr = f"[{host}]" if ":" in host else host
+        return f"tcp://{addr}:{port}"
+
+    return {
+        "endpoint": reachable(publisher.endpoint),
+        "replay_endpoint": reachable(publisher.replay_endpoint),
+        "topic": publisher.config.topic,
+        "block_size": block_size,
+        # how BlockStored hashes are computed from token ids (pdserve.kv_events.block_hash; ARCHITECTURE.md)
+        "block_hash": "sha256_cbor_64bit",
+        "format": "vllm",
+    }
 
 
 def build_state(args: argparse.Namespace) -> Any:
@@ -209,6 +249,8 @@ def build_state(args: argparse.Namespace) -> Any:
         "gpu_uuid": _gpu_uuid(runner.device),
         "num_gpu_blocks": runner.num_blocks,
         "tokens_only": args.tokens_only,
+        # where a router subscribes to this instance's KV events (None: not published)
+        "kv_events": kv_events_info(inner.kv_events, args.host, runner.block_size),
     }
     model_path = str(model_arg) if model_arg and Path(model_arg).is_dir() else str(inner.model_dir)
     metrics = ServerMetrics(names[0], inner.max_model_len, engine.stats, registry=registry)
