@@ -26,6 +26,7 @@ from pdserve.api.pd import (
 from pdserve.proxy.config import ProxyConfig
 from pdserve.proxy.errors import error_response
 from pdserve.proxy.health import HealthChecker, probe
+from pdserve.proxy.kv_routing import CachedPrefix, lookup
 from pdserve.proxy.legs import (
     DecodeLeg,
     no_instance_response,
@@ -35,6 +36,7 @@ from pdserve.proxy.legs import (
     send_decode,
 )
 from pdserve.proxy.pool import ROLES, Instance
+from pdserve.proxy.prompt_tokens import given_token_ids
 from pdserve.proxy.protocol import affinity_key, estimate_prompt_tokens, max_output_tokens
 from pdserve.proxy.retry import retry_after_header
 from pdserve.proxy.split import serve_batch
@@ -46,6 +48,8 @@ STATE_KEY = web.AppKey("pdserve_proxy_state", ProxyState)
 MAX_BODY_BYTES = 64 * 1024 * 1024
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
+# Longer prompts are tokenized (for routing by cached prefix) off the event loop, so as not to stall it.
+INLINE_TOKENIZE_TOKENS = 2048
 
 
 def _bearer_ok(request: web.Request, key: str | None) -> bool:
@@ -131,52 +135,83 @@ class ProxyHandlers:
             return error_response(400, "request body must be a JSON object", "BadRequestError")
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         headers = self._upstream_headers(request, rid)
-        tokens = estimate_prompt_tokens(body)
+        batch = api_path == COMPLETIONS and is_batch_prompt(body)
+        prefix = None if batch else await self.cached_prefix(api_path, body, headers)
+        # exact when the prompt token ids are known, else the characters / 4 estimate
+        tokens = prefix.prompt_tokens if prefix is not None else estimate_prompt_tokens(body)
         decode_tokens = tokens + max_output_tokens(body)
 
         reason = None
         if len(state.prefill) == 0:
             path = "collocated"
-        elif tokens < cfg.disagg_threshold_tokens:
-            path, reason = "conditional_local", f"~{tokens} prompt tokens < --disagg-threshold-tokens"
-        elif (api_path == COMPLETIONS and is_batch_prompt(body)
-              and local_only_reason({**body, "prompt": body["prompt"][0]}, fork_n=cfg.disagg_n) is None):
+        elif (local_work := self._local_prefill_work(tokens, prefix)) < cfg.disagg_threshold_tokens:
+            path = "conditional_local"
+            reason = f"~{local_work} uncached prompt tokens on a decode instance < --disagg-threshold-tokens"
+        elif batch and local_only_reason({**body, "prompt": body["prompt"][0]}, fork_n=cfg.disagg_n) is None:
             # several prompts: one P/D pair each, merged into one response
             self.metrics.path["disagg_split"].inc()
 
             async def pair(sub: dict[str, Any], sub_headers: dict[str, str]) -> DecodeLeg | web.Response:
-                sub_tokens = estimate_prompt_tokens(sub)
+                sub_prefix = await self.cached_prefix(api_path, sub, sub_headers)
+                sub_tokens = sub_prefix.prompt_tokens if sub_prefix is not None else estimate_prompt_tokens(sub)
                 return await self.start_pair(api_path, sub, json.dumps(sub).encode(), sub_headers, sub_tokens,
-                                             sub_tokens + max_output_tokens(sub), count_path=False)
+                                             sub_tokens + max_output_tokens(sub), count_path=False, prefix=sub_prefix)
 
             return await serve_batch(request, body, headers, pair)
         elif (reason := local_only_reason(body, fork_n=cfg.disagg_n)) is not None:
             path = "conditional_local"
         else:
-            return await self._disaggregated(request, api_path, body, raw, headers, tokens, decode_tokens)
+            leg = await self.start_pair(api_path, body, raw, headers, tokens, decode_tokens, prefix=prefix)
+            if isinstance(leg, web.Response):
+                return leg
+            try:
+                return await relay_leg(self.state, request, leg, rid)
+            finally:
+                leg.done()
         self.metrics.path[path].inc()
         logger.debug("request %s: %s (%s)", rid, path, reason or "no prefill pool")
         return await relay_decode(
-            state, request, api_path, raw, headers, tokens=decode_tokens, kv_claimed=False
+            state, request, api_path, raw, headers, tokens=decode_tokens, kv_claimed=False, prefix=prefix
         )
 
-    async def _disaggregated(
-        self,
-        request: web.Request,
-        api_path: str,
-        body: dict[str, Any],
-        raw: bytes,
-        headers: dict[str, str],
-        tokens: int,
-        decode_tokens: int,
-    ) -> web.StreamResponse:
-        leg = await self.start_pair(api_path, body, raw, headers, tokens, decode_tokens)
-        if isinstance(leg, web.Response):
-            return leg
+    def _local_prefill_work(self, tokens: int, prefix: CachedPrefix | None) -> int:
+        """Conditional disaggregation's measure: the prompt tokens a decode instance would compute itself,
+        i.e. those not cached on the decode instance holding the most of this prompt."""
+        if prefix is None:
+            return tokens
+        return tokens - prefix.best_cached(self.state.decode.instances)
+
+    async def cached_prefix(self, api_path: str, body: dict[str, Any], headers: dict[str, str]) -> CachedPrefix | None:
+        """What each publishing instance holds of this request's prompt; None when routing by cached prefix
+        is off, nobody publishes KV events, or the prompt token ids cannot be known exactly."""
+        state = self.state
+        fleet, tokenizer = state.fleet, state.prompt_tokenizer
+        if fleet is None or tokenizer is None or fleet.publishers() == 0:
+            return None
         try:
-            return await relay_leg(self.state, request, leg, headers["X-Request-Id"])
-        finally:
-            leg.done()
+            ids = given_token_ids(body)
+            if ids is None and tokenizer.local is not None:
+                if estimate_prompt_tokens(body) > INLINE_TOKENIZE_TOKENS:
+                    ids = await asyncio.to_thread(tokenizer.local_ids, api_path, body)
+                else:
+                    ids = tokenizer.local_ids(api_path, body)
+            elif ids is None:
+                inst = next((i for pool in (state.decode, state.prefill) for i in pool.instances if i.healthy), None)
+                if inst is not None:
+                    ids = await tokenizer.remote_ids(state.http(), inst.url, self._tokenize_headers(headers),
+                                                     api_path, body)
+            if not ids:
+                return None
+            sizes = {inst.url: size for pool in state.pools() for inst in pool.instances
+                     if (size := fleet.block_size(inst.url)) is not None}
+            return lookup(fleet.index, ids, sizes, self.config.kv_overlap_weight)
+        except Exception as exc:  # noqa: BLE001 - whatever the body holds, the instance judges it, not this hint
+            logger.debug("no cached-prefix lookup for this request: %s: %s", type(exc).__name__, exc)
+            return None
+
+    @staticmethod
+    def _tokenize_headers(headers: dict[str, str]) -> dict[str, str]:
+        return {k: v for k, v in headers.items() if k in ("Authorization", "Content-Type")}
 
     async def start_pair(
         self,
@@ -187,6 +222,7 @@ class ProxyHandlers:
         tokens: int,
         decode_tokens: int,
         count_path: bool = True,
+        prefix: CachedPrefix | None = None,
     ) -> DecodeLeg | web.Response:
         """One P/D pair up to the decode leg's response headers (or the client's error response): the
         prefill leg, its failure policy, then the decode leg with the prefill's kv_transfer_params."""
@@ -197,7 +233,7 @@ class ProxyHandlers:
                      and chat_prompt_ids_allowed(body.get("messages"), body.get("echo")))
         prefill_payload = json.dumps(build_prefill_body(body, chat_token_ids=token_ids)).encode()
         affinity = affinity_key(body, cfg.prefix_affinity_chars) if cfg.prefix_affinity else None
-        result = await run_prefill(state, api_path, prefill_payload, headers, tokens, affinity)
+        result = await run_prefill(state, api_path, prefill_payload, headers, tokens, affinity, prefix)
         if result.passthrough is not None:
             return result.passthrough
         if result.kv_params is None:
@@ -211,7 +247,8 @@ class ProxyHandlers:
                 )
                 if count_path:
                     self.metrics.path["decode_local_fallback"].inc()
-                return await send_decode(state, api_path, raw, headers, tokens=decode_tokens, kv_claimed=False)
+                return await send_decode(state, api_path, raw, headers, tokens=decode_tokens, kv_claimed=False,
+                                         prefix=prefix)
             if result.unavailable:
                 return no_instance_response(state, "prefill", rid, result.retry_after)
             self.metrics.error("prefill_failed")
@@ -320,7 +357,16 @@ class ProxyHandlers:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     def _listing(self) -> dict[str, list[dict[str, Any]]]:
-        return {pool.role: [inst.to_json() for inst in pool.instances] for pool in self.state.pools()}
+        return {pool.role: [self._instance_json(inst) for inst in pool.instances] for pool in self.state.pools()}
+
+    def _instance_json(self, inst: Instance) -> dict[str, Any]:
+        out = inst.to_json()
+        fleet = self.state.fleet
+        if fleet is not None:
+            # subscribed: the proxy follows its KV events; blocks: what the fleet-wide index holds of it
+            out["kv_events"] = {"subscribed": fleet.publishing(inst.url), "connected": fleet.connected(inst.url),
+                                "blocks": fleet.index.instance_blocks(inst.url)}
+        return out
 
     async def list_instances(self, request: web.Request) -> web.Response:
         """Read-only, open like /health and /metrics (which carry the same URLs and health states)."""
@@ -405,7 +451,11 @@ def create_app(config: ProxyConfig) -> web.Application:
         )
         state.checker = checker
         checker.start()
+        if state.fleet is not None:
+            state.fleet.start()
         yield
+        if state.fleet is not None:
+            await state.fleet.stop()
         state.checker = None
         await checker.stop()
         await state.close()

@@ -93,7 +93,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prompts estimated below N tokens go straight to a decode instance (default 0 = always disaggregate)",
     )
     parser.add_argument(
-        "--prefix-affinity", action="store_true", default=s, help="consistent prefill choice by prompt prefix"
+        "--no-kv-routing",
+        dest="kv_routing",
+        action="store_false",
+        default=s,
+        help="do not route by cached prefix. By default the proxy subscribes to the KV events of every instance "
+        "whose /pdserve/info advertises them (pdserve serve --kv-events-config), keeps a fleet-wide index of "
+        "cached blocks, and sends each request to the instance with the lowest cost = --kv-overlap-weight x "
+        "uncached prompt tokens + outstanding tokens (prefill instances in P/D, decode instances when they "
+        "compute the prompt); instances without events are routed as before",
+    )
+    parser.add_argument(
+        "--kv-overlap-weight",
+        type=float,
+        default=s,
+        help="weight of the uncached prompt tokens against the instance's outstanding tokens; 0 = load only "
+        f"(default {_D.kv_overlap_weight:g})",
+    )
+    parser.add_argument(
+        "--kv-hit-fraction",
+        type=float,
+        default=s,
+        help="for pdserve_proxy_kv_routed_requests_total{outcome=hit}: the chosen instance holds at least this "
+        f"share of the longest prefix cached in the pool (default {_D.kv_hit_fraction:g})",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=s,
+        metavar="PATH",
+        help="the model's tokenizer (HF folder or tokenizer.json) for computing prompt block hashes locally; "
+        "without it the proxy asks an instance's POST /tokenize (one extra local round trip per request)",
+    )
+    parser.add_argument(
+        "--prefix-affinity",
+        action="store_true",
+        default=s,
+        help="consistent prefill choice by prompt prefix, for instances that publish no KV events",
     )
     parser.add_argument(
         "--prefix-affinity-chars",

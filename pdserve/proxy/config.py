@@ -34,6 +34,13 @@ class ProxyConfig:
     prefix_affinity: bool = False
     prefix_affinity_chars: int = 1024
     prefix_affinity_slack: int = 4
+    # Routing by cached prefix (pdserve/proxy/kv_routing.py): on whenever instances publish KV events.
+    kv_routing: bool = True
+    kv_overlap_weight: float = 1.0  # tokens of prefill work saved per token of load (Dynamo's overlap weight)
+    kv_hit_fraction: float = 0.9  # a routing "hit": the chosen instance holds this share of the best prefix
+    # A local tokenizer (HF folder or tokenizer.json) for the prompt token ids; without one the proxy asks
+    # an instance's /tokenize.
+    tokenizer: str | None = None
     rewrite_remote_host: bool = False
     chat_token_ids: bool = True
     # n > 1 as one P/D pair: pdserve decode instances fork the one KV load into the n choices (vLLM's
@@ -85,6 +92,12 @@ class ProxyConfig:
         for name in ("instance_wait_timeout", "retry_budget_ratio", "retry_budget_min_per_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.tokenizer is not None and not Path(self.tokenizer).exists():
+            raise ValueError(f"tokenizer {self.tokenizer!r} does not exist (give a model folder or tokenizer.json)")
+        if self.kv_overlap_weight < 0:
+            raise ValueError("kv_overlap_weight must be >= 0")
+        if not 0 < self.kv_hit_fraction <= 1:
+            raise ValueError("kv_hit_fraction must be in (0, 1]")
         if self.retry_budget_burst < 1:
             raise ValueError("retry_budget_burst must be >= 1")
         return self

@@ -21,6 +21,7 @@ from pdserve.proxy.errors import (
     is_openai_error_body,
     sse_error_event,
 )
+from pdserve.proxy.kv_routing import CachedPrefix
 from pdserve.proxy.pool import Instance
 from pdserve.proxy.readiness import retry_after_s
 from pdserve.proxy.retry import parse_retry_after, retry_after_header
@@ -139,9 +140,11 @@ async def run_prefill(
     headers: dict[str, str],
     tokens: int,
     affinity: str | None,
+    prefix: CachedPrefix | None = None,
 ) -> PrefillResult:
     """The prefill leg on the chosen instance, then on other instances while retries are allowed
-    (none under --on-prefill-failure fail) and the retry budget has room.
+    (none under --on-prefill-failure fail) and the retry budget has room. With `prefix`, the instance is
+    chosen by cached prefix and load, and the leg counts as the prompt tokens not cached there.
 
     With no prefill instance available, the first attempt waits (bounded) for one, except under
     --on-prefill-failure decode-local, which serves such a request locally at once instead.
@@ -152,7 +155,8 @@ async def run_prefill(
     tried: list[Instance] = []
     last = PrefillResult(error="no prefill instance available", unavailable=True)
     for attempt in range(attempts):
-        inst = await state.choose(state.prefill, tried, wait=wait and attempt == 0, affinity=affinity)
+        inst = await state.choose(state.prefill, tried, wait=wait and attempt == 0, affinity=affinity,
+                                  prefix=prefix, record=True)
         if inst is None:
             break
         if attempt:
@@ -160,7 +164,8 @@ async def run_prefill(
                 break
             state.metrics.retries["prefill"].inc()
         tried.append(inst)
-        result = await _prefill_once(state, inst, api_path, payload, headers, tokens)
+        work = tokens if prefix is None else tokens - prefix.cached_tokens(inst)
+        result = await _prefill_once(state, inst, api_path, payload, headers, work)
         if result.kv_params is not None or result.passthrough is not None:
             return result
         last = result
@@ -191,9 +196,10 @@ async def relay_decode(
     *,
     tokens: int,
     kv_claimed: bool,
+    prefix: CachedPrefix | None = None,
 ) -> web.StreamResponse:
     """Send the decode leg (`send_decode`) and relay its response to the client."""
-    leg = await send_decode(state, api_path, payload, headers, tokens=tokens, kv_claimed=kv_claimed)
+    leg = await send_decode(state, api_path, payload, headers, tokens=tokens, kv_claimed=kv_claimed, prefix=prefix)
     if isinstance(leg, web.Response):
         return leg
     try:
@@ -215,13 +221,15 @@ async def send_decode(
     *,
     tokens: int,
     kv_claimed: bool,
+    prefix: CachedPrefix | None = None,
 ) -> DecodeLeg | web.Response:
     """Send the decode leg; returns it once an instance answered (any status but a retried 5xx), or the
     error response for the client. A leg that never reached an instance (connect failure) is retried on
     another one; other failures are retried only when `kv_claimed` is False: a P/D decode leg that reached
     its instance may have claimed the prefill's KV lease. Retries after a leg that reached an instance are
     paid from the retry budget; with no decode instance available the first attempt waits (bounded) for
-    one, then the answer is 503 with Retry-After."""
+    one, then the answer is 503 with Retry-After. `prefix`: the decode instance computes the prompt itself
+    (not a P/D decode leg): chosen by cached prefix and load, counted as its uncached tokens."""
     cfg = state.config
     rid = headers["X-Request-Id"]
     tried: list[Instance] = []
@@ -229,7 +237,7 @@ async def send_decode(
     last_reason = ""
     last_retry_after: float | None = None
     for attempt in range(1 + cfg.decode_retries):
-        inst = await state.choose(state.decode, tried, wait=attempt == 0)
+        inst = await state.choose(state.decode, tried, wait=attempt == 0, prefix=prefix, record=not kv_claimed)
         if inst is None:
             break
         if attempt:
@@ -239,7 +247,8 @@ async def send_decode(
         tried.append(inst)
         may_retry = attempt < cfg.decode_retries
         last_retry_after = None
-        inst.acquire(tokens)
+        work = tokens if prefix is None else tokens - prefix.cached_tokens(inst)
+        inst.acquire(work)
         handed_over = False
         try:
             started = time.perf_counter()
@@ -260,7 +269,7 @@ async def send_decode(
                     last_kind, last_reason = "decode_status", f"status {resp.status}: {body[:200]!r}"
                 else:
                     handed_over = True
-                    return DecodeLeg(inst, resp, started, tokens)
+                    return DecodeLeg(inst, resp, started, work)
             state.metrics.error(last_kind)
             if last_retry_after is None:
                 inst.record_failure(last_reason, cfg.eject_after)
@@ -269,7 +278,7 @@ async def send_decode(
                 break
         finally:
             if not handed_over:
-                inst.release(tokens)
+                inst.release(work)
     if last_kind is None:
         return no_instance_response(state, "decode", rid)
     if last_retry_after is not None:

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pdserve.proxy.kv_feed import RESYNC_KINDS
+from pdserve.proxy.kv_routing import HIT, MISS, OUTCOMES
 from pdserve.proxy.pool import Pool
+
+if TYPE_CHECKING:
+    from pdserve.proxy.kv_fleet import KVFleet
 
 PATHS = ("disagg", "disagg_split", "conditional_local", "collocated", "decode_local_fallback")
 LEGS = ("prefill", "decode")
@@ -80,6 +86,37 @@ class _PoolCollector(Collector):
         yield from (in_flight, tokens, healthy, requests, failures, ejections)
 
 
+class _KVFleetCollector(Collector):
+    """The fleet-wide KV index and its event feeds, read at scrape time."""
+
+    def __init__(self, fleet: KVFleet) -> None:
+        self._fleet = fleet
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        fleet = self._fleet
+        stats = fleet.stats()
+        yield GaugeMetricFamily("pdserve_proxy_kv_index_blocks", "Distinct KV block hashes in the fleet-wide index",
+                                value=len(fleet.index))
+        yield GaugeMetricFamily("pdserve_proxy_kv_index_entries",
+                                "(block, instance) pairs in the fleet-wide index", value=fleet.index.entries)
+        yield GaugeMetricFamily("pdserve_proxy_kv_publishers", "Instances whose KV events the proxy subscribes to",
+                                value=fleet.publishers())
+        yield CounterMetricFamily("pdserve_proxy_kv_events", "KV events received (BlockStored, BlockRemoved, "
+                                  "AllBlocksCleared)", value=stats.get("events", 0))
+        yield CounterMetricFamily("pdserve_proxy_kv_event_batches", "KV event batches applied to the index",
+                                  value=stats.get("batches", 0))
+        yield CounterMetricFamily("pdserve_proxy_kv_event_errors", "KV event batches or messages that could not "
+                                  "be decoded (skipped)", value=stats.get("decode_errors", 0))
+        resyncs = CounterMetricFamily(
+            "pdserve_proxy_kv_resyncs",
+            "Index resynchronisations of one instance: replay (a sequence gap filled from the replay endpoint), "
+            "clear (a gap that could not be filled: its entries dropped), reset (its publisher disconnected)",
+            labels=["kind"])
+        for kind in RESYNC_KINDS:
+            resyncs.add_metric([kind], stats.get(f"resync_{kind}", 0))
+        yield resyncs
+
+
 class ProxyMetrics:
     def __init__(self, pools: Callable[[], list[Pool]]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -113,6 +150,35 @@ class ProxyMetrics:
         self.retry_budget_tokens = Gauge(
             "pdserve_proxy_retry_budget_tokens", "Retries the retry budget allows right now", registry=reg
         )
+
+    def register_kv(self, fleet: KVFleet) -> None:
+        reg = self.registry
+        routed = Counter(
+            "pdserve_proxy_kv_routed_requests",
+            "Requests routed by cached prefix, by outcome: hit (sent to an instance holding at least "
+            "--kv-hit-fraction of the longest prefix cached in the pool), miss (another held more), uncached (no "
+            "instance held a block of it), unknown (no prompt token ids)",
+            ["outcome"], registry=reg)
+        self.kv_outcomes = {o: routed.labels(o) for o in OUTCOMES}
+        self.kv_counts = dict.fromkeys(OUTCOMES, 0)
+        self.kv_prompt_tokens = Counter("pdserve_proxy_kv_prompt_tokens", "Prompt tokens of requests routed by "
+                                        "cached prefix", registry=reg)
+        self.kv_cached_tokens = Counter("pdserve_proxy_kv_cached_tokens", "Of those, tokens the chosen instance "
+                                        "held (per the index)", registry=reg)
+        hit_rate = Gauge("pdserve_proxy_kv_routing_hit_rate", "hit / (hit + miss) since the proxy started",
+                         registry=reg)
+        hit_rate.set_function(self._hit_rate)
+        reg.register(_KVFleetCollector(fleet))
+
+    def _hit_rate(self) -> float:
+        hits, misses = self.kv_counts[HIT], self.kv_counts[MISS]
+        return hits / (hits + misses) if hits + misses else 0.0
+
+    def kv_routed(self, outcome: str, prompt_tokens: int, cached_tokens: int) -> None:
+        self.kv_outcomes[outcome].inc()
+        self.kv_counts[outcome] += 1
+        self.kv_prompt_tokens.inc(prompt_tokens)
+        self.kv_cached_tokens.inc(cached_tokens)
 
     def error(self, kind: str) -> None:
         self.errors[kind].inc()

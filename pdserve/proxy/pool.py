@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,7 +145,8 @@ def _rendezvous_score(key_digest: bytes, url: str) -> bytes:
 
 class Pool:
     """The instances of one role. Choice: least outstanding requests, then least outstanding tokens,
-    ties rotated; optional prefix affinity by rendezvous hashing over the available instances."""
+    ties rotated; or the least `cost` (routing by cached prefix, pdserve/proxy/kv_routing.py); or prefix
+    affinity by rendezvous hashing over the available instances."""
 
     def __init__(self, role: str, urls: Iterable[str] = (), *, healthy: bool = False) -> None:
         if role not in ROLES:
@@ -196,15 +197,22 @@ class Pool:
         *,
         affinity: str | None = None,
         affinity_slack: int = 0,
+        cost: Callable[[Instance], float] | None = None,
     ) -> Instance | None:
         """The instance for the next leg, or None when no instance outside `exclude` is available
         (admitted and not backing off). Callers wait for one (bounded) or answer 503: sending work to
-        an instance that failed its probes only turns a clean 503 into a slow 502."""
+        an instance that failed its probes only turns a clean 503 into a slow 502. With `cost`, the
+        cheapest instance (then the fewest legs in flight, ties rotated); `affinity` is then unused."""
         excluded = set(exclude)
         now = time.monotonic()
         candidates = [inst for inst in self._instances if inst.available(now) and inst not in excluded]
         if not candidates:
             return None
+        if cost is not None:
+            best = self._least_cost(candidates, cost)
+            if not excluded:
+                self._rotation += 1
+            return best
         least = self._least_loaded(candidates)
         if not excluded:  # rotate ties once per request, not once per retry
             self._rotation += 1
@@ -215,6 +223,18 @@ class Pool:
         if target.in_flight - least.in_flight <= affinity_slack:
             return target
         return least
+
+    def _least_cost(self, candidates: list[Instance], cost: Callable[[Instance], float]) -> Instance:
+        n = len(candidates)
+        start = self._rotation % n
+        best = candidates[start]
+        best_key = (cost(best), best.in_flight)
+        for i in range(1, n):
+            inst = candidates[(start + i) % n]
+            key = (cost(inst), inst.in_flight)
+            if key < best_key:
+                best, best_key = inst, key
+        return best
 
     def _least_loaded(self, candidates: list[Instance]) -> Instance:
         n = len(candidates)

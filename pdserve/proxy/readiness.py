@@ -44,10 +44,11 @@ async def choose_ready(
     *,
     affinity: str | None = None,
     affinity_slack: int = 0,
+    cost: Callable[[Instance], float] | None = None,
 ) -> Instance | None:
     """`pool.choose(...)`, waiting up to `wait_s` seconds for an instance to become available."""
     excluded = list(exclude)
-    inst = pool.choose(excluded, affinity=affinity, affinity_slack=affinity_slack)
+    inst = pool.choose(excluded, affinity=affinity, affinity_slack=affinity_slack, cost=cost)
     if inst is not None or wait_s <= 0 or len(pool) == 0:
         return inst
     loop = asyncio.get_running_loop()
@@ -59,7 +60,7 @@ async def choose_ready(
             return None
         backoff = pool.backoff_left()
         await readiness.wait(min(remaining, backoff + 0.01) if backoff is not None else remaining)
-        inst = pool.choose(excluded, affinity=affinity, affinity_slack=affinity_slack)
+        inst = pool.choose(excluded, affinity=affinity, affinity_slack=affinity_slack, cost=cost)
         if inst is not None:
             return inst
 

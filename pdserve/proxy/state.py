@@ -8,8 +8,11 @@ import aiohttp
 
 from pdserve.proxy.config import ProxyConfig
 from pdserve.proxy.health import HealthChecker
+from pdserve.proxy.kv_fleet import KVFleet
+from pdserve.proxy.kv_routing import UNKNOWN, CachedPrefix
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.pool import Instance, Pool
+from pdserve.proxy.prompt_tokens import PromptTokenizer
 from pdserve.proxy.readiness import Readiness, choose_ready
 from pdserve.proxy.retry import RetryBudget
 
@@ -28,6 +31,8 @@ class ProxyState:
     in_flight: int = 0
     checker: HealthChecker | None = None
     readiness: Readiness = field(default_factory=Readiness)
+    fleet: KVFleet | None = None  # routing by cached prefix (None: --no-kv-routing)
+    prompt_tokenizer: PromptTokenizer | None = None
     retry_budget: RetryBudget = field(init=False)
     prefill_timeout: aiohttp.ClientTimeout = field(init=False)
     decode_timeout: aiohttp.ClientTimeout = field(init=False)
@@ -43,6 +48,11 @@ class ProxyState:
         self.decode_timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=cfg.connect_timeout, sock_read=cfg.decode_timeout
         )
+        if cfg.kv_routing:
+            self.fleet = KVFleet(self.pools, self.http, info_timeout=cfg.health_timeout,
+                                 on_disconnect=self.nudge_health)
+            self.prompt_tokenizer = PromptTokenizer(cfg.tokenizer, cfg.health_timeout)
+            self.metrics.register_kv(self.fleet)
 
     @classmethod
     def from_config(cls, config: ProxyConfig) -> ProxyState:
@@ -71,13 +81,30 @@ class ProxyState:
         *,
         wait: bool,
         affinity: str | None = None,
+        prefix: CachedPrefix | None = None,
+        record: bool = False,
     ) -> Instance | None:
-        """An available instance of `pool`; with `wait`, up to --instance-wait-timeout for one to be admitted."""
+        """An available instance of `pool`; with `wait`, up to --instance-wait-timeout for one to be admitted.
+
+        Routing by cached prefix (`prefix`) applies when an instance of the pool publishes KV events;
+        otherwise `affinity` (--prefix-affinity), else the least loaded. `record`: this leg computes the
+        prompt, so its choice counts in the routing hit rate (first attempts only)."""
         wait_s = self.config.instance_wait_timeout if wait else 0.0
         slack = self.config.prefix_affinity_slack
-        return await choose_ready(
-            pool, self.readiness, self.nudge_health, wait_s, exclude, affinity=affinity, affinity_slack=slack
+        fleet = self.fleet
+        routed = fleet is not None and fleet.any_publishing(pool.instances)
+        cost = prefix.cost if prefix is not None and routed else None
+        inst = await choose_ready(
+            pool, self.readiness, self.nudge_health, wait_s, exclude, affinity=affinity, affinity_slack=slack,
+            cost=cost,
         )
+        if record and routed and inst is not None and not exclude:
+            if prefix is None:
+                self.metrics.kv_routed(UNKNOWN, 0, 0)
+            else:
+                outcome = prefix.outcome(inst, pool.instances, self.config.kv_hit_fraction)
+                self.metrics.kv_routed(outcome, prefix.prompt_tokens, prefix.cached_tokens(inst))
+        return inst
 
     def spend_retry(self) -> bool:
         """Take one retry from the proxy's budget (counted as an error of kind retry_budget when refused)."""

@@ -1,0 +1,222 @@
+"""Routing by cached prefix: `pdserve proxy` (collocated) in front of two instances publishing KV events,
+with the index on (default) and off (`--no-kv-routing`: least outstanding requests), same workload.
+
+Workload: `--docs` documents of `--doc-tokens` tokens each (distinct random words), each first computed
+by one instance only (document i warmed on instance i % 2, straight to it, not through the proxy); then
+`--num-requests` requests, document i % docs + a distinct short question, `--concurrency` in flight,
+through the proxy, greedy, `--output-len` tokens. Each instance's KV pool (`--num-gpu-blocks`) is sized to
+hold about one document, so a document computed on the wrong instance evicts the one it held.
+
+Reported per mode: the proxy's routing hit rate (`pdserve_proxy_kv_routing_hit_rate`: the chosen instance
+held >= 90% of the longest prefix cached anywhere; only with the index on), the share of prompt tokens
+the instances found cached (`vllm:prefix_cache_hits / queries`, summed over both instances, over the
+measured requests), prefill tokens computed per request, TTFT p50/p99 (streamed, first content chunk).
+
+    python benchmarks/bench_kv_routing.py                  # SmolLM2-135M, the embedded default model
+    python benchmarks/bench_kv_routing.py --json out.json  # and the numbers as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import httpx
+from bench_procs import stop, wait_healthy
+
+WORDS = ["alpha", "river", "stone", "cloud", "seven", "orange", "signal", "quiet", "market", "engine", "paper",
+         "window", "garden", "silver", "thunder", "bright", "lantern", "harbor", "meadow", "copper", "violet",
+         "canyon", "ember", "falcon", "glacier", "hollow", "island", "jasmine", "kettle", "lumber", "marble",
+         "nectar", "orchid", "pepper", "quartz", "raven", "saddle", "timber", "umbrella", "velvet", "walnut",
+         "yonder", "zephyr", "anchor", "basket", "candle", "dagger", "feather", "goblet"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name) and len(line) > len(name) and line[len(name)] in " {":
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+class Proc:
+    def __init__(self, name: str, cmd: list[str], logdir: Path, url: str) -> None:
+        self.name = name
+        self.url = url
+        self.log = open(logdir / f"{name}.log", "wb")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ))
+
+    def close(self) -> None:
+        stop(self.proc)
+        self.log.close()
+
+
+def start_instance(name: str, args: argparse.Namespace, logdir: Path) -> Proc:
+    port = free_port()
+    events = {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}
+    cmd = [sys.executable, "-m", "pdserve", "serve", *([args.model] if args.model else []), "--host", "127.0.0.1",
+           "--port", str(port), "--served-model-name", "bench", "--disable-uvicorn-access-log",
+           "--max-model-len", str(args.doc_tokens + 256), "--block-size", "16",
+           "--num-gpu-blocks-override", str(args.num_gpu_blocks), "--kv-events-config", json.dumps(events)]
+    return Proc(name, cmd, logdir, f"http://127.0.0.1:{port}")
+
+
+def start_proxy(args: argparse.Namespace, logdir: Path, urls: list[str], routing: bool, tokenizer: str | None) -> Proc:
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdserve", "proxy", "--host", "127.0.0.1", "--port", str(port), "--decode", *urls]
+    if not routing:
+        cmd.append("--no-kv-routing")
+    if tokenizer:
+        cmd += ["--tokenizer", tokenizer]
+    return Proc("proxy-" + ("kv" if routing else "load"), cmd, logdir, f"http://127.0.0.1:{port}")
+
+
+async def one(session: aiohttp.ClientSession, url: str, prompt: str, output_len: int) -> float:
+    """TTFT of one streamed greedy completion (seconds)."""
+    body = {"model": "bench", "prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    started = time.perf_counter()
+    ttft = None
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"status {resp.status}: {await resp.text()}")
+        async for line in resp.content:
+            if ttft is None and line.startswith(b"data: {"):
+                ttft = time.perf_counter() - started
+    assert ttft is not None
+    return ttft
+
+
+async def drive(url: str, prompts: list[str], concurrency: int, output_len: int) -> list[float]:
+    queue = list(enumerate(prompts))
+    ttfts: list[float] = [0.0] * len(prompts)
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        while queue:
+            i, prompt = queue.pop(0)
+            ttfts[i] = await one(session, url, prompt, output_len)
+
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    return ttfts
+
+
+def cache_counters(urls: list[str]) -> tuple[float, float]:
+    queries = hits = 0.0
+    for url in urls:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        queries += metric(text, "vllm:prefix_cache_queries_total")
+        hits += metric(text, "vllm:prefix_cache_hits_total")
+    return queries, hits
+
+
+def run_mode(args: argparse.Namespace, routing: bool, docs: list[str], logdir: Path, tokenizer: str | None) -> dict:
+    instances = [start_instance(f"inst{i}-{'kv' if routing else 'load'}", args, logdir) for i in range(2)]
+    proxy = None
+    try:
+        for inst in instances:
+            wait_healthy(inst.proc, inst.url, 600, inst.name)
+        urls = [inst.url for inst in instances]
+        # document i computed by instance i % 2 only
+        for i, doc in enumerate(docs):
+            asyncio.run(drive(urls[i % 2], [doc + " Warm up."], 1, 1))
+        proxy = start_proxy(args, logdir, urls, routing, tokenizer)
+        wait_healthy(proxy.proc, proxy.url, 120, proxy.name)
+        if routing:  # until the proxy's index knows every warmed block
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                listing = httpx.get(proxy.url + "/pdserve/instances").json()["decode"]
+                if all(inst["kv_events"]["blocks"] > 0 for inst in listing):
+                    break
+                time.sleep(0.2)
+        rng = random.Random(1)
+        prompts = [f"{docs[i % len(docs)]} Question {i}: {' '.join(rng.choices(WORDS, k=6))}?"
+                   for i in range(args.num_requests)]
+        q0, h0 = cache_counters(urls)
+        started = time.perf_counter()
+        ttfts = asyncio.run(drive(proxy.url, prompts, args.concurrency, args.output_len))
+        elapsed = time.perf_counter() - started
+        q1, h1 = cache_counters(urls)
+        pm = httpx.get(proxy.url + "/metrics").text
+        per_instance = {inst["url"]: inst["requests_total"]
+                        for inst in httpx.get(proxy.url + "/pdserve/instances").json()["decode"]}
+        queries, hits = q1 - q0, h1 - h0
+        return {
+            "mode": "kv routing (default)" if routing else "--no-kv-routing (least loaded)",
+            "routing_hit_rate": metric(pm, "pdserve_proxy_kv_routing_hit_rate") if routing else None,
+            "routed_hit": metric(pm, 'pdserve_proxy_kv_routed_requests_total{outcome="hit"}'),
+            "routed_miss": metric(pm, 'pdserve_proxy_kv_routed_requests_total{outcome="miss"}'),
+            "instance_cache_hit_share": hits / queries if queries else 0.0,
+            "computed_prefill_tokens_per_request": (queries - hits) / len(prompts),
+            "prompt_tokens_per_request": queries / len(prompts),
+            "ttft_p50_s": statistics.median(ttfts),
+            "ttft_p99_s": sorted(ttfts)[max(0, int(len(ttfts) * 0.99) - 1)],
+            "elapsed_s": elapsed,
+            "requests_per_instance": list(per_instance.values()),
+        }
+    finally:
+        if proxy is not None:
+            proxy.close()
+        for inst in instances:
+            inst.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--docs", type=int, default=2)
+    parser.add_argument("--doc-tokens", type=int, default=1024, help="about this many tokens per document")
+    parser.add_argument("--num-gpu-blocks", type=int, default=100, help="KV pool of each instance (blocks of 16)")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--output-len", type=int, default=8)
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    args = parser.parse_args()
+    tokenizer = args.model
+    if tokenizer is None:
+        from pdserve.model.default_model import resolve_model
+
+        tokenizer = str(resolve_model("smollm2-135m"))
+    rng = random.Random(0)
+    # ~1.3 tokens per word with SmolLM2's tokenizer
+    docs = [f"Document {d}. " + " ".join(rng.choices(WORDS, k=int(args.doc_tokens / 1.3))) for d in range(args.docs)]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench-kv-routing-") as tmp:
+        for routing in (True, False):
+            results.append(run_mode(args, routing, docs, Path(tmp), tokenizer))
+            print(json.dumps(results[-1]), flush=True)
+    print(f"\n{args.docs} documents of ~{args.doc_tokens} tokens, {args.num_requests} requests at concurrency "
+          f"{args.concurrency}, {args.output_len} output tokens, pools of {args.num_gpu_blocks} blocks; "
+          f"load average {os.getloadavg()[0]:.1f}\n")
+    print("| mode | routing hit rate | prompt tokens found cached | computed prefill tokens / request | "
+          "TTFT p50 | TTFT p99 | requests per instance |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        rate = "-" if r["routing_hit_rate"] is None else f"{r['routing_hit_rate']:.1%}"
+        print(f"| {r['mode']} | {rate} | {r['instance_cache_hit_share']:.1%} | "
+              f"{r['computed_prefill_tokens_per_request']:.0f} of {r['prompt_tokens_per_request']:.0f} | "
+              f"{r['ttft_p50_s'] * 1000:.0f} ms | {r['ttft_p99_s'] * 1000:.0f} ms | {r['requests_per_instance']} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

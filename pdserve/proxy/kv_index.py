@@ -1,0 +1,115 @@
+"""The fleet-wide index of cached KV blocks: block hash -> the instances holding it, and on which medium.
+
+Fed by the instances' KV event batches (`pdserve.kv_events.events`, vLLM's wire format); read by the router, which asks for
+the longest cached prefix of a request's block hashes on every instance. Block hashes are chained (each
+depends on all tokens before it), so a hash found on an instance means that instance holds the block's
+whole prefix too; the lookup still stops at the first missing block, as the engine's lookup does.
+
+The index is a hint, never a correctness matter: a stale entry (an eviction event not seen yet) only costs
+a cache miss on the chosen instance, which then computes the prompt as it would anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from pdserve.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+# Opaque: vLLM's events carry 64-bit ints by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), else bytes.
+BlockHash = int | bytes
+
+# vLLM's name for the device tier (`MEDIUM_GPU`); events without a medium mean it.
+DEFAULT_MEDIUM = "GPU"
+
+
+class KVIndex:
+    def __init__(self) -> None:
+        self._holders: dict[BlockHash, dict[str, set[str]]] = {}  # hash -> instance url -> media
+        self._by_instance: dict[str, dict[BlockHash, set[str]]] = {}  # instance url -> hash -> media
+
+    # ---- updates ---------------------------------------------------------------------------------
+    def store(self, url: str, hashes: Iterable[BlockHash], medium: str | None = None) -> None:
+        medium = medium or DEFAULT_MEDIUM
+        mine = self._by_instance.setdefault(url, {})
+        for h in hashes:
+            mine.setdefault(h, set()).add(medium)
+            self._holders.setdefault(h, {}).setdefault(url, set()).add(medium)
+
+    def remove(self, url: str, hashes: Iterable[BlockHash], medium: str | None = None) -> None:
+        medium = medium or DEFAULT_MEDIUM
+        mine = self._by_instance.get(url)
+        if not mine:
+            return
+        for h in hashes:
+            media = mine.get(h)
+            if media is None:
+                continue
+            media.discard(medium)
+            if not media:
+                del mine[h]
+                holders = self._holders[h]
+                del holders[url]
+                if not holders:
+                    del self._holders[h]
+            else:
+                self._holders[h][url].discard(medium)
+
+    def clear(self, url: str) -> int:
+        """Forget everything `url` holds (it restarted, left, died or lost events); returns the count."""
+        mine = self._by_instance.pop(url, None)
+        if not mine:
+            return 0
+        for h in mine:
+            holders = self._holders[h]
+            del holders[url]
+            if not holders:
+                del self._holders[h]
+        return len(mine)
+
+    def apply(self, url: str, batch: KVEventBatch) -> None:
+        """One decoded event batch from `url`, in order."""
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self.store(url, event.block_hashes, event.medium)
+            elif isinstance(event, BlockRemoved):
+                self.remove(url, event.block_hashes, event.medium)
+            elif isinstance(event, AllBlocksCleared):
+                self.clear(url)
+
+    # ---- queries ---------------------------------------------------------------------------------
+    def prefix_blocks(self, hashes: Sequence[BlockHash], urls: Iterable[str] | None = None) -> dict[str, int]:
+        """For every instance (of `urls`, default all) holding the first block: how many leading blocks of
+        `hashes` it holds, on any medium. Instances holding none are absent."""
+        if not hashes:
+            return {}
+        first = self._holders.get(hashes[0])
+        if not first:
+            return {}
+        alive = set(first) if urls is None else set(first).intersection(urls)
+        result = dict.fromkeys(alive, 1)
+        for i in range(1, len(hashes)):
+            if not alive:
+                break
+            holders = self._holders.get(hashes[i])
+            alive = alive.intersection(holders) if holders else set()
+            for url in alive:
+                result[url] = i + 1
+        return result
+
+    def media(self, url: str, block_hash: BlockHash) -> frozenset[str]:
+        return frozenset(self._by_instance.get(url, {}).get(block_hash, ()))
+
+    def instance_blocks(self, url: str) -> int:
+        return len(self._by_instance.get(url, ()))
+
+    def instances(self) -> list[str]:
+        return [url for url, blocks in self._by_instance.items() if blocks]
+
+    @property
+    def entries(self) -> int:
+        """(block, instance) pairs held: the index's size."""
+        return sum(len(blocks) for blocks in self._by_instance.values())
+
+    def __len__(self) -> int:
+        """Distinct block hashes known."""
+        return len(self._holders)

@@ -1,0 +1,184 @@
+"""One instance's KV event subscription: a zmq.asyncio SUB socket on its PUB endpoint, a DEALER for replays.
+
+The sequence logic lives in `InstanceFeed` (pdserve/proxy/kv_feed.py); this module is only the I/O:
+- on connecting (ZMQ handshake done) it asks the replay endpoint for everything buffered, so that blocks
+  stored before the proxy subscribed are known too (vLLM's publisher keeps the last `buffer_steps` batches);
+- a gap in the sequence numbers is filled by a replay, bounded by `replay_timeout` seconds;
+- a disconnect (the instance died, restarted, or stopped answering ZMQ heartbeats) drops what the index
+  knows of it at once, well before the health checker ejects it, and tells the proxy (`on_disconnect`);
+  ZMQ reconnects by itself and the next connection starts a fresh sync.
+Replay protocol and frames: vLLM's `vllm/distributed/kv_events.py` (`ZmqEventPublisher._service_replay`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from pdserve.proxy.kv_feed import InstanceFeed
+
+logger = logging.getLogger("pdserve.proxy")
+
+SEQ_BYTES = 8
+END_SEQ = -1
+HEARTBEAT_IVL_MS = 1000  # ZMQ pings the publisher this often ...
+HEARTBEAT_TIMEOUT_MS = 3000  # ... and drops the connection when it stays silent this long
+RECONNECT_IVL_MS = 200
+MAX_REPLAY_FRAMES = 1_000_000  # a bound on one replay answer (vLLM buffers 10,000 batches by default)
+
+
+@dataclass(frozen=True)
+class EventEndpoints:
+    """Where an instance publishes, as its `/pdserve/info` `kv_events` says."""
+
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+    block_size: int
+
+
+def _seq(frame: bytes) -> int:
+    if len(frame) != SEQ_BYTES:
+        raise ValueError(f"a sequence frame has {SEQ_BYTES} bytes, got {len(frame)}")
+    return int.from_bytes(frame, "big", signed=True)
+
+
+class EventSubscriber:
+    def __init__(
+        self,
+        url: str,
+        endpoints: EventEndpoints,
+        feed: InstanceFeed,
+        *,
+        replay_timeout: float = 2.0,
+        on_disconnect: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.url = url
+        self.endpoints = endpoints
+        self.feed = feed
+        self.replay_timeout = replay_timeout
+        self.on_disconnect = on_disconnect
+        self.connected = False
+        self._task: asyncio.Task[None] | None = None
+        self._ctx = zmq.asyncio.Context.instance()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"pdserve-kv-events-{self.url}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        monitor: zmq.asyncio.Socket | None = None
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, 0)  # never drop on our side: the proxy reads as fast as events come
+            sub.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+            sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+            sub.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+            sub.setsockopt(zmq.SUBSCRIBE, self.endpoints.topic.encode())
+            monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            sub.connect(self.endpoints.endpoint)
+            poller = zmq.asyncio.Poller()
+            poller.register(sub, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
+            while True:
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    await self._on_monitor(await monitor.recv_multipart())
+                if sub in ready:
+                    await self._on_message(await sub.recv_multipart())
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug here must not take the proxy down: routing falls back to load only
+            logger.exception("kv events subscriber of %s stopped", self.url)
+            self.feed.reset()
+        finally:
+            if monitor is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    sub.disable_monitor()
+                monitor.close(linger=0)
+            sub.close(linger=0)
+
+    async def _on_monitor(self, frames: list[bytes]) -> None:
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.connected = True
+            logger.info("kv events of %s: subscribed to %s", self.url, self.endpoints.endpoint)
+            if self.endpoints.replay_endpoint is not None and self.feed.next_seq is None:
+                frames_ = await self._replay(0)
+                if frames_ is not None:
+                    self.feed.replayed(0, frames_)
+        elif event == zmq.EVENT_DISCONNECTED:
+            self.connected = False
+            self.feed.reset()
+            self.on_disconnect()
+
+    async def _on_message(self, frames: list[bytes]) -> None:
+        if len(frames) != 3:
+            self.feed.decode_errors += 1
+            logger.warning("kv events of %s: a message of %d frames (expected 3) skipped", self.url, len(frames))
+            return
+        _, seq_frame, payload = frames
+        try:
+            seq = _seq(seq_frame)
+        except ValueError as exc:
+            self.feed.decode_errors += 1
+            logger.warning("kv events of %s: %s", self.url, exc)
+            return
+        start = self.feed.receive(seq, payload)
+        if start is None:
+            return
+        if self.feed.next_seq is not None:  # a gap in a stream we follow (not the first message)
+            self.feed.resyncs["replay"] += 1
+        replayed = await self._replay(start) if self.endpoints.replay_endpoint is not None else None
+        if replayed is None:
+            self.feed.replay_failed(seq, payload, f"batches {start}..{seq - 1} missed and not replayed")
+            return
+        self.feed.replayed(start, replayed)
+        if self.feed.next_seq is None or self.feed.next_seq <= seq:
+            self.feed.replay_failed(seq, payload, f"the replay did not reach batch {seq}")
+
+    async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """Every buffered batch from `start` on, or None when the replay endpoint does not answer in time."""
+        assert self.endpoints.replay_endpoint is not None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        frames: list[tuple[int, bytes]] = []
+        try:
+            dealer.connect(self.endpoints.replay_endpoint)
+            await dealer.send_multipart([b"", start.to_bytes(SEQ_BYTES, "big", signed=True)])
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.replay_timeout
+            while len(frames) < MAX_REPLAY_FRAMES:
+                left = deadline - loop.time()
+                if left <= 0 or not await dealer.poll(int(left * 1000), zmq.POLLIN):
+                    logger.warning("kv events of %s: no replay answer from %s within %.1fs", self.url,
+                                   self.endpoints.replay_endpoint, self.replay_timeout)
+                    return None
+                reply = await dealer.recv_multipart()
+                if len(reply) != 3:
+                    return None
+                seq = _seq(reply[1])
+                if seq == END_SEQ:
+                    return frames
+                frames.append((seq, reply[2]))
+            return None
+        except (zmq.ZMQError, ValueError) as exc:
+            logger.warning("kv events of %s: replay failed: %s", self.url, exc)
+            return None
+        finally:
+            dealer.close(linger=0)
