@@ -13,6 +13,11 @@ Benchmarks on Llama-3.1-8B in its real shapes with random weights (`--load-forma
   (goal >= 75%).
 - P3 prefill, 8192 tokens in one step: model FLOPs / time vs matmul TFLOP/s (goal >= 65%).
 - Offline throughput: N prompts of 1024 in / 512 out: tokens/s and the CPU's share of step time.
+- Long context (issue 21): TTFT of one 8k / 32k / 64k / 131k-token prompt, chunked at 8192, with the
+  attention backend's long-prefill path off (`triton`) and on (`triton-cudnn`), FLOPs counting causal
+  attention (goals: >= 75 % of matmul at 32k, >= 72 % and <= 3.8 s at 64k).
+- Prefill attention (issue 21): our kernels on the paged pool against torch SDPA's cuDNN and flash
+  backends on contiguous K/V for the same shapes (goal >= 90 % of the best), with correctness checks.
 """
 
 from __future__ import annotations
@@ -244,53 +249,156 @@ def kernel_sweeps() -> dict[str, Any]:
                     (1 << 30, *best_by_batch[256])]
     res["decode_configs"] = decode_table
 
-    # ---- prefill: FlashInfer's shape (B=8, q 512 of kv 2048) and P3's (one fresh 8192-token prompt)
-    pre_cfgs = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 4)]  # (block_m, tile_n, warps, stages)
-    shapes = {"b8_q512_kv2048": ([512] * 8, [2048] * 8), "1x8192_fresh": ([8192], [8192])}
-    cases = {name: make_paged_case(q, s, h, kvh, d, num_layers=8, seed=3) for name, (q, s) in shapes.items()}
-    for name, c in cases.items():
-        q_lens, s_lens = shapes[name]
-        flops = _attention_flops(h, d, q_lens, s_lens)
-        for block_m, tile_n, warps, stages in pre_cfgs:
-            def fn(c=c, q_lens=q_lens, block_m=block_m, tile_n=tile_n, warps=warps, stages=stages):
-                tk.prefill_attention(c.q, c.k_cache, c.v_cache, c.meta.block_tables, c.meta.seq_lens,
-                                     c.meta.query_start_loc, d**-0.5, len(q_lens), block_m=block_m, tile_n=tile_n,
-                                     num_warps=warps, num_stages=stages)
-            row = {"shape": name, "block_m": block_m, "tile_n": tile_n, "warps": warps, "stages": stages}
-            try:
-                us = bench_us(fn)
-                row.update(us=us, tflops=flops / us / 1e6)
-            except Exception as e:  # noqa: BLE001
-                row["error"] = str(e)[:200]
-            res["prefill"].append(row)
-    ok_rows = [r for r in res["prefill"] if "us" in r]
-    # pick the config with the best geometric mean over the two shapes
-    by_cfg: dict[tuple, list[float]] = {}
-    for r in ok_rows:
-        by_cfg.setdefault((r["block_m"], r["tile_n"], r["warps"], r["stages"]), []).append(r["tflops"])
-    best_pre = max((k for k, v in by_cfg.items() if len(v) == 2), key=lambda k: by_cfg[k][0] * by_cfg[k][1])
-    res["prefill_best_config"] = dict(zip(("block_m", "tile_n", "warps", "stages"), best_pre, strict=True))
-    res["prefill_b8_q512_kv2048_best_tflops"] = max(r["tflops"] for r in ok_rows if r["shape"] == "b8_q512_kv2048")
-    res["prefill_1x8192_best_tflops"] = max(r["tflops"] for r in ok_rows if r["shape"] == "1x8192_fresh")
-    res["prefill_flashinfer_sm90_tflops"] = FLASHINFER_H200["prefill_b8_q512_kv2048_tflops_sm90"]
-    # torch SDPA (flash) on contiguous, non-paged K/V for the fresh 8192 prompt: a point of comparison
-    with contextlib.suppress(Exception):
-        q = torch.randn((1, h, 8192, d), device="cuda", dtype=torch.bfloat16)
-        k = torch.randn((1, h, 8192, d), device="cuda", dtype=torch.bfloat16)
-        v = torch.randn((1, h, 8192, d), device="cuda", dtype=torch.bfloat16)
-        us = bench_us(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
-        res["sdpa_contiguous_1x8192_tflops"] = _attention_flops(h, d, [8192], [8192]) / us / 1e6
+    # ---- prefill: the Triton configs (short: FlashInfer's shape; long: P3's and long-context chunks)
+    res.update(prefill_attention_comparison(sweep=True))
     # apply the winners to the backend for the engine sections of this run
     tb.DECODE_CONFIGS = decode_table
-    tb.PREFILL_BLOCK_M, tb.PREFILL_TILE_N, tb.PREFILL_WARPS, tb.PREFILL_STAGES = best_pre
     return res
+
+
+# Prefill attention shapes: FlashInfer's (B=8, q 512 of kv 2048), P3's (one fresh 8192-token prompt) and
+# 8192-token chunks of 32k / 64k / 128k-token prompts (what chunked prefill at budget 8192 runs).
+PREFILL_SHAPES: dict[str, tuple[list[int], list[int]]] = {
+    "b8_q512_kv2048": ([512] * 8, [2048] * 8),
+    "1x8192": ([8192], [8192]),
+    "c8192@32k": ([8192], [32768]),
+    "c8192@64k": ([8192], [65536]),
+    "c8192@128k": ([8192], [131072]),
+}
+PREFILL_SWEEP = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 3), (128, 64, 4, 4), (64, 64, 4, 3)]
+
+
+def _time_ms(fn, target_s: float = 0.25, max_iters: int = 20) -> float:
+    """Median ms per call (CUDA events), after a warm-up call that also sizes the repetitions."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    iters = max(3, min(max_iters, int(target_s / max(time.perf_counter() - t, 1e-6))))
+    return time_cuda(fn, warmup=0, iters=iters) * 1e3
+
+
+def prefill_attention_comparison(sweep: bool = False) -> dict[str, Any]:
+    """Our prefill attention on the paged pool, as the engine calls it (backend.forward: `triton`, and
+    `triton-cudnn` = long chunks' bulk on cuDNN over gathered K/V, finished by Triton), against the best
+    library kernels on contiguous K/V for the same shapes in the same run: torch SDPA's cuDNN and flash
+    backends (one call; lower-right causal for chunks, which only flash takes) and, for chunks, cuDNN on the
+    two pieces a chunk splits into (context without mask + own keys causal, no merge: a bound)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    from pdserve.attention import long_prefill as lp
+    from pdserve.attention import triton_backend as tb
+    from pdserve.attention import triton_kernels as tk
+    from pdserve.testing.gpu_correctness import SdpaReference, make_paged_case, rel_err
+
+    h, kvh, d = 32, 8, 128
+    scale = d**-0.5
+    rows: list[dict[str, Any]] = []
+    out: dict[str, Any] = {"prefill": rows}
+    cudnn_ok = lp.cudnn_usable(torch.device("cuda"))
+    out["cudnn_usable"] = cudnn_ok
+    backends = {"triton": tb.TritonAttention()}
+    if cudnn_ok:
+        backends["triton-cudnn"] = tb.TritonAttention(long_prefill=lp.LongPrefillConfig())
+    # correctness of the long path at sizes where the float32 reference is cheap. "several": a chunk with
+    # bulk and own keys, a chunk with a ragged context, a short prompt and a decode row in one step (partials
+    # copied into step-wide buffers); "one": one long chunk beside a decode row (partials read in place);
+    # "fresh": one whole fresh prompt (one causal library call)
+    checks = {"several": ([2048, 2500, 100, 1], [2048 + 8192, 2500 + 9000, 100, 700]),
+              "one": ([3000, 1], [3000 + 8192 + 50, 900]), "fresh": ([4096], [4096])}
+    out["correctness"] = {}
+    for label, (ql, sl) in checks.items():
+        c = make_paged_case(ql, sl, h, kvh, d, seed=11)
+        want = SdpaReference(torch.float32).forward(c.q, c.k_cache, c.v_cache, c.meta, scale).float()
+        for name, be in backends.items():
+            out["correctness"][f"{label}/{name}"] = rel_err(be.forward(c.q, c.k_cache, c.v_cache, c.meta, scale),
+                                                            want)
+        del c, want
+    out["correctness_ok"] = all(v < 2e-2 for v in out["correctness"].values())
+    best_cfg: dict[str, tuple[float, tuple]] = {}
+    for name, (q_lens, s_lens) in PREFILL_SHAPES.items():
+        flops = sum(lp.causal_chunk_flops(h, d, q, s) for q, s in zip(q_lens, s_lens, strict=True))
+        c = make_paged_case(q_lens, s_lens, h, kvh, d, num_layers=8, seed=3)
+        m = c.meta
+
+        def add(kind: str, fn, row_extra: dict | None = None, name=name, flops=flops) -> float | None:
+            row = {"shape": name, "kind": kind, **(row_extra or {})}
+            try:
+                ms = _time_ms(fn)
+                row.update(ms=ms, tflops=flops / ms / 1e9)
+            except Exception as e:  # noqa: BLE001 - a variant that fails is a result
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+            print(f"  {name:15s} {kind:38s} {row.get('tflops', 0):6.1f} TFLOP/s {row.get('error', '')[:80]}",
+                  flush=True)
+            return row.get("tflops")
+
+        if sweep:
+            group = "short" if max(q_lens) < tb.PREFILL_LONG_FROM_Q else "long"
+            for cfg in PREFILL_SWEEP:
+                tf = add("triton " + "/".join(map(str, cfg)), lambda c=c, m=m, cfg=cfg: tk.prefill_attention(
+                    c.q, c.k_cache, c.v_cache, m.block_tables, m.seq_lens, m.query_start_loc, scale,
+                    len(m.seq_lens_host), block_m=cfg[0], tile_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3]))
+                if tf:
+                    prev = best_cfg.get(group + str(cfg), (1.0, cfg))
+                    best_cfg[group + str(cfg)] = (prev[0] * tf, cfg)  # product over the group's shapes
+        ours = {bn: add(f"ours: backend {bn}", lambda c=c, m=m, be=be: be.forward(c.q, c.k_cache, c.v_cache, m,
+                                                                                    scale))
+                for bn, be in backends.items()}
+        del c
+        b, L, S = len(q_lens), q_lens[0], s_lens[0]
+        q4 = torch.randn((b, h, L, d), device="cuda", dtype=torch.bfloat16)
+        k4 = torch.randn((b, kvh, S, d), device="cuda", dtype=torch.bfloat16)
+        v4 = torch.randn((b, kvh, S, d), device="cuda", dtype=torch.bfloat16)
+        mask = None if L == S else causal_lower_right(L, S)
+        lib: dict[str, float | None] = {}
+        for be in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+            if mask is not None and be == SDPBackend.CUDNN_ATTENTION:
+                continue  # torch's cuDNN entry point has no lower-right causal mask
+
+            def sdpa(be=be, q4=q4, k4=k4, v4=v4, mask=mask):
+                with sdpa_kernel([be]):
+                    if mask is None:
+                        return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
+                    return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=True)
+            lib[be.name.lower()] = add(f"library: sdpa {be.name.lower()}, contiguous", sdpa)
+        if mask is not None and cudnn_ok:
+            ctx = S - L
+
+            def split(q4=q4, k4=k4, v4=v4, ctx=ctx, b=b):
+                for i in range(b):
+                    qh, kh, vh = q4[i : i + 1], k4[i : i + 1], v4[i : i + 1]
+                    torch.ops.aten._scaled_dot_product_cudnn_attention(qh, kh[:, :, :ctx], vh[:, :, :ctx], None,
+                                                                       True, 0.0, False, False, scale=scale)
+                    torch.ops.aten._scaled_dot_product_cudnn_attention(qh, kh[:, :, ctx:], vh[:, :, ctx:], None,
+                                                                       True, 0.0, True, False, scale=scale)
+            lib["cudnn_split"] = add("library: cudnn ctx + own causal, contiguous, no merge", split)
+        best_lib = max((v for v in lib.values() if v), default=None)
+        best_ours = max((v for v in ours.values() if v), default=None)
+        out[f"{name}_ours_tflops"] = ours
+        out[f"{name}_best_library_tflops"] = best_lib
+        if best_lib and best_ours:
+            out[f"{name}_ours_vs_best_library"] = best_ours / best_lib
+        del q4, k4, v4
+        torch.cuda.empty_cache()
+    if sweep and best_cfg:
+        for group in ("short", "long"):
+            cands = [v for k, v in best_cfg.items() if k.startswith(group)]
+            if cands:
+                win = max(cands)[1]
+                out[f"prefill_best_config_{group}"] = win
+                setattr(tb, f"PREFILL_CONFIG_{group.upper()}", tuple(win))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
 # engine benchmarks
 # ---------------------------------------------------------------------------------------------------
 class EngineBench:
-    def __init__(self, max_model_len: int = 10240, max_num_seqs: int = 256):
+    def __init__(self, max_model_len: int = 131072, max_num_seqs: int = 256):
         from pdserve.config import EngineConfig
         from pdserve.engine.engine import LLMEngine
         from pdserve.gpu.model_configs import dummy_model_dir
@@ -305,6 +413,14 @@ class EngineBench:
         torch.cuda.synchronize()
         self.init_s = time.perf_counter() - t0
         runner = self.engine.runner
+        # the engine's warm-up built the library plans for long chunks (LLMEngine._warm_up); a second call
+        # finds them cached: its time says whether they were
+        t1 = time.perf_counter()
+        c = runner.model_cfg
+        warm = getattr(runner.backend, "warm_up", None)
+        self.library_plans = warm(c.num_heads, c.num_kv_heads, c.head_dim, runner.dtype, runner.device, 8192,
+                                  max_model_len) if warm else 0
+        self.library_warm_up_s = time.perf_counter() - t1
         self.cfg = runner.model_cfg
         model = runner.model
         self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -319,7 +435,9 @@ class EngineBench:
         self.linear_params = per_layer * c.num_layers
         free, total = torch.cuda.mem_get_info()
         self.info = {
-            "model": self.model_name, "init_s": round(self.init_s, 1), "param_GB": self.param_bytes / 1e9,
+            "model": self.model_name, "init_s": round(self.init_s, 1), "library_plans": self.library_plans,
+            "library_warm_up_s": round(self.library_warm_up_s, 2), "attention_long_prefill":
+                str(getattr(runner.backend, "long_prefill", None)), "param_GB": self.param_bytes / 1e9,
             "weight_bytes_per_decode_step_GB": self.weight_bytes_per_step / 1e9,
             "num_blocks": runner.num_blocks, "kv_pool_GB": runner.kv_pool.numel() * 2 / 1e9,
             "kv_tokens": runner.num_blocks * runner.block_size,
@@ -485,6 +603,18 @@ class EngineBench:
             out["fused_graph_ms"] = time_cuda(gpu.graphs[1][0].replay, iters=20) * 1e3
             out["fused_eager_ms"] = time_cuda(lambda: gpu._graph_forward(1), iters=20) * 1e3
             ops = model.fused_ops
+            linear = ops.linear
+            ops.linear = lambda x, layer: layer(x)  # the fused path with cuBLAS GEMVs
+            try:
+                gpu._graph_forward(1)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    gpu._graph_forward(1)
+                out["fused_graph_cublas_linears_ms"] = time_cuda(g.replay, iters=20) * 1e3
+                del g
+            finally:
+                ops.linear = linear
             model.fused_ops = None
             try:
                 gpu._graph_forward(1)
@@ -518,6 +648,43 @@ class EngineBench:
         t = statistics.median(times)
         return {"n_seqs": n_seqs, "seq_len": seq_len, "step_s": t, "all_s": times, "tflops": flops / t / 1e12,
                 "flops_T": flops / 1e12, "attention_flop_share": flops_attn / flops}
+
+    def long_context(self, prompt_len: int, reps: int = 2, goal: str = "") -> dict[str, Any]:
+        """TTFT of one prompt (max_tokens 1, chunked prefill at the 8192-token budget), prefix caching on
+        but never hit (fresh random prompts), with the backend's long-prefill path off (`triton`) and on
+        (`triton-cudnn`), in the same engine. FLOPs count the causal attention too."""
+        from pdserve.attention import long_prefill as lp
+
+        eng = self.engine
+        backend = eng.runner.backend
+        saved = getattr(backend, "long_prefill", None)
+        modes = {"triton": None}
+        if lp.cudnn_usable(torch.device("cuda")):
+            modes["triton-cudnn"] = lp.LongPrefillConfig()
+        c = self.cfg
+        flops = (2.0 * self.linear_params * prompt_len
+                 + c.num_layers * _attention_flops(c.num_heads, c.head_dim, [prompt_len], [prompt_len])
+                 + 2.0 * c.vocab_size * c.hidden_size)
+        out: dict[str, Any] = {"prompt_len": prompt_len, "flops_T": flops / 1e12, "goal": goal, "backends": {}}
+        try:
+            for name, cfg in modes.items():
+                backend.long_prefill = cfg
+                times = []
+                for _ in range(reps):
+                    self.add(self.prompts(1, prompt_len), 1)
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    steps = 0
+                    while eng.has_unfinished():
+                        eng.step()
+                        steps += 1
+                    times.append(time.perf_counter() - t)
+                ttft = statistics.median(times)
+                out["backends"][name] = {"ttft_s": ttft, "all_s": [round(x, 4) for x in times], "steps": steps,
+                                         "tflops": flops / ttft / 1e12}
+        finally:
+            backend.long_prefill = saved
+        return out
 
     def offline(self, n_prompts: int, in_len: int, out_len: int, deadline_s: float) -> dict[str, Any]:
         eng = self.engine
@@ -574,6 +741,8 @@ def main() -> int:
     s.section("env", env_info)
     ceil = s.section("ceilings", ceilings) or {}
     # the 8B logits check needs ~50 GB: before the engine takes 90% of the GPU for its KV pool
+    if "kernel_sweeps" in skip and "prefill_attention" not in skip:
+        s.section("prefill_attention", prefill_attention_comparison, min_left_s=60)
     for name, fn in (("correctness_kernels", correctness_kernels), ("kernel_sweeps", kernel_sweeps),
                      ("correctness_8b", correctness_8b), ("correctness_engines", correctness_engines)):
         if name not in skip:
@@ -594,6 +763,9 @@ def main() -> int:
         s.section("p2_no_prefix_cache", eb.decode_no_prefix_cache, 64, 2048, 32, min_left_s=30)
         s.section("host_profile_b256", eb.host_profile, 256, 1024, 20, min_left_s=40)
         s.section("p3_prefill_1x8192", eb.prefill, 1, 8192, min_left_s=15)
+        if "long" not in skip:
+            for n, goal in ((8192, ""), (32768, "goal 75%"), (65536, "goal 72%, TTFT <= 3.8 s"), (131000, "")):
+                s.section(f"long_context_{n}", eb.long_context, n, 2, goal, min_left_s=40 if n > 70000 else 20)
         s.section("prefill_8x1024", eb.prefill, 8, 1024, min_left_s=15)
         if "offline" not in skip:
             deadline = max(30.0, s.left() - 20)
@@ -637,11 +809,22 @@ def summarize(s: Suite, ceil: dict[str, Any]) -> None:
     ks = r.get("kernel_sweeps") or {}
     if "decode_b8_kv2048_best_us" in ks:
         rows.append(("decode kernel b8 kv2048", f"{ks['decode_b8_kv2048_best_us']:.1f} us",
-                     f"FlashInfer {FLASHINFER_H200['decode_b8_kv2048_us']} us", ""))
-        rows.append(("prefill kernel b8 q512/2048", f"{ks['prefill_b8_q512_kv2048_best_tflops']:.0f} TFLOP/s",
-                     f"FlashInfer sm90 {FLASHINFER_H200['prefill_b8_q512_kv2048_tflops_sm90']:.0f}", ""))
-        rows.append(("prefill kernel 1x8192", f"{ks['prefill_1x8192_best_tflops']:.0f} TFLOP/s",
-                     f"SDPA contiguous {ks.get('sdpa_contiguous_1x8192_tflops', 0):.0f}", ""))
+                     f"FlashInfer {FLASHINFER_H200['decode_b8_kv2048_us']} us (h200-facts.md, another run)", ""))
+    pc = r.get("prefill_attention") or ks
+    for shape in PREFILL_SHAPES:
+        ours = pc.get(f"{shape}_ours_tflops") or {}
+        best = pc.get(f"{shape}_best_library_tflops")
+        if ours:
+            txt = ", ".join(f"{k} {v:.0f}" for k, v in ours.items() if v)
+            rows.append((f"prefill attention {shape}", f"{txt} TFLOP/s",
+                         f"{ratio(max(v for v in ours.values() if v), best)} of best library ({best or 0:.0f})",
+                         "goal 90%"))
+    for _key, lc in sorted((k, v) for k, v in r.items() if k.startswith("long_context_") and isinstance(v, dict)):
+        for bn, x in (lc.get("backends") or {}).items():
+            if "ttft_s" in x:
+                rows.append((f"TTFT {lc['prompt_len']} tokens ({bn})", f"{x['ttft_s'] * 1e3:.0f} ms",
+                             f"{ratio(x['tflops'], mm)} of matmul (causal attention FLOPs counted)",
+                             lc.get("goal", "")))
     off = r.get("offline") or {}
     if "output_tokens_per_s" in off:
         rows.append((f"offline {off['prompts']}x(1024->512)", f"{off['output_tokens_per_s']:.0f} out tok/s",

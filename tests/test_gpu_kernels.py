@@ -55,6 +55,26 @@ def test_prefill_kernel_matches_sdpa(qlens, slens, h, kvh, d):
     assert rel_err(out, want) < 1e-5
 
 
+@pytest.mark.parametrize("tile_n", [16, 32])
+def test_prefill_kernel_finishes_long_chunks_from_library_partials(tile_n):
+    """pdserve.attention.long_prefill: partials over [0, bulk) and the own keys (here the float32 "math"
+    stand-in for cuDNN), merged by the kernel, which attends what is left; other sequences in the same
+    launch are untouched by it. Covers bulk + own, bulk only (Triton does the causal own keys), own only
+    (Triton does the short context), and a short sequence and a decode row beside them."""
+    from pdserve.attention import long_prefill as lp
+
+    qlens, slens = [3, 8, 9, 12, 1, 8], [3, 48, 45, 17, 40, 8]
+    c = make_paged_case(qlens, slens, 4, 2, 16, block_size=4, dtype=torch.float32, device="cpu", seed=tile_n)
+    want = SdpaReference().forward(c.q, c.k_cache, c.v_cache, c.meta, 0.25)
+    plans = lp.plan_chunks(c.meta, min_q=8, ctx_align=32, q_bucket=4)
+    assert {(p.seq, p.bulk, p.own) for p in plans} == {(1, 32, True), (2, 32, False), (3, 0, True), (5, 0, True)}
+    partials = lp.compute_partials(c.q, c.k_cache, c.v_cache, c.meta, plans, 0.25, impl="math")
+    out = torch.full_like(c.q, float("nan"))
+    tk.prefill_attention(c.q, c.k_cache, c.v_cache, c.meta.block_tables, c.meta.seq_lens, c.meta.query_start_loc,
+                         0.25, len(qlens), out=out, block_m=16, tile_n=tile_n, partials=partials)
+    assert rel_err(out, want) < 1e-5
+
+
 @pytest.mark.parametrize("splits", [1, 2, 5])
 def test_decode_kernel_matches_sdpa_with_padding_rows(splits):
     c = make_paged_case([1] * 4, [9, 1, 30, 16], 6, 2, 16, block_size=4, dtype=torch.float32, device="cpu",
@@ -112,3 +132,36 @@ def test_gpu_step_runner_is_token_exact_with_the_cpu_engine(tiny_llama):
     assert got == want
     assert engine.runner.step_timing.graph_steps > 0
     assert engine.stats().prefix_cache_hits > 0
+
+
+def test_gpu_step_runner_with_long_prefill_partials_is_token_exact(tiny_llama, monkeypatch):
+    """The long-prefill split (library partials over gathered K/V, here float32 torch ops standing in for
+    cuDNN, finished by the Triton kernel) inside the engine, at toy thresholds so that chunked prefill and a
+    prefix-cache hit both produce chunks with bulk context and own keys: same tokens as the CPU engine."""
+    from engine_utils import make_engine, run_engine
+
+    from pdserve.attention import long_prefill as lp
+    from pdserve.attention import triton_backend as tb
+    from pdserve.engine.sampling_params import SamplingParams
+
+    monkeypatch.setattr(tb, "PREFILL_CONFIG_SHORT", (16, 16, 4, 1))
+    monkeypatch.setattr(tb, "PREFILL_CONFIG_LONG", (16, 16, 4, 1))
+    gen = torch.Generator().manual_seed(2)
+    shared = torch.randint(3, 320, (90,), generator=gen).tolist()
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (9, 75)] + [shared]
+    again = [shared[:64] + [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    kw = dict(max_num_batched_tokens=32, max_num_seqs=4)
+    ref_engine = make_engine(tiny_llama, **kw)
+    want = run_engine(ref_engine, prompts, params) + run_engine(ref_engine, again, params)
+    engine = make_engine(tiny_llama, **kw)
+    backend = tb.TritonAttention(num_sms=4, long_prefill=lp.LongPrefillConfig("math", min_q=8, ctx_align=16,
+                                                                                 q_bucket=4))
+    calls = []
+    real = lp.compute_partials
+    monkeypatch.setattr(lp, "compute_partials", lambda *a, **k: calls.append(len(a[4])) or real(*a, **k))
+    engine.runner.backend = backend
+    engine.runner.use_gpu_step_runner(simulate_graphs=True)
+    got = run_engine(engine, prompts, params) + run_engine(engine, again, params)
+    assert got == want
+    assert calls and engine.stats().prefix_cache_hits > 0

@@ -18,6 +18,10 @@ Mirrored from vLLM: tests/v1/kv_connector/nixl_integration/toy_proxy_server.py (
 NixlConnector's `request_finished` (the producer's params) and the chat server's `prompt_token_ids`
 hand-off (vllm-project/vllm PR #48145).
 
+Ours on top (vLLM has it only as an open RFC, vllm-project/vllm#50913): the producer's params also carry
+the first token it sampled (`first_token_fields`), so a decode instance can start from it instead of
+recomputing the last prompt token; a producer that sends none (vLLM) is served as before.
+
 No torch, no pydantic: plain functions over JSON-shaped dicts.
 """
 
@@ -251,6 +255,66 @@ def build_producer_params(
     }
 
 
+# ---- the first token ------------------------------------------------------------------------------------
+FIRST_TOKEN_ID = "first_token_id"
+FIRST_TOKEN_LOGPROB = "first_token_logprob"
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """The token a prefill leg sampled (its max_tokens=1 output), and its logprob when the leg was asked
+    for logprobs: what the decode instance emits first instead of recomputing the last prompt token."""
+
+    token_id: int
+    logprob: float | None = None
+    rank: int | None = None  # 1-based rank in the full distribution
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+
+
+def first_token_fields(token: FirstToken) -> dict[str, Any]:
+    """The keys a producer adds to its `kv_transfer_params`."""
+    fields: dict[str, Any] = {FIRST_TOKEN_ID: int(token.token_id)}
+    if token.logprob is not None:
+        fields[FIRST_TOKEN_LOGPROB] = {"logprob": float(token.logprob), "rank": token.rank,
+                                       "top": [[int(t), float(lp)] for t, lp in token.top]}
+    return fields
+
+
+def without_first_token(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The params as a producer that sends no first token (vLLM) would have sent them."""
+    return {k: v for k, v in params.items() if k not in (FIRST_TOKEN_ID, FIRST_TOKEN_LOGPROB)}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def parse_first_token(params: Mapping[str, Any]) -> FirstToken | None:
+    """The first token in a decode leg's params, or None when the producer sent none. Untrusted input:
+    a malformed value is an InvalidKVTransferParams (400), never a guess."""
+    token_id = params.get(FIRST_TOKEN_ID)
+    if token_id is None:
+        if params.get(FIRST_TOKEN_LOGPROB) is not None:
+            raise _bad(f"{FIRST_TOKEN_LOGPROB} without {FIRST_TOKEN_ID}")
+        return None
+    if not _is_int(token_id) or token_id < 0:
+        raise _bad(f"{FIRST_TOKEN_ID} must be a non-negative integer, got {token_id!r}")
+    lp = params.get(FIRST_TOKEN_LOGPROB)
+    if lp is None:
+        return FirstToken(token_id)
+    if not isinstance(lp, Mapping) or not _is_number(lp.get("logprob")):
+        raise _bad(f"{FIRST_TOKEN_LOGPROB} must be an object with a numeric logprob")
+    rank = lp.get("rank")
+    if rank is not None and (not _is_int(rank) or rank < 1):
+        raise _bad(f"{FIRST_TOKEN_LOGPROB}.rank must be a positive integer, got {rank!r}")
+    top = lp.get("top") or []
+    if not isinstance(top, list) or not all(
+        isinstance(t, list) and len(t) == 2 and _is_int(t[0]) and t[0] >= 0 and _is_number(t[1]) for t in top
+    ):
+        raise _bad(f"{FIRST_TOKEN_LOGPROB}.top must be a list of [token id, logprob] pairs")
+    return FirstToken(token_id, float(lp["logprob"]), rank, tuple((int(t), float(v)) for t, v in top))
+
+
 # ---- the decode instance's validation ------------------------------------------------------------------
 class InvalidKVTransferParams(ValueError):
     """`kv_transfer_params` of a request are missing, partial or malformed (the server answers 400)."""
@@ -292,6 +356,7 @@ class RemotePrefillParams:
     generation: int | None  # remote_registration_generation: which producer incarnation issued them
     lease_token: str = field(repr=False, default="")  # remote_lease_token; never logged
     tp_size: int = 1  # the producer's tensor-parallel size (its KV heads live in that many pools)
+    first_token: FirstToken | None = None  # the producer's sampled first token (pdserve producers)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -386,4 +451,5 @@ def parse_remote_prefill_params(params: Any) -> RemotePrefillParams:
         generation=generation,
         lease_token=lease_token,
         tp_size=sizes["tp_size"],
+        first_token=parse_first_token(params),
     )

@@ -4,21 +4,26 @@ Chosen over a carried FlashInfer wheel because it installs from PyPI with any CU
 with it), needs no 12-63 s JIT per kernel on a fresh machine, and reads the block-contiguous pool's
 strided per-layer views directly. benchmarks/gpu_suite.py measures it against the H200's ceilings and the
 FlashInfer numbers in h200-facts.md.
+
+With `long_prefill` set (`--attention-backend triton-cudnn`, what `auto` picks where cuDNN's attention
+runs), long prefill chunks take most of their attention from cuDNN over gathered K/V and the Triton kernel
+finishes them (pdserve/attention/long_prefill.py); everything else is unchanged.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pdserve.attention import long_prefill as lp
 from pdserve.attention import triton_kernels as tk
 from pdserve.attention.base import AttentionMetadata
 
-# Launch parameters, chosen by the sweep in benchmarks/gpu_suite.py on an H200 (see its report).
-# prefill: 303 TFLOP/s at B=8 q 512 of kv 2048, 361 TFLOP/s for one fresh 8192-token prompt (2026-11-29)
-PREFILL_BLOCK_M = 128
-PREFILL_TILE_N = 128
-PREFILL_WARPS = 8
-PREFILL_STAGES = 3
+# Prefill launch parameters (block_m, tile_n, num_warps, num_stages), from the sweep in
+# benchmarks/gpu_kernel_lab.py on an H200 (2026-12-01): short queries (B=8, q 512 of kv 2048) 268 TFLOP/s
+# with 128/128/8/4; long ones (q 8192, kv 8k-128k) 342-398 TFLOP/s with 128/64/4/4.
+PREFILL_CONFIG_SHORT = (128, 128, 8, 4)
+PREFILL_CONFIG_LONG = (128, 64, 4, 4)
+PREFILL_LONG_FROM_Q = 1024  # a step whose longest query run is at least this uses the long config
 # decode, by batch size: (largest batch, tile_n, num_warps, num_stages, programs per SM for the splits).
 # Winners of the graph-timed sweep over 8 layers on the H200, 2026-11-29 (benchmarks/gpu_suite.py):
 # batch 1 kv 2048: 9.0 us/layer; batch 8 kv 2048: 24.4 us (2.75 TB/s of KV); batch 64 kv 2048: 127.6 us
@@ -38,13 +43,28 @@ def decode_config(batch: int) -> tuple[int, int, int, int]:
     return DECODE_CONFIGS[-1][1:]
 
 
-class TritonAttention:
-    name = "triton"
+def prefill_config(max_query_len: int) -> tuple[int, int, int, int]:
+    return PREFILL_CONFIG_LONG if max_query_len >= PREFILL_LONG_FROM_Q else PREFILL_CONFIG_SHORT
 
-    def __init__(self, num_sms: int | None = None):
+
+class TritonAttention:
+    name = "triton"  # with or without long_prefill: the step runner keys the fused ops and graphs on it
+
+    def __init__(self, num_sms: int | None = None, long_prefill: lp.LongPrefillConfig | None = None):
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         self.num_sms = num_sms
+        self.long_prefill = long_prefill
+        if long_prefill is not None:
+            # the kernel starts the keys left after partial 1 at a tile boundary
+            assert all(long_prefill.ctx_align % cfg[1] == 0 for cfg in (PREFILL_CONFIG_SHORT, PREFILL_CONFIG_LONG))
+
+    def warm_up(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device, budget: int, max_model_len: int) -> int:
+        """Library plans for full-budget long chunks (long_prefill.warm_up); the kernels JIT on first use."""
+        if self.long_prefill is None or self.long_prefill.impl != "cudnn":
+            return 0
+        return lp.warm_up(num_heads, num_kv_heads, head_dim, dtype, device, budget, max_model_len)
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> None:
@@ -60,8 +80,17 @@ class TritonAttention:
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits,
                 tile_n=tile_n, num_warps=warps, num_stages=stages,
             )
+        partials = None
+        lpc = self.long_prefill
+        if lpc is not None:
+            plans = lp.plan_chunks(meta, lpc.min_q, lpc.ctx_align, lpc.q_bucket)
+            if plans:
+                if len(meta.seq_lens_host) == 1 and lp.is_whole_fresh_prompt(plans[0]):
+                    return lp.attend_fresh_prompt(q, k_cache, v_cache, meta, scale, lpc.impl)
+                partials = lp.compute_partials(q, k_cache, v_cache, meta, plans, scale, lpc.impl)
+        block_m, tile_n, warps, stages = prefill_config(meta.max_query_len)
         return tk.prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-            num_seqs=meta.seq_lens.shape[0], block_m=PREFILL_BLOCK_M, tile_n=PREFILL_TILE_N,
-            num_warps=PREFILL_WARPS, num_stages=PREFILL_STAGES,
+            num_seqs=meta.seq_lens.shape[0], block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages,
+            partials=partials,
         )

@@ -20,6 +20,8 @@ Everything here needs triton; it is imported only on CUDA (or under TRITON_INTER
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -253,15 +255,19 @@ def _attend_tiles(
                 k = tl.load(ptrs_k)
             else:
                 k = tl.load(ptrs_k, mask=dmask[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
             # row r sees keys [0, key_limit[r]] (its own absolute position), never past the sequence
-            s = tl.where((tok[None, :] <= key_limit[:, None]) & tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if MASKED:
+            qk = tl.where((tok[None, :] <= key_limit[:, None]) & tmask[None, :], qk * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_new = tl.where(m_new > float("-inf"), m_new, 0.0)  # a fully masked row must not make NaNs
+            qk = qk - m_new[:, None]
+        else:
+            # scale > 0, so the row max commutes with it; the scale and the shift fuse into one FMA
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+            qk = qk * scale_log2 - m_new[:, None]
+        p = tl.exp2(qk)
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASKED:
             if EVEN_D:
@@ -273,21 +279,33 @@ def _attend_tiles(
                 v = tl.load(ptrs_v)
             else:
                 v = tl.load(ptrs_v, mask=dmask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        # rescale first, then let the matrix unit accumulate into acc (no second [M, D] add)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_q_blocks", "stride_bt"])
+@triton.jit
+def _load_partial(o_ptr, lse_ptr, stride_po_t, stride_po_h, stride_lse_h, q_rows, head, d, row_mask, dmask):
+    """A partial attention of these rows (another kernel's, over other keys): (o, lse in log2 units)."""
+    o = tl.load(o_ptr + q_rows[:, None] * stride_po_t + head[:, None] * stride_po_h + d[None, :],
+                mask=row_mask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptr + head.to(tl.int64) * stride_lse_h + q_rows, mask=row_mask, other=0.0) * 1.4426950408889634
+    return o, lse
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_q_blocks", "stride_bt", "stride_lse_h", "p_row0"])
 def _prefill_kernel(
     q_ptr, stride_q_t, stride_q_h,
     k_cache_ptr, v_cache_ptr, stride_c_blk, stride_c_tok, stride_c_head,
     block_tables_ptr, stride_bt,
     seq_lens_ptr, qsl_ptr, num_seqs, num_q_blocks,
     out_ptr, stride_o_t, stride_o_h,
-    scale_log2,
+    kv_lo_ptr, flags_ptr, p1_o_ptr, p1_lse_ptr, p2_o_ptr, p2_lse_ptr, stride_po_t, stride_po_h, stride_lse_h,
+    p_row0, scale_log2,
     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
+    HAS_PARTIALS: tl.constexpr,
 ):
     # Longest q blocks (the last of each causal sequence) first: better tail balance.
     qb_global = num_q_blocks - 1 - tl.program_id(0)
@@ -320,25 +338,52 @@ def _prefill_kernel(
     row_mask = (qi < BLOCK_Q) & (q_local < q_len)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
+    rmask = row_mask[:, None] & dmask[None, :]
     q_rows = (q_start + q_local).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_q_t + head[:, None] * stride_q_h + d[None, :],
-                mask=row_mask[:, None] & dmask[None, :], other=0.0)
-    key_limit = ctx + q_local  # absolute position of each row's query
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    head_off = kvh.to(tl.int64) * stride_c_head
-
     # Keys below the block's first query position are visible to every row: no mask there.
     first_pos = ctx + qb * BLOCK_Q
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
-    n_full = (first_pos + 1) // TILE_N
+    key_limit = ctx + q_local  # absolute position of each row's query: it sees keys [0, key_limit]
+    kv_lo = 0
+    if HAS_PARTIALS:
+        # A long chunk (pdserve.attention.long_prefill): a library kernel already attended keys [0, kv_lo)
+        # (flag 1: partial 1) and/or the chunk's own keys [ctx, seq_len) causally (flag 2: partial 2).
+        # Start from their merge and attend only what is left: [kv_lo, ctx), or [kv_lo, seq_len).
+        kv_lo = tl.load(kv_lo_ptr + seq).to(tl.int32)
+        flags = tl.load(flags_ptr + seq).to(tl.int32)
+        if (flags & 1) != 0:
+            acc, m_i = _load_partial(p1_o_ptr, p1_lse_ptr, stride_po_t, stride_po_h, stride_lse_h, q_rows - p_row0, head,
+                                     d, row_mask, dmask)
+            l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        if (flags & 2) != 0:
+            o2, lse2 = _load_partial(p2_o_ptr, p2_lse_ptr, stride_po_t, stride_po_h, stride_lse_h, q_rows - p_row0,
+                                     head,
+                                     d, row_mask, dmask)
+            m_new = tl.maximum(m_i, lse2)
+            alpha = tl.exp2(m_i - m_new)
+            beta = tl.exp2(lse2 - m_new)
+            acc = acc * alpha[:, None] + o2 * beta[:, None]
+            l_i = l_i * alpha + beta
+            m_i = m_new
+            # own keys done: every row sees exactly the context keys that are left
+            first_pos = ctx - 1
+            kv_end = ctx
+            key_limit = tl.zeros([BLOCK_M], dtype=tl.int32) + (ctx - 1)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_off = kvh.to(tl.int64) * stride_c_head
+    n_lo = kv_lo // TILE_N  # kv_lo is a multiple of TILE_N
+    n_full = tl.maximum((first_pos + 1) // TILE_N, n_lo)
     n_all = tl.cdiv(kv_end, TILE_N)
+    # (a chunk whose partials covered every key only merges them: it needs no queries)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_q_t + head[:, None] * stride_q_h + d[None, :],
+                mask=rmask & (n_all > n_lo), other=0.0)
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, stride_c_blk, stride_c_tok,
-        0, n_full, key_limit, seq_len, scale_log2, d, dmask,
+        n_lo, n_full, key_limit, seq_len, scale_log2, d, dmask,
         False, EVEN_D, BLOCK_SIZE, TILE_N, DOT_PRECISION,
     )
     acc, m_i, l_i = _attend_tiles(
@@ -348,15 +393,34 @@ def _prefill_kernel(
     )
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_o_t + head[:, None] * stride_o_h + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dmask[None, :])
+             o.to(out_ptr.dtype.element_ty), mask=rmask)
+
+
+@dataclass
+class PrefillPartials:
+    """Partial attentions a library kernel computed for some sequences of a step (long_prefill.py).
+
+    Per sequence (device int32 [num_seqs]): kv_lo (keys [0, kv_lo) are in partial 1 when flags & 1; a
+    multiple of the kernel's tile) and flags (2: partial 2 holds the chunk's own keys, causal). Partials:
+    o [rows, H, D] and lse [H, rows] (natural log, float32), where row r holds the step's query row
+    r + row0: a library call's own outputs when one sequence has partials (no copy), else step-wide buffers.
+    """
+
+    kv_lo: torch.Tensor
+    flags: torch.Tensor
+    o1: torch.Tensor
+    lse1: torch.Tensor
+    o2: torch.Tensor
+    lse2: torch.Tensor
+    row0: int = 0
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, num_seqs: int,
                       out: torch.Tensor | None = None, block_m: int = 128, tile_n: int = 64, num_warps: int = 8,
-                      num_stages: int = 3) -> torch.Tensor:
+                      num_stages: int = 3, partials: PrefillPartials | None = None) -> torch.Tensor:
     """q: [num_tokens, H, D] (flattened queries of `num_seqs` sequences, split by query_start_loc).
-    Returns [num_tokens, H, D] in q's dtype."""
+    Returns [num_tokens, H, D] in q's dtype. With `partials`, the sequences they cover start from them."""
     num_tokens, num_heads, d = q.shape
     _, block_size, kvh, _ = k_cache.shape
     group = num_heads // kvh
@@ -366,15 +430,24 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         out = torch.empty_like(q)
     # Upper bound on the q blocks of all sequences (see the kernel's search): exact grid without a sync.
     num_q_blocks = num_tokens // block_q + num_seqs
+    if partials is None:
+        p_args = (seq_lens, seq_lens, q, q, q, q, 0, 0, 0, 0)  # never read
+    else:
+        p = partials
+        assert p.o1.stride() == p.o2.stride() and p.lse1.stride() == p.lse2.stride() and p.lse1.stride(1) == 1
+        p_args = (p.kv_lo, p.flags, p.o1, p.lse1, p.o2, p.lse2, p.o1.stride(0), p.o1.stride(1), p.lse1.stride(0),
+                  p.row0)
     _prefill_kernel[(num_q_blocks, kvh)](
         q, q.stride(0), q.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables, block_tables.stride(0),
         seq_lens, query_start_loc, num_seqs, num_q_blocks,
         out, out.stride(0), out.stride(1),
+        *p_args,
         scale * LOG2E,
         G=group, BLOCK_Q=block_q, BLOCK_M=block_m, D=d, BLOCK_D=triton.next_power_of_2(d),
         BLOCK_SIZE=block_size, TILE_N=tile_n, DOT_PRECISION=_dot_precision(q.dtype),
-        EVEN_D=d == triton.next_power_of_2(d), num_warps=num_warps, num_stages=num_stages,
+        EVEN_D=d == triton.next_power_of_2(d), HAS_PARTIALS=partials is not None, num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out

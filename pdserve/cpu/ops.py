@@ -40,6 +40,9 @@ class CpuOps:
                              eps, x.shape[0], x.shape[1], out.data_ptr(), out.stride(0), torch.get_num_threads())
         return out, residual
 
+    def linear(self, x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+        return layer(x)  # the packed oneDNN linears (pdserve.cpu.packed_linear) are already the fast path
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x: [rows, 2 * n] = [gate | up] -> silu(gate) * up, [rows, n]."""
         x = _rows(x)

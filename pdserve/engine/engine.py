@@ -10,13 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdserve.api import pd
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.grammars import Grammars
 from pdserve.engine.kv_connector_protocol import KVConnectorProtocol
 from pdserve.engine.kv_handoff import KVHandoff
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.outputs import RequestOutput, TokenLogprob
 from pdserve.engine.request import Request, Status
 from pdserve.engine.sampling_params import ParamError, SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -151,6 +152,15 @@ class LLMEngine:
                 break
         for rid in list(self.requests):
             self.abort_request(rid)
+        # library kernels' per-shape plans (cuDNN's attention for long prefill chunks): ~65 ms each if built
+        # at a long prompt's first chunks instead
+        warm = getattr(self.runner.backend, "warm_up", None)
+        if warm is not None:
+            c = self.model_cfg
+            n_plans = warm(c.num_heads, c.num_kv_heads, c.head_dim, self.runner.dtype, self.runner.device,
+                           self.scheduler.max_num_batched_tokens, self.max_model_len)
+            if n_plans:
+                log.info("built %d attention plans for long prefill chunks", n_plans)
         self.num_finished = 0
         self.blocks.prefix_queries = self.blocks.prefix_hits = 0
         self.runner.step_timing.reset()
@@ -164,7 +174,12 @@ class LLMEngine:
         if not prompt_token_ids:
             raise ParamError("the prompt is empty", "prompt")
         vocab = self.model_cfg.vocab_size
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or t < 0 or t >= vocab), None)
+        bad = None
+        # C-level passes for the common case (an 8k-token prompt: ~0.1 ms instead of ~1 ms); the loop only
+        # finds the culprit
+        if not (set(map(type, prompt_token_ids)) <= {int, bool} and min(prompt_token_ids) >= 0
+                and max(prompt_token_ids) < vocab):
+            bad = next((t for t in prompt_token_ids if not isinstance(t, int) or t < 0 or t >= vocab), None)
         if bad is not None:
             raise ParamError(f"token id {bad} is out of vocabulary (size {vocab})", "prompt")
         for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
@@ -186,17 +201,54 @@ class LLMEngine:
         conn = self.connector
         kv = KVHandoff.from_params(kv_transfer_params, can_load=conn is not None and conn.can_load,
                                    can_send=conn is not None and conn.can_send)
+        first = None
         if kv.needs_load:
             assert conn is not None
             try:
                 conn.validate(kv_transfer_params)
+                first = pd.parse_first_token(kv_transfer_params)
             except ValueError as e:  # InvalidKVTransferParams: its message names the field
                 raise ParamError(str(e), "kv_transfer_params") from e
-            conn.add_waiting(request_id, kv_transfer_params)  # last: nothing after it can refuse the request
+            if first is not None and first.token_id >= vocab:
+                raise ParamError(f"kv_transfer_params.{pd.FIRST_TOKEN_ID} {first.token_id} is out of vocabulary "
+                                 f"(size {vocab})", "kv_transfer_params")
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, self.max_model_len, kv)
         req.grammar = grammar
+        if first is not None:
+            self._adopt_first_token(req, first)
+        if kv.needs_load:
+            conn.add_waiting(request_id, kv_transfer_params)  # last: nothing after it can refuse the request
         self.requests[request_id] = req
         self.scheduler.add(req)
+
+    def _adopt_first_token(self, req: Request, first: pd.FirstToken) -> None:
+        """A decode leg whose producer sent its sampled first token: take it as output 0, so the load brings
+        the whole prompt's KV and no model step recomputes the last prompt token for it. It is emitted when
+        the load succeeds (`_load_ended`), not before: a lease the producer refuses must still be answered as
+        a 4xx before any byte. Declined (the request then recomputes, as for a vLLM producer) when this
+        request's own parameters might not have produced it (min_tokens against a stop token the prefill leg,
+        sent without min_tokens, may have drawn; logprobs the producer did not send; structured output, whose
+        matcher would have to take it) or when it would end the request (then the lease is still claimed and
+        read, as before, so a refused one is still the client's error)."""
+        p = req.params
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+        if req.grammar is not None or (p.min_tokens > 0 and first.token_id in stops):
+            return
+        logprob = None
+        if p.logprobs is not None:
+            if first.logprob is None or first.rank is None or len(first.top) < p.logprobs:
+                return
+            logprob = TokenLogprob(first.token_id, first.logprob, first.rank, list(first.top[: p.logprobs]))
+        req.output_token_ids.append(first.token_id)
+        if req.check_stop(first.token_id):  # would finish it: leave it to the recompute path
+            req.output_token_ids.pop()
+            req.finish_reason = req.stop_reason = None
+            return
+        req.kv.first_token = first
+        if logprob is not None:
+            req.output_logprobs.append(logprob)
+        # a seeded request then draws its next tokens as a collocated run does after this one
+        self.runner.sampler.skip_draw(req, self.runner.device, self.model_cfg.vocab_size)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)
@@ -234,6 +286,10 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         if self.connector is not None:
             outputs.extend(self._poll_connector())
+            if any(o.new_token_ids for o in outputs):
+                # a load that ended gave an adopted first token: hand it out now rather than after this
+                # step's model run (~6 ms on an 8B model); the caller's next step runs the model
+                return outputs
         t_start = time.perf_counter()
         sched = self.scheduler.schedule()
         for req in sched.start_loads:
@@ -305,9 +361,16 @@ class LLMEngine:
         self.runner.sampler.forget(req.request_id)
         self.num_finished += 1
         if hold and req.finish_reason in ("length", "stop") and req.block_ids and self.connector is not None:
-            req.result_kv_transfer_params = self.connector.hold(
+            params = self.connector.hold(
                 req.request_id, list(req.block_ids), req.num_computed_tokens, max(req.num_cached_tokens, 0)
             )
+            if len(req.output_token_ids) == 1 and req.num_computed_tokens == req.num_prompt_tokens:
+                # a prefill leg (max_tokens 1): its token travels to the decode instance, which starts from it
+                lp = req.output_logprobs[0] if req.output_logprobs else None
+                params = {**params, **pd.first_token_fields(pd.FirstToken(
+                    req.output_token_ids[0], None if lp is None else lp.logprob, None if lp is None else lp.rank,
+                    tuple(lp.top) if lp is not None else ()))}
+            req.result_kv_transfer_params = params
             self.held[req.request_id] = req
         else:
             self.blocks.release(req)
@@ -319,9 +382,10 @@ class LLMEngine:
         first_block = req.num_computed_tokens // self.config.block_size
         req.metrics.kv_load_start_time = time.monotonic()
         try:
-            # Tokens [0, len - 1) come from the producer; the last prompt token is recomputed here for logits.
+            # Tokens [0, len - 1) come from the producer and the last prompt token is recomputed here for the
+            # first token's logits; with an adopted first token the whole prompt comes from the producer.
             self.connector.start_load(req.request_id, req.kv.params, list(req.block_ids), first_block,
-                                      num_tokens=req.num_prompt_tokens - 1)
+                                      num_tokens=req.kv.remote_tokens(req.num_prompt_tokens))
         except Exception as e:  # noqa: BLE001 - any connector failure goes through the failure policy
             # Not a transfer outcome but a refusal to start: log where it came from.
             log.exception("request %s: the KV load could not start", req.request_id)
@@ -351,12 +415,20 @@ class LLMEngine:
         mistake: finished with the reason), or failed (then the policy, which is for transport failures)."""
         assert self.connector is not None
         req.metrics.kv_load_done_time = time.monotonic()
+        recompute = not ok and rejected is None and self.connector.load_failure_policy == "recompute"
+        if req.kv.first_token is not None and req.num_emitted == 0 and not ok and not recompute:
+            # the request ends here without its adopted token ever having been sent: it ends with none
+            req.output_token_ids.clear()
+            req.output_logprobs.clear()
         if req.kv.abort_requested:
             self.scheduler.end_load(req, ok, resume=False)
             outputs.append(self._finish(req, hold=False))
         elif ok:
-            req.num_cached_tokens = req.num_prompt_tokens - 1
+            req.num_cached_tokens = req.kv.remote_tokens(req.num_prompt_tokens)
             self.scheduler.end_load(req, ok=True)
+            if req.kv.first_token is not None and req.num_emitted == 0:
+                req.metrics.first_token_time = req.metrics.last_token_time = time.monotonic()
+                outputs.append(self._emit(req))
         elif rejected is not None:
             # Forged, replayed, expired or duplicated params: answered as the client's error, never recomputed
             # (that would hide it) and never logged as an engine failure.
@@ -366,7 +438,8 @@ class LLMEngine:
             req.finish_reason = "error"
             req.error = error
             outputs.append(self._finish(req, hold=False))
-        elif self.connector.load_failure_policy == "recompute":
+        elif recompute:
+            # (an adopted first token stays: the recompute continues after it, as a seeded run would)
             log.warning("request %s: %s; recomputing the prompt locally", req.request_id, error)
             req.num_cached_tokens = req.num_computed_tokens  # the local prefix-cache hit stays valid
             self.scheduler.end_load(req, ok=False)

@@ -17,6 +17,11 @@ a bug in the step loop surfaces at once, with its traceback, instead of as a con
 
 Producer side (`do_remote_decode`): `send` says the finished request's blocks are held under a lease for a
 consumer instead of being freed.
+
+First token (pdserve producers, pdserve/api/pd.py `first_token_fields`): a decode request that adopted the
+producer's sampled first token (`first_token`) loads the KV of the whole prompt and starts from that token;
+without it (a vLLM producer, or a token it cannot adopt) it loads all but the last prompt token and
+recomputes that one for the first token's logits.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from pdserve.api.pd import FirstToken
 
 
 class LoadState(enum.Enum):
@@ -46,6 +53,12 @@ class KVHandoff:
     send: bool = False  # producer: on finishing, hold the blocks for a consumer instead of freeing them
     abort_requested: bool = False  # aborted while LOADING: finish once the read has ended
     rejection: str | None = None  # FAILED because the producer refused the lease the params name (why)
+    first_token: FirstToken | None = None  # consumer: the producer's first token, adopted as output 0
+
+    def remote_tokens(self, num_prompt_tokens: int) -> int:
+        """Prompt tokens whose KV the load brings: all of them when the first token was adopted, else all
+        but the last (recomputed here for the first token's logits)."""
+        return num_prompt_tokens if self.first_token is not None else num_prompt_tokens - 1
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None, *, can_load: bool, can_send: bool) -> KVHandoff:

@@ -57,8 +57,12 @@ def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> to
     return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
-def select_attention_backend(device: torch.device, kv_format: fp8_kv.Fp8Format | None = None):
-    backend = _float_attention_backend(device)
+ATTENTION_BACKENDS = ("auto", "triton", "triton-cudnn")
+
+
+def select_attention_backend(device: torch.device, kv_format: fp8_kv.Fp8Format | None = None,
+                             name: str = "auto"):
+    backend = _float_attention_backend(device, name)
     if kv_format is not None:
         from pdserve.attention.fp8_gather import Fp8GatherAttention
 
@@ -66,17 +70,26 @@ def select_attention_backend(device: torch.device, kv_format: fp8_kv.Fp8Format |
     return backend
 
 
-def _float_attention_backend(device: torch.device):
+def _float_attention_backend(device: torch.device, name: str = "auto"):
+    """auto: on CUDA the Triton kernels, with long prefill chunks on cuDNN where its attention runs
+    (pdserve/attention/long_prefill.py); on CPU the paged C kernel. triton / triton-cudnn: force either."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if device.type == "cuda":
         try:
-            from pdserve.attention.triton_backend import TritonAttention  # GPU-only, imported lazily
-
-            return TritonAttention()
+            from pdserve.attention import long_prefill  # GPU-only, imported lazily
+            from pdserve.attention.triton_backend import TritonAttention
         except ImportError:
             log.warning("GPU attention kernels unavailable; using the torch SDPA reference backend")
             from pdserve.attention.torch_ref import TorchAttention
 
             return TorchAttention()
+        use_cudnn = name == "triton-cudnn" or (name == "auto" and long_prefill.cudnn_usable(device))
+        if name == "triton-cudnn" and not long_prefill.cudnn_usable(device):
+            raise ValueError("--attention-backend triton-cudnn: cuDNN's fused attention does not run here")
+        return TritonAttention(long_prefill=long_prefill.LongPrefillConfig() if use_cudnn else None)
+    if name != "auto":
+        raise ValueError(f"--attention-backend {name} needs a CUDA device")
     from pdserve.attention.cpu_paged import CpuPagedAttention
     from pdserve.cpu import native
 
@@ -118,7 +131,7 @@ class ModelRunner:
             log.info("CPU threads: %s", self.cpu_threads)
         # None: KV in the model's dtype; else the pool is uint8 rows of fp8 values + their scales (fp8_kv)
         self.kv_format = fp8_kv.fp8_format(config.kv_cache_dtype)
-        self.backend = select_attention_backend(self.device, self.kv_format)
+        self.backend = select_attention_backend(self.device, self.kv_format, config.attention_backend)
         # the fused CPU ops store K/V into a float pool themselves: an fp8 pool takes the plain path
         if (self.device.type == "cpu" and self.dtype == torch.float32 and self.kv_format is None
                 and self.backend.lib is not None):

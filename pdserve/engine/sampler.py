@@ -90,6 +90,14 @@ class Sampler:
             gen = self._generators[req.request_id] = torch.Generator(device=device).manual_seed(req.params.seed)
         return gen
 
+    def skip_draw(self, req: Request, device: torch.device, vocab_size: int) -> None:
+        """Advance a seeded request's generator past one sampling step, as if this sampler had drawn the token
+        the request already has (a decode leg that adopted the prefill's first token): its next draws are
+        then those a collocated run makes, so seeded outputs match. Unseeded and greedy requests: nothing."""
+        if req.params.seed is None or req.params.greedy:
+            return
+        torch.empty(vocab_size, dtype=torch.float32, device=device).exponential_(generator=self._generator(req, device))
+
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits: [len(reqs), vocab] on any device, any float dtype (computed in float32)."""
         raw = logits.float()

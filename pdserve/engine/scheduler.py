@@ -137,14 +137,14 @@ class Scheduler:
             req.num_cached_tokens = hit
 
     def end_load(self, req: Request, ok: bool, resume: bool = True) -> None:
-        """A remote read ended; its blocks are no longer the transfer's. ok: the prompt's KV but the last
-        token's is in req's blocks (registered in the prefix cache, so a preemption can reuse them).
+        """A remote read ended; its blocks are no longer the transfer's. ok: the prompt's KV (but the last
+        token's, unless the first token was adopted) is in req's blocks (registered in the prefix cache, so a preemption can reuse them).
         resume: the request joins the running set (after a failure, it recomputes locally from its prefix
         cache hit); otherwise the caller finishes it and frees its blocks."""
         del self.loading[req.request_id]
         req.kv.end_load(ok)
         if ok:
-            req.num_computed_tokens = req.num_prompt_tokens - 1
+            req.num_computed_tokens = req.kv.remote_tokens(req.num_prompt_tokens)
             self.blocks.cache_full_blocks(req)
         if resume:
             req.status = Status.RUNNING

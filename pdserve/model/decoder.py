@@ -3,7 +3,7 @@
 Two forward paths over the same weights: plain torch ops (CPU, and the GPU reference), and on CUDA the
 fused path (`DecoderLM.fused_ops` set to `pdserve.gpu.ops` on CUDA, to `pdserve.cpu.ops.CpuOps` on CPU): one
 kernel each for residual-add + RMSNorm, RoPE + K/V store and SiLU-and-mul, rounding where the torch path
-rounds.
+rounds; and its linear layers through `ops.linear` (on CUDA a GEMV kernel for one-token steps).
 
 Tensor parallelism (`tp`, a `pdserve.parallel.comm.TPGroup`; None = one rank, and then no collective runs):
 the modules hold this rank's shard (`pdserve.parallel.layout.TPShard`): qkv and gate_up column-parallel,
@@ -42,6 +42,8 @@ class FusedOps(Protocol):
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor: ...
 
     def rope_and_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                           sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -94,13 +96,14 @@ class Attention(nn.Module):
         o = backend.forward(q, k_cache, v_cache, meta, self.scale)
         return self._out(o)
 
-    def _out(self, o: torch.Tensor) -> torch.Tensor:
-        out = self.o_proj(o.reshape(-1, self.q_size))
+    def _out(self, o: torch.Tensor, ops: FusedOps | None = None) -> torch.Tensor:
+        flat = o.reshape(-1, self.q_size)
+        out = ops.linear(flat, self.o_proj) if ops is not None else self.o_proj(flat)
         return self.tp.all_reduce(out) if self.tp is not None else out
 
     def forward_fused(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend,
                       ops: FusedOps) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        qkv = ops.linear(x, self.qkv_proj)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -111,7 +114,7 @@ class Attention(nn.Module):
         # RoPE on q and k and the K/V store in one kernel; q comes back contiguous.
         q = ops.rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_size)
         o = backend.forward(q, k_cache, v_cache, meta, self.scale)
-        return self._out(o)
+        return self._out(o, ops)
 
 
 class MLP(nn.Module):
@@ -128,8 +131,8 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down(F.silu(gate) * up)
 
-    def down(self, h: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(h)
+    def down(self, h: torch.Tensor, ops: FusedOps | None = None) -> torch.Tensor:
+        out = ops.linear(h, self.down_proj) if ops is not None else self.down_proj(h)
         return self.tp.all_reduce(out) if self.tp is not None else out
 
 
@@ -193,7 +196,7 @@ class DecoderLM(nn.Module):
                 h, residual = ops.fused_add_rms_norm(x, residual, layer.input_layernorm.weight, eps)
             a = layer.self_attn.forward_fused(h, cos, sin, kv_pool[:, i, 0], kv_pool[:, i, 1], meta, backend, ops)
             h, residual = ops.fused_add_rms_norm(a, residual, layer.post_attention_layernorm.weight, eps)
-            x = layer.mlp.down(ops.silu_and_mul(layer.mlp.gate_up_proj(h)))
+            x = layer.mlp.down(ops.silu_and_mul(ops.linear(h, layer.mlp.gate_up_proj)), ops)
         out, _ = ops.fused_add_rms_norm(x, residual, self.norm.weight, eps)
         return out
 
@@ -208,7 +211,8 @@ class DecoderLM(nn.Module):
         return self.tp.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0.0))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
+        ops = self.fused_ops
+        logits = (ops.linear(hidden, self.lm_head) if ops is not None else self.lm_head(hidden)).float()
         if self.tp is None:
             return logits
         return self.tp.all_gather_last_dim(logits)[..., : self.cfg.vocab_size]

@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--cpu-kv-cache-gb", type=float, default=1.0)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--attention-backend", default="auto", choices=("auto", "triton", "triton-cudnn"),
+                   help="GPU attention: Triton kernels, with long prefill chunks on cuDNN (triton-cudnn; auto "
+                        "picks it where cuDNN's attention runs) or without (triton)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-transfer-config", default=None, help="vLLM's KV transfer JSON")
     p.add_argument("--kv-events-config", default=None,
@@ -111,6 +114,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         enforce_eager=args.enforce_eager,
+        attention_backend=args.attention_backend,
         max_waiting_requests=args.max_waiting_requests,
         kv_transfer_config=kv,
         kv_events_config=json.loads(args.kv_events_config) if args.kv_events_config else None,

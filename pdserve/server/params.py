@@ -215,6 +215,10 @@ def logit_bias_by_id(bias: dict[str, float] | None, param: str) -> dict[int, flo
 def validate_token_ids(ids: Any, vocab_size: int, param: str) -> list[int]:
     if not isinstance(ids, list) or not ids:
         raise bad_request("Prompt cannot be empty." if isinstance(ids, list) else f"{param} must be a list", param)
+    # The common case in C-level passes (types, min, max): a Python loop over an 8k-token prompt cost ~1 ms
+    # per request, paid twice by a disaggregated request (both legs). The loop only names the culprit.
+    if set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size:
+        return ids
     for t in ids:
         if type(t) is not int or t < 0:
             raise bad_request(f"{param} must contain non-negative integers, got {t!r}.", param)

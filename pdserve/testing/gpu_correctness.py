@@ -246,6 +246,14 @@ def check_ops(dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> list
         got_v = c.v_cache[table].flatten(0, 1)[:t]
         err = max(rel_err(q_out, want_q), rel_err(got_k, want_k), rel_err(got_v, v))
         res.append({"op": "rope_and_write_kv", "rel_err": err})
+        # the batch-1 GEMV: even and ragged K, with and without bias, the long-K configuration
+        for n_out, k_in, bias in ((300, 256, False), (70, 200, True), (40, 9000, False)):
+            w = torch.randn((n_out, k_in), generator=gen).to(dtype=dtype, device=device)
+            xb = torch.randn((1, k_in), generator=gen).to(dtype=dtype, device=device)
+            b = torch.randn(n_out, generator=gen).to(dtype=dtype, device=device) if bias else None
+            want = F.linear(xb.double(), w.double(), None if b is None else b.double())
+            res.append({"op": f"linear[{n_out}x{k_in}{'+b' if bias else ''}]",
+                        "rel_err": rel_err(ops.gemv(xb, w, b), want)})
     for item in res:
         item["ok"] = item["rel_err"] < tol
     return res
