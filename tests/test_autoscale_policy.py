@@ -110,6 +110,10 @@ def test_view_pressure_holds_and_bounds() -> None:
     v = view("decode", _sig(4, ongoing=40), cfg)
     assert v.desired == 4 and any("--max-decode" in h for h in v.holds)
     assert view("prefill", _sig(1, waiting=1.5), cfg).desired == 2  # a prefill queue
+    v = view("prefill", _sig(2, ongoing=1, waiting=1.6), cfg)  # 0.8 waiting per replica: no headroom
+    assert v.desired == 2 and "0.80 waiting per replica > 0.7 x 1" in v.holds[0]
+    # a request caught waiting in one tick of the window is no queue: the pool may still shrink
+    assert view("prefill", _sig(2, ongoing=1, waiting=0.2), cfg).desired == 1
     no_target = _cfg(decode=RoleLimits(1, 4))
     assert view("decode", _sig(3, ongoing=5), no_target).desired == 3
     assert view("decode", _sig(3, ongoing=0), no_target).desired == 1  # idle: down to the minimum

@@ -7,6 +7,9 @@ per node, each with its own raylet and resources; the head offers `prefill_node`
 - Under a bounded load the autoscaler adds a decode replica; the original decode actor's process is
   SIGKILLed: its requests fail fast, the others finish with the right tokens, Ray restarts it at a new
   address and the proxy sends it work again; after the load the extra replica is removed.
+- The load's mix flips from long prompts / short answers to short prompts / long answers: a prefill
+  replica is added, then drained and switched to decode in its placement group (on the prefill node),
+  then removed when the load ends; every answer keeps the greedy tokens.
 - At the end `pdserve up` stops on SIGTERM and every process (instances, actors, raylets, GCS) is gone.
 
 Ray runs small (a few logical CPUs per node, a 100 MB object store, no dashboard UI) and stays on the
@@ -135,9 +138,14 @@ def app(cluster: Any, model_dir: Path, tmp_path_factory) -> Iterator[App]:  # ty
              "--prefill-resources", '{"prefill_node": 1}', "--decode-resources", '{"decode_node": 1}',
              "--log-dir", str(tmp / "logs"), "--serve-arg=--max-model-len 512 --num-gpu-blocks-override 128",
              "--proxy-arg=--health-interval 1",
-             "--autoscale", "--min-prefill", "1", "--max-prefill", "1", "--max-decode", "2",
-             "--target-ongoing-decode", "2", "--autoscale-interval", "1", "--autoscale-window", "3",
-             "--upscale-delay", "2", "--downscale-delay", "3", "--drain-timeout", "30"],
+             # prefill computes 16 prompt tokens per step and caches no prefix: a repeated long prompt costs
+             # it many steps each time, while decode finds the prompt's blocks in its own prefix cache (the
+             # role switch test's prefill-heavy load)
+             "--prefill-arg=--max-num-batched-tokens 16 --no-enable-prefix-caching",
+             "--autoscale", "--min-prefill", "1", "--max-prefill", "2", "--max-decode", "2",
+             "--target-ongoing-prefill", "2", "--target-ongoing-decode", "3", "--waiting-high", "2",
+             "--autoscale-interval", "1", "--autoscale-window", "3", "--upscale-delay", "2",
+             "--downscale-delay", "8", "--drain-timeout", "30"],
             cwd=tmp, env=dict(os.environ))
     the_app: App | None = None
     try:
@@ -158,8 +166,9 @@ def app(cluster: Any, model_dir: Path, tmp_path_factory) -> Iterator[App]:  # ty
             kill_leftovers(list(the_app.seen_pids))
 
 
-def _complete(app: App, prompt: str, *, stream: bool = False, timeout: float = 120) -> dict[str, Any]:
-    body = {"model": app.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+def _complete(app: App, prompt: str, *, stream: bool = False, timeout: float = 120,
+              max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    body = {"model": app.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True, "stream": stream}
     if not stream:
         r = httpx.post(app.proxy + "/v1/completions", json=body, timeout=timeout)
@@ -239,9 +248,10 @@ def test_unplaceable_instance_is_a_clear_error(cluster: Any, model_dir: Path, tm
 class Load:
     """Closed-loop clients (alternating streamed and plain requests) until stopped; every request recorded."""
 
-    def __init__(self, app: App, workers: int, prompt: str) -> None:
+    def __init__(self, app: App, workers: int, prompt: str, max_tokens: int = MAX_TOKENS) -> None:
         self.app = app
         self.prompt = prompt
+        self.max_tokens = max_tokens
         self.records: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -254,13 +264,18 @@ class Load:
         while not self._stop.is_set():
             start = time.monotonic()
             try:
-                rec = _complete(self.app, self.prompt, stream=(k + n) % 2 == 0, timeout=120)
+                rec = _complete(self.app, self.prompt, stream=(k + n) % 2 == 0, timeout=120,
+                                max_tokens=self.max_tokens)
             except (httpx.HTTPError, ValueError) as e:
                 rec = {"ok": False, "error": f"{type(e).__name__}: {e}"}
             rec.update(start=start, end=time.monotonic(), stream=(k + n) % 2 == 0)
             with self._lock:
                 self.records.append(rec)
             n += 1
+
+    def halt(self) -> None:
+        """No new requests (those in flight finish; `stop` waits for them)."""
+        self._stop.set()
 
     def stop(self) -> list[dict[str, Any]]:
         self._stop.set()
@@ -344,3 +359,84 @@ def test_kill_restart_and_autoscale_under_load(app: App) -> None:
     assert 'pdserve_autoscaler_decisions_total{action="scale_up",role="decode"} 1.0' in metrics
     assert 'pdserve_autoscaler_decisions_total{action="scale_down",role="decode"} 1.0' in metrics
     assert _complete(app, prompt)["token_ids"] == ref["token_ids"]
+
+
+def _serving(app: App, role: str) -> list[dict[str, Any]]:
+    return [i for i in app.status()["instances"] if i["role"] == role and i["state"] == "serving"]
+
+
+def _used_by_proxy(app: App, role: str, url: str) -> bool:
+    return any(i["url"] == url and i["healthy"] and i["requests_total"] > 0 for i in app.listing()[role])
+
+
+def test_role_switch_when_the_load_turns_decode_heavy(app: App, cluster: Any) -> None:
+    """The seed's rule 3 online: the P:D split follows the workload's mix.
+
+    1. Long prompts, 2-token answers: prefill (16 prompt tokens a step, no prefix cache) queues, so a prefill replica is
+       added (1P1D -> 2P1D; decode, at its minimum, has none to spare).
+    2. The mix flips to short prompts, 48-token answers: decode wants more replicas while a prefill replica
+       idles, so the autoscaler drains that prefill replica and starts a decode instance in its placement
+       group (2P1D -> 1P2D), on the prefill node, asking for the resources that group holds.
+    3. No load: the extra decode replica is drained and removed (1P1D).
+    No request fails on the way and every answer keeps the greedy tokens."""
+    assert wait_until(lambda: len(_serving(app, "prefill")) == 1 and len(_serving(app, "decode")) == 1
+                      and len(app.status()["instances"]) == 2, STEP_S, 1.0), app.status()
+    start = max((e["seq"] for e in app.decisions()), default=0)
+
+    def since() -> list[dict[str, Any]]:
+        return [e for e in app.decisions() if e["seq"] > start]
+
+    long_prompt, short_prompt = _words(140, 7), _words(3, 9)
+    ref_long = _complete(app, long_prompt, max_tokens=2)
+    ref_short = _complete(app, short_prompt)
+    assert ref_long["ok"] and ref_short["ok"], (ref_long, ref_short)
+    assert len(ref_long["prompt_ids"]) > 250 and len(ref_short["prompt_ids"]) <= 16
+
+    records: list[dict[str, Any]] = []
+    long_load = Load(app, workers=6, prompt=long_prompt, max_tokens=2)
+    try:
+        # 1. prefill-heavy: one more prefill replica, used by the proxy
+        assert wait_until(lambda: len(_serving(app, "prefill")) == 2, STEP_S, 1.0), since()
+        added = next(i for i in _serving(app, "prefill") if i["bundle_of"] == "prefill" and i["index"] != 0)
+        assert wait_until(lambda: _used_by_proxy(app, "prefill", added["url"]), STEP_S, 0.5), app.listing()
+        # 2. the flip, without a pause (a pause would let the spare prefill replica go by a plain scale-down)
+        long_load.halt()
+        load = Load(app, workers=6, prompt=short_prompt)
+    finally:
+        records += [dict(r, kind="long") for r in long_load.stop()]
+    up = [e for e in since() if e["kind"] == "decision"]
+    assert up and (up[0]["action"], up[0]["role"]) == ("scale_up", "prefill"), up
+    assert up[0]["numbers"]["decode"]["replicas"] == 1
+    try:  # decode-heavy, one prefill replica to spare: a switch, not a new replica
+        assert wait_until(lambda: len(_serving(app, "decode")) == 2 and len(_serving(app, "prefill")) == 1,
+                          STEP_S, 1.0), (since(), app.status())
+        switched = next(i for i in _serving(app, "decode") if i["bundle_of"] == "prefill")
+        assert wait_until(lambda: _used_by_proxy(app, "decode", switched["url"]), STEP_S, 0.5), app.listing()
+    finally:
+        records += [dict(r, kind="short") for r in load.stop()]
+    decisions = [e for e in since() if e["kind"] == "decision"]
+    assert [(d["action"], d["role"], d["from_role"]) for d in decisions] == [
+        ("scale_up", "prefill", None), ("switch", "decode", "prefill")], decisions
+    assert "prefill has one to spare" in decisions[1]["text"]
+    assert switched["node_id"] == cluster.head_node.node_id  # the prefill node: the bundle stayed put
+    assert len(app.status()["instances"]) == 3  # the prefill replica it replaced is gone
+    assert any(e["kind"] == "done" and e.get("action") == "switch" for e in since())
+
+    # 3. no load: back to 1P1D
+    assert wait_until(lambda: len(app.status()["instances"]) == 2 and len(app.listing()["decode"]) == 1,
+                      STEP_S, 1.0), since()
+    assert [(d["action"], d["role"]) for d in since() if d["kind"] == "decision"][2:] == [("scale_down", "decode")]
+    metrics = httpx.get(app.controller + "/metrics", timeout=10).text
+    assert 'pdserve_autoscaler_decisions_total{action="switch",role="decode"} 1.0' in metrics
+    assert 'pdserve_autoscaler_decisions_total{action="scale_up",role="prefill"} 1.0' in metrics
+
+    failed = [r for r in records if not r["ok"]]
+    assert not failed, failed[:3]
+    for r in records:
+        ref = ref_long if r["kind"] == "long" else ref_short
+        assert r["text"] == ref["text"]
+        if "token_ids" in r:
+            assert r["token_ids"] == ref["token_ids"]
+    print(f"\n[ray e2e] role switch: {sum(r['kind'] == 'long' for r in records)} long-prompt and "
+          f"{sum(r['kind'] == 'short' for r in records)} short-prompt requests, none failed; decisions: "
+          + "; ".join(d["text"] for d in since() if d["kind"] == "decision"))

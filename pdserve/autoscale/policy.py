@@ -7,7 +7,7 @@ Per role, a desired replica count:
   for decode), KV-cache usage over `kv_usage_high` (decode), or a queue of `waiting_high` requests or
   more per replica;
 - never fewer than now while there is no headroom: latency above `down_margin` x SLO, KV usage above
-  `down_margin` x high, or anything waiting;
+  `down_margin` x high, or more than `down_margin` x `waiting_high` requests waiting per replica;
 - within [min, max].
 A role whose desired count stays above its count for `upscale_delay_s` is due to grow; below for
 `downscale_delay_s`, due to shrink (hysteresis: a short burst or lull changes nothing). One action at a
@@ -129,10 +129,13 @@ def view(role: str, sig: RoleSignals, cfg: AutoscaleConfig) -> RoleView:
             pressure.append(f"KV usage {sig.kv_usage:.0%} > {cfg.kv_usage_high:.0%}")
         elif sig.kv_usage > cfg.down_margin * cfg.kv_usage_high:
             holds.append(f"KV usage {sig.kv_usage:.0%} > {cfg.down_margin:g} x {cfg.kv_usage_high:.0%}")
-    if n and sig.waiting / n >= cfg.waiting_high:
-        pressure.append(f"{sig.waiting / n:.2f} waiting per replica >= {cfg.waiting_high:g}")
-    elif sig.waiting > 0:
-        holds.append(f"{sig.waiting:.2f} waiting")
+    waiting_each = sig.waiting / n if n else 0.0
+    if n and waiting_each >= cfg.waiting_high:
+        pressure.append(f"{waiting_each:.2f} waiting per replica >= {cfg.waiting_high:g}")
+    elif waiting_each > cfg.down_margin * cfg.waiting_high:
+        # (not "anything waiting": the gauge is sampled, and a request caught between its arrival and the
+        # next engine step in one tick of the window is not a queue)
+        holds.append(f"{waiting_each:.2f} waiting per replica > {cfg.down_margin:g} x {cfg.waiting_high:g}")
     if lim.target_ongoing:
         if by_load > n:
             pressure.append(f"{sig.ongoing:.2f} ongoing / target {lim.target_ongoing:g} per replica "

@@ -17,7 +17,10 @@ action, which runs on its own thread while decisions pause:
 - scale_down: drain (the proxy stops routing to it at once, see `drain`) until the engine is idle or
   `drain_timeout_s`, then stop it and free its placement group;
 - switch: drain a replica of the other role, stop it, and start the role's instance in the same placement
-  group (the resources never leave the app).
+  group (the resources never leave the app). The new instance asks for exactly what the group's bundle
+  holds (its first role's CPUs, GPUs and custom resources: a role resource pins where a role's *new*
+  replicas go, not what a reused bundle may run); roles whose instances need different CPUs or GPUs
+  (e.g. `--prefill-tp 2 --decode-tp 1`) cannot trade bundles, so then the app never switches.
 The controller is owned by the driver (`pdserve up --ray`) and owns everything else, so a driver that
 exits takes the whole app with it (Ray's ownership), and no instance outlives its app.
 """
@@ -67,6 +70,7 @@ class Slot:
     role: str
     pg: PlacementGroup
     actor: Any
+    shape: str  # the role whose template's bundle `pg` reserved (another role's after a switch)
     state: str = "starting"  # as the actor reports it, or "unavailable" when it does not answer
     url: str | None = None
     pid: int | None = None
@@ -76,7 +80,7 @@ class Slot:
         ep = self.endpoint or {}
         return {"index": self.index, "name": self.name, "role": self.role, "state": self.state, "url": self.url,
                 "pid": self.pid, "server_pid": ep.get("server_pid"), "node_ip": ep.get("node_ip"),
-                "node_id": ep.get("node_id"), "log_path": ep.get("log_path")}
+                "node_id": ep.get("node_id"), "log_path": ep.get("log_path"), "bundle_of": self.shape}
 
 
 class AppController:
@@ -93,6 +97,10 @@ class AppController:
         self.proxy_info: dict[str, Any] = {}
         self.record = AutoscaleRecord(Path(self.spec.log_dir) / f"{self.spec.app}-autoscaler.log")
         self.scaling = AutoscaleConfig.from_json(self.spec.autoscale).validate() if self.spec.autoscale else None
+        if self.scaling is not None and self.scaling.allow_role_switch and not self._switchable():
+            self.scaling.allow_role_switch = False
+            self.record.event("no_role_switch", "role switches are off: prefill and decode instances reserve "
+                              f"different CPUs/GPUs ({self._shapes()})")
         self.autoscaler = Autoscaler(self.scaling) if self.scaling else None
         self.window = SignalWindow(self.scaling.window_s) if self.scaling else None
         self._last_tick: Tick | None = None
@@ -128,15 +136,27 @@ class AppController:
             ) from None
         return pgs
 
-    def _launch(self, index: int, role: str, pg: PlacementGroup) -> Slot:
+    def _shapes(self) -> str:
+        return ", ".join(f"{r}: {{CPU: {t.num_cpus:g}, GPU: {t.num_gpus:g}}}" for r, t in self.spec.templates.items())
+
+    def _switchable(self) -> bool:
+        """Whether an instance of one role fits the bundle of the other (the same CPUs and GPUs)."""
+        shapes = {(t.num_cpus, t.num_gpus) for r, t in self.spec.templates.items() if r in SCALED_ROLES}
+        return len(shapes) == 1
+
+    def _launch(self, index: int, role: str, pg: PlacementGroup, shape: str | None = None) -> Slot:
+        """An instance of `role` in `pg`, asking for what `pg`'s bundle holds: the template of `shape`
+        (default: `role`'s own, for a bundle reserved for it)."""
         template = self.spec.templates[role]
+        shape = shape or role
+        fits = self.spec.templates[shape]
         name = instance_name(self.spec.app, index)
         actor = InstanceActor.options(
             name=name, namespace=self.spec.namespace, max_restarts=self.spec.max_restarts, max_concurrency=8,
-            num_cpus=template.num_cpus, num_gpus=template.num_gpus, resources=template.resources or None,
+            num_cpus=fits.num_cpus, num_gpus=fits.num_gpus, resources=fits.resources or None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
         ).remote(name, asdict(template))
-        slot = Slot(index, name, role, pg, actor)
+        slot = Slot(index, name, role, pg, actor, shape)
         with self._lock:
             self.slots[index] = slot
         return slot
@@ -444,7 +464,7 @@ class AppController:
         old = self._victim(from_role)
         self._drain(old)
         self._retire(old, keep_pg=True)
-        slot = self._launch(self._new_index(), to_role, old.pg)
+        slot = self._launch(self._new_index(), to_role, old.pg, shape=old.shape)
         try:
             self._await_ready(slot)
         except Exception:
