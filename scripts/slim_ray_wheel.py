@@ -2,7 +2,9 @@
 actors) in a fraction of the size, for a machine reached only through a size-limited file transfer (the
 GPU test box takes 64 MiB per call; ray 2.60's manylinux wheel is 76 MiB zipped, 193 MiB unzipped).
 
-    python scripts/slim_ray_wheel.py ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl DST.whl
+    python scripts/slim_ray_wheel.py ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl slim/
+
+(DST: a wheel path, or a folder to write the same file name into.)
 
 What goes, and why it is not needed by `pdserve up --ray` (which uses only Ray core):
 - `ray/jars/`: the Java worker runtime (cross-language actors);
@@ -14,7 +16,8 @@ What goes, and why it is not needed by `pdserve up --ray` (which uses only Ray c
 - the symbol tables of the native programs (`strip --strip-unneeded` on gcs_server, raylet, _raylet.so and
   the other ELF files): they only serve debuggers and symbolized crash traces.
 RECORD is rewritten with the new files' hashes and sizes, so `pip install` of the result is a normal one.
-Check the result before relying on it (see README, "Ray on a GPU box without a registry").
+Check the result before relying on it: it ran tests/test_ray_e2e.py on CPU and the 1P1D of
+benchmarks/ray_gpu_smoke.py on an H200 (BENCHMARKS.md, "Ray on one H200").
 """
 
 from __future__ import annotations
@@ -96,17 +99,23 @@ def slim(src: Path, dst: Path, *, strip: str | None) -> Counter[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", type=Path)
-    p.add_argument("dst", type=Path)
+    p.add_argument("dst", help="the slimmed wheel's path, or a folder (ending in /) to write it into")
     p.add_argument("--no-strip", action="store_true", help="keep the native programs' symbol tables")
     args = p.parse_args()
+    dst = Path(args.dst)
+    if args.dst.endswith("/") or dst.is_dir():  # a folder: keep the wheel's name (pip reads its tags)
+        dst.mkdir(parents=True, exist_ok=True)
+        dst = dst / args.src.name
+    if dst.resolve() == args.src.resolve():
+        raise SystemExit("DST must differ from SRC")
     strip = None if args.no_strip else shutil.which("strip")
     if not args.no_strip and strip is None:
         print("note: no `strip` on PATH: the native programs keep their symbol tables")
-    saved = slim(args.src, args.dst, strip=strip)
+    saved = slim(args.src, dst, strip=strip)
     mib = 2**20
     for reason, n in saved.most_common():
         print(f"  {reason}: -{n / mib:.1f} MiB unzipped")
-    print(f"{args.src.name}: {args.src.stat().st_size / mib:.1f} MiB -> {args.dst} {args.dst.stat().st_size / mib:.1f} MiB")
+    print(f"{args.src.name}: {args.src.stat().st_size / mib:.1f} MiB -> {dst} {dst.stat().st_size / mib:.1f} MiB")
 
 
 if __name__ == "__main__":
