@@ -1,4 +1,4 @@
-"""The CPU backend (C paged kernel, fresh-prompt SDPA, gather fallback) against the torch reference."""
+"""The CPU backend (C paged kernel, C prefill kernel / fresh-prompt SDPA, gather fallback) against the torch reference."""
 
 from __future__ import annotations
 
@@ -57,6 +57,8 @@ CASES = {
     "short_chunks": [(3, 20), (16, 16), (1, 33), (7, 7)],
     "fresh_equal_runs": [(24, 24), (24, 24), (24, 24), (9, 9), (24, 24)],
     "mixed": [(1, 50), (40, 40), (40, 40), (30, 70), (1, 2), (17, 17), (5, 100)],
+    # fresh prompts longer than the prefill kernel's 64-key tiles and 16-position blocks, between decodes
+    "long_fresh": [(130, 130), (1, 20), (77, 77), (1, 9)],
 }
 
 
@@ -78,9 +80,10 @@ def test_matches_reference(case, heads, kv_heads, d):
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_follows_torch_thread_count():
+@pytest.mark.parametrize("case", ["decode", "long_fresh"])
+def test_kernel_follows_torch_thread_count(case):
     lib = _lib()
-    pool, q, k, v, meta = _step(CASES["decode"], num_blocks=64, heads=9, kv_heads=3, d=64, seed=5)
+    pool, q, k, v, meta = _step(CASES[case], num_blocks=64, heads=9, kv_heads=3, d=64, seed=5)
     backend = CpuPagedAttention(lib)
     backend.write_kv(pool[:, 0, 0], pool[:, 0, 1], k, v, meta)
     before = torch.get_num_threads()

@@ -5,8 +5,11 @@ Per step each sequence takes one of three paths:
 - short query runs (decodes, short chunks): the C kernel `pd_paged_attention` reads the K/V blocks where
   they lie in the pool; one call per layer covers all of them (the reference backend gathered every
   sequence's blocks into a padded copy per layer, then ran a masked SDPA over the padding);
-- fresh prompts (no cached context): SDPA over this step's own k/v rows, which `write_kv` has just stored,
-  so the pool is not read back; consecutive prompts of equal length go into one batched SDPA call;
+- fresh prompts (no cached context): attention over this step's own k/v rows, which `write_kv` has just
+  stored, so the pool is not read back: the C kernel `pd_prefill_attention` (register-tiled q k^T and p v
+  over a transposed copy of each prompt's keys, the causal half skipped; one call per layer covers every
+  fresh prompt; 2.1x SDPA at 512 tokens, 1.35x at 2048) for head sizes 64 and 128, else SDPA with
+  consecutive prompts of equal length in one batched call;
 - long chunks after a cached context (chunked prefill, prefix-cache hits): gather + SDPA as in
   `torch_ref`.
 
@@ -35,12 +38,14 @@ class _StepPlan:
     def __init__(self, meta: AttentionMetadata, use_kernel: bool):
         short: list[int] = []
         self.fresh_runs: list[tuple[int, int, int]] = []  # (first query row, number of prompts, length)
+        fresh: list[tuple[int, int]] = []  # (first row, end row) of each fresh prompt, for the kernel
         self.cached: list[tuple[int, int, int]] = []  # (sequence index, first row, end row): gather + SDPA
         row = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
             if use_kernel and q_len <= SHORT_QUERY:
                 short.append(i)
             elif q_len == seq_len:
+                fresh.append((row, row + q_len))
                 last = self.fresh_runs[-1] if self.fresh_runs else None
                 if last is not None and last[2] == q_len and last[0] + last[1] * q_len == row:
                     self.fresh_runs[-1] = (last[0], last[1] + 1, q_len)
@@ -50,6 +55,7 @@ class _StepPlan:
                 self.cached.append((i, row, row + q_len))
             row += q_len
         self.short_ids = torch.tensor(short, dtype=torch.int32) if short else None
+        self.fresh_rows = torch.tensor(fresh, dtype=torch.int32) if use_kernel and fresh else None
 
 
 class CpuPagedAttention:
@@ -89,7 +95,11 @@ class CpuPagedAttention:
         if plan.short_ids is not None:
             native.paged_attention(self.lib, q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                    meta.seq_lens, plan.short_ids, scale, out)
-        if plan.fresh_runs:
+        if plan.fresh_rows is not None and q.shape[2] in native.PREFILL_HEAD_DIMS:
+            k, v = (t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
+                    for t in (self._k_new, self._v_new))
+            native.prefill_attention(self.lib, q, k, v, plan.fresh_rows, scale, out)
+        elif plan.fresh_runs:
             self._fresh_prompts(q, plan.fresh_runs, scale, out)
         if plan.cached:
             self._cached_context(q, k_cache, v_cache, meta, plan.cached, scale, out)

@@ -40,6 +40,8 @@ _ptr = ctypes.c_void_p
 _SIGNATURES: dict[str, list] = {
     "pd_paged_attention": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i32, _i32,
                            _i32, _i32, _i32, _f32, _ptr, _i64, _i32],
+    "pd_prefill_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i32, _i32, _i32, _i32, _f32, _ptr, _i64,
+                             _i32],
     "pd_rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _f32, _i64, _i32, _ptr, _i64, _i32],
     "pd_silu_and_mul": [_ptr, _i64, _i64, _i32, _ptr, _i64, _i32],
     "pd_rope_write_kv": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i32, _i32, _i32, _ptr, _ptr,
@@ -152,4 +154,23 @@ def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_
         block_tables.data_ptr(), block_tables.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
         seq_ids.data_ptr(), seq_ids.numel(), num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale,
         out.data_ptr(), out.stride(0), torch.get_num_threads(),
+    )
+
+
+# head sizes pd_prefill_attention has tiles for (others take SDPA)
+PREFILL_HEAD_DIMS = (64, 128)
+
+
+def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+                      scale: float, out: torch.Tensor) -> None:
+    """Causal attention of fresh prompts over their own k/v rows: prompt s owns rows [rows[s, 0], rows[s, 1])
+    of q/k/v/out ([T, heads, head_dim], heads contiguous; see `pd_prefill_attention` in csrc/pdserve_cpu.c)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    assert head_dim in PREFILL_HEAD_DIMS and rows.dtype == torch.int32 and rows.is_contiguous() and rows.shape[1] == 2
+    for t in (q, k, v, out):
+        assert t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == head_dim
+    lib.pd_prefill_attention(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), rows.data_ptr(),
+        rows.shape[0], num_heads, k.shape[1], head_dim, scale, out.data_ptr(), out.stride(0),
+        torch.get_num_threads(),
     )

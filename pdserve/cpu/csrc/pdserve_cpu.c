@@ -55,6 +55,60 @@ static inline float pd_hsum16(pd_v16 v) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+/* Whole-vector helpers (GCC vector extensions; C has no vector ?:, so selects are bit masks). */
+typedef int32_t pd_i16 __attribute__((vector_size(64), aligned(4)));
+static const pd_i16 pd_iota16 = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+static inline pd_v16 pd_select(pd_i16 mask, pd_v16 a, pd_v16 b) { /* mask lane -1: a, 0: b */
+    return (pd_v16)(((pd_i16)a & mask) | ((pd_i16)b & ~mask));
+}
+
+/* pd_expf on 16 lanes (same reduction and polynomial) */
+static inline pd_v16 pd_expv(pd_v16 x) {
+    const pd_v16 lo = x - x - 87.3f;
+    x = pd_select(x < lo, lo, x);
+    const pd_v16 y = x * 1.44269504088896341f + 0.5f;
+    pd_v16 n = __builtin_convertvector(__builtin_convertvector(y, pd_i16), pd_v16); /* toward zero */
+    n += __builtin_convertvector(n > y, pd_v16);                                  /* -1 where it rounded up */
+    pd_v16 r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    pd_v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const pd_i16 bits = (__builtin_convertvector(n, pd_i16) + 127) << 23;
+    return p * (pd_v16)bits;
+}
+
+static inline float pd_hmax16(pd_v16 v) {
+    float m = v[0];
+    for (int i = 1; i < 16; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
+/* s[t] <- exp(s[t] - max) for t < n, and 0 for n <= t < n rounded up to 16 (s must hold that many);
+ * returns the sum of the numerators. */
+static float pd_softmax_numerators(float *s, int n) {
+    const pd_v16 neg_inf = (pd_v16){0} - INFINITY;
+    pd_v16 mx = neg_inf;
+    for (int t = 0; t < n; t += 16) {
+        const pd_i16 valid = pd_iota16 + t < n;
+        const pd_v16 x = pd_select(valid, *(pd_v16 *)(s + t), neg_inf);
+        mx = pd_select(x > mx, x, mx);
+    }
+    const float m = pd_hmax16(mx);
+    pd_v16 sum = (pd_v16){0};
+    for (int t = 0; t < n; t += 16) {
+        const pd_i16 valid = pd_iota16 + t < n;
+        const pd_v16 e = pd_select(valid, pd_expv(*(pd_v16 *)(s + t) - m), (pd_v16){0});
+        *(pd_v16 *)(s + t) = e;
+        sum += e;
+    }
+    return pd_hsum16(sum);
+}
+
 /* scores[t] = scale * (qh . k_t) for the n keys of one block (rows token_stride apart) */
 #define PD_BLOCK_DOTS(D)                                                                                      \
     static void pd_block_dots_##D(const float *qh, const float *k, int64_t token_stride, int n, float scale,  \
@@ -137,7 +191,7 @@ void pd_paged_attention(const float *q, int64_t q_row_stride, const float *k_cac
      * thread count. */
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = NULL; /* [num_heads][seq_len] */
+        float *scores = NULL; /* [num_heads][seq_len rounded up to 16] */
         int64_t scores_cap = 0;
         float *acc = (float *)malloc(sizeof(float) * (size_t)num_heads * (size_t)head_dim);
         float *denom = (float *)malloc(sizeof(float) * (size_t)num_heads);
@@ -149,9 +203,10 @@ void pd_paged_attention(const float *q, int64_t q_row_stride, const float *k_cac
             const int q_len = query_start_loc[s + 1] - row0;
             const int seq_len = seq_lens[s];
             const int ctx = seq_len - q_len;
+            const int64_t srow = (seq_len + 15) / 16 * 16; /* whole vectors for pd_softmax_numerators */
             const int32_t *table = block_tables + (int64_t)s * table_stride;
-            if ((int64_t)num_heads * seq_len > scores_cap) {
-                scores_cap = (int64_t)num_heads * seq_len;
+            if ((int64_t)num_heads * srow > scores_cap) {
+                scores_cap = (int64_t)num_heads * srow;
                 free(scores);
                 scores = (float *)malloc(sizeof(float) * (size_t)scores_cap);
             }
@@ -164,28 +219,16 @@ void pd_paged_attention(const float *q, int64_t q_row_stride, const float *k_cac
                     const int n = t0 + block_size < n_keys ? block_size : n_keys - t0;
                     for (int h = 0; h < num_heads; h++)
                         block_dots(qrow + (int64_t)h * head_dim, kb + (int64_t)(h / group) * head_stride,
-                                   token_stride, n, scale, scores + (int64_t)h * seq_len + t0, head_dim);
+                                   token_stride, n, scale, scores + (int64_t)h * srow + t0, head_dim);
                 }
                 /* softmax numerators in place; the denominators divide at the end */
-                for (int h = 0; h < num_heads; h++) {
-                    float *sh = scores + (int64_t)h * seq_len;
-                    float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-                    for (int t = 0; t < n_keys; t++) m = sh[t] > m ? sh[t] : m;
-                    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                    for (int t = 0; t < n_keys; t++) {
-                        sh[t] = pd_expf(sh[t] - m);
-                        sum += sh[t];
-                    }
-                    denom[h] = sum;
-                }
+                for (int h = 0; h < num_heads; h++) denom[h] = pd_softmax_numerators(scores + (int64_t)h * srow, n_keys);
                 for (int i = 0; i < num_heads * head_dim; i++) acc[i] = 0.0f;
                 for (int t0 = 0; t0 < n_keys; t0 += block_size) {
                     const float *vb = v_cache + (int64_t)table[t0 / block_size] * block_stride;
                     const int n = t0 + block_size < n_keys ? block_size : n_keys - t0;
                     for (int h = 0; h < num_heads; h++)
-                        block_axpy(scores + (int64_t)h * seq_len + t0, vb + (int64_t)(h / group) * head_stride,
+                        block_axpy(scores + (int64_t)h * srow + t0, vb + (int64_t)(h / group) * head_stride,
                                    token_stride, n, acc + (int64_t)h * head_dim, head_dim);
                 }
                 float *orow = out + (int64_t)(row0 + j) * out_row_stride;
@@ -199,6 +242,149 @@ void pd_paged_attention(const float *q, int64_t q_row_stride, const float *k_cac
         free(scores);
         free(acc);
         free(denom);
+    }
+}
+
+/* ---- prefill attention: fresh prompts over their own new K/V rows -------------------------------------
+ * Causal attention of prompts with no cached context, reading k/v from the step's new rows (contiguous per
+ * prompt), as register-tiled matmuls: scores = q k^T for a block of query rows against 64-key tiles of a
+ * transposed copy of the keys (made once per prompt and KV head), an exact two-pass softmax per row, then
+ * out = p v. Tiles past a block's last position are skipped (the causal half is not computed). */
+#define PF_KEYS 64    /* keys per score tile: 4 vectors of 16 */
+#define PF_MR 6       /* query rows per score tile (6 x 4 accumulators) */
+#define PF_POS 16     /* query positions per block: PF_POS * group query rows share one pass over the keys */
+
+/* s_r[t0 .. t0+64) = scale * q_r . k_t for 6 query rows; kt: [head_dim][kt_stride] transposed keys */
+static inline void pf_qk_tile(const float *const q[PF_MR], const float *kt, int64_t kt_stride, int head_dim,
+                              float scale, float *const s[PF_MR], int t0) {
+    pd_v16 acc[PF_MR][4];
+    for (int r = 0; r < PF_MR; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = (pd_v16){0};
+    for (int d = 0; d < head_dim; d++) {
+        const float *kd = kt + (int64_t)d * kt_stride + t0;
+        pd_v16 k0 = *(const pd_v16 *)kd, k1 = *(const pd_v16 *)(kd + 16), k2 = *(const pd_v16 *)(kd + 32),
+               k3 = *(const pd_v16 *)(kd + 48);
+        for (int r = 0; r < PF_MR; r++) {
+            const float b = q[r][d];
+            acc[r][0] += b * k0;
+            acc[r][1] += b * k1;
+            acc[r][2] += b * k2;
+            acc[r][3] += b * k3;
+        }
+    }
+    for (int r = 0; r < PF_MR; r++)
+        for (int j = 0; j < 4; j++) *(pd_v16 *)(s[r] + t0 + 16 * j) = acc[r][j] * scale;
+}
+
+/* out_r = sum_{t < n} p_r[t] v_t for MR rows, head_dim D (a multiple of 16) as D/16 vectors */
+#define PF_PV(D, MR)                                                                                          \
+    static inline void pf_pv_##D(const float *const p[MR], const float *v, int64_t v_stride, int n,           \
+                                 float *const o[MR], const float inv[MR]) {                                   \
+        pd_v16 acc[MR][D / 16];                                                                               \
+        for (int r = 0; r < MR; r++)                                                                          \
+            for (int j = 0; j < D / 16; j++) acc[r][j] = (pd_v16){0};                                        \
+        for (int t = 0; t < n; t++) {                                                                         \
+            const float *vt = v + (int64_t)t * v_stride;                                                      \
+            pd_v16 vv[D / 16];                                                                                \
+            for (int j = 0; j < D / 16; j++) vv[j] = *(const pd_v16 *)(vt + 16 * j);                          \
+            for (int r = 0; r < MR; r++) {                                                                    \
+                const float b = p[r][t];                                                                      \
+                for (int j = 0; j < D / 16; j++) acc[r][j] += b * vv[j];                                      \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int r = 0; r < MR; r++)                                                                          \
+            for (int j = 0; j < D / 16; j++) *(pd_v16 *)(o[r] + 16 * j) = acc[r][j] * inv[r];                 \
+    }
+PF_PV(64, 6)
+PF_PV(128, 3)
+
+/* Prompt s owns rows [rows[2s], rows[2s+1]) of q ([T, num_heads, head_dim], heads contiguous), k and v
+ * ([T, num_kv_heads, head_dim] rows of k_row_stride / v_row_stride, heads contiguous); row j attends to
+ * rows 0..j of its prompt. head_dim must be 64 or 128 (the caller checks; other sizes take SDPA). Query
+ * head h reads KV head h / (num_heads / num_kv_heads). Each (prompt, KV head) is one thread's work, so
+ * results do not depend on the thread count. */
+void pd_prefill_attention(const float *q, int64_t q_row_stride, const float *k, int64_t k_row_stride,
+                          const float *v, int64_t v_row_stride, const int32_t *rows, int num_seqs,
+                          int num_heads, int num_kv_heads, int head_dim, float scale, float *out,
+                          int64_t out_row_stride, int num_threads) {
+    const int group = num_heads / num_kv_heads;
+    const int mrv = head_dim == 64 ? 6 : 3; /* rows per p v tile */
+    int max_len = 0;
+    for (int s = 0; s < num_seqs; s++)
+        if (rows[2 * s + 1] - rows[2 * s] > max_len) max_len = rows[2 * s + 1] - rows[2 * s];
+    const int64_t kt_stride = ((int64_t)max_len + PF_KEYS - 1) / PF_KEYS * PF_KEYS;
+    const int block_rows = PF_POS * group;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *kt = (float *)aligned_alloc(64, sizeof(float) * (size_t)(head_dim * kt_stride));
+        /* scores of one block, plus one spare row that padding rows of a partial tile write into */
+        float *scores = (float *)aligned_alloc(64, sizeof(float) * (size_t)((block_rows + 1) * kt_stride));
+        float *sums = (float *)malloc(sizeof(float) * (size_t)block_rows);
+        float *spare_out = (float *)aligned_alloc(64, sizeof(float) * (size_t)head_dim);
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < num_seqs * num_kv_heads; item++) {
+            const int s = item / num_kv_heads, g = item % num_kv_heads;
+            const int row0 = rows[2 * s], n = rows[2 * s + 1] - row0;
+            const float *kg = k + (int64_t)row0 * k_row_stride + (int64_t)g * head_dim;
+            const float *vg = v + (int64_t)row0 * v_row_stride + (int64_t)g * head_dim;
+            const int n_tiles = (n + PF_KEYS - 1) / PF_KEYS;
+            for (int d = 0; d < head_dim; d++) {
+                float *ktd = kt + (int64_t)d * kt_stride;
+                for (int t = 0; t < n; t++) ktd[t] = kg[(int64_t)t * k_row_stride + d];
+                for (int t = n; t < n_tiles * PF_KEYS; t++) ktd[t] = 0.0f;
+            }
+            for (int p0 = 0; p0 < n; p0 += PF_POS) {
+                const int p1 = p0 + PF_POS < n ? p0 + PF_POS : n;
+                const int m_rows = (p1 - p0) * group; /* query row m: position p0 + m / group, head m % group */
+                float *spare = scores + (int64_t)block_rows * kt_stride;
+                for (int m0 = 0; m0 < m_rows; m0 += PF_MR) {
+                    const float *qr[PF_MR];
+                    float *sr[PF_MR];
+                    int last_pos = 0;
+                    for (int r = 0; r < PF_MR; r++) {
+                        const int m = m0 + r < m_rows ? m0 + r : m_rows - 1;
+                        const int pos = p0 + m / group;
+                        qr[r] = q + (int64_t)(row0 + pos) * q_row_stride + (int64_t)(g * group + m % group) * head_dim;
+                        sr[r] = m0 + r < m_rows ? scores + (int64_t)m * kt_stride : spare;
+                        last_pos = pos > last_pos ? pos : last_pos;
+                    }
+                    for (int t0 = 0; t0 <= last_pos; t0 += PF_KEYS)
+                        pf_qk_tile(qr, kt, kt_stride, head_dim, scale, sr, t0);
+                }
+                /* softmax numerators in place, zero past each row's own position up to the block's end */
+                for (int m = 0; m < m_rows; m++) {
+                    float *sm = scores + (int64_t)m * kt_stride;
+                    const int n_keys = p0 + m / group + 1;
+                    sums[m] = pd_softmax_numerators(sm, n_keys);
+                    for (int t = (n_keys + 15) / 16 * 16; t < p1; t++) sm[t] = 0.0f;
+                }
+                for (int m0 = 0; m0 < m_rows; m0 += mrv) {
+                    const float *pr[6];
+                    float *orow[6];
+                    float inv[6];
+                    int last_pos = 0;
+                    for (int r = 0; r < mrv; r++) {
+                        const int valid = m0 + r < m_rows;
+                        const int m = valid ? m0 + r : m_rows - 1;
+                        const int pos = p0 + m / group;
+                        pr[r] = scores + (int64_t)m * kt_stride;
+                        orow[r] = valid ? out + (int64_t)(row0 + pos) * out_row_stride +
+                                              (int64_t)(g * group + m % group) * head_dim
+                                        : spare_out;
+                        inv[r] = 1.0f / sums[m];
+                        last_pos = pos > last_pos ? pos : last_pos;
+                    }
+                    if (head_dim == 64)
+                        pf_pv_64(pr, vg, v_row_stride, last_pos + 1, orow, inv);
+                    else
+                        pf_pv_128(pr, vg, v_row_stride, last_pos + 1, orow, inv);
+                }
+            }
+        }
+        free(kt);
+        free(scores);
+        free(sums);
+        free(spare_out);
     }
 }
 
