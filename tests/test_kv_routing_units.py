@@ -249,3 +249,89 @@ def test_subscriber_follows_a_real_publisher(with_replay: bool) -> None:
         asyncio.run(main())
     finally:
         pub.shutdown()
+
+
+
+# ---- the fleet: subscriptions follow the pools -------------------------------------------------------
+def test_fleet_follows_pools_ejections_and_unreachable_endpoints(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real HTTP servers answer /pdserve/info for three instances: one publishing (a real publisher), one
+    publishing nothing, one advertising an endpoint nobody listens on."""
+    pytest.importorskip("zmq")
+    import aiohttp
+    from aiohttp import web
+    from server_utils import free_port
+
+    from pdserve.kv_events.config import KVEventsConfig
+    from pdserve.kv_events.publisher import ZmqEventPublisher
+    from pdserve.proxy import kv_fleet
+    from pdserve.proxy.kv_fleet import KVFleet
+
+    monkeypatch.setattr(kv_fleet, "REDISCOVER_AFTER_S", 0.5)
+    pub = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*",
+                                           replay_endpoint="tcp://127.0.0.1:*"))
+    events = {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint, "topic": "", "block_size": BS,
+              "block_hash": "sha256_cbor_64bit"}
+    infos = {"good": {"kv_events": events}, "silent": {"kv_events": None},
+             "dead": {"kv_events": {**events, "endpoint": f"tcp://127.0.0.1:{free_port()}", "replay_endpoint": None}}}
+    asked: list[str] = []
+
+    async def main() -> None:
+        runners = []
+        urls: dict[str, str] = {}
+        for name, info in infos.items():
+            async def handler(request: web.Request, name: str = name, info: dict = info) -> web.Response:
+                asked.append(name)
+                return web.json_response(info)
+
+            app = web.Application()
+            app.router.add_get("/pdserve/info", handler)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            runners.append(runner)
+            urls[name] = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        pool = Pool("decode", urls.values(), healthy=True)
+        by_name = {name: pool.get(url) for name, url in urls.items()}
+        session = aiohttp.ClientSession()
+        fleet = KVFleet(lambda: [pool], lambda: session, info_timeout=2.0)
+        try:
+            await fleet.sync()
+            assert fleet.publishing(urls["good"]) and fleet.publishing(urls["dead"])
+            assert not fleet.publishing(urls["silent"]) and fleet.block_size(urls["good"]) == BS
+            n = 0
+            while fleet.index.prefix_blocks([1]) != {urls["good"]: 1}:
+                pub.publish(KVEventBatch(ts=time.time(), events=[stored([1])]))
+                await asyncio.sleep(0.05)
+                n += 1
+                assert n < 200
+            await fleet.sync()  # the silent one is not asked again while it stays admitted
+            assert asked.count("silent") == 1
+            # the dead endpoint: dropped after REDISCOVER_AFTER_S, then asked again
+            await asyncio.sleep(0.6)
+            await fleet.sync()
+            await fleet.sync()
+            assert asked.count("dead") >= 2 and fleet.publishing(urls["dead"])
+            # ejection: unsubscribed, entries gone; admitted again: asked again
+            by_name["good"].record_failure("test", 1)
+            await fleet.sync()
+            assert not fleet.publishing(urls["good"]) and fleet.index.instance_blocks(urls["good"]) == 0
+            by_name["good"].record_success()
+            by_name["silent"].record_failure("test", 1)
+            by_name["silent"].record_success()
+            await fleet.sync()
+            assert fleet.publishing(urls["good"]) and asked.count("good") == 2 and asked.count("silent") == 2
+            # leaving the pool
+            pool.remove(urls["good"])
+            await fleet.sync()
+            assert not fleet.publishing(urls["good"])
+            assert fleet.stats()["events"] >= 1
+        finally:
+            await fleet.stop()
+            await session.close()
+            for runner in runners:
+                await runner.cleanup()
+
+    try:
+        asyncio.run(main())
+    finally:
+        pub.shutdown()

@@ -38,7 +38,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}  # consumer requests whose KV a NIXL read is writing
         self.num_preemptions = 0
-        self.count_external = False  # an offload tier exists: report its hits as vLLM's external prefix cache
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -133,8 +132,7 @@ class Scheduler:
 
     def _note_prefix(self, req: Request, num_cached_blocks: int) -> None:
         hit = num_cached_blocks * self.blocks.block_size
-        self.blocks.record_prefix_query(req.num_prompt_tokens, hit, min(req.num_tier_hit_tokens, hit),
-                                        count_external=self.count_external)
+        self.blocks.record_prefix_query(req.num_prompt_tokens, hit)
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = hit
 

@@ -6,7 +6,9 @@ whose `kv_events` names an endpoint (and the block hash scheme the proxy compute
 `pdserve.kv_events.block_hash`) gets a subscriber. An instance that leaves its pool or is ejected by the
 health checker loses its subscriber and its index entries; when it is admitted again it is asked again
 (it may have restarted with other settings). A dead instance's entries go sooner: its ZMQ connection
-drops (see kv_subscriber.py).
+drops (see kv_subscriber.py). A subscription whose endpoint stays unreachable for `REDISCOVER_AFTER_S`
+while the instance answers HTTP is dropped and the instance asked again (a restart faster than the
+health checker's ejection, with a random events port, leaves the old endpoint dead).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pdserve.proxy.pool import Instance, Pool
 logger = logging.getLogger("pdserve.proxy")
 
 SYNC_INTERVAL_S = 0.5
+REDISCOVER_AFTER_S = 10.0
 # The block identities the proxy computes from token ids (pdserve.kv_events.block_hash); an instance that
 # advertises another scheme publishes hashes the proxy cannot match, so it is not subscribed to.
 KNOWN_HASH_SCHEMES = ("sha256_cbor_64bit",)
@@ -117,8 +120,12 @@ class KVFleet:
         instances = {inst.url: inst for pool in self._pools() for inst in pool.instances}
         for url in list(self._publishers):
             inst = instances.get(url)
-            if inst is None or not inst.healthy or inst.ejections_total != self._publishers[url].ejections:
+            pub = self._publishers[url]
+            if inst is None or not inst.healthy or inst.ejections_total != pub.ejections:
                 await self._drop(url, "left its pool" if inst is None else "was ejected")
+            elif pub.subscriber.unreachable_for() > REDISCOVER_AFTER_S:
+                await self._drop(url, f"events endpoint {pub.endpoints.endpoint} unreachable for "
+                                      f"{REDISCOVER_AFTER_S:g}s; asking its /pdserve/info again")
         for url in list(self._silent):
             inst = instances.get(url)
             if inst is None or inst.ejections_total != self._silent[url]:

@@ -23,36 +23,47 @@ DEFAULT_MEDIUM = "GPU"
 
 
 class KVIndex:
+    """Media are kept as bit masks (one bit per medium name seen) so that an entry costs one small int: a
+    fleet of instances with 10^5 blocks each is 10^5-10^6 entries."""
+
     def __init__(self) -> None:
-        self._holders: dict[BlockHash, dict[str, set[str]]] = {}  # hash -> instance url -> media
-        self._by_instance: dict[str, dict[BlockHash, set[str]]] = {}  # instance url -> hash -> media
+        self._holders: dict[BlockHash, dict[str, int]] = {}  # hash -> instance url -> media mask
+        self._by_instance: dict[str, dict[BlockHash, int]] = {}  # instance url -> hash -> media mask
+        self._medium_bits: dict[str, int] = {}
+
+    def _bit(self, medium: str | None) -> int:
+        name = medium or DEFAULT_MEDIUM
+        bit = self._medium_bits.get(name)
+        if bit is None:
+            bit = self._medium_bits[name] = 1 << len(self._medium_bits)
+        return bit
 
     # ---- updates ---------------------------------------------------------------------------------
     def store(self, url: str, hashes: Iterable[BlockHash], medium: str | None = None) -> None:
-        medium = medium or DEFAULT_MEDIUM
+        bit = self._bit(medium)
         mine = self._by_instance.setdefault(url, {})
         for h in hashes:
-            mine.setdefault(h, set()).add(medium)
-            self._holders.setdefault(h, {}).setdefault(url, set()).add(medium)
+            mine[h] = mask = mine.get(h, 0) | bit
+            self._holders.setdefault(h, {})[url] = mask
 
     def remove(self, url: str, hashes: Iterable[BlockHash], medium: str | None = None) -> None:
-        medium = medium or DEFAULT_MEDIUM
+        bit = self._bit(medium)
         mine = self._by_instance.get(url)
         if not mine:
             return
         for h in hashes:
-            media = mine.get(h)
-            if media is None:
+            mask = mine.get(h)
+            if mask is None:
                 continue
-            media.discard(medium)
-            if not media:
-                del mine[h]
-                holders = self._holders[h]
-                del holders[url]
-                if not holders:
-                    del self._holders[h]
-            else:
-                self._holders[h][url].discard(medium)
+            mask &= ~bit
+            if mask:
+                mine[h] = self._holders[h][url] = mask
+                continue
+            del mine[h]
+            holders = self._holders[h]
+            del holders[url]
+            if not holders:
+                del self._holders[h]
 
     def clear(self, url: str) -> int:
         """Forget everything `url` holds (it restarted, left, died or lost events); returns the count."""
@@ -97,7 +108,8 @@ class KVIndex:
         return result
 
     def media(self, url: str, block_hash: BlockHash) -> frozenset[str]:
-        return frozenset(self._by_instance.get(url, {}).get(block_hash, ()))
+        mask = self._by_instance.get(url, {}).get(block_hash, 0)
+        return frozenset(name for name, bit in self._medium_bits.items() if mask & bit)
 
     def instance_blocks(self, url: str) -> int:
         return len(self._by_instance.get(url, ()))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,8 +67,13 @@ class EventSubscriber:
         self.replay_timeout = replay_timeout
         self.on_disconnect = on_disconnect
         self.connected = False
+        self.disconnected_since: float | None = time.monotonic()  # None while connected
         self._task: asyncio.Task[None] | None = None
         self._ctx = zmq.asyncio.Context.instance()
+
+    def unreachable_for(self) -> float:
+        """Seconds since the connection dropped (or since the start, never connected); 0 while connected."""
+        return 0.0 if self.disconnected_since is None else time.monotonic() - self.disconnected_since
 
     def start(self) -> None:
         if self._task is None:
@@ -117,6 +123,7 @@ class EventSubscriber:
         event = parse_monitor_message(frames)["event"]
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.connected = True
+            self.disconnected_since = None
             logger.info("kv events of %s: subscribed to %s", self.url, self.endpoints.endpoint)
             if self.endpoints.replay_endpoint is not None and self.feed.next_seq is None:
                 frames_ = await self._replay(0)
@@ -124,6 +131,7 @@ class EventSubscriber:
                     self.feed.replayed(0, frames_)
         elif event == zmq.EVENT_DISCONNECTED:
             self.connected = False
+            self.disconnected_since = time.monotonic()
             self.feed.reset()
             self.on_disconnect()
 
