@@ -127,9 +127,11 @@ class ModelRunner:
         self.num_kv_heads = self.model.shard.kv_heads  # this rank's share of the KV heads
         self.cpu_threads = None
         if self.device.type == "cpu":
+            from pdserve.cpu.allocator import keep_freed_memory
             from pdserve.cpu.packed_linear import pack_linears
             from pdserve.cpu.threads import StepThreads
 
+            keep_freed_memory()  # steps reuse freed activation memory instead of faulting fresh pages in
             pack_linears(self.model, self.dtype)
             self.cpu_threads = StepThreads.from_env()
             log.info("CPU threads: %s", self.cpu_threads)
