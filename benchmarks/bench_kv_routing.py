@@ -178,6 +178,40 @@ def run_mode(args: argparse.Namespace, routing: bool, docs: list[str], logdir: P
             inst.close()
 
 
+def routing_overhead(tokenizer: str) -> list[dict]:
+    """The proxy's CPU time per request for routing by cached prefix, in-process: tokenizing the prompt with
+    --tokenizer, then its block hashes and the index lookup (4 instances holding half of it)."""
+    from pdserve.proxy.kv_index import KVIndex
+    from pdserve.proxy.kv_routing import cacheable_hashes, lookup
+    from pdserve.proxy.prompt_tokens import PromptTokenizer
+
+    tok = PromptTokenizer(tokenizer, 2.0)
+    rng = random.Random(2)
+    rows = []
+    for words in (100, 800, 3200):
+        text = " ".join(rng.choices(WORDS, k=words))
+        for path, body in (("/v1/completions", {"prompt": text}),
+                           ("/v1/chat/completions", {"messages": [{"role": "system", "content": text},
+                                                                  {"role": "user", "content": "Hi"}]})):
+            ids = tok.local_ids(path, body)
+            assert ids is not None
+            index = KVIndex()
+            sizes = {f"http://10.0.0.{i}:8000": 16 for i in range(4)}
+            for url in sizes:
+                index.store(url, cacheable_hashes(ids, 16)[: len(ids) // 32])
+            n = 30
+            t0 = time.process_time()
+            for _ in range(n):
+                tok.local_ids(path, body)
+            t1 = time.process_time()
+            for _ in range(n):
+                lookup(index, ids, sizes, 1.0)
+            t2 = time.process_time()
+            rows.append({"route": path, "prompt_tokens": len(ids), "tokenize_ms": (t1 - t0) / n * 1000,
+                         "hash_and_lookup_ms": (t2 - t1) / n * 1000})
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M)")
@@ -188,12 +222,20 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--output-len", type=int, default=8)
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--overhead-only", action="store_true",
+                        help="only the proxy's CPU time per request for tokenizing, hashing and the lookup")
     args = parser.parse_args()
     tokenizer = args.model
     if tokenizer is None:
         from pdserve.model.default_model import resolve_model
 
         tokenizer = str(resolve_model("smollm2-135m"))
+    print("| route | prompt tokens | tokenize (CPU ms) | hashes + lookup (CPU ms) |\n|---|---|---|---|")
+    for row in routing_overhead(tokenizer):
+        print(f"| {row['route']} | {row['prompt_tokens']} | {row['tokenize_ms']:.2f} | "
+              f"{row['hash_and_lookup_ms']:.2f} |")
+    if args.overhead_only:
+        return 0
     rng = random.Random(0)
     # ~1.3 tokens per word with SmolLM2's tokenizer
     docs = [f"Document {d}. " + " ".join(rng.choices(WORDS, k=int(args.doc_tokens / 1.3))) for d in range(args.docs)]

@@ -48,8 +48,9 @@ STATE_KEY = web.AppKey("pdserve_proxy_state", ProxyState)
 MAX_BODY_BYTES = 64 * 1024 * 1024
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
-# Longer prompts are tokenized (for routing by cached prefix) off the event loop, so as not to stall it.
-INLINE_TOKENIZE_TOKENS = 2048
+# Longer prompts are tokenized (for routing by cached prefix) in a worker thread: ~2-3 us of CPU per token
+# would stall the relays of every other request, and the HF tokenizer releases the GIL while it encodes.
+INLINE_TOKENIZE_TOKENS = 256
 
 
 def _bearer_ok(request: web.Request, key: str | None) -> bool:
