@@ -1,15 +1,19 @@
-"""FP8 KV cache accuracy on the real embedded model (SmolLM2-135M-Instruct), on CPU.
+"""FP8 KV cache accuracy on the real embedded model (SmolLM2-135M-Instruct), on CPU or a GPU.
 
 Runs a fixed set of chat prompts to N greedy tokens (ignore_eos) with the KV cache in the model's dtype
-(float32 on CPU: the reference) and with each fp8 format, then reports per format:
+(the reference: float32 KV on CPU by default, bfloat16 with `--dtype bfloat16`, the GPU's default) and with
+each fp8 format, then reports per format:
 
 - token agreement: share of the N positions where the fp8 run chose the reference's token;
 - common prefix: share of the N tokens before the first divergence (after it the contexts differ);
 - logprob |diff|: mean absolute difference of the chosen token's logprob, over the common prefix
   (same context, same token, so the difference is the KV quantization's alone);
-- prompts fully identical.
+- prompts fully identical;
+- the greedy chat answer to "What is the capital of France?" (it must still say Paris).
 
     python benchmarks/bench_kv_fp8_accuracy.py --num-prompts 50 --max-tokens 64 [--json out.json]
+    python benchmarks/bench_kv_fp8_accuracy.py --device cpu --dtype bfloat16      # bf16 KV as the reference
+    python benchmarks/bench_kv_fp8_accuracy.py --device cuda                       # H200: bf16 model and KV
 """
 
 from __future__ import annotations
@@ -47,22 +51,37 @@ class Agreement:
     common_prefix: float
     logprob_mad: float
     identical_prompts: int
+    capital_answer: str = ""
+    first_divergence: list[int] | None = None  # per prompt: tokens before the first differing one
 
 
-def run(kv_cache_dtype: str, texts: list[str], max_tokens: int) -> list[list[tuple[int, float]]]:
-    """[(token, logprob)] per prompt, greedy."""
+CAPITAL_QUESTION = "What is the capital of France?"
+
+
+def run(kv_cache_dtype: str, texts: list[str], max_tokens: int, device: str = "cpu",
+        dtype: str = "auto") -> tuple[list[list[tuple[int, float]]], str]:
+    """[(token, logprob)] per prompt, greedy; and the greedy answer to CAPITAL_QUESTION."""
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.llm import LLM
 
-    llm = LLM(kv_cache_dtype=kv_cache_dtype, device="cpu", cpu_kv_cache_gb=0.25, enable_prefix_caching=False)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
-    results = llm.chat([[{"role": "user", "content": t}] for t in texts], params, use_tqdm=False)
-    return [[(lp.token_id, lp.logprob) for lp in r.outputs[0].logprobs] for r in results]
+    # a small pool: 50 prompts x ~100 tokens need ~400 blocks of 16
+    llm = LLM(kv_cache_dtype=kv_cache_dtype, device=device, dtype=dtype, num_gpu_blocks_override=2048,
+              enable_prefix_caching=False)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+        results = llm.chat([[{"role": "user", "content": t}] for t in texts], params, use_tqdm=False)
+        answer = llm.chat([[{"role": "user", "content": CAPITAL_QUESTION}]],
+                          SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)[0].outputs[0].text
+    finally:
+        llm.engine.shutdown()
+    return [[(lp.token_id, lp.logprob) for lp in r.outputs[0].logprobs] for r in results], answer
 
 
-def compare(name: str, ref: list[list[tuple[int, float]]], got: list[list[tuple[int, float]]]) -> Agreement:
+def compare(name: str, ref: list[list[tuple[int, float]]], got: list[list[tuple[int, float]]],
+            answer: str = "") -> Agreement:
     same = total = prefix = identical = 0
     diffs: list[float] = []
+    firsts: list[int] = []
     for r, g in zip(ref, got, strict=True):
         n = len(r)
         total += n
@@ -72,9 +91,10 @@ def compare(name: str, ref: list[list[tuple[int, float]]], got: list[list[tuple[
             diffs.append(abs(r[k][1] - g[k][1]))
             k += 1
         prefix += k
+        firsts.append(k)
         identical += k == n
     return Agreement(name, len(ref), len(ref[0]), same / total, prefix / total,
-                     sum(diffs) / max(len(diffs), 1), identical)
+                     sum(diffs) / max(len(diffs), 1), identical, answer, firsts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,23 +103,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--formats", default="fp8_e4m3,fp8_e5m2")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", default="auto", help="model dtype (auto: float32 on CPU, bfloat16 on CUDA); "
+                                                     "the reference KV cache stores this dtype")
     args = ap.parse_args(argv)
-    texts = prompts(args.num_prompts)
-    t0 = time.time()
-    ref = run("auto", texts, args.max_tokens)
-    rows = []
-    for fmt in args.formats.split(","):
-        rows.append(compare(fmt, ref, run(fmt, texts, args.max_tokens)))
-    print(f"{len(texts)} prompts x {args.max_tokens} greedy tokens, reference: float32 KV "
-          f"({time.time() - t0:.0f} s)")
-    print(f"{'kv cache':10} {'token agreement':>16} {'common prefix':>14} {'logprob |diff|':>15} {'identical':>10}")
-    for a in rows:
-        print(f"{a.kv_cache_dtype:10} {a.token_agreement:16.4f} {a.common_prefix:14.4f} {a.logprob_mad:15.5f} "
-              f"{a.identical_prompts:>5}/{a.prompts}")
+    rows = measure(prompts(args.num_prompts), args.max_tokens, args.formats.split(","), args.device, args.dtype)
+    print_rows(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(a) for a in rows], f, indent=1)
     return 0
+
+
+def measure(texts: list[str], max_tokens: int, formats: list[str], device: str = "cpu",
+            dtype: str = "auto") -> list[Agreement]:
+    """The reference run (KV in the model's dtype) first, then each fp8 format against it."""
+    t0 = time.time()
+    ref, ref_answer = run("auto", texts, max_tokens, device, dtype)
+    rows = [compare("auto", ref, ref, ref_answer)]
+    for fmt in formats:
+        got, answer = run(fmt, texts, max_tokens, device, dtype)
+        rows.append(compare(fmt, ref, got, answer))
+    print(f"{len(texts)} prompts x {max_tokens} greedy tokens on {device} (model dtype {dtype}), reference: "
+          f"KV in the model's dtype ({time.time() - t0:.0f} s)")
+    return rows
+
+
+def print_rows(rows: list[Agreement]) -> None:
+    print(f"{'kv cache':10} {'token agreement':>16} {'common prefix':>14} {'logprob |diff|':>15} {'identical':>10}"
+          "  capital answer")
+    for a in rows:
+        print(f"{a.kv_cache_dtype:10} {a.token_agreement:16.4f} {a.common_prefix:14.4f} {a.logprob_mad:15.5f} "
+              f"{a.identical_prompts:>5}/{a.prompts}  {a.capital_answer!r}")
 
 
 if __name__ == "__main__":

@@ -154,6 +154,8 @@ def main() -> None:
                     help="P,D GPU ids, e.g. 0,1: prefill on the first, decode on the second, collocated on "
                          "the first (implies --gpu)")
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `pdserve serve` argument")
+    ap.add_argument("--pd-only", action="store_true",
+                    help="skip the collocated instance (A/B runs of 1P1D alone, e.g. bf16 vs fp8 KV)")
     args = ap.parse_args()
     gpus = args.gpus.split(",") if args.gpus else [None, None]
     if args.gpus:
@@ -168,12 +170,14 @@ def main() -> None:
     print(f"logs in {logdir}", file=sys.stderr)
     kv = '{"kv_connector":"NixlConnector","kv_role":"%s","kv_connector_extra_config":{"transfer_timeout_s":30}}'
 
-    colo = Instance("collocated", args, logdir, [], set(range(ncpu)) if pin else None, gpus[0])
-    try:
-        colo.wait()
-        colo_rows = run_collocated(colo, args)
-    finally:
-        colo.stop()
+    colo_rows = []
+    if not args.pd_only:
+        colo = Instance("collocated", args, logdir, [], set(range(ncpu)) if pin else None, gpus[0])
+        try:
+            colo.wait()
+            colo_rows = run_collocated(colo, args)
+        finally:
+            colo.stop()
     p = Instance("prefill", args, logdir, ["--kv-transfer-config", kv % "kv_producer", "--side-channel-port", "0"],
                  set(range(half)) if pin else None, gpus[0])
     if args.gpu and not args.gpus:
@@ -200,7 +204,7 @@ def main() -> None:
     n_xfer = delta("vllm:nixl_xfer_time_seconds_count")
     xfer_s = delta("vllm:nixl_xfer_time_seconds_sum") / max(n_xfer, 1)
     xfer_bytes = delta("vllm:nixl_bytes_transferred_sum") / max(n_xfer, 1)
-    c_ttft, c_tps = summarize(colo_rows)
+    c_ttft, c_tps = summarize(colo_rows) if colo_rows else (float("nan"), float("nan"))
     d_ttft, d_tps = summarize(pd_rows)
     r_ttft, r_tps = summarize(recompute_rows)
     where = (f"GPU: P on GPU {gpus[0]}, D on GPU {gpus[-1]}, collocated on GPU {gpus[0]}" if args.gpus else
@@ -212,6 +216,7 @@ def main() -> None:
     print(f"{'collocated':12} {c_ttft * 1e3:12.1f} {c_tps:17.1f}")
     print(f"{'1P1D':12} {d_ttft * 1e3:12.1f} {d_tps:17.1f}   (decode starts from the prefill's first token)")
     print(f"{'1P1D recomp':12} {r_ttft * 1e3:12.1f} {r_tps:17.1f}   (first token dropped: a vLLM producer's params)")
+    print(f"TPOT p50 ms: 1P1D {1e3 / d_tps:.2f}, 1P1D recomp {1e3 / r_tps:.2f}, collocated {1e3 / c_tps:.2f}")
     print(f"ratios (1P1D / collocated): TTFT {d_ttft / c_ttft:.2f}x, decode tokens/s {d_tps / c_tps:.2f}x")
     print(f"TTFT added by the handoff: {(d_ttft - c_ttft) * 1e3:+.1f} ms from the first token, "
           f"{(r_ttft - c_ttft) * 1e3:+.1f} ms by recompute")

@@ -398,7 +398,7 @@ def prefill_attention_comparison(sweep: bool = False) -> dict[str, Any]:
 # engine benchmarks
 # ---------------------------------------------------------------------------------------------------
 class EngineBench:
-    def __init__(self, max_model_len: int = 131072, max_num_seqs: int = 256):
+    def __init__(self, max_model_len: int = 131072, max_num_seqs: int = 256, kv_cache_dtype: str = "auto"):
         from pdserve.config import EngineConfig
         from pdserve.engine.engine import LLMEngine
         from pdserve.gpu.model_configs import dummy_model_dir
@@ -409,6 +409,7 @@ class EngineBench:
             model=str(dummy_model_dir(self.model_name)), load_format="dummy", dtype="bfloat16",
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
             gpu_memory_utilization=0.9,  # prefix caching on, as served (random prompts never hit)
+            kv_cache_dtype=kv_cache_dtype,
         ))
         torch.cuda.synchronize()
         self.init_s = time.perf_counter() - t0
@@ -428,7 +429,7 @@ class EngineBench:
         # a decode step reads every weight once, except the embedding table (one row per token)
         self.weight_bytes_per_step = self.param_bytes - embed.numel() * embed.element_size()
         c = self.cfg
-        self.kv_bytes_per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
+        self.kv_bytes_per_token = runner.block_bytes // runner.block_size  # every layer's K and V (+ fp8 scales)
         layer = model.layers[0]
         per_layer = sum(m.weight.numel() for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj))
@@ -439,7 +440,8 @@ class EngineBench:
             "library_warm_up_s": round(self.library_warm_up_s, 2), "attention_long_prefill":
                 str(getattr(runner.backend, "long_prefill", None)), "param_GB": self.param_bytes / 1e9,
             "weight_bytes_per_decode_step_GB": self.weight_bytes_per_step / 1e9,
-            "num_blocks": runner.num_blocks, "kv_pool_GB": runner.kv_pool.numel() * 2 / 1e9,
+            "num_blocks": runner.num_blocks, "kv_pool_GB": runner.kv_pool.numel() * runner.kv_pool.element_size() / 1e9,
+            "kv_cache_dtype": runner.kv_cache_dtype, "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_tokens": runner.num_blocks * runner.block_size,
             "graph_sizes": runner.gpu.graph_sizes, "gpu_free_after_init_GB": free / 1e9,
             "gpu_total_GB": total / 1e9, "max_allocated_GB": torch.cuda.max_memory_allocated() / 1e9,

@@ -46,6 +46,12 @@ class EngineConfig:
     max_waiting_requests: int | None = None  # queue bound: beyond it new requests are refused (server: 503)
     kv_transfer_config: dict[str, Any] | None = None  # vLLM's --kv-transfer-config JSON
     kv_events_config: dict[str, Any] | None = None  # vLLM's --kv-events-config JSON (pdserve.kv_events)
+    # KV offload tiers (pdserve.kv_offload): vLLM's --kv-offloading-size (GiB of host memory for evicted
+    # blocks) and --kv-offloading-backend (native); a disk tier under a folder, bounded in GiB
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str | None = None
+    kv_offloading_disk_path: str | None = None
+    kv_offloading_disk_size: float | None = None
     # vLLM's --structured-outputs-config JSON: backend (auto | guidance), disable_any_whitespace,
     # disable_additional_properties
     structured_outputs_config: dict[str, Any] | None = None
@@ -53,6 +59,30 @@ class EngineConfig:
     distributed_timeout_s: float = 120.0  # bound on every tensor-parallel collective while serving
     distributed_setup_timeout_s: float = 900.0  # bound on starting the ranks and loading their weights
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kv_offloading(self) -> bool:
+        return bool(self.kv_offloading_size)
+
+    def _check_offloading(self) -> None:
+        size, backend = self.kv_offloading_size, self.kv_offloading_backend
+        if backend is not None and backend != "native":
+            raise ValueError(f"kv_offloading_backend {backend!r} is not available: pdserve has 'native' "
+                             "(its own host-memory and disk tiers)")
+        if size is not None and not size > 0:
+            raise ValueError(f"kv_offloading_size must be a positive number of GiB, got {size!r}")
+        if (self.kv_offloading_disk_path is not None) != (self.kv_offloading_disk_size is not None):
+            raise ValueError("the disk KV tier needs both kv_offloading_disk_path and kv_offloading_disk_size")
+        if self.kv_offloading_disk_size is not None and not self.kv_offloading_disk_size > 0:
+            raise ValueError(f"kv_offloading_disk_size must be a positive number of GiB, got "
+                             f"{self.kv_offloading_disk_size!r}")
+        if (backend is not None or self.kv_offloading_disk_path is not None) and not size:
+            raise ValueError("kv offloading needs kv_offloading_size (GiB of host memory; the disk tier holds "
+                             "what the host tier evicts)")
+        if size and not self.enable_prefix_caching:
+            raise ValueError("kv offloading needs prefix caching (blocks are found again by their prefix hash)")
+        if size and self.tensor_parallel_size != 1:
+            raise ValueError("kv offloading is not built for tensor parallelism (tensor_parallel_size must be 1)")
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -75,6 +105,7 @@ class EngineConfig:
         from pdserve.kv_events.config import KVEventsConfig
 
         KVEventsConfig.from_json(self.kv_events_config)  # ValueError naming the bad key or value
+        self._check_offloading()
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")

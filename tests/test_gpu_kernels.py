@@ -165,3 +165,75 @@ def test_gpu_step_runner_with_long_prefill_partials_is_token_exact(tiny_llama, m
     got = run_engine(engine, prompts, params) + run_engine(engine, again, params)
     assert got == want
     assert calls and engine.stats().prefix_cache_hits > 0
+
+
+# ---- fp8 KV cache (pdserve.attention.fp8_kv rows read and written by the kernels) ----------------------
+FP8_CASES = [
+    {"name": "mixed", "q": [7, 5, 1, 20], "s": [7, 13, 9, 20], "h": 4, "kvh": 2, "d": 16},
+    {"name": "decode", "q": [1, 1, 1], "s": [1, 17, 30], "h": 6, "kvh": 2, "d": 16},
+]
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_kernels_match_sdpa_on_dequantized_kv_and_store_the_cpu_bytes(fmt):
+    """Decode (several splits) and prefill over an fp8 pool == SDPA over the dequantized pool; write_kv and
+    the fused RoPE store write exactly fp8_kv.quantize_rows's bytes (CPU and GPU pools interchange)."""
+    from pdserve.testing.gpu_correctness import check_fp8_kernels
+
+    results = check_fp8_kernels(torch.float32, "cpu", FP8_CASES, (fmt,), block_size=4, tile_n=16, block_m=16,
+                                splits_list=(1, 3))
+    assert len(results) == 6  # 2 prefill, 2 decode splits, 2 stores
+    for item in results:
+        assert item["ok"], item
+
+
+def test_fp8_long_prefill_partials_dequantize_gathered_kv():
+    """The long-prefill split over an fp8 pool: gathered K/V are dequantized for the library (here the
+    float32 math stand-in), the kernel finishes from the partials reading fp8 itself."""
+    from pdserve.attention import fp8_kv
+    from pdserve.attention import long_prefill as lp
+    from pdserve.testing.gpu_correctness import fp8_case
+
+    qlens, slens = [3, 8, 12, 1], [3, 48, 17, 40]
+    c8, cf = fp8_case(make_paged_case(qlens, slens, 4, 2, 16, block_size=4, dtype=torch.float32, device="cpu",
+                                      seed=5), "fp8_e4m3")
+    fmt = fp8_kv.fp8_format("fp8_e4m3")
+    want = SdpaReference().forward(cf.q, cf.k_cache, cf.v_cache, cf.meta, 0.25)
+    plans = lp.plan_chunks(c8.meta, min_q=8, ctx_align=32, q_bucket=4)
+    assert {(p.seq, p.bulk, p.own) for p in plans} == {(1, 32, True), (2, 0, True)}
+    partials = lp.compute_partials(c8.q, c8.k_cache, c8.v_cache, c8.meta, plans, 0.25, impl="math", kv_format=fmt)
+    out = torch.full_like(c8.q, float("nan"))
+    tk.prefill_attention(c8.q, c8.k_cache, c8.v_cache, c8.meta.block_tables, c8.meta.seq_lens,
+                         c8.meta.query_start_loc, 0.25, len(qlens), out=out, block_m=16, tile_n=16, partials=partials,
+                         kv_format=fmt)
+    assert rel_err(out, want) < 1e-5
+
+
+def test_gpu_step_runner_with_fp8_kv_is_token_exact_with_the_cpu_fp8_engine(tiny_llama):
+    """--kv-cache-dtype fp8 through the CUDA step path (fused RoPE + fp8 store, decode-graph buffers, the
+    Triton kernels reading fp8): same tokens as the CPU engine's fp8 path (Fp8GatherAttention), since both
+    read the same bytes and dequantize exactly in float32."""
+    from engine_utils import make_engine, run_engine
+
+    from pdserve.attention import fp8_kv
+    from pdserve.attention.triton_backend import TritonAttention
+    from pdserve.engine.sampling_params import SamplingParams
+
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, 320, (40,), generator=gen).tolist()
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (5, 37)] + [shared]
+    again = [shared[:36] + [7, 8, 9]]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    kw = dict(max_num_batched_tokens=32, max_num_seqs=4, kv_cache_dtype="fp8")
+    ref_engine = make_engine(tiny_llama, **kw)
+    assert ref_engine.runner.backend.name.endswith("+fp8-gather")
+    want = run_engine(ref_engine, prompts, params) + run_engine(ref_engine, again, params)
+    engine = make_engine(tiny_llama, **kw)
+    engine.runner.backend = TritonAttention(num_sms=4, kv_format=fp8_kv.fp8_format("fp8"))
+    engine.runner.use_gpu_step_runner(simulate_graphs=True)
+    got = run_engine(engine, prompts, params) + run_engine(engine, again, params)
+    assert got == want
+    assert engine.runner.step_timing.graph_steps > 0
+    assert engine.stats().prefix_cache_hits > 0
+    pools = ref_engine.runner.kv_pool, engine.runner.kv_pool
+    assert pools[0].dtype == pools[1].dtype == torch.uint8

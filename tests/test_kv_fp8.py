@@ -131,9 +131,12 @@ def test_handshake_refuses_a_kv_dtype_mismatch():
 
 
 def test_real_model_fp8_agrees_with_float32_kv():
-    """SmolLM2-135M: fp8_e4m3 KV against float32 KV on a few of the benchmark's prompts. The benchmark's
-    pilot (BENCHMARKS.md, FP8 KV cache) found every token identical and a mean |logprob diff| of 0.025;
-    the bounds leave room for one late divergence in 4 x 16 tokens and a 4x larger logprob error."""
+    """SmolLM2-135M: fp8_e4m3 KV against float32 KV on 4 of the benchmark's prompts x 16 greedy tokens (a CI-
+    cheap subset of its 50 x 64). Bounds from the full CPU run (BENCHMARKS.md, FP8 KV cache): while the
+    contexts agree, the chosen token's logprob moves by 0.035 on average (bound: 0.1); greedy decoding of
+    this small model then flips a near-tie after ~23 tokens on average, so over 16 tokens the common prefix
+    is mostly whole (bound: half). A broken fp8 path (a wrong scale, a misplaced row) moves logprobs by
+    whole units and diverges within a few tokens. And the chat answer still says Paris."""
     pytest.importorskip("gguf")
     import sys
     from pathlib import Path
@@ -141,13 +144,30 @@ def test_real_model_fp8_agrees_with_float32_kv():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the benchmark's own code
     from bench_kv_fp8_accuracy import compare, prompts, run
 
-    texts = prompts(3) + ["What is the capital of France?"]
-    ref = run("auto", texts, 16)
-    got = run("fp8", texts, 16)
-    agreement = compare("fp8_e4m3", ref, got)
-    assert agreement.token_agreement >= 0.9 and agreement.logprob_mad < 0.1, agreement
-    from pdserve.model.default_model import resolve_model
-    from pdserve.text.tokenizer import load_tokenizer
+    texts = prompts(4)
+    ref, _ = run("auto", texts, 16)
+    got, answer = run("fp8", texts, 16)
+    agreement = compare("fp8_e4m3", ref, got, answer)
+    assert agreement.logprob_mad < 0.1 and agreement.common_prefix >= 0.5, agreement
+    assert "Paris" in answer, answer
 
-    tok = load_tokenizer(str(resolve_model(None)))
-    assert "Paris" in tok.decode([t for t, _ in got[-1]])
+
+def test_tensor_parallel_fp8_kv_matches_one_rank(tiny_llama):
+    """--tensor-parallel-size 2 with an fp8 cache: each rank quantizes its own KV heads' rows (the scales are
+    per (token, head), so a head's bytes do not depend on the sharding) and attends over them; greedy tokens
+    equal a one-rank fp8 engine's, through chunked prefill and a prefix-cache hit."""
+    prompts = mixed_prompts(VOCAB, lengths=(5, 30, 21))
+    again = [prompts[1][:20] + [5, 6, 7]]
+    kw = dict(kv_cache_dtype="fp8", max_num_batched_tokens=24, max_num_seqs=3)
+    one = make_engine(tiny_llama, **kw)
+    try:
+        want = run_engine(one, prompts, GREEDY) + run_engine(one, again, GREEDY)
+    finally:
+        one.shutdown()
+    two = make_engine(tiny_llama, tensor_parallel_size=2, **kw)
+    try:
+        assert two.runner.kv_pool.dtype == torch.uint8 and two.runner.num_kv_heads == 1
+        assert run_engine(two, prompts, GREEDY) + run_engine(two, again, GREEDY) == want
+        assert two.stats().prefix_cache_hits > 0
+    finally:
+        two.shutdown()

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.attention import fp8_kv
 from pdserve.attention.base import AttentionMetadata
 
 LONG_MIN_Q = 2048  # shorter chunks stay on the Triton kernel alone
@@ -88,6 +89,14 @@ def gather_kv(cache: torch.Tensor, table_row: torch.Tensor, seq_len: int) -> tor
     return rows.index_select(0, table_row[:nb].long()).view(nb * block_size, *cache.shape[2:])[:seq_len]
 
 
+def gather_float_kv(cache: torch.Tensor, table_row: torch.Tensor, seq_len: int, dtype: torch.dtype,
+                    kv_format: fp8_kv.Fp8Format | None = None) -> torch.Tensor:
+    """gather_kv, dequantized into `dtype` when the cache holds fp8 rows (the library kernels read floats;
+    the buffer is ~seq_len x kv_heads x head_dim, small next to the chunk's attention work)."""
+    rows = gather_kv(cache, table_row, seq_len)
+    return rows if kv_format is None else fp8_kv.dequantize_rows(rows, kv_format, dtype)
+
+
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     if x.shape[0] == rows:
         return x
@@ -126,8 +135,10 @@ def _attend_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 
 def compute_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                     plans: list[ChunkPlan], scale: float, impl: str = "cudnn"):
-    """Runs the library half of every planned chunk. Returns triton_kernels.PrefillPartials."""
+                     plans: list[ChunkPlan], scale: float, impl: str = "cudnn",
+                     kv_format: fp8_kv.Fp8Format | None = None):
+    """Runs the library half of every planned chunk. Returns triton_kernels.PrefillPartials.
+    kv_format: the caches hold fp8 rows, dequantized per chunk for the library."""
     from pdserve.attention.triton_kernels import PrefillPartials  # triton: GPU, or the interpreter in tests
 
     attend = _attend_cudnn if impl == "cudnn" else _attend_math
@@ -136,8 +147,8 @@ def compute_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     parts: list[tuple[ChunkPlan, tuple | None, tuple | None]] = []
     for p in plans:
         need = p.seq_len if p.own else p.bulk
-        k = gather_kv(k_cache, meta.block_tables[p.seq], need)
-        v = gather_kv(v_cache, meta.block_tables[p.seq], need)
+        k = gather_float_kv(k_cache, meta.block_tables[p.seq], need, q.dtype, kv_format)
+        v = gather_float_kv(v_cache, meta.block_tables[p.seq], need, q.dtype, kv_format)
         qp = _pad_rows(q[p.q_start : p.q_start + p.q_len], p.q_pad)
         bulk = own = None
         if p.bulk:
@@ -178,11 +189,11 @@ def is_whole_fresh_prompt(p: ChunkPlan) -> bool:
 
 
 def attend_fresh_prompt(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                        scale: float, impl: str = "cudnn") -> torch.Tensor:
+                        scale: float, impl: str = "cudnn", kv_format: fp8_kv.Fp8Format | None = None) -> torch.Tensor:
     """A step that is one fresh prompt (is_whole_fresh_prompt): one causal library call, no Triton pass."""
     seq_len = meta.seq_lens_host[0]
-    k = gather_kv(k_cache, meta.block_tables[0], seq_len)
-    v = gather_kv(v_cache, meta.block_tables[0], seq_len)
+    k = gather_float_kv(k_cache, meta.block_tables[0], seq_len, q.dtype, kv_format)
+    v = gather_float_kv(v_cache, meta.block_tables[0], seq_len, q.dtype, kv_format)
     if impl == "cudnn":
         o, _ = _attend_cudnn(q, k, v, True, scale, want_lse=False)  # inference mode: no statistics
     else:

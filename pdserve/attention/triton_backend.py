@@ -8,12 +8,17 @@ FlashInfer numbers in h200-facts.md.
 With `long_prefill` set (`--attention-backend triton-cudnn`, what `auto` picks where cuDNN's attention
 runs), long prefill chunks take most of their attention from cuDNN over gathered K/V and the Triton kernel
 finishes them (pdserve/attention/long_prefill.py); everything else is unchanged.
+
+With `kv_format` (an fp8 KV cache, pdserve.attention.fp8_kv) the same kernels quantize on write and
+dequantize on the fly (no host syncs: decode steps stay in CUDA graphs); long chunks dequantize their
+gathered K/V for cuDNN.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pdserve.attention import fp8_kv
 from pdserve.attention import long_prefill as lp
 from pdserve.attention import triton_kernels as tk
 from pdserve.attention.base import AttentionMetadata
@@ -35,12 +40,23 @@ DECODE_CONFIGS: list[tuple[int, int, int, int, int]] = [
     (1 << 30, 128, 8, 3, 1),
 ]
 
+# The same for an fp8 pool (rows of head_dim + 2 bytes, dequantized in the kernel). Measured at batch 64,
+# kv 4096 on the H200 (benchmarks/gpu_fp8_suite.py, 2026-12-01): tile 128 / 4 warps / 3 stages / 2 per SM
+# 514 us per layer, bf16's (64, 4, 2, 2) 655 us; the other buckets keep bf16's settings (not swept).
+FP8_DECODE_CONFIGS: list[tuple[int, int, int, int, int]] = [
+    DECODE_CONFIGS[0],
+    DECODE_CONFIGS[1],
+    (128, 128, 4, 3, 2),
+    DECODE_CONFIGS[3],
+]
 
-def decode_config(batch: int) -> tuple[int, int, int, int]:
-    for max_batch, tile_n, warps, stages, pps in DECODE_CONFIGS:
+
+def decode_config(batch: int, configs: list[tuple[int, int, int, int, int]] | None = None) -> tuple[int, int, int, int]:
+    configs = DECODE_CONFIGS if configs is None else configs
+    for max_batch, tile_n, warps, stages, pps in configs:
         if batch <= max_batch:
             return tile_n, warps, stages, pps
-    return DECODE_CONFIGS[-1][1:]
+    return configs[-1][1:]
 
 
 def prefill_config(max_query_len: int) -> tuple[int, int, int, int]:
@@ -50,7 +66,9 @@ def prefill_config(max_query_len: int) -> tuple[int, int, int, int]:
 class TritonAttention:
     name = "triton"  # with or without long_prefill: the step runner keys the fused ops and graphs on it
 
-    def __init__(self, num_sms: int | None = None, long_prefill: lp.LongPrefillConfig | None = None):
+    def __init__(self, num_sms: int | None = None, long_prefill: lp.LongPrefillConfig | None = None,
+                 kv_format: fp8_kv.Fp8Format | None = None):
+        self.kv_format = kv_format  # None: the pool holds the model's dtype; else fp8 rows (uint8)
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         self.num_sms = num_sms
@@ -68,17 +86,17 @@ class TritonAttention:
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> None:
-        tk.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.block_size)
+        tk.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.block_size, self.kv_format)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         if meta.decode_only:
             batch = q.shape[0]
-            tile_n, warps, stages, pps = decode_config(batch)
+            tile_n, warps, stages, pps = decode_config(batch, FP8_DECODE_CONFIGS if self.kv_format else None)
             splits = tk.decode_num_splits(batch, k_cache.shape[2], self.num_sms, pps)
             return tk.decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits,
-                tile_n=tile_n, num_warps=warps, num_stages=stages,
+                tile_n=tile_n, num_warps=warps, num_stages=stages, kv_format=self.kv_format,
             )
         partials = None
         lpc = self.long_prefill
@@ -86,11 +104,11 @@ class TritonAttention:
             plans = lp.plan_chunks(meta, lpc.min_q, lpc.ctx_align, lpc.q_bucket)
             if plans:
                 if len(meta.seq_lens_host) == 1 and lp.is_whole_fresh_prompt(plans[0]):
-                    return lp.attend_fresh_prompt(q, k_cache, v_cache, meta, scale, lpc.impl)
-                partials = lp.compute_partials(q, k_cache, v_cache, meta, plans, scale, lpc.impl)
+                    return lp.attend_fresh_prompt(q, k_cache, v_cache, meta, scale, lpc.impl, self.kv_format)
+                partials = lp.compute_partials(q, k_cache, v_cache, meta, plans, scale, lpc.impl, self.kv_format)
         block_m, tile_n, warps, stages = prefill_config(meta.max_query_len)
         return tk.prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
             num_seqs=meta.seq_lens.shape[0], block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages,
-            partials=partials,
+            partials=partials, kv_format=self.kv_format,
         )

@@ -15,6 +15,10 @@ Three kernels:
   run-time argument, not a constexpr, so every batch size shares one compiled kernel.
 - `write_kv`: stores new K/V rows at their slots; slots < 0 (padding rows of a CUDA graph) are skipped.
 
+Every kernel also takes an fp8 pool (`kv_format`, pdserve.attention.fp8_kv: uint8 rows of head_dim fp8
+values + a bfloat16 scale): write_kv quantizes, the attention kernels dequantize on the fly
+(pdserve.attention.triton_fp8). Its strides are then in bytes and head_dim comes from q or k.
+
 Everything here needs triton; it is imported only on CUDA (or under TRITON_INTERPRET=1 in tests).
 """
 
@@ -26,12 +30,22 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.attention import fp8_kv
+from pdserve.attention import triton_fp8 as tf8
+
 LOG2E = 1.4426950408889634
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
     # float32 models are the exactness tests' models: tf32 would cost ~3e-4 relative error there.
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _read_args(kv_format: fp8_kv.Fp8Format | None, k_cache: torch.Tensor, head_dim: int) -> dict:
+    if kv_format is not None:
+        assert k_cache.dtype == torch.uint8 and k_cache.stride(2) == head_dim + fp8_kv.SCALE_BYTES
+    args = tf8.kernel_args(kv_format)
+    return {"KV_FP8": args["KV_FP8"], "FP8_MANT": args["FP8_MANT"]}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -43,6 +57,8 @@ def _write_kv_kernel(
     k_cache_ptr, v_cache_ptr, stride_c_blk, stride_c_tok, stride_c_head,
     slot_ptr,
     BLOCK_SIZE: tl.constexpr, KVH: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr,
+    FP8_SUB_SCALE: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -55,14 +71,31 @@ def _write_kv_kernel(
     mask = (h[:, None] < KVH) & (d[None, :] < D)
     k = tl.load(k_ptr + t * stride_k_t + h[:, None] * stride_k_h + d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_v_t + h[:, None] * stride_v_h + d[None, :], mask=mask)
-    dst = blk * stride_c_blk + off * stride_c_tok + h[:, None] * stride_c_head + d[None, :]
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    rows = blk * stride_c_blk + off * stride_c_tok + h * stride_c_head
+    dst = rows[:, None] + d[None, :]
+    if KV_FP8:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        hmask = h < KVH
+        k_bits = tf8.row_scale_bits(tl.max(tl.abs(k), 1), FP8_MAX)
+        v_bits = tf8.row_scale_bits(tl.max(tl.abs(v), 1), FP8_MAX)
+        k8 = tf8.quantize_values(k, k_bits.to(tl.float32, bitcast=True)[:, None], FP8_MAX, FP8_MANT, FP8_BIAS,
+                                 FP8_SUB_SCALE)
+        v8 = tf8.quantize_values(v, v_bits.to(tl.float32, bitcast=True)[:, None], FP8_MAX, FP8_MANT, FP8_BIAS,
+                                 FP8_SUB_SCALE)
+        tl.store(k_cache_ptr + dst, k8, mask=mask)
+        tl.store(v_cache_ptr + dst, v8, mask=mask)
+        tf8.store_scale(k_cache_ptr + rows, k_bits, hmask, D)
+        tf8.store_scale(v_cache_ptr + rows, v_bits, hmask, D)
+    else:
+        tl.store(k_cache_ptr + dst, k, mask=mask)
+        tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor, block_size: int) -> None:
-    """k, v: [num_tokens, kv_heads, head_dim] (any token/head strides, contiguous last dim)."""
+             slot_mapping: torch.Tensor, block_size: int, kv_format: fp8_kv.Fp8Format | None = None) -> None:
+    """k, v: [num_tokens, kv_heads, head_dim] (any token/head strides, contiguous last dim). With kv_format,
+    the caches are uint8 fp8 rows and each row is quantized as fp8_kv.quantize_rows does (same bytes)."""
     num_tokens, kvh, d = k.shape
     if num_tokens == 0:
         return
@@ -73,7 +106,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         slot_mapping,
         BLOCK_SIZE=block_size, KVH=kvh, BLOCK_H=triton.next_power_of_2(kvh), D=d,
-        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_D=triton.next_power_of_2(d), **tf8.kernel_args(kv_format),
     )
 
 
@@ -94,6 +127,7 @@ def _decode_kernel(
     scale_log2, num_splits,
     H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_MANT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -117,7 +151,12 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     n = tl.arange(0, TILE_N)
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    head_off = kvh.to(tl.int64) * stride_c_head
+    if KV_FP8:
+        # fp8 rows are D + 2 bytes: from the constexpr Triton knows each row starts 2-byte aligned and loads
+        # byte pairs (an opaque stride would mean single bytes)
+        head_off = kvh.to(tl.int64) * (D + 2)
+    else:
+        head_off = kvh.to(tl.int64) * stride_c_head
     for tile in range(t_start, t_end):
         tok = tile * TILE_N + n
         tmask = tok < seq_len
@@ -127,14 +166,27 @@ def _decode_kernel(
             kv_mask = tmask[:, None]
         else:
             kv_mask = tmask[:, None] & dmask[None, :]
-        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if KV_FP8:
+            # fp8 rows: the matrix products run on the exact fp8 values in q's dtype; each key's scale
+            # multiplies its score column, each value's scale its probability column
+            k = tf8.as_fp8(tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0),
+                           FP8_MANT).to(q.dtype)
+            k_scale = tf8.load_scale(k_cache_ptr + off, tmask, D)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (k_scale * scale_log2)[None, :]
+        else:
+            k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = tf8.as_fp8(tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0),
+                           FP8_MANT).to(q.dtype)
+            p = p * tf8.load_scale(v_cache_ptr + off, tmask, D)[None, :]
+        else:
+            v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -188,9 +240,10 @@ def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int, programs_per_
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: int, out: torch.Tensor | None = None,
-                     tile_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                     tile_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+                     kv_format: fp8_kv.Fp8Format | None = None) -> torch.Tensor:
     """q: [B, H, D]; block_tables: [B, >= blocks of the longest sequence]; seq_lens: [B] (0 = padding row,
-    whose output is 0). Returns [B, H, D] in q's dtype."""
+    whose output is 0). Returns [B, H, D] in q's dtype. kv_format: the caches are fp8 rows (uint8)."""
     batch, num_heads, d = q.shape
     _, block_size, kvh, _ = k_cache.shape
     group = num_heads // kvh
@@ -213,7 +266,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scale * LOG2E, num_splits,
         H=num_heads, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, TILE_N=tile_n, DOT_PRECISION=_dot_precision(q.dtype),
-        EVEN_D=d == block_d, num_warps=num_warps, num_stages=num_stages,
+        EVEN_D=d == block_d, **_read_args(kv_format, k_cache, d), num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
@@ -231,7 +284,7 @@ def _attend_tiles(
     acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, stride_c_blk, stride_c_tok,
     tile_lo, tile_hi, key_limit, seq_len, scale_log2, d, dmask,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, D: tl.constexpr, KV_FP8: tl.constexpr, FP8_MANT: tl.constexpr,
 ):
     n = tl.arange(0, TILE_N)
     for tile in range(tile_lo, tile_hi):
@@ -255,7 +308,11 @@ def _attend_tiles(
                 k = tl.load(ptrs_k)
             else:
                 k = tl.load(ptrs_k, mask=dmask[None, :], other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if KV_FP8:  # exact fp8 values in q's dtype; the row scales multiply score / probability columns
+            qk = tl.dot(q, tl.trans(tf8.as_fp8(k, FP8_MANT).to(q.dtype)), input_precision=DOT_PRECISION)
+            qk = qk * tf8.load_scale(k_cache_ptr + off, tmask, D)[None, :]
+        else:
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
             # row r sees keys [0, key_limit[r]] (its own absolute position), never past the sequence
             qk = tl.where((tok[None, :] <= key_limit[:, None]) & tmask[None, :], qk * scale_log2, float("-inf"))
@@ -269,6 +326,8 @@ def _attend_tiles(
         p = tl.exp2(qk)
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if KV_FP8:
+            p = p * tf8.load_scale(v_cache_ptr + off, tmask, D)[None, :]
         if MASKED:
             if EVEN_D:
                 v = tl.load(ptrs_v, mask=tmask[:, None], other=0.0)
@@ -279,6 +338,8 @@ def _attend_tiles(
                 v = tl.load(ptrs_v)
             else:
                 v = tl.load(ptrs_v, mask=dmask[None, :], other=0.0)
+        if KV_FP8:
+            v = tf8.as_fp8(v, FP8_MANT).to(q.dtype)
         # rescale first, then let the matrix unit accumulate into acc (no second [M, D] add)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
@@ -305,7 +366,7 @@ def _prefill_kernel(
     p_row0, scale_log2,
     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
-    HAS_PARTIALS: tl.constexpr,
+    HAS_PARTIALS: tl.constexpr, KV_FP8: tl.constexpr, FP8_MANT: tl.constexpr,
 ):
     # Longest q blocks (the last of each causal sequence) first: better tail balance.
     qb_global = num_q_blocks - 1 - tl.program_id(0)
@@ -374,7 +435,12 @@ def _prefill_kernel(
             kv_end = ctx
             key_limit = tl.zeros([BLOCK_M], dtype=tl.int32) + (ctx - 1)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    head_off = kvh.to(tl.int64) * stride_c_head
+    if KV_FP8:
+        # fp8 rows are D + 2 bytes: from the constexpr Triton knows each row starts 2-byte aligned and loads
+        # byte pairs (an opaque stride would mean single bytes)
+        head_off = kvh.to(tl.int64) * (D + 2)
+    else:
+        head_off = kvh.to(tl.int64) * stride_c_head
     n_lo = kv_lo // TILE_N  # kv_lo is a multiple of TILE_N
     n_full = tl.maximum((first_pos + 1) // TILE_N, n_lo)
     n_all = tl.cdiv(kv_end, TILE_N)
@@ -384,12 +450,12 @@ def _prefill_kernel(
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, stride_c_blk, stride_c_tok,
         n_lo, n_full, key_limit, seq_len, scale_log2, d, dmask,
-        False, EVEN_D, BLOCK_SIZE, TILE_N, DOT_PRECISION,
+        False, EVEN_D, BLOCK_SIZE, TILE_N, DOT_PRECISION, D, KV_FP8, FP8_MANT,
     )
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, stride_c_blk, stride_c_tok,
         n_full, n_all, key_limit, seq_len, scale_log2, d, dmask,
-        True, EVEN_D, BLOCK_SIZE, TILE_N, DOT_PRECISION,
+        True, EVEN_D, BLOCK_SIZE, TILE_N, DOT_PRECISION, D, KV_FP8, FP8_MANT,
     )
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_o_t + head[:, None] * stride_o_h + d[None, :],
@@ -418,9 +484,11 @@ class PrefillPartials:
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, num_seqs: int,
                       out: torch.Tensor | None = None, block_m: int = 128, tile_n: int = 64, num_warps: int = 8,
-                      num_stages: int = 3, partials: PrefillPartials | None = None) -> torch.Tensor:
+                      num_stages: int = 3, partials: PrefillPartials | None = None,
+                      kv_format: fp8_kv.Fp8Format | None = None) -> torch.Tensor:
     """q: [num_tokens, H, D] (flattened queries of `num_seqs` sequences, split by query_start_loc).
-    Returns [num_tokens, H, D] in q's dtype. With `partials`, the sequences they cover start from them."""
+    Returns [num_tokens, H, D] in q's dtype. With `partials`, the sequences they cover start from them.
+    kv_format: the caches are fp8 rows (uint8)."""
     num_tokens, num_heads, d = q.shape
     _, block_size, kvh, _ = k_cache.shape
     group = num_heads // kvh
@@ -447,7 +515,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         scale * LOG2E,
         G=group, BLOCK_Q=block_q, BLOCK_M=block_m, D=d, BLOCK_D=triton.next_power_of_2(d),
         BLOCK_SIZE=block_size, TILE_N=tile_n, DOT_PRECISION=_dot_precision(q.dtype),
-        EVEN_D=d == triton.next_power_of_2(d), HAS_PARTIALS=partials is not None, num_warps=num_warps,
-        num_stages=num_stages,
+        EVEN_D=d == triton.next_power_of_2(d), HAS_PARTIALS=partials is not None, **_read_args(kv_format, k_cache, d),
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pdserve.engine.request import Request
 from pdserve.kv_events.block_hash import external_block_hash, hash_block_tokens
 from pdserve.kv_events.events import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from pdserve.kv_offload.block_meta import BlockMeta
 
 
 class BlockManager:
@@ -29,13 +30,16 @@ class BlockManager:
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # hash -> block id
+        self.block_meta: list[BlockMeta | None] = [None] * num_blocks  # a cached block's parent hash and tokens
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # tokens found there
+        self.external_queries = 0  # tokens looked up past the pool's own hits in the offload tiers
+        self.external_hits = 0  # tokens the offload tiers supplied
         self._events: list[KVCacheEvent] | None = [] if enable_events else None
-        # Called with (block id, hash) just before a cached block's identity is dropped to reuse the block:
-        # its KV is still intact, so an offload tier can copy it out first.
-        self.on_evict: Callable[[int, bytes], None] | None = None
+        # Called with (block id, hash, meta) just before a cached block's identity is dropped to reuse the
+        # block: its KV is still intact, so an offload tier can copy it out first.
+        self.on_evict: Callable[[int, bytes, BlockMeta], None] | None = None
 
     # ---- accounting -------------------------------------------------------------------------
     @property
@@ -75,9 +79,40 @@ class BlockManager:
             hits.append(bid)
         return hits
 
-    def record_prefix_query(self, queried_tokens: int, hit_tokens: int) -> None:
+    def record_prefix_query(self, queried_tokens: int, hit_tokens: int, external_hit_tokens: int = 0,
+                            count_external: bool = False) -> None:
+        """hit_tokens: every prompt token not computed (pool and tiers); the pool's own share goes to
+        prefix_hits, as vLLM's local prefix cache counters, the tiers' to external_* (vLLM's connector ones)."""
+        local = hit_tokens - external_hit_tokens
         self.prefix_queries += queried_tokens
-        self.prefix_hits += hit_tokens
+        self.prefix_hits += local
+        if count_external:
+            self.external_queries += queried_tokens - local
+            self.external_hits += external_hit_tokens
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Marks evictable cached blocks most recently used (a prompt is about to reuse them)."""
+        for bid in block_ids:
+            if self.ref_cnt[bid] == 0:
+                self.free.move_to_end(bid)
+
+    def promote(self, h: bytes, meta: BlockMeta) -> int | None:
+        """Registers a block for hash `h` whose KV the caller is about to copy in from an offload tier: an
+        evictable cached block (ref count 0, most recently used), taken from the LRU end of the free queue.
+        None when the pool has no free block or already holds `h`."""
+        if h in self.cached or not self.free:
+            return None
+        bid = self._take_free()
+        self.ref_cnt[bid] = 0
+        self.free[bid] = None
+        self.block_hash[bid] = h
+        self.block_meta[bid] = meta
+        self.cached[h] = bid
+        if self._events is not None:
+            self._events.append(BlockStored(
+                [external_block_hash(h)], None if meta.parent is None else external_block_hash(meta.parent),
+                list(meta.tokens), self.block_size, medium=MEDIUM_DEVICE))
+        return bid
 
     def cache_full_blocks(self, req: Request) -> None:
         """Register the hashes of req's blocks that are now completely computed."""
@@ -87,6 +122,7 @@ class BlockManager:
         if full <= req.num_registered_blocks:
             return  # nothing new: keeps the per-step cost independent of context length
         self._compute_hashes(req, req.num_computed_tokens)
+        bs = self.block_size
         run_start = -1  # first block of the current run of newly cached blocks (one BlockStored per run)
         for i in range(req.num_registered_blocks, full):
             bid = req.block_ids[i]
@@ -95,6 +131,8 @@ class BlockManager:
                 # (an identical block may already exist; then this one stays uncached)
                 self.block_hash[bid] = h
                 self.cached[h] = bid
+                self.block_meta[bid] = BlockMeta(req.block_hashes[i - 1] if i > 0 else None,
+                                                 tuple(req.token_at(j) for j in range(i * bs, (i + 1) * bs)))
                 if run_start < 0:
                     run_start = i
             elif run_start >= 0:
@@ -108,25 +146,30 @@ class BlockManager:
     def _stored_event(self, req: Request, first: int, end: int) -> None:
         if self._events is None:
             return
-        bs = self.block_size
         self._events.append(BlockStored(
             block_hashes=[external_block_hash(h) for h in req.block_hashes[first:end]],
             parent_block_hash=external_block_hash(req.block_hashes[first - 1]) if first > 0 else None,
-            token_ids=[req.token_at(j) for j in range(first * bs, end * bs)],
-            block_size=bs, medium=MEDIUM_DEVICE))
+            token_ids=[t for bid in req.block_ids[first:end] for t in self.block_meta[bid].tokens],
+            block_size=self.block_size, medium=MEDIUM_DEVICE))
 
-    def take_events(self) -> list[KVCacheEvent]:
-        """The events queued since the last call (consecutive removals merged into one event)."""
-        if not self._events:
+    def take_events(self, more: Sequence[KVCacheEvent] = ()) -> list[KVCacheEvent]:
+        """The events queued since the last call, then `more` (the offload tiers'), with consecutive removals
+        of one medium merged into one event, and a stored block that extends the previous stored run."""
+        if not self._events and not more:
             return []
         out: list[KVCacheEvent] = []
-        for e in self._events:
+        for e in [*(self._events or ()), *more]:
             prev = out[-1] if out else None
             if isinstance(e, BlockRemoved) and isinstance(prev, BlockRemoved) and prev.medium == e.medium:
                 prev.block_hashes.extend(e.block_hashes)
+            elif (isinstance(e, BlockStored) and isinstance(prev, BlockStored) and prev.medium == e.medium
+                  and e.parent_block_hash == prev.block_hashes[-1] and prev.block_size == e.block_size):
+                prev.block_hashes.extend(e.block_hashes)
+                prev.token_ids.extend(e.token_ids)
             else:
                 out.append(e)
-        self._events = []
+        if self._events is not None:
+            self._events = []
         return out
 
     # ---- allocation -------------------------------------------------------------------------
@@ -134,9 +177,11 @@ class BlockManager:
         bid, _ = self.free.popitem(last=False)
         h = self.block_hash[bid]
         if h is not None:  # evict its cached identity
-            if self.on_evict is not None:
-                self.on_evict(bid, h)
+            meta = self.block_meta[bid]
+            if self.on_evict is not None and meta is not None:
+                self.on_evict(bid, h, meta)
             self.block_hash[bid] = None
+            self.block_meta[bid] = None
             if self.cached.get(h) == bid:
                 del self.cached[h]
                 if self._events is not None:
@@ -179,6 +224,7 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         for h, bid in list(self.cached.items()):
             self.block_hash[bid] = None
+            self.block_meta[bid] = None
             del self.cached[h]
         if self._events is not None:
             self._events.append(AllBlocksCleared())

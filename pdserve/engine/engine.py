@@ -48,6 +48,9 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    external_prefix_cache_queries: int = 0  # tokens looked up in the offload tiers (vLLM's connector counters)
+    external_prefix_cache_hits: int = 0
+    kv_tiers: dict | None = None  # medium -> counters and usage of the offload tiers (None: no tiers)
 
 
 def resolve_model_dir(model: str | None, load_format: str = "auto") -> Path:
@@ -110,9 +113,26 @@ class LLMEngine:
         if not config.enable_chunked_prefill:
             budget = max(budget, self.max_model_len)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, budget, config.enable_chunked_prefill)
+        self.tiers = None  # the KV offload tiers (host memory, disk) behind the pool, when configured
+        self.tier_loader = None
+        if config.kv_offloading:
+            from pdserve.engine.tier_loader import TierLoader
+            from pdserve.kv_offload.manager import GIB, KVTierManager
+
+            self.tiers = KVTierManager(
+                self.runner.kv_pool, config.block_size, int(config.kv_offloading_size * GIB),
+                config.kv_offloading_disk_path, int((config.kv_offloading_disk_size or 0) * GIB), events=publish)
+            self.blocks.on_evict = self.tiers.on_device_evict
+            self.tier_loader = TierLoader(self.blocks, self.scheduler, self.tiers)
+            self.scheduler.count_external = True
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # producer: finished P legs whose blocks a consumer may read
-        self.connector = connector_factory(self) if connector_factory else None
+        try:
+            self.connector = connector_factory(self) if connector_factory else None
+        except BaseException:
+            if self.tiers is not None:
+                self.tiers.shutdown()
+            raise
         if publish:
             from pdserve.kv_events.publisher import ZmqEventPublisher  # pyzmq only where events are on
 
@@ -121,6 +141,8 @@ class LLMEngine:
             except BaseException:
                 if self.connector is not None:
                     self.connector.shutdown()
+                if self.tiers is not None:
+                    self.tiers.shutdown()
                 raise
         self.num_finished = 0
         self.step_log = StepLog.from_env((config.kv_transfer_config or {}).get("kv_role", "engine"))
@@ -132,6 +154,8 @@ class LLMEngine:
                     self.connector.shutdown()
                 if self.kv_events is not None:
                     self.kv_events.shutdown()
+                if self.tiers is not None:
+                    self.tiers.shutdown()
                 raise
 
     def _warm_up(self) -> None:
@@ -163,6 +187,7 @@ class LLMEngine:
                 log.info("built %d attention plans for long prefill chunks", n_plans)
         self.num_finished = 0
         self.blocks.prefix_queries = self.blocks.prefix_hits = 0
+        self.blocks.external_queries = self.blocks.external_hits = 0
         self.runner.step_timing.reset()
 
     # ---- requests ---------------------------------------------------------------------------
@@ -261,6 +286,8 @@ class LLMEngine:
             return None
         if req.kv.needs_load and self.connector is not None:
             self.connector.remove_waiting(request_id)  # the producer frees its lease early
+        if self.tier_loader is not None:
+            self.tier_loader.forget(request_id)
         self.scheduler.remove(req)
         req.finish_reason = "abort"
         return self._finish(req, hold=False)
@@ -276,8 +303,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = self._step()
         if self.kv_events is not None:
-            # one batch per step with whatever the pool gained or lost in it, as vLLM's scheduler publishes
-            events = self.blocks.take_events()
+            # one batch per step with whatever the pool (and the tiers) gained or lost in it, as vLLM's
+            # scheduler publishes
+            events = self.blocks.take_events(self.tiers.take_events() if self.tiers is not None else ())
             if events:
                 self.kv_events.publish(KVEventBatch(ts=time.time(), events=events))
         return outputs
@@ -291,6 +319,8 @@ class LLMEngine:
                 # step's model run (~6 ms on an 8B model); the caller's next step runs the model
                 return outputs
         t_start = time.perf_counter()
+        if self.tier_loader is not None:
+            self.tier_loader.before_schedule()
         sched = self.scheduler.schedule()
         for req in sched.start_loads:
             self._start_load(req, outputs)
@@ -459,7 +489,7 @@ class LLMEngine:
         s = self.scheduler
         return EngineStats(
             num_running=len(s.running),
-            num_waiting=len(s.waiting) + len(s.loading),
+            num_waiting=len(s.waiting) + len(s.loading) + (len(self.tier_loader.parked) if self.tier_loader else 0),
             num_loading=self.num_loading,
             num_held=len(self.held),
             kv_cache_usage=self.blocks.usage,
@@ -468,6 +498,9 @@ class LLMEngine:
             prefix_cache_queries=self.blocks.prefix_queries,
             prefix_cache_hits=self.blocks.prefix_hits,
             num_preemptions=s.num_preemptions,
+            external_prefix_cache_queries=self.blocks.external_queries,
+            external_prefix_cache_hits=self.blocks.external_hits,
+            kv_tiers=self.tiers.stats() if self.tiers is not None else None,
         )
 
     def shutdown(self) -> None:
@@ -475,6 +508,8 @@ class LLMEngine:
             self.connector.shutdown()
         if self.kv_events is not None:
             self.kv_events.shutdown()
+        if self.tiers is not None:
+            self.tiers.shutdown()
         self.runner.shutdown()
         if self.step_log is not None:
             self.step_log.close()

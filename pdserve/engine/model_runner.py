@@ -62,17 +62,20 @@ ATTENTION_BACKENDS = ("auto", "triton", "triton-cudnn")
 
 def select_attention_backend(device: torch.device, kv_format: fp8_kv.Fp8Format | None = None,
                              name: str = "auto"):
-    backend = _float_attention_backend(device, name)
-    if kv_format is not None:
+    """auto: on CUDA the Triton kernels, with long prefill chunks on cuDNN where its attention runs
+    (pdserve/attention/long_prefill.py); on CPU the paged C kernel. triton / triton-cudnn: force either.
+    An fp8 KV cache (kv_format): the Triton kernels read and write it themselves; the backends that read
+    only float caches (CPU, the torch reference) are wrapped in Fp8GatherAttention."""
+    backend = _kernel_backend(device, name, kv_format)
+    if kv_format is not None and getattr(backend, "kv_format", None) is None:
         from pdserve.attention.fp8_gather import Fp8GatherAttention
 
         return Fp8GatherAttention(backend, kv_format)
     return backend
 
 
-def _float_attention_backend(device: torch.device, name: str = "auto"):
-    """auto: on CUDA the Triton kernels, with long prefill chunks on cuDNN where its attention runs
-    (pdserve/attention/long_prefill.py); on CPU the paged C kernel. triton / triton-cudnn: force either."""
+def _kernel_backend(device: torch.device, name: str = "auto", kv_format: fp8_kv.Fp8Format | None = None):
+    """The device's attention kernels (the Triton ones take kv_format themselves)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if device.type == "cuda":
@@ -87,7 +90,8 @@ def _float_attention_backend(device: torch.device, name: str = "auto"):
         use_cudnn = name == "triton-cudnn" or (name == "auto" and long_prefill.cudnn_usable(device))
         if name == "triton-cudnn" and not long_prefill.cudnn_usable(device):
             raise ValueError("--attention-backend triton-cudnn: cuDNN's fused attention does not run here")
-        return TritonAttention(long_prefill=long_prefill.LongPrefillConfig() if use_cudnn else None)
+        return TritonAttention(long_prefill=long_prefill.LongPrefillConfig() if use_cudnn else None,
+                               kv_format=kv_format)
     if name != "auto":
         raise ValueError(f"--attention-backend {name} needs a CUDA device")
     from pdserve.attention.cpu_paged import CpuPagedAttention
@@ -123,9 +127,11 @@ class ModelRunner:
         self.num_kv_heads = self.model.shard.kv_heads  # this rank's share of the KV heads
         self.cpu_threads = None
         if self.device.type == "cpu":
+            from pdserve.cpu.allocator import keep_freed_memory
             from pdserve.cpu.packed_linear import pack_linears
             from pdserve.cpu.threads import StepThreads
 
+            keep_freed_memory()  # steps reuse freed activation memory instead of faulting fresh pages in
             pack_linears(self.model, self.dtype)
             self.cpu_threads = StepThreads.from_env()
             log.info("CPU threads: %s", self.cpu_threads)

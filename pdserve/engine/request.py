@@ -37,6 +37,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks (kv_events.block_hash)
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
+    num_tier_hit_tokens: int = 0  # prompt tokens loaded back for it from the offload tiers (host, disk)
+    tier_scan: int = -1  # engine.tier_loader: the preemption count at its last tier lookup (-1: none yet)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None

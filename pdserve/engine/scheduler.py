@@ -38,6 +38,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}  # consumer requests whose KV a NIXL read is writing
         self.num_preemptions = 0
+        self.count_external = False  # an offload tier exists: report its hits as vLLM's external prefix cache
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -132,7 +133,8 @@ class Scheduler:
 
     def _note_prefix(self, req: Request, num_cached_blocks: int) -> None:
         hit = num_cached_blocks * self.blocks.block_size
-        self.blocks.record_prefix_query(req.num_prompt_tokens, hit)
+        self.blocks.record_prefix_query(req.num_prompt_tokens, hit, min(req.num_tier_hit_tokens, hit),
+                                        count_external=self.count_external)
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = hit
 

@@ -17,6 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.attention import fp8_kv
+from pdserve.attention import triton_fp8 as tf8
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -125,6 +128,8 @@ def _rope_write_kv_kernel(
     slot_ptr,
     H: tl.constexpr, KVH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr,
+    FP8_SUB_SCALE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     half = tl.arange(0, BLOCK_HALF)
@@ -145,20 +150,43 @@ def _rope_write_kv_kernel(
         kh = tl.arange(0, BLOCK_KVH)
         k1, k2, kmask = _rope_heads(k_ptr, stride_k_t, stride_k_h, t, kh, cos, sin, half, KVH, BLOCK_KVH,
                                     HALF, EVEN)
-        dst = (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_tok \
-            + kh[:, None] * stride_c_head + half[None, :]
-        tl.store(k_cache_ptr + dst, k1, mask=kmask)
-        tl.store(k_cache_ptr + dst + HALF, k2, mask=kmask)
+        rows = (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_tok + kh * stride_c_head
+        dst = rows[:, None] + half[None, :]
         vsrc = v_ptr + t * stride_v_t + kh[:, None] * stride_v_h + half[None, :]
-        tl.store(v_cache_ptr + dst, tl.load(vsrc, mask=kmask), mask=kmask)
-        tl.store(v_cache_ptr + dst + HALF, tl.load(vsrc + HALF, mask=kmask), mask=kmask)
+        v1 = tl.load(vsrc, mask=kmask, other=0.0)
+        v2 = tl.load(vsrc + HALF, mask=kmask, other=0.0)
+        if KV_FP8:
+            # fp8 pool: quantize the rotated (model-dtype-rounded) rows as fp8_kv.quantize_rows does
+            _store_fp8_row(k_cache_ptr, rows, dst, k1.to(tl.float32), k2.to(tl.float32), kmask, kh < KVH, HALF,
+                           FP8_MAX, FP8_MANT, FP8_BIAS, FP8_SUB_SCALE)
+            _store_fp8_row(v_cache_ptr, rows, dst, v1.to(tl.float32), v2.to(tl.float32), kmask, kh < KVH, HALF,
+                           FP8_MAX, FP8_MANT, FP8_BIAS, FP8_SUB_SCALE)
+        else:
+            tl.store(k_cache_ptr + dst, k1, mask=kmask)
+            tl.store(k_cache_ptr + dst + HALF, k2, mask=kmask)
+            tl.store(v_cache_ptr + dst, v1, mask=kmask)
+            tl.store(v_cache_ptr + dst + HALF, v2, mask=kmask)
+
+
+@triton.jit
+def _store_fp8_row(cache_ptr, rows, dst, x1, x2, mask, row_mask, HALF: tl.constexpr, FP8_MAX: tl.constexpr,
+                   FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_SUB_SCALE: tl.constexpr):
+    """Rows given as two halves (masked entries 0): one scale over both, fp8 values, scale after them."""
+    bits = tf8.row_scale_bits(tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1)), FP8_MAX)
+    scale = bits.to(tl.float32, bitcast=True)[:, None]
+    tl.store(cache_ptr + dst, tf8.quantize_values(x1, scale, FP8_MAX, FP8_MANT, FP8_BIAS, FP8_SUB_SCALE),
+             mask=mask)
+    tl.store(cache_ptr + dst + HALF, tf8.quantize_values(x2, scale, FP8_MAX, FP8_MANT, FP8_BIAS, FP8_SUB_SCALE),
+             mask=mask)
+    tf8.store_scale(cache_ptr + rows, bits, row_mask, 2 * HALF)
 
 
 def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                      block_size: int) -> torch.Tensor:
+                      block_size: int, kv_format: fp8_kv.Fp8Format | None = None) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, KVH, D] (strided views of the fused qkv output are fine); cos/sin: [T, D]
-    (rotate-half layout). Returns rotated q, [T, H, D] contiguous; rotated k and v go to their slots."""
+    (rotate-half layout). Returns rotated q, [T, H, D] contiguous; rotated k and v go to their slots
+    (quantized to fp8 rows, the bytes fp8_kv writes, when kv_format is set)."""
     num_tokens, num_heads, d = q.shape
     kvh = k.shape[1]
     assert d % 2 == 0 and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
@@ -174,9 +202,25 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         slot_mapping,
         H=num_heads, KVH=kvh, BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KVH=triton.next_power_of_2(kvh),
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_SIZE=block_size, num_warps=4,
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_SIZE=block_size,
+        **tf8.kernel_args(kv_format), num_warps=4,
     )
     return q_out
+
+
+class Fp8KvOps:
+    """This module's fused ops for a model whose KV pool holds fp8 rows: the same, except that
+    rope_and_write_kv quantizes. (DecoderLM.fused_ops takes this object where it would take the module.)"""
+
+    def __init__(self, kv_format: fp8_kv.Fp8Format):
+        self.kv_format = kv_format
+        self.rms_norm = rms_norm
+        self.fused_add_rms_norm = fused_add_rms_norm
+        self.silu_and_mul = silu_and_mul
+        self.linear = linear
+
+    def rope_and_write_kv(self, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_size):
+        return rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_size, self.kv_format)
 
 
 # ---------------------------------------------------------------------------------------------------

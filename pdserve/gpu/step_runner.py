@@ -222,7 +222,8 @@ class GpuStepRunner:
         if getattr(self.backend, "name", "") == "triton":
             from pdserve.gpu import ops  # triton kernels; only ever imported on CUDA
 
-            self.model.fused_ops = ops
+            kv_format = getattr(self.backend, "kv_format", None)  # an fp8 pool: the K/V store quantizes
+            self.model.fused_ops = ops if kv_format is None else ops.Fp8KvOps(kv_format)
         self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
         self.max_model_len = max_model_len
         self.timing = StepTiming()

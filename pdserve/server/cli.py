@@ -52,6 +52,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='vLLM\'s JSON: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
                         '"tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}: publish the KV pool\'s '
                         'BlockStored/BlockRemoved/AllBlocksCleared events (vLLM\'s wire format) for routers')
+    p.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                   help="keep full KV blocks evicted from the KV pool in this many GiB of host memory (pinned on "
+                        "CUDA), LRU, and load them back for later prompts with the same prefix (vLLM's flag)")
+    p.add_argument("--kv-offloading-backend", default=None, choices=["native"],
+                   help="the offload implementation (vLLM's flag): native = pdserve's own host/disk tiers")
+    p.add_argument("--kv-offloading-disk-path", default=None, metavar="DIR",
+                   help="a disk tier under DIR for blocks the host tier evicts (checksummed files; not kept "
+                        "across restarts). Needs --kv-offloading-size and --kv-offloading-disk-size")
+    p.add_argument("--kv-offloading-disk-size", type=float, default=None, metavar="GIB",
+                   help="bound on the disk tier's files, in GiB (LRU beyond it)")
     p.add_argument("--structured-outputs-config", default=None,
                    help='vLLM\'s JSON: {"backend": "auto"|"guidance", "disable_any_whitespace": bool, '
                         '"disable_additional_properties": bool}')
@@ -118,6 +128,10 @@ def engine_config(args: argparse.Namespace) -> Any:
         max_waiting_requests=args.max_waiting_requests,
         kv_transfer_config=kv,
         kv_events_config=json.loads(args.kv_events_config) if args.kv_events_config else None,
+        kv_offloading_size=args.kv_offloading_size,
+        kv_offloading_backend=args.kv_offloading_backend,
+        kv_offloading_disk_path=args.kv_offloading_disk_path,
+        kv_offloading_disk_size=args.kv_offloading_disk_size,
         structured_outputs_config=json.loads(args.structured_outputs_config) if args.structured_outputs_config
         else None,
         tensor_parallel_size=args.tensor_parallel_size,
@@ -144,6 +158,19 @@ def _check_args(args: argparse.Namespace) -> str | None:
                 return "--structured-outputs-config must be a JSON object"
         except ValueError as e:
             return f"--structured-outputs-config is not valid JSON: {e}"
+    if any(v is not None for v in (args.kv_offloading_size, args.kv_offloading_backend,
+                                   args.kv_offloading_disk_path, args.kv_offloading_disk_size)):
+        from pdserve.config import EngineConfig
+
+        try:
+            EngineConfig(kv_offloading_size=args.kv_offloading_size, kv_offloading_backend=args.kv_offloading_backend,
+                         kv_offloading_disk_path=args.kv_offloading_disk_path,
+                         kv_offloading_disk_size=args.kv_offloading_disk_size,
+                         enable_prefix_caching=args.enable_prefix_caching,
+                         tensor_parallel_size=max(args.tensor_parallel_size, 1))
+        except ValueError as e:
+            return (str(e).replace("kv_offloading_", "--kv-offloading-").replace("prefix caching", "--enable-prefix-caching")
+                    .replace("tensor_parallel_size", "--tensor-parallel-size"))
     if args.kv_events_config is not None:
         from pdserve.kv_events.config import KVEventsConfig
 
@@ -255,6 +282,10 @@ def build_state(args: argparse.Namespace) -> Any:
         "tokens_only": args.tokens_only,
         # where a router subscribes to this instance's KV events (None: not published)
         "kv_events": kv_events_info(inner.kv_events, args.host, runner.block_size),
+        # the KV tiers a prefix can be found in, fastest first (the pool, then host memory and disk)
+        "kv_tiers": [{"medium": "GPU", "capacity_blocks": runner.num_blocks,
+                      "capacity_bytes": runner.num_blocks * runner.block_bytes, "device": str(runner.device)},
+                     *(inner.tiers.info() if inner.tiers is not None else [])],
     }
     model_path = str(model_arg) if model_arg and Path(model_arg).is_dir() else str(inner.model_dir)
     metrics = ServerMetrics(names[0], inner.max_model_len, engine.stats, registry=registry)

@@ -64,8 +64,49 @@ class _EngineStatsCollector(Collector):
                       s.prefix_cache_hits)
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                       s.num_preemptions)
+        tiers = getattr(s, "kv_tiers", None)
+        if tiers is not None:  # the offload tiers play vLLM's external (connector) prefix cache
+            yield counter("vllm:external_prefix_cache_queries",
+                          "External prefix cache queries, in terms of number of queried tokens.",
+                          s.external_prefix_cache_queries)
+            yield counter("vllm:external_prefix_cache_hits",
+                          "External prefix cache hits, in terms of number of cached tokens.",
+                          s.external_prefix_cache_hits)
+            yield from _tier_metrics(tiers, names, values)
         yield gauge("pdserve:num_requests_held", "Finished prefill legs whose KV blocks are held for a consumer.",
                     getattr(s, "num_held", 0))
+
+
+_TIER_COUNTERS = (
+    ("query_tokens", "pdserve:kv_tier_queries", "Prompt tokens looked up in this KV offload tier."),
+    ("hit_tokens", "pdserve:kv_tier_hits", "Prompt tokens this KV offload tier supplied (hit rate: hits/queries)."),
+    ("offload_bytes", "pdserve:kv_tier_offload_bytes", "Bytes of KV blocks stored into this tier."),
+    ("offload_seconds", "pdserve:kv_tier_offload_seconds", "Seconds spent storing KV blocks into this tier."),
+    ("load_bytes", "pdserve:kv_tier_load_bytes", "Bytes of KV blocks loaded from this tier into the KV pool."),
+    ("load_seconds", "pdserve:kv_tier_load_seconds", "Seconds spent loading KV blocks from this tier."),
+)
+
+
+def _tier_metrics(tiers: dict[str, dict[str, float]], names: list[str], values: list[str]) -> Iterator[Metric]:
+    """Per offload tier (label `medium`: CPU = host memory, DISK), from EngineStats.kv_tiers."""
+    labels = [*names, "medium"]
+    for key, name, doc in _TIER_COUNTERS:
+        c = CounterMetricFamily(name, doc, labels=labels)
+        for medium, row in tiers.items():
+            c.add_metric([*values, medium], row[key])
+        yield c
+    g = GaugeMetricFamily("pdserve:kv_tier_usage_perc", "KV offload tier usage. 1 means 100 percent usage.",
+                          labels=labels)
+    for medium, row in tiers.items():
+        g.add_metric([*values, medium], row["blocks"] / max(row["capacity_blocks"], 1))
+    yield g
+    disk = tiers.get("DISK")
+    if disk is not None:
+        c = CounterMetricFamily("pdserve:kv_tier_corrupt_blocks",
+                                "Disk-tier block files that failed verification (dropped and recomputed).",
+                                labels=names)
+        c.add_metric(values, disk.get("corrupt_blocks", 0))
+        yield c
 
 
 class ServerMetrics:

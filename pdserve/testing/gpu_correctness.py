@@ -259,6 +259,93 @@ def check_ops(dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> list
     return res
 
 
+def fp8_case(c: PagedCase, kv_format_name: str) -> tuple[PagedCase, PagedCase]:
+    """The case with its pool quantized to fp8 rows (pdserve.attention.fp8_kv), and the same case over the
+    dequantized pool in the case's dtype: what the fp8 kernels must compute is attention over the latter."""
+    import dataclasses
+
+    from pdserve.attention import fp8_kv
+
+    fmt = fp8_kv.fp8_format(kv_format_name)
+    raw = fp8_kv.quantize_rows(c.pool, fmt)
+    return dataclasses.replace(c, pool=raw), dataclasses.replace(c, pool=fp8_kv.dequantize_rows(raw, fmt, c.q.dtype))
+
+
+def check_fp8_kernels(dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
+                      cases: list[dict[str, Any]] | None = None, formats: tuple[str, ...] = ("fp8_e4m3", "fp8_e5m2"),
+                      block_size: int = 16, tile_n: int | None = None, block_m: int | None = None,
+                      splits_list: tuple[int, ...] = (1, 3, 16)) -> list[dict[str, Any]]:
+    """The kernels over an fp8 pool: attention vs SDPA in float32 over the dequantized pool; the K/V
+    stores (plain, and fused with RoPE) byte-for-byte vs fp8_kv.quantize_rows of the rows they store into a
+    float pool (the fused RoPE's own rounding is check_ops' business), padding slots skipped."""
+    from pdserve.attention import fp8_kv
+    from pdserve.attention import triton_kernels as tk
+    from pdserve.gpu import ops
+
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    ref = SdpaReference(torch.float32)
+    sizes = {} if tile_n is None else {"tile_n": tile_n}
+    results: list[dict[str, Any]] = []
+    for name in formats:
+        fmt = fp8_kv.fp8_format(name)
+        for n, case in enumerate(cases or KERNEL_CASES):
+            c8, cf = fp8_case(make_paged_case(case["q"], case["s"], case["h"], case["kvh"], case["d"], dtype=dtype,
+                                              device=device, seed=200 + n, block_size=block_size), name)
+            scale = case["d"] ** -0.5
+            want = ref.forward(cf.q, cf.k_cache, cf.v_cache, cf.meta, scale).float()
+            if c8.meta.decode_only:
+                for splits in splits_list:
+                    out = torch.full_like(c8.q, float("nan"))
+                    tk.decode_attention(c8.q, c8.k_cache, c8.v_cache, c8.meta.block_tables, c8.meta.seq_lens, scale,
+                                        splits, out=out, kv_format=fmt, **sizes)
+                    err = rel_err(out, want)
+                    results.append({"kernel": f"decode[{name}]", "case": case["name"], "splits": splits,
+                                    "rel_err": err, "ok": err < tol})
+            out = torch.full_like(c8.q, float("nan"))
+            extra = sizes if block_m is None else {**sizes, "block_m": block_m}
+            tk.prefill_attention(c8.q, c8.k_cache, c8.v_cache, c8.meta.block_tables, c8.meta.seq_lens,
+                                 c8.meta.query_start_loc, scale, len(case["q"]), out=out, kv_format=fmt, **extra)
+            err = rel_err(out, want)
+            results.append({"kernel": f"prefill[{name}]", "case": case["name"], "rel_err": err, "ok": err < tol})
+
+        # the stores: same bytes as the CPU path's quantize_rows, slot -1 skipped, nothing else touched
+        gen = torch.Generator().manual_seed(11)
+        heads, kvh, d, t = 8, 4, 64, 14
+        cfloat = make_paged_case([t], [t + 3], heads, kvh, d, dtype=dtype, device=device, seed=12,
+                                 block_size=block_size)
+        c8, _ = fp8_case(cfloat, name)
+        qkv = torch.randn((t, (heads + 2 * kvh) * d), generator=gen)
+        qkv = (qkv * torch.exp(2 * torch.randn((t, 1), generator=gen))).to(dtype=dtype, device=device)
+        q, k, v = qkv.split([heads * d, kvh * d, kvh * d], dim=-1)
+        q, k, v = q.view(t, heads, d), k.view(t, kvh, d), v.view(t, kvh, d)
+        slots = c8.meta.slot_mapping.clone()
+        slots[1] = -1
+        keep = slots >= 0
+        blk = torch.div(slots[keep], block_size, rounding_mode="floor")
+        emb = torch.randn((t, d // 2), generator=gen).to(device)
+        cos, sin = torch.cat((emb, emb), -1).cos().to(dtype), torch.cat((emb, emb), -1).sin().to(dtype)
+        for op in ("write_kv", "rope_and_write_kv"):
+            pool = c8.pool.clone()
+            kc, vc = pool[:, c8.layer, 0], pool[:, c8.layer, 1]
+            want_pool = c8.pool.clone()
+            k_rows = k[keep]
+            if op == "rope_and_write_kv":  # the rows the float kernel stores
+                fpool = cfloat.pool.clone()
+                ops.rope_and_write_kv(q, k, v, cos, sin, fpool[:, c8.layer, 0], fpool[:, c8.layer, 1], slots,
+                                      block_size)
+                k_rows = fpool[:, c8.layer, 0][blk, slots[keep] % block_size]
+            want_pool[:, c8.layer, 0][blk, slots[keep] % block_size] = fp8_kv.quantize_rows(k_rows, fmt)
+            want_pool[:, c8.layer, 1][blk, slots[keep] % block_size] = fp8_kv.quantize_rows(v[keep], fmt)
+            if op == "write_kv":
+                tk.write_kv(kc, vc, k, v, slots, block_size, fmt)
+            else:
+                ops.Fp8KvOps(fmt).rope_and_write_kv(q, k, v, cos, sin, kc, vc, slots, block_size)
+            diff = int((pool != want_pool).sum())
+            results.append({"kernel": f"{op}[{name}]", "case": "bytes vs fp8_kv.quantize_rows", "bytes_differing": diff,
+                            "ok": diff == 0})
+    return results
+
+
 # ---------------------------------------------------------------------------------------------------
 # 2. engines on tiny float32 models
 # ---------------------------------------------------------------------------------------------------

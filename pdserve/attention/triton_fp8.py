@@ -1,0 +1,104 @@
+"""fp8 KV rows inside Triton kernels: the bytes `pdserve.attention.fp8_kv` writes, produced and read on the GPU.
+
+A row of an fp8 pool is head_dim fp8 values followed by its bfloat16 scale (fp8_kv's docstring says why).
+The write side must give the same bytes as `fp8_kv.quantize_rows` (a pool written on the GPU and one written
+on the CPU are interchangeable: P/D handoffs between them, prefix-cached blocks, tests that compare them), so
+every rounding step is spelled out here instead of left to conversion instructions:
+
+- the scale: amax / fp8_max, divided with IEEE rounding (`div_rn`; Triton's `/` on float32 is approximate),
+  clamped to >= 1e-30, then rounded to bfloat16 to nearest even by integer arithmetic;
+- the values: x / scale (div_rn), clamped to +-fp8_max, then rounded to fp8 to nearest even by integer
+  arithmetic (`encode_fp8`). Hardware `cvt` would also round to nearest even on an H200, but Triton's CPU
+  interpreter (how CI runs these kernels) truncates in both conversions, which the arithmetic avoids.
+
+The read side converts fp8 -> the compute dtype (exact: every e4m3/e5m2 value is a bfloat16/float16/float32
+value) and applies the row's scale outside the matrix products: S = (q . k8) * k_scale per key column, and
+P V = (P * v_scale per key column) . v8. So no dequantized K/V tile is ever materialized.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from pdserve.attention import fp8_kv
+
+_LAYOUT = {  # (mantissa bits, exponent bias) of the OCP formats torch calls float8_e4m3fn and float8_e5m2
+    "fp8_e4m3": (3, 7),
+    "fp8_e5m2": (2, 15),
+}
+
+
+def kernel_args(fmt: fp8_kv.Fp8Format | None) -> dict:
+    """The constexprs a kernel that reads or writes a KV cache needs: KV_FP8 False for a float cache."""
+    if fmt is None:
+        return {"KV_FP8": False, "FP8_MAX": 0.0, "FP8_MANT": 0, "FP8_BIAS": 0, "FP8_SUB_SCALE": 0.0}
+    mant, bias = _LAYOUT[fmt.name]
+    return {
+        "KV_FP8": True,
+        "FP8_MAX": fmt.max,
+        "FP8_MANT": mant,
+        "FP8_BIAS": bias,
+        # values below the smallest normal (2^(1 - bias)) are multiples of 2^(1 - bias - mant)
+        "FP8_SUB_SCALE": float(2 ** (bias - 1 + mant)),
+    }
+
+
+@triton.jit
+def bf16_bits(x):
+    """float32 x (positive, finite) -> its bfloat16 rounding to nearest even, as float32 bits (int32)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 == 0xFFFF0000 as int32
+
+
+@triton.jit
+def row_scale_bits(amax, FP8_MAX: tl.constexpr):
+    """A row's scale from its largest magnitude: bfloat16(max(amax / FP8_MAX, 1e-30)) as float32 bits."""
+    return bf16_bits(tl.maximum(tl.math.div_rn(amax, FP8_MAX), 1e-30))
+
+
+@triton.jit
+def encode_fp8(x, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_SUB_SCALE: tl.constexpr):
+    """float32 x with |x| <= the format's max -> fp8 bits (uint8), rounded to nearest even like torch's cast."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    SHIFT: tl.constexpr = 23 - FP8_MANT
+    # normal range: drop 23 - mant mantissa bits, rounding to nearest even (a carry bumps the exponent), rebias
+    normal = ((a + ((1 << (SHIFT - 1)) - 1) + ((a >> SHIFT) & 1)) >> SHIFT) - ((127 - FP8_BIAS) << FP8_MANT)
+    # subnormal range: the count of the smallest steps, rounded by float32 addition of 2^23 (nearest even)
+    # (the min keeps the unused lanes of normal values in int32 range)
+    steps = (tl.minimum(a.to(tl.float32, bitcast=True), 1.0) * FP8_SUB_SCALE + 8388608.0) - 8388608.0
+    code = tl.where(a < ((128 - FP8_BIAS) << 23), steps.to(tl.int32), normal)
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def quantize_values(x, scale, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr,
+                    FP8_SUB_SCALE: tl.constexpr):
+    """float32 x / scale (broadcastable float32), clamped to the format's range, as fp8 bits (uint8)."""
+    v = tl.math.div_rn(x, scale)
+    v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
+    return encode_fp8(v, FP8_MANT, FP8_BIAS, FP8_SUB_SCALE)
+
+
+@triton.jit
+def store_scale(row_ptrs, scale_bits, mask, D: tl.constexpr):
+    """Writes each row's scale (float32 bits of a bfloat16 value) into the row's two bytes after D values."""
+    tl.store((row_ptrs + D).to(tl.pointer_type(tl.int16)), (scale_bits >> 16).to(tl.int16), mask=mask)
+
+
+@triton.jit
+def load_scale(row_ptrs, mask, D: tl.constexpr):
+    """Each row's bfloat16 scale as float32 (0 where masked)."""
+    raw = tl.load((row_ptrs + D).to(tl.pointer_type(tl.int16)), mask=mask, other=0)
+    return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def as_fp8(raw, FP8_MANT: tl.constexpr):
+    """uint8 bytes reinterpreted as the pool's fp8 type (convert with .to(dtype) after)."""
+    if FP8_MANT == 3:
+        return raw.to(tl.float8e4nv, bitcast=True)
+    else:
+        return raw.to(tl.float8e5, bitcast=True)
