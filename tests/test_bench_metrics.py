@@ -225,3 +225,17 @@ def test_spec_validation() -> None:
     ):
         with pytest.raises(ValueError):
             _spec(**bad)
+
+
+def test_cached_prompt_tokens_from_usage() -> None:
+    outs = timeline()
+    m, _ = calculate_metrics(outs, 2.0, count_words, [50], {})
+    assert m.total_cached_input is None  # no server said: no "Cached input tokens" row
+    assert "Cached input tokens" not in format_block(BenchSpec(), m, 2.0, {}, ["ttft"], [50], outs)
+    outs[0].cached_tokens, outs[1].cached_tokens = 8, 0
+    outs[3].cached_tokens = 50  # a failed request: not counted
+    m, _ = calculate_metrics(outs, 2.0, count_words, [50], {})
+    assert m.total_cached_input == 8
+    block = format_block(BenchSpec(), m, 2.0, {}, ["ttft"], [50], outs)
+    assert "Cached input tokens:" in block and "Computed input tokens:" in block
+    assert build_result(BenchSpec(), outs, [1] * 5, m, 2.0, {}, ["ttft"], [50])["total_cached_input_tokens"] == 8

@@ -242,3 +242,25 @@ def test_server_serves_prefix_from_disk_and_host_tiers(tmp_path):
         sub.close(linger=0)
         ctx.term()
         srv.stop()
+
+
+def test_abort_while_disk_read_parked(tiny_llama, tmp_path):
+    engine = _engine(tiny_llama, pool_blocks=12, host_blocks=2, disk=tmp_path / "kv", disk_mib=1)
+    prefix = _prompts(21, 1, 4 * BS)[0]
+    run_engine(engine, [prefix + [1]], GREEDY)
+    _evict_with(engine, seed=22)
+    engine.tiers.disk.flush()
+    assert block_hashes(prefix, BS)[0] in engine.tiers.disk
+    engine.add_request("parked", prefix + [3, 3], GREEDY)
+    engine.step()  # starts the disk read and parks the request
+    assert "parked" in engine.tier_loader.parked and engine.stats().num_waiting == 1
+    out = engine.abort_request("parked")
+    assert out is not None and out.finished and out.finish_reason == "abort"
+    assert not engine.tier_loader.parked and not engine.has_unfinished()
+    for _ in range(50):  # the read's result arrives for nobody: ignored
+        engine.step()
+        if engine.tiers._done.empty() and engine.tiers._reads.empty():
+            break
+    again = prefix + [3, 3]
+    assert run_engine(engine, [again], GREEDY) == hf_greedy(tiny_llama, [again], 6)
+    engine.shutdown()

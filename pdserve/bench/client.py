@@ -171,6 +171,9 @@ async def _stream_request(
                             out.output_tokens = int(usage.get("completion_tokens") or 0)
                             if usage.get("prompt_tokens") is not None:
                                 out.prompt_len = int(usage["prompt_tokens"])
+                            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                            if type(cached) is int:
+                                out.cached_tokens = cached
 
                 async for chunk in resp.content.iter_any():
                     handle(decoder.feed(chunk))

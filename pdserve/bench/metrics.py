@@ -55,6 +55,8 @@ class BenchmarkMetrics:
     max_concurrent_requests: int
     good_completed: int = 0
     errors: list[str] = field(default_factory=list)
+    # prompt tokens the server reported as not computed (prefix cache or offload tiers); None: never reported
+    total_cached_input: int | None = None
 
 
 def summarize(values_s: Sequence[float], percentiles: Sequence[float]) -> MetricStats:
@@ -163,6 +165,7 @@ def calculate_metrics(
     """
     actual_output_lens: list[int] = []
     total_input = 0
+    total_cached: int | None = None
     completed = 0
     itls: list[float] = []
     tpots: list[float] = []
@@ -178,6 +181,8 @@ def calculate_metrics(
             output_len = count_tokens(out.generated_text) if count_tokens is not None else 1
         actual_output_lens.append(output_len)
         total_input += out.prompt_len
+        if out.cached_tokens is not None:
+            total_cached = (total_cached or 0) + out.cached_tokens
         tpot = 0.0
         if output_len > 1:
             tpot = (out.latency - out.ttft) / (output_len - 1)
@@ -219,5 +224,6 @@ def calculate_metrics(
         max_concurrent_requests=max_conc,
         good_completed=good_completed,
         errors=[o.error for o in outputs if not o.success],
+        total_cached_input=total_cached,
     )
     return metrics, actual_output_lens

@@ -77,6 +77,9 @@ def format_block(
         lines.append(_float_row("Request rate configured (RPS):", spec.request_rate))
     lines.append(_float_row("Benchmark duration (s):", duration))
     lines.append(_int_row("Total input tokens:", metrics.total_input))
+    if metrics.total_cached_input is not None:  # what the server said it did not compute (any cache tier)
+        lines.append(_int_row("Cached input tokens:", metrics.total_cached_input))
+        lines.append(_int_row("Computed input tokens:", metrics.total_input - metrics.total_cached_input))
     if show_latency:
         lines.append(_int_row("Total generated tokens:", metrics.total_output))
     lines.append(_float_row("Request throughput (req/s):", metrics.request_throughput))
@@ -119,6 +122,8 @@ def build_result(
         "completed": metrics.completed,
         "failed": metrics.failed,
         "total_input_tokens": metrics.total_input,
+        "total_cached_input_tokens": metrics.total_cached_input,
+        "cached_tokens": [o.cached_tokens for o in outputs],
         "total_output_tokens": metrics.total_output,
         "request_throughput": metrics.request_throughput,
         "request_goodput": metrics.request_goodput if goodput else None,

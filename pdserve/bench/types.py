@@ -45,6 +45,7 @@ class RequestOutput:
     ttft: float = 0.0
     itl: list[float] = field(default_factory=list)
     prompt_len: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens: prompt tokens not computed
     error: str = ""
     start_time: float = 0.0
     client_queue_time: float = 0.0

@@ -302,13 +302,17 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs = self._step()
+        self.publish_kv_events()
+        return outputs
+
+    def publish_kv_events(self) -> None:
+        """One batch with whatever the pool (and the tiers) gained or lost since the last one, as vLLM's
+        scheduler publishes once per step; the async loop also calls it when idle (disk writes finish
+        in the background)."""
         if self.kv_events is not None:
-            # one batch per step with whatever the pool (and the tiers) gained or lost in it, as vLLM's
-            # scheduler publishes
             events = self.blocks.take_events(self.tiers.take_events() if self.tiers is not None else ())
             if events:
                 self.kv_events.publish(KVEventBatch(ts=time.time(), events=events))
-        return outputs
 
     def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
