@@ -22,13 +22,22 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 from bench_procs import stop, wait_healthy
 
-from pdserve.api.pd import build_decode_body, build_prefill_body, without_first_token
+from pdserve.api.pd import (
+    KV_PARAMS_PATH,
+    build_decode_body,
+    build_prefill_body,
+    early_decode_params,
+    params_delivery,
+    without_first_token,
+)
 
 
 def free_port() -> int:
@@ -50,6 +59,9 @@ class Instance:
         if args.gpu:
             cmd += ["--gpu-memory-utilization", str(util or args.gpu_memory_utilization)]
         env = dict(os.environ)
+        # the engine's per-request lifecycle (monotonic clock, shared with this client): the breakdown
+        self.step_log = logdir / f"{name}-steps.jsonl"
+        env["PDSERVE_STEP_LOG"] = str(self.step_log)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
         if cpus:
@@ -83,21 +95,21 @@ class Instance:
 CLIENT = httpx.Client(timeout=600, trust_env=False)
 
 
-def stream_completion(url: str, body: dict, t0: float) -> tuple[float, float, int]:
-    """(ttft s, end s, completion tokens), times relative to t0."""
+def stream_completion(url: str, body: dict, t0: float, rid: str) -> tuple[float, float, int]:
+    """(ttft s, end s, completion tokens), times relative to t0 (a `time.monotonic()` reading)."""
     ttft = None
     tokens = 0
-    with CLIENT.stream("POST", f"{url}/v1/completions", json=body) as r:
+    with CLIENT.stream("POST", f"{url}/v1/completions", json=body, headers={"X-Request-Id": rid}) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
             if chunk.get("choices") and ttft is None:
-                ttft = time.perf_counter() - t0
+                ttft = time.monotonic() - t0
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-    end = time.perf_counter() - t0
+    end = time.monotonic() - t0
     assert ttft is not None
     return ttft, end, tokens
 
@@ -109,35 +121,150 @@ def body_for(args: argparse.Namespace, i: int) -> dict:
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 
 
-def run_collocated(inst: Instance, args: argparse.Namespace) -> list[tuple[float, float]]:
+@dataclass
+class Timed:
+    """One timed request: client-side times on the monotonic clock the engines' step logs use."""
+
+    rid: str  # its X-Request-Id (the engines' request ids start with cmpl-<rid>)
+    t0: float  # the client starts (collocated: sends the request; P/D: sends the prefill leg)
+    ttft: float  # s after t0
+    tps: float  # decode tokens/s
+    params_at: float | None = None  # P/D: the prefill's params received (s after t0)
+    decode_sent: float | None = None  # P/D: the decode leg about to be sent (s after t0)
+    early: bool = False  # the decode leg went out with the prefill leg, its params after the prefill
+
+
+def run_collocated(inst: Instance, args: argparse.Namespace) -> list[Timed]:
     res = []
     for i in range(args.num_requests + 1):
-        t0 = time.perf_counter()
-        ttft, end, n = stream_completion(inst.url, body_for(args, i), t0)
+        rid = f"colo-{i}"
+        t0 = time.monotonic()
+        ttft, end, n = stream_completion(inst.url, body_for(args, i), t0, rid)
         if i > 0:  # the first request warms up
-            res.append((ttft, (n - 1) / (end - ttft)))
+            res.append(Timed(rid, t0, ttft, (n - 1) / (end - ttft)))
     return res
 
 
 def run_disagg(p: Instance, d: Instance, args: argparse.Namespace, first_token: bool = True,
-               offset: int = 0) -> list[tuple[float, float]]:
+               offset: int = 0) -> list[Timed]:
     """first_token=False drops the producer's first token from the params, as a vLLM producer sends them:
     the decode instance then recomputes the last prompt token (the A/B of the same servers in one run)."""
     res = []
     for i in range(args.num_requests + 1):
         body = body_for(args, offset + i)
-        t0 = time.perf_counter()
-        params = CLIENT.post(f"{p.url}/v1/completions", json=build_prefill_body(body)).json()["kv_transfer_params"]
+        rid = f"pd{'ft' if first_token else 'rc'}-{i}"
+        t0 = time.monotonic()
+        params = CLIENT.post(f"{p.url}/v1/completions", json=build_prefill_body(body),
+                             headers={"X-Request-Id": rid}).json()["kv_transfer_params"]
+        params_at = time.monotonic() - t0
         if not first_token:
             params = without_first_token(params)
-        ttft, end, n = stream_completion(d.url, build_decode_body(body, params), t0)
+        decode_body = build_decode_body(body, params)
+        decode_sent = time.monotonic() - t0
+        ttft, end, n = stream_completion(d.url, decode_body, t0, rid)
         if i > 0:
-            res.append((ttft, (n - 1) / (end - ttft)))
+            res.append(Timed(rid, t0, ttft, (n - 1) / (end - ttft), params_at, decode_sent))
     return res
 
 
-def summarize(rows: list[tuple[float, float]]) -> tuple[float, float]:
-    return statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows)
+def _stream_into(into: dict, url: str, body: dict, t0: float, rid: str) -> None:
+    into["out"] = stream_completion(url, body, t0, rid)
+
+
+def run_early(p: Instance, d: Instance, args: argparse.Namespace, offset: int = 0) -> list[Timed]:
+    """The decode leg sent together with the prefill leg (its params come later, `pd.early_decode_params`),
+    then the prefill's params delivered to the decode instance (`pd.KV_PARAMS_PATH`), as `pdserve proxy`
+    does for pdserve decode instances: the decode leg's HTTP, parsing and admission overlap the prefill."""
+    res = []
+    for i in range(args.num_requests + 1):
+        body = body_for(args, offset + i)
+        rid = f"pdearly-{i}"
+        got: dict[str, tuple[float, float, int]] = {}
+        t0 = time.monotonic()
+        leg = threading.Thread(target=_stream_into, args=(got, d.url, build_decode_body(body, early_decode_params(rid)),
+                                                          t0, rid))
+        leg.start()
+        try:
+            params = CLIENT.post(f"{p.url}/v1/completions", json=build_prefill_body(body),
+                                 headers={"X-Request-Id": rid}).json()["kv_transfer_params"]
+            params_at = time.monotonic() - t0
+            CLIENT.post(f"{d.url}{KV_PARAMS_PATH}", json=params_delivery(rid, params)).raise_for_status()
+        finally:
+            leg.join(600)
+        ttft, end, n = got["out"]
+        if i > 0:
+            res.append(Timed(rid, t0, ttft, (n - 1) / (end - ttft), params_at, 0.0, early=True))
+    return res
+
+
+def lifecycles(inst: Instance) -> dict[str, dict]:
+    """The engine's finished-request lines (step log), by the client's request id."""
+    out: dict[str, dict] = {}
+    if not inst.step_log.exists():
+        return out
+    for line in inst.step_log.read_text().splitlines():
+        rec = json.loads(line)
+        rid = rec.get("request")
+        if rid and rid.startswith("cmpl-"):
+            out[rid[5:]] = rec
+    return out
+
+
+def _find(recs: dict[str, dict], rid: str) -> dict | None:
+    return next((r for k, r in recs.items() if k == rid or k.startswith(rid + "-")), None)
+
+
+def breakdown(rows: list[Timed], engine: dict[str, dict], producer: dict[str, dict] | None = None) -> dict[str, float]:
+    """Median ms of each phase from the client's start to its first token. Collocated: ingress (client
+    send to engine arrival: HTTP, parsing, validation, the engine thread picking it up), engine (arrival to
+    first token), egress (to the client's first chunk). P/D adds the prefill leg's ingress, engine and
+    egress (to its params at the client), the client's decode body, and the decode engine's load phases."""
+    cols: dict[str, list[float]] = {}
+
+    def put(k: str, v: float | None) -> None:
+        if v is not None:
+            cols.setdefault(k, []).append(v * 1e3)
+
+    for r in rows:
+        d = _find(engine, r.rid)
+        if d is None:
+            continue
+        ms = lambda key, rec=d: None if rec.get(key) is None else rec[key] / 1e3  # noqa: E731
+        sent = r.t0 if r.decode_sent is None else r.t0 + r.decode_sent
+        if producer is not None and r.params_at is not None:
+            pr = _find(producer, r.rid)
+            if pr is not None:
+                put("P ingress", pr["t"] - r.t0)
+                put("P engine", pr["finished_ms"] / 1e3)
+                put("P egress", r.t0 + r.params_at - (pr["t"] + pr["finished_ms"] / 1e3))
+            if not r.early:
+                put("client body", r.decode_sent - r.params_at)
+        if r.early:
+            # the decode leg arrived during the prefill; what counts is the params' way to the load start
+            put("params to load start", d["t"] + ms("load_start_ms") - (r.t0 + r.params_at))
+        else:
+            put("ingress", d["t"] - sent)
+        if d.get("load_start_ms") is not None:
+            if not r.early:
+                put("to load start", ms("load_start_ms"))
+            # from the first token, the lease claim (emitted then) or the READ plus a model step (recompute)
+            put("load start to token", ms("first_token_ms") - ms("load_start_ms"))
+            put("(READ+release", ms("load_done_ms") - ms("load_start_ms"))
+        else:
+            put("engine", ms("first_token_ms"))
+        put("egress", r.t0 + r.ttft - (d["t"] + ms("first_token_ms")))
+    return {k: statistics.median(v) for k, v in cols.items()}
+
+
+def show_breakdown(name: str, parts: dict[str, float]) -> None:
+    """Parts named "(..." overlap the others (shown, not summed)."""
+    chain = sum(v for k, v in parts.items() if not k.startswith("("))
+    print(f"{name:12} " + ", ".join(f"{k} {v:.2f}" + (")" if k.startswith("(") else "") for k, v in parts.items())
+          + f" (ms, p50; chain {chain:.1f})")
+
+
+def summarize(rows: list[Timed]) -> tuple[float, float]:
+    return statistics.median(r.ttft for r in rows), statistics.median(r.tps for r in rows)
 
 
 def main() -> None:
@@ -170,7 +297,8 @@ def main() -> None:
     print(f"logs in {logdir}", file=sys.stderr)
     kv = '{"kv_connector":"NixlConnector","kv_role":"%s","kv_connector_extra_config":{"transfer_timeout_s":30}}'
 
-    colo_rows = []
+    colo_rows: list[Timed] = []
+    colo_life: dict[str, dict] = {}
     if not args.pd_only:
         colo = Instance("collocated", args, logdir, [], set(range(ncpu)) if pin else None, gpus[0])
         try:
@@ -178,6 +306,7 @@ def main() -> None:
             colo_rows = run_collocated(colo, args)
         finally:
             colo.stop()
+        colo_life = lifecycles(colo)
     p = Instance("prefill", args, logdir, ["--kv-transfer-config", kv % "kv_producer", "--side-channel-port", "0"],
                  set(range(half)) if pin else None, gpus[0])
     if args.gpu and not args.gpus:
@@ -194,9 +323,11 @@ def main() -> None:
         pd_rows = run_disagg(p, d, args)
         after = d.metrics()
         recompute_rows = run_disagg(p, d, args, first_token=False, offset=1000)
+        early_rows = run_early(p, d, args, offset=2000)
     finally:
         p.stop()
         d.stop()
+    p_life, d_life = lifecycles(p), lifecycles(d)
 
     def delta(k: str) -> float:
         return after.get(k, 0.0) - before.get(k, 0.0)
@@ -207,6 +338,7 @@ def main() -> None:
     c_ttft, c_tps = summarize(colo_rows) if colo_rows else (float("nan"), float("nan"))
     d_ttft, d_tps = summarize(pd_rows)
     r_ttft, r_tps = summarize(recompute_rows)
+    e_ttft, e_tps = summarize(early_rows)
     where = (f"GPU: P on GPU {gpus[0]}, D on GPU {gpus[-1]}, collocated on GPU {gpus[0]}" if args.gpus else
              "GPU (two processes sharing one GPU)") if args.gpu else (f"CPU, P on cores 0-{half - 1}, D on {half}-{ncpu - 1}, "
                                                             f"collocated on all {ncpu}")
@@ -216,13 +348,21 @@ def main() -> None:
     print(f"{'collocated':12} {c_ttft * 1e3:12.1f} {c_tps:17.1f}")
     print(f"{'1P1D':12} {d_ttft * 1e3:12.1f} {d_tps:17.1f}   (decode starts from the prefill's first token)")
     print(f"{'1P1D recomp':12} {r_ttft * 1e3:12.1f} {r_tps:17.1f}   (first token dropped: a vLLM producer's params)")
-    print(f"TPOT p50 ms: 1P1D {1e3 / d_tps:.2f}, 1P1D recomp {1e3 / r_tps:.2f}, collocated {1e3 / c_tps:.2f}")
+    print(f"{'1P1D early':12} {e_ttft * 1e3:12.1f} {e_tps:17.1f}   (decode leg sent with the prefill leg, params after)")
+    print(f"TPOT p50 ms: 1P1D {1e3 / d_tps:.2f}, 1P1D recomp {1e3 / r_tps:.2f}, 1P1D early {1e3 / e_tps:.2f}, "
+          f"collocated {1e3 / c_tps:.2f}")
     print(f"ratios (1P1D / collocated): TTFT {d_ttft / c_ttft:.2f}x, decode tokens/s {d_tps / c_tps:.2f}x")
     print(f"TTFT added by the handoff: {(d_ttft - c_ttft) * 1e3:+.1f} ms from the first token, "
-          f"{(r_ttft - c_ttft) * 1e3:+.1f} ms by recompute")
+          f"{(r_ttft - c_ttft) * 1e3:+.1f} ms by recompute, {(e_ttft - c_ttft) * 1e3:+.1f} ms with the early decode leg")
     print(f"KV handoff: {n_xfer:.0f} transfers, {xfer_bytes / 2**20:.1f} MiB each, NIXL READ {xfer_s * 1e3:.2f} ms "
           f"= {xfer_bytes / max(xfer_s, 1e-9) / 1e9:.2f} GB/s; handoff share of collocated TTFT "
           f"{xfer_s / c_ttft * 100:.1f}%")
+    print("where the time to the first token went (client and engines on one monotonic clock):")
+    if colo_rows:
+        show_breakdown("collocated", breakdown(colo_rows, colo_life))
+    show_breakdown("1P1D", breakdown(pd_rows, d_life, p_life))
+    show_breakdown("1P1D recomp", breakdown(recompute_rows, d_life, p_life))
+    show_breakdown("1P1D early", breakdown(early_rows, d_life, p_life))
 
 
 if __name__ == "__main__":

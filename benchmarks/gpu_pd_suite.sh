@@ -71,7 +71,7 @@ for stage in "${stages[@]}"; do
       done 2>&1 | tee "$OUT/kv.txt" ;;
     pd1)
       timeout 300 python3 benchmarks/bench_pd.py --model Llama-3.1-8B --load-format dummy --gpu \
-        --prompt-len 8192 --output-len 64 --num-requests 5 "${SERVE_ARGS[@]}" 2>&1 | tail -16 | tee "$OUT/pd1.txt" ;;
+        --prompt-len 8192 --output-len 64 --num-requests 5 "${SERVE_ARGS[@]}" 2>&1 | tail -24 | tee "$OUT/pd1.txt" ;;
     pd2)
       [ "$NGPU" -lt 2 ] && continue
       timeout 300 python3 benchmarks/bench_pd.py --model Llama-3.1-8B --load-format dummy --gpus 0,1 \

@@ -229,6 +229,8 @@ def test_1p1d_through_proxy_matches_collocated(pd: dict[str, Server]) -> None:
     assert sum(long for _, _, long in CASES) <= transfers <= len(CASES)
     metrics = http.get(f"{proxy}/metrics").text
     assert _metric(metrics, 'pdserve_proxy_requests_total{path="disagg"}') == len(CASES)
+    # pdserve decode instances get their leg with the prefill leg, the params after it (the default)
+    assert _metric(metrics, "pdserve_proxy_early_decode_legs_total") == len(CASES)
     errors = [
         line
         for line in metrics.splitlines()
@@ -269,5 +271,33 @@ def test_1p1d_prefill_instance_down_fails_cleanly(pd: dict[str, Server]) -> None
         assert resp.status_code == 503 and resp.json()["error"]["type"] == "ServiceUnavailableError"
         assert int(resp.headers["Retry-After"]) >= 1
         assert "no prefill instance available" in resp.json()["error"]["message"]
+        # the decode leg sent with the failed prefill leg (early) was dropped: nothing waits for params there
+        for _ in range(120):
+            if _metric(http.get(f"{pd['decode'].url}/metrics").text, "vllm:num_requests_waiting") == 0:
+                break
+            time.sleep(0.25)
+        else:
+            raise AssertionError("a decode leg still waits for its params on the decode instance")
+    finally:
+        proxy.stop()
+
+
+def test_1p1d_without_early_decode_leg_matches_collocated(pd: dict[str, Server]) -> None:
+    """--no-early-decode-leg: the decode leg goes out once the prefill answered, with its params (the order
+    vLLM decode instances always get)."""
+    proxy = Server(
+        [sys.executable, "-m", "pdserve", "proxy", "--host", "127.0.0.1", "--port", "0", "--prefill",
+         pd["prefill"].url or "", "--decode", pd["decode"].url or "", "--no-early-decode-leg"],
+        pd["proxy"].log.parent / "proxy-no-early.log",
+    )
+    try:
+        proxy.wait_ready()
+        for route, case, _ in CASES[1:3]:
+            body = {"model": MODEL, "temperature": 0.0, **case}
+            via_proxy = _text(route, http.post(f"{proxy.url}/v1/{route}", json=body))
+            assert via_proxy == _text(route, http.post(f"{pd['prefill'].url}/v1/{route}", json=body)), route
+        metrics = http.get(f"{proxy.url}/metrics").text
+        assert _metric(metrics, 'pdserve_proxy_requests_total{path="disagg"}') == 2
+        assert _metric(metrics, "pdserve_proxy_early_decode_legs_total") == 0
     finally:
         proxy.stop()

@@ -315,6 +315,40 @@ def parse_first_token(params: Mapping[str, Any]) -> FirstToken | None:
     return FirstToken(token_id, float(lp["logprob"]), rank, tuple((int(t), float(v)) for t, v in top))
 
 
+# ---- the decode leg sent before its params (pdserve decode instances only) ------------------------------
+# A proxy may send the decode leg while the prefill leg runs, so that its HTTP, parsing, validation and
+# admission overlap the prefill; its kv_transfer_params say only that the params come later, under a key
+# the proxy chose, and the prefill's params follow on KV_PARAMS_PATH with that key. A vLLM decode instance
+# has no such route: proxies use it only where the instance says it serves it (/pdserve/info).
+PARAMS_LATER = "params_later"
+KV_PARAMS_PATH = "/pdserve/v1/kv_params"
+_MAX_KEY_CHARS = 200
+
+
+def early_decode_params(key: str) -> dict[str, Any]:
+    """A decode leg's kv_transfer_params before the prefill answered: the params come later under `key`."""
+    return {"do_remote_prefill": True, PARAMS_LATER: key}
+
+
+def params_later_key(params: Any) -> str | None:
+    """The key of a decode leg whose params come later, or None (the params are here, or none at all).
+    A malformed key is an InvalidKVTransferParams (400)."""
+    if not is_remote_prefill(params) or PARAMS_LATER not in params:
+        return None
+    key = params[PARAMS_LATER]
+    if not isinstance(key, str) or not 0 < len(key) <= _MAX_KEY_CHARS:
+        raise _bad(f"{PARAMS_LATER} must be a non-empty string of at most {_MAX_KEY_CHARS} characters")
+    if len(params) != 2:
+        extra = sorted(k for k in params if k not in ("do_remote_prefill", PARAMS_LATER))
+        raise _bad(f"{PARAMS_LATER} comes alone with do_remote_prefill (the params follow); got {extra}")
+    return key
+
+
+def params_delivery(key: str, kv_params: Mapping[str, Any]) -> dict[str, Any]:
+    """The body of `POST KV_PARAMS_PATH`: the prefill's params for the decode leg waiting under `key`."""
+    return {"key": key, "kv_transfer_params": dict(kv_params)}
+
+
 # ---- the decode instance's validation ------------------------------------------------------------------
 class InvalidKVTransferParams(ValueError):
     """`kv_transfer_params` of a request are missing, partial or malformed (the server answers 400)."""

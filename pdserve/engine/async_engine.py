@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pdserve.config import EngineConfig
-from pdserve.engine.engine import EngineStats, LLMEngine
+from pdserve.engine.engine import DeliveryRefused, EngineStats, LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -46,6 +46,9 @@ class AsyncEngine:
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        if self.engine.connector is not None:
+            # a claimed lease or an ended load wakes the engine thread at once (not at its next 1 ms poll)
+            self.engine.connector.set_notify(self._wake.set)
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._thread.start()
 
@@ -99,6 +102,16 @@ class AsyncEngine:
                 self._commands.put(("abort", request_id, None))
                 self._wake.set()
 
+    async def deliver_params(self, key: str, kv_transfer_params: dict) -> None:
+        """The prefill's params for a decode leg sent before them (`LLMEngine.deliver_params`); raises
+        ParamError when they are refused (the waiting leg then ends with the same 400)."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.dead_error}")
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(("params", (key, kv_transfer_params), done))
+        self._wake.set()
+        await done
+
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id, None))
         self._wake.set()
@@ -132,6 +145,16 @@ class AsyncEngine:
                 except Exception as e:  # noqa: BLE001 - reported to the caller, engine keeps going
                     err = e
                 self._loop.call_soon_threadsafe(self._resolve, fut, err)
+            elif cmd == "params":
+                try:
+                    outputs.extend(self.engine.deliver_params(*arg))
+                    err = None
+                except DeliveryRefused as e:
+                    outputs.extend(e.outputs)
+                    err = e
+                except Exception as e:  # noqa: BLE001 - reported to the caller, engine keeps going
+                    err = e
+                self._loop.call_soon_threadsafe(self._resolve, fut, err)
             elif cmd == "abort":
                 out = self.engine.abort_request(arg)
                 if out is not None:
@@ -153,7 +176,9 @@ class AsyncEngine:
                     self._wake.wait(0.01 if (self.engine.held or self.engine.num_loading) else 0.05)
                     self._wake.clear()
                 elif not self.engine.scheduler.has_work():
-                    self._wake.wait(0.001)  # only remote loads in flight
+                    # only remote loads in flight (their claims and outcomes wake us), or decode legs waiting
+                    # for their params (whose delivery is a command, which wakes us)
+                    self._wake.wait(0.001 if self.engine.num_loading else 0.05)
                     self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - a dead engine must fail every waiting request
             log.exception("engine loop died")

@@ -18,6 +18,7 @@ from pdserve.engine.kv_connector_protocol import KVConnectorProtocol
 from pdserve.engine.kv_handoff import KVHandoff
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import RequestOutput, TokenLogprob
+from pdserve.engine.params_mailbox import PARAMS_WAIT_S, ParamsMailbox
 from pdserve.engine.request import Request, Status
 from pdserve.engine.sampling_params import ParamError, SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -34,6 +35,14 @@ log = logging.getLogger("pdserve.engine")
 
 class PromptTooLongError(ParamError):
     pass
+
+
+class DeliveryRefused(ParamError):
+    """Params delivered for a waiting decode leg were refused: the leg ended with `outputs` (its 400)."""
+
+    def __init__(self, message: str, outputs: list[RequestOutput]):
+        super().__init__(message, "kv_transfer_params")
+        self.outputs = outputs
 
 
 @dataclass
@@ -127,6 +136,7 @@ class LLMEngine:
             self.scheduler.count_external = True
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # producer: finished P legs whose blocks a consumer may read
+        self.params_mailbox = ParamsMailbox()  # consumer: decode legs sent before their params, and vice versa
         try:
             self.connector = connector_factory(self) if connector_factory else None
         except BaseException:
@@ -226,31 +236,85 @@ class LLMEngine:
         conn = self.connector
         kv = KVHandoff.from_params(kv_transfer_params, can_load=conn is not None and conn.can_load,
                                    can_send=conn is not None and conn.can_send)
-        first = None
+        later = None
         if kv.needs_load:
-            assert conn is not None
             try:
-                conn.validate(kv_transfer_params)
-                first = pd.parse_first_token(kv_transfer_params)
-            except ValueError as e:  # InvalidKVTransferParams: its message names the field
+                later = pd.params_later_key(kv_transfer_params)
+            except ValueError as e:
                 raise ParamError(str(e), "kv_transfer_params") from e
-            if first is not None and first.token_id >= vocab:
-                raise ParamError(f"kv_transfer_params.{pd.FIRST_TOKEN_ID} {first.token_id} is out of vocabulary "
-                                 f"(size {vocab})", "kv_transfer_params")
+            if later is not None:
+                early = self.params_mailbox.take_early(later)
+                if early is not None:  # the params came first: an ordinary decode leg
+                    kv_transfer_params, later = early, None
+                    kv = KVHandoff.from_params(early, can_load=True, can_send=False)
+        first = None if later is not None else self._check_remote_params(kv, kv_transfer_params)
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, self.max_model_len, kv)
         req.grammar = grammar
+        if later is not None:
+            try:
+                self.params_mailbox.wait(later, request_id)
+            except ValueError as e:
+                raise ParamError(str(e), "kv_transfer_params") from e
+            self.requests[request_id] = req  # admitted (blocks, load) once its params are delivered
+            return
+        self._admit(req, first)
+
+    def _check_remote_params(self, kv: KVHandoff, kv_transfer_params: dict | None) -> pd.FirstToken | None:
+        """A decode leg's params, checked: the first token they carry (None without one), or ParamError."""
+        if not kv.needs_load:
+            return None
+        assert self.connector is not None
+        try:
+            self.connector.validate(kv_transfer_params)
+            first = pd.parse_first_token(kv_transfer_params)
+        except ValueError as e:  # InvalidKVTransferParams: its message names the field
+            raise ParamError(str(e), "kv_transfer_params") from e
+        vocab = self.model_cfg.vocab_size
+        if first is not None and first.token_id >= vocab:
+            raise ParamError(f"kv_transfer_params.{pd.FIRST_TOKEN_ID} {first.token_id} is out of vocabulary "
+                             f"(size {vocab})", "kv_transfer_params")
+        return first
+
+    def _admit(self, req: Request, first: pd.FirstToken | None) -> None:
         if first is not None:
             self._adopt_first_token(req, first)
-        if kv.needs_load:
-            conn.add_waiting(request_id, kv_transfer_params)  # last: nothing after it can refuse the request
-        self.requests[request_id] = req
+        if req.kv.needs_load:
+            assert self.connector is not None
+            # last: nothing after it can refuse the request
+            self.connector.add_waiting(req.request_id, req.kv.params)
+        self.requests[req.request_id] = req
         self.scheduler.add(req)
+
+    def deliver_params(self, key: str, kv_transfer_params: dict) -> list[RequestOutput]:
+        """The prefill's params for the decode leg waiting under `key` (`pd.early_decode_params`), or kept
+        for a leg still to come. Raises ParamError for params this instance refuses; the waiting leg then
+        ends with the same 400 (its response has not started: it waits for its first output)."""
+        try:
+            rid = self.params_mailbox.deliver(key, kv_transfer_params)
+        except ValueError as e:
+            raise ParamError(str(e), "kv_transfer_params") from e
+        if rid is None:
+            return []
+        req = self.requests[rid]
+        req.kv = KVHandoff.from_params(kv_transfer_params, can_load=True, can_send=False)
+        try:
+            if not req.kv.needs_load:
+                raise ParamError("kv_transfer_params: the delivered params are no decode leg's "
+                                 "(do_remote_prefill missing)", "kv_transfer_params")
+            first = self._check_remote_params(req.kv, kv_transfer_params)
+        except ParamError as e:
+            req.finish_reason, req.error, req.error_status = "error", str(e), 400
+            req.kv.rejection = "invalid"
+            out = self._finish(req, hold=False)
+            raise DeliveryRefused(str(e), [out]) from e
+        self._admit(req, first)
+        return []
 
     def _adopt_first_token(self, req: Request, first: pd.FirstToken) -> None:
         """A decode leg whose producer sent its sampled first token: take it as output 0, so the load brings
-        the whole prompt's KV and no model step recomputes the last prompt token for it. It is emitted when
-        the load succeeds (`_load_ended`), not before: a lease the producer refuses must still be answered as
-        a 4xx before any byte. Declined (the request then recomputes, as for a vLLM producer) when this
+        the whole prompt's KV and no model step recomputes the last prompt token for it. It is emitted once
+        the producer granted the lease (`_poll_connector`, while the READ runs), not before: a lease the
+        producer refuses must still be answered as a 4xx before any byte. Declined (the request then recomputes, as for a vLLM producer) when this
         request's own parameters might not have produced it (min_tokens against a stop token the prefill leg,
         sent without min_tokens, may have drawn; logprobs the producer did not send; structured output, whose
         matcher would have to take it) or when it would end the request (then the lease is still claimed and
@@ -288,6 +352,7 @@ class LLMEngine:
             self.connector.remove_waiting(request_id)  # the producer frees its lease early
         if self.tier_loader is not None:
             self.tier_loader.forget(request_id)
+        self.params_mailbox.forget(request_id)
         self.scheduler.remove(req)
         req.finish_reason = "abort"
         return self._finish(req, hold=False)
@@ -317,6 +382,11 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         if self.connector is not None:
+            for rid in self.params_mailbox.expired():
+                req = self.requests[rid]
+                req.finish_reason, req.error_status = "error", 504
+                req.error = f"the decode leg's kv_transfer_params did not arrive within {PARAMS_WAIT_S:.0f} s"
+                outputs.append(self._finish(req, hold=False))
             outputs.extend(self._poll_connector())
             if any(o.new_token_ids for o in outputs):
                 # a load that ended gave an adopted first token: hand it out now rather than after this
@@ -433,7 +503,21 @@ class LLMEngine:
             req = self.held.pop(rid, None)
             if req is not None:
                 self.blocks.release(req)
-        for res in self.connector.poll_loads():
+        # results first, then claims: a load's claim is queued before its result, so every result polled
+        # here has its claim polled too, and a claim is seen before the result of the same load
+        results = self.connector.poll_loads()
+        for rid in self.connector.poll_claimed():
+            req = self.scheduler.loading.get(rid)
+            if req is not None and req.kv.first_token is not None and req.num_emitted == 0 \
+                    and not req.kv.abort_requested:
+                # The producer granted the lease: the params can no longer be refused (a refusal is the
+                # client's 4xx, which must come before any byte), only the READ can still fail. The adopted
+                # token goes out now, while the READ runs, instead of after it (2.5-3 ms for 8k tokens of an
+                # 8B model on an H200); if the READ fails, `_load_ended` recomputes after it or ends the stream
+                # with the error, as for any failure after the first token.
+                req.metrics.first_token_time = req.metrics.last_token_time = time.monotonic()
+                outputs.append(self._emit(req))
+        for res in results:
             req = self.scheduler.loading.get(res.request_id)
             if req is None:
                 log.warning("KV load result for request %s, which is not loading; ignored", res.request_id)
@@ -493,7 +577,9 @@ class LLMEngine:
         s = self.scheduler
         return EngineStats(
             num_running=len(s.running),
-            num_waiting=len(s.waiting) + len(s.loading) + (len(self.tier_loader.parked) if self.tier_loader else 0),
+            # decode legs waiting for their params count as waiting too
+            num_waiting=len(s.waiting) + len(s.loading) + (len(self.tier_loader.parked) if self.tier_loader else 0)
+            + len(self.params_mailbox),
             num_loading=self.num_loading,
             num_held=len(self.held),
             kv_cache_usage=self.blocks.usage,

@@ -6,7 +6,7 @@ channel) and a test can check the real connector against it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -60,6 +60,15 @@ class KVConnectorProtocol(Protocol):
         ...
 
     def poll_loads(self) -> Sequence[LoadOutcome]: ...
+
+    def poll_claimed(self) -> Sequence[str]:
+        """Request ids whose lease the producer granted since the last call (their READ may still be running):
+        their params can no longer be refused, so an adopted first token can go out."""
+        ...
+
+    def set_notify(self, callback: Callable[[], None] | None) -> None:
+        """`callback` (any thread) whenever `poll_claimed` or `poll_loads` has something: the engine wakes."""
+        ...
 
     # ---- producer ----
     def hold(self, request_id: str, block_ids: Sequence[int], num_tokens: int,

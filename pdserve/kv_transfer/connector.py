@@ -301,3 +301,10 @@ class KVConnector:
 
     def poll_loads(self) -> list[LoadResult]:
         return self.consumer.poll_loads() if self.consumer is not None else []
+
+    def poll_claimed(self) -> list[str]:
+        return self.consumer.poll_claimed() if self.consumer is not None else []
+
+    def set_notify(self, callback: Callable[[], None] | None) -> None:
+        if self.consumer is not None:
+            self.consumer.set_notify(callback)

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -160,6 +160,8 @@ class KVConsumer:
         self._waiting: dict[str, RemotePrefillParams] = {}
         self._inflight: set[str] = set()
         self._results: deque[LoadResult] = deque()
+        self._claimed: deque[str] = deque()  # loads whose lease the producer granted, READ still to come
+        self._notify: Callable[[], None] | None = None
         self._executor = ThreadPoolExecutor(
             config.num_load_workers,
             thread_name_prefix="pdserve-kv-load",
@@ -238,6 +240,24 @@ class KVConsumer:
             self._update_stages()
         return out
 
+    def poll_claimed(self) -> list[str]:
+        """Request ids whose lease the producer granted since the last call (their READ may still run): from
+        here on the params can no longer be refused, only the transfer can fail."""
+        with self._lock:
+            out = list(self._claimed)
+            self._claimed.clear()
+        return out
+
+    def set_notify(self, callback: Callable[[], None] | None) -> None:
+        """`callback` runs (on a worker thread) whenever a claim or a load's outcome is ready to poll, so the
+        engine thread can wake at once instead of polling."""
+        self._notify = callback
+
+    def _notify_engine(self) -> None:
+        callback = self._notify
+        if callback is not None:
+            callback()
+
     def shutdown(self) -> None:
         self._stop.set()
         self._heartbeats.join(timeout=5.0)
@@ -294,6 +314,7 @@ class KVConsumer:
         with self._lock:
             self._inflight.discard(request_id)
             self._results.append(result)
+        self._notify_engine()
         self._update_stages()
         if after is not None:
             # The producer can free its blocks early; the outcome does not depend on this call.
@@ -336,6 +357,9 @@ class KVConsumer:
                 f"producer's lease of {p.remote_request_id} covers other blocks than the params name",
                 rejected="mismatch",
             )
+        with self._lock:
+            self._claimed.append(request_id)
+        self._notify_engine()
 
         try:
             check_block_ids(block_ids[first_block:n], remote.pool.num_blocks, "remote")

@@ -24,6 +24,7 @@ from pdserve.api.pd import (
     prefill_prompt_token_ids,
 )
 from pdserve.proxy.config import ProxyConfig
+from pdserve.proxy.early_leg import EarlyDecodeLeg
 from pdserve.proxy.errors import error_response
 from pdserve.proxy.health import HealthChecker, probe
 from pdserve.proxy.kv_routing import CachedPrefix, lookup
@@ -230,11 +231,28 @@ class ProxyHandlers:
         cfg = self.config
         state = self.state
         rid = headers["X-Request-Id"]
-        token_ids = (cfg.chat_token_ids and api_path == CHAT_COMPLETIONS
+        early = await self._early_decode_leg(api_path, body, headers, decode_tokens)
+        token_ids = (early is None and cfg.chat_token_ids and api_path == CHAT_COMPLETIONS
                      and chat_prompt_ids_allowed(body.get("messages"), body.get("echo")))
         prefill_payload = json.dumps(build_prefill_body(body, chat_token_ids=token_ids)).encode()
         affinity = affinity_key(body, cfg.prefix_affinity_chars) if cfg.prefix_affinity else None
-        result = await run_prefill(state, api_path, prefill_payload, headers, tokens, affinity, prefix)
+        try:
+            result = await run_prefill(state, api_path, prefill_payload, headers, tokens, affinity, prefix)
+        except BaseException:
+            if early is not None:
+                await early.cancel()
+            raise
+        if early is not None:
+            if result.kv_params is not None:
+                if count_path:
+                    self.metrics.path["disagg"].inc()
+                leg = await early.finish(result.kv_params)
+                if leg is not None:
+                    return leg
+                # the early leg never reached its instance: the ordinary decode leg (the lease is unclaimed)
+                early = None
+            else:
+                await early.cancel()  # closing its connection aborts it on the decode instance
         if result.passthrough is not None:
             return result.passthrough
         if result.kv_params is None:
@@ -282,6 +300,18 @@ class ProxyHandlers:
         return await send_decode(
             state, api_path, json.dumps(decode_body).encode(), headers, tokens=decode_tokens, kv_claimed=True
         )
+
+    async def _early_decode_leg(
+        self, api_path: str, body: dict[str, Any], headers: dict[str, str], tokens: int
+    ) -> EarlyDecodeLeg | None:
+        """The decode leg sent now, before the prefill leg, when an available decode instance takes its
+        params later (a pdserve one) and the request is one plain choice; else None (the ordinary order)."""
+        if not self.config.early_decode_leg or body.get("n") not in (None, 1):
+            return None
+        inst = await self.state.choose(self.state.decode, [], wait=False)
+        if inst is None or not inst.params_later:
+            return None
+        return EarlyDecodeLeg.send(self.state, inst, api_path, body, headers, tokens)
 
     # -- pass-through routes (served by a decode instance) ---------------------------------------
 

@@ -165,6 +165,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="do not hand the prefill's prompt_token_ids to the decode leg of chat requests",
     )
     parser.add_argument(
+        "--no-early-decode-leg",
+        dest="early_decode_leg",
+        action="store_false",
+        default=s,
+        help="send the decode leg only once the prefill answered (default: pdserve decode instances get it "
+             "with the prefill leg and its kv_transfer_params afterwards, overlapping its parsing with the "
+             "prefill)",
+    )
+    parser.add_argument(
         "--max-inflight",
         type=int,
         default=s,

@@ -43,6 +43,9 @@ class ProxyConfig:
     tokenizer: str | None = None
     rewrite_remote_host: bool = False
     chat_token_ids: bool = True
+    # send the decode leg with the prefill leg (to decode instances that take their params later), so that
+    # its HTTP, parsing and admission overlap the prefill; the params follow (pdserve.api.pd.KV_PARAMS_PATH)
+    early_decode_leg: bool = True
     # n > 1 as one P/D pair: pdserve decode instances fork the one KV load into the n choices (vLLM's
     # cannot: --no-disagg-n serves such requests locally)
     disagg_n: bool = True

@@ -128,6 +128,11 @@ class ProxyMetrics:
         self.retries = {leg: retries.labels(leg) for leg in LEGS}
         errors = Counter("pdserve_proxy_errors", "Errors by kind", ["kind"], registry=reg)
         self.errors = {kind: errors.labels(kind) for kind in ERROR_KINDS}
+        self.early_decode_legs = Counter(
+            "pdserve_proxy_early_decode_legs",
+            "Decode legs sent with their prefill leg, their kv_transfer_params delivered after it",
+            registry=reg,
+        )
         self.prefill_seconds = Histogram(
             "pdserve_proxy_prefill_seconds",
             "Prefill leg latency (successful legs)",

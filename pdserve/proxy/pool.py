@@ -55,6 +55,9 @@ class Instance:
     last_error: str | None = None
     ever_healthy: bool = False
     backoff_until: float = 0.0
+    # A decode instance that takes its leg before the prefill's params (/pdserve/info `kv_params_later`: a
+    # pdserve decode instance); None until its info was read (after each admission), False for vLLM's.
+    params_later: bool | None = None
     host: str = field(init=False)
     _endpoints: dict[str, URL] = field(init=False, default_factory=dict, repr=False)
 

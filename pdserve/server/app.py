@@ -13,9 +13,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
 from pdserve import __version__
+from pdserve.api import pd
 from pdserve.render.protocol import AbortRequestsBody, GenerateRequest
 from pdserve.server.errors import add_error_handlers, error_body
 from pdserve.server.http_utils import ClientGone, RequestIdAuthMiddleware, parse_model, read_json
+from pdserve.server.kv_params import deliver_kv_params
 from pdserve.server.openapi import document_json_bodies
 from pdserve.server.protocol import (
     ChatCompletionRequest,
@@ -104,6 +106,11 @@ def build_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
     @app.get("/version")
     async def version() -> JSONResponse:
         return JSONResponse({"version": __version__})
+
+    @app.post(pd.KV_PARAMS_PATH)
+    async def kv_params(request: Request) -> Any:
+        body = await read_json(request, state.max_request_body_bytes)
+        return JSONResponse(await deliver_kv_params(state.engine, body, bool(state.info.get("kv_params_later"))))
 
     @app.get("/pdserve/info")
     async def info() -> JSONResponse:

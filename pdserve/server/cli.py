@@ -267,6 +267,8 @@ def build_state(args: argparse.Namespace) -> Any:
         "max_model_len": inner.max_model_len,
         "device": str(runner.device),
         "kv_role": kv_cfg.kv_role if kv_cfg is not None else None,
+        # decode legs may come before their params (pdserve.api.pd.early_decode_params, POST KV_PARAMS_PATH)
+        "kv_params_later": bool(connector is not None and connector.can_load),
         "engine_id": kv_cfg.engine_id if kv_cfg is not None else None,
         "side_channel_host": kv_cfg.side_channel_host if kv_cfg is not None else None,
         "side_channel_port": getattr(connector, "side_channel_port", None) if connector is not None else None,

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.api.pd import is_remote_prefill, one_lease_violation, without_first_token
+from pdserve.api.pd import PARAMS_LATER, is_remote_prefill, one_lease_violation, without_first_token
 from pdserve.engine.sampling_params import ParamError, child_seed
 from pdserve.server.errors import APIError, sse_error_frame
 from pdserve.server.generation import Choice, Generation
@@ -60,6 +60,9 @@ def make_choices(state: ServerState, fields: Any, base_id: str, prompts: Sequenc
     # requests whose prompt hits the loaded full blocks in the prefix cache (shared, ref-counted: a
     # copy-on-write fork; each recomputes only the partial last block).
     fork = is_remote_prefill(kv_transfer_params) and n > 1
+    if fork and PARAMS_LATER in kv_transfer_params:
+        raise APIError(f"kv_transfer_params.{PARAMS_LATER} serves one choice (n = 1): the forks of n > 1 wait for "
+                       "a load whose params are here", 400, "kv_transfer_params")
     if fork:
         # The forks wait for choice 0's first output as the sign that the KV is loaded: choice 0 must not
         # start from the producer's first token (that output comes before the load), so it recomputes.

@@ -1,0 +1,82 @@
+"""Decode legs sent before their prefill finished (pdserve/api/pd.py `early_decode_params`): where such a
+request waits for its `kv_transfer_params`, and where params that arrive before their leg wait for it.
+
+A proxy that sends the decode leg while the prefill leg runs overlaps the decode leg's HTTP, parsing,
+validation and admission with the prefill; the params follow on `POST /pdserve/v1/kv_params` once the
+prefill answered. Either may reach the engine first (they are two HTTP requests), so both sides wait here,
+under the key the proxy chose. Both waits are bounded: a leg whose params never come ends with an error
+(normally the proxy closes the leg first, which aborts it), and params nobody picks up are dropped.
+
+Engine-thread only (no locking): the engine calls it from `add_request`, `deliver_params` and `step`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+# How long a decode leg waits for its params: longer than any prefill leg (a 128k-token prompt on a busy
+# prefill instance), short enough that a proxy gone without closing the leg does not pin the request for ever.
+PARAMS_WAIT_S = 600.0
+# How long params that came before their decode leg are kept for it (the legs are sent together, so the
+# gap is the decode leg's own HTTP and parsing time), and how many at most.
+EARLY_PARAMS_KEEP_S = 60.0
+MAX_EARLY_PARAMS = 4096
+
+
+class ParamsMailbox:
+    def __init__(self) -> None:
+        self._awaiting: dict[str, tuple[str, float]] = {}  # key -> (request id, since)
+        self._early: dict[str, tuple[dict[str, Any], float]] = {}  # key -> (params, since)
+
+    def __len__(self) -> int:
+        return len(self._awaiting)
+
+    def take_early(self, key: str) -> dict[str, Any] | None:
+        """The params already delivered under `key` (then the leg proceeds at once), else None."""
+        item = self._early.pop(key, None)
+        return None if item is None else item[0]
+
+    def wait(self, key: str, request_id: str) -> None:
+        """The decode leg `request_id` waits for the params delivered under `key`; raises ValueError when
+        another leg waits under the same key."""
+        if key in self._awaiting:
+            raise ValueError(f"another decode leg already waits for the params keyed {key!r}")
+        self._awaiting[key] = (request_id, time.monotonic())
+
+    def deliver(self, key: str, params: Mapping[str, Any]) -> str | None:
+        """The request id waiting under `key` (no longer waiting), or None: then the params are kept for a
+        leg still to come (ValueError when too many are kept already, or params came twice for one key)."""
+        item = self._awaiting.pop(key, None)
+        if item is not None:
+            return item[0]
+        self._expire_early()
+        if key in self._early:
+            raise ValueError(f"params keyed {key!r} were already delivered")
+        if len(self._early) >= MAX_EARLY_PARAMS:
+            raise ValueError(f"{MAX_EARLY_PARAMS} params wait for their decode legs already")
+        self._early[key] = (dict(params), time.monotonic())
+        return None
+
+    def forget(self, request_id: str) -> None:
+        """The request is gone (aborted) while waiting."""
+        for key, (rid, _) in list(self._awaiting.items()):
+            if rid == request_id:
+                del self._awaiting[key]
+
+    def expired(self) -> list[str]:
+        """Request ids that waited longer than PARAMS_WAIT_S (no longer waiting); also drops stale early
+        params."""
+        self._expire_early()
+        if not self._awaiting:
+            return []
+        cutoff = time.monotonic() - PARAMS_WAIT_S
+        gone = [key for key, (_, since) in self._awaiting.items() if since < cutoff]
+        return [self._awaiting.pop(key)[0] for key in gone]
+
+    def _expire_early(self) -> None:
+        if self._early:
+            cutoff = time.monotonic() - EARLY_PARAMS_KEEP_S
+            for key in [k for k, (_, since) in self._early.items() if since < cutoff]:
+                del self._early[key]

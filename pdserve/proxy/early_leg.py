@@ -1,0 +1,113 @@
+"""The decode leg sent together with the prefill leg, its kv_transfer_params delivered once the prefill
+answered (pdserve/api/pd.py `early_decode_params`, `KV_PARAMS_PATH`).
+
+Sent after the prefill, the decode leg's own HTTP, JSON parsing, validation and admission (a few ms for an
+8k-token prompt, paid on top of the prefill's) come between the prefill's answer and the first token; sent
+with the prefill leg, they overlap the prefill and only the small params delivery is left. Only for decode
+instances that say they take it (pdserve's /pdserve/info `kv_params_later`; vLLM's get the ordinary order).
+
+The leg cannot claim the prefill's lease before its params are delivered, so until then it may be dropped
+(closing its connection aborts it on the decode instance) and the request continues the ordinary way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from pdserve.api.pd import KV_PARAMS_PATH, build_decode_body, early_decode_params, params_delivery
+from pdserve.proxy.errors import error_response, is_openai_error_body
+from pdserve.proxy.legs import DecodeLeg
+from pdserve.proxy.pool import Instance
+from pdserve.proxy.state import ProxyState
+
+logger = logging.getLogger("pdserve.proxy")
+
+_CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+
+
+class EarlyDecodeLeg:
+    """A decode leg in flight before its params: `finish` delivers them and waits for its response headers,
+    `cancel` drops it."""
+
+    def __init__(self, state: ProxyState, inst: Instance, key: str, headers: dict[str, str], tokens: int,
+                 task: asyncio.Future[aiohttp.ClientResponse], started: float) -> None:
+        self.state, self.inst, self.key, self.headers, self.tokens = state, inst, key, headers, tokens
+        self.rid = headers["X-Request-Id"]
+        self.task, self.started = task, started
+        self._released = False
+
+    @classmethod
+    def send(cls, state: ProxyState, inst: Instance, api_path: str, body: dict[str, Any],
+             headers: dict[str, str], tokens: int) -> EarlyDecodeLeg:
+        rid = headers["X-Request-Id"]
+        key = f"{rid}-{uuid.uuid4().hex[:12]}"  # unique even when clients reuse request ids
+        payload = json.dumps(build_decode_body(body, early_decode_params(key))).encode()
+        inst.acquire(tokens)
+        task = asyncio.ensure_future(state.http().post(
+            inst.endpoint(api_path), data=payload, headers=headers, timeout=state.decode_timeout))
+        return cls(state, inst, key, headers, tokens, task, time.perf_counter())
+
+    def _release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.inst.release(self.tokens)
+
+    async def cancel(self) -> None:
+        """Drop the leg (the prefill failed): its connection closes, which aborts it on the instance."""
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError, aiohttp.ClientError):
+            resp = await self.task
+            resp.close()
+        self._release()
+
+    async def finish(self, kv_params: dict[str, Any]) -> DecodeLeg | web.Response | None:
+        """Deliver the prefill's params, then wait for the leg's response headers: the leg to relay, the
+        client's error response, or None when the leg never got to its instance (the lease is unclaimed:
+        the caller sends the ordinary decode leg instead)."""
+        state, inst = self.state, self.inst
+        try:
+            async with state.http().post(
+                inst.endpoint(KV_PARAMS_PATH), data=json.dumps(params_delivery(self.key, kv_params)).encode(),
+                headers=self.headers, timeout=state.decode_timeout,
+            ) as resp:
+                status, data = resp.status, await resp.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            # not delivered, so nothing claimed the lease: the ordinary leg (maybe elsewhere) can still
+            logger.warning("request %s: kv_transfer_params not delivered to %s: %s", self.rid, inst.url, exc)
+            inst.record_failure(f"params delivery: {type(exc).__name__}", state.config.eject_after)
+            await self.cancel()
+            return None
+        if status != 200:
+            # refused (the leg ends with the same 400) or not served: the leg is dropped, the answer relayed
+            await self.cancel()
+            logger.warning("request %s: %s refused the kv_transfer_params: %s %r", self.rid, inst.url, status,
+                           data[:200])
+            if 400 <= status < 500 and is_openai_error_body(data):
+                return web.Response(status=status, body=data,
+                                    headers={"Content-Type": "application/json", "X-Request-Id": self.rid})
+            return error_response(502, f"decode instance refused the kv_transfer_params: status {status}",
+                                  "BadGatewayError", request_id=self.rid)
+        try:
+            leg = await self.task
+        except _CONNECT_ERRORS:
+            self._release()
+            return None
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            # it reached the instance, which may have claimed the lease: no second decode leg
+            self._release()
+            state.metrics.error("decode_io")
+            inst.record_failure(f"{type(exc).__name__}: {exc}", state.config.eject_after)
+            return error_response(502, f"decode leg failed: {type(exc).__name__}: {exc}", "BadGatewayError",
+                                  request_id=self.rid)
+        self._released = True  # DecodeLeg.done() releases from here on
+        state.metrics.early_decode_legs.inc()
+        return DecodeLeg(inst, leg, self.started, self.tokens)
