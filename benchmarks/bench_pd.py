@@ -183,10 +183,13 @@ def run_early(p: Instance, d: Instance, args: argparse.Namespace, offset: int = 
         t0 = time.monotonic()
         leg = threading.Thread(target=_stream_into, args=(got, d.url, build_decode_body(body, early_decode_params(rid)),
                                                           t0, rid))
+        # the prefill request serialised before the decode leg's thread starts, so it goes out first (as the
+        # proxy sends them)
+        prefill = CLIENT.build_request("POST", f"{p.url}/v1/completions", json=build_prefill_body(body),
+                                       headers={"X-Request-Id": rid})
         leg.start()
         try:
-            params = CLIENT.post(f"{p.url}/v1/completions", json=build_prefill_body(body),
-                                 headers={"X-Request-Id": rid}).json()["kv_transfer_params"]
+            params = CLIENT.send(prefill).json()["kv_transfer_params"]
             params_at = time.monotonic() - t0
             CLIENT.post(f"{d.url}{KV_PARAMS_PATH}", json=params_delivery(rid, params)).raise_for_status()
         finally:

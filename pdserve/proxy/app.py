@@ -231,13 +231,18 @@ class ProxyHandlers:
         cfg = self.config
         state = self.state
         rid = headers["X-Request-Id"]
-        early = await self._early_decode_leg(api_path, body, headers, decode_tokens)
-        token_ids = (early is None and cfg.chat_token_ids and api_path == CHAT_COMPLETIONS
+        early_inst = await self._early_decode_instance(body)
+        token_ids = (early_inst is None and cfg.chat_token_ids and api_path == CHAT_COMPLETIONS
                      and chat_prompt_ids_allowed(body.get("messages"), body.get("echo")))
         prefill_payload = json.dumps(build_prefill_body(body, chat_token_ids=token_ids)).encode()
         affinity = affinity_key(body, cfg.prefix_affinity_chars) if cfg.prefix_affinity else None
+        prefill = asyncio.ensure_future(
+            run_prefill(state, api_path, prefill_payload, headers, tokens, affinity, prefix))
+        # the prefill leg's task runs first (to its first wait on the network), then the decode leg's
+        early = None if early_inst is None else EarlyDecodeLeg.send(state, early_inst, api_path, body, headers,
+                                                                      decode_tokens)
         try:
-            result = await run_prefill(state, api_path, prefill_payload, headers, tokens, affinity, prefix)
+            result = await prefill  # cancelled with this request (client gone), which cancels the task too
         except BaseException:
             if early is not None:
                 await early.cancel()
@@ -301,17 +306,17 @@ class ProxyHandlers:
             state, api_path, json.dumps(decode_body).encode(), headers, tokens=decode_tokens, kv_claimed=True
         )
 
-    async def _early_decode_leg(
-        self, api_path: str, body: dict[str, Any], headers: dict[str, str], tokens: int
-    ) -> EarlyDecodeLeg | None:
-        """The decode leg sent now, before the prefill leg, when an available decode instance takes its
-        params later (a pdserve one) and the request is one plain choice; else None (the ordinary order)."""
+    async def _early_decode_instance(self, body: dict[str, Any]) -> Instance | None:
+        """The decode instance to send the decode leg to together with the prefill leg: one available now
+        that takes its params later (a pdserve one), for a request of one plain choice; else None (the
+        ordinary order: the decode leg once the prefill answered)."""
         if not self.config.early_decode_leg or body.get("n") not in (None, 1):
             return None
-        inst = await self.state.choose(self.state.decode, [], wait=False)
-        if inst is None or not inst.params_later:
-            return None
-        return EarlyDecodeLeg.send(self.state, inst, api_path, body, headers, tokens)
+        pool = self.state.decode
+        others = [inst for inst in pool.instances if not inst.params_later]
+        if len(others) == len(pool):
+            return None  # no choice made (choosing rotates ties: the ordinary leg's choice must be the one)
+        return await self.state.choose(pool, others, wait=False)
 
     # -- pass-through routes (served by a decode instance) ---------------------------------------
 

@@ -50,11 +50,15 @@ class EarlyDecodeLeg:
              headers: dict[str, str], tokens: int) -> EarlyDecodeLeg:
         rid = headers["X-Request-Id"]
         key = f"{rid}-{uuid.uuid4().hex[:12]}"  # unique even when clients reuse request ids
-        payload = json.dumps(build_decode_body(body, early_decode_params(key))).encode()
+
+        async def post() -> aiohttp.ClientResponse:
+            # serialised in the task, so that a prefill leg started just before goes out first
+            payload = json.dumps(build_decode_body(body, early_decode_params(key))).encode()
+            return await state.http().post(inst.endpoint(api_path), data=payload, headers=headers,
+                                           timeout=state.decode_timeout)
+
         inst.acquire(tokens)
-        task = asyncio.ensure_future(state.http().post(
-            inst.endpoint(api_path), data=payload, headers=headers, timeout=state.decode_timeout))
-        return cls(state, inst, key, headers, tokens, task, time.perf_counter())
+        return cls(state, inst, key, headers, tokens, asyncio.ensure_future(post()), time.perf_counter())
 
     def _release(self) -> None:
         if not self._released:
