@@ -176,9 +176,11 @@ class AsyncEngine:
                     self._wake.wait(0.01 if (self.engine.held or self.engine.num_loading) else 0.05)
                     self._wake.clear()
                 elif not self.engine.scheduler.has_work():
-                    # only remote loads in flight (their claims and outcomes wake us), or decode legs waiting
-                    # for their params (whose delivery is a command, which wakes us)
-                    self._wake.wait(0.001 if self.engine.num_loading else 0.05)
+                    # only remote or disk-tier loads in flight (polled; remote claims and outcomes also wake
+                    # us), or decode legs waiting for their params (whose delivery is a command, which wakes us)
+                    tiers = self.engine.tier_loader
+                    polled = self.engine.num_loading or (tiers is not None and tiers.parked)
+                    self._wake.wait(0.001 if polled else 0.05)
                     self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - a dead engine must fail every waiting request
             log.exception("engine loop died")
