@@ -178,7 +178,7 @@ class AsyncEngine:
                 elif not self.engine.scheduler.has_work():
                     # only remote or disk-tier loads in flight (polled; remote claims and outcomes also wake
                     # us), or decode legs waiting for their params (whose delivery is a command, which wakes us)
-                    tiers = getattr(self.engine, "tier_loader", None)  # KV offload tiers, where built
+                    tiers = self.engine.tier_loader  # KV offload tiers (None without them)
                     polled = self.engine.num_loading or (tiers is not None and tiers.parked)
                     self._wake.wait(0.001 if polled else 0.05)
                     self._wake.clear()
