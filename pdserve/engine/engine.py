@@ -198,6 +198,8 @@ class LLMEngine:
         self.num_finished = 0
         self.blocks.prefix_queries = self.blocks.prefix_hits = 0
         self.blocks.external_queries = self.blocks.external_hits = 0
+        if self.tiers is not None:
+            self.tiers.counters.clear()
         self.runner.step_timing.reset()
 
     # ---- requests ---------------------------------------------------------------------------

@@ -50,13 +50,17 @@ class TierLoader:
         if not wanted:
             return
         media = tiers.lookup(wanted)
-        for medium in (MEDIUM_HOST, MEDIUM_DISK):
-            tiers.record_query(medium, len(wanted) * bs)
+        # per tier, the tokens asked of it: the host tier past the pool's hits, the disk tier past those of
+        # the host tier's leading run
+        host_hits = next((i for i, m in enumerate(media) if m != MEDIUM_HOST), len(media))
+        tiers.record_query(MEDIUM_HOST, len(wanted) * bs)
+        if tiers.disk is not None:
+            tiers.record_query(MEDIUM_DISK, (len(wanted) - host_hits) * bs)
         if not media:
             return
         blocks.touch(device_hits)  # keep the pool's own hits out of reach of the evictions below
         room = blocks.num_free_blocks - sum(1 for b in device_hits if blocks.ref_cnt[b] == 0)
-        host_run = wanted[: next((i for i, m in enumerate(media) if m != MEDIUM_HOST), len(media))][:room]
+        host_run = wanted[:host_hits][:room]
         # each promotion may evict a pool block into the host tier: pin the run so that cannot push it out
         tiers.host.pinned.update(host_run)
         loaded = 0
