@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
 import torch
 
-from pdserve.cpu.threads import DECODE_STEP_TOKENS, ENV, StepThreads
+from pdserve.cpu.threads import BIND_ENV, DECODE_STEP_TOKENS, ENV, StepThreads
 
 
 def test_default_leaves_one_core(monkeypatch):
@@ -53,3 +54,23 @@ def test_apply_sets_the_stepping_threads_count():
     th.join(60)
     torch.set_num_threads(before)
     assert seen == [1, 2]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread affinity is Linux-only")
+def test_bind_pins_only_the_stepping_thread(monkeypatch):
+    monkeypatch.setenv(ENV, "1")
+    monkeypatch.setenv(BIND_ENV, "1")
+    t = StepThreads.from_env()
+    assert t.bind
+    process_cores = os.sched_getaffinity(0)
+    seen = []
+
+    def step():
+        t.apply(1)
+        seen.append(os.sched_getaffinity(0))  # pid 0: this thread
+
+    worker = threading.Thread(target=step)
+    worker.start()
+    worker.join()
+    assert seen == [{min(process_cores)}]
+    assert os.sched_getaffinity(0) == process_cores  # the other threads keep every core
