@@ -28,6 +28,7 @@ No torch, no pydantic: plain functions over JSON-shaped dicts.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -66,11 +67,15 @@ def is_remote_prefill(params: Any) -> bool:
     return isinstance(params, Mapping) and bool(params.get("do_remote_prefill"))
 
 
-def build_prefill_body(body: dict[str, Any], *, chat_token_ids: bool = False) -> dict[str, Any]:
+def build_prefill_body(body: dict[str, Any], *, chat_token_ids: bool = False,
+                       history_params: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The prefill leg of an OpenAI completions/chat request (a new dict; `body` is not modified).
-    `chat_token_ids` also asks for `return_token_ids`, so the decode leg can skip templating."""
+    `chat_token_ids` also asks for `return_token_ids`, so the decode leg can skip templating.
+    `history_params`: a decode instance's held history of this conversation (`build_history_params`): the
+    prefill reads that prefix back instead of computing it (vLLM's bidirectional_kv_xfer turn 2)."""
     prefill = dict(body)
-    prefill["kv_transfer_params"] = prefill_leg_params()
+    prefill["kv_transfer_params"] = (prefill_leg_params() if history_params is None
+                                     else {**history_params, "do_remote_decode": True, "do_remote_prefill": False})
     prefill["stream"] = False
     prefill["max_tokens"] = 1
     if "n" in prefill:
@@ -205,10 +210,13 @@ def local_only_reason(body: dict[str, Any], *, fork_n: bool = False) -> str | No
 def one_lease_violation(params: Any, num_prompts: int) -> str | None:
     """The server side of the same rule: a decode leg loads one prompt's KV once. Several prompts would
     claim one lease several times; n choices of one prompt are fine (the first loads, the others fork the
-    loaded blocks). Returns the client error, or None."""
+    loaded blocks). Returns the client error, or None. The same holds for a peer's prefix (`is_remote_prefix`)."""
     if is_remote_prefill(params) and num_prompts > 1:
         return ("kv_transfer_params.do_remote_prefill allows exactly one prompt (one remote KV lease serves one "
                 "prompt; n > 1 choices share its load)")
+    if is_remote_prefix(params) and num_prompts > 1:
+        return ("kv_transfer_params naming a held prefix (remote_block_ids) allow exactly one prompt (one remote "
+                "KV lease serves one read)")
     return None
 
 
@@ -391,6 +399,8 @@ class RemotePrefillParams:
     lease_token: str = field(repr=False, default="")  # remote_lease_token; never logged
     tp_size: int = 1  # the producer's tensor-parallel size (its KV heads live in that many pools)
     first_token: FirstToken | None = None  # the producer's sampled first token (pdserve producers)
+    block_hashes: tuple[str, ...] = ()  # a held prefix's block hashes (`BLOCK_HASHES`), in order
+    prefix: bool = False  # the params name a held prefix of the prompt (`is_remote_prefix`), not a decode leg's
 
     @property
     def address(self) -> tuple[str, int]:
@@ -487,3 +497,94 @@ def parse_remote_prefill_params(params: Any) -> RemotePrefillParams:
         tp_size=sizes["tp_size"],
         first_token=parse_first_token(params),
     )
+
+
+# ---- multi-turn: a decode instance's held history (vLLM's bidirectional_kv_xfer, PR 32553) --------------
+# The block hashes of the held blocks, in order (ours): the reader compares them with its own prompt's and reads
+# only the blocks that match, so a conversation whose next prompt is not a token-exact extension of the held
+# tokens (a re-templated or re-tokenized answer, an edited history) never gets another position's KV; vLLM
+# assumes the prefix matches (vllm-project/vllm#43094).
+BLOCK_HASHES = "remote_block_hashes"
+# Bytes of one held block on the wire, all ranks together (ours): what the proxy's pull-or-recompute arithmetic
+# needs without asking the instance.
+BLOCK_BYTES = "remote_block_bytes"
+_MAX_BLOCK_HASH_CHARS = 128
+
+
+def wire_block_hash(h: int | bytes) -> str:
+    """A block hash as it travels: hex (an int as its 64-bit two's complement, bytes as they are)."""
+    if isinstance(h, bytes):
+        return h.hex()
+    return format(h & 0xFFFFFFFFFFFFFFFF, "016x")
+
+
+def build_history_params(
+    *,
+    request_id: str,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    block_hashes: Sequence[str],
+    engine_id: str,
+    host: str,
+    port: int,
+    generation: int,
+    ttl_s: float,
+    lease_token: str,
+    block_bytes: int,
+    tp_size: int = 1,
+) -> dict[str, Any]:
+    """The `kv_transfer_params` a decode response carries when the instance keeps the conversation (vLLM's
+    bidirectional shape: it is now the producer, `do_remote_decode` true): its full blocks (prompt and answer),
+    `remote_num_tokens` tokens, held until `remote_blocks_expiry_time` (ours: wall-clock seconds; vLLM's is the
+    decode instance's perf_counter plus a handshake clock offset)."""
+    expires = time.time() + ttl_s
+    return {
+        "do_remote_prefill": False,
+        "do_remote_decode": True,
+        "remote_block_ids": [[int(b) for b in block_ids]],
+        "remote_engine_id": engine_id,
+        "remote_request_id": request_id,
+        "remote_host": host,
+        "remote_port": port,
+        "remote_num_tokens": int(num_tokens),
+        "tp_size": int(tp_size),
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_blocks_expiry_time": expires,
+        "remote_registration_generation": generation,
+        "transfer_mode": "pull",
+        "lease_expires_at": expires,
+        LEASE_TOKEN: lease_token,
+        BLOCK_HASHES: [str(h) for h in block_hashes],
+        BLOCK_BYTES: int(block_bytes),
+    }
+
+
+def is_remote_prefix(params: Any) -> bool:
+    """Params naming a peer's held blocks for a prefix of this request's prompt (a decode instance's held
+    history, or any peer's): read them, compute the rest. Not a decode leg (`do_remote_prefill`), whatever
+    `do_remote_decode` says (true on a prefill leg, which also holds its own blocks for its decode instance)."""
+    return (isinstance(params, Mapping) and not params.get("do_remote_prefill")
+            and bool(params.get("remote_block_ids")))
+
+
+def parse_remote_prefix_params(params: Any) -> RemotePrefillParams:
+    """Validate a held prefix's params (as a decode leg's, plus the block hashes); InvalidKVTransferParams
+    names the problem."""
+    if not is_remote_prefix(params):
+        raise _bad("expected params naming a held prefix (remote_block_ids, do_remote_prefill false)")
+    hashes = params.get(BLOCK_HASHES)
+    if not isinstance(hashes, list) or not all(
+        isinstance(h, str) and 0 < len(h) <= _MAX_BLOCK_HASH_CHARS for h in hashes
+    ):
+        raise _bad(f"{BLOCK_HASHES} must be a list of hex strings (the held blocks' hashes)")
+    plain = {k: v for k, v in params.items() if k not in (FIRST_TOKEN_ID, FIRST_TOKEN_LOGPROB)}
+    parsed = parse_remote_prefill_params({**plain, "do_remote_prefill": True})
+    if len(hashes) > len(parsed.remote_block_ids):
+        raise _bad(f"{BLOCK_HASHES} lists {len(hashes)} hashes for {len(parsed.remote_block_ids)} blocks")
+    return dataclasses.replace(parsed, block_hashes=tuple(hashes), prefix=True)
+
+
+def parse_remote_kv_params(params: Any) -> RemotePrefillParams:
+    """A decode leg's params (`do_remote_prefill`) or a held prefix's (`is_remote_prefix`), validated."""
+    return parse_remote_prefix_params(params) if is_remote_prefix(params) else parse_remote_prefill_params(params)

@@ -19,7 +19,8 @@ from pdserve.bench.metrics import (
     parse_percentiles,
 )
 
-DATASETS = ("random", "jsonl", "prefix")
+DATASETS = ("random", "jsonl", "prefix", "multiturn", "sharegpt")
+MULTITURN_DATASETS = ("multiturn", "sharegpt")
 DATASET_ALIASES = {"custom": "jsonl", "prefix_repetition": "prefix", "shared-prefix": "prefix"}
 
 
@@ -49,6 +50,12 @@ class BenchSpec:
     suffix_len: int = 256
     num_prefixes: int = 10
     shuffle: bool = False
+    # multiturn / sharegpt: --num-prompts conversations of up to this many turns (pdserve/bench/multiturn.py)
+    multiturn_turns: int = 6
+    multiturn_system_len: int = 512
+    multiturn_user_len: int = 128
+    multiturn_answer_len: int = 64
+    multiturn_think_time: float = 0.0
     seed: int = 0
     no_align_prompts: bool = False
     # traffic
@@ -95,9 +102,16 @@ class BenchSpec:
             raise ValueError(
                 f"unknown --dataset-name {self.dataset_name!r}; choose from {', '.join(DATASETS)}"
             )
-        if self.dataset_name == "jsonl" and not self.dataset_path:
-            raise ValueError("--dataset-name jsonl needs --dataset-path")
-        if self.dataset_path and self.dataset_name != "jsonl":
+        if self.dataset_name in ("jsonl", "sharegpt") and not self.dataset_path:
+            raise ValueError(f"--dataset-name {self.dataset_name} needs --dataset-path")
+        if self.dataset_name in MULTITURN_DATASETS:
+            if self.backend not in ("openai-chat", "chat"):
+                self.backend = "openai-chat"  # conversations go over the chat API
+            if self.multiturn_turns < 1 or self.multiturn_user_len < 1 or self.multiturn_answer_len < 1:
+                raise ValueError("--multiturn-turns, --multiturn-user-len and --multiturn-answer-len must be >= 1")
+            if self.multiturn_system_len < 0 or self.multiturn_think_time < 0:
+                raise ValueError("--multiturn-system-len and --multiturn-think-time must be >= 0")
+        if self.dataset_path and self.dataset_name not in ("jsonl", "sharegpt"):
             if self.dataset_name != "random":
                 raise ValueError(f"--dataset-path cannot be used with --dataset-name {self.dataset_name}")
             self.dataset_name = "jsonl"
@@ -204,7 +218,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dataset-name",
         default="random",
-        help="random | jsonl (alias custom) | prefix (alias prefix_repetition)",
+        help="random | jsonl (alias custom) | prefix (alias prefix_repetition) | multiturn (synthetic "
+             "conversations) | sharegpt (--dataset-path: ShareGPT-format JSON conversations)",
     )
     g.add_argument(
         "--dataset-path",
@@ -227,6 +242,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--suffix-len", type=int, default=256, help="prefix dataset: per-request suffix tokens")
     g.add_argument("--num-prefixes", type=int, default=10, help="prefix dataset: number of distinct prefixes")
     g.add_argument("--shuffle", action="store_true", help="shuffle the JSONL file (seeded)")
+    m = parser.add_argument_group("multi-turn (--dataset-name multiturn|sharegpt; --num-prompts = conversations)")
+    m.add_argument("--multiturn-turns", type=int, default=6, help="user turns per conversation (default 6)")
+    m.add_argument("--multiturn-system-len", type=int, default=512,
+                   help="tokens of the system prompt all synthetic conversations share (default 512)")
+    m.add_argument("--multiturn-user-len", type=int, default=128, help="tokens per user message (default 128)")
+    m.add_argument("--multiturn-answer-len", type=int, default=64, help="tokens per answer (default 64)")
+    m.add_argument("--multiturn-think-time", type=float, default=0.0,
+                   help="seconds between an answer and the next user message (default 0)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(
         "--no-align-prompts",

@@ -24,7 +24,7 @@ from pdserve.bench.metrics import (
     parse_percentile_metrics,
     parse_percentiles,
 )
-from pdserve.bench.options import BenchSpec
+from pdserve.bench.options import MULTITURN_DATASETS, BenchSpec
 from pdserve.bench.progress import ProgressBar
 from pdserve.bench.result import build_result, format_block
 from pdserve.bench.tokenizer import TokenizerError, load_tokenizer, token_counter
@@ -128,7 +128,7 @@ async def resolve_target(spec: BenchSpec, need_tokenizer: bool) -> Target:
 
 
 def needs_tokenizer(spec: BenchSpec) -> bool:
-    return spec.dataset_name in ("random", "prefix")
+    return spec.dataset_name in ("random", "prefix", "multiturn")
 
 
 def build_requests(spec: BenchSpec, tokenizer: Any | None) -> list[SampleRequest]:
@@ -359,6 +359,46 @@ def result_path(spec: BenchSpec, model_id: str, date: str) -> str:
     return name
 
 
+async def run_multiturn(spec: BenchSpec, target: Target) -> dict[str, Any]:
+    """Conversations turn by turn (pdserve/bench/multiturn.py): the per-turn table, and with --save-result
+    the JSON plus a TTFT-by-turn plot next to it."""
+    from pdserve.bench import multiturn as mt
+
+    opts = mt.MultiTurnOptions(spec.multiturn_turns, spec.multiturn_system_len, spec.multiturn_user_len,
+                               spec.multiturn_answer_len, spec.multiturn_think_time)
+    if spec.dataset_name == "sharegpt":
+        assert spec.dataset_path is not None
+        conversations = mt.load_sharegpt(spec.dataset_path, spec.num_prompts, opts)
+    else:
+        conversations = mt.synthetic_conversations(target.tokenizer, spec.num_prompts, opts, spec.seed)
+
+    def make_input(messages: list[dict[str, Any]], answer_len: int, rid: str) -> RequestInput:
+        inp = _request_input(spec, target, SampleRequest("", 0, answer_len, chat_messages=messages),
+                             f"{spec.request_id_prefix}{rid}")
+        inp.ignore_eos = inp.ignore_eos or spec.dataset_name == "multiturn"  # synthetic answers have a length
+        return inp
+
+    print(f"Starting multi-turn run: {len(conversations)} conversations, up to {opts.turns} turns, "
+          f"max concurrency {spec.max_concurrency}")
+    results, duration = await mt.run_conversations(conversations, make_input, think_time=opts.think_time,
+                                                   max_concurrency=spec.max_concurrency)
+    summary = mt.summarize_turns(results)
+    print(mt.format_turns(summary, duration))
+    for r in [r for r in results if not r.ok][:10]:
+        print(f"conversation {r.conversation} turn {r.turn} failed: {r.error}")
+    date = time.strftime("%Y%m%d-%H%M%S")
+    result = {"date": date, "label": spec.label, "model_id": target.model_id,
+              **mt.result_json(summary, results, duration, opts)}
+    if not spec.save_detailed:
+        result.pop("requests")
+    if spec.save_result:
+        path = result_path(spec, target.model_id, date)
+        write_json(path, result)
+        plot = mt.plot_ttft_by_turn({spec.label or "run": summary}, path.removesuffix(".json") + "-ttft-by-turn.png")
+        print(f"Saved result to {path} and {plot}")
+    return result
+
+
 def write_json(path: str, data: dict[str, Any]) -> None:
     parent = os.path.dirname(path)
     if parent:
@@ -370,6 +410,8 @@ def write_json(path: str, data: dict[str, Any]) -> None:
 async def run_serve(spec: BenchSpec) -> dict[str, Any]:
     """`pdserve bench serve`: the whole run; saves the JSON when asked; returns the result dict."""
     target = await resolve_target(spec, needs_tokenizer(spec))
+    if spec.dataset_name in MULTITURN_DATASETS:
+        return await run_multiturn(spec, target)  # conversations, not independent requests
     requests = build_requests(spec, target.tokenizer)
     if spec.dataset_name in ("random", "prefix") and not spec.no_align_prompts:
         requests = await align_prompts(target.root_url, target.model_name or target.model_id, requests)

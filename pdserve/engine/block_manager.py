@@ -64,6 +64,12 @@ class BlockManager:
             toks = [req.token_at(j) for j in range(i * bs, (i + 1) * bs)]
             req.block_hashes.append(hash_block_tokens(parent, toks))
 
+    def block_hashes(self, req: Request, upto_tokens: int) -> list[int]:
+        """The chained hashes of req's full blocks within its first `upto_tokens` tokens (prompt, then
+        output), whether or not prefix caching is on: what a held prefix is matched by."""
+        self._compute_hashes(req, upto_tokens)
+        return req.block_hashes[: upto_tokens // self.block_size]
+
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Block ids of the longest cached prefix of req's tokens. At least one token is always left to
         compute, since the last prompt token's logits are needed."""

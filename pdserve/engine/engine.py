@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    num_history: int = 0  # finished decode legs whose conversation is held for the next turn
     external_prefix_cache_queries: int = 0  # tokens looked up in the offload tiers (vLLM's connector counters)
     external_prefix_cache_hits: int = 0
     kv_tiers: dict | None = None  # medium -> counters and usage of the offload tiers (None: no tiers)
@@ -137,6 +139,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # producer: finished P legs whose blocks a consumer may read
         self.params_mailbox = ParamsMailbox()  # consumer: decode legs sent before their params, and vice versa
+        # bidirectional_kv_xfer: finished decode legs' conversations held for the next turn, by lease id,
+        # oldest first (the first evicted when the pool runs short)
+        self.history: OrderedDict[str, Request] = OrderedDict()
         try:
             self.connector = connector_factory(self) if connector_factory else None
         except BaseException:
@@ -237,7 +242,8 @@ class LLMEngine:
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs is not None else None
         conn = self.connector
         kv = KVHandoff.from_params(kv_transfer_params, can_load=conn is not None and conn.can_load,
-                                   can_send=conn is not None and conn.can_send)
+                                   can_send=conn is not None and conn.can_send,
+                                   keeps_history=conn is not None and conn.keeps_history)
         later = None
         if kv.needs_load:
             try:
@@ -248,7 +254,9 @@ class LLMEngine:
                 early = self.params_mailbox.take_early(later)
                 if early is not None:  # the params came first: an ordinary decode leg
                     kv_transfer_params, later = early, None
-                    kv = KVHandoff.from_params(early, can_load=True, can_send=False)
+                    assert conn is not None
+                    kv = KVHandoff.from_params(early, can_load=True, can_send=conn.can_send,
+                                               keeps_history=conn.keeps_history)
         first = None if later is not None else self._check_remote_params(kv, kv_transfer_params)
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, self.max_model_len, kv)
         req.grammar = grammar
@@ -268,7 +276,7 @@ class LLMEngine:
         assert self.connector is not None
         try:
             self.connector.validate(kv_transfer_params)
-            first = pd.parse_first_token(kv_transfer_params)
+            first = None if kv.prefix else pd.parse_first_token(kv_transfer_params)
         except ValueError as e:  # InvalidKVTransferParams: its message names the field
             raise ParamError(str(e), "kv_transfer_params") from e
         vocab = self.model_cfg.vocab_size
@@ -280,6 +288,9 @@ class LLMEngine:
     def _admit(self, req: Request, first: pd.FirstToken | None) -> None:
         if first is not None:
             self._adopt_first_token(req, first)
+        if req.kv.prefix:
+            assert self.connector is not None
+            self._match_prefix(req, self.connector.validate(req.kv.params))
         if req.kv.needs_load:
             assert self.connector is not None
             # last: nothing after it can refuse the request
@@ -298,7 +309,9 @@ class LLMEngine:
         if rid is None:
             return []
         req = self.requests[rid]
-        req.kv = KVHandoff.from_params(kv_transfer_params, can_load=True, can_send=False)
+        assert self.connector is not None
+        req.kv = KVHandoff.from_params(kv_transfer_params, can_load=True, can_send=self.connector.can_send,
+                                       keeps_history=self.connector.keeps_history)
         try:
             if not req.kv.needs_load:
                 raise ParamError("kv_transfer_params: the delivered params are no decode leg's "
@@ -311,6 +324,28 @@ class LLMEngine:
             raise DeliveryRefused(str(e), [out]) from e
         self._admit(req, first)
         return []
+
+    def _match_prefix(self, req: Request, remote: pd.RemotePrefillParams) -> None:
+        """A peer's held prefix: read the leading blocks whose hashes equal this prompt's (the same tokens at
+        the same positions), leaving at least the last prompt token to compute. None matching: the peer
+        frees its lease now and the prompt is computed here."""
+        assert self.connector is not None
+        bs = self.config.block_size
+        limit = min(len(remote.block_hashes), len(remote.remote_block_ids),
+                    (remote.remote_num_tokens or 0) // bs, (req.num_prompt_tokens - 1) // bs)
+        ours = self.blocks.block_hashes(req, limit * bs) if limit > 0 else []
+        k = 0
+        while k < limit and pd.wire_block_hash(ours[k]) == remote.block_hashes[k]:
+            k += 1
+        if k == 0:
+            log.info("request %s: the held prefix %s matches none of this prompt's blocks; computing it",
+                     req.request_id, remote.remote_request_id)
+            req.kv.drop_load()
+            self.connector.decline(req.kv.params)
+            self.connector.record_prefix_pull("declined")
+            return
+        req.kv.prefix_tokens = k * bs
+        req.kv.prefix_min_tokens = self.connector.kv_recompute_threshold
 
     def _adopt_first_token(self, req: Request, first: pd.FirstToken) -> None:
         """A decode leg whose producer sent its sampled first token: take it as output 0, so the load brings
@@ -395,9 +430,15 @@ class LLMEngine:
                 # step's model run (~6 ms on an 8B model); the caller's next step runs the model
                 return outputs
         t_start = time.perf_counter()
+        if self.history:
+            self._evict_history_for_room()
         if self.tier_loader is not None:
             self.tier_loader.before_schedule()
         sched = self.scheduler.schedule()
+        for req in sched.dropped_loads:
+            assert self.connector is not None
+            self.connector.remove_waiting(req.request_id)  # the holder frees its lease now
+            self.connector.record_prefix_pull("declined")
         for req in sched.start_loads:
             self._start_load(req, outputs)
         if not sched.scheduled:
@@ -424,7 +465,7 @@ class LLMEngine:
             req.metrics.last_token_time = now
             if req.check_stop(tok) or (req.grammar is not None and self.grammars.advance(req, tok)):
                 self.scheduler.remove(req)
-                outputs.append(self._finish(req, hold=req.kv.send))
+                outputs.append(self._finish(req, hold=req.kv.send or req.kv.keep_history))
             else:
                 outputs.append(self._emit(req))
         if self.step_log is not None:
@@ -466,7 +507,9 @@ class LLMEngine:
         self.requests.pop(req.request_id, None)
         self.runner.sampler.forget(req.request_id)
         self.num_finished += 1
-        if hold and req.finish_reason in ("length", "stop") and req.block_ids and self.connector is not None:
+        if hold and req.kv.keep_history and req.finish_reason in ("length", "stop") and req.block_ids:
+            self._hold_history(req)
+        elif hold and req.finish_reason in ("length", "stop") and req.block_ids and self.connector is not None:
             params = self.connector.hold(
                 req.request_id, list(req.block_ids), req.num_computed_tokens, max(req.num_cached_tokens, 0)
             )
@@ -481,6 +524,46 @@ class LLMEngine:
         else:
             self.blocks.release(req)
         return self._emit(req, finished=True)
+
+    # ---- multi-turn: a decode leg's conversation held for the next turn ----------------------
+    def _hold_history(self, req: Request) -> None:
+        """Keep the full blocks of a finished decode leg (prompt and answer: every token whose KV is
+        computed) under a history lease; the partial last block is freed now. Its params go back in the
+        response for the next turn's prefill to read (vLLM's bidirectional_kv_xfer)."""
+        assert self.connector is not None
+        bs = self.config.block_size
+        full = min(req.num_computed_tokens // bs, len(req.block_ids))
+        lease_id = f"{req.request_id}-history"
+        if full == 0 or lease_id in self.history:
+            self.blocks.release(req)
+            return
+        hashes = [pd.wire_block_hash(h) for h in self.blocks.block_hashes(req, full * bs)]
+        self.blocks.free_blocks(req.block_ids[full:])
+        req.block_ids = req.block_ids[:full]
+        try:
+            params = self.connector.hold_history(lease_id, list(req.block_ids), full * bs, hashes)
+        except ValueError as e:  # e.g. an earlier request of the same id still holds its lease
+            log.warning("request %s: its conversation's KV is not kept: %s", req.request_id, e)
+            self.blocks.release(req)
+            return
+        req.result_kv_transfer_params = params
+        self.history[lease_id] = req
+
+    def _evict_history_for_room(self) -> None:
+        """Held histories give their blocks back, oldest first, before this step's requests would wait or be
+        preempted for lack of blocks: what the running requests still need for their tokens and the next one,
+        and the next waiting prompt's blocks."""
+        assert self.connector is not None
+        s = self.scheduler
+        bm = self.blocks
+        need = sum(max(bm.blocks_needed(r.num_tokens + 1) - len(r.block_ids), 0) for r in s.running)
+        if s.waiting:
+            need += bm.blocks_needed(s.waiting[0].num_tokens + 1)
+        for lease_id in list(self.history):
+            if self.blocks.num_free_blocks >= need:
+                return
+            if self.connector.evict_history(lease_id):  # False while a prefill reads it: it stays
+                self.blocks.release(self.history.pop(lease_id))
 
     # ---- P/D ---------------------------------------------------------------------------------
     def _start_load(self, req: Request, outputs: list[RequestOutput]) -> None:
@@ -503,6 +586,8 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         for rid in self.connector.poll_released():
             req = self.held.pop(rid, None)
+            if req is None:
+                req = self.history.pop(rid, None)
             if req is not None:
                 self.blocks.release(req)
         # results first, then claims: a load's claim is queued before its result, so every result polled
@@ -535,7 +620,21 @@ class LLMEngine:
         mistake: finished with the reason), or failed (then the policy, which is for transport failures)."""
         assert self.connector is not None
         req.metrics.kv_load_done_time = time.monotonic()
-        recompute = not ok and rejected is None and self.connector.load_failure_policy == "recompute"
+        prefix_gone = False
+        if req.kv.prefix_tokens is not None and not req.kv.abort_requested:
+            if ok:
+                self.connector.record_prefix_pull("loaded", req.kv.prefix_tokens - req.num_computed_tokens)
+            else:
+                if rejected is not None:
+                    # a held prefix that is gone (expired, evicted, its holder restarted): not the client's
+                    # mistake, and nothing was read: compute it here
+                    log.info("request %s: the held prefix is not available (%s); computing it",
+                             req.request_id, error)
+                    rejected, prefix_gone = None, True
+                fallback = prefix_gone or self.connector.load_failure_policy == "recompute"
+                self.connector.record_prefix_pull("recomputed" if fallback else "failed")
+        recompute = not ok and rejected is None and (
+            prefix_gone or self.connector.load_failure_policy == "recompute")
         if req.kv.first_token is not None and req.num_emitted == 0 and not ok and not recompute:
             # the request ends here without its adopted token ever having been sent: it ends with none
             req.output_token_ids.clear()
@@ -590,6 +689,7 @@ class LLMEngine:
             prefix_cache_queries=self.blocks.prefix_queries,
             prefix_cache_hits=self.blocks.prefix_hits,
             num_preemptions=s.num_preemptions,
+            num_history=len(self.history),
             external_prefix_cache_queries=self.blocks.external_queries,
             external_prefix_cache_hits=self.blocks.external_hits,
             kv_tiers=self.tiers.stats() if self.tiers is not None else None,

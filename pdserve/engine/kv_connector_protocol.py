@@ -80,4 +80,30 @@ class KVConnectorProtocol(Protocol):
         """Request ids whose lease ended: their blocks can be freed now."""
         ...
 
+    # ---- multi-turn (bidirectional_kv_xfer) ----
+    @property
+    def keeps_history(self) -> bool:
+        """Decode legs keep their conversation's blocks for the next turn's prefill."""
+        ...
+
+    @property
+    def kv_recompute_threshold(self) -> int:
+        """A peer's prefix with fewer tokens left to read than this is recomputed instead."""
+        ...
+
+    def hold_history(self, lease_id: str, block_ids: Sequence[int], num_tokens: int,
+                     block_hashes: Sequence[str]) -> dict[str, Any]:
+        """Lease a finished decode leg's full blocks; returns the response's kv_transfer_params."""
+        ...
+
+    def evict_history(self, lease_id: str) -> bool:
+        """Free a held history now (the engine needs its blocks); False while it is being read."""
+        ...
+
+    def decline(self, params: Any) -> None:
+        """A peer's lease this instance will not read: let the peer free it now."""
+        ...
+
+    def record_prefix_pull(self, outcome: str, tokens: int = 0) -> None: ...
+
     def shutdown(self) -> None: ...

@@ -18,6 +18,14 @@ a bug in the step loop surfaces at once, with its traceback, instead of as a con
 Producer side (`do_remote_decode`): `send` says the finished request's blocks are held under a lease for a
 consumer instead of being freed.
 
+Multi-turn (vLLM's `bidirectional_kv_xfer`): on such an instance a decode leg (`do_remote_prefill`) ends with
+`keep_history`: its full blocks (prompt and answer) are held for the next turn's prefill instead of being
+freed. That prefill's params name them (`pdserve.api.pd.is_remote_prefix`): the same load state machine
+reads only a PREFIX of its prompt (`prefix_tokens`, the leading blocks whose hashes match its own prompt's)
+and the rest is computed here as any prompt is. A prefix that is gone (expired, evicted, a dead holder
+refused) is recomputed, never the client's error; `drop_load` (WAITING -> NONE) is a prefix not worth reading
+once the local prefix cache is known (it covers it, or what is left is under `kv_recompute_threshold`).
+
 First token (pdserve producers, pdserve/api/pd.py `first_token_fields`): a decode request that adopted the
 producer's sampled first token (`first_token`) loads the KV of the whole prompt and starts from that token;
 without it (a vLLM producer, or a token it cannot adopt) it loads all but the last prompt token and
@@ -31,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.api.pd import FirstToken
+from pdserve.api.pd import FirstToken, is_remote_prefix
 
 
 class LoadState(enum.Enum):
@@ -54,19 +62,30 @@ class KVHandoff:
     abort_requested: bool = False  # aborted while LOADING: finish once the read has ended
     rejection: str | None = None  # FAILED because the producer refused the lease the params name (why)
     first_token: FirstToken | None = None  # consumer: the producer's first token, adopted as output 0
+    keep_history: bool = False  # decode leg, bidirectional instance: hold prompt + answer for the next turn
+    prefix: bool = False  # the params name a peer's held prefix of the prompt (not a decode leg's whole prompt)
+    prefix_tokens: int | None = None  # a prefix load: how many leading prompt tokens it reads (whole blocks)
+    prefix_min_tokens: int = 0  # kv_recompute_threshold: fewer tokens left to read are recomputed instead
 
     def remote_tokens(self, num_prompt_tokens: int) -> int:
-        """Prompt tokens whose KV the load brings: all of them when the first token was adopted, else all
-        but the last (recomputed here for the first token's logits)."""
+        """Prompt tokens whose KV the load brings: a prefix load's `prefix_tokens`; all of them when the first
+        token was adopted, else all but the last (recomputed here for the first token's logits)."""
+        if self.prefix_tokens is not None:
+            return self.prefix_tokens
         return num_prompt_tokens if self.first_token is not None else num_prompt_tokens - 1
 
     @classmethod
-    def from_params(cls, params: Mapping[str, Any] | None, *, can_load: bool, can_send: bool) -> KVHandoff:
+    def from_params(cls, params: Mapping[str, Any] | None, *, can_load: bool, can_send: bool,
+                    keeps_history: bool = False) -> KVHandoff:
         """Read `kv_transfer_params` once, when the request is added. A role this instance cannot play is
-        ignored (plain local prefill / plain finish), as vLLM does without a connector."""
+        ignored (plain local prefill / plain finish), as vLLM does without a connector. `keeps_history`: the
+        instance keeps decode legs' conversations (bidirectional_kv_xfer)."""
         p = params or {}
-        load = LoadState.WAITING if can_load and p.get("do_remote_prefill") else LoadState.NONE
-        return cls(params=params, load=load, send=can_send and bool(p.get("do_remote_decode")))
+        prefix = can_load and is_remote_prefix(p)
+        load = LoadState.WAITING if can_load and (p.get("do_remote_prefill") or prefix) else LoadState.NONE
+        keep = keeps_history and can_send and bool(p.get("do_remote_prefill"))
+        return cls(params=params, load=load, send=can_send and bool(p.get("do_remote_decode")),
+                   keep_history=keep, prefix=prefix)
 
     @property
     def needs_load(self) -> bool:
@@ -81,6 +100,10 @@ class KVHandoff:
         if self.load is not expected:
             raise HandoffStateError(f"KV handoff: {self.load.value} -> {to.value} (expected {expected.value})")
         self.load = to
+
+    def drop_load(self) -> None:
+        """A prefix not worth reading (known at admission): the request computes its prompt as a plain one."""
+        self._move(LoadState.WAITING, LoadState.NONE)
 
     def begin_load(self) -> None:
         self._move(LoadState.WAITING, LoadState.LOADING)

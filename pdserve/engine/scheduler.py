@@ -20,6 +20,7 @@ from pdserve.engine.request import Request, Status
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens this step)
     start_loads: list[Request] = field(default_factory=list)  # blocks allocated; start the remote read
+    dropped_loads: list[Request] = field(default_factory=list)  # prefix loads not worth reading: free the lease
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -99,10 +100,19 @@ class Scheduler:
                 break
             req = self.waiting[0]
             cached = self.blocks.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            if req.kv.needs_load and req.kv.prefix_tokens is not None:
+                # A peer's held prefix: worth a read only for what the local prefix cache lacks, and only
+                # from kv_recompute_threshold tokens on (vLLM's rule); else it is computed here.
+                left = req.kv.prefix_tokens - len(cached) * self.blocks.block_size
+                if left < max(1, req.kv.prefix_min_tokens):
+                    req.kv.drop_load()
+                    out.dropped_loads.append(req)
             if req.kv.needs_load:
-                # Consumer, first admission only: allocate the whole prompt, then read what the local
-                # prefix cache lacks. Once loaded, a preempted request comes back through the local path.
-                if not self.blocks.allocate(req, req.num_prompt_tokens, cached):
+                # Consumer, first admission only: allocate the prompt (a prefix load: the prefix), then read
+                # what the local prefix cache lacks. Once loaded, a preempted request comes back through the
+                # local path.
+                upto = req.kv.prefix_tokens if req.kv.prefix_tokens is not None else req.num_prompt_tokens
+                if not self.blocks.allocate(req, upto, cached):
                     break
                 self.waiting.popleft()
                 self._note_prefix(req, len(cached))

@@ -63,6 +63,11 @@ _KNOWN_EXTRA_KEYS = frozenset(
         "num_load_workers",
         SECRET_KEY,
         "side_channel_max_skew_s",
+        # bidirectional transfer for multi-turn (vLLM PR 32553): the decode instance keeps a finished
+        # conversation's KV for the next turn's prefill, which reads it back
+        "bidirectional_kv_xfer",
+        "decoder_kv_blocks_ttl",
+        "kv_recompute_threshold",
         # vLLM keys that have no meaning here (single engine, pull mode only).
         "num_threads",
         "engine_ttl",
@@ -120,14 +125,21 @@ class KVTransferConfig:
     side_channel_secret: str | None = field(default=None, repr=False)
     side_channel_max_skew_s: float = DEFAULT_MAX_SKEW_S
     insecure_side_channel: bool = False
+    # Multi-turn (vLLM's names and defaults): a decode leg keeps its blocks (prompt + answer) under a lease of
+    # decoder_kv_blocks_ttl seconds and returns params for them; a prefill reads such a prefix back unless it
+    # is shorter than kv_recompute_threshold tokens. Either way the instance plays both roles (as vLLM's
+    # NixlConnector always does): a decode instance serves its histories, a prefill instance reads them.
+    bidirectional_kv_xfer: bool = False
+    decoder_kv_blocks_ttl: float = 480.0
+    kv_recompute_threshold: int = 64
 
     @property
     def is_producer(self) -> bool:
-        return self.kv_role in ("kv_producer", "kv_both")
+        return self.kv_role in ("kv_producer", "kv_both") or self.bidirectional_kv_xfer
 
     @property
     def is_consumer(self) -> bool:
-        return self.kv_role in ("kv_consumer", "kv_both")
+        return self.kv_role in ("kv_consumer", "kv_both") or self.bidirectional_kv_xfer
 
     @property
     def bind_host(self) -> str:
@@ -248,6 +260,15 @@ class KVTransferConfig:
         if not interval > 0:
             raise ValueError(f"{ENV_LOG_INTERVAL} must be > 0, got {interval_raw!r}")
 
+        bidirectional = extra.get("bidirectional_kv_xfer", False)
+        if not isinstance(bidirectional, bool):
+            raise ValueError(f"kv_connector_extra_config.bidirectional_kv_xfer must be true or false, got "
+                             f"{bidirectional!r}")
+        threshold = extra.get("kv_recompute_threshold", 64)
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(f"kv_connector_extra_config.kv_recompute_threshold must be an integer >= 0, got "
+                             f"{threshold!r}")
+
         secret = resolve_secret(extra, env)
         if SECRET_KEY in extra:
             logger.warning(
@@ -257,7 +278,7 @@ class KVTransferConfig:
                 SECRET_ENV,
             )
         host = host.strip()
-        if role in ("kv_producer", "kv_both") and secret is None and not is_loopback_host(host):
+        if (role in ("kv_producer", "kv_both") or bidirectional) and secret is None and not is_loopback_host(host):
             if not insecure_side_channel:
                 raise ValueError(
                     f"the KV side channel would listen on {host} without authentication: anyone who reaches it "
@@ -291,4 +312,7 @@ class KVTransferConfig:
             side_channel_secret=secret,
             side_channel_max_skew_s=_number(extra, "side_channel_max_skew_s", DEFAULT_MAX_SKEW_S),
             insecure_side_channel=insecure_side_channel,
+            bidirectional_kv_xfer=bidirectional,
+            decoder_kv_blocks_ttl=_number(extra, "decoder_kv_blocks_ttl", 480.0),
+            kv_recompute_threshold=threshold,
         )

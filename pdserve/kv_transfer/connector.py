@@ -29,13 +29,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from pdserve.api.pd import RemotePrefillParams, parse_remote_kv_params
 from pdserve.kv_transfer.auth import SECRET_ENV, MessageAuth, ReplayGuard
 from pdserve.kv_transfer.compat import normalize_compat
 from pdserve.kv_transfer.config import KVTransferConfig, is_loopback_host
 from pdserve.kv_transfer.consumer import KVConsumer, LoadResult
 from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.nixl_agent import NixlAgent, apply_env_defaults, load_nixl
-from pdserve.kv_transfer.params import RemotePrefillParams, parse_remote_prefill_params
 from pdserve.kv_transfer.pool import pretouch, region_of
 from pdserve.kv_transfer.producer import KVProducer
 from pdserve.kv_transfer.side_channel import SideChannelServer
@@ -264,6 +264,28 @@ class KVConnector:
         """Keep `block_ids` under a lease and return the response's `kv_transfer_params`."""
         return self._need_producer().hold(request_id, block_ids, num_tokens, num_cached_tokens)
 
+    def hold_history(
+        self, lease_id: str, block_ids: Sequence[int], num_tokens: int, block_hashes: Sequence[str]
+    ) -> dict[str, Any]:
+        """Keep a finished decode leg's blocks for the next turn's prefill (bidirectional_kv_xfer)."""
+        return self._need_producer().hold_history(lease_id, block_ids, num_tokens, block_hashes)
+
+    def evict_history(self, lease_id: str) -> bool:
+        return self.producer.evict_history(lease_id) if self.producer is not None else False
+
+    @property
+    def keeps_history(self) -> bool:
+        """Decode legs keep their conversation's KV for the next turn (bidirectional_kv_xfer)."""
+        return self.config.bidirectional_kv_xfer and self.producer is not None
+
+    @property
+    def kv_recompute_threshold(self) -> int:
+        """A peer's prefix shorter than this many tokens is recomputed instead of read (vLLM's default 64)."""
+        return self.config.kv_recompute_threshold
+
+    def record_prefix_pull(self, outcome: str, tokens: int = 0) -> None:
+        self.metrics.record_prefix_pull(outcome, tokens)
+
     def poll_released(self) -> list[str]:
         """Request ids whose lease ended (read and released, aborted, or expired): free their blocks now."""
         return self.producer.poll_released() if self.producer is not None else []
@@ -280,13 +302,17 @@ class KVConnector:
 
     @staticmethod
     def validate(params: Any) -> RemotePrefillParams:
-        return parse_remote_prefill_params(params)
+        return parse_remote_kv_params(params)
 
     def add_waiting(self, request_id: str, params: Any) -> None:
         self._need_consumer().add_waiting(request_id, params)
 
     def remove_waiting(self, request_id: str) -> None:
         self._need_consumer().remove_waiting(request_id)
+
+    def decline(self, params: Any) -> None:
+        """A peer's lease this instance will not read (nothing of it matches): let the peer free it now."""
+        self._need_consumer().decline(params)
 
     def start_load(
         self,

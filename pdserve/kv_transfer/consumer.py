@@ -31,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.api.pd import LEASE_REJECTION_STATUS, RemotePrefillParams, parse_remote_prefill_params
+from pdserve.api.pd import LEASE_REJECTION_STATUS, RemotePrefillParams, parse_remote_kv_params
 from pdserve.kv_transfer import side_channel
 from pdserve.kv_transfer.auth import MessageAuth
 from pdserve.kv_transfer.compat import check_compat
@@ -178,11 +178,11 @@ class KVConsumer:
 
     @staticmethod
     def validate(params: Any) -> RemotePrefillParams:
-        return parse_remote_prefill_params(params)
+        return parse_remote_kv_params(params)
 
     def add_waiting(self, request_id: str, params: Any) -> None:
         """The request waits for local blocks; heartbeats keep the producer's lease alive meanwhile."""
-        parsed = parse_remote_prefill_params(params)
+        parsed = parse_remote_kv_params(params)
         with self._lock:
             self._waiting[request_id] = parsed
         self._update_stages()
@@ -196,6 +196,12 @@ class KVConsumer:
             # RuntimeError: shutting down; the producer's lease will expire instead.
             with contextlib.suppress(RuntimeError):
                 self._executor.submit(self._abort_remote, parsed)
+
+    def decline(self, params: Any) -> None:
+        """A lease this instance will not read: ask its producer to free it now (best effort)."""
+        parsed = parse_remote_kv_params(params)
+        with contextlib.suppress(RuntimeError):  # shutting down: the lease expires instead
+            self._executor.submit(self._abort_remote, parsed)
 
     def start_load(
         self,
@@ -212,7 +218,7 @@ class KVConsumer:
         tokens still to be generated have no remote counterpart.
         Returns at once; the outcome comes from `poll_loads()`. The local blocks must stay allocated until then.
         """
-        parsed = parse_remote_prefill_params(params)
+        parsed = parse_remote_kv_params(params)
         local = [int(b) for b in local_block_ids]
         if num_tokens is not None:
             needed = -(-num_tokens // self._block_size)

@@ -6,6 +6,7 @@ Life of a lease:
                │  ▲ heartbeat      │
                │  └────────────────┘ (heartbeats only matter while HELD)
                ├──abort──▶ freed (consumer gave up before reading)
+               ├──evict──▶ freed, remembered as expired (the engine needed the blocks: history leases)
                └──expiry──▶ freed, counted        CLAIMED ──claim deadline──▶ freed, counted
 
 "Freed" means the request id is queued for the engine (`poll_released`), which then frees the blocks.
@@ -15,6 +16,11 @@ blocks were untouched for the whole read: that is the `held_throughout` answer t
 Every lease has a random token, handed out once by `hold` (it travels in the prefill response's
 `kv_transfer_params` as `remote_lease_token`). Claim, release, abort and heartbeat act on a lease only with
 its token: knowing a request id is not enough to claim, free or pin someone else's KV (`bad_token`).
+
+Two kinds of lease share the table: a prefill leg's blocks for its decode instance (`kv_lease_duration`,
+extended by the consumer's heartbeats) and a decode instance's conversation history for the next turn's
+prefill (`decoder_kv_blocks_ttl`, vLLM's name: the next turn is the client's, so nobody heartbeats it until
+a prefill queues to read it). Each lease carries its own duration.
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ class Lease:
     num_tokens: int
     expires_at: float
     token: str
+    duration_s: float = 0.0  # what a heartbeat extends by (2/3 of it)
+    history: bool = False  # a decode instance's conversation history (not a prefill leg's blocks)
     state: LeaseState = LeaseState.HELD
     claim_token: str | None = None
     claim_deadline: float | None = None
@@ -75,7 +83,10 @@ class LeaseTable:
         clock: Callable[[], float] = time.monotonic,
         on_expired: Callable[[str], None] | None = None,
         on_late: Callable[[str], None] | None = None,
+        on_history_end: Callable[[str], None] | None = None,
     ) -> None:
+        """on_expired: a prefill leg's lease expired; on_history_end(outcome): a history lease ended
+        (pulled, aborted, evicted or expired); on_late: something arrived for an expired lease."""
         if duration_s <= 0:
             raise ValueError("lease duration must be > 0")
         self.duration_s = duration_s
@@ -84,6 +95,7 @@ class LeaseTable:
         self._clock = clock
         self._on_expired = on_expired
         self._on_late = on_late
+        self._on_history_end = on_history_end
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         # request id -> [its lease token, whether a late event was already counted for it].
@@ -95,14 +107,20 @@ class LeaseTable:
 
     # ---- engine side -------------------------------------------------------------------------------
 
-    def hold(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> str:
-        """Start a lease; returns its token (only the request's own prefill response carries it)."""
+    def hold(self, request_id: str, block_ids: Sequence[int], num_tokens: int, *,
+             duration_s: float | None = None, history: bool = False) -> str:
+        """Start a lease (of the table's duration unless `duration_s`); returns its token (only the request's
+        own response carries it)."""
+        duration = self.duration_s if duration_s is None else float(duration_s)
+        if duration <= 0:
+            raise ValueError("lease duration must be > 0")
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds a KV lease")
             token = secrets.token_urlsafe(LEASE_TOKEN_BYTES)
             self._leases[request_id] = Lease(
-                request_id, tuple(int(b) for b in block_ids), num_tokens, self._clock() + self.duration_s, token
+                request_id, tuple(int(b) for b in block_ids), num_tokens, self._clock() + duration, token,
+                duration, history,
             )
             self._expired.pop(request_id, None)
             return token
@@ -144,7 +162,7 @@ class LeaseTable:
                     refused.append(rid)
                 elif lease.state is LeaseState.HELD:
                     # vLLM extends by duration*2//3 (integer seconds); float keeps sub-second leases useful.
-                    lease.expires_at = max(lease.expires_at, now + self.duration_s * 2.0 / 3.0)
+                    lease.expires_at = max(lease.expires_at, now + lease.duration_s * 2.0 / 3.0)
         return unknown, refused
 
     def claim(self, request_id: str, token: str, timeout_s: float) -> tuple[tuple[int, ...], str]:
@@ -187,6 +205,7 @@ class LeaseTable:
                 logger.warning("KV release for request %s without its claim; ignored", request_id)
                 return False
             self._free_locked(lease)
+            self._history_ended_locked(lease, "pulled")
             return True
 
     def abort(self, request_id: str, token: str) -> bool:
@@ -200,6 +219,19 @@ class LeaseTable:
             if lease.state is not LeaseState.HELD:
                 return False
             self._free_locked(lease)
+            self._history_ended_locked(lease, "aborted")
+            return True
+
+    def evict(self, request_id: str) -> bool:
+        """The engine needs the blocks back (a history lease under memory pressure): free a HELD lease now.
+        A CLAIMED one is being read and stays. A later claim is refused as `expired`, as after its TTL."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None or lease.state is not LeaseState.HELD:
+                return False
+            self._free_locked(lease)
+            self._remember_expired_locked(lease)
+            self._history_ended_locked(lease, "evicted")
             return True
 
     def note_read_notification(self, request_id: str) -> None:
@@ -243,9 +275,12 @@ class LeaseTable:
     def _free_expired_locked(self, lease: Lease) -> None:
         was_claimed = lease.state is LeaseState.CLAIMED
         self._free_locked(lease)
-        self._expired[lease.request_id] = [lease.token, False]
-        while len(self._expired) > _EXPIRED_MEMORY:
-            self._expired.popitem(last=False)
+        self._remember_expired_locked(lease)
+        if lease.history:
+            # the client did not come back within decoder_kv_blocks_ttl: normal, the next turn recomputes
+            logger.info("Releasing the held history KV blocks of request %s (TTL over)", lease.request_id)
+            self._history_ended_locked(lease, "expired")
+            return
         self.num_expired += 1
         logger.warning(
             "Releasing expired KV blocks for request %s (%s)",
@@ -254,6 +289,15 @@ class LeaseTable:
         )
         if self._on_expired is not None:
             self._on_expired(lease.request_id)
+
+    def _history_ended_locked(self, lease: Lease, outcome: str) -> None:
+        if lease.history and self._on_history_end is not None:
+            self._on_history_end(outcome)
+
+    def _remember_expired_locked(self, lease: Lease) -> None:
+        self._expired[lease.request_id] = [lease.token, False]
+        while len(self._expired) > _EXPIRED_MEMORY:
+            self._expired.popitem(last=False)
 
     def _expired_token_locked(self, request_id: str, token: str) -> bool:
         """Whether `request_id`'s lease expired recently and `token` was its token."""

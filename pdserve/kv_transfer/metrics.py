@@ -6,6 +6,12 @@ out of the failure counts: `pdserve:kv_lease_rejected_total` (consumer: the prod
 request's params name, answered with a 4xx) and `pdserve:kv_side_channel_refused_total` (producer: every
 side-channel message it refused: unauthenticated, replayed, stale, wrong token, ...). Prometheus objects live on the registry passed in, so several connectors in
 one process (tests) never collide on the global registry.
+
+Multi-turn history (`bidirectional_kv_xfer`): a decode instance's held conversation histories
+(`pdserve:kv_history_leases_held`, and how each ended: `pdserve:kv_history_leases_ended_total{outcome}` with
+pulled / aborted / evicted / expired) and, on the instance that reads a prefix from a peer, the prefix pulls
+(`pdserve:kv_prefix_pulls_total{outcome}`: loaded / recomputed / failed / declined, and the tokens they
+brought).
 """
 
 from __future__ import annotations
@@ -114,6 +120,16 @@ class TransferMetrics:
             "bytes": 0,
             "lease_rejected": 0,
             "side_channel_refused": 0,
+            "history_held": 0,
+            "history_pulled": 0,
+            "history_aborted": 0,
+            "history_evicted": 0,
+            "history_expired": 0,
+            "prefix_pulls_loaded": 0,
+            "prefix_pulls_recomputed": 0,
+            "prefix_pulls_failed": 0,
+            "prefix_pulls_declined": 0,
+            "prefix_pulled_tokens": 0,
         }
         labels = ["model_name", "engine"]
         values = (model_name, engine)
@@ -190,6 +206,34 @@ class TransferMetrics:
             registry=reg,
         )
         self._stages = {stage: stages.labels(*values, stage) for stage in FETCH_STAGES}
+        self._history_held = Gauge(
+            "pdserve:kv_history_leases_held",
+            "Conversation histories this (decode) instance holds for the next turn's prefill "
+            "(bidirectional_kv_xfer).",
+            labels,
+            registry=reg,
+        ).labels(*values)
+        self._history_ended = Counter(
+            "pdserve:kv_history_leases_ended",
+            "Held conversation histories that ended, by outcome: pulled (read by a prefill), aborted (the "
+            "prefill needed none of it), evicted (the blocks were needed), expired (decoder_kv_blocks_ttl).",
+            [*labels, "outcome"],
+            registry=reg,
+        )
+        self._prefix_pulls = Counter(
+            "pdserve:kv_prefix_pulls",
+            "Prompt prefixes this instance was asked to read from a peer's held KV, by outcome: loaded, "
+            "recomputed (the peer refused or failed; computed here instead), failed (the request failed) or "
+            "declined (not read: nothing matched, the local prefix cache had it, or under kv_recompute_threshold).",
+            [*labels, "outcome"],
+            registry=reg,
+        )
+        self._prefix_tokens = Counter(
+            "pdserve:kv_prefix_pulled_tokens",
+            "Prompt tokens whose KV was read from a peer's held prefix instead of being computed.",
+            labels,
+            registry=reg,
+        ).labels(*values)
 
     # ---- recording ---------------------------------------------------------------------------------
 
@@ -240,6 +284,24 @@ class TransferMetrics:
         self._side_channel_refused.labels(*self._label_values, reason).inc()
         with self._lock:
             self.totals["side_channel_refused"] += 1
+
+    def set_history_held(self, n: int) -> None:
+        self._history_held.set(n)
+        with self._lock:
+            self.totals["history_held"] = n
+
+    def record_history_ended(self, outcome: str) -> None:
+        self._history_ended.labels(*self._label_values, outcome).inc()
+        with self._lock:
+            self.totals[f"history_{outcome}"] += 1
+
+    def record_prefix_pull(self, outcome: str, tokens: int = 0) -> None:
+        self._prefix_pulls.labels(*self._label_values, outcome).inc()
+        if tokens:
+            self._prefix_tokens.inc(tokens)
+        with self._lock:
+            self.totals[f"prefix_pulls_{outcome}"] += 1
+            self.totals["prefix_pulled_tokens"] += tokens
 
     def set_fetch_stages(self, *, waiting_to_start: int, in_progress: int, completed_waiting: int) -> None:
         self._stages["waiting_to_start"].set(waiting_to_start)

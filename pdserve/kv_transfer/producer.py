@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pdserve.api.pd import build_producer_params
+from pdserve.api.pd import build_history_params, build_producer_params
 from pdserve.kv_transfer.auth import MessageAuth
 from pdserve.kv_transfer.compat import compat_differences
 from pdserve.kv_transfer.config import KVTransferConfig
@@ -65,7 +65,9 @@ class KVProducer:
             config.kv_lease_duration,
             on_expired=lambda _rid: metrics.record_kv_expired(),
             on_late=lambda _rid: metrics.record_notification_after_expiry(),
+            on_history_end=metrics.record_history_ended,
         )
+        self._history_ids: set[str] = set()  # held conversation histories (engine thread only)
         self.num_refused_handshakes = 0
         self._agent_metadata = agent.metadata()
         ranks = list(ranks) if ranks is not None else [(agent, region)]
@@ -85,11 +87,7 @@ class KVProducer:
     def hold(
         self, request_id: str, block_ids: Sequence[int], num_tokens: int, num_cached_tokens: int
     ) -> dict[str, Any]:
-        bad = [b for b in block_ids if not 0 <= int(b) < self._region.num_blocks]
-        if bad:
-            raise ValueError(
-                f"block ids out of range for a pool of {self._region.num_blocks} blocks: {bad[:8]}"
-            )
+        self._check_block_ids(block_ids)
         lease_token = self.leases.hold(request_id, block_ids, num_tokens)
         return build_producer_params(
             request_id=request_id,
@@ -105,8 +103,50 @@ class KVProducer:
             tp_size=len(self._ranks),
         )
 
+    def hold_history(
+        self, lease_id: str, block_ids: Sequence[int], num_tokens: int, block_hashes: Sequence[str]
+    ) -> dict[str, Any]:
+        """A finished decode leg's conversation (its full blocks) held for decoder_kv_blocks_ttl seconds for
+        the next turn's prefill; returns the response's kv_transfer_params (vLLM's bidirectional shape)."""
+        self._check_block_ids(block_ids)
+        ttl = self._config.decoder_kv_blocks_ttl
+        lease_token = self.leases.hold(lease_id, block_ids, num_tokens, duration_s=ttl, history=True)
+        self._history_ids.add(lease_id)
+        self._metrics.set_history_held(len(self._history_ids))
+        return build_history_params(
+            request_id=lease_id,
+            block_ids=block_ids,
+            num_tokens=num_tokens,
+            block_hashes=block_hashes,
+            engine_id=self._config.engine_id,
+            host=self._config.side_channel_host,
+            port=self._server.port,
+            generation=self.generation,
+            ttl_s=ttl,
+            lease_token=lease_token,
+            block_bytes=self._region.block_bytes * len(self._ranks),
+            tp_size=len(self._ranks),
+        )
+
+    def evict_history(self, lease_id: str) -> bool:
+        """Free a held history now (its blocks are needed); False while a prefill is reading it."""
+        return self.leases.evict(lease_id)
+
     def poll_released(self) -> list[str]:
-        return self.leases.poll_released()
+        released = self.leases.poll_released()
+        if self._history_ids and released:
+            before = len(self._history_ids)
+            self._history_ids.difference_update(released)
+            if len(self._history_ids) != before:
+                self._metrics.set_history_held(len(self._history_ids))
+        return released
+
+    def _check_block_ids(self, block_ids: Sequence[int]) -> None:
+        bad = [b for b in block_ids if not 0 <= int(b) < self._region.num_blocks]
+        if bad:
+            raise ValueError(
+                f"block ids out of range for a pool of {self._region.num_blocks} blocks: {bad[:8]}"
+            )
 
     def shutdown(self) -> None:
         self._stop.set()

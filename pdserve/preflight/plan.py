@@ -265,6 +265,32 @@ def make_plan(shape: KVShape, prompt_len: int, bandwidths: list[str], block_size
                 -(-prompt_len // block_size), links, tp)
 
 
+@dataclass(frozen=True)
+class PullChoice:
+    """Read a held prefix's KV from a peer, or recompute it: whichever `pull_or_recompute` finds cheaper."""
+
+    pull: bool
+    tokens: int  # prompt tokens the choice is about
+    wire_s: float  # their KV over the link, plus the per-read overhead
+    recompute_s: float  # computing them at the given prefill throughput
+
+    def describe(self) -> str:
+        verdict = "pull" if self.pull else "recompute"
+        return (f"{verdict}: {self.tokens} tokens, wire {_duration(self.wire_s)} vs recompute "
+                f"{_duration(self.recompute_s)}")
+
+
+def pull_or_recompute(tokens: int, bytes_per_token: float, bandwidth_bytes_per_s: float,
+                      prefill_tokens_per_s: float, overhead_s: float = 0.002) -> PullChoice:
+    """The arithmetic above applied to a prefix some peer holds: its KV over the link (plus `overhead_s` per
+    read: the side-channel claim and release round trips) against recomputing it at the prefill rate."""
+    if tokens <= 0:
+        return PullChoice(False, 0, 0.0, 0.0)
+    wire = tokens * bytes_per_token / bandwidth_bytes_per_s + overhead_s
+    recompute = tokens / prefill_tokens_per_s
+    return PullChoice(wire < recompute, tokens, wire, recompute)
+
+
 def _bytes(n: float) -> str:
     """`3,276,800,000 B = 3.28 GB = 3.05 GiB` style: decimal and binary side by side."""
     for dec, binary, d, b in ((10**9, 2**30, "GB", "GiB"), (10**6, 2**20, "MB", "MiB"), (10**3, 2**10, "kB", "KiB")):

@@ -23,7 +23,9 @@ from pdserve.api.pd import (
     local_only_reason,
     prefill_prompt_token_ids,
 )
+from pdserve.preflight.plan import PullChoice, parse_bandwidth, pull_or_recompute
 from pdserve.proxy.config import ProxyConfig
+from pdserve.proxy.conversations import HeldHistory
 from pdserve.proxy.early_leg import EarlyDecodeLeg
 from pdserve.proxy.errors import error_response
 from pdserve.proxy.health import HealthChecker, probe
@@ -234,7 +236,9 @@ class ProxyHandlers:
         early_inst = await self._early_decode_instance(body)
         token_ids = (early_inst is None and cfg.chat_token_ids and api_path == CHAT_COMPLETIONS
                      and chat_prompt_ids_allowed(body.get("messages"), body.get("echo")))
-        prefill_payload = json.dumps(build_prefill_body(body, chat_token_ids=token_ids)).encode()
+        history = self._history_for(api_path, body, rid, prefix)
+        prefill_payload = json.dumps(build_prefill_body(body, chat_token_ids=token_ids,
+                                                        history_params=history)).encode()
         affinity = affinity_key(body, cfg.prefix_affinity_chars) if cfg.prefix_affinity else None
         prefill = asyncio.ensure_future(
             run_prefill(state, api_path, prefill_payload, headers, tokens, affinity, prefix))
@@ -253,7 +257,7 @@ class ProxyHandlers:
                     self.metrics.path["disagg"].inc()
                 leg = await early.finish(result.kv_params)
                 if leg is not None:
-                    return leg
+                    return self._keep_history(leg, api_path, body, result.response)
                 # the early leg never reached its instance: the ordinary decode leg (the lease is unclaimed)
                 early = None
             else:
@@ -302,9 +306,64 @@ class ProxyHandlers:
         if count_path:
             self.metrics.path["disagg"].inc()
         logger.debug("request %s: disagg via %s", rid, result.instance.url)
-        return await send_decode(
+        leg = await send_decode(
             state, api_path, json.dumps(decode_body).encode(), headers, tokens=decode_tokens, kv_claimed=True
         )
+        return self._keep_history(leg, api_path, body, result.response)
+
+    # -- multi-turn: a conversation's history held by a decode instance ----------------------------
+
+    def _keep_history(self, leg: DecodeLeg | web.Response, api_path: str, body: dict[str, Any],
+                      prefill_response: dict[str, Any] | None) -> DecodeLeg | web.Response:
+        """Have the decode leg's response tell the conversation map what the decode instance holds."""
+        if not isinstance(leg, DecodeLeg) or not self.config.kv_history:
+            return leg
+        usage = (prefill_response or {}).get("usage")
+        prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        decode_url = leg.instance.url
+
+        def remember(params: dict[str, Any]) -> None:
+            if self.state.history.remember(api_path, body, params, decode_url,
+                                           prompt_tokens if type(prompt_tokens) is int else None):
+                self.metrics.kv_history["remembered"].inc()
+
+        leg.on_kv_params = remember
+        return leg
+
+    def _history_for(self, api_path: str, body: dict[str, Any], rid: str,
+                     prefix: CachedPrefix | None = None) -> dict[str, Any] | None:
+        """The held-history params the prefill leg should read back, or None (none held, or recomputing is
+        cheaper by `pdserve plan`'s arithmetic, or the prefill's own prefix cache should hold it)."""
+        if not self.config.kv_history:
+            return None
+        held = self.state.history.take(api_path, body)
+        if held is None:
+            self.metrics.kv_history["none"].inc()
+            return None
+        # what the prefill instances already hold of this prompt: the fleet index's answer when instances
+        # publish KV events, else the previous turn's prompt (its prefill cached it)
+        p_cached = prefix.best_cached(self.state.prefill.instances) if prefix is not None else held.prompt_tokens
+        choice, what = self._pull_choice(held, p_cached or 0)
+        self.metrics.kv_history[what].inc()
+        logger.info("request %s: held history of %d tokens on %s: %s (%s)", rid, held.num_tokens,
+                    held.decode_url, what, choice.describe() if choice is not None else "no size given")
+        return held.params if what == "pull" else None
+
+    def _pull_choice(self, held: HeldHistory, p_cached: int) -> tuple[PullChoice | None, str]:
+        """pull / p_cache / recompute. The tokens in question are the held ones a prefill instance lacks
+        (`p_cached`: what it holds; it reads only blocks it lacks). A holder that does not say its block size
+        in bytes is read from (vLLM's decode instances)."""
+        tokens = held.num_tokens - p_cached
+        if tokens <= 0:
+            return None, "p_cache"
+        blocks = held.params.get("remote_block_ids") or [[]]
+        nblocks = len(blocks[0]) if isinstance(blocks[0], list) else len(blocks)
+        if held.block_bytes is None or nblocks == 0 or held.num_tokens == 0:
+            return None, "pull"
+        choice = pull_or_recompute(tokens, held.block_bytes * nblocks / held.num_tokens,
+                                   parse_bandwidth(self.config.kv_history_bandwidth),
+                                   self.config.kv_history_prefill_tps)
+        return choice, "pull" if choice.pull else "recompute"
 
     async def _early_decode_instance(self, body: dict[str, Any]) -> Instance | None:
         """The decode instance to send the decode leg to together with the prefill leg: one available now

@@ -174,6 +174,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "prefill)",
     )
     parser.add_argument(
+        "--no-kv-history",
+        dest="kv_history",
+        action="store_false",
+        default=s,
+        help="do not hand a conversation's history held by a decode instance (bidirectional_kv_xfer) to the "
+             "next turn's prefill: it recomputes the history",
+    )
+    parser.add_argument(
+        "--kv-history-max-entries",
+        type=int,
+        default=s,
+        help=f"conversations whose held history the proxy remembers (LRU; default {_D.kv_history_max_entries})",
+    )
+    parser.add_argument(
+        "--kv-history-bandwidth",
+        default=s,
+        help="link between instances for the pull-or-recompute arithmetic, as `pdserve plan --bandwidth` "
+             f"(default {_D.kv_history_bandwidth})",
+    )
+    parser.add_argument(
+        "--kv-history-prefill-tps",
+        type=float,
+        default=s,
+        help=f"prefill tokens/s of one instance for the same arithmetic (default {_D.kv_history_prefill_tps:g})",
+    )
+    parser.add_argument(
         "--max-inflight",
         type=int,
         default=s,

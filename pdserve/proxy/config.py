@@ -49,6 +49,13 @@ class ProxyConfig:
     # n > 1 as one P/D pair: pdserve decode instances fork the one KV load into the n choices (vLLM's
     # cannot: --no-disagg-n serves such requests locally)
     disagg_n: bool = True
+    # Multi-turn (decode instances with bidirectional_kv_xfer): remember each conversation's held history
+    # and have the next turn's prefill read it back when `pdserve plan`'s arithmetic says that is cheaper
+    # than recomputing it (link bandwidth and prefill throughput as below).
+    kv_history: bool = True
+    kv_history_max_entries: int = 4096
+    kv_history_bandwidth: str = "cpu-dram"  # a `pdserve plan --bandwidth` value or preset
+    kv_history_prefill_tps: float = 2000.0  # prefill tokens/s of one instance
     max_inflight: int = 4096
     connect_timeout: float = 10.0
     prefill_timeout: float = 300.0
@@ -80,7 +87,12 @@ class ProxyConfig:
         for name in ("prefill_retries", "decode_retries", "disagg_threshold_tokens", "prefix_affinity_slack"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        for name in ("prefix_affinity_chars", "max_inflight", "eject_after"):
+        from pdserve.preflight.plan import parse_bandwidth
+
+        parse_bandwidth(self.kv_history_bandwidth)  # ValueError names what is wrong
+        if self.kv_history_prefill_tps <= 0:
+            raise ValueError("kv_history_prefill_tps must be > 0")
+        for name in ("prefix_affinity_chars", "max_inflight", "eject_after", "kv_history_max_entries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         for name in (

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,10 @@ from pdserve.proxy.retry import parse_retry_after, retry_after_header
 from pdserve.proxy.state import ProxyState
 
 logger = logging.getLogger("pdserve.proxy")
+
+# Called with the decode response's kv_transfer_params (a held history, for multi-turn) once they are seen.
+KVParamsSink = Callable[[dict[str, Any]], None]
+_KV_PARAMS_MARK = b'"kv_transfer_params"'
 
 # Upstream statuses that mean "try elsewhere" rather than "the client's request is wrong".
 _RETRYABLE_4XX = (408, 429)
@@ -182,6 +187,7 @@ class DecodeLeg:
     resp: aiohttp.ClientResponse
     started: float
     tokens: int
+    on_kv_params: KVParamsSink | None = None  # gets the response's kv_transfer_params (multi-turn history)
 
     def done(self) -> None:
         self.instance.release(self.tokens)
@@ -208,9 +214,46 @@ async def relay_decode(
         leg.done()
 
 
-async def relay_leg(state: ProxyState, request: web.Request, leg: DecodeLeg, rid: str) -> web.StreamResponse:
-    """A decode leg's response relayed to the client as it comes (whole or SSE)."""
-    return await _relay_response(state, request, leg.instance, leg.resp, leg.started, rid)
+async def relay_leg(state: ProxyState, request: web.Request, leg: DecodeLeg, rid: str,
+                    on_kv_params: KVParamsSink | None = None) -> web.StreamResponse:
+    """A decode leg's response relayed to the client as it comes (whole or SSE); `on_kv_params` gets the
+    response's kv_transfer_params (the final chunk's, when streamed), as vLLM's decode instances return them."""
+    sink = on_kv_params if on_kv_params is not None else leg.on_kv_params
+    return await _relay_response(state, request, leg.instance, leg.resp, leg.started, rid, sink)
+
+
+def _kv_params_of(data: bytes) -> dict[str, Any] | None:
+    """The non-null kv_transfer_params of a JSON response body or SSE event, or None."""
+    if _KV_PARAMS_MARK not in data:
+        return None
+    text = data.strip()
+    if text.startswith(b"data:"):
+        text = text[5:].strip()
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return None
+    params = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
+    return params if isinstance(params, dict) else None
+
+
+class _EventScanner:
+    """Finds kv_transfer_params in an SSE stream relayed chunk by chunk (events may split across chunks);
+    only events that carry them are parsed."""
+
+    def __init__(self, sink: KVParamsSink) -> None:
+        self._sink = sink
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> None:
+        data = self._pending + chunk
+        *events, self._pending = data.split(b"\n\n")
+        if len(self._pending) > 4 * 1024 * 1024:  # no event is that long: not SSE we understand
+            self._pending = b""
+        for event in events:
+            params = _kv_params_of(event)
+            if params is not None:
+                self._sink(params)
 
 
 async def send_decode(
@@ -323,6 +366,7 @@ async def _relay_response(
     resp: aiohttp.ClientResponse,
     started: float,
     rid: str,
+    on_kv_params: KVParamsSink | None = None,
 ) -> web.StreamResponse:
     metrics = state.metrics
     status = resp.status
@@ -360,11 +404,16 @@ async def _relay_response(
                     ctype = "application/json"
             else:
                 inst.record_success()
+                if on_kv_params is not None and status == 200:
+                    params = _kv_params_of(data)
+                    if params is not None:
+                        on_kv_params(params)
             out_headers = {"Content-Type": ctype, "X-Request-Id": rid}
             if "Retry-After" in resp.headers:
                 out_headers["Retry-After"] = resp.headers["Retry-After"]
             return web.Response(status=status, body=data, headers=out_headers)
-        out, finished = await _relay_stream(state, request, inst, resp, started, rid, ctype)
+        scanner = _EventScanner(on_kv_params) if on_kv_params is not None and status == 200 else None
+        out, finished = await _relay_stream(state, request, inst, resp, started, rid, ctype, scanner)
         return out
     finally:
         if finished:
@@ -381,6 +430,7 @@ async def _relay_stream(
     started: float,
     rid: str,
     ctype: str,
+    scanner: _EventScanner | None = None,
 ) -> tuple[web.StreamResponse, bool]:
     """Relays SSE bytes as they come; returns the response and whether the upstream body was read
     to its end (so its connection can go back to the pool)."""
@@ -399,6 +449,8 @@ async def _relay_stream(
                 metrics.decode_ttfb_seconds.observe(time.perf_counter() - started)
                 first = False
             await out.write(chunk)
+            if scanner is not None:
+                scanner.feed(chunk)
             tail = chunk[-16:] if len(chunk) >= 16 else (tail + chunk)[-16:]
     except (TimeoutError, aiohttp.ClientError) as exc:
         if isinstance(exc, ConnectionResetError):  # our write to a client that went away

@@ -151,6 +151,16 @@ class ProxyMetrics:
             buckets=LATENCY_BUCKETS,
             registry=reg,
         )
+        history = Counter(
+            "pdserve_proxy_kv_history",
+            "Turns of a conversation whose earlier turn's KV a decode instance held (bidirectional_kv_xfer), by "
+            "what the proxy did: pull (the prefill reads it), p_cache (the prefill's own prefix cache should hold "
+            "it), recompute (cheaper by the plan arithmetic), none (no held history found), remembered (a "
+            "decode response's held history kept for the next turn)",
+            ["choice"],
+            registry=reg,
+        )
+        self.kv_history = {c: history.labels(c) for c in ("pull", "p_cache", "recompute", "none", "remembered")}
         reg.register(_PoolCollector(pools))
         self.retry_budget_tokens = Gauge(
             "pdserve_proxy_retry_budget_tokens", "Retries the retry budget allows right now", registry=reg

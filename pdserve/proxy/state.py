@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from pdserve.proxy.config import ProxyConfig
+from pdserve.proxy.conversations import ConversationHistory
 from pdserve.proxy.health import HealthChecker
 from pdserve.proxy.kv_fleet import KVFleet
 from pdserve.proxy.kv_routing import UNKNOWN, CachedPrefix
@@ -33,12 +34,14 @@ class ProxyState:
     readiness: Readiness = field(default_factory=Readiness)
     fleet: KVFleet | None = None  # routing by cached prefix (None: --no-kv-routing)
     prompt_tokenizer: PromptTokenizer | None = None
+    history: ConversationHistory = field(init=False)
     retry_budget: RetryBudget = field(init=False)
     prefill_timeout: aiohttp.ClientTimeout = field(init=False)
     decode_timeout: aiohttp.ClientTimeout = field(init=False)
 
     def __post_init__(self) -> None:
         cfg = self.config
+        self.history = ConversationHistory(cfg.kv_history_max_entries)
         self.retry_budget = RetryBudget(cfg.retry_budget_ratio, cfg.retry_budget_min_per_s, cfg.retry_budget_burst)
         self.metrics.retry_budget_tokens.set_function(lambda: self.retry_budget.tokens)
         self.prefill_timeout = aiohttp.ClientTimeout(

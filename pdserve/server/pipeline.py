@@ -21,7 +21,13 @@ from typing import Any, Protocol
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.api.pd import PARAMS_LATER, is_remote_prefill, one_lease_violation, without_first_token
+from pdserve.api.pd import (
+    PARAMS_LATER,
+    is_remote_prefill,
+    is_remote_prefix,
+    one_lease_violation,
+    without_first_token,
+)
 from pdserve.engine.sampling_params import ParamError, child_seed
 from pdserve.server.errors import APIError, sse_error_frame
 from pdserve.server.generation import Choice, Generation
@@ -59,7 +65,8 @@ def make_choices(state: ServerState, fields: Any, base_id: str, prompts: Sequenc
     # P/D with n > 1: choice 0 loads the prompt's KV; the others are submitted once it has, as local
     # requests whose prompt hits the loaded full blocks in the prefix cache (shared, ref-counted: a
     # copy-on-write fork; each recomputes only the partial last block).
-    fork = is_remote_prefill(kv_transfer_params) and n > 1
+    # (a held prefix is read once too: choices 1..n-1 find it in the prefix cache)
+    fork = (is_remote_prefill(kv_transfer_params) or is_remote_prefix(kv_transfer_params)) and n > 1
     if fork and PARAMS_LATER in kv_transfer_params:
         raise APIError(f"kv_transfer_params.{PARAMS_LATER} serves one choice (n = 1): the forks of n > 1 wait for "
                        "a load whose params are here", 400, "kv_transfer_params")
