@@ -113,6 +113,10 @@ def test_leg_waits_for_its_params_then_matches_collocated(cluster, stream):
     else:
         assert out.json()["choices"][0]["token_ids"] == ref.json()["choices"][0]["token_ids"]
         assert out.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
+        # usage counts the producer's prefix hits (from the delivered params), as with params up front, not
+        # the decode instance's own full "hit" from the transfer
+        cached = out.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == params["remote_prefill_cached_tokens"] < out.json()["usage"]["prompt_tokens"]
     wait_idle(cluster["decode"].url)
     wait_idle(cluster["prefill"].url)
 

@@ -322,6 +322,9 @@ class LLMEngine:
             req.kv.rejection = "invalid"
             out = self._finish(req, hold=False)
             raise DeliveryRefused(str(e), [out]) from e
+        remote = kv_transfer_params.get("remote_prefill_cached_tokens")
+        if type(remote) is int and remote >= 0:
+            req.remote_cached_tokens = remote  # the server's usage has only the leg's params_later marker
         self._admit(req, first)
         return []
 
@@ -493,6 +496,7 @@ class LLMEngine:
             kv_rejection=req.kv.rejection if finished else None,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             kv_transfer_params=req.result_kv_transfer_params if finished else None,
+            remote_cached_tokens=req.remote_cached_tokens,
             metrics=req.metrics,
         )
 

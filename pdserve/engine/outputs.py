@@ -40,6 +40,9 @@ class RequestOutput:
     error: str | None = None  # set when finish_reason == "error"
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or a remote transfer
     kv_transfer_params: dict | None = None  # set on the final output of a prefill (P) leg
+    # a decode leg whose params came later (pdserve.api.pd.early_decode_params): what the delivered params say
+    # the producer's prefix cache held (their remote_prefill_cached_tokens), for the response's usage
+    remote_cached_tokens: int | None = None
     metrics: RequestMetrics | None = None
     # with `error`: the HTTP status it is answered with: 409 when a KV producer's cache cannot be read by this
     # instance, a lease rejection's 4xx (below), else 500

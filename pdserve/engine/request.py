@@ -44,6 +44,7 @@ class Request:
     error: str | None = None
     error_status: int = 500  # the HTTP status a server answers `error` with
     num_emitted: int = 0  # output tokens already reported to the caller
+    remote_cached_tokens: int | None = None  # delivered params' remote_prefill_cached_tokens (params_later legs)
     metrics: RequestMetrics = field(init=False)
     result_kv_transfer_params: dict[str, Any] | None = None  # producer: what a consumer needs to read
     grammar: Any = None  # structured outputs: the request's matcher (pdserve.structured.grammar.Grammar)

@@ -31,6 +31,7 @@ class Choice:
     fork_of: int | None = None  # P/D n > 1: submitted once this choice (the one loading the KV) has output
     # filled while running
     num_cached_tokens: int = 0
+    remote_cached_tokens: int | None = None  # the producer's prefix hits, from params delivered later
     kv_transfer_result: dict[str, Any] | None = None
     error: str | None = None
     error_status: int = 500  # with `error`: the HTTP status it is answered with
@@ -98,6 +99,8 @@ class Generation:
     def _handle(self, choice: Choice, out: RequestOutput) -> TextDelta:
         delta = choice.processor.process(out)
         choice.num_cached_tokens = out.num_cached_tokens
+        if out.remote_cached_tokens is not None:
+            choice.remote_cached_tokens = out.remote_cached_tokens
         if delta.finished:
             choice.finished = True
             if out.finished:

@@ -164,6 +164,8 @@ def usage(choices: Sequence[Choice], prompts: Sequence[list[int]], n: int,
     completion_tokens = sum(c.num_output_tokens for c in choices)
     cached = sum(c.num_cached_tokens for c in choices if c.index % n == 0)
     remote = (kv_transfer_params or {}).get("remote_prefill_cached_tokens")
+    if remote is None and is_remote_prefill(kv_transfer_params):  # params delivered later: what the engine had
+        remote = next((c.remote_cached_tokens for c in choices if c.remote_cached_tokens is not None), None)
     if is_remote_prefill(kv_transfer_params) and type(remote) is int and remote >= 0:
         cached = remote  # D reports P's prefix-cache hits, not its own ~100 % "hit" from the transfer
     return {
