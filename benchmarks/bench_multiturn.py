@@ -16,6 +16,8 @@ writes one JSON per mode plus a TTFT-by-turn plot of all modes.
 
     python benchmarks/bench_multiturn.py --out-dir benchmarks/results/multiturn-cpu
     python benchmarks/bench_multiturn.py --system-len 4096 --out-dir ...    # a long shared history
+    python benchmarks/bench_multiturn.py --model Llama-3.1-8B --serve-arg=--load-format --serve-arg=dummy \
+        --serve-arg=--gpu-memory-utilization --serve-arg=0.4 --tokenizer TOK --out-dir ...   # one GPU, P and D
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ def start_instance(name: str, role: str, mode: str, args: argparse.Namespace, lo
         cmd += ["--num-gpu-blocks-override", str(args.num_gpu_blocks)]
     if mode == "off-nocache" and role == "kv_producer":
         cmd.append("--no-enable-prefix-caching")
+    cmd += args.serve_arg
     return Proc(f"{name}-{mode}", cmd, logdir, f"http://127.0.0.1:{port}", env)
 
 
@@ -120,6 +123,9 @@ def main() -> int:
                     help="mode on: read back a held prefix from this many missing tokens on (vLLM's default is "
                          "64, its bidirectional benchmark configs use 0; the proxy's pull-or-recompute "
                          "arithmetic decides per turn either way) (default 0)")
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="one more `pdserve serve` argument for both instances (repeat; e.g. "
+                         "--serve-arg=--load-format --serve-arg=dummy)")
     ap.add_argument("--modes", default="on,off", help=f"comma list of {', '.join(MODES)}")
     ap.add_argument("--out-dir", required=True)
     args = ap.parse_args()
