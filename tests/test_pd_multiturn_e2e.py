@@ -314,9 +314,9 @@ def test_through_the_proxy_with_the_openai_client(cluster, proxy):
             usage = resp.usage
         assert ids == reference[t], f"turn {t}"
         if t >= 1:
-            # the history's full blocks were not recomputed (cached or read back). (>=: a decode leg sent
-            # before its params, the proxy's default, reports its own load as cached, not the prefill's count)
-            assert usage.prompt_tokens_details.cached_tokens >= (len(history) - 1) // 16 * 16, f"turn {t}"
+            # the history's full blocks were not recomputed (cached or read back): the decode leg (sent
+            # before its params, the proxy's default) reports the prefill's count
+            assert usage.prompt_tokens_details.cached_tokens == (len(history) - 1) // 16 * 16, f"turn {t}"
         history = prompt + ids
     text = httpx.get(f"{proxy.url}/metrics", timeout=5).text
     choices = {c: metric_value(text, f'pdserve_proxy_kv_history_total{{choice="{c}"}}')
