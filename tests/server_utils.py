@@ -113,6 +113,7 @@ def wait_idle(url: str, timeout: float = 30.0) -> str:
         text = httpx.get(f"{url}/metrics", timeout=5).text
         if (metric_value(text, "vllm:num_requests_running") == 0
                 and metric_value(text, "vllm:num_requests_waiting") == 0
+                and metric_value(text, "pdserve:num_requests_awaiting_kv_params") == 0
                 and metric_value(text, "vllm:kv_cache_usage_perc") == 0):
             return text
         time.sleep(0.1)

@@ -22,10 +22,12 @@ from pdserve.autoscale.signals import (
 from pdserve.server.metrics import ServerMetrics
 
 
-def _server_metrics_text(itl: list[float], ttft: list[float], running: int, waiting: int, kv: float) -> str:
+def _server_metrics_text(itl: list[float], ttft: list[float], running: int, waiting: int, kv: float,
+                         held: int = 1, awaiting_params: int = 0) -> str:
     """The exposition text of a real ServerMetrics registry (the names the autoscaler parses)."""
     stats = types.SimpleNamespace(num_running=running, num_waiting=waiting, kv_cache_usage=kv,
-                                  prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0, num_held=1)
+                                  prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0, num_held=held,
+                                  num_awaiting_params=awaiting_params)
     m = ServerMetrics("tiny", 512, lambda: stats, registry=CollectorRegistry())
     for v in itl:
         m.itl.observe(v)
@@ -43,6 +45,16 @@ def test_parse_instance_metrics_reads_gauges_and_histograms() -> None:
     # 9 of 10 observations in (0.01, 0.025]: the p50 interpolates inside that bucket
     assert 0.01 < s.itl.quantile(0.5) <= 0.025
     assert s.itl.quantile(0.99) == pytest.approx(0.3 - (0.3 - 0.2) * (10 - 9.9) / 1)  # inside (0.2, 0.3]
+
+
+def test_decode_legs_awaiting_params_are_not_waiting_but_not_idle() -> None:
+    """An early decode leg parked for its params is the prefill's queue: it must not make decode look short of
+    replicas (waiting), yet an instance holding one is not safe to stop (idle)."""
+    s = parse_instance_metrics(_server_metrics_text([], [], running=0, waiting=0, kv=0.0, held=0, awaiting_params=3))
+    assert (s.waiting, s.awaiting_params) == (0, 3)
+    assert not s.idle
+    s = parse_instance_metrics(_server_metrics_text([], [], running=0, waiting=0, kv=0.0, held=0))
+    assert s.idle
 
 
 def test_histogram_quantile_matches_prometheus() -> None:

@@ -82,11 +82,11 @@ def deliver(decode: ServerProcess, key: str, params: dict) -> httpx.Response:
                       headers=HEADERS)
 
 
-def wait_waiting(url: str, n: int, timeout: float = 30.0) -> None:
-    """Until the instance reports `n` waiting requests (a leg waiting for its params counts)."""
+def wait_awaiting_params(url: str, n: int, timeout: float = 30.0) -> None:
+    """Until the instance reports `n` decode legs waiting for their params."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if metric_value(httpx.get(f"{url}/metrics", timeout=5).text, "vllm:num_requests_waiting") == n:
+        if metric_value(httpx.get(f"{url}/metrics", timeout=5).text, "pdserve:num_requests_awaiting_kv_params") == n:
             return
         time.sleep(0.05)
     raise AssertionError(f"{url} never had {n} waiting requests")
@@ -103,7 +103,7 @@ def test_leg_waits_for_its_params_then_matches_collocated(cluster, stream):
     ref = httpx.post(f"{cluster['collocated'].url}/v1/completions", json=b, timeout=60)
     key = f"early-wait-{stream}"
     leg = early_leg(cluster["decode"], b, key)
-    wait_waiting(cluster["decode"].url, 1)  # admitted and waiting, before the prefill even started
+    wait_awaiting_params(cluster["decode"].url, 1)  # admitted and waiting, before the prefill even started
     params = prefill_leg(cluster["prefill"], "completions", b, key)
     assert deliver(cluster["decode"], key, params).status_code == 200
     out = leg.result()
@@ -139,7 +139,7 @@ def test_params_that_come_first_wait_for_their_leg(cluster):
 def test_refused_params_end_the_waiting_leg_with_a_400(cluster):
     b = body(4)
     leg = early_leg(cluster["decode"], b, "early-bad")
-    wait_waiting(cluster["decode"].url, 1)
+    wait_awaiting_params(cluster["decode"].url, 1)
     bad = deliver(cluster["decode"], "early-bad", {"do_remote_prefill": True, "remote_block_ids": "x"})
     assert bad.status_code == 400, bad.text
     assert bad.json()["error"]["param"] == "kv_transfer_params"
@@ -159,7 +159,7 @@ def test_a_leg_gone_before_its_params_is_aborted(cluster):
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Authorization: Bearer None\r\nX-Request-Id: early-gone\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
-        wait_waiting(cluster["decode"].url, 1)
+        wait_awaiting_params(cluster["decode"].url, 1)
     wait_idle(cluster["decode"].url)  # the request waiting for its params was aborted with the connection
 
 

@@ -273,7 +273,7 @@ def test_1p1d_prefill_instance_down_fails_cleanly(pd: dict[str, Server]) -> None
         assert "no prefill instance available" in resp.json()["error"]["message"]
         # the decode leg sent with the failed prefill leg (early) was dropped: nothing waits for params there
         for _ in range(120):
-            if _metric(http.get(f"{pd['decode'].url}/metrics").text, "vllm:num_requests_waiting") == 0:
+            if _metric(http.get(f"{pd['decode'].url}/metrics").text, "pdserve:num_requests_awaiting_kv_params") == 0:
                 break
             time.sleep(0.25)
         else:

@@ -31,6 +31,9 @@ GAUGES = {
     "vllm:num_requests_waiting": "waiting",
     "vllm:kv_cache_usage_perc": "kv_usage",
     "pdserve:num_requests_held": "held",
+    # early decode legs parked for their params: a decode instance holding them is not idle, but they are
+    # the prefill's queue, not the decode's (they must not make decode look short of replicas)
+    "pdserve:num_requests_awaiting_kv_params": "awaiting_params",
 }
 
 
@@ -84,13 +87,14 @@ class InstanceSample:
     waiting: float = 0.0
     kv_usage: float = 0.0
     held: float = 0.0
+    awaiting_params: float = 0.0
     ttft: Histogram = field(default_factory=Histogram)
     itl: Histogram = field(default_factory=Histogram)
 
     @property
     def idle(self) -> bool:
-        """Nothing running, queued or held for a consumer (safe to stop)."""
-        return self.running == 0 and self.waiting == 0 and self.held == 0
+        """Nothing running, queued, awaiting its params or held for a consumer (safe to stop)."""
+        return self.running == 0 and self.waiting == 0 and self.held == 0 and self.awaiting_params == 0
 
 
 def parse_instance_metrics(text: str) -> InstanceSample:

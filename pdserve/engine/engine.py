@@ -59,6 +59,9 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_history: int = 0  # finished decode legs whose conversation is held for the next turn
+    # decode legs sent before their prefill finished, waiting for their params: not queued work of this
+    # instance yet (its prefill runs elsewhere), so kept out of num_waiting, which autoscaling reads
+    num_awaiting_params: int = 0
     external_prefix_cache_queries: int = 0  # tokens looked up in the offload tiers (vLLM's connector counters)
     external_prefix_cache_hits: int = 0
     kv_tiers: dict | None = None  # medium -> counters and usage of the offload tiers (None: no tiers)
@@ -682,9 +685,8 @@ class LLMEngine:
         s = self.scheduler
         return EngineStats(
             num_running=len(s.running),
-            # decode legs waiting for their params count as waiting too
-            num_waiting=len(s.waiting) + len(s.loading) + (len(self.tier_loader.parked) if self.tier_loader else 0)
-            + len(self.params_mailbox),
+            num_waiting=len(s.waiting) + len(s.loading) + (len(self.tier_loader.parked) if self.tier_loader else 0),
+            num_awaiting_params=len(self.params_mailbox),
             num_loading=self.num_loading,
             num_held=len(self.held),
             kv_cache_usage=self.blocks.usage,

@@ -57,6 +57,9 @@ class _EngineStatsCollector(Collector):
 
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting)
+        yield gauge("pdserve:num_requests_awaiting_kv_params",
+                    "Decode legs sent ahead of their prefill, waiting for their kv_transfer_params.",
+                    getattr(s, "num_awaiting_params", 0))
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage)
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
                       s.prefix_cache_queries)
