@@ -4,6 +4,7 @@
 * `make_model_dir`: a tiny random Llama with SmolLM2's tokenizer, chat template and generation config.
 * `PdserveProcess`: `python -m pdserve ...` with its output in a log file, ready when `/health` is 200,
   stopped by SIGTERM (SIGKILL after a timeout); `ServerProcess` is `pdserve serve MODEL_DIR` on one of them.
+* `all_ready`: a fixture's servers, ready for the block and stopped after it.
 * `metric_value`, `wait_idle`: reading a server's Prometheus `/metrics`.
 """
 
@@ -16,6 +17,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Self
 
@@ -95,6 +98,18 @@ class ServerProcess(PdserveProcess):
         super().__init__(log_path, port, ["serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
                                           "--served-model-name", MODEL, "--disable-uvicorn-access-log", *args],
                          env=env)
+
+
+@contextmanager
+def all_ready(servers: Mapping[str, PdserveProcess]) -> Iterator[None]:
+    """Waits until every server answers /health, then runs the block; stops them all (by PID) however it ends."""
+    try:
+        for srv in servers.values():
+            srv.wait_ready()
+        yield
+    finally:
+        for srv in servers.values():
+            srv.stop()
 
 
 def metric_value(text: str, name: str) -> float:

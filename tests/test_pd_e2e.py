@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_utils import ServerProcess, make_model_dir, metric_value, wait_idle
+from server_utils import ServerProcess, all_ready, make_model_dir, metric_value, wait_idle
 
 pytest.importorskip("nixl_cu12", reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
 
@@ -61,13 +61,8 @@ def cluster(model_dir: Path, tmp_path_factory) -> Iterator[dict[str, ServerProce
         "decode_recompute": start(model_dir, logs, "decode_recompute", "--kv-transfer-config",
                                   kv_config("kv_consumer", "recompute")),
     }
-    try:
-        for srv in servers.values():
-            srv.wait_ready()
+    with all_ready(servers):
         yield servers
-    finally:
-        for srv in servers.values():
-            srv.stop()
 
 
 def prefill_leg(prefill: ServerProcess, route: str, body: dict, request_id: str) -> dict:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from server_utils import ServerProcess, make_model_dir, metric_value, wait_idle
+from server_utils import ServerProcess, all_ready, make_model_dir, metric_value, wait_idle
 
 pytest.importorskip("nixl_cu12", reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
 
@@ -39,13 +39,8 @@ def cluster(tmp_path_factory) -> Iterator[dict[str, ServerProcess]]:
                          "--side-channel-port", "0"),
         "decode": start(model_dir, logs, "decode", "--kv-transfer-config", kv_config("kv_consumer", "fail", **slack)),
     }
-    try:
-        for srv in servers.values():
-            srv.wait_ready()
+    with all_ready(servers):
         yield servers
-    finally:
-        for srv in servers.values():
-            srv.stop()
 
 
 def body(prompt_seed: int, **kw) -> dict:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_utils import ServerProcess, make_model_dir, wait_idle
+from server_utils import ServerProcess, all_ready, make_model_dir, wait_idle
 
 pytest.importorskip("nixl_cu12", reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
 
@@ -46,13 +46,8 @@ def cluster(model_dir: Path, logs: Path) -> Iterator[dict[str, ServerProcess]]:
                         kv_config("kv_consumer", "fail", **slack),
                         env={"PDSERVE_STEP_LOG": str(logs / "decode-steps.jsonl")}),
     }
-    try:
-        for srv in servers.values():
-            srv.wait_ready()
+    with all_ready(servers):
         yield servers
-    finally:
-        for srv in servers.values():
-            srv.stop()
 
 
 def body(prompt_words: int = 60, prompt_seed: int = 1, **kw) -> dict:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_utils import ServerProcess, metric_value, wait_idle
+from server_utils import ServerProcess, all_ready, metric_value, wait_idle
 from test_pd_e2e import decode_leg, kv_config, long_prompt, prefill_leg, text_of
 
 pytest.importorskip("nixl_cu12", reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
@@ -59,13 +59,8 @@ def cluster(model_dir: Path, tmp_path_factory) -> Iterator[dict[str, ServerProce
         "prefill_bf16": start("prefill_bf16", "auto", *producer),
         "decode_bf16": start("decode_bf16", "auto", *consumer),
     }
-    try:
-        for srv in servers.values():
-            srv.wait_ready()
+    with all_ready(servers):
         yield servers
-    finally:
-        for srv in servers.values():
-            srv.stop()
 
 
 CASES = [

@@ -16,7 +16,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_utils import PdserveProcess, ServerProcess, free_port, make_model_dir, metric_value, wait_idle
+from server_utils import (
+    PdserveProcess,
+    ServerProcess,
+    all_ready,
+    free_port,
+    make_model_dir,
+    metric_value,
+    wait_idle,
+)
 
 pytest.importorskip("nixl_cu12", reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
 
@@ -72,13 +80,8 @@ def cluster(model_dir: Path, logs: Path) -> Iterator[dict[str, ServerProcess]]:
         "decode": decode_server(model_dir, logs, "decode"),
         "decode_short": decode_server(model_dir, logs, "decode_short", decoder_kv_blocks_ttl=1.0),
     }
-    try:
-        for srv in servers.values():
-            srv.wait_ready()
+    with all_ready(servers):
         yield servers
-    finally:
-        for srv in servers.values():
-            srv.stop()
 
 
 def body_for(prompt: list[int]) -> dict:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_utils import ServerProcess, make_model_dir, metric_value, wait_idle
+from server_utils import ServerProcess, all_ready, make_model_dir, metric_value, wait_idle
 
 pytest.importorskip("nixl_cu12", reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
 
@@ -37,13 +37,8 @@ def cluster(tmp_path_factory) -> Iterator[dict[str, ServerProcess]]:
         "decode": start(model_dir, logs, "decode", "--kv-transfer-config", kv_config("kv_consumer", "fail"),
                         "--num-gpu-blocks-override", DECODE_BLOCKS),
     }
-    try:
-        for srv in servers.values():
-            srv.wait_ready()
+    with all_ready(servers):
         yield servers
-    finally:
-        for srv in servers.values():
-            srv.stop()
 
 
 def bodies() -> list[dict]:
