@@ -1,9 +1,12 @@
-"""Shared-prefix reuse on one CPU instance: the same `pdserve bench --dataset-name shared-prefix` workload
+"""Shared-prefix reuse on one instance (CPU box or GPU): the same `pdserve bench --dataset-name shared-prefix` workload
 against `pdserve serve` with prefix caching off, with prefix caching in a KV pool too small for the
 documents, and with that pool plus the host-memory tier (`--kv-offloading-size`). Writes each run's
 result JSON and a summary (computed prompt tokens, TTFT p50/p99) under --out.
 
-    python benchmarks/kv_reuse_cpu.py --out benchmarks/results/kv-reuse-cpu
+    python benchmarks/kv_reuse.py --out benchmarks/results/kv-reuse-cpu
+    # a GPU: the 8B shape with dummy weights (no tokenizer of its own: the client's and the server's given)
+    python benchmarks/kv_reuse.py --model Llama-3.1-8B --load-format dummy --tokenizer TOKENIZER_DIR \
+        --prefix-len 4096 --pool-blocks 384 --offload-gib 4 --out gpu-out/kv-reuse
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import httpx
 CONFIGS = {
     "no-reuse": ["--no-enable-prefix-caching"],
     "pool-only": [],
-    "pool+host-tier": ["--kv-offloading-size", "0.5", "--kv-offloading-backend", "native"],
+    "pool+host-tier": ["--kv-offloading-size", "{offload_gib}", "--kv-offloading-backend", "native"],
 }
 
 
@@ -42,20 +45,27 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=8)
     ap.add_argument("--pool-blocks", type=int, default=96, help="KV pool size: less than the documents need")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--model", default=None, help="model folder or packaged shape (default: the embedded SmolLM2)")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--tokenizer", default=None, help="for client and server (default: the embedded SmolLM2's)")
+    ap.add_argument("--offload-gib", type=float, default=0.5, help="host tier size of the pool+host-tier run")
+    ap.add_argument("--max-model-len", type=int, default=2048)
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from pdserve.model.default_model import resolve_model
 
-    tokenizer = str(resolve_model("smollm2-135m"))
+    tokenizer = args.tokenizer or str(resolve_model("smollm2-135m"))
+    model = [args.model, "--load-format", args.load_format, "--tokenizer", tokenizer] if args.model else []
     summary = {}
     for name in args.configs.split(","):
         port = free_port()
         log = open(out / f"{name}.server.log", "wb")  # noqa: SIM115 - closed below
         server = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--num-gpu-blocks-override", str(args.pool_blocks), "--max-model-len", "2048",
-             "--disable-uvicorn-access-log", *CONFIGS[name]], stdout=log, stderr=subprocess.STDOUT)
+            [sys.executable, "-m", "pdserve", "serve", *model, "--host", "127.0.0.1", "--port", str(port),
+             "--num-gpu-blocks-override", str(args.pool_blocks), "--max-model-len", str(args.max_model_len),
+             "--disable-uvicorn-access-log", *(a.format(offload_gib=args.offload_gib) for a in CONFIGS[name])],
+            stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 300
             while time.monotonic() < deadline:
