@@ -66,6 +66,36 @@ def test_1p1d_cpu_deployment() -> None:
     assert not build_deployment(cfg, cpus=[0, 1, 2, 3], env={"PDSERVE_KV_SECRET": "x" * 32}).kv_secret
 
 
+def test_kv_history_events_and_offloading_flags() -> None:
+    """`pdserve up --kv-history --kv-events --kv-offloading-size`: what each instance is started with."""
+    import argparse
+
+    from pdserve.launch.cli import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = config_from_args(parser.parse_args(["m", "--gpus", "none", "--kv-history", "--kv-events",
+                                              "--kv-offloading-size", "0.5"]))
+    dep = build_deployment(cfg, cpus=[0, 1], env={})
+    for inst in dep.instances:
+        kv = json.loads(inst.argv[inst.argv.index("--kv-transfer-config") + 1])
+        assert kv["kv_connector_extra_config"] == {"bidirectional_kv_xfer": True}, inst.name
+        events = json.loads(inst.argv[inst.argv.index("--kv-events-config") + 1])
+        assert events["enable_kv_cache_events"] and events["endpoint"] == "tcp://127.0.0.1:*"
+        assert inst.argv[inst.argv.index("--kv-offloading-size") + 1] == "0.5"
+        assert inst.argv[inst.argv.index("--kv-offloading-backend") + 1] == "native"
+    # a user's own events config wins; without the flags nothing is added
+    own = config_from_args(parser.parse_args(["m", "--gpus", "none", "--kv-events",
+                                              "--serve-arg=--kv-events-config {}"]))
+    assert all(s.argv.count("--kv-events-config") == 1 for s in build_deployment(own, cpus=[0, 1], env={}).instances)
+    plain = build_deployment(config_from_args(parser.parse_args(["m", "--gpus", "none"])), cpus=[0, 1], env={})
+    assert not any("--kv-events-config" in s.argv or "bidirectional" in " ".join(s.argv) for s in plain.instances)
+    with pytest.raises(ValueError, match="kv-history"):
+        config_from_args(parser.parse_args(["m", "--topology", "collocated:1", "--kv-history"]))
+    with pytest.raises(ValueError, match="kv-offloading-size"):
+        config_from_args(parser.parse_args(["m", "--kv-offloading-size", "0"]))
+
+
 def test_xpyd_gpu_round_robin_and_vllm_engine() -> None:
     cfg = LaunchConfig(model="Qwen/Qwen2.5-7B-Instruct", topology=parse_topology("2p2d"), engine="vllm")
     dep = build_deployment(cfg, gpus=["0", "1", "2"], env={})

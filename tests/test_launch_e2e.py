@@ -55,6 +55,40 @@ def test_collocated_demo_exit(tiny: Path, tmp_path: Path) -> None:
         kill_leftovers(pids)
 
 
+def test_multi_turn_chat_reads_the_history_back(tiny: Path, tmp_path: Path) -> None:
+    """`pdserve up --kv-history --kv-events`: turn 2 of a chat reads turn 1 (prompt and answer) back from the
+    decode instance instead of recomputing it, and the proxy follows both instances' KV events."""
+    import httpx
+
+    up = Up([str(tiny), "--port", "0", "--kv-history", "--kv-events", "--log-dir", str(tmp_path / "logs")],
+            cwd=tmp_path)
+    pids: list[int] = []
+    try:
+        info = up.ready(STARTUP_S)
+        pids = [int(p) for p in info["pids"].split(",")]
+        proxy = info["proxy"]
+        messages = [{"role": "user", "content": "Tell me a long story about the sea and the ships on it."}]
+        body = {"model": str(tiny), "max_tokens": 80, "temperature": 0, "ignore_eos": True}
+        with httpx.Client(timeout=120) as http:
+            first = http.post(f"{proxy}/v1/chat/completions", json={**body, "messages": messages})
+            assert first.status_code == 200, first.text
+            answer = first.json()["choices"][0]["message"]["content"]
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}]
+            second = http.post(f"{proxy}/v1/chat/completions", json={**body, "messages": messages})
+            assert second.status_code == 200, second.text
+            usage = second.json()["usage"]
+            # the history (turn 1's prompt and answer) was not recomputed: without --kv-history the prefill's
+            # own cache holds only turn 1's prompt (measured: 32 cached tokens of a 44-token first prompt)
+            assert usage["prompt_tokens_details"]["cached_tokens"] >= first.json()["usage"]["prompt_tokens"] + 48
+            pulls = http.get(f"{info['prefill']}/metrics").text
+            assert re.search(r'^pdserve:kv_prefix_pulls_total\{[^}]*outcome="loaded"[^}]*\} [1-9]', pulls, re.M), pulls
+            listing = http.get(f"{proxy}/pdserve/instances").json()
+            assert all(i["kv_events"]["subscribed"] for role in ("prefill", "decode") for i in listing[role]), listing
+    finally:
+        up.kill()
+        kill_leftovers(pids)
+
+
 def test_child_crash_at_startup_is_reported(tiny: Path, tmp_path: Path) -> None:
     """A bad serve argument on decode: prefill is stopped, decode's log tail shown, exit code non-zero."""
     up = Up([str(tiny), "--port", "0", "--decode-arg=--max-waiting-requests 0", "--log-dir", str(tmp_path)],

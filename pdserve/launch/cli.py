@@ -97,6 +97,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kv_load_failure_policy of the decode instances (default fail)")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), default=None,
                         help="KV cache dtype of every instance (vLLM's flag; fp8 halves KV memory and transfer bytes)")
+    parser.add_argument("--kv-history", action="store_true", default=None,
+                        help="multi-turn over P/D: decode instances keep each conversation's KV for the next turn, "
+                             "whose prefill reads it back (vLLM's bidirectional_kv_xfer)")
+    parser.add_argument("--kv-events", action="store_true", default=None,
+                        help="every instance publishes KV events (vLLM's ZMQ format) and the proxy routes each "
+                             "request to the instance holding most of its prefix")
+    parser.add_argument("--kv-offloading-size", type=float, default=None, metavar="GiB",
+                        help="a host-memory KV tier of this size in every instance (vLLM's flag; backend native)")
     parser.add_argument("--dry-run", action="store_true", help="print the equivalent shell commands and exit")
     parser.add_argument("--demo", action="store_true",
                         help="once ready, send one request through the proxy; print answer, TTFT, KV transfer line")
@@ -160,6 +168,14 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     cfg.serve_args += [w for a in args.serve_arg for w in shlex.split(a)] + extra
     if args.kv_cache_dtype is not None:  # both pools must agree: the KV handshake refuses a mismatch
         cfg.serve_args += ["--kv-cache-dtype", args.kv_cache_dtype]
+    if args.kv_history:
+        cfg.kv_history = True
+    if args.kv_events:
+        cfg.kv_events = True
+    if args.kv_offloading_size is not None:
+        if args.kv_offloading_size <= 0:
+            raise ValueError("--kv-offloading-size must be > 0 GiB")
+        cfg.serve_args += ["--kv-offloading-size", f"{args.kv_offloading_size:g}", "--kv-offloading-backend", "native"]
     for role in ("prefill", "decode", "collocated"):
         cfg.pools[role].serve_args += [w for a in getattr(args, f"{role}_arg") for w in shlex.split(a)]
         if getattr(args, f"{role}_tp") is not None:

@@ -97,6 +97,11 @@ class LaunchConfig:
     pools: dict[str, PoolSettings] = field(default_factory=lambda: {r: PoolSettings() for r in ROLES})
     proxy_args: list[str] = field(default_factory=list)
     kv_load_failure_policy: str = "fail"
+    # multi-turn over P/D: decode instances keep each finished conversation for the next turn's prefill
+    # (vLLM's kv_connector_extra_config.bidirectional_kv_xfer, set on both pools)
+    kv_history: bool = False
+    # every instance publishes vLLM-format KV events on a port of its own: the proxy routes by cached prefix
+    kv_events: bool = False
     python: str = ""  # interpreter for `python -m pdserve ...`; "" = this one
 
     def validate(self) -> LaunchConfig:
@@ -112,6 +117,8 @@ class LaunchConfig:
             raise ValueError("max_restarts must be >= 0 and restart_window > 0")
         if self.kv_load_failure_policy not in ("fail", "recompute"):
             raise ValueError(f"kv_load_failure_policy must be fail or recompute, got {self.kv_load_failure_policy!r}")
+        if self.kv_history and not self.topology.disaggregated:
+            raise ValueError(f"kv_history (--kv-history) needs prefill and decode instances, not {self.topology}")
         counts = {"prefill": self.topology.num_prefill, "decode": self.topology.num_decode,
                   "collocated": self.topology.num_collocated}
         for role, pool in self.pools.items():
@@ -217,7 +224,7 @@ def _ports(value: Any, where: str) -> list[int]:
 _TOP_KEYS = {
     "model", "topology", "engine", "host", "port", "base_port", "gpus", "cpu_pinning", "log_dir",
     "startup_timeout", "stop_timeout", "serve_args", "prefill", "decode", "collocated", "proxy",
-    "kv_load_failure_policy", "python", "max_restarts", "restart_window",
+    "kv_load_failure_policy", "python", "max_restarts", "restart_window", "kv_history", "kv_events",
 }
 
 
@@ -239,8 +246,11 @@ def apply_file(cfg: LaunchConfig, data: dict[str, Any], where: str = "config fil
     for key in ("startup_timeout", "stop_timeout", "restart_window"):
         if key in data:
             setattr(cfg, key, float(data[key]))
-    if "cpu_pinning" in data:
-        cfg.cpu_pinning = bool(data["cpu_pinning"])
+    for key in ("cpu_pinning", "kv_history", "kv_events"):
+        if key in data:
+            if not isinstance(data[key], bool):
+                raise ValueError(f"{where}: {key} must be true or false")
+            setattr(cfg, key, data[key])
     if "log_dir" in data:
         cfg.log_dir = Path(str(data["log_dir"]))
     cfg.serve_args += _args_list(data.get("serve_args"), f"{where}: serve_args")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.launch.config import LaunchConfig, default_log_dir, tp_in_args
-from pdserve.launch.spec import KV_SECRET_ENV, UCX_GET_ZCOPY, has_flag, kv_transfer_config
+from pdserve.launch.spec import KV_SECRET_ENV, UCX_GET_ZCOPY, has_flag, kv_events_config, kv_transfer_config
 
 ROLES = ("prefill", "decode", "collocated")
 NAME_SEP = "/"  # Ray actor names: "<app>/inst-<k>", "<app>/proxy", "<app>/controller"
@@ -167,7 +167,9 @@ def _instance_spec(cfg: LaunchConfig, opts: RayOptions, role: str, model: str, n
     pool = cfg.pools[role]
     words = ["-m", "pdserve", "serve", model]
     if role in ("prefill", "decode"):
-        words += ["--kv-transfer-config", kv_transfer_config(role, cfg.kv_load_failure_policy)]
+        words += ["--kv-transfer-config", kv_transfer_config(role, cfg.kv_load_failure_policy, cfg.kv_history)]
+    if cfg.kv_events and not has_flag(cfg.serve_args + pool.serve_args, "--kv-events-config"):
+        words += ["--kv-events-config", kv_events_config("*")]  # advertised with the node's HTTP host
     words += cfg.serve_args + pool.serve_args
     if (pool.tp or 1) > 1 and tp_in_args(words) is None:  # --prefill-tp / --decode-tp
         words += ["--tensor-parallel-size", str(pool.tp)]

@@ -172,12 +172,23 @@ class PortAllocator:
         self._held.clear()
 
 
-def kv_transfer_config(role: str, policy: str) -> str:
-    return json.dumps(
-        {"kv_connector": "NixlConnector", "kv_role": f"kv_{'producer' if role == 'prefill' else 'consumer'}",
-         "kv_load_failure_policy": policy},
-        separators=(",", ":"),
-    )
+def kv_transfer_config(role: str, policy: str, history: bool = False) -> str:
+    """An instance's --kv-transfer-config; `history`: vLLM's bidirectional transfer for multi-turn (the decode
+    instance keeps a finished conversation's blocks, the next turn's prefill reads them back)."""
+    cfg: dict[str, object] = {
+        "kv_connector": "NixlConnector", "kv_role": f"kv_{'producer' if role == 'prefill' else 'consumer'}",
+        "kv_load_failure_policy": policy}
+    if history:
+        cfg["kv_connector_extra_config"] = {"bidirectional_kv_xfer": True}
+    return json.dumps(cfg, separators=(",", ":"))
+
+
+def kv_events_config(host: str) -> str:
+    """An instance's --kv-events-config for `pdserve up --kv-events`: vLLM's ZMQ publisher with a replay
+    socket, both on free ports of `host` (instances advertise the bound ports in /pdserve/info, where the
+    proxy finds them)."""
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{host}:*",
+                       "replay_endpoint": f"tcp://{host}:*"}, separators=(",", ":"))
 
 
 def _names(role: str, count: int) -> list[str]:
@@ -286,14 +297,17 @@ def build_deployment(
             child_env.setdefault("UCX_NET_DEVICES", env.get("UCX_NET_DEVICES", "all"))
             argv = ["vllm", "serve", model_arg, "--host", cfg.host, "--port", str(port)]
             if sc is not None:
-                argv += ["--kv-transfer-config", kv_transfer_config(role, cfg.kv_load_failure_policy)]
+                argv += ["--kv-transfer-config", kv_transfer_config(role, cfg.kv_load_failure_policy,
+                                                                     cfg.kv_history)]
         else:
             argv = [python, "-m", "pdserve", "serve", model_arg, "--host", cfg.host, "--port", str(port)]
             if sc is not None:
                 argv += [
-                    "--kv-transfer-config", kv_transfer_config(role, cfg.kv_load_failure_policy),
+                    "--kv-transfer-config", kv_transfer_config(role, cfg.kv_load_failure_policy, cfg.kv_history),
                     "--side-channel-host", cfg.host, "--side-channel-port", str(sc),
                 ]
+        if cfg.kv_events and not has_flag(cfg.serve_args + pool.serve_args, "--kv-events-config"):
+            argv += ["--kv-events-config", kv_events_config(cfg.host)]
         argv += cfg.serve_args + pool.serve_args
         if tps[k] > 1 and not (has_flag(argv, "--tensor-parallel-size") or has_flag(argv, "-tp")):
             argv += ["--tensor-parallel-size", str(tps[k])]
