@@ -112,6 +112,15 @@ class AsyncEngine:
         self._wake.set()
         await done
 
+    async def pin_cached_prefix(self, token_ids: list[int], min_tokens: int) -> dict | None:
+        """`LLMEngine.pin_cached_prefix`, run on the engine thread (raises PinRefused)."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.dead_error}")
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(("pin", (token_ids, min_tokens), done))
+        self._wake.set()
+        return await done
+
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id, None))
         self._wake.set()
@@ -123,11 +132,11 @@ class AsyncEngine:
             if stream is not None:
                 stream.put_nowait(out)
 
-    def _resolve(self, fut: asyncio.Future, error: BaseException | None) -> None:
+    def _resolve(self, fut: asyncio.Future, error: BaseException | None, result: object = None) -> None:
         if fut.done():
             return
         if error is None:
-            fut.set_result(None)
+            fut.set_result(result)
         else:
             fut.set_exception(error)
 
@@ -155,6 +164,14 @@ class AsyncEngine:
                 except Exception as e:  # noqa: BLE001 - reported to the caller, engine keeps going
                     err = e
                 self._loop.call_soon_threadsafe(self._resolve, fut, err)
+            elif cmd == "pin":
+                result = None
+                try:
+                    result = self.engine.pin_cached_prefix(*arg)
+                    err = None
+                except Exception as e:  # noqa: BLE001 - reported to the caller, engine keeps going
+                    err = e
+                self._loop.call_soon_threadsafe(self._resolve, fut, err, result)
             elif cmd == "abort":
                 out = self.engine.abort_request(arg)
                 if out is not None:

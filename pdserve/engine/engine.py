@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,6 +37,17 @@ log = logging.getLogger("pdserve.engine")
 
 class PromptTooLongError(ParamError):
     pass
+
+
+PIN_PREFIX = "peer-pin-"  # lease ids of cached prefixes pinned for a peer (in LLMEngine.history)
+
+
+class PinRefused(RuntimeError):
+    """A pin of cached blocks for a peer that this instance will not take (`reason`: disabled or busy)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class DeliveryRefused(ParamError):
@@ -571,6 +583,32 @@ class LLMEngine:
                 return
             if self.connector.evict_history(lease_id):  # False while a prefill reads it: it stays
                 self.blocks.release(self.history.pop(lease_id))
+
+    # ---- a cached prefix pinned for a peer's prefill (issue 18 part 4) ------------------------
+    def pin_cached_prefix(self, token_ids: Sequence[int], min_tokens: int = 1) -> dict | None:
+        """Hold the leading blocks of `token_ids` that this pool has cached under a short history lease
+        (`peer_pin_ttl_s`), so that a peer's prefill can read them as it reads a held conversation; returns
+        those params, or None when fewer than `min_tokens` tokens are cached. The pin is a history entry: it
+        gives way when the pool runs short and ends as any held history does. Raises PinRefused."""
+        conn = self.connector
+        cap = conn.peer_pin_max_leases if conn is not None else 0
+        if conn is None or cap <= 0 or not self.blocks.enable_prefix_caching:
+            raise PinRefused("disabled", "this instance does not pin cached prefixes for peers")
+        if sum(1 for lid in self.history if lid.startswith(PIN_PREFIX)) >= cap:
+            raise PinRefused("busy", f"this instance already holds {cap} pinned prefixes")
+        lease_id = f"{PIN_PREFIX}{uuid.uuid4().hex}"
+        req = Request(lease_id, list(token_ids), SamplingParams(max_tokens=1), self.eos_token_ids,
+                      self.max_model_len)
+        hits = self.blocks.find_cached_prefix(req)
+        bs = self.config.block_size
+        if not hits or len(hits) * bs < min_tokens:
+            return None
+        self.blocks.allocate(req, len(hits) * bs, cached=hits)  # takes a reference: no longer evictable
+        hashes = [pd.wire_block_hash(h) for h in self.blocks.block_hashes(req, len(hits) * bs)]
+        params = conn.hold_history(lease_id, list(req.block_ids), len(hits) * bs, hashes,
+                                   duration_s=conn.peer_pin_ttl_s)
+        self.history[lease_id] = req
+        return params
 
     # ---- P/D ---------------------------------------------------------------------------------
     def _start_load(self, req: Request, outputs: list[RequestOutput]) -> None:

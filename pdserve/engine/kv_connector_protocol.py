@@ -92,7 +92,7 @@ class KVConnectorProtocol(Protocol):
         ...
 
     def hold_history(self, lease_id: str, block_ids: Sequence[int], num_tokens: int,
-                     block_hashes: Sequence[str]) -> dict[str, Any]:
+                     block_hashes: Sequence[str], duration_s: float | None = None) -> dict[str, Any]:
         """Lease a finished decode leg's full blocks; returns the response's kv_transfer_params."""
         ...
 

@@ -68,6 +68,9 @@ _KNOWN_EXTRA_KEYS = frozenset(
         "bidirectional_kv_xfer",
         "decoder_kv_blocks_ttl",
         "kv_recompute_threshold",
+        # pdserve: a peer's prefill may ask this instance to pin cached prefix blocks for a short lease
+        "peer_pin_ttl_s",
+        "peer_pin_max_leases",
         # vLLM keys that have no meaning here (single engine, pull mode only).
         "num_threads",
         "engine_ttl",
@@ -132,6 +135,11 @@ class KVTransferConfig:
     bidirectional_kv_xfer: bool = False
     decoder_kv_blocks_ttl: float = 480.0
     kv_recompute_threshold: int = 64
+    # Pins on demand (issue 18 part 4, pdserve only): with bidirectional_kv_xfer, POST /pdserve/kv/pin holds
+    # the leading cached blocks of a prompt under a history-shaped lease of peer_pin_ttl_s seconds for a peer's
+    # prefill to read; at most peer_pin_max_leases at once (0: refused).
+    peer_pin_ttl_s: float = 10.0
+    peer_pin_max_leases: int = 8
 
     @property
     def is_producer(self) -> bool:
@@ -315,4 +323,6 @@ class KVTransferConfig:
             bidirectional_kv_xfer=bidirectional,
             decoder_kv_blocks_ttl=_number(extra, "decoder_kv_blocks_ttl", 480.0),
             kv_recompute_threshold=threshold,
+            peer_pin_ttl_s=_number(extra, "peer_pin_ttl_s", 10.0),
+            peer_pin_max_leases=int(_number(extra, "peer_pin_max_leases", 8)),
         )

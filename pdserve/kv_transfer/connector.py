@@ -265,10 +265,12 @@ class KVConnector:
         return self._need_producer().hold(request_id, block_ids, num_tokens, num_cached_tokens)
 
     def hold_history(
-        self, lease_id: str, block_ids: Sequence[int], num_tokens: int, block_hashes: Sequence[str]
+        self, lease_id: str, block_ids: Sequence[int], num_tokens: int, block_hashes: Sequence[str],
+        duration_s: float | None = None,
     ) -> dict[str, Any]:
-        """Keep a finished decode leg's blocks for the next turn's prefill (bidirectional_kv_xfer)."""
-        return self._need_producer().hold_history(lease_id, block_ids, num_tokens, block_hashes)
+        """Keep a finished decode leg's blocks for the next turn's prefill (bidirectional_kv_xfer), or cached
+        prefix blocks pinned for a peer's prefill (`duration_s`: the pin's lease)."""
+        return self._need_producer().hold_history(lease_id, block_ids, num_tokens, block_hashes, duration_s)
 
     def evict_history(self, lease_id: str) -> bool:
         return self.producer.evict_history(lease_id) if self.producer is not None else False
@@ -277,6 +279,15 @@ class KVConnector:
     def keeps_history(self) -> bool:
         """Decode legs keep their conversation's KV for the next turn (bidirectional_kv_xfer)."""
         return self.config.bidirectional_kv_xfer and self.producer is not None
+
+    @property
+    def peer_pin_max_leases(self) -> int:
+        """Cached prefixes pinned for peers at once (0: this instance pins none). Needs bidirectional_kv_xfer."""
+        return self.config.peer_pin_max_leases if self.keeps_history else 0
+
+    @property
+    def peer_pin_ttl_s(self) -> float:
+        return self.config.peer_pin_ttl_s
 
     @property
     def kv_recompute_threshold(self) -> int:

@@ -104,12 +104,14 @@ class KVProducer:
         )
 
     def hold_history(
-        self, lease_id: str, block_ids: Sequence[int], num_tokens: int, block_hashes: Sequence[str]
+        self, lease_id: str, block_ids: Sequence[int], num_tokens: int, block_hashes: Sequence[str],
+        duration_s: float | None = None,
     ) -> dict[str, Any]:
-        """A finished decode leg's conversation (its full blocks) held for decoder_kv_blocks_ttl seconds for
-        the next turn's prefill; returns the response's kv_transfer_params (vLLM's bidirectional shape)."""
+        """A finished decode leg's conversation (its full blocks) held for decoder_kv_blocks_ttl seconds (or
+        `duration_s`: a cached prefix pinned for a peer) for the next prefill; returns the kv_transfer_params
+        it reads (vLLM's bidirectional shape)."""
         self._check_block_ids(block_ids)
-        ttl = self._config.decoder_kv_blocks_ttl
+        ttl = self._config.decoder_kv_blocks_ttl if duration_s is None else duration_s
         lease_token = self.leases.hold(lease_id, block_ids, num_tokens, duration_s=ttl, history=True)
         self._history_ids.add(lease_id)
         self._metrics.set_history_held(len(self._history_ids))

@@ -241,7 +241,8 @@ class ProxyHandlers:
                                                         history_params=history)).encode()
         affinity = affinity_key(body, cfg.prefix_affinity_chars) if cfg.prefix_affinity else None
         prefill = asyncio.ensure_future(
-            run_prefill(state, api_path, prefill_payload, headers, tokens, affinity, prefix))
+            run_prefill(state, api_path, prefill_payload, headers, tokens, affinity, prefix,
+                        peer_pull=history is None))
         # the prefill leg's task runs first (to its first wait on the network), then the decode leg's
         early = None if early_inst is None else EarlyDecodeLeg.send(state, early_inst, api_path, body, headers,
                                                                       decode_tokens)

@@ -200,6 +200,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"prefill tokens/s of one instance for the same arithmetic (default {_D.kv_history_prefill_tps:g})",
     )
     parser.add_argument(
+        "--no-kv-peer-pull",
+        dest="kv_peer_pull",
+        action="store_false",
+        default=s,
+        help="never ask a peer instance to pin a cached prefix the chosen prefill instance lacks (default: "
+             "ask instances whose /pdserve/info has kv_peer_pin, when the arithmetic above says reading is cheaper)",
+    )
+    parser.add_argument(
+        "--kv-peer-pull-min-tokens",
+        type=int,
+        default=s,
+        help="a peer must cache this many more prompt tokens than the chosen prefill instance to be asked "
+             f"(default {_D.kv_peer_pull_min_tokens}, vLLM's kv_recompute_threshold)",
+    )
+    parser.add_argument(
         "--max-inflight",
         type=int,
         default=s,

@@ -62,6 +62,7 @@ class _Publisher:
     feed: InstanceFeed
     subscriber: EventSubscriber
     ejections: int  # the instance's ejection count when subscribed: a later ejection means it may have changed
+    pins: bool = False  # its /pdserve/info has kv_peer_pin: it pins a cached prefix for a peer on demand
 
 
 class KVFleet:
@@ -90,6 +91,12 @@ class KVFleet:
     # ---- what the router asks ----------------------------------------------------------------------
     def publishing(self, url: str) -> bool:
         return url in self._publishers
+
+    def pins(self, url: str) -> bool:
+        """The instance pins cached prefixes for peers (POST /pdserve/kv/pin) and can read them (both need
+        bidirectional_kv_xfer, so a pinning instance is also a reader)."""
+        pub = self._publishers.get(url)
+        return pub is not None and pub.pins
 
     def block_size(self, url: str) -> int | None:
         pub = self._publishers.get(url)
@@ -152,7 +159,8 @@ class KVFleet:
         feed = InstanceFeed(inst.url, self.index)
         sub = EventSubscriber(inst.url, endpoints, feed, replay_timeout=self._replay_timeout,
                               on_disconnect=self._on_disconnect)
-        self._publishers[inst.url] = _Publisher(endpoints, feed, sub, inst.ejections_total)
+        pins = isinstance(info, dict) and isinstance(info.get("kv_peer_pin"), dict)
+        self._publishers[inst.url] = _Publisher(endpoints, feed, sub, inst.ejections_total, pins)
         sub.start()
         logger.info("kv events: subscribing to %s at %s (replay %s, block size %d)", inst.url, endpoints.endpoint,
                     endpoints.replay_endpoint or "-", endpoints.block_size)

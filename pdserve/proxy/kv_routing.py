@@ -43,6 +43,7 @@ class CachedPrefix:
     prompt_tokens: int
     weight: float = 1.0
     cached: dict[str, int] = field(default_factory=dict)
+    token_ids: Sequence[int] = ()  # the prompt's ids (a peer asked to pin its prefix is given them)
 
     def cached_tokens(self, inst: Instance) -> int:
         return self.cached.get(inst.url, 0)
@@ -69,7 +70,7 @@ def lookup(
     index: KVIndex, token_ids: Sequence[int], block_sizes: dict[str, int], weight: float
 ) -> CachedPrefix:
     """The cached prefix of `token_ids` on every instance of `block_sizes` (URL -> its block size)."""
-    prefix = CachedPrefix(len(token_ids), weight)
+    prefix = CachedPrefix(len(token_ids), weight, token_ids=token_ids)
     by_size: dict[int, list[str]] = {}
     for url, size in block_sizes.items():
         by_size.setdefault(size, []).append(url)

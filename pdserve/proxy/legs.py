@@ -23,6 +23,7 @@ from pdserve.proxy.errors import (
     sse_error_event,
 )
 from pdserve.proxy.kv_routing import CachedPrefix
+from pdserve.proxy.peer_pull import with_peer_prefix
 from pdserve.proxy.pool import Instance
 from pdserve.proxy.readiness import retry_after_s
 from pdserve.proxy.retry import parse_retry_after, retry_after_header
@@ -146,6 +147,7 @@ async def run_prefill(
     tokens: int,
     affinity: str | None,
     prefix: CachedPrefix | None = None,
+    peer_pull: bool = False,
 ) -> PrefillResult:
     """The prefill leg on the chosen instance, then on other instances while retries are allowed
     (none under --on-prefill-failure fail) and the retry budget has room. With `prefix`, the instance is
@@ -170,7 +172,9 @@ async def run_prefill(
             state.metrics.retries["prefill"].inc()
         tried.append(inst)
         work = tokens if prefix is None else tokens - prefix.cached_tokens(inst)
-        result = await _prefill_once(state, inst, api_path, payload, headers, work)
+        # `peer_pull`: a peer caching more of the prompt may pin it for this instance to read (peer_pull.py)
+        body = await with_peer_prefix(state, inst, payload, prefix, headers) if peer_pull else payload
+        result = await _prefill_once(state, inst, api_path, body, headers, work)
         if result.kv_params is not None or result.passthrough is not None:
             return result
         last = result

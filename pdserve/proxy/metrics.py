@@ -43,6 +43,9 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
+PEER_PULL_OUTCOMES = ("pull", "recompute", "uncached", "refused", "failed")
+
+
 class _PoolCollector(Collector):
     """Per-instance gauges and counters read from the pools at scrape time (so removed instances
     disappear from /metrics instead of lingering as stale label sets)."""
@@ -161,6 +164,16 @@ class ProxyMetrics:
             registry=reg,
         )
         self.kv_history = {c: history.labels(c) for c in ("pull", "p_cache", "recompute", "none", "remembered")}
+        peer = Counter(
+            "pdserve_proxy_kv_peer_pulls",
+            "Prefill legs for which a peer instance caching more of the prompt was asked to pin it, by outcome: "
+            "pull (pinned; the prefill leg reads it), recompute (pinned, but cheaper to recompute by the plan "
+            "arithmetic), uncached (the peer no longer had enough of it cached), refused (the peer pins nothing "
+            "now: disabled or at its maximum), failed (no answer from the peer)",
+            ["outcome"],
+            registry=reg,
+        )
+        self.kv_peer_pulls = {c: peer.labels(c) for c in PEER_PULL_OUTCOMES}
         reg.register(_PoolCollector(pools))
         self.retry_budget_tokens = Gauge(
             "pdserve_proxy_retry_budget_tokens", "Retries the retry budget allows right now", registry=reg

@@ -18,6 +18,7 @@ from pdserve.render.protocol import AbortRequestsBody, GenerateRequest
 from pdserve.server.errors import add_error_handlers, error_body
 from pdserve.server.http_utils import ClientGone, RequestIdAuthMiddleware, parse_model, read_json
 from pdserve.server.kv_params import deliver_kv_params
+from pdserve.server.kv_pin import PIN_PATH, pin_prefix
 from pdserve.server.openapi import document_json_bodies
 from pdserve.server.protocol import (
     ChatCompletionRequest,
@@ -111,6 +112,10 @@ def build_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
     async def kv_params(request: Request) -> Any:
         body = await read_json(request, state.max_request_body_bytes)
         return JSONResponse(await deliver_kv_params(state.engine, body, bool(state.info.get("kv_params_later"))))
+
+    @app.post(PIN_PATH)
+    async def kv_pin(request: Request) -> Any:
+        return await pin_prefix(state.engine, await read_json(request, state.max_request_body_bytes))
 
     @app.get("/pdserve/info")
     async def info() -> JSONResponse:

@@ -269,6 +269,9 @@ def build_state(args: argparse.Namespace) -> Any:
         "kv_role": kv_cfg.kv_role if kv_cfg is not None else None,
         # decode legs may come before their params (pdserve.api.pd.early_decode_params, POST KV_PARAMS_PATH)
         "kv_params_later": bool(connector is not None and connector.can_load),
+        # POST /pdserve/kv/pin pins a cached prefix for a peer's prefill (None: this instance pins none)
+        "kv_peer_pin": ({"ttl_s": connector.peer_pin_ttl_s, "max_leases": connector.peer_pin_max_leases}
+                        if connector is not None and getattr(connector, "peer_pin_max_leases", 0) > 0 else None),
         "engine_id": kv_cfg.engine_id if kv_cfg is not None else None,
         "side_channel_host": kv_cfg.side_channel_host if kv_cfg is not None else None,
         "side_channel_port": getattr(connector, "side_channel_port", None) if connector is not None else None,

@@ -1,0 +1,101 @@
+"""Pulling a prefix from a peer (issue 18 part 4): the chosen prefill instance lacks a prompt prefix that
+another instance (prefill or decode) has in its prefix cache.
+
+The fleet index says who caches how much. When a peer that pins on demand (`kv_peer_pin` in its
+/pdserve/info) caches at least `--kv-peer-pull-min-tokens` more of the prompt than the chosen prefill, the
+proxy asks it to pin them (`POST /pdserve/kv/pin`, pdserve/server/kv_pin.py): it answers the params of a held
+conversation (multi-turn's shape), which the prefill leg then carries exactly as a held history's, so the
+prefill reads the blocks it lacks with that machinery (hash-checked, claim / NIXL READ / release-with-verify;
+anything expired, evicted or unreachable is recomputed there, never a wrong token). `pdserve plan`'s
+arithmetic (`plan.pull_or_recompute`, the same link and prefill figures as multi-turn) decides with the
+pinned size in bytes; a pin not used is left to its short lease (`peer_pin_ttl_s`) or given way under pool
+pressure. One log line and one `pdserve_proxy_kv_peer_pulls_total{outcome}` count per question asked.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from pdserve.preflight.plan import parse_bandwidth, pull_or_recompute
+from pdserve.proxy.kv_routing import CachedPrefix
+from pdserve.proxy.pool import Instance
+
+if TYPE_CHECKING:
+    from pdserve.proxy.state import ProxyState
+
+logger = logging.getLogger("pdserve.proxy")
+
+PIN_PATH = "/pdserve/kv/pin"  # pdserve.server.kv_pin.PIN_PATH (not imported: the proxy stays torch-free)
+PIN_TIMEOUT_S = 2.0
+
+
+def peer_to_ask(state: ProxyState, chosen: Instance, prefix: CachedPrefix) -> Instance | None:
+    """The healthy pinning instance, other than `chosen`, caching the most of the prompt, when that is at least
+    --kv-peer-pull-min-tokens more than `chosen` caches (and `chosen` can read it: it pins too)."""
+    fleet = state.fleet
+    if fleet is None or not prefix.token_ids or not fleet.pins(chosen.url):
+        return None
+    peers = [inst for pool in state.pools() for inst in pool.instances
+             if inst.url != chosen.url and inst.healthy and fleet.pins(inst.url)]
+    best = max(peers, key=prefix.cached_tokens, default=None)
+    if best is None:
+        return None
+    gain = prefix.cached_tokens(best) - prefix.cached_tokens(chosen)
+    return best if gain >= max(state.config.kv_peer_pull_min_tokens, 1) else None
+
+
+async def with_peer_prefix(state: ProxyState, chosen: Instance, payload: bytes, prefix: CachedPrefix | None,
+                           headers: dict[str, str]) -> bytes:
+    """The prefill leg's body, carrying a peer's pinned prefix when that is worth it; else `payload` as is."""
+    if prefix is None or not state.config.kv_peer_pull:
+        return payload
+    peer = peer_to_ask(state, chosen, prefix)
+    if peer is None:
+        return payload
+    have = prefix.cached_tokens(chosen)
+    rid = headers.get("X-Request-Id", "-")
+    auth = {k: v for k, v in headers.items() if k == "Authorization"}  # the instances' --api-key, if any
+    outcome, params = await _pin(state, peer, prefix, have + state.config.kv_peer_pull_min_tokens, auth)
+    detail = ""
+    if params is not None:
+        tokens = int(params.get("remote_num_tokens") or 0) - have
+        block_bytes = params.get("remote_block_bytes")
+        nblocks = len((params.get("remote_block_ids") or [[]])[0])
+        if type(block_bytes) is int and nblocks and tokens > 0:
+            choice = pull_or_recompute(tokens, block_bytes * nblocks / int(params["remote_num_tokens"]),
+                                       parse_bandwidth(state.config.kv_history_bandwidth),
+                                       state.config.kv_history_prefill_tps)
+            outcome, detail = ("pull" if choice.pull else "recompute"), choice.describe()
+        elif tokens <= 0:
+            outcome = "uncached"
+    state.metrics.kv_peer_pulls[outcome].inc()
+    logger.info("request %s: prefill %s caches %d of %d prompt tokens, peer %s ~%d: %s%s", rid, chosen.url, have,
+                prefix.prompt_tokens, peer.url, prefix.cached_tokens(peer), outcome, f" ({detail})" if detail else "")
+    if outcome != "pull" or params is None:
+        return payload
+    body = json.loads(payload)
+    body["kv_transfer_params"] = {**params, "do_remote_decode": True, "do_remote_prefill": False}
+    return json.dumps(body).encode()
+
+
+async def _pin(state: ProxyState, peer: Instance, prefix: CachedPrefix,
+               min_tokens: int, headers: dict[str, str]) -> tuple[str, dict[str, Any] | None]:
+    """(outcome, params): the peer's pinned prefix, or why there is none."""
+    try:
+        async with state.http().post(peer.endpoint(PIN_PATH),
+                                     json={"prompt_token_ids": list(prefix.token_ids), "min_tokens": min_tokens},
+                                     headers=headers,
+                                     timeout=aiohttp.ClientTimeout(total=PIN_TIMEOUT_S)) as resp:
+            if resp.status in (404, 503):
+                return "refused", None
+            if resp.status != 200:
+                return "failed", None
+            params = (await resp.json()).get("kv_transfer_params")
+    except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError) as exc:
+        logger.debug("pin on %s: %s", peer.url, exc)
+        return "failed", None
+    return ("uncached", None) if not isinstance(params, dict) else ("pull", params)
