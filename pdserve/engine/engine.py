@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     ConnectorFactory = Callable[["LLMEngine"], KVConnectorProtocol]
 
 log = logging.getLogger("pdserve.engine")
+PARKED_READ_WAIT_S = 0.001  # the longest a step waits for a disk-tier read when nothing else can run
 
 
 class PromptTooLongError(ParamError):
@@ -460,6 +461,10 @@ class LLMEngine:
         for req in sched.start_loads:
             self._start_load(req, outputs)
         if not sched.scheduled:
+            if not outputs and self.tier_loader is not None and self.tier_loader.parked:
+                # only disk-tier reads are left: wait (briefly, bounded) for one instead of returning at once,
+                # so a caller stepping in a loop (LLM.generate, the async step thread) does not spin on them
+                self.tier_loader.tiers.wait_for_read(PARKED_READ_WAIT_S)
             return outputs
         now = time.monotonic()
         for req, _ in sched.scheduled:

@@ -186,6 +186,14 @@ class KVTierManager:
             read.done.set()
             self._done.put(read)
 
+    def wait_for_read(self, timeout_s: float) -> None:
+        """Blocks until a disk read has finished (`poll_reads` then returns it) or `timeout_s` passed."""
+        try:
+            read = self._done.get(timeout=timeout_s)
+        except queue.Empty:
+            return
+        self._done.put(read)
+
     def poll_reads(self) -> list[DiskRead]:
         out: list[DiskRead] = []
         while True:
