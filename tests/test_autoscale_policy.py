@@ -96,6 +96,17 @@ def test_window_signals_average_and_baseline() -> None:
     assert w.signals("decode", [a], 1, 0.5).observations == 0
 
 
+def test_early_decode_legs_are_not_decode_load() -> None:
+    """Decode legs the proxy sent ahead of their prefill (parked for their params) are in the proxy's in-flight
+    count but are prefill's load: they must not count as decode's ongoing requests."""
+    w = SignalWindow(window_s=10)
+    a = "http://a:1"
+    parked = InstanceSample(awaiting_params=4)
+    w.add(Tick(0.0, {a: parked}, {a: 5}))
+    w.add(Tick(5.0, {a: parked}, {a: 5}))
+    assert w.signals("decode", [a], replicas=1, quantile=0.5).ongoing == pytest.approx(1.0)
+
+
 def _sig(replicas: int, ongoing: float = 0.0, waiting: float = 0.0, kv: float | None = None,
          latency: float | None = None) -> RoleSignals:
     return RoleSignals(replicas, replicas, ongoing, waiting, kv, latency, 0 if latency is None else 10)

@@ -168,7 +168,7 @@ class SignalWindow:
         if not ticks:
             return RoleSignals(replicas, 0, 0.0, 0.0, None, None, 0)
         recent = ticks[1:] if len(ticks) > 1 else ticks  # the ticks inside the window
-        ongoing = _mean([sum(t.in_flight.get(u, 0) for u in urls) for t in recent]) or 0.0
+        ongoing = _mean([sum(_ongoing(t, u) for u in urls) for t in recent]) or 0.0
         waiting = _mean([sum(s.waiting for u in urls if (s := t.samples.get(u)) is not None) for t in recent]) or 0.0
         kv = [m for u in urls if (m := _mean([s.kv_usage for t in recent if (s := t.samples.get(u)) is not None]))
               is not None]
@@ -183,6 +183,14 @@ class SignalWindow:
         merged = Histogram.merge(deltas)
         return RoleSignals(replicas, serving, ongoing, waiting, max(kv) if kv else None,
                            merged.quantile(quantile), int(merged.count))
+
+
+def _ongoing(tick: Tick, url: str) -> float:
+    """The proxy's legs in flight on `url`, less the early decode legs it parked there for their params: those
+    wait for a prefill elsewhere and are prefill's load, not this instance's (counted, they made prefill-heavy
+    load look like a shortage of decode replicas)."""
+    sample = tick.samples.get(url)
+    return max(0.0, tick.in_flight.get(url, 0) - (sample.awaiting_params if sample is not None else 0.0))
 
 
 def _mean(values: list[float]) -> float | None:
