@@ -3,7 +3,7 @@
 Writes $OUT/gpu_fp8_suite.json (every number, saved after each section) and prints a summary last.
 
     PYTHONUNBUFFERED=1 python benchmarks/gpu_fp8_suite.py --out $OUT [--budget-s 480] [--skip pd1,nixl]
-    python benchmarks/gpu_fp8_suite.py --small --out /tmp/fp8-small      # CPU dry run of the plumbing
+    python benchmarks/gpu_fp8_suite.py --small --out "$(mktemp -d)"     # CPU dry run of the plumbing
 
 Sections (each bounded; a failure is recorded and the next runs):
 - ceilings: 1 GiB device-to-device copy (bytes read + written per second).

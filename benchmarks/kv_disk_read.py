@@ -2,7 +2,7 @@
 NIXL's POSIX backend reading the same block files into registered DRAM, warm (page cache) and cold
 (posix_fadvise DONTNEED before each pass). Prints one JSON object per (block size, path, cache state).
 
-    python benchmarks/kv_disk_read.py [--blocks 256] [--dir /tmp/kvread]
+    python benchmarks/kv_disk_read.py [--blocks 256] [--dir "$(mktemp -d)"]
 """
 
 from __future__ import annotations
