@@ -59,13 +59,13 @@ CAPITAL_QUESTION = "What is the capital of France?"
 
 
 def run(kv_cache_dtype: str, texts: list[str], max_tokens: int, device: str = "cpu",
-        dtype: str = "auto") -> tuple[list[list[tuple[int, float]]], str]:
+        dtype: str = "auto", model: str | None = None) -> tuple[list[list[tuple[int, float]]], str]:
     """[(token, logprob)] per prompt, greedy; and the greedy answer to CAPITAL_QUESTION."""
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.llm import LLM
 
     # a small pool: 50 prompts x ~100 tokens need ~400 blocks of 16
-    llm = LLM(kv_cache_dtype=kv_cache_dtype, device=device, dtype=dtype, num_gpu_blocks_override=2048,
+    llm = LLM(model, kv_cache_dtype=kv_cache_dtype, device=device, dtype=dtype, num_gpu_blocks_override=2048,
               enable_prefix_caching=False)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -106,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="auto", help="model dtype (auto: float32 on CPU, bfloat16 on CUDA); "
                                                      "the reference KV cache stores this dtype")
+    ap.add_argument("--model", default=None, help="a local HF model folder (default: the embedded SmolLM2)")
     args = ap.parse_args(argv)
-    rows = measure(prompts(args.num_prompts), args.max_tokens, args.formats.split(","), args.device, args.dtype)
+    rows = measure(prompts(args.num_prompts), args.max_tokens, args.formats.split(","), args.device, args.dtype,
+                   args.model)
     print_rows(rows)
     if args.json:
         with open(args.json, "w") as f:
@@ -116,13 +118,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(texts: list[str], max_tokens: int, formats: list[str], device: str = "cpu",
-            dtype: str = "auto") -> list[Agreement]:
+            dtype: str = "auto", model: str | None = None) -> list[Agreement]:
     """The reference run (KV in the model's dtype) first, then each fp8 format against it."""
     t0 = time.time()
-    ref, ref_answer = run("auto", texts, max_tokens, device, dtype)
+    ref, ref_answer = run("auto", texts, max_tokens, device, dtype, model)
     rows = [compare("auto", ref, ref, ref_answer)]
     for fmt in formats:
-        got, answer = run(fmt, texts, max_tokens, device, dtype)
+        got, answer = run(fmt, texts, max_tokens, device, dtype, model)
         rows.append(compare(fmt, ref, got, answer))
     print(f"{len(texts)} prompts x {max_tokens} greedy tokens on {device} (model dtype {dtype}), reference: "
           f"KV in the model's dtype ({time.time() - t0:.0f} s)")
