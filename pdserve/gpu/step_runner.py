@@ -219,7 +219,7 @@ class GpuStepRunner:
         self.pin = self.device.type == "cuda"
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
-        if getattr(self.backend, "name", "") == "triton":
+        if getattr(self.backend, "name", "") in ("triton", "flashinfer"):  # both store K/V with Triton
             from pdserve.gpu import ops  # triton kernels; only ever imported on CUDA
 
             kv_format = getattr(self.backend, "kv_format", None)  # an fp8 pool: the K/V store quantizes

@@ -97,6 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kv_load_failure_policy of the decode instances (default fail)")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), default=None,
                         help="KV cache dtype of every instance (vLLM's flag; fp8 halves KV memory and transfer bytes)")
+    parser.add_argument("--attention-backend", choices=("auto", "triton", "triton-cudnn", "flashinfer"), default=None,
+                        help="GPU attention backend of every instance (`pdserve serve --attention-backend`)")
     parser.add_argument("--kv-history", action="store_true", default=None,
                         help="multi-turn over P/D: decode instances keep each conversation's KV for the next turn, "
                              "whose prefill reads it back (vLLM's bidirectional_kv_xfer)")
@@ -168,6 +170,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     cfg.serve_args += [w for a in args.serve_arg for w in shlex.split(a)] + extra
     if args.kv_cache_dtype is not None:  # both pools must agree: the KV handshake refuses a mismatch
         cfg.serve_args += ["--kv-cache-dtype", args.kv_cache_dtype]
+    if args.attention_backend is not None:
+        cfg.serve_args += ["--attention-backend", args.attention_backend]
     if args.kv_history:
         cfg.kv_history = True
     if args.kv_events:

@@ -43,9 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--cpu-kv-cache-gb", type=float, default=1.0)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--attention-backend", default="auto", choices=("auto", "triton", "triton-cudnn"),
+    p.add_argument("--attention-backend", default="auto",
+                   choices=("auto", "triton", "triton-cudnn", "flashinfer"),
                    help="GPU attention: Triton kernels, with long prefill chunks on cuDNN (triton-cudnn; auto "
-                        "picks it where cuDNN's attention runs) or without (triton)")
+                        "picks it where cuDNN's attention runs) or without (triton); flashinfer: prefill steps on "
+                        "FlashInfer's paged kernel, decode on Triton (needs the optional flashinfer-python package)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-transfer-config", default=None, help="vLLM's KV transfer JSON")
     p.add_argument("--kv-events-config", default=None,
