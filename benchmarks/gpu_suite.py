@@ -459,6 +459,7 @@ def flashinfer_backend_or_reason() -> tuple[Any, str]:
         from pdserve.attention.flashinfer_backend import FlashInferAttention
 
         fi = FlashInferAttention(torch.device("cuda"))
+        fi.min_layer_flops = 0  # the kernel on every shape it can take, however small (the engine sets a bar)
         import flashinfer
 
         return fi, f"flashinfer {flashinfer.__version__}"
@@ -862,9 +863,9 @@ class EngineBench:
         """The prefill paths one engine can switch between: name -> (long_prefill config, FlashInfer on).
         `triton`: the Triton kernel alone; `triton-cudnn`: long chunks' bulk on cuDNN; with an engine built
         with `--attention-backend flashinfer` also `flashinfer-only` (every prefill step on FlashInfer) and
-        `flashinfer` (that backend as served: FlashInfer except steps with long chunks, which take
-        triton-cudnn; the same code as triton-cudnn for prompts of full 8192-token chunks, so with_default
-        False leaves it out)."""
+        `flashinfer` (that backend as served: FlashInfer for steps above its FLOPs bar without long chunks,
+        triton-cudnn for those; the same code as triton-cudnn for prompts of full 8192-token chunks, so
+        with_default False leaves it out)."""
         from pdserve.attention import long_prefill as lp
 
         cudnn = lp.LongPrefillConfig() if lp.cudnn_usable(torch.device("cuda")) else None
@@ -879,18 +880,22 @@ class EngineBench:
 
     @contextlib.contextmanager
     def attention_mode(self, long_prefill_cfg: Any, flashinfer_on: bool):
+        """FlashInfer on without long_prefill: every prefill step it can take, small ones too (no FLOPs bar)."""
         backend = self.engine.runner.backend
         saved = getattr(backend, "long_prefill", None)
         saved_fi = getattr(backend, "flashinfer_prefill", None)
+        saved_bar = getattr(backend, "min_layer_flops", None)
         backend.long_prefill = long_prefill_cfg
         if saved_fi is not None:
             backend.flashinfer_prefill = flashinfer_on
+            backend.min_layer_flops = saved_bar if long_prefill_cfg is not None else 0
         try:
             yield
         finally:
             backend.long_prefill = saved
             if saved_fi is not None:
                 backend.flashinfer_prefill = saved_fi
+                backend.min_layer_flops = saved_bar
 
     def prefill_modes(self, n_seqs: int, seq_len: int, reps: int = 3) -> dict[str, Any]:
         """`prefill` (one step of n_seqs fresh prompts) in each attention mode of this engine, same run."""

@@ -102,16 +102,32 @@ def test_which_steps_go_to_flashinfer() -> None:
     def meta(q_lens: list[int], seq_lens: list[int]):
         return make_paged_case(q_lens, seq_lens, 2, 1, 8, dtype=torch.float32, device="cpu", spare_blocks=0).meta
 
+    def takes(m, cfg, bar: float = 0.0) -> bool:  # Llama-3.1-8B's 32 heads of 128
+        return fis.takes_flashinfer(m, cfg, 32, 128, bar)
+
     cudnn = LongPrefillConfig()
     for cfg in (None, cudnn):
-        assert not fis.takes_flashinfer(meta([1, 1], [300, 40]), cfg)  # decode
-        assert not fis.takes_flashinfer(meta([64, 1], [64, 40]), cfg)  # at most TRITON_MAX_Q query tokens
-        assert fis.takes_flashinfer(meta([65, 1], [100, 40]), cfg)
-        assert fis.takes_flashinfer(meta([512] * 4, [2048] * 4), cfg)  # short chunks: FlashInfer's best shape
+        assert not takes(meta([1, 1], [300, 40]), cfg)  # decode
+        assert not takes(meta([64, 1], [64, 40]), cfg)  # at most TRITON_MAX_Q query tokens
+        assert takes(meta([65, 1], [100, 40]), cfg)
+        assert takes(meta([512] * 8, [2048] * 8), cfg, fis.FLASHINFER_MIN_LAYER_FLOPS)  # FlashInfer's best shape
+        # too little work to pay for the per-step plan
+        assert not takes(meta([512, 1], [2048, 40]), cfg, fis.FLASHINFER_MIN_LAYER_FLOPS)
     fresh, chunk = meta([8192], [8192]), meta([8192, 1], [32768, 50])
-    assert fis.takes_flashinfer(fresh, None) and fis.takes_flashinfer(chunk, None)
-    assert not fis.takes_flashinfer(fresh, cudnn) and not fis.takes_flashinfer(chunk, cudnn)
+    assert takes(fresh, None) and takes(chunk, None)
+    assert not takes(fresh, cudnn) and not takes(chunk, cudnn)
     # long enough for the long-prefill path, but no piece it would plan (no aligned context, padding too dear)
     odd = meta([2050], [2150])
     assert not plan_chunks(odd, cudnn.min_q, cudnn.ctx_align, cudnn.q_bucket)
-    assert fis.takes_flashinfer(odd, cudnn)
+    assert takes(odd, cudnn)
+
+
+def test_step_attention_flops_is_the_causal_count() -> None:
+    from pdserve.attention.long_prefill import causal_chunk_flops
+
+    m = make_paged_case([512, 1, 100], [2048, 40, 100], 2, 1, 8, dtype=torch.float32, device="cpu").meta
+    want = sum(causal_chunk_flops(32, 128, q, s) for q, s in ((512, 2048), (1, 40), (100, 100)))
+    assert fis.step_attention_flops(m, 32, 128) == want
+    # the bar sits between a lone 512-token chunk and eight of them (BENCHMARKS.md's shape)
+    assert causal_chunk_flops(32, 128, 512, 2048) < fis.FLASHINFER_MIN_LAYER_FLOPS < 8 * causal_chunk_flops(
+        32, 128, 512, 2048)

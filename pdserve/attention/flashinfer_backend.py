@@ -5,10 +5,11 @@ machine, then cached under ~/.cache/flashinfer or $FLASHINFER_WORKSPACE_BASE); t
 that cost before serving.
 
 What runs where (H200, same run, BENCHMARKS.md "Prefill attention kernels vs the best library kernel"):
-- prefill steps whose chunks are all shorter than long_prefill.LONG_MIN_Q: FlashInfer's paged prefill (FA3
-  on Hopper), reading the block-contiguous pool's per-layer views in place (a `(k, v)` tuple of strided
-  [num_blocks, block_size, kv_heads, head_dim] views: no gather). B=8, q 512 of kv 2048: 368 TFLOP/s where
-  our Triton kernel reaches 260.
+- prefill steps whose chunks are all shorter than long_prefill.LONG_MIN_Q, with enough attention work to
+  pay for FlashInfer's per-step plan (flashinfer_support.FLASHINFER_MIN_LAYER_FLOPS): FlashInfer's paged
+  prefill (FA3 on Hopper), reading the block-contiguous pool's per-layer views in place (a `(k, v)` tuple of
+  strided [num_blocks, block_size, kv_heads, head_dim] views: no gather). B=8, q 512 of kv 2048: 368
+  TFLOP/s where our Triton kernel reaches 260. Smaller steps: Triton.
 - steps with a long chunk: the `triton-cudnn` path (cuDNN partials over gathered K/V, finished by Triton),
   576-583 TFLOP/s on 8192-token chunks of 32k-128k prompts where FlashInfer reached ~530; without cuDNN,
   FlashInfer.
@@ -33,6 +34,7 @@ import torch
 from pdserve.attention import long_prefill as lp
 from pdserve.attention.base import AttentionMetadata
 from pdserve.attention.flashinfer_support import (
+    FLASHINFER_MIN_LAYER_FLOPS,
     TRITON_MAX_Q,
     import_flashinfer,
     paged_plan_inputs,
@@ -54,6 +56,7 @@ class FlashInferAttention(TritonAttention):
         super().__init__(num_sms=num_sms, long_prefill=long_prefill)
         self.flashinfer = import_flashinfer()
         self.flashinfer_prefill = True  # False: every step on the Triton paths (benchmarks compare both)
+        self.min_layer_flops = FLASHINFER_MIN_LAYER_FLOPS  # 0: every step FlashInfer can take (kernel benchmarks)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD")
         self._planned: AttentionMetadata | None = None  # the step the prefill wrapper is planned for
@@ -65,7 +68,7 @@ class FlashInferAttention(TritonAttention):
         """Compiles FlashInfer's prefill kernel for this model's head shape (a JIT build on a fresh machine)
         with one small step, so that no request waits for it."""
         t = time.perf_counter()
-        bs, q_len = 16, 2 * TRITON_MAX_Q
+        bs, q_len = 16, 4 * TRITON_MAX_Q  # FlashInfer's FA3 kernel (it picks FA2 at <= 64 query tokens)
         pages = q_len // bs
         cache = torch.zeros((pages + 1, bs, num_kv_heads, head_dim), dtype=dtype, device=device)
         meta = AttentionMetadata(
@@ -76,7 +79,8 @@ class FlashInferAttention(TritonAttention):
             block_size=bs, max_query_len=q_len, max_seq_len=q_len, decode_only=False,
             query_lens_host=[q_len], seq_lens_host=[q_len])
         q = torch.zeros((q_len, num_heads, head_dim), dtype=dtype, device=device)
-        self.forward(q, cache, cache, meta, head_dim**-0.5)
+        self._plan(meta, q, cache, head_dim**-0.5)  # directly: too small a step for the routing rule
+        self.prefill.run(q, (cache, cache))
         torch.cuda.synchronize(device)
         self._planned = self._planned_key = None
         log.info("FlashInfer prefill kernel ready in %.1f s (JIT-compiled on first use, then cached)",
@@ -85,18 +89,18 @@ class FlashInferAttention(TritonAttention):
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        if not self._takes_flashinfer(meta):
+        if not self._takes_flashinfer(meta, q.shape[1], q.shape[2]):
             return super().forward(q, k_cache, v_cache, meta, scale)
         self._plan(meta, q, k_cache, scale)
         return self.prefill.run(q, (k_cache, v_cache))
 
-    def _takes_flashinfer(self, meta: AttentionMetadata) -> bool:
+    def _takes_flashinfer(self, meta: AttentionMetadata, num_heads: int, head_dim: int) -> bool:
         """flashinfer_support.takes_flashinfer, decided once per step (every layer passes the same meta)."""
         if not self.flashinfer_prefill:
             return False
         step, yes = self._routed
         if step is not meta:
-            yes = takes_flashinfer(meta, self.long_prefill)
+            yes = takes_flashinfer(meta, self.long_prefill, num_heads, head_dim, self.min_layer_flops)
             self._routed = (meta, yes)
         return yes
 

@@ -16,6 +16,11 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 # Steps whose longest query run is at most this stay on the Triton kernels (decode rows, tiny chunks):
 # FlashInfer would pick its FA2 kernel for them, a second JIT module, for work our kernel does well.
 TRITON_MAX_Q = 64
+# ... and so do steps with less attention work per layer than this (FLOPs): FlashInfer's plan costs 1.1-1.5 ms
+# of host time per step, during which the GPU idles, and its kernel saves ~1.1e-15 s per FLOP over ours (368
+# vs 260 TFLOP/s at B=8, q 512 of kv 2048, the H200 run in BENCHMARKS.md). Break-even over 32 layers is
+# ~4e10 FLOPs per layer; this keeps ~1.5x margin (the saving at smaller shapes was not measured).
+FLASHINFER_MIN_LAYER_FLOPS = 6e10
 
 
 def import_flashinfer():
@@ -62,11 +67,22 @@ def paged_plan_inputs(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tens
     return (torch.from_numpy(qo_indptr), torch.from_numpy(kv_indptr), torch.from_numpy(last_page_len), positions)
 
 
-def takes_flashinfer(meta: AttentionMetadata, long_prefill: lp.LongPrefillConfig | None) -> bool:
+def step_attention_flops(meta: AttentionMetadata, num_heads: int, head_dim: int) -> float:
+    """Causal attention FLOPs of one layer of a step (QK^T and PV), from the host-side lengths."""
+    q = np.asarray(meta.query_lens_host, dtype=np.int64)
+    s = np.asarray(meta.seq_lens_host, dtype=np.int64)
+    return 4.0 * num_heads * head_dim * float((q * (s - q) + q * (q + 1) // 2).sum())
+
+
+def takes_flashinfer(meta: AttentionMetadata, long_prefill: lp.LongPrefillConfig | None, num_heads: int,
+                     head_dim: int, min_layer_flops: float = FLASHINFER_MIN_LAYER_FLOPS) -> bool:
     """Whether a step's attention runs on FlashInfer's paged prefill: a prefill step with a query run longer
-    than TRITON_MAX_Q, unless one of its chunks is long enough for the long-prefill path (long_prefill set:
-    cuDNN partials finished by Triton, measured faster than FlashInfer on such chunks)."""
+    than TRITON_MAX_Q and enough attention work to pay for FlashInfer's per-step plan, unless one of its
+    chunks is long enough for the long-prefill path (long_prefill set: cuDNN partials finished by Triton,
+    measured faster than FlashInfer on such chunks)."""
     if meta.decode_only or meta.max_query_len <= TRITON_MAX_Q:
+        return False
+    if min_layer_flops and step_attention_flops(meta, num_heads, head_dim) < min_layer_flops:
         return False
     if long_prefill is None or meta.max_query_len < long_prefill.min_q:
         return True
