@@ -32,7 +32,7 @@ def _pool(args: argparse.Namespace, num_blocks: int, device: str, seed: int) -> 
     import torch
 
     gen = torch.Generator(device=device).manual_seed(seed)
-    if args.dtype == "fp8":  # pdserve's fp8 pool: uint8 rows of head_dim fp8 values + a bf16 scale
+    if args.dtype == "fp8":  # pdserve's fp8 pool: uint8 regions of fp8 values then bf16 scales (fp8_kv)
         from pdserve.attention.fp8_kv import SCALE_BYTES
 
         shape = (num_blocks, args.layers, 2, args.block_size, args.kv_heads, args.head_dim + SCALE_BYTES)
@@ -44,6 +44,7 @@ def _pool(args: argparse.Namespace, num_blocks: int, device: str, seed: int) -> 
 
 
 def _connector(args: argparse.Namespace, role: str, pool: Any, port: int) -> Any:
+    from pdserve.attention.fp8_kv import SCALE_SCHEME
     from pdserve.kv_transfer import KVConnector, KVTransferConfig, make_compat
 
     fp8 = args.dtype == "fp8"
@@ -51,7 +52,7 @@ def _connector(args: argparse.Namespace, role: str, pool: Any, port: int) -> Any
         model="bench-llama-3.1-8b-shape",
         dtype="bfloat16" if fp8 else str(pool.dtype),
         kv_cache_dtype="fp8_e4m3" if fp8 else None,
-        kv_scales="per-token-head-bf16-inline" if fp8 else "none",
+        kv_scales=SCALE_SCHEME if fp8 else "none",
         block_size=args.block_size,
         num_layers=args.layers,
         num_kv_heads=args.kv_heads,

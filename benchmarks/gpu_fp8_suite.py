@@ -40,9 +40,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-# (tile_n, num_warps, num_stages, programs per SM) tried for the fp8 decode kernel at batch 64
-FP8_DECODE_SWEEP = [(64, 4, 2, 2), (128, 4, 2, 2), (128, 8, 3, 1), (64, 4, 3, 2), (32, 4, 2, 2), (64, 8, 2, 2),
-                    (128, 4, 3, 2)]
+# (tile_n, num_warps, num_stages, programs per SM) tried for the fp8 decode kernel at batch 64 (at 4 per SM the
+# b64 x 8-head grid splits each sequence in 2)
+FP8_DECODE_SWEEP = [(64, 4, 2, 2), (64, 4, 3, 2), (128, 4, 2, 2), (128, 4, 3, 2), (128, 8, 3, 1), (64, 8, 3, 2),
+                    (32, 4, 3, 2), (64, 4, 3, 4), (128, 4, 4, 2)]
 
 
 class Run:

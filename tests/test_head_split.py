@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pdserve.kv_transfer.head_split import RowGeometry, plan_rank_reads, source_ranks
+from pdserve.kv_transfer.head_split import BlockGeometry, block_geometry, plan_rank_reads, source_ranks
 from pdserve.kv_transfer.pool import PoolRegion, RemotePool, coalesce_block_runs
 from pdserve.parallel.layout import kv_head_start, kv_heads_per_rank
 
 LAYERS, BS, HD = 2, 4, 3  # small rows: 2 layers x K/V x 4 tokens, heads of 3 float32 values
-GEOM = RowGeometry(LAYERS, BS, HD * 4)
+GEOM = BlockGeometry(LAYERS * 2 * BS, (HD * 4,))  # a unit per token row, one field of HD float32 per head
 
 
 def _rank_pool(global_kv: np.ndarray, rank: int, tp: int) -> np.ndarray:
@@ -76,3 +76,38 @@ def test_block_size_mismatch_is_refused() -> None:
     with pytest.raises(ValueError, match="producer rank 0 has 1000-byte blocks"):
         plan_rank_reads([(0, 0, 1)], geometry=GEOM, num_kv_heads=2, dst_rank=0, dst_tp=1, src_tp=1,
                         local=_region(consumer), remotes=[bad])
+
+
+@pytest.mark.parametrize(("kv_heads", "src_tp", "dst_tp"), [(4, 1, 2), (4, 2, 1), (4, 2, 2), (2, 2, 4), (8, 4, 2)])
+def test_fp8_pools_split_by_head_with_values_and_scales(kv_heads: int, src_tp: int, dst_tp: int) -> None:
+    """fp8 pools (pdserve.attention.fp8_kv: per (layer, K|V) region, head-major values then scales): a
+    consumer rank ends up with exactly the fp8 blocks its heads would have had, had it written them itself."""
+    import torch
+
+    from pdserve.attention import fp8_kv
+
+    fmt, d, blocks = fp8_kv.fp8_format("fp8"), 16, 7
+    compat = {"num_layers": LAYERS, "block_size": BS, "head_dim": d, "kv_scales": fp8_kv.SCALE_SCHEME}
+    global_kv = torch.randn(blocks, LAYERS, 2, BS, kv_heads, d, generator=torch.Generator().manual_seed(kv_heads))
+
+    def rank_pool(rank: int, tp: int) -> np.ndarray:
+        start, n = kv_head_start(rank, tp, kv_heads), kv_heads_per_rank(tp, kv_heads)
+        return fp8_kv.quantize_blocks(global_kv[..., start : start + n, :], fmt).numpy()
+
+    producers = [rank_pool(r, src_tp) for r in range(src_tp)]
+    remotes = [RemotePool(0, p.nbytes, "DRAM", 0, p.nbytes // blocks, blocks) for p in producers]
+    local_ids, remote_ids = [0, 1, 2, 4], [6, 5, 1, 2]
+    runs = coalesce_block_runs(local_ids, remote_ids)
+    for d_rank in range(dst_tp):
+        heads = kv_heads_per_rank(dst_tp, kv_heads)
+        consumer = np.zeros((blocks, LAYERS, 2, BS, heads, d + 2), dtype=np.uint8)
+        geometry = block_geometry(compat, consumer.nbytes // blocks, heads)
+        assert geometry == BlockGeometry(LAYERS * 2, (BS * d, BS * 2))
+        reads = plan_rank_reads(runs, geometry=geometry, num_kv_heads=kv_heads, dst_rank=d_rank, dst_tp=dst_tp,
+                                src_tp=src_tp, local=_region(consumer), remotes=remotes)
+        for read in reads:
+            _apply(consumer, producers[read.src_rank], read.local_descs, read.remote_descs)
+            assert read.num_descriptors <= len(runs) * kv_heads * 2  # values + scales per run, never per row
+        np.testing.assert_array_equal(consumer[local_ids], rank_pool(d_rank, dst_tp)[remote_ids])
+        assert not consumer[[3, 5, 6]].any()
+        assert sum(r.nbytes for r in reads) == len(local_ids) * consumer.nbytes // blocks

@@ -41,9 +41,9 @@ def test_round_trip_error_is_bounded_per_row(fmt, mantissa_bits):
     x = torch.randn(64, 4, 32, generator=g) * torch.logspace(-4, 3, 64)[:, None, None]
     x[5] = 0.0
     x[:, :, 7] *= 20
-    rows = fp8_kv.quantize_rows(x, fmt)
-    assert rows.dtype == torch.uint8 and rows.shape == (64, 4, 34)
-    back = fp8_kv.dequantize_rows(rows, fmt, torch.float32)
+    values, scales = fp8_kv.quantize(x, fmt)
+    assert values.dtype == torch.uint8 and values.shape == (64, 4, 32) and scales.dtype == torch.bfloat16
+    back = fp8_kv.dequantize(values, scales, fmt, torch.float32)
     amax = x.abs().amax(-1, keepdim=True)
     # relative to the row's largest entry: half an ulp of the format's mantissa at the top of the range,
     # plus the clamp of a value the bfloat16-rounded scale pushes past the maximum (2^-8)
@@ -58,11 +58,40 @@ def test_rows_stay_inside_their_block():
     pool = torch.zeros(8, layers, 2, BS, kv_heads, E4M3.row_bytes(d), dtype=torch.uint8)
     k = torch.randn(3, kv_heads, d) + 1.0
     slots = torch.tensor([5 * BS + 0, 5 * BS + 7, 5 * BS + 15])
-    fp8_kv.write_rows(pool[:, 1, 0], fp8_kv.quantize_rows(k, E4M3), slots, BS)
+    fp8_kv.write(pool[:, 1, 0], k, slots, BS, E4M3)
     touched = pool.view(8, -1).ne(0).any(dim=1)
     assert touched.tolist() == [False] * 5 + [True] + [False] * 2
-    values, scales = fp8_kv.split_rows(pool[:, 1, 0], E4M3)
-    assert torch.all(scales[5, [0, 7, 15]] > 0) and values.dtype == torch.float8_e4m3fn
+    values, scales = fp8_kv.layer_views(pool[:, 1, 0])
+    assert torch.all(scales[5][:, [0, 7, 15]] > 0) and values.shape == (8, kv_heads, BS, d)
+
+
+def test_block_byte_layout_values_then_scales_head_major():
+    """One (block, layer, K|V) region, byte by byte: head-major fp8 values [heads, block_size, head_dim]
+    first, then the bfloat16 scales [heads, block_size]; the values start 16-byte aligned in every region of
+    a pool (the Triton kernels' 16-byte loads), and the CPU writer's bytes are fp8_kv.quantize's."""
+    layers, kv_heads, d, bs, nb = 3, 4, 64, 16, 5
+    pool = torch.zeros(nb, layers, 2, bs, kv_heads, E4M3.row_bytes(d), dtype=torch.uint8)
+    region = bs * kv_heads * (d + 2)
+    assert pool[0, 0, 0].numel() == region and region % 16 == 0
+    x = torch.randn(bs, kv_heads, d, generator=torch.Generator().manual_seed(2)) * 3
+    slots = 3 * bs + torch.arange(bs)
+    fp8_kv.write(pool[:, 2, 1], x, slots, bs, E4M3)
+    raw = pool[3, 2, 1].reshape(-1)  # the region's bytes
+    values, scales = fp8_kv.quantize(x, E4M3)
+    n = kv_heads * bs * d
+    assert torch.equal(raw[:n], values.transpose(0, 1).reshape(-1))  # [head, token, dim]
+    assert torch.equal(raw[n:], scales.transpose(0, 1).contiguous().view(torch.uint8).reshape(-1))  # [head, token]
+    assert not pool[:3].any() and not pool[4:].any()
+    # round trip through the block helpers, and alignment of every value row of a layer view
+    float_pool = torch.randn(nb, layers, 2, bs, kv_heads, d)
+    q = fp8_kv.quantize_blocks(float_pool, E4M3)
+    back = fp8_kv.dequantize_blocks(q, E4M3, torch.float32)
+    assert back.shape == float_pool.shape
+    assert torch.all((back - float_pool).abs() <= float_pool.abs().amax(-1, keepdim=True) * (2.0**-4 + 2.0**-8))
+    vals, scs = fp8_kv.layer_views(q[:, 1, 0])
+    assert vals.data_ptr() % 16 == q.data_ptr() % 16 and vals.stride(0) % 16 == 0 and vals.stride(2) % 16 == 0
+    assert (vals.data_ptr() - q.data_ptr()) % 16 == 0
+    assert scs.dtype == torch.bfloat16 and scs.shape == (nb, kv_heads, bs)
 
 
 def _lib():
@@ -79,12 +108,12 @@ def test_attention_over_fp8_blocks_equals_attention_over_their_values(case, inne
     filled with the dequantized blocks."""
     heads, kv_heads, d = 8, 2, 32
     float_pool, q, k, v, meta = _step(CASES[case], num_blocks=64, heads=heads, kv_heads=kv_heads, d=d, seed=4)
-    pool = fp8_kv.quantize_rows(float_pool, E4M3)  # the context already in the cache, quantized
+    pool = fp8_kv.quantize_blocks(float_pool, E4M3)  # the context already in the cache, quantized
     layer = 1
     backend = Fp8GatherAttention(CpuPagedAttention(_lib()) if inner == "cpu-paged" else TorchAttention(), E4M3)
     backend.write_kv(pool[:, layer, 0], pool[:, layer, 1], k, v, meta)
     out = backend.forward(q, pool[:, layer, 0], pool[:, layer, 1], meta, 0.125)
-    ref_pool = fp8_kv.dequantize_rows(pool, E4M3, torch.float32)
+    ref_pool = fp8_kv.dequantize_blocks(pool, E4M3, torch.float32)
     expect = TorchAttention().forward(q, ref_pool[:, layer, 0], ref_pool[:, layer, 1], meta, 0.125)
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
 
@@ -128,6 +157,10 @@ def test_handshake_refuses_a_kv_dtype_mismatch():
     e5m2 = make_compat(**common, kv_cache_dtype="fp8_e5m2", kv_scales=fp8_kv.SCALE_SCHEME)
     with pytest.raises(CompatibilityError, match="kv_cache_dtype"):
         check_compat(fp8, e5m2, peer="p")
+    # a peer with the earlier fp8 layout (scales inline after each row): same sizes, other bytes -> refused
+    old_layout = make_compat(**common, kv_cache_dtype="fp8_e4m3", kv_scales="per-token-head-bf16-inline")
+    with pytest.raises(CompatibilityError, match="kv_scales"):
+        check_compat(fp8, old_layout, peer="p")
 
 
 def test_real_model_fp8_agrees_with_float32_kv():

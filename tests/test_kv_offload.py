@@ -264,3 +264,28 @@ def test_abort_while_disk_read_parked(tiny_llama, tmp_path):
     again = prefix + [3, 3]
     assert run_engine(engine, [again], GREEDY) == hf_greedy(tiny_llama, [again], 6)
     engine.shutdown()
+
+
+def test_fp8_blocks_served_from_host_and_disk_tiers_are_token_exact(tiny_llama, tmp_path):
+    """An fp8 pool's blocks (values and scales inside each block: pdserve.attention.fp8_kv) go to the host
+    and disk tiers and come back unchanged: a prefix served from them gives the tokens of an fp8 run that
+    computes it."""
+    fp8_block = 2 * 2 * BS * 2 * (16 + 2)  # layers x (K, V) x tokens x KV heads x (head dim + 2 scale bytes)
+    engine = make_engine(tiny_llama, block_size=BS, num_gpu_blocks_override=12, kv_cache_dtype="fp8",
+                         kv_offloading_size=2 * fp8_block / 1024**3, kv_offloading_backend="native",
+                         kv_offloading_disk_path=str(tmp_path / "kv"), kv_offloading_disk_size=MIB)
+    assert engine.tiers.block_nbytes == fp8_block
+    prefix = _prompts(5, 1, 4 * BS)[0]
+    second = prefix + [4, 4, 4]
+    want = run_engine(make_engine(tiny_llama, kv_cache_dtype="fp8", enable_prefix_caching=False), [second], GREEDY)
+    run_engine(engine, [prefix + [1, 2, 3]], GREEDY)
+    _evict_with(engine, seed=6)
+    engine.tiers.disk.flush()
+    assert engine.blocks.find_cached_prefix(engine_req(second)) == []  # no longer in the pool
+    hits0 = {m: _tier(engine, m)["hit_tokens"] for m in ("CPU", "DISK")}
+    assert run_engine(engine, [second], GREEDY) == want
+    assert _tier(engine, "DISK")["hit_tokens"] - hits0["DISK"] >= BS
+    assert _tier(engine, "CPU")["hit_tokens"] - hits0["CPU"] + _tier(engine, "DISK")["hit_tokens"] - hits0["DISK"] \
+        == 4 * BS
+    assert _tier(engine, "DISK")["corrupt_blocks"] == 0
+    engine.shutdown()

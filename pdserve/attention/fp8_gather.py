@@ -30,13 +30,11 @@ class Fp8GatherAttention:
         self._step: tuple[AttentionMetadata, torch.Tensor, AttentionMetadata] | None = None
 
     def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
-        k_rows = fp8_kv.quantize_rows(k, self.fmt)
-        v_rows = fp8_kv.quantize_rows(v, self.fmt)
-        fp8_kv.write_rows(k_cache, k_rows, meta.slot_mapping, meta.block_size)
-        fp8_kv.write_rows(v_cache, v_rows, meta.slot_mapping, meta.block_size)
+        k_stored = fp8_kv.write(k_cache, k, meta.slot_mapping, meta.block_size, self.fmt)
+        v_stored = fp8_kv.write(v_cache, v, meta.slot_mapping, meta.block_size, self.fmt)
         # what the pool now holds for these rows, for backends that attend over a step's own rows
-        self._k_new = fp8_kv.dequantize_rows(k_rows, self.fmt, k.dtype)
-        self._v_new = fp8_kv.dequantize_rows(v_rows, self.fmt, v.dtype)
+        self._k_new = fp8_kv.dequantize(*k_stored, self.fmt, k.dtype)
+        self._v_new = fp8_kv.dequantize(*v_stored, self.fmt, v.dtype)
 
     def _compact(self, meta: AttentionMetadata) -> tuple[torch.Tensor, AttentionMetadata]:
         """The blocks this step touches, and the metadata renumbered onto them (shared by every layer)."""
@@ -51,8 +49,8 @@ class Fp8GatherAttention:
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         blocks, compact = self._compact(meta)
-        k = fp8_kv.dequantize_rows(k_cache[blocks], self.fmt, q.dtype)
-        v = fp8_kv.dequantize_rows(v_cache[blocks], self.fmt, q.dtype)
+        k = fp8_kv.dequantize_blocks(k_cache[blocks], self.fmt, q.dtype)
+        v = fp8_kv.dequantize_blocks(v_cache[blocks], self.fmt, q.dtype)
         # the inner backend may keep this step's rows (the CPU backend attends fresh prompts over them)
         self.inner.write_kv(k, v, self._k_new.to(q.dtype), self._v_new.to(q.dtype), compact)
         return self.inner.forward(q, k, v, compact, scale)

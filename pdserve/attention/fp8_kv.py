@@ -5,21 +5,37 @@ Names and meaning follow vLLM (vllm/config/cache.py `CacheDType`): `auto` stores
 
 Scales. vLLM keeps one per-tensor `k_scale`/`v_scale` per layer (from the checkpoint or 1.0) and its
 NixlConnector does not move dynamic scales. pdserve computes scales at write time, one per (token, KV head)
-row, and stores each next to its row, inside the block's own bytes. The pool of an fp8 cache is uint8:
+row, and stores them inside the block's own bytes. The pool of an fp8 cache is uint8, allocated as
 
     [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim + 2]
-     row bytes 0..head_dim-1: the fp8 values; bytes head_dim..head_dim+1: the row's bfloat16 scale
 
-so block `i` is still one contiguous byte range holding its data and its scales together (one NIXL
-descriptor per block moves both), and prefix-cached blocks stay self-describing. Why per row rather than
-per block: decode appends one token at a time, so a block-wide scale would have to be fixed at the first
-write (later, larger values clipped) or the block re-quantized on every append; a per-row scale is
-written once with its row and never changes. The cost is 2 bytes per head_dim fp8 bytes (1.6% of an fp8
-row at head_dim 128, 3.1% at 64): 1.97x (head_dim 128) or 1.94x (64) the blocks of a 16-bit pool.
+but the trailing `[block_size, num_kv_heads, head_dim + 2]` of each (block, layer, K|V) only sizes that
+region's bytes; they are laid out head-major, values first, scales after them (`SCALE_SCHEME`):
+
+    bytes [0, kv_heads * block_size * head_dim)       fp8 values  [kv_heads, block_size, head_dim]
+    bytes [kv_heads * block_size * head_dim, region)  bf16 scales [kv_heads, block_size]
+
+Never index such a pool by token or head directly: `layer_views` gives the two typed views. Why this layout:
+- every fp8 value row starts 16-byte aligned (the region is block_size x kv_heads x (head_dim + 2) bytes,
+  a multiple of 16 for block sizes of 8 or more), so the Triton kernels load K/V tiles with 16-byte
+  (`cp.async`) copies like the bf16 kernels; rows of head_dim + 2 bytes with the scale inline were only
+  2-byte aligned, which made fp8 decode slower than bf16 (BENCHMARKS.md, FP8 KV cache);
+- block `i` is still one contiguous byte range holding its data and its scales (one NIXL descriptor per
+  block moves both), and prefix-cached blocks stay self-describing;
+- head-major: one KV head's values in one region are one contiguous piece (block_size x head_dim bytes) and
+  its scales another, so the tensor-parallel handoff moves a head range with two strided descriptors per
+  run of blocks (`pdserve.kv_transfer.head_split`), and a decode tile reads each block's rows of its head
+  as one run.
+
+Why per row rather than per block: decode appends one token at a time, so a block-wide scale would have to
+be fixed at the first write (later, larger values clipped) or the block re-quantized on every append; a
+per-row scale is written once with its row and never changes. The cost is 2 bytes per head_dim fp8 bytes
+(1.6% at head_dim 128, 3.1% at 64): 1.97x (head_dim 128) or 1.94x (64) the blocks of a 16-bit pool.
 
 The scale is rounded to bfloat16 *before* the values are divided by it, so reading back multiplies by
 exactly the factor used when writing (the rounding of the scale costs nothing); a value that the rounded
 scale pushes past the fp8 maximum is clamped to it (at most 2^-8 relative, on the row's largest entry).
+The Triton writers (`pdserve.attention.triton_fp8`) store the same bytes as `write` here.
 """
 
 from __future__ import annotations
@@ -31,7 +47,9 @@ import torch
 from pdserve.config import KV_FP8_SCALE_BYTES, canonical_kv_cache_dtype
 
 SCALE_BYTES = KV_FP8_SCALE_BYTES  # one bfloat16 per (token, kv head) row
-SCALE_SCHEME = "per-token-head-bf16-inline"  # what the handshake's compat dict calls this layout
+# what the handshake's compat dict calls this layout; the earlier inline-row layout was
+# "per-token-head-bf16-inline", which a peer of this version refuses (different bytes in the same sizes)
+SCALE_SCHEME = "per-token-head-bf16-head-major-tail"
 
 
 @dataclass(frozen=True)
@@ -41,6 +59,7 @@ class Fp8Format:
     max: float
 
     def row_bytes(self, head_dim: int) -> int:
+        """Bytes per (token, kv head) in the pool (the last dimension of its allocation shape)."""
         return head_dim + SCALE_BYTES
 
 
@@ -55,30 +74,72 @@ def fp8_format(name: str) -> Fp8Format | None:
     return _FORMATS.get(canonical_kv_cache_dtype(name))
 
 
-def split_rows(raw: torch.Tensor, fmt: Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
-    """A uint8 cache view [..., head_dim + 2] as (fp8 values [..., head_dim], bfloat16 scales [..., 1])."""
-    head_dim = raw.shape[-1] - SCALE_BYTES
-    return raw[..., :head_dim].view(fmt.dtype), raw[..., head_dim:].view(torch.bfloat16)
+def region_geometry(cache: torch.Tensor) -> tuple[int, int, int]:
+    """(block_size, kv_heads, head_dim) of an fp8 cache view [..., block_size, kv_heads, head_dim + 2]."""
+    block_size, kv_heads, row = cache.shape[-3:]
+    return int(block_size), int(kv_heads), int(row) - SCALE_BYTES
 
 
-def quantize_rows(x: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-    """x [..., head_dim] (any float dtype) -> uint8 rows [..., head_dim + 2] (fp8 values, then the scale)."""
+def scales_offset(block_size: int, kv_heads: int, head_dim: int) -> int:
+    """Byte offset of the scales inside a (block, layer, K|V) region: right after the values."""
+    return kv_heads * block_size * head_dim
+
+
+def layer_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp8 cache view uint8 [..., block_size, kv_heads, head_dim + 2] (one region per leading index, e.g.
+    a layer's `pool[:, layer, 0]` or the whole pool) as (values uint8 [..., kv_heads, block_size, head_dim],
+    scales bfloat16 [..., kv_heads, block_size]): views of the same bytes, for reading and writing."""
+    assert cache.dtype == torch.uint8
+    block_size, kv_heads, d = region_geometry(cache)
+    flat = cache.flatten(-3)  # the region's bytes (each region is contiguous)
+    n = scales_offset(block_size, kv_heads, d)
+    values = flat[..., :n].unflatten(-1, (kv_heads, block_size, d))
+    scales = flat[..., n:].view(torch.bfloat16).unflatten(-1, (kv_heads, block_size))
+    return values, scales
+
+
+def quantize(x: torch.Tensor, fmt: Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] (any float dtype) -> (fp8 values as uint8 [..., head_dim], bfloat16 scales [...])."""
     x32 = x.float()
     amax = x32.abs().amax(dim=-1, keepdim=True)
     # Round the scale first, then divide by the rounded value: dequantizing multiplies by the same number.
     scale = (amax / fmt.max).clamp_min(1e-30).to(torch.bfloat16)
     values = (x32 / scale.float()).clamp(-fmt.max, fmt.max).to(fmt.dtype)
-    return torch.cat([values.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
+    return values.view(torch.uint8), scale.squeeze(-1)
 
 
-def dequantize_rows(raw: torch.Tensor, fmt: Fp8Format, dtype: torch.dtype) -> torch.Tensor:
-    """uint8 rows [..., head_dim + 2] -> values [..., head_dim] in `dtype`."""
-    values, scale = split_rows(raw, fmt)
-    return (values.float() * scale.float()).to(dtype)
+def dequantize(values: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 fp8 values [..., head_dim] and their bfloat16 scales [...] -> [..., head_dim] in `dtype`."""
+    return (values.view(fmt.dtype).float() * scales.float().unsqueeze(-1)).to(dtype)
 
 
-def write_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> None:
-    """Store quantized rows [num_tokens, kv_heads, head_dim + 2] at their slots of a uint8 layer view
-    [num_blocks, block_size, kv_heads, head_dim + 2]."""
+def write(cache: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
+          fmt: Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize rows x [num_tokens, kv_heads, head_dim] and store them at their slots of an fp8 layer view
+    [num_blocks, block_size, kv_heads, head_dim + 2]. Returns what was stored: (values, scales)."""
+    values, scales = quantize(x, fmt)
+    cache_values, cache_scales = layer_views(cache)
     block = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    cache[block, slot_mapping - block * block_size] = rows
+    offset = slot_mapping - block * block_size
+    # (block, :, offset) with a slice between two index tensors: the token dimension comes first, [T, heads, ...]
+    cache_values[block, :, offset] = values
+    cache_scales[block, :, offset] = scales
+    return values, scales
+
+
+def quantize_blocks(x: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """A float pool (or a slice of one) [..., block_size, kv_heads, head_dim] -> the fp8 pool holding its
+    quantized rows, uint8 [..., block_size, kv_heads, head_dim + 2] (same bytes as `write`)."""
+    out = torch.empty((*x.shape[:-1], fmt.row_bytes(x.shape[-1])), dtype=torch.uint8, device=x.device)
+    values, scales = layer_views(out)
+    q, s = quantize(x.transpose(-3, -2), fmt)  # [..., kv_heads, block_size, ...]
+    values.copy_(q)
+    scales.copy_(s)
+    return out
+
+
+def dequantize_blocks(cache: torch.Tensor, fmt: Fp8Format, dtype: torch.dtype) -> torch.Tensor:
+    """An fp8 pool (or a slice of whole regions) [..., block_size, kv_heads, head_dim + 2] -> its values in
+    `dtype` as a float pool [..., block_size, kv_heads, head_dim] (contiguous)."""
+    values, scales = layer_views(cache)
+    return dequantize(values, scales, fmt, dtype).transpose(-3, -2).contiguous()

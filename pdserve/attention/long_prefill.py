@@ -91,10 +91,14 @@ def gather_kv(cache: torch.Tensor, table_row: torch.Tensor, seq_len: int) -> tor
 
 def gather_float_kv(cache: torch.Tensor, table_row: torch.Tensor, seq_len: int, dtype: torch.dtype,
                     kv_format: fp8_kv.Fp8Format | None = None) -> torch.Tensor:
-    """gather_kv, dequantized into `dtype` when the cache holds fp8 rows (the library kernels read floats;
+    """gather_kv, dequantized into `dtype` when the cache holds fp8 blocks (the library kernels read floats;
     the buffer is ~seq_len x kv_heads x head_dim, small next to the chunk's attention work)."""
-    rows = gather_kv(cache, table_row, seq_len)
-    return rows if kv_format is None else fp8_kv.dequantize_rows(rows, kv_format, dtype)
+    if kv_format is None:
+        return gather_kv(cache, table_row, seq_len)
+    block_size, kv_heads, d = fp8_kv.region_geometry(cache)
+    nb = (seq_len + block_size - 1) // block_size
+    blocks = fp8_kv.dequantize_blocks(cache.index_select(0, table_row[:nb].long()), kv_format, dtype)
+    return blocks.view(nb * block_size, kv_heads, d)[:seq_len]
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:

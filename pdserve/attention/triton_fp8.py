@@ -1,7 +1,12 @@
-"""fp8 KV rows inside Triton kernels: the bytes `pdserve.attention.fp8_kv` writes, produced and read on the GPU.
+"""fp8 KV blocks inside Triton kernels: the bytes `pdserve.attention.fp8_kv` writes, produced and read on the GPU.
 
-A row of an fp8 pool is head_dim fp8 values followed by its bfloat16 scale (fp8_kv's docstring says why).
-The write side must give the same bytes as `fp8_kv.quantize_rows` (a pool written on the GPU and one written
+A (block, layer, K|V) region of an fp8 pool holds its fp8 values head-major, [kv_heads, block_size,
+head_dim], then their bfloat16 scales [kv_heads, block_size] (fp8_kv's docstring says why). A kernel gets the
+layer view `pool[:, layer, 0|1]` and its block stride; `value_offset` and `scale_offset` place a (block,
+head, token) in it. Value rows are 16-byte aligned when head_dim is a multiple of 16 and the block stride and
+view base are (Triton specializes on both), so K/V tiles load as 16-byte vectors, pipelined with `cp.async`.
+
+The write side must give the same bytes as `fp8_kv.write` (a pool written on the GPU and one written
 on the CPU are interchangeable: P/D handoffs between them, prefix-cached blocks, tests that compare them), so
 every rounding step is spelled out here instead of left to conversion instructions:
 
@@ -83,15 +88,27 @@ def quantize_values(x, scale, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8
 
 
 @triton.jit
-def store_scale(row_ptrs, scale_bits, mask, D: tl.constexpr):
-    """Writes each row's scale (float32 bits of a bfloat16 value) into the row's two bytes after D values."""
-    tl.store((row_ptrs + D).to(tl.pointer_type(tl.int16)), (scale_bits >> 16).to(tl.int16), mask=mask)
+def value_offset(blk, head, tok, stride_blk, BLOCK_SIZE: tl.constexpr, D: tl.constexpr):
+    """Byte offset of the value row of (block blk, kv head, token tok of the block) in a layer view."""
+    return blk * stride_blk + (head * BLOCK_SIZE + tok) * D
 
 
 @triton.jit
-def load_scale(row_ptrs, mask, D: tl.constexpr):
+def scale_offset(blk, head, tok, stride_blk, BLOCK_SIZE: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr):
+    """Byte offset of that row's bfloat16 scale: after the region's KVH x BLOCK_SIZE x D values."""
+    return blk * stride_blk + KVH * BLOCK_SIZE * D + (head * BLOCK_SIZE + tok) * 2
+
+
+@triton.jit
+def store_scale(scale_ptrs, scale_bits, mask):
+    """Writes each row's scale (float32 bits of a bfloat16 value) at its two bytes."""
+    tl.store(scale_ptrs.to(tl.pointer_type(tl.int16)), (scale_bits >> 16).to(tl.int16), mask=mask)
+
+
+@triton.jit
+def load_scale(scale_ptrs, mask):
     """Each row's bfloat16 scale as float32 (0 where masked)."""
-    raw = tl.load((row_ptrs + D).to(tl.pointer_type(tl.int16)), mask=mask, other=0)
+    raw = tl.load(scale_ptrs.to(tl.pointer_type(tl.int16)), mask=mask, other=0)
     return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
 
 

@@ -15,9 +15,10 @@ Three kernels:
   run-time argument, not a constexpr, so every batch size shares one compiled kernel.
 - `write_kv`: stores new K/V rows at their slots; slots < 0 (padding rows of a CUDA graph) are skipped.
 
-Every kernel also takes an fp8 pool (`kv_format`, pdserve.attention.fp8_kv: uint8 rows of head_dim fp8
-values + a bfloat16 scale): write_kv quantizes, the attention kernels dequantize on the fly
-(pdserve.attention.triton_fp8). Its strides are then in bytes and head_dim comes from q or k.
+Every kernel also takes an fp8 pool (`kv_format`, pdserve.attention.fp8_kv: uint8 regions of head-major fp8
+values followed by their bfloat16 scales): write_kv quantizes, the attention kernels dequantize on the fly
+(pdserve.attention.triton_fp8). Only the block stride of its layer view is used (in bytes); rows and scales
+are placed by `triton_fp8.value_offset` / `scale_offset`, and head_dim comes from q or k.
 
 Everything here needs triton; it is imported only on CUDA (or under TRITON_INTERPRET=1 in tests).
 """
@@ -42,8 +43,9 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _read_args(kv_format: fp8_kv.Fp8Format | None, k_cache: torch.Tensor, head_dim: int) -> dict:
-    if kv_format is not None:
-        assert k_cache.dtype == torch.uint8 and k_cache.stride(2) == head_dim + fp8_kv.SCALE_BYTES
+    if kv_format is not None:  # whole regions (fp8_kv.layer_views' layout) with 16-byte aligned value rows
+        assert k_cache.dtype == torch.uint8 and k_cache.shape[-1] == head_dim + fp8_kv.SCALE_BYTES
+        assert k_cache[0].is_contiguous()
     args = tf8.kernel_args(kv_format)
     return {"KV_FP8": args["KV_FP8"], "FP8_MANT": args["FP8_MANT"]}
 
@@ -71,8 +73,6 @@ def _write_kv_kernel(
     mask = (h[:, None] < KVH) & (d[None, :] < D)
     k = tl.load(k_ptr + t * stride_k_t + h[:, None] * stride_k_h + d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_v_t + h[:, None] * stride_v_h + d[None, :], mask=mask)
-    rows = blk * stride_c_blk + off * stride_c_tok + h * stride_c_head
-    dst = rows[:, None] + d[None, :]
     if KV_FP8:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -83,11 +83,14 @@ def _write_kv_kernel(
                                  FP8_SUB_SCALE)
         v8 = tf8.quantize_values(v, v_bits.to(tl.float32, bitcast=True)[:, None], FP8_MAX, FP8_MANT, FP8_BIAS,
                                  FP8_SUB_SCALE)
+        dst = tf8.value_offset(blk, h, off, stride_c_blk, BLOCK_SIZE, D)[:, None] + d[None, :]
         tl.store(k_cache_ptr + dst, k8, mask=mask)
         tl.store(v_cache_ptr + dst, v8, mask=mask)
-        tf8.store_scale(k_cache_ptr + rows, k_bits, hmask, D)
-        tf8.store_scale(v_cache_ptr + rows, v_bits, hmask, D)
+        srows = tf8.scale_offset(blk, h, off, stride_c_blk, BLOCK_SIZE, KVH, D)
+        tf8.store_scale(k_cache_ptr + srows, k_bits, hmask)
+        tf8.store_scale(v_cache_ptr + srows, v_bits, hmask)
     else:
+        dst = (blk * stride_c_blk + off * stride_c_tok + h * stride_c_head)[:, None] + d[None, :]
         tl.store(k_cache_ptr + dst, k, mask=mask)
         tl.store(v_cache_ptr + dst, v, mask=mask)
 
@@ -95,12 +98,15 @@ def _write_kv_kernel(
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor, block_size: int, kv_format: fp8_kv.Fp8Format | None = None) -> None:
     """k, v: [num_tokens, kv_heads, head_dim] (any token/head strides, contiguous last dim). With kv_format,
-    the caches are uint8 fp8 rows and each row is quantized as fp8_kv.quantize_rows does (same bytes)."""
+    the caches are fp8 layer views (uint8) and each row is quantized and stored as fp8_kv.write does (same
+    bytes)."""
     num_tokens, kvh, d = k.shape
     if num_tokens == 0:
         return
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride()
+    if kv_format is not None:
+        _read_args(kv_format, k_cache, d)
     _write_kv_kernel[(num_tokens,)](
         k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -127,7 +133,7 @@ def _decode_kernel(
     scale_log2, num_splits,
     H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
-    KV_FP8: tl.constexpr, FP8_MANT: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_MANT: tl.constexpr, KVH: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -151,27 +157,26 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     n = tl.arange(0, TILE_N)
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    if KV_FP8:
-        # fp8 rows are D + 2 bytes: from the constexpr Triton knows each row starts 2-byte aligned and loads
-        # byte pairs (an opaque stride would mean single bytes)
-        head_off = kvh.to(tl.int64) * (D + 2)
-    else:
-        head_off = kvh.to(tl.int64) * stride_c_head
+    head_off = kvh.to(tl.int64) * stride_c_head
     for tile in range(t_start, t_end):
         tok = tile * TILE_N + n
         tmask = tok < seq_len
         blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
-        off = blk * stride_c_blk + (tok % BLOCK_SIZE) * stride_c_tok + head_off
+        if KV_FP8:  # head-major regions: the offsets are constexpr multiples of D, so rows load 16 bytes wide
+            off = tf8.value_offset(blk, kvh, tok % BLOCK_SIZE, stride_c_blk, BLOCK_SIZE, D)
+            s_off = tf8.scale_offset(blk, kvh, tok % BLOCK_SIZE, stride_c_blk, BLOCK_SIZE, KVH, D)
+        else:
+            off = blk * stride_c_blk + (tok % BLOCK_SIZE) * stride_c_tok + head_off
         if EVEN_D:  # a mask constant along d keeps the 16-byte vector loads
             kv_mask = tmask[:, None]
         else:
             kv_mask = tmask[:, None] & dmask[None, :]
         if KV_FP8:
-            # fp8 rows: the matrix products run on the exact fp8 values in q's dtype; each key's scale
+            # fp8: the matrix products run on the exact fp8 values in q's dtype; each key's scale
             # multiplies its score column, each value's scale its probability column
             k = tf8.as_fp8(tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0),
                            FP8_MANT).to(q.dtype)
-            k_scale = tf8.load_scale(k_cache_ptr + off, tmask, D)
+            k_scale = tf8.load_scale(k_cache_ptr + s_off, tmask)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (k_scale * scale_log2)[None, :]
         else:
             k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -184,7 +189,7 @@ def _decode_kernel(
         if KV_FP8:
             v = tf8.as_fp8(tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0),
                            FP8_MANT).to(q.dtype)
-            p = p * tf8.load_scale(v_cache_ptr + off, tmask, D)[None, :]
+            p = p * tf8.load_scale(v_cache_ptr + s_off, tmask)[None, :]
         else:
             v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -243,7 +248,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      tile_n: int = 64, num_warps: int = 4, num_stages: int = 2,
                      kv_format: fp8_kv.Fp8Format | None = None) -> torch.Tensor:
     """q: [B, H, D]; block_tables: [B, >= blocks of the longest sequence]; seq_lens: [B] (0 = padding row,
-    whose output is 0). Returns [B, H, D] in q's dtype. kv_format: the caches are fp8 rows (uint8)."""
+    whose output is 0). Returns [B, H, D] in q's dtype. kv_format: the caches are fp8 layer views (uint8, fp8_kv's layout)."""
     batch, num_heads, d = q.shape
     _, block_size, kvh, _ = k_cache.shape
     group = num_heads // kvh
@@ -266,7 +271,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scale * LOG2E, num_splits,
         H=num_heads, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, TILE_N=tile_n, DOT_PRECISION=_dot_precision(q.dtype),
-        EVEN_D=d == block_d, **_read_args(kv_format, k_cache, d), num_warps=num_warps, num_stages=num_stages,
+        EVEN_D=d == block_d, **_read_args(kv_format, k_cache, d), KVH=kvh, num_warps=num_warps,
+        num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
@@ -281,11 +287,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
 def _attend_tiles(
-    acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, stride_c_blk, stride_c_tok,
+    acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, kvh, stride_c_blk, stride_c_tok, stride_c_head,
     tile_lo, tile_hi, key_limit, seq_len, scale_log2, d, dmask,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, D: tl.constexpr, KV_FP8: tl.constexpr, FP8_MANT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, D: tl.constexpr, KV_FP8: tl.constexpr, FP8_MANT: tl.constexpr, KVH: tl.constexpr,
 ):
+    head_off = kvh.to(tl.int64) * stride_c_head
     n = tl.arange(0, TILE_N)
     for tile in range(tile_lo, tile_hi):
         tok = tile * TILE_N + n
@@ -294,7 +301,11 @@ def _attend_tiles(
             blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
         else:
             blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)
-        off = blk * stride_c_blk + (tok % BLOCK_SIZE) * stride_c_tok + head_off
+        if KV_FP8:  # head-major regions: the offsets are constexpr multiples of D, so rows load 16 bytes wide
+            off = tf8.value_offset(blk, kvh, tok % BLOCK_SIZE, stride_c_blk, BLOCK_SIZE, D)
+            s_off = tf8.scale_offset(blk, kvh, tok % BLOCK_SIZE, stride_c_blk, BLOCK_SIZE, KVH, D)
+        else:
+            off = blk * stride_c_blk + (tok % BLOCK_SIZE) * stride_c_tok + head_off
         ptrs_k = k_cache_ptr + off[:, None] + d[None, :]
         ptrs_v = v_cache_ptr + off[:, None] + d[None, :]
         # Masks constant along d keep the 16-byte vector loads; full tiles need none at all.
@@ -310,7 +321,7 @@ def _attend_tiles(
                 k = tl.load(ptrs_k, mask=dmask[None, :], other=0.0)
         if KV_FP8:  # exact fp8 values in q's dtype; the row scales multiply score / probability columns
             qk = tl.dot(q, tl.trans(tf8.as_fp8(k, FP8_MANT).to(q.dtype)), input_precision=DOT_PRECISION)
-            qk = qk * tf8.load_scale(k_cache_ptr + off, tmask, D)[None, :]
+            qk = qk * tf8.load_scale(k_cache_ptr + s_off, tmask)[None, :]
         else:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
@@ -327,7 +338,7 @@ def _attend_tiles(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if KV_FP8:
-            p = p * tf8.load_scale(v_cache_ptr + off, tmask, D)[None, :]
+            p = p * tf8.load_scale(v_cache_ptr + s_off, tmask)[None, :]
         if MASKED:
             if EVEN_D:
                 v = tl.load(ptrs_v, mask=tmask[:, None], other=0.0)
@@ -366,7 +377,7 @@ def _prefill_kernel(
     p_row0, scale_log2,
     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
-    HAS_PARTIALS: tl.constexpr, KV_FP8: tl.constexpr, FP8_MANT: tl.constexpr,
+    HAS_PARTIALS: tl.constexpr, KV_FP8: tl.constexpr, FP8_MANT: tl.constexpr, KVH: tl.constexpr,
 ):
     # Longest q blocks (the last of each causal sequence) first: better tail balance.
     qb_global = num_q_blocks - 1 - tl.program_id(0)
@@ -435,12 +446,6 @@ def _prefill_kernel(
             kv_end = ctx
             key_limit = tl.zeros([BLOCK_M], dtype=tl.int32) + (ctx - 1)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    if KV_FP8:
-        # fp8 rows are D + 2 bytes: from the constexpr Triton knows each row starts 2-byte aligned and loads
-        # byte pairs (an opaque stride would mean single bytes)
-        head_off = kvh.to(tl.int64) * (D + 2)
-    else:
-        head_off = kvh.to(tl.int64) * stride_c_head
     n_lo = kv_lo // TILE_N  # kv_lo is a multiple of TILE_N
     n_full = tl.maximum((first_pos + 1) // TILE_N, n_lo)
     n_all = tl.cdiv(kv_end, TILE_N)
@@ -448,14 +453,14 @@ def _prefill_kernel(
     q = tl.load(q_ptr + q_rows[:, None] * stride_q_t + head[:, None] * stride_q_h + d[None, :],
                 mask=rmask & (n_all > n_lo), other=0.0)
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, stride_c_blk, stride_c_tok,
+        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, kvh, stride_c_blk, stride_c_tok, stride_c_head,
         n_lo, n_full, key_limit, seq_len, scale_log2, d, dmask,
-        False, EVEN_D, BLOCK_SIZE, TILE_N, DOT_PRECISION, D, KV_FP8, FP8_MANT,
+        False, EVEN_D, BLOCK_SIZE, TILE_N, DOT_PRECISION, D, KV_FP8, FP8_MANT, KVH,
     )
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, stride_c_blk, stride_c_tok,
+        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, kvh, stride_c_blk, stride_c_tok, stride_c_head,
         n_full, n_all, key_limit, seq_len, scale_log2, d, dmask,
-        True, EVEN_D, BLOCK_SIZE, TILE_N, DOT_PRECISION, D, KV_FP8, FP8_MANT,
+        True, EVEN_D, BLOCK_SIZE, TILE_N, DOT_PRECISION, D, KV_FP8, FP8_MANT, KVH,
     )
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_o_t + head[:, None] * stride_o_h + d[None, :],
@@ -488,7 +493,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       kv_format: fp8_kv.Fp8Format | None = None) -> torch.Tensor:
     """q: [num_tokens, H, D] (flattened queries of `num_seqs` sequences, split by query_start_loc).
     Returns [num_tokens, H, D] in q's dtype. With `partials`, the sequences they cover start from them.
-    kv_format: the caches are fp8 rows (uint8)."""
+    kv_format: the caches are fp8 layer views (uint8, fp8_kv's layout)."""
     num_tokens, num_heads, d = q.shape
     _, block_size, kvh, _ = k_cache.shape
     group = num_heads // kvh
@@ -516,6 +521,6 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         G=group, BLOCK_Q=block_q, BLOCK_M=block_m, D=d, BLOCK_D=triton.next_power_of_2(d),
         BLOCK_SIZE=block_size, TILE_N=tile_n, DOT_PRECISION=_dot_precision(q.dtype),
         EVEN_D=d == triton.next_power_of_2(d), HAS_PARTIALS=partials is not None, **_read_args(kv_format, k_cache, d),
-        num_warps=num_warps, num_stages=num_stages,
+        KVH=kvh, num_warps=num_warps, num_stages=num_stages,
     )
     return out

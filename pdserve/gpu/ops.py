@@ -150,18 +150,22 @@ def _rope_write_kv_kernel(
         kh = tl.arange(0, BLOCK_KVH)
         k1, k2, kmask = _rope_heads(k_ptr, stride_k_t, stride_k_h, t, kh, cos, sin, half, KVH, BLOCK_KVH,
                                     HALF, EVEN)
-        rows = (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_tok + kh * stride_c_head
-        dst = rows[:, None] + half[None, :]
         vsrc = v_ptr + t * stride_v_t + kh[:, None] * stride_v_h + half[None, :]
         v1 = tl.load(vsrc, mask=kmask, other=0.0)
         v2 = tl.load(vsrc + HALF, mask=kmask, other=0.0)
+        blk = slot // BLOCK_SIZE
         if KV_FP8:
-            # fp8 pool: quantize the rotated (model-dtype-rounded) rows as fp8_kv.quantize_rows does
-            _store_fp8_row(k_cache_ptr, rows, dst, k1.to(tl.float32), k2.to(tl.float32), kmask, kh < KVH, HALF,
+            # fp8 pool: quantize the rotated (model-dtype-rounded) rows as fp8_kv.write does, into its layout
+            dst = tf8.value_offset(blk, kh, slot % BLOCK_SIZE, stride_c_blk, BLOCK_SIZE, 2 * HALF)[:, None]
+            dst += half[None, :]
+            srows = tf8.scale_offset(blk, kh, slot % BLOCK_SIZE, stride_c_blk, BLOCK_SIZE, KVH, 2 * HALF)
+            _store_fp8_row(k_cache_ptr, srows, dst, k1.to(tl.float32), k2.to(tl.float32), kmask, kh < KVH, HALF,
                            FP8_MAX, FP8_MANT, FP8_BIAS, FP8_SUB_SCALE)
-            _store_fp8_row(v_cache_ptr, rows, dst, v1.to(tl.float32), v2.to(tl.float32), kmask, kh < KVH, HALF,
+            _store_fp8_row(v_cache_ptr, srows, dst, v1.to(tl.float32), v2.to(tl.float32), kmask, kh < KVH, HALF,
                            FP8_MAX, FP8_MANT, FP8_BIAS, FP8_SUB_SCALE)
         else:
+            rows = blk * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_tok + kh * stride_c_head
+            dst = rows[:, None] + half[None, :]
             tl.store(k_cache_ptr + dst, k1, mask=kmask)
             tl.store(k_cache_ptr + dst + HALF, k2, mask=kmask)
             tl.store(v_cache_ptr + dst, v1, mask=kmask)
@@ -169,16 +173,17 @@ def _rope_write_kv_kernel(
 
 
 @triton.jit
-def _store_fp8_row(cache_ptr, rows, dst, x1, x2, mask, row_mask, HALF: tl.constexpr, FP8_MAX: tl.constexpr,
+def _store_fp8_row(cache_ptr, scale_offs, dst, x1, x2, mask, row_mask, HALF: tl.constexpr, FP8_MAX: tl.constexpr,
                    FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_SUB_SCALE: tl.constexpr):
-    """Rows given as two halves (masked entries 0): one scale over both, fp8 values, scale after them."""
+    """Rows given as two halves (masked entries 0): one scale over both; fp8 values at dst, scales at
+    scale_offs (triton_fp8.value_offset / scale_offset)."""
     bits = tf8.row_scale_bits(tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1)), FP8_MAX)
     scale = bits.to(tl.float32, bitcast=True)[:, None]
     tl.store(cache_ptr + dst, tf8.quantize_values(x1, scale, FP8_MAX, FP8_MANT, FP8_BIAS, FP8_SUB_SCALE),
              mask=mask)
     tl.store(cache_ptr + dst + HALF, tf8.quantize_values(x2, scale, FP8_MAX, FP8_MANT, FP8_BIAS, FP8_SUB_SCALE),
              mask=mask)
-    tf8.store_scale(cache_ptr + rows, bits, row_mask, 2 * HALF)
+    tf8.store_scale(cache_ptr + scale_offs, bits, row_mask)
 
 
 def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -186,7 +191,7 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
                       block_size: int, kv_format: fp8_kv.Fp8Format | None = None) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, KVH, D] (strided views of the fused qkv output are fine); cos/sin: [T, D]
     (rotate-half layout). Returns rotated q, [T, H, D] contiguous; rotated k and v go to their slots
-    (quantized to fp8 rows, the bytes fp8_kv writes, when kv_format is set)."""
+    (quantized to fp8, the bytes fp8_kv.write stores, when kv_format is set)."""
     num_tokens, num_heads, d = q.shape
     kvh = k.shape[1]
     assert d % 2 == 0 and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
@@ -209,7 +214,7 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
 
 
 class Fp8KvOps:
-    """This module's fused ops for a model whose KV pool holds fp8 rows: the same, except that
+    """This module's fused ops for a model whose KV pool holds fp8 blocks: the same, except that
     rope_and_write_kv quantizes. (DecoderLM.fused_ops takes this object where it would take the module.)"""
 
     def __init__(self, kv_format: fp8_kv.Fp8Format):

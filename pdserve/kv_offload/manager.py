@@ -60,7 +60,10 @@ class DiskRead:
 
 class KVTierManager:
     def __init__(self, pool: torch.Tensor, block_size: int, host_bytes: int, disk_path: str | None = None,
-                 disk_bytes: int = 0, events: bool = False):
+                 disk_bytes: int = 0, events: bool = False, kv_encoding: str | None = None):
+        """kv_encoding: what a quantized pool's bytes mean (e.g. `fp8_e4m3/<fp8_kv.SCALE_SCHEME>`), part of the
+        disk files' fingerprint: a uint8 pool's dtype and shape alone do not tell fp8 formats or block layouts
+        apart, and a disk tier written under another one must read as a miss, not as garbage KV."""
         self.pool = pool
         self.block_size = block_size
         self.block_shape = tuple(pool.shape[1:])
@@ -73,6 +76,8 @@ class KVTierManager:
         self.disk: DiskTier | None = None
         if disk_path is not None:
             fingerprint = f"{str(pool.dtype).removeprefix('torch.')}:{list(self.block_shape)}"
+            if kv_encoding is not None:
+                fingerprint += f":{kv_encoding}"
             self.disk = DiskTier(disk_path, disk_bytes, self.block_nbytes, fingerprint, on_change=self._disk_changed)
         self._reads: queue.Queue[DiskRead | None] = queue.Queue()
         self._done: queue.Queue[DiskRead] = queue.Queue()

@@ -44,7 +44,7 @@ from pdserve.kv_transfer.errors import (
     TransferFailed,
     TransferTimeout,
 )
-from pdserve.kv_transfer.head_split import RankRead, RowGeometry, plan_rank_reads, source_ranks
+from pdserve.kv_transfer.head_split import RankRead, block_geometry, plan_rank_reads, source_ranks
 from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.nixl_agent import NixlAgent, ReadStats
 from pdserve.kv_transfer.pool import (
@@ -146,11 +146,9 @@ class KVConsumer:
         self._compat = dict(compat)
         self._block_size = int(compat["block_size"])
         self._num_kv_heads = int(compat["num_kv_heads"])
-        layers = int(compat["num_layers"])
         local_heads = kv_heads_per_rank(len(self._ranks), self._num_kv_heads)
-        # one head's bytes in one token row, as the pool holds it (an fp8 head carries its scale bytes inline)
-        self._geometry = RowGeometry(layers, self._block_size,
-                                     region.block_bytes // (layers * 2 * self._block_size * local_heads))
+        # the units of a block and each head's bytes in them (an fp8 pool: head-major values, then scales)
+        self._geometry = block_geometry(self._compat, region.block_bytes, local_heads)
         # READs of the ranks (and of several producer ranks) of one load run side by side
         self._read_pool: ThreadPoolExecutor | None = None
         self._metrics = metrics

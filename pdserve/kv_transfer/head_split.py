@@ -1,24 +1,30 @@
 """Reads between pools of different tensor-parallel sizes: which producer ranks a consumer rank reads, and
 the descriptors that move exactly its KV heads.
 
-A rank's pool is `[num_blocks, num_layers, 2, block_size, kv_heads_of_rank, head_dim]`. Read as rows, it is
-`num_blocks * num_layers * 2 * block_size` rows of `kv_heads_of_rank * head_dim` elements, evenly spaced
-over the whole pool, with one block = `num_layers * 2 * block_size` consecutive rows. So:
+A block of a rank's pool is `units_per_block` equal units, each holding every head of the rank in one or
+more fields, head after head within a field (`BlockGeometry`):
 
+- a 16-bit pool `[num_blocks, num_layers, 2, block_size, kv_heads_of_rank, head_dim]`: a unit is one token
+  row (`num_layers * 2 * block_size` per block) with one field of `head_dim * elem` bytes per head;
+- an fp8 pool (`pdserve.attention.fp8_kv`, head-major regions): a unit is one (layer, K|V) region
+  (`num_layers * 2` per block) with two fields, the values (`block_size * head_dim` bytes per head) and
+  then the scales (`block_size * 2` bytes per head).
+
+So:
 - same heads on both sides (same TP, rank to rank): whole blocks, one descriptor per run of consecutive
   block ids (`pool.coalesce_block_runs`), as with one rank;
-- a slice of heads (different TP): in every row, the bytes of heads [h, h + n) are one piece of
-  `n * head_dim * elem` bytes, and the pieces of a run of blocks are evenly spaced on both sides (the row
-  sizes). One strided descriptor (NIXL >= 1.5's Nx5 form: address, length, device, stride, count) per run
-  and producer rank covers them. The descriptor list stays as short as for whole blocks; NIXL expands each
-  into `count` pieces of one row's heads (an fp8 head's inline scale bytes travel with it), which is where
-  a layout with heads outside tokens (vLLM's HND) would move block_size times larger pieces.
+- a slice of heads (different TP): in every unit, each field's bytes of heads [h, h + n) are one piece of
+  `n * field_bytes_per_head` bytes, and these pieces of a run of blocks are evenly spaced on both sides (the
+  unit sizes). One strided descriptor (NIXL >= 1.5's Nx5 form: address, length, device, stride, count) per
+  run, producer rank and field covers them. NIXL expands each into `count` pieces: one token row's heads for
+  a 16-bit pool, block_size rows of heads (and their scales) for an fp8 pool.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -27,20 +33,36 @@ from pdserve.parallel.layout import HeadSegment, head_sources, kv_heads_per_rank
 
 
 @dataclass(frozen=True)
-class RowGeometry:
-    """What both sides agree on (the compatibility dict): the rows of a block, and the bytes of one head in
-    one row (head_dim elements; an fp8 pool's head also carries its scale bytes)."""
+class BlockGeometry:
+    """What both sides agree on (the compatibility dict): the units of a block and, per field of a unit, the
+    bytes of one head."""
 
-    num_layers: int
-    block_size: int
-    head_bytes: int
+    units_per_block: int
+    field_head_bytes: tuple[int, ...]
 
-    @property
-    def rows_per_block(self) -> int:
-        return self.num_layers * 2 * self.block_size
+    def unit_bytes(self, heads: int) -> int:
+        return heads * sum(self.field_head_bytes)
+
+    def field_offset(self, field: int, heads: int) -> int:
+        return heads * sum(self.field_head_bytes[:field])
 
     def block_bytes(self, heads: int) -> int:
-        return self.rows_per_block * heads * self.head_bytes
+        return self.units_per_block * self.unit_bytes(heads)
+
+
+def block_geometry(compat: Mapping[str, Any], block_bytes: int, heads: int) -> BlockGeometry:
+    """The geometry a compatibility dict describes; `block_bytes` / `heads` (one local pool's) give the
+    element size of a 16-bit pool."""
+    layers, block_size = int(compat["num_layers"]), int(compat["block_size"])
+    if compat.get("kv_scales", "none") != "none":
+        from pdserve.attention import fp8_kv
+
+        if compat["kv_scales"] != fp8_kv.SCALE_SCHEME:
+            raise ValueError(f"unknown kv_scales scheme {compat['kv_scales']!r}")
+        d = int(compat["head_dim"])
+        return BlockGeometry(layers * 2, (block_size * d, block_size * fp8_kv.SCALE_BYTES))
+    rows = layers * 2 * block_size
+    return BlockGeometry(rows, (block_bytes // (rows * heads),))
 
 
 @dataclass(frozen=True)
@@ -65,7 +87,7 @@ def source_ranks(num_kv_heads: int, dst_rank: int, dst_tp: int, src_tp: int) -> 
 def plan_rank_reads(
     runs: Sequence[tuple[int, int, int]],
     *,
-    geometry: RowGeometry,
+    geometry: BlockGeometry,
     num_kv_heads: int,
     dst_rank: int,
     dst_tp: int,
@@ -100,23 +122,24 @@ def plan_rank_reads(
     return reads
 
 
-def _strided(runs: Sequence[tuple[int, int, int]], segments: Sequence[HeadSegment], g: RowGeometry,
+def _strided(runs: Sequence[tuple[int, int, int]], segments: Sequence[HeadSegment], g: BlockGeometry,
              local: PoolRegion, dst_heads: int, remote: RemotePool,
              src_heads: int) -> tuple[np.ndarray, np.ndarray, int]:
-    hb = g.head_bytes
-    rows = len(runs) * len(segments)
+    fields = g.field_head_bytes
+    rows = len(runs) * len(segments) * len(fields)
     local_descs = np.empty((rows, 5), dtype=np.uint64)
     remote_descs = np.empty((rows, 5), dtype=np.uint64)
     nbytes = 0
     i = 0
     for l0, r0, n in runs:
-        count = n * g.rows_per_block
+        count = n * g.units_per_block
         for seg in segments:
-            length = seg.count * hb
-            local_descs[i] = (local.base_addr + l0 * local.block_bytes + seg.dst_head * hb, length,
-                              local.device_id, dst_heads * hb, count)
-            remote_descs[i] = (remote.base_addr + r0 * remote.block_bytes + seg.src_head * hb, length,
-                               remote.device_id, src_heads * hb, count)
-            nbytes += length * count
-            i += 1
+            for f, hb in enumerate(fields):
+                length = seg.count * hb
+                local_descs[i] = (local.base_addr + l0 * local.block_bytes + g.field_offset(f, dst_heads)
+                                  + seg.dst_head * hb, length, local.device_id, g.unit_bytes(dst_heads), count)
+                remote_descs[i] = (remote.base_addr + r0 * remote.block_bytes + g.field_offset(f, src_heads)
+                                   + seg.src_head * hb, length, remote.device_id, g.unit_bytes(src_heads), count)
+                nbytes += length * count
+                i += 1
     return local_descs, remote_descs, nbytes

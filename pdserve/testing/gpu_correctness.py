@@ -260,15 +260,15 @@ def check_ops(dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> list
 
 
 def fp8_case(c: PagedCase, kv_format_name: str) -> tuple[PagedCase, PagedCase]:
-    """The case with its pool quantized to fp8 rows (pdserve.attention.fp8_kv), and the same case over the
+    """The case with its pool quantized to fp8 blocks (pdserve.attention.fp8_kv), and the same case over the
     dequantized pool in the case's dtype: what the fp8 kernels must compute is attention over the latter."""
     import dataclasses
 
     from pdserve.attention import fp8_kv
 
     fmt = fp8_kv.fp8_format(kv_format_name)
-    raw = fp8_kv.quantize_rows(c.pool, fmt)
-    return dataclasses.replace(c, pool=raw), dataclasses.replace(c, pool=fp8_kv.dequantize_rows(raw, fmt, c.q.dtype))
+    raw = fp8_kv.quantize_blocks(c.pool, fmt)
+    return dataclasses.replace(c, pool=raw), dataclasses.replace(c, pool=fp8_kv.dequantize_blocks(raw, fmt, c.q.dtype))
 
 
 def check_fp8_kernels(dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
@@ -276,7 +276,7 @@ def check_fp8_kernels(dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
                       block_size: int = 16, tile_n: int | None = None, block_m: int | None = None,
                       splits_list: tuple[int, ...] = (1, 3, 16)) -> list[dict[str, Any]]:
     """The kernels over an fp8 pool: attention vs SDPA in float32 over the dequantized pool; the K/V
-    stores (plain, and fused with RoPE) byte-for-byte vs fp8_kv.quantize_rows of the rows they store into a
+    stores (plain, and fused with RoPE) byte-for-byte vs fp8_kv.write (the CPU writer) of the rows they store into a
     float pool (the fused RoPE's own rounding is check_ops' business), padding slots skipped."""
     from pdserve.attention import fp8_kv
     from pdserve.attention import triton_kernels as tk
@@ -308,7 +308,7 @@ def check_fp8_kernels(dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
             err = rel_err(out, want)
             results.append({"kernel": f"prefill[{name}]", "case": case["name"], "rel_err": err, "ok": err < tol})
 
-        # the stores: same bytes as the CPU path's quantize_rows, slot -1 skipped, nothing else touched
+        # the stores: same bytes as the CPU path's fp8_kv.write, slot -1 skipped, nothing else touched
         gen = torch.Generator().manual_seed(11)
         heads, kvh, d, t = 8, 4, 64, 14
         cfloat = make_paged_case([t], [t + 3], heads, kvh, d, dtype=dtype, device=device, seed=12,
@@ -334,14 +334,14 @@ def check_fp8_kernels(dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
                 ops.rope_and_write_kv(q, k, v, cos, sin, fpool[:, c8.layer, 0], fpool[:, c8.layer, 1], slots,
                                       block_size)
                 k_rows = fpool[:, c8.layer, 0][blk, slots[keep] % block_size]
-            want_pool[:, c8.layer, 0][blk, slots[keep] % block_size] = fp8_kv.quantize_rows(k_rows, fmt)
-            want_pool[:, c8.layer, 1][blk, slots[keep] % block_size] = fp8_kv.quantize_rows(v[keep], fmt)
+            fp8_kv.write(want_pool[:, c8.layer, 0], k_rows, slots[keep], block_size, fmt)
+            fp8_kv.write(want_pool[:, c8.layer, 1], v[keep], slots[keep], block_size, fmt)
             if op == "write_kv":
                 tk.write_kv(kc, vc, k, v, slots, block_size, fmt)
             else:
                 ops.Fp8KvOps(fmt).rope_and_write_kv(q, k, v, cos, sin, kc, vc, slots, block_size)
             diff = int((pool != want_pool).sum())
-            results.append({"kernel": f"{op}[{name}]", "case": "bytes vs fp8_kv.quantize_rows", "bytes_differing": diff,
+            results.append({"kernel": f"{op}[{name}]", "case": "bytes vs fp8_kv.write", "bytes_differing": diff,
                             "ok": diff == 0})
     return results
 
