@@ -71,23 +71,55 @@ def decode_ptx(fp8: bool, tile_n: int, warps: int, stages: int) -> str:
     return _compile(tk._decode_kernel, signature, constexprs, divisible, warps, stages)
 
 
+def prefill_ptx(fp8: bool, block_m: int, tile_n: int, warps: int, stages: int) -> str:
+    cache_t = "*u8" if fp8 else "*bf16"
+    signature = {
+        "q_ptr": "*bf16", "stride_q_t": "i32", "stride_q_h": "i32",
+        "k_cache_ptr": cache_t, "v_cache_ptr": cache_t, "stride_c_blk": "i32", "stride_c_tok": "i32",
+        "stride_c_head": "i32", "block_tables_ptr": "*i32", "stride_bt": "i32", "seq_lens_ptr": "*i32",
+        "qsl_ptr": "*i32", "num_seqs": "i32", "num_q_blocks": "i32", "out_ptr": "*bf16", "stride_o_t": "i32",
+        "stride_o_h": "i32", "kv_lo_ptr": "*i32", "flags_ptr": "*i32", "p1_o_ptr": "*bf16", "p1_lse_ptr": "*fp32",
+        "p2_o_ptr": "*bf16", "p2_lse_ptr": "*fp32", "stride_po_t": "i32", "stride_po_h": "i32",
+        "stride_lse_h": "i32", "p_row0": "i32", "scale_log2": "fp32",
+    }
+    args = tf8.kernel_args(fp8_kv.fp8_format("fp8") if fp8 else None)
+    g = H // KVH
+    constexprs = {"G": g, "BLOCK_Q": block_m // g, "BLOCK_M": block_m, "D": D, "BLOCK_D": D, "BLOCK_SIZE": BS,
+                  "TILE_N": tile_n, "DOT_PRECISION": "tf32", "EVEN_D": True, "HAS_PARTIALS": False,
+                  "KV_FP8": args["KV_FP8"], "FP8_MANT": args["FP8_MANT"], "KVH": KVH}
+    divisible = {"q_ptr", "stride_q_t", "stride_q_h", "k_cache_ptr", "v_cache_ptr", "stride_c_blk", "stride_c_tok",
+                 "block_tables_ptr", "seq_lens_ptr", "qsl_ptr", "out_ptr", "stride_o_t", "stride_o_h"}
+    if not fp8:
+        divisible.add("stride_c_head")
+    return _compile(tk._prefill_kernel, signature, constexprs, divisible, warps, stages)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="folder for the PTX files")
     ap.add_argument("--configs", default="64,4,2;128,4,3;128,8,3", help="decode tile,warps,stages;...")
+    ap.add_argument("--prefill-configs", default="128,64,8,3", help="prefill block_m,tile,warps,stages;...")
     a = ap.parse_args()
-    results = []
-    for cfg in a.configs.split(";"):
+    jobs = []
+    for cfg in filter(None, a.configs.split(";")):
         tile_n, warps, stages = (int(x) for x in cfg.split(","))
         for fp8 in (False, True):
-            ptx = decode_ptx(fp8, tile_n, warps, stages)
-            row = {"kernel": "decode", "kv": "fp8_e4m3" if fp8 else "bf16", "tile_n": tile_n, "warps": warps,
-                   "stages": stages, **count_loads(ptx)}
-            results.append(row)
-            print(json.dumps(row))
-            if a.out:
-                Path(a.out).mkdir(parents=True, exist_ok=True)
-                Path(a.out, f"decode_{row['kv']}_{tile_n}_{warps}_{stages}.ptx").write_text(ptx)
+            jobs.append(({"kernel": "decode", "tile_n": tile_n, "warps": warps, "stages": stages},
+                         lambda fp8=fp8, c=(tile_n, warps, stages): decode_ptx(fp8, *c), fp8))
+    for cfg in filter(None, a.prefill_configs.split(";")):
+        block_m, tile_n, warps, stages = (int(x) for x in cfg.split(","))
+        for fp8 in (False, True):
+            jobs.append(({"kernel": "prefill", "block_m": block_m, "tile_n": tile_n, "warps": warps,
+                          "stages": stages}, lambda fp8=fp8, c=(block_m, tile_n, warps, stages): prefill_ptx(fp8, *c),
+                         fp8))
+    for desc, make, fp8 in jobs:
+        ptx = make()
+        row = {**desc, "kv": "fp8_e4m3" if fp8 else "bf16", **count_loads(ptx)}
+        print(json.dumps(row), flush=True)
+        if a.out:
+            Path(a.out).mkdir(parents=True, exist_ok=True)
+            name = "_".join(str(v) for k, v in row.items() if k in (*desc, "kv"))
+            Path(a.out, f"{name}.ptx").write_text(ptx)
 
 
 if __name__ == "__main__":
