@@ -142,7 +142,7 @@ class ModelRunner:
                      torch.get_num_threads())
             torch.set_num_threads(1)
         self.dtype = resolve_dtype(config.dtype, model_cfg, self.device)
-        # None: KV in the model's dtype; else the pool is uint8 rows of fp8 values + their scales (fp8_kv)
+        # None: KV in the model's dtype; else the pool is uint8 blocks of fp8 values and their scales (fp8_kv)
         self.kv_format = fp8_kv.fp8_format(config.kv_cache_dtype)
         check_attention_backend(config.attention_backend, self.device, self.dtype, self.kv_format)  # before loading
         self.block_size = config.block_size
