@@ -182,7 +182,7 @@ def test_fp8_kernels_match_sdpa_on_dequantized_kv_and_store_the_cpu_bytes(fmt):
 
     results = check_fp8_kernels(torch.float32, "cpu", FP8_CASES, (fmt,), block_size=4, tile_n=16, block_m=16,
                                 splits_list=(1, 3))
-    assert len(results) == 6  # 2 prefill, 2 decode splits, 2 stores
+    assert len(results) == 8  # 2 prefill, 2 decode splits, 2 stores x (per-row, static checkpoint scales)
     for item in results:
         assert item["ok"], item
 
@@ -237,3 +237,30 @@ def test_gpu_step_runner_with_fp8_kv_is_token_exact_with_the_cpu_fp8_engine(tiny
     assert engine.stats().prefix_cache_hits > 0
     pools = ref_engine.runner.kv_pool, engine.runner.kv_pool
     assert pools[0].dtype == pools[1].dtype == torch.uint8
+
+
+def test_gpu_step_runner_with_checkpoint_kv_scales_is_token_exact_with_the_cpu_fp8_engine(tiny_llama, tmp_path):
+    """A checkpoint's static k_scale/v_scale through the CUDA step path (the fused RoPE + fp8 store takes
+    them, the Triton kernels read the slots as ever): same tokens as the CPU engine's fp8 path with the same
+    scales, since both write the same bytes."""
+    from engine_utils import make_engine, run_engine
+    from test_kv_fp8_static_scales import scale_tensors, with_tensors
+
+    from pdserve.attention import fp8_kv
+    from pdserve.attention.triton_backend import TritonAttention
+    from pdserve.engine.sampling_params import SamplingParams
+
+    model_dir = with_tensors(tiny_llama, tmp_path / "tiny-llama", scale_tensors([(0.02, 0.015), (0.03, 0.01)], "vllm"))
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (5, 37, 20)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    kw = dict(max_num_batched_tokens=32, max_num_seqs=4, kv_cache_dtype="fp8")
+    ref_engine = make_engine(model_dir, **kw)
+    assert ref_engine.runner.kv_scales_source == "checkpoint"
+    want = run_engine(ref_engine, prompts, params)
+    engine = make_engine(model_dir, **kw)
+    engine.runner.backend = TritonAttention(num_sms=4, kv_format=fp8_kv.fp8_format("fp8"))
+    engine.runner.use_gpu_step_runner(simulate_graphs=True)
+    assert run_engine(engine, prompts, params) == want
+    assert engine.runner.step_timing.graph_steps > 0
+    assert torch.equal(engine.runner.kv_pool, ref_engine.runner.kv_pool)

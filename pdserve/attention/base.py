@@ -30,14 +30,22 @@ class AttentionMetadata:
     seq_lens_host: list[int]
 
 
+# A layer's static fp8 KV scales (k_scale, v_scale) from the checkpoint, each a bfloat16 value
+# (pdserve.model.kv_scales); None: an fp8 pool's writers compute each row's scale.
+KvScale = tuple[float, float]
+
+
 class AttentionBackend(Protocol):
     name: str
 
     def write_kv(
-        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+        kv_scale: KvScale | None = None,
     ) -> None:
         """Store new k/v rows ([num_tokens, num_kv_heads, head_dim]) into the per-layer cache views
-        ([num_blocks, block_size, num_kv_heads, head_dim], strided views of the block-contiguous pool)."""
+        ([num_blocks, block_size, num_kv_heads, head_dim], strided views of the block-contiguous pool).
+        kv_scale: quantize an fp8 pool's rows with these static scales (a float pool has no scales: the
+        model runner sets them only for fp8 pools)."""
 
     def forward(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float

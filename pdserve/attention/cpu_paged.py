@@ -71,7 +71,8 @@ class CpuPagedAttention:
         self._k_new: torch.Tensor | None = None
         self._v_new: torch.Tensor | None = None
 
-    def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
+    def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata, kv_scale=None) -> None:
+        # a float cache stores the values as they are: kv_scale (an fp8 pool's) does not apply
         self.reference.write_kv(k_cache, v_cache, k, v, meta)
         self.remember_new_kv(k, v)
 

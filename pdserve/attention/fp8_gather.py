@@ -15,7 +15,7 @@ import dataclasses
 import torch
 
 from pdserve.attention import fp8_kv
-from pdserve.attention.base import AttentionBackend, AttentionMetadata
+from pdserve.attention.base import AttentionBackend, AttentionMetadata, KvScale
 
 
 class Fp8GatherAttention:
@@ -29,9 +29,10 @@ class Fp8GatherAttention:
         self._v_new: torch.Tensor | None = None
         self._step: tuple[AttentionMetadata, torch.Tensor, AttentionMetadata] | None = None
 
-    def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
-        k_stored = fp8_kv.write(k_cache, k, meta.slot_mapping, meta.block_size, self.fmt)
-        v_stored = fp8_kv.write(v_cache, v, meta.slot_mapping, meta.block_size, self.fmt)
+    def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata, kv_scale: KvScale | None = None) -> None:
+        k_scale, v_scale = kv_scale if kv_scale is not None else (None, None)
+        k_stored = fp8_kv.write(k_cache, k, meta.slot_mapping, meta.block_size, self.fmt, k_scale)
+        v_stored = fp8_kv.write(v_cache, v, meta.slot_mapping, meta.block_size, self.fmt, v_scale)
         # what the pool now holds for these rows, for backends that attend over a step's own rows
         self._k_new = fp8_kv.dequantize(*k_stored, self.fmt, k.dtype)
         self._v_new = fp8_kv.dequantize(*v_stored, self.fmt, v.dtype)

@@ -29,7 +29,9 @@ Never index such a pool by token or head directly: `layer_views` gives the two t
 
 Why per row rather than per block: decode appends one token at a time, so a block-wide scale would have to
 be fixed at the first write (later, larger values clipped) or the block re-quantized on every append; a
-per-row scale is written once with its row and never changes. The cost is 2 bytes per head_dim fp8 bytes
+per-row scale is written once with its row and never changes. A checkpoint's per-tensor `k_scale`/`v_scale`
+(pdserve.model.kv_scales) only changes what the writers put into the scale slots: every row of that layer
+holds the static scale; the layout and the readers stay as they are. The cost is 2 bytes per head_dim fp8 bytes
 (1.6% at head_dim 128, 3.1% at 64): 1.97x (head_dim 128) or 1.94x (64) the blocks of a 16-bit pool.
 
 The scale is rounded to bfloat16 *before* the values are divided by it, so reading back multiplies by
@@ -98,12 +100,23 @@ def layer_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, scales
 
 
-def quantize(x: torch.Tensor, fmt: Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., head_dim] (any float dtype) -> (fp8 values as uint8 [..., head_dim], bfloat16 scales [...])."""
+def static_kv_scale(scale: float) -> float:
+    """A checkpoint's per-tensor k_scale or v_scale as the bfloat16 value the scale slots hold (what the
+    writers divide by, so reading back multiplies by exactly the divisor; relative change at most 2^-9)."""
+    return float(torch.tensor(scale, dtype=torch.float32).to(torch.bfloat16))
+
+
+def quantize(x: torch.Tensor, fmt: Fp8Format, static_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] (any float dtype) -> (fp8 values as uint8 [..., head_dim], bfloat16 scales [...]).
+    static_scale: a checkpoint's per-tensor k_scale or v_scale (a `static_kv_scale` value) for every row,
+    instead of each row's own amax / fp8 max."""
     x32 = x.float()
-    amax = x32.abs().amax(dim=-1, keepdim=True)
-    # Round the scale first, then divide by the rounded value: dequantizing multiplies by the same number.
-    scale = (amax / fmt.max).clamp_min(1e-30).to(torch.bfloat16)
+    if static_scale is None:
+        amax = x32.abs().amax(dim=-1, keepdim=True)
+        # Round the scale first, then divide by the rounded value: dequantizing multiplies by the same number.
+        scale = (amax / fmt.max).clamp_min(1e-30).to(torch.bfloat16)
+    else:
+        scale = torch.full((*x32.shape[:-1], 1), static_scale, device=x.device).to(torch.bfloat16)
     values = (x32 / scale.float()).clamp(-fmt.max, fmt.max).to(fmt.dtype)
     return values.view(torch.uint8), scale.squeeze(-1)
 
@@ -114,10 +127,11 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format, dtype
 
 
 def write(cache: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
-          fmt: Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize rows x [num_tokens, kv_heads, head_dim] and store them at their slots of an fp8 layer view
-    [num_blocks, block_size, kv_heads, head_dim + 2]. Returns what was stored: (values, scales)."""
-    values, scales = quantize(x, fmt)
+          fmt: Fp8Format, static_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize rows x [num_tokens, kv_heads, head_dim] (with `static_scale` if given) and store them at
+    their slots of an fp8 layer view [num_blocks, block_size, kv_heads, head_dim + 2]. Returns what was
+    stored: (values, scales)."""
+    values, scales = quantize(x, fmt, static_scale)
     cache_values, cache_scales = layer_views(cache)
     block = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offset = slot_mapping - block * block_size
@@ -127,12 +141,12 @@ def write(cache: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor, bloc
     return values, scales
 
 
-def quantize_blocks(x: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+def quantize_blocks(x: torch.Tensor, fmt: Fp8Format, static_scale: float | None = None) -> torch.Tensor:
     """A float pool (or a slice of one) [..., block_size, kv_heads, head_dim] -> the fp8 pool holding its
     quantized rows, uint8 [..., block_size, kv_heads, head_dim + 2] (same bytes as `write`)."""
     out = torch.empty((*x.shape[:-1], fmt.row_bytes(x.shape[-1])), dtype=torch.uint8, device=x.device)
     values, scales = layer_views(out)
-    q, s = quantize(x.transpose(-3, -2), fmt)  # [..., kv_heads, block_size, ...]
+    q, s = quantize(x.transpose(-3, -2), fmt, static_scale)  # [..., kv_heads, block_size, ...]
     values.copy_(q)
     scales.copy_(s)
     return out

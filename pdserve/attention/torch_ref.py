@@ -14,7 +14,8 @@ from pdserve.attention.base import AttentionMetadata
 class TorchAttention:
     name = "torch-sdpa"
 
-    def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
+    def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata, kv_scale=None) -> None:
+        # a float cache stores the values as they are: kv_scale (an fp8 pool's) does not apply
         slots = meta.slot_mapping
         block_idx = torch.div(slots, meta.block_size, rounding_mode="floor")
         offset = slots - block_idx * meta.block_size

@@ -21,7 +21,7 @@ import torch
 from pdserve.attention import fp8_kv
 from pdserve.attention import long_prefill as lp
 from pdserve.attention import triton_kernels as tk
-from pdserve.attention.base import AttentionMetadata
+from pdserve.attention.base import AttentionMetadata, KvScale
 
 # Prefill launch parameters (block_m, tile_n, num_warps, num_stages), from the sweep in
 # benchmarks/gpu_kernel_lab.py on an H200 (2026-12-01): short queries (B=8, q 512 of kv 2048) 268 TFLOP/s
@@ -86,8 +86,8 @@ class TritonAttention:
         return lp.warm_up(num_heads, num_kv_heads, head_dim, dtype, device, budget, max_model_len)
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
-        tk.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.block_size, self.kv_format)
+                 meta: AttentionMetadata, kv_scale: KvScale | None = None) -> None:
+        tk.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.block_size, self.kv_format, kv_scale)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:

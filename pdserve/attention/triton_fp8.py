@@ -12,6 +12,7 @@ every rounding step is spelled out here instead of left to conversion instructio
 
 - the scale: amax / fp8_max, divided with IEEE rounding (`div_rn`; Triton's `/` on float32 is approximate),
   clamped to >= 1e-30, then rounded to bfloat16 to nearest even by integer arithmetic;
+  or, with a checkpoint's per-tensor k_scale/v_scale, that value (already bfloat16) in every row;
 - the values: x / scale (div_rn), clamped to +-fp8_max, then rounded to fp8 to nearest even by integer
   arithmetic (`encode_fp8`). Hardware `cvt` would also round to nearest even on an H200, but Triton's CPU
   interpreter (how CI runs these kernels) truncates in both conversions, which the arithmetic avoids.
@@ -60,6 +61,20 @@ def bf16_bits(x):
 def row_scale_bits(amax, FP8_MAX: tl.constexpr):
     """A row's scale from its largest magnitude: bfloat16(max(amax / FP8_MAX, 1e-30)) as float32 bits."""
     return bf16_bits(tl.maximum(tl.math.div_rn(amax, FP8_MAX), 1e-30))
+
+
+def static_scale_args(kv_scale: tuple[float, float] | None) -> tuple[float, float]:
+    """A write kernel's (k, v) static scale arguments: the checkpoint's bfloat16 values, or unused 1.0s
+    (the kernel's STATIC_SCALE constexpr is False then). Runtime floats, not constexprs: one compiled
+    kernel serves every layer's scales."""
+    return (1.0, 1.0) if kv_scale is None else (float(kv_scale[0]), float(kv_scale[1]))
+
+
+@triton.jit
+def static_scale_bits(scale, like):
+    """A static scale (float32 holding a bfloat16 value) for every row of `like` ([rows]), as float32 bits
+    (int32), the form row_scale_bits gives."""
+    return (tl.zeros_like(like).to(tl.float32) + scale).to(tl.int32, bitcast=True)
 
 
 @triton.jit

@@ -57,10 +57,10 @@ def _read_args(kv_format: fp8_kv.Fp8Format | None, k_cache: torch.Tensor, head_d
 def _write_kv_kernel(
     k_ptr, v_ptr, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
     k_cache_ptr, v_cache_ptr, stride_c_blk, stride_c_tok, stride_c_head,
-    slot_ptr,
+    slot_ptr, k_static_scale, v_static_scale,
     BLOCK_SIZE: tl.constexpr, KVH: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr,
-    FP8_SUB_SCALE: tl.constexpr,
+    FP8_SUB_SCALE: tl.constexpr, STATIC_SCALE: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -77,8 +77,12 @@ def _write_kv_kernel(
         k = k.to(tl.float32)
         v = v.to(tl.float32)
         hmask = h < KVH
-        k_bits = tf8.row_scale_bits(tl.max(tl.abs(k), 1), FP8_MAX)
-        v_bits = tf8.row_scale_bits(tl.max(tl.abs(v), 1), FP8_MAX)
+        if STATIC_SCALE:  # the checkpoint's per-tensor scales (bfloat16 values) in every row's slot
+            k_bits = tf8.static_scale_bits(k_static_scale, h)
+            v_bits = tf8.static_scale_bits(v_static_scale, h)
+        else:
+            k_bits = tf8.row_scale_bits(tl.max(tl.abs(k), 1), FP8_MAX)
+            v_bits = tf8.row_scale_bits(tl.max(tl.abs(v), 1), FP8_MAX)
         k8 = tf8.quantize_values(k, k_bits.to(tl.float32, bitcast=True)[:, None], FP8_MAX, FP8_MANT, FP8_BIAS,
                                  FP8_SUB_SCALE)
         v8 = tf8.quantize_values(v, v_bits.to(tl.float32, bitcast=True)[:, None], FP8_MAX, FP8_MANT, FP8_BIAS,
@@ -96,10 +100,11 @@ def _write_kv_kernel(
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor, block_size: int, kv_format: fp8_kv.Fp8Format | None = None) -> None:
+             slot_mapping: torch.Tensor, block_size: int, kv_format: fp8_kv.Fp8Format | None = None,
+             kv_scale: tuple[float, float] | None = None) -> None:
     """k, v: [num_tokens, kv_heads, head_dim] (any token/head strides, contiguous last dim). With kv_format,
     the caches are fp8 layer views (uint8) and each row is quantized and stored as fp8_kv.write does (same
-    bytes)."""
+    bytes), with the static (k_scale, v_scale) when kv_scale is given."""
     num_tokens, kvh, d = k.shape
     if num_tokens == 0:
         return
@@ -110,9 +115,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     _write_kv_kernel[(num_tokens,)](
         k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        slot_mapping,
+        slot_mapping, *tf8.static_scale_args(kv_scale),
         BLOCK_SIZE=block_size, KVH=kvh, BLOCK_H=triton.next_power_of_2(kvh), D=d,
-        BLOCK_D=triton.next_power_of_2(d), **tf8.kernel_args(kv_format),
+        BLOCK_D=triton.next_power_of_2(d), **tf8.kernel_args(kv_format), STATIC_SCALE=kv_scale is not None,
     )
 
 

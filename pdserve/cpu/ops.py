@@ -54,9 +54,11 @@ class CpuOps:
 
     def rope_and_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                           sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:
+                          slot_mapping: torch.Tensor, block_size: int, kv_scale=None) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] (strided views of the fused qkv output are fine); cos/sin: [T, D].
-        Returns rotated q ([T, H, D] contiguous); rotated k and v go to their slots."""
+        Returns rotated q ([T, H, D] contiguous); rotated k and v go to their slots. These ops serve float
+        pools only (the model runner installs them for none other), so there is no fp8 kv_scale to apply."""
+        assert kv_scale is None, "the fused CPU K/V store writes float pools only"
         num_tokens, num_heads, d = q.shape
         kv_heads = k.shape[1]
         q, k, v = (t if t.stride(-1) == 1 and t.stride(-2) == d else t.contiguous() for t in (q, k, v))

@@ -21,6 +21,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
 from pdserve.gpu.step_timing import StepTiming
 from pdserve.model.config import ModelConfig
+from pdserve.model.kv_scales import use_checkpoint_kv_scales
 from pdserve.model.loader import build_model
 
 if TYPE_CHECKING:
@@ -160,6 +161,8 @@ class ModelRunner:
             pack_linears(self.model, self.dtype)
             self.cpu_threads = StepThreads.from_env()
             log.info("CPU threads: %s", self.cpu_threads)
+        # the checkpoint's static k_scale/v_scale for an fp8 pool, else per-row scales (logged; /pdserve/info)
+        self.kv_scales_source = use_checkpoint_kv_scales(self.model, self.kv_format)
         self.backend = select_attention_backend(self.device, self.kv_format, config.attention_backend, self.dtype)
         # the fused CPU ops store K/V into a float pool themselves: an fp8 pool takes the plain path
         if (self.device.type == "cpu" and self.dtype == torch.float32 and self.kv_format is None

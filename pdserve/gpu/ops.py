@@ -125,11 +125,11 @@ def _rope_write_kv_kernel(
     cos_ptr, sin_ptr, stride_cs,
     q_out_ptr, stride_qo_t, stride_qo_h,
     k_cache_ptr, v_cache_ptr, stride_c_blk, stride_c_tok, stride_c_head,
-    slot_ptr,
+    slot_ptr, k_static_scale, v_static_scale,
     H: tl.constexpr, KVH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr,
-    FP8_SUB_SCALE: tl.constexpr,
+    FP8_SUB_SCALE: tl.constexpr, STATIC_SCALE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     half = tl.arange(0, BLOCK_HALF)
@@ -160,9 +160,9 @@ def _rope_write_kv_kernel(
             dst += half[None, :]
             srows = tf8.scale_offset(blk, kh, slot % BLOCK_SIZE, stride_c_blk, BLOCK_SIZE, KVH, 2 * HALF)
             _store_fp8_row(k_cache_ptr, srows, dst, k1.to(tl.float32), k2.to(tl.float32), kmask, kh < KVH, HALF,
-                           FP8_MAX, FP8_MANT, FP8_BIAS, FP8_SUB_SCALE)
+                           FP8_MAX, FP8_MANT, FP8_BIAS, FP8_SUB_SCALE, k_static_scale, STATIC_SCALE)
             _store_fp8_row(v_cache_ptr, srows, dst, v1.to(tl.float32), v2.to(tl.float32), kmask, kh < KVH, HALF,
-                           FP8_MAX, FP8_MANT, FP8_BIAS, FP8_SUB_SCALE)
+                           FP8_MAX, FP8_MANT, FP8_BIAS, FP8_SUB_SCALE, v_static_scale, STATIC_SCALE)
         else:
             rows = blk * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_tok + kh * stride_c_head
             dst = rows[:, None] + half[None, :]
@@ -174,10 +174,14 @@ def _rope_write_kv_kernel(
 
 @triton.jit
 def _store_fp8_row(cache_ptr, scale_offs, dst, x1, x2, mask, row_mask, HALF: tl.constexpr, FP8_MAX: tl.constexpr,
-                   FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_SUB_SCALE: tl.constexpr):
-    """Rows given as two halves (masked entries 0): one scale over both; fp8 values at dst, scales at
-    scale_offs (triton_fp8.value_offset / scale_offset)."""
-    bits = tf8.row_scale_bits(tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1)), FP8_MAX)
+                   FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_SUB_SCALE: tl.constexpr, static_scale,
+                   STATIC_SCALE: tl.constexpr):
+    """Rows given as two halves (masked entries 0): one scale over both (the checkpoint's static one with
+    STATIC_SCALE); fp8 values at dst, scales at scale_offs (triton_fp8.value_offset / scale_offset)."""
+    if STATIC_SCALE:
+        bits = tf8.static_scale_bits(static_scale, scale_offs)
+    else:
+        bits = tf8.row_scale_bits(tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1)), FP8_MAX)
     scale = bits.to(tl.float32, bitcast=True)[:, None]
     tl.store(cache_ptr + dst, tf8.quantize_values(x1, scale, FP8_MAX, FP8_MANT, FP8_BIAS, FP8_SUB_SCALE),
              mask=mask)
@@ -188,10 +192,12 @@ def _store_fp8_row(cache_ptr, scale_offs, dst, x1, x2, mask, row_mask, HALF: tl.
 
 def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                      block_size: int, kv_format: fp8_kv.Fp8Format | None = None) -> torch.Tensor:
+                      block_size: int, kv_format: fp8_kv.Fp8Format | None = None,
+                      kv_scale: tuple[float, float] | None = None) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, KVH, D] (strided views of the fused qkv output are fine); cos/sin: [T, D]
     (rotate-half layout). Returns rotated q, [T, H, D] contiguous; rotated k and v go to their slots
-    (quantized to fp8, the bytes fp8_kv.write stores, when kv_format is set)."""
+    (quantized to fp8, the bytes fp8_kv.write stores, when kv_format is set; with the static
+    (k_scale, v_scale) when kv_scale is given)."""
     num_tokens, num_heads, d = q.shape
     kvh = k.shape[1]
     assert d % 2 == 0 and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
@@ -205,10 +211,10 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
         cos, sin, cos.stride(0),
         q_out, q_out.stride(0), q_out.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        slot_mapping,
+        slot_mapping, *tf8.static_scale_args(kv_scale),
         H=num_heads, KVH=kvh, BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KVH=triton.next_power_of_2(kvh),
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_SIZE=block_size,
-        **tf8.kernel_args(kv_format), num_warps=4,
+        **tf8.kernel_args(kv_format), STATIC_SCALE=kv_scale is not None, num_warps=4,
     )
     return q_out
 
@@ -224,8 +230,9 @@ class Fp8KvOps:
         self.silu_and_mul = silu_and_mul
         self.linear = linear
 
-    def rope_and_write_kv(self, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_size):
-        return rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_size, self.kv_format)
+    def rope_and_write_kv(self, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_size, kv_scale=None):
+        return rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_size, self.kv_format,
+                                 kv_scale)
 
 
 # ---------------------------------------------------------------------------------------------------

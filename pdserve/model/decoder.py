@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.attention.base import AttentionBackend, AttentionMetadata
+from pdserve.attention.base import AttentionBackend, AttentionMetadata, KvScale
 from pdserve.model.config import ModelConfig
 from pdserve.model.rope import RotaryEmbedding, apply_rotary
 from pdserve.parallel.layout import TPShard
@@ -47,7 +47,8 @@ class FusedOps(Protocol):
 
     def rope_and_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                           sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor: ...
+                          slot_mapping: torch.Tensor, block_size: int,
+                          kv_scale: KvScale | None = None) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -80,6 +81,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
+        # the checkpoint's per-tensor k_scale/v_scale, if it has them (the loader sets this); the model
+        # runner copies them to kv_scale for an fp8 pool (pdserve.model.kv_scales)
+        self.checkpoint_kv_scale: KvScale | None = None
+        self.kv_scale: KvScale | None = None  # what the K/V stores quantize with (None: per-row scales)
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
         qkv = self.qkv_proj(x)
@@ -92,7 +97,7 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        backend.write_kv(k_cache, v_cache, k, v, meta)
+        backend.write_kv(k_cache, v_cache, k, v, meta, kv_scale=self.kv_scale)
         o = backend.forward(q, k_cache, v_cache, meta, self.scale)
         return self._out(o)
 
@@ -112,7 +117,8 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         # RoPE on q and k and the K/V store in one kernel; q comes back contiguous.
-        q = ops.rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_size)
+        q = ops.rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_size,
+                                  kv_scale=self.kv_scale)
         o = backend.forward(q, k_cache, v_cache, meta, self.scale)
         return self._out(o, ops)
 

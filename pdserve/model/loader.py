@@ -4,11 +4,15 @@ With tensor parallelism each rank reads only its slices (`safe_open(...).get_sli
 weights by rows, row-parallel ones by columns, the vocabulary by rows (see `pdserve.parallel.layout`).
 A row-parallel bias (o_proj with attention_bias, down_proj with mlp_bias) is added once, by rank 0: the
 other ranks hold zeros, since the all-reduce sums the ranks' outputs.
+fp8 KV cache scales in the checkpoint (`k_scale`/`v_scale` under their several names) are collected by
+`pdserve.model.kv_scales` onto each attention layer; the model runner decides whether they are used.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,11 +21,14 @@ from safetensors import safe_open
 
 from pdserve.model.config import ModelConfig
 from pdserve.model.decoder import DecoderLM
+from pdserve.model.kv_scales import CheckpointKvScales
 from pdserve.model.rope import inverse_frequencies
 from pdserve.parallel.layout import TPShard
 
 if TYPE_CHECKING:
     from pdserve.parallel.comm import TPGroup
+
+log = logging.getLogger(__name__)
 
 # checkpoint name fragment -> (our parameter, shard index among the fused pieces)
 _FUSED = {
@@ -100,11 +107,13 @@ def load_weights(model: DecoderLM, model_dir: Path) -> None:
         # the last rank's vocabulary slice may be short: its padding rows stay zero
         model.embed_tokens.weight.zero_()
         model.lm_head.weight.zero_()
+    # fp8 KV cache scales (k_scale/v_scale and their other names): per-tensor, so every rank reads them whole
+    kv_scales = CheckpointKvScales(model.cfg.num_layers)
     for file in _safetensor_files(model_dir):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 target = name.removeprefix("model.")
-                if "rotary_emb" in target:
+                if "rotary_emb" in target or kv_scales.offer(target, functools.partial(f.get_tensor, name)):
                     continue
                 if target == "lm_head.weight" and model.cfg.tie_word_embeddings:
                     continue
@@ -142,6 +151,11 @@ def load_weights(model: DecoderLM, model_dir: Path) -> None:
         missing += [f"{pname}#{s}" for s in range(shards) if f"{pname}#{s}" not in loaded]
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    for layer, scale in zip(model.layers, kv_scales.per_layer(), strict=True):
+        layer.self_attn.checkpoint_kv_scale = scale
+    if kv_scales.unused:
+        log.info("checkpoint attention scales not used (pdserve attends in the model's dtype): %s%s",
+                 ", ".join(kv_scales.unused[:2]), " ..." if len(kv_scales.unused) > 2 else "")
 
 
 @torch.no_grad()

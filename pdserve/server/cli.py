@@ -261,6 +261,8 @@ def build_state(args: argparse.Namespace) -> Any:
         "dtype": str(runner.dtype).removeprefix("torch."),
         "block_size": runner.block_size,
         "kv_cache_dtype": runner.kv_cache_dtype,
+        # which fp8 scales the pool's rows carry: none | dynamic | checkpoint | checkpoint+dynamic
+        "kv_cache_scales": runner.kv_scales_source,
         "kv_layout": runner.layout,
         "num_layers": cfg.num_layers,
         "num_kv_heads": cfg.num_kv_heads,

@@ -15,6 +15,7 @@ the kernels under TRITON_INTERPRET=1.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sys
@@ -324,7 +325,11 @@ def check_fp8_kernels(dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
         blk = torch.div(slots[keep], block_size, rounding_mode="floor")
         emb = torch.randn((t, d // 2), generator=gen).to(device)
         cos, sin = torch.cat((emb, emb), -1).cos().to(dtype), torch.cat((emb, emb), -1).sin().to(dtype)
-        for op in ("write_kv", "rope_and_write_kv"):
+        # a checkpoint's static per-tensor scales (bfloat16 values): small enough that the largest rows clamp
+        static = (fp8_kv.static_kv_scale(float(k.abs().max()) / fmt.max / 4),
+                  fp8_kv.static_kv_scale(float(v.abs().max()) / fmt.max / 4))
+        for op, kv_scale in itertools.product(("write_kv", "rope_and_write_kv"), (None, static)):
+            k_static, v_static = kv_scale if kv_scale is not None else (None, None)
             pool = c8.pool.clone()
             kc, vc = pool[:, c8.layer, 0], pool[:, c8.layer, 1]
             want_pool = c8.pool.clone()
@@ -334,14 +339,15 @@ def check_fp8_kernels(dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
                 ops.rope_and_write_kv(q, k, v, cos, sin, fpool[:, c8.layer, 0], fpool[:, c8.layer, 1], slots,
                                       block_size)
                 k_rows = fpool[:, c8.layer, 0][blk, slots[keep] % block_size]
-            fp8_kv.write(want_pool[:, c8.layer, 0], k_rows, slots[keep], block_size, fmt)
-            fp8_kv.write(want_pool[:, c8.layer, 1], v[keep], slots[keep], block_size, fmt)
+            fp8_kv.write(want_pool[:, c8.layer, 0], k_rows, slots[keep], block_size, fmt, k_static)
+            fp8_kv.write(want_pool[:, c8.layer, 1], v[keep], slots[keep], block_size, fmt, v_static)
             if op == "write_kv":
-                tk.write_kv(kc, vc, k, v, slots, block_size, fmt)
+                tk.write_kv(kc, vc, k, v, slots, block_size, fmt, kv_scale)
             else:
-                ops.Fp8KvOps(fmt).rope_and_write_kv(q, k, v, cos, sin, kc, vc, slots, block_size)
+                ops.Fp8KvOps(fmt).rope_and_write_kv(q, k, v, cos, sin, kc, vc, slots, block_size, kv_scale)
             diff = int((pool != want_pool).sum())
-            results.append({"kernel": f"{op}[{name}]", "case": "bytes vs fp8_kv.write", "bytes_differing": diff,
+            results.append({"kernel": f"{op}[{name}]", "case": "bytes vs fp8_kv.write"
+                            + (" (static scales)" if kv_scale is not None else ""), "bytes_differing": diff,
                             "ok": diff == 0})
     return results
 
