@@ -39,6 +39,7 @@ from pathlib import Path
 
 from bench_procs import stop, wait_healthy
 from bench_server import free_port
+from step_log_summary import window_stats
 
 HERE = Path(__file__).resolve().parent
 
@@ -49,16 +50,18 @@ class Server:
     url: str
     proc: subprocess.Popen
     log: Path
+    step_log: Path | None = None  # pdserve's PDSERVE_STEP_LOG
 
 
 def start_pdserve(model_dir: Path, port: int, log_dir: Path, extra: list[str], env_extra: dict[str, str],
                   name: str = "pdserve") -> Server:
     log = log_dir / f"{name}.log"
+    steps = log_dir / f"{name}-steps.jsonl"  # the step log: where the engine thread's time went, per run
     cmd = [sys.executable, "-m", "pdserve", "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--no-enable-prefix-caching", "--disable-uvicorn-access-log", *extra]
-    env = {**os.environ, **env_extra}
+    env = {**os.environ, "PDSERVE_STEP_LOG": str(steps), **env_extra}
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    return Server(name, f"http://127.0.0.1:{port}", proc, log)
+    return Server(name, f"http://127.0.0.1:{port}", proc, log, steps)
 
 
 def start_vllm(venv: Path, model_dir: Path, port: int, log_dir: Path, extra: list[str]) -> Server:
@@ -116,6 +119,7 @@ def run_client(server: Server, model_dir: Path, concurrency: int, args: argparse
     cpu0 = cpu_seconds(server.proc.pid)
     t0 = time.monotonic()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=args.client_timeout)
+    t1 = time.monotonic()
     cpu1 = cpu_seconds(server.proc.pid)
     data = json.loads((out_dir / name).read_text())
     if data["failed"]:
@@ -126,7 +130,9 @@ def run_client(server: Server, model_dir: Path, concurrency: int, args: argparse
             "cpu_ms_per_output_token": None if cpu_s is None else 1000 * cpu_s / data["total_output_tokens"],
             "wall_s": time.monotonic() - t0, "output_tok_s": data["output_throughput"],
             "ttft_p50_ms": data["median_ttft_ms"], "itl_p50_ms": data["median_itl_ms"],
-            "itl_p99_ms": data["p99_itl_ms"], "tpot_p50_ms": data["median_tpot_ms"]}
+            "itl_p99_ms": data["p99_itl_ms"], "tpot_p50_ms": data["median_tpot_ms"],
+            # the same clock as the step log's (CLOCK_MONOTONIC on Linux)
+            "steps": window_stats(str(server.step_log), t0, t1) if server.step_log is not None else {}}
 
 
 def summarise(runs: list[dict], names: list[str]) -> list[dict]:
@@ -160,6 +166,18 @@ def summarise(runs: list[dict], names: list[str]) -> list[dict]:
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
+
+
+def _thread_line(st: dict) -> str:
+    """Where pdserve's stepping thread's wall time went during a run (seconds), and its step mix."""
+    parts = []
+    for where in ("step", "gap"):
+        parts.append(f"{'in steps' if where == 'step' else 'between'}: cpu {st[f'{where}_run_s']:.1f} "
+                     f"runq {st[f'{where}_rq_s']:.1f} blocked {st[f'{where}_blocked_s']:.1f} "
+                     f"(others' cpu {st[f'{where}_other_run_s']:.1f})")
+    return (f"        engine thread s {'; '.join(parts)}; steps {st['steps']} (mixed {st['mixed_steps']}, "
+            f"prefill-only {st['prefill_only_steps']}), decode step p50 {st['decode_step_p50_ms']:.1f} ms "
+            f"at {st['decode_seqs_p50']} seqs")
 
 
 def _pick(runs: list[dict], name: str, c: int, rnd: int) -> dict:
@@ -225,6 +243,8 @@ def main() -> None:
                     print(f"{rnd:>5} {s.name:>8} {c:>4} {r['load_avg_1m']:>5.1f} {r['output_tok_s']:>9.1f} "
                           f"{r['ttft_p50_ms']:>7.0f}ms {r['itl_p50_ms']:>6.1f}ms {r['itl_p99_ms']:>6.1f}ms "
                           f"{_fmt(r['cpu_ms_per_output_token']):>14}", flush=True)
+                    if r["steps"].get("step_run_s") is not None:
+                        print(_thread_line(r["steps"]), flush=True)
     finally:
         for s in servers:
             stop(s.proc)

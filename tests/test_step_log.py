@@ -30,7 +30,17 @@ def test_step_log_records_steps_and_requests(tiny_llama, tmp_path, monkeypatch):
     assert [s["prefill_tokens"] for s in steps[:3]] == [8, 8, 7] and steps[2]["seqs"] == 2
     assert all(s["tokens"] <= 8 and s["exec_ms"] >= 0 and s["gap_ms"] >= 0 for s in steps)
     assert any(s["prefill_tokens"] == 0 for s in steps)
+    if Path("/proc/thread-self/schedstat").exists():  # Linux: where the stepping thread's wall time went
+        for s in steps:
+            wall = s["sched_ms"] + s["exec_ms"] + s["post_ms"]
+            assert min(s["run_ms"], s["rq_ms"], s["blocked_ms"], s["other_run_ms"]) >= 0
+            # the kernel's counters and the wall clock are read microseconds apart
+            assert s["run_ms"] + s["rq_ms"] <= wall + 1.0
+        assert sum(s["run_ms"] for s in steps) > 0
+        assert all("gap_run_ms" in s for s in steps[1:])
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_log_summary.py"),
                           str(tmp_path / "steps-engine.jsonl")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert f"{len(steps)} steps" in out.stdout and "2 requests" in out.stdout and "decode-eager" in out.stdout
+    if Path("/proc/thread-self/schedstat").exists():
+        assert "stepping thread inside steps" in out.stdout and "between steps" in out.stdout

@@ -451,6 +451,7 @@ class LLMEngine:
                 # step's model run (~6 ms on an 8B model); the caller's next step runs the model
                 return outputs
         t_start = time.perf_counter()
+        counters0 = self.step_log.counters() if self.step_log is not None else None
         if self.history:
             self._evict_history_for_room()
         if self.tier_loader is not None:
@@ -497,7 +498,8 @@ class LLMEngine:
             self.step_log.record(
                 t_start, t_sched, t_exec, time.perf_counter(), seqs=len(sched.scheduled),
                 tokens=sched.num_tokens, prefill_tokens=sum(n for _, n in sched.scheduled if n > 1),
-                graph=timing.graph_steps > graphs0, wait_s=timing.wait_s - wait0, outputs=len(outputs))
+                graph=timing.graph_steps > graphs0, wait_s=timing.wait_s - wait0, outputs=len(outputs),
+                start_counters=counters0)
         return outputs
 
     def _emit(self, req: Request, finished: bool = False) -> RequestOutput:

@@ -420,16 +420,27 @@ NO_CONTRACT void pd_rms_norm(const float *x, int64_t x_stride, float *residual, 
     }
 }
 
-/* x: [rows, 2n] = [gate | up] -> out[rows, n] = silu(gate) * up, silu(g) = g / (1 + exp(-g)). */
-NO_CONTRACT void pd_silu_and_mul(const float *x, int64_t x_stride, int64_t rows, int n, float *out,
-                                 int64_t out_stride, int num_threads) {
+/* x: [rows, 2n] = [gate | up] -> out[rows, n] = silu(gate) * up, silu(g) = g / (1 + exp(-g)).
+ * Whole vectors through pd_expv: gcc left the `omp simd` loop over pd_expf_any scalar (the optimize
+ * attribute keeps it from inlining), ~30 cycles an element: 7 ms of a batch-16 SmolLM2 decode step. The
+ * element-wise part has no multiply-add to contract, so it rounds as before; exp may differ in the last bit
+ * where the polynomial now contracts. */
+void pd_silu_and_mul(const float *x, int64_t x_stride, int64_t rows, int n, float *out, int64_t out_stride,
+                     int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows * n >= PARALLEL_MIN_ELEMS) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = x + r * x_stride;
         const float *u = g + n;
         float *o = out + r * out_stride;
-#pragma omp simd
-        for (int i = 0; i < n; i++) o[i] = (g[i] / (1.0f + pd_expf_any(-g[i]))) * u[i];
+        int i = 0;
+        for (; i + 16 <= n; i += 16) {
+            const pd_v16 gv = *(const pd_v16 *)(g + i);
+            pd_v16 e = (pd_v16){0} - gv;
+            const pd_v16 hi = e - e + 88.3762626647949f;
+            e = pd_select(e > hi, hi, e);
+            *(pd_v16 *)(o + i) = (gv / (1.0f + pd_expv(e))) * *(const pd_v16 *)(u + i);
+        }
+        for (; i < n; i++) o[i] = (g[i] / (1.0f + pd_expf_any(-g[i]))) * u[i];
     }
 }
 
