@@ -5,7 +5,8 @@ collocated TP=1 instance, and each decode must have read exactly the KV bytes of
 each of its heads once, none missing), whatever the mapping: P TP=2 -> D TP=1 (one rank reads both
 producers' heads), P TP=1 -> D TP=2 (each rank reads its half of the one producer's heads), P TP=2 ->
 D TP=2 (rank to rank); and with a one-KV-head model, whose head every TP=2 rank holds (replicated: read
-once per holding rank, from one producer rank).
+once per holding rank, from one producer rank). And with fp8 KV pools on every instance: the head slices
+then move as two strided pieces per region, the heads' fp8 values and their scales (pdserve.attention.fp8_kv).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ SECRET = "tp-test-deployment-secret"
 COMMON = ("--max-model-len", "512", "--num-gpu-blocks-override", "96", "--block-size", "16", "--device", "cpu")
 
 
-def block_bytes(kv_heads: int) -> int:
-    """make_model_dir's tiny Llama: 2 layers, K and V, 16 tokens, heads of 16 float32 values."""
-    return 2 * 2 * 16 * kv_heads * 16 * 4
+def block_bytes(kv_heads: int, fp8: bool = False) -> int:
+    """make_model_dir's tiny Llama: 2 layers, K and V, 16 tokens, heads of 16 float32 values (fp8: 16 bytes
+    and a 2-byte scale)."""
+    return 2 * 2 * 16 * kv_heads * (16 + 2 if fp8 else 16 * 4)
 
 
 def kv_config(role: str) -> str:
@@ -38,15 +40,16 @@ def kv_config(role: str) -> str:
                        "kv_connector_extra_config": {"transfer_timeout_s": 10.0, "handshake_timeout_s": 10.0}})
 
 
-@pytest.fixture(scope="module", params=[2, 1], ids=["2kv", "1kv"])
+@pytest.fixture(scope="module", params=[(2, "auto"), (1, "auto"), (2, "fp8")], ids=["2kv", "1kv", "2kv-fp8"])
 def servers(request, tmp_path_factory) -> Iterator[dict[str, ServerProcess]]:
-    kv_heads = request.param
+    kv_heads, kv_cache_dtype = request.param
     model_dir = make_model_dir(tmp_path_factory.mktemp("pd-tp-model"), num_key_value_heads=kv_heads)
     logs = tmp_path_factory.mktemp("pd-tp-logs")
 
     def start(name: str, *args: str) -> ServerProcess:
         # with a deployment secret: every rank's NIXL metadata travels concealed in the handshake
-        return ServerProcess(model_dir, logs / f"{name}.log", *COMMON, *args, env={"PDSERVE_KV_SECRET": SECRET})
+        return ServerProcess(model_dir, logs / f"{name}.log", *COMMON, "--kv-cache-dtype", kv_cache_dtype, *args,
+                             env={"PDSERVE_KV_SECRET": SECRET})
 
     procs = {
         "collocated": start("collocated"),
@@ -60,10 +63,11 @@ def servers(request, tmp_path_factory) -> Iterator[dict[str, ServerProcess]]:
         for proc in procs.values():
             proc.wait_ready(300)
         procs["kv_heads"] = kv_heads  # type: ignore[assignment]
+        procs["fp8"] = kv_cache_dtype == "fp8"  # type: ignore[assignment]
         yield procs
     finally:
         for name, proc in procs.items():
-            if name != "kv_heads":
+            if name not in ("kv_heads", "fp8"):
                 proc.stop()
 
 
@@ -104,7 +108,7 @@ def test_pd_across_tp_sizes_matches_collocated(servers, prefill: str, decode: st
         # the decode read the KV of len(prompt) - 1 tokens: each rank whole blocks of each of its heads, once
         # (a replicated head is stored, so read, by every rank that holds it)
         d_tp, kv_heads = int(decode[1]), servers["kv_heads"]
-        expected_bytes += -(-(len(prompt) - 1) // 16) * block_bytes(max(1, kv_heads // d_tp)) * d_tp
+        expected_bytes += -(-(len(prompt) - 1) // 16) * block_bytes(max(1, kv_heads // d_tp), servers["fp8"]) * d_tp
     bytes1, loads1 = _loaded_bytes(d.url)
     assert loads1 - loads0 == len(_prompts(seed))
     assert bytes1 - bytes0 == expected_bytes
