@@ -11,9 +11,15 @@ each fp8 format, then reports per format:
 - prompts fully identical;
 - the greedy chat answer to "What is the capital of France?" (it must still say Paris).
 
+With `--checkpoint-kv-scales` each fp8 format also runs with static per-tensor k_scale/v_scale, as a
+quantized checkpoint carries them (rows `<format>+ckpt`): per layer, the K and V amax of a reference run
+over separate calibration prompts / 448 (the fp8_e4m3 max), written under compressed-tensors' names into a
+copy of the model folder (symlinks plus one extra safetensors file), which the real loader then reads.
+
     python benchmarks/bench_kv_fp8_accuracy.py --num-prompts 50 --max-tokens 64 [--json out.json]
     python benchmarks/bench_kv_fp8_accuracy.py --device cpu --dtype bfloat16      # bf16 KV as the reference
     python benchmarks/bench_kv_fp8_accuracy.py --device cuda                       # H200: bf16 model and KV
+    python benchmarks/bench_kv_fp8_accuracy.py --formats fp8_e4m3 --checkpoint-kv-scales   # static scales too
 """
 
 from __future__ import annotations
@@ -21,8 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 TOPICS = (
     "the water cycle", "photosynthesis", "the French Revolution", "black holes", "how vaccines work",
@@ -56,6 +64,7 @@ class Agreement:
 
 
 CAPITAL_QUESTION = "What is the capital of France?"
+CALIBRATION_TEMPLATE = "Tell me a short story about {}."  # not one of TEMPLATES: calibrate off the test set
 
 
 def run(kv_cache_dtype: str, texts: list[str], max_tokens: int, device: str = "cpu",
@@ -75,6 +84,51 @@ def run(kv_cache_dtype: str, texts: list[str], max_tokens: int, device: str = "c
     finally:
         llm.engine.shutdown()
     return [[(lp.token_id, lp.logprob) for lp in r.outputs[0].logprobs] for r in results], answer
+
+
+def calibrate_kv_scales(max_tokens: int, device: str = "cpu", dtype: str = "auto",
+                        model: str | None = None) -> list[tuple[float, float]]:
+    """Per layer (k_scale, v_scale) = amax / 448 of the K and V a reference run (KV in the model's dtype)
+    stores for the calibration prompts: what a max-calibrating quantization tool writes."""
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.llm import LLM
+
+    llm = LLM(model, device=device, dtype=dtype, num_gpu_blocks_override=2048, enable_prefix_caching=False)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        llm.chat([[{"role": "user", "content": CALIBRATION_TEMPLATE.format(t)}] for t in TOPICS], params,
+                 use_tqdm=False)
+        pool = llm.engine.runner.kv_pool  # [blocks, layers, K|V, ...]; unused slots are zero
+        amax = pool.abs().amax(dim=(0, 3, 4, 5)).float().cpu()
+        return [(float(amax[i, 0]) / 448.0, float(amax[i, 1]) / 448.0) for i in range(amax.shape[0])]
+    finally:
+        llm.engine.shutdown()
+
+
+def with_kv_scales(model: str | None, scales: list[tuple[float, float]], out_dir: Path) -> Path:
+    """A copy of the model folder (its files symlinked) plus `kv_scales.safetensors` holding
+    model.layers.N.self_attn.k_scale / v_scale (compressed-tensors' names)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from pdserve.model.default_model import resolve_model
+
+    src = Path(resolve_model(model))
+    out_dir.mkdir(parents=True)
+    for f in src.iterdir():
+        (out_dir / f.name).symlink_to(f.resolve())
+    tensors = {}
+    for i, (k, v) in enumerate(scales):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k, dtype=torch.float32)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(v, dtype=torch.float32)
+    save_file(tensors, str(out_dir / "kv_scales.safetensors"), metadata={"format": "pt"})
+    index = src / "model.safetensors.index.json"
+    if index.is_file():  # a sharded checkpoint lists its files: add ours
+        data = json.loads(index.read_text())
+        data["weight_map"].update(dict.fromkeys(tensors, "kv_scales.safetensors"))
+        (out_dir / index.name).unlink()
+        (out_dir / index.name).write_text(json.dumps(data))
+    return out_dir
 
 
 def compare(name: str, ref: list[list[tuple[int, float]]], got: list[list[tuple[int, float]]],
@@ -107,9 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", help="model dtype (auto: float32 on CPU, bfloat16 on CUDA); "
                                                      "the reference KV cache stores this dtype")
     ap.add_argument("--model", default=None, help="a local HF model folder (default: the embedded SmolLM2)")
+    ap.add_argument("--checkpoint-kv-scales", action="store_true",
+                    help="also run each format with calibrated per-tensor k_scale/v_scale in the checkpoint")
     args = ap.parse_args(argv)
     rows = measure(prompts(args.num_prompts), args.max_tokens, args.formats.split(","), args.device, args.dtype,
-                   args.model)
+                   args.model, args.checkpoint_kv_scales)
     print_rows(rows)
     if args.json:
         with open(args.json, "w") as f:
@@ -118,24 +174,33 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(texts: list[str], max_tokens: int, formats: list[str], device: str = "cpu",
-            dtype: str = "auto", model: str | None = None) -> list[Agreement]:
-    """The reference run (KV in the model's dtype) first, then each fp8 format against it."""
+            dtype: str = "auto", model: str | None = None, checkpoint_kv_scales: bool = False) -> list[Agreement]:
+    """The reference run (KV in the model's dtype) first, then each fp8 format against it (and with
+    calibrated checkpoint scales, when asked)."""
     t0 = time.time()
     ref, ref_answer = run("auto", texts, max_tokens, device, dtype, model)
     rows = [compare("auto", ref, ref, ref_answer)]
     for fmt in formats:
         got, answer = run(fmt, texts, max_tokens, device, dtype, model)
         rows.append(compare(fmt, ref, got, answer))
+    if checkpoint_kv_scales:
+        scales = calibrate_kv_scales(max_tokens, device, dtype, model)
+        print("calibrated (k_scale, v_scale) per layer:", [(round(k, 5), round(v, 5)) for k, v in scales])
+        with tempfile.TemporaryDirectory() as tmp:
+            scaled = str(with_kv_scales(model, scales, Path(tmp) / "model"))
+            for fmt in formats:
+                got, answer = run(fmt, texts, max_tokens, device, dtype, scaled)
+                rows.append(compare(f"{fmt}+ckpt", ref, got, answer))
     print(f"{len(texts)} prompts x {max_tokens} greedy tokens on {device} (model dtype {dtype}), reference: "
           f"KV in the model's dtype ({time.time() - t0:.0f} s)")
     return rows
 
 
 def print_rows(rows: list[Agreement]) -> None:
-    print(f"{'kv cache':10} {'token agreement':>16} {'common prefix':>14} {'logprob |diff|':>15} {'identical':>10}"
+    print(f"{'kv cache':14} {'token agreement':>16} {'common prefix':>14} {'logprob |diff|':>15} {'identical':>10}"
           "  capital answer")
     for a in rows:
-        print(f"{a.kv_cache_dtype:10} {a.token_agreement:16.4f} {a.common_prefix:14.4f} {a.logprob_mad:15.5f} "
+        print(f"{a.kv_cache_dtype:14} {a.token_agreement:16.4f} {a.common_prefix:14.4f} {a.logprob_mad:15.5f} "
               f"{a.identical_prompts:>5}/{a.prompts}  {a.capital_answer!r}")
 
 

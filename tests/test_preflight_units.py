@@ -237,6 +237,18 @@ def test_check_configs_reports_tensor_parallel_sizes() -> None:
     assert "tensor parallel" not in check_configs(Target([_inst("prefill", 1), _inst("decode", 2)], True)).detail
 
 
+def test_check_configs_names_the_fp8_scale_sources_without_failing() -> None:
+    """A checkpoint-scale producer and a dynamic-scale consumer interoperate (every fp8 row carries its
+    scale): the row says where each instance's scales come from and still passes."""
+    fp8 = dict(kv_cache_dtype="fp8_e4m3")
+    row = check_configs(Target([_inst("prefill", 1, kv_cache_scales="checkpoint", **fp8),
+                                _inst("decode", 2, kv_cache_scales="dynamic", **fp8)], True))
+    assert row.status == PASS and "fp8 scales: checkpoint / dynamic (interoperable)" in row.detail
+    assert row.data["fields"]["kv_cache_scales"] == {"127.0.0.1:1": "checkpoint", "127.0.0.1:2": "dynamic"}
+    plain = check_configs(Target([_inst("prefill", 1, kv_cache_scales="none"), _inst("decode", 2)], True))
+    assert "fp8 scales" not in plain.detail
+
+
 def test_check_transfer_time_counts_decode_ranks_on_gpus() -> None:
     after = _snap(3, 3 * 0.006, 3 * 64 * 2**20)  # 64 MiB in 6 ms each
     target = Target([_inst("prefill", 1, device="cuda:0"),

@@ -232,7 +232,7 @@ def check_configs(target: Target) -> Check:
             channels[key] = i.url
     if any(i.engine == "vllm" for i in insts):
         summary["note"] = "vLLM instances expose no block size/layout over HTTP; their NIXL handshake checks them"
-    tp = _tensor_parallel(target, insts, summary, problems)
+    tp = _tensor_parallel(target, insts, summary, problems) + _kv_scale_sources(insts, summary)
     if problems:
         return Check("versions/configs", FAIL, "; ".join(problems), {"fields": summary})
     shape = ""
@@ -242,6 +242,19 @@ def check_configs(target: Target) -> Check:
                                                       "kv_layout", "device_type") if k in summary)
     return Check("versions/configs", PASS, f"match across {len(insts)} instance(s): {detail}{shape}{tp}",
                  {"fields": summary})
+
+
+def _kv_scale_sources(insts: list[Instance], summary: dict[str, Any]) -> str:
+    """Where each fp8 instance's KV scales come from (/pdserve/info kv_cache_scales): informational, never a
+    FAIL: every fp8 row carries its own scale, so static (checkpoint) and dynamic instances interoperate
+    (ARCHITECTURE.md, "Checkpoint scales"). Returns the text for the PASS line."""
+    sources = {i.url: i.field("kv_cache_scales") for i in insts if i.engine == "pdserve"}
+    sources = {u: s for u, s in sources.items() if s not in (None, "none")}
+    if not sources:
+        return ""
+    summary["kv_cache_scales"] = {_short(u): s for u, s in sources.items()}
+    kinds = sorted(set(sources.values()))
+    return f", fp8 scales: {' / '.join(kinds)}" + (" (interoperable)" if len(kinds) > 1 else "")
 
 
 def _tensor_parallel(target: Target, insts: list[Instance], summary: dict[str, Any], problems: list[str]) -> str:
