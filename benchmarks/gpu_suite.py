@@ -705,6 +705,7 @@ class EngineBench:
         graph = gpu.graphs[size][0]
         dev_s = time_cuda(graph.replay, warmup=3, iters=20)
         breakdown = self.kernel_breakdown(size)
+        replay_profile = self.graph_profile(size) if batch == 1 else None
         self.drain()
         itl = statistics.median(times)
         kv_bytes = statistics.median(ctx) * self.kv_bytes_per_token
@@ -723,6 +724,7 @@ class EngineBench:
             "engine_outside_runner_ms": (sum(times) - runner_timing.total_s) / steps * 1e3,
             "prefill_step_s": [round(x, 4) for x in prefill_steps],
             "kernel_breakdown": breakdown,
+            "graph_replay_profile": replay_profile,
         }
 
     def kernel_breakdown(self, size: int) -> dict[str, Any]:
@@ -748,9 +750,86 @@ class EngineBench:
             kinds[name] = kinds.get(name, 0.0) + us
             count[name] = count.get(name, 0) + ev.count // 2
         total = sum(kinds.values())
-        top = sorted(kinds.items(), key=lambda kv: -kv[1])[:14]
+        top = sorted(kinds.items(), key=lambda kv: -kv[1])[:20]
+        by_kind: dict[str, float] = {}
+        for k, v in kinds.items():
+            by_kind[_kernel_kind(k)] = by_kind.get(_kernel_kind(k), 0.0) + v
         return {"device_us_per_step": total, "kernels_per_step": sum(count.values()),
+                "by_kind_us": {k: round(v, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
                 "top": [{"kernel": k[:90], "us": round(v, 1), "calls": count[k]} for k, v in top]}
+
+    def graph_profile(self, size: int, replays: int = 5) -> dict[str, Any]:
+        """torch.profiler (CUPTI) over replays of the captured decode graph as the engine replays it: device
+        time per kernel kind, and the gaps between consecutive kernels (the replay's span minus the kernels'
+        busy time), per replay. The tracing itself may widen the gaps a little: compare span_us with the
+        unprofiled replay time."""
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        graph = self.engine.runner.gpu.graphs[size][0]
+        graph.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                graph.replay()
+                torch.cuda.synchronize()
+        evs = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+        if not evs or len(evs) % replays:
+            return {"error": f"{len(evs)} device events for {replays} replays"}
+        n = len(evs) // replays
+        spans, busies, gap_sums = [], [], []
+        gaps_by_pair: dict[str, float] = {}
+        for r in range(replays):
+            chunk = evs[r * n : (r + 1) * n]
+            spans.append(chunk[-1].time_range.end - chunk[0].time_range.start)
+            busies.append(sum(e.time_range.end - e.time_range.start for e in chunk))
+            gaps = [max(0.0, b.time_range.start - a.time_range.end) for a, b in zip(chunk, chunk[1:], strict=False)]
+            gap_sums.append(sum(gaps))
+            for a, b, g in zip(chunk, chunk[1:], gaps, strict=False):
+                key = f"{_kernel_kind(a.name)} -> {_kernel_kind(b.name)}"
+                gaps_by_pair[key] = gaps_by_pair.get(key, 0.0) + g / replays
+        kinds: dict[str, list[float]] = {}
+        for e in evs:
+            k = kinds.setdefault(_kernel_kind(e.name), [0.0, 0])
+            k[0] += (e.time_range.end - e.time_range.start) / replays
+            k[1] += 1
+        return {
+            "kernels_per_replay": n, "span_us": statistics.median(spans), "busy_us": statistics.median(busies),
+            "gaps_us": statistics.median(gap_sums), "mean_gap_us": statistics.median(gap_sums) / max(n - 1, 1),
+            "by_kind_us": {k: {"us": round(v[0], 1), "per_replay": v[1] // replays}
+                           for k, v in sorted(kinds.items(), key=lambda kv: -kv[1][0])},
+            "gaps_by_kind_pair_us": {k: round(v, 1) for k, v in sorted(gaps_by_pair.items(), key=lambda kv: -kv[1])[:12]},
+        }
+
+    def p1_variant(self, epilogues: bool = True, norm_epilogue: bool = True, merge: bool = True) -> dict[str, Any]:
+        """P1 again in the same engine with some of issue 21's decode fusions off (the batch-1 graph
+        recaptured): all off = separate RoPE + K/V store, SiLU-and-mul, add + RMSNorm, argmax and split-merge
+        kernels, the code before issue 21's second pass. Before/after in one run."""
+        from pdserve.gpu import gemv
+
+        backend = self.engine.runner.backend
+        gemv.EPILOGUE_FUSIONS = epilogues
+        gemv.NORM_EPILOGUE = norm_epilogue
+        backend.fused_decode_merge = merge
+        try:
+            self._recapture(1)
+            out = self.decode(1, 128, 200)
+            out["fusions"] = {"epilogues": epilogues, "norm_epilogue": norm_epilogue, "merge": merge}
+            return out
+        finally:
+            gemv.EPILOGUE_FUSIONS = gemv.NORM_EPILOGUE = backend.fused_decode_merge = True
+            self._recapture(1)
+
+    def _recapture(self, size: int) -> None:
+        gpu = self.engine.runner.gpu
+        with torch.inference_mode():
+            gpu._graph_forward(size)  # compiles what the capture needs
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                logits, tokens = gpu._graph_forward(size)
+        gpu.graphs[size] = (g, logits, tokens)
 
     def decode_no_prefix_cache(self, batch: int, prompt_len: int, steps: int) -> dict[str, Any]:
         """The same decode with the block manager's prefix caching off: how much of the engine's per-step
@@ -815,6 +894,9 @@ class EngineBench:
             ops = model.fused_ops
             linear = ops.linear
             ops.linear = lambda x, layer: layer(x)  # the fused path with cuBLAS GEMVs
+            from pdserve.gpu import gemv
+
+            gemv.EPILOGUE_FUSIONS = False  # (the epilogue GEMVs are Triton's)
             try:
                 gpu._graph_forward(1)
                 torch.cuda.synchronize()
@@ -825,6 +907,7 @@ class EngineBench:
                 del g
             finally:
                 ops.linear = linear
+                gemv.EPILOGUE_FUSIONS = True
             model.fused_ops = None
             try:
                 gpu._graph_forward(1)
@@ -1019,6 +1102,23 @@ class EngineBench:
         }
 
 
+_KERNEL_KINDS = (  # substring of the kernel name -> what it is, first match wins
+    ("_gemv_pairs_kernel", "GEMV + epilogue (qkv+RoPE+KV / gate_up+SiLU)"),
+    ("_gemv_kernel", "GEMV"), ("_decode_merge_kernel", "split-KV merge"), ("_decode_kernel", "decode attention"),
+    ("_rms_norm_kernel", "RMSNorm"), ("_rope_write_kv_kernel", "RoPE + KV store"),
+    ("_silu_and_mul_kernel", "SiLU-and-mul"), ("argmax", "argmax"), ("reduce", "torch reduction"),
+    ("gemv", "cuBLAS GEMV"), ("gemm", "cuBLAS GEMM"), ("index", "torch index/gather"),
+    ("elementwise", "torch elementwise"), ("Memcpy", "memcpy"), ("Memset", "memset"),
+)
+
+
+def _kernel_kind(name: str) -> str:
+    for sub, kind in _KERNEL_KINDS:
+        if sub.lower() in name.lower():
+            return kind
+    return name[:60]
+
+
 # ---------------------------------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser()
@@ -1054,19 +1154,30 @@ def main() -> int:
         s.section("engine_init", engine_init, min_left_s=60)
     eb = holder.get("bench")
     if eb is not None:
-        s.section("p1_decode_b1", eb.decode, 1, 128, 200, min_left_s=20)
-        s.section("decode_b1_variants", eb.decode_variants_b1, min_left_s=20)
-        s.section("p2_decode_b64_2k", eb.decode, 64, 2048, 64, min_left_s=30)
-        s.section("p2_no_prefix_cache", eb.decode_no_prefix_cache, 64, 2048, 32, min_left_s=30)
-        s.section("host_profile_b256", eb.host_profile, 256, 1024, 20, min_left_s=40)
-        s.section("p3_prefill_1x8192", eb.prefill, 1, 8192, min_left_s=15)
+        for name, fn, fargs, min_left in (
+            ("p1_decode_b1", eb.decode, (1, 128, 200), 20),
+            ("p1_decode_b1_unfused", lambda: eb.p1_variant(False, False, False), (), 20),
+            ("p1_decode_b1_no_norm_epilogue", lambda: eb.p1_variant(True, False, True), (), 20),
+            ("p1_decode_b1_no_merge_fusion", lambda: eb.p1_variant(True, True, False), (), 20),
+            ("p1_decode_b1_again", eb.decode, (1, 128, 200), 20),  # fused again: the A/B's drift
+            ("decode_b1_variants", eb.decode_variants_b1, (), 20),
+            ("p2_decode_b64_2k", eb.decode, (64, 2048, 64), 30),
+            ("p2_no_prefix_cache", eb.decode_no_prefix_cache, (64, 2048, 32), 30),
+            ("host_profile_b256", eb.host_profile, (256, 1024, 20), 40),
+            ("p3_prefill_1x8192", eb.prefill, (1, 8192), 15),
+        ):
+            if name not in skip:
+                s.section(name, fn, *fargs, min_left_s=min_left)
         for n, length in ((8, 1024), (16, 512), (1, 8192)):
-            s.section(f"prefill_modes_{n}x{length}", eb.prefill_modes, n, length, min_left_s=15)
+            if "prefill_modes" not in skip:
+                s.section(f"prefill_modes_{n}x{length}", eb.prefill_modes, n, length, min_left_s=15)
         if "long" not in skip:
             for n, goal in ((8192, ""), (32768, "goal 75%"), (65536, "goal 72%, TTFT <= 3.8 s"), (131000, "")):
                 s.section(f"long_context_{n}", eb.long_context, n, 2, goal, min_left_s=40 if n > 70000 else 20)
-        s.section("backend_tokens", eb.backend_tokens, min_left_s=20)
-        s.section("prefill_8x1024", eb.prefill, 8, 1024, min_left_s=15)
+        if "backend_tokens" not in skip:
+            s.section("backend_tokens", eb.backend_tokens, min_left_s=20)
+        if "prefill_8x1024" not in skip:
+            s.section("prefill_8x1024", eb.prefill, 8, 1024, min_left_s=15)
         if "offline" not in skip:
             deadline = max(30.0, s.left() - 20)
             s.section("offline", eb.offline, args.offline_prompts, 1024, 512, deadline, min_left_s=40)
@@ -1093,6 +1204,14 @@ def summarize(s: Suite, ceil: dict[str, Any]) -> None:
         rows.append(("P1 decode b1: weights/ITL", f"{p1['weight_only_GBps']:.0f} GB/s (ITL {p1['itl_ms']:.2f} ms)",
                      f"{ratio(p1['weight_only_GBps'], bw)} of rw copy ({ratio(p1['weight_only_GBps'], bw1)} one-way)",
                      "goal 85%"))
+    for key, label in (("p1_decode_b1_unfused", "P1 with issue-21 fusions off"),
+                       ("p1_decode_b1_no_norm_epilogue", "P1 without the add+norm epilogue"),
+                       ("p1_decode_b1_no_merge_fusion", "P1 without the fused split merge"),
+                       ("p1_decode_b1_again", "P1 again")):
+        x = r.get(key) or {}
+        if "itl_ms" in x:
+            rows.append((label, f"{x['weight_only_GBps']:.0f} GB/s (ITL {x['itl_ms']:.2f} ms)",
+                         f"{ratio(x['weight_only_GBps'], bw)} of rw copy", "same run"))
     p2 = r.get("p2_decode_b64_2k") or {}
     if "itl_ms" in p2:
         rows.append(("P2 decode b64 2k: (W+KV)/step", f"{p2['achieved_GBps']:.0f} GB/s (step {p2['itl_ms']:.2f} ms)",

@@ -75,18 +75,25 @@ def test_prefill_kernel_finishes_long_chunks_from_library_partials(tile_n):
     assert rel_err(out, want) < 1e-5
 
 
-@pytest.mark.parametrize("splits", [1, 2, 5])
-def test_decode_kernel_matches_sdpa_with_padding_rows(splits):
+@pytest.mark.parametrize("splits,fused_merge", [(1, False), (2, False), (5, False), (2, True), (5, True), (12, True)])
+def test_decode_kernel_matches_sdpa_with_padding_rows(splits, fused_merge):
+    """Split-KV decode, the splits merged by a second kernel or (fused_merge) by the last program of each
+    (sequence, kv head), whose counters end at rest so that the next launch (a graph replay) works too."""
     c = make_paged_case([1] * 4, [9, 1, 30, 16], 6, 2, 16, block_size=4, dtype=torch.float32, device="cpu",
                         seed=splits, table_width=12)  # wider table than needed: the graph's static stride
     want = SdpaReference().forward(c.q, c.k_cache, c.v_cache, c.meta, 0.25)
     seq_lens = c.meta.seq_lens.clone()
     seq_lens[1] = 0  # a CUDA-graph padding row
-    out = torch.full_like(c.q, float("nan"))
-    tk.decode_attention(c.q, c.k_cache, c.v_cache, c.meta.block_tables, seq_lens, 0.25, splits, out=out, tile_n=16)
-    assert torch.equal(out[1], torch.zeros_like(out[1]))
-    keep = [0, 2, 3]
-    assert rel_err(out[keep], want[keep]) < 1e-5
+    counters = tk.new_merge_counters(torch.device("cpu"), 16) if fused_merge else None
+    for _ in range(2 if fused_merge else 1):
+        out = torch.full_like(c.q, float("nan"))
+        tk.decode_attention(c.q, c.k_cache, c.v_cache, c.meta.block_tables, seq_lens, 0.25, splits, out=out,
+                            tile_n=8 if splits == 12 else 16, merge_counters=counters)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        keep = [0, 2, 3]
+        assert rel_err(out[keep], want[keep]) < 1e-5
+    if counters is not None:
+        assert not counters.any()
 
 
 def test_write_kv_into_strided_pool_view_skips_padding():
@@ -132,6 +139,47 @@ def test_gpu_step_runner_is_token_exact_with_the_cpu_engine(tiny_llama):
     assert got == want
     assert engine.runner.step_timing.graph_steps > 0
     assert engine.stats().prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_batch1_decode_epilogues_are_token_exact(tiny_model_factory, arch, monkeypatch):
+    """One request at a time, so that every decode step is a batch-1 graph step: the qkv GEMV with RoPE and
+    the K/V store in its epilogue, gate_up with SiLU-and-mul, o_proj and down_proj with the residual add and
+    RMSNorm, the LM head with the argmax, and the split-KV merge inside the attention kernel; the same tokens
+    as the CPU engine (Qwen2: the qkv bias too)."""
+    from engine_utils import make_engine, run_engine
+
+    from pdserve.attention import triton_backend as tb
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.gpu import ops
+
+    model = tiny_model_factory(arch)
+    used = {"qkv_rope_and_write_kv": 0, "gate_up_silu": 0, "lm_head_argmax": 0, "linear_add_rms_norm": 0}
+    for name in used:
+        real = getattr(ops, name)
+
+        def counted(*a, _real=real, _name=name, **k):
+            out = _real(*a, **k)
+            used[_name] += out is not None
+            return out
+
+        monkeypatch.setattr(ops, name, counted)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (3, 21, 47)]
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)  # decodes cross block ends
+    kw = dict(max_num_batched_tokens=32, max_num_seqs=2)
+    ref_engine = make_engine(model, **kw)
+    want = [run_engine(ref_engine, [p], params)[0] for p in prompts]
+    # 16-key tiles and 4 "SMs": batch 1 splits its keys 8 ways, up to 4 of them non-empty here
+    monkeypatch.setattr(tb, "DECODE_CONFIGS", [(1 << 30, 16, 4, 1, 4)])
+    engine = make_engine(model, **kw)
+    engine.runner.backend = tb.TritonAttention(num_sms=4)
+    engine.runner.use_gpu_step_runner(simulate_graphs=True)
+    got = [run_engine(engine, [p], params)[0] for p in prompts]
+    assert got == want
+    assert engine.runner.step_timing.graph_steps >= 3 * 13
+    assert min(used.values()) >= 3 * 13, used
+    assert not engine.runner.backend._merge_counters.any()
 
 
 def test_gpu_step_runner_with_long_prefill_partials_is_token_exact(tiny_llama, monkeypatch):

@@ -134,11 +134,12 @@ def _decode_kernel(
     block_tables_ptr, stride_bt,
     seq_lens_ptr,
     out_ptr, stride_o_t, stride_o_h,
-    part_o_ptr, part_lse_ptr,
+    part_o_ptr, part_lse_ptr, counters_ptr,
     scale_log2, num_splits,
     H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
-    KV_FP8: tl.constexpr, FP8_MANT: tl.constexpr, KVH: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_MANT: tl.constexpr, KVH: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -212,6 +213,53 @@ def _decode_kernel(
         tl.store(part_o_ptr + row[:, None] * BLOCK_D + d[None, :], o, mask=omask)
         lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=gmask)
+        if FUSED_MERGE:
+            # The last of this (sequence, kv head)'s splits to finish merges them all: no merge kernel.
+            # The barrier puts every thread's partial stores before the count (acq_rel at GPU scope, which
+            # makes them visible to whichever program counts last); that one resets the counter for the
+            # next launch (a CUDA graph replays the same buffer) and reads the partials past L1.
+            tl.debug_barrier()
+            counter = counters_ptr + b * KVH + kvh
+            done = tl.atomic_add(counter, 1)
+            if done == num_splits - 1:
+                tl.atomic_xchg(counter, 0)
+                tl.debug_barrier()
+                active = tl.cdiv(n_tiles, tl.maximum(tiles_per_split, 1))  # splits that saw keys
+                _merge_group(part_o_ptr, part_lse_ptr, out_ptr, stride_o_t, stride_o_h, b, kvh * G, active,
+                             num_splits, H, G, D, BLOCK_D, MERGE_G, MERGE_S)
+
+
+@triton.jit
+def _merge_group(part_o_ptr, part_lse_ptr, out_ptr, stride_o_t, stride_o_h, b, head0, active, num_splits,
+                 H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                 MERGE_G: tl.constexpr, MERGE_S: tl.constexpr):
+    """Merges splits [0, active) of heads [head0, head0 + G) of sequence b (splits past `active` saw no
+    keys), MERGE_S splits per load so that short sequences need one round trip."""
+    s = tl.arange(0, MERGE_S)
+    g = tl.arange(0, MERGE_G)
+    d = tl.arange(0, BLOCK_D)
+    gmask = g < G
+    head = head0 + g
+    m_run = tl.full([MERGE_G], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([MERGE_G], dtype=tl.float32)
+    acc = tl.zeros([MERGE_G, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, active, MERGE_S):
+        sm = (s0 + s) < active
+        row = (b * H + head[None, :]) * num_splits + s0 + s[:, None]  # [MERGE_S, MERGE_G]
+        lmask = sm[:, None] & gmask[None, :]
+        lse = tl.load(part_lse_ptr + row, mask=lmask, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(part_o_ptr + row[:, :, None] * BLOCK_D + d[None, None, :],
+                    mask=lmask[:, :, None] & (d[None, None, :] < D), other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_run, tl.max(lse, 0))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        w = tl.exp2(lse - m_safe[None, :])  # exp2(-inf) = 0 for empty splits
+        alpha = tl.exp2(m_run - m_safe)
+        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 0)
+        total = total * alpha + tl.sum(w, 0)
+        m_run = m_new
+    res = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + b * stride_o_t + head[:, None] * stride_o_h + d[None, :], res.to(out_ptr.dtype.element_ty),
+             mask=gmask[:, None] & (d[None, :] < D))
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -239,6 +287,11 @@ def _decode_merge_kernel(
 MAX_DECODE_SPLITS = 32
 
 
+def new_merge_counters(device: torch.device, capacity: int) -> torch.Tensor:
+    """decode_attention's merge counters for up to `capacity` (sequence, kv head) pairs, at rest (zeros)."""
+    return torch.zeros(capacity, dtype=torch.int32, device=device)
+
+
 def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int, programs_per_sm: int = 4,
                       max_splits: int = MAX_DECODE_SPLITS) -> int:
     """Splits per (sequence, kv head) so that about `programs_per_sm` programs per SM are in flight.
@@ -251,9 +304,13 @@ def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int, programs_per_
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: int, out: torch.Tensor | None = None,
                      tile_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-                     kv_format: fp8_kv.Fp8Format | None = None) -> torch.Tensor:
+                     kv_format: fp8_kv.Fp8Format | None = None,
+                     merge_counters: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H, D]; block_tables: [B, >= blocks of the longest sequence]; seq_lens: [B] (0 = padding row,
-    whose output is 0). Returns [B, H, D] in q's dtype. kv_format: the caches are fp8 layer views (uint8, fp8_kv's layout)."""
+    whose output is 0). Returns [B, H, D] in q's dtype. kv_format: the caches are fp8 layer views (uint8, fp8_kv's layout).
+    merge_counters: int32 zeros, at least B * kv_heads (new_merge_counters), kept between launches: the
+    splits are merged by the last program of each (sequence, kv head) instead of a second kernel, and the
+    counters are left at zero."""
     batch, num_heads, d = q.shape
     _, block_size, kvh, _ = k_cache.shape
     group = num_heads // kvh
@@ -266,20 +323,23 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
+    fused_merge = num_splits > 1 and merge_counters is not None
+    if fused_merge:
+        assert merge_counters.dtype == torch.int32 and merge_counters.numel() >= batch * kvh
     _decode_kernel[(batch, kvh, num_splits)](
         q, q.stride(0), q.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables, block_tables.stride(0),
         seq_lens,
         out, out.stride(0), out.stride(1),
-        part_o, part_lse,
+        part_o, part_lse, merge_counters if fused_merge else seq_lens,
         scale * LOG2E, num_splits,
         H=num_heads, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, TILE_N=tile_n, DOT_PRECISION=_dot_precision(q.dtype),
-        EVEN_D=d == block_d, **_read_args(kv_format, k_cache, d), KVH=kvh, num_warps=num_warps,
-        num_stages=num_stages,
+        EVEN_D=d == block_d, **_read_args(kv_format, k_cache, d), KVH=kvh, FUSED_MERGE=fused_merge,
+        MERGE_G=triton.next_power_of_2(group), MERGE_S=8, num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused_merge:
         _decode_merge_kernel[(batch, num_heads)](
             part_o, part_lse, out, out.stride(0), out.stride(1), num_splits,
             H=num_heads, D=d, BLOCK_D=block_d, BLOCK_S=MAX_DECODE_SPLITS, num_warps=4,

@@ -1,5 +1,6 @@
 """Fused elementwise Triton kernels for the GPU decoder path: RMSNorm (with the residual add), RoPE fused
-with the K/V store, and SiLU-and-mul; and the batch-1 GEMV every linear layer of a batch-1 decode step uses.
+with the K/V store, and SiLU-and-mul; and (from pdserve.gpu.gemv) the batch-1 GEMV every linear layer of a
+batch-1 decode step uses, with its fused epilogues.
 
 Why fused: a decode step at batch 1 runs ~30 tiny torch kernels per layer for these ops (the float32
 RMSNorm alone is 8), ~1000 per step for an 8B model, each a few microseconds even inside a CUDA graph;
@@ -19,6 +20,19 @@ import triton.language as tl
 
 from pdserve.attention import fp8_kv
 from pdserve.attention import triton_fp8 as tf8
+from pdserve.gpu.gemv import (
+    gate_up_silu,
+    gemv,
+    linear,
+    linear_add_rms_norm,
+    lm_head_argmax,
+    new_epilogue_scratch,
+    qkv_rope_and_write_kv,
+)
+
+__all__ = ["Fp8KvOps", "fused_add_rms_norm", "gate_up_silu", "gemv", "linear", "linear_add_rms_norm",
+           "lm_head_argmax", "new_epilogue_scratch", "qkv_rope_and_write_kv", "rms_norm", "rope_and_write_kv",
+           "silu_and_mul"]
 
 
 @triton.jit
@@ -229,65 +243,12 @@ class Fp8KvOps:
         self.fused_add_rms_norm = fused_add_rms_norm
         self.silu_and_mul = silu_and_mul
         self.linear = linear
+        # the batch-1 GEMV epilogues that do not touch the pool (the fused qkv one stores model-dtype rows)
+        self.gate_up_silu = gate_up_silu
+        self.lm_head_argmax = lm_head_argmax
+        self.linear_add_rms_norm = linear_add_rms_norm
+        self.new_epilogue_scratch = new_epilogue_scratch
 
     def rope_and_write_kv(self, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_size, kv_scale=None):
         return rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_size, self.kv_format,
                                  kv_scale)
-
-
-# ---------------------------------------------------------------------------------------------------
-# batch-1 linear layers (GEMV)
-# ---------------------------------------------------------------------------------------------------
-# Why not cuBLAS at batch 1: on the H200 its GEMVs for Llama-3.1-8B's matrices read the weights at 2.6-4.2
-# TB/s, this kernel at 3.0-4.4 (benchmarks/gpu_kernel_lab.py, graph-replayed over rotating weights,
-# 2026-12-01: qkv 17.1 -> 14.3 us, o 12.8 -> 11.0, gate_up 62.0 -> 56.9, down 31.8 -> 29.7, lm_head 250 ->
-# 239): ~0.4 ms of a 4.7 ms decode step. Fusing the RMSNorm or SiLU into its prologue measured slower than
-# the separate kernels (each program re-reads the activation), so they stay apart.
-@triton.jit
-def _gemv_kernel(w_ptr, x_ptr, b_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    cols0 = tl.arange(0, BLOCK_K)
-    # one [BLOCK_N, BLOCK_K] float32 partial per program, reduced once at the end: the loop is pure loads
-    # and FMAs, many 16-byte weight loads in flight per thread
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    wrow = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + cols0
-        if EVEN_K:
-            w = tl.load(wrow + cols[None, :], mask=rmask[:, None], other=0.0)
-            x = tl.load(x_ptr + cols)
-        else:
-            w = tl.load(wrow + cols[None, :], mask=rmask[:, None] & (cols[None, :] < K), other=0.0)
-            x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc, 1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
-
-
-def linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
-    """layer(x), with one input row of a plain nn.Linear on the GEMV kernel above (the batch-1 decode step).
-    Other layers (e.g. the CPU engine's packed linears, in tests that run this path on the CPU) run as they
-    are."""
-    weight = getattr(layer, "weight", None)
-    if x.shape[0] != 1 or x.dim() != 2 or not isinstance(weight, torch.Tensor) or weight.stride(-1) != 1:
-        return layer(x)
-    return gemv(x, weight, layer.bias)
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [1, K] @ weight[N, K]^T (+ bias) -> [1, N] in x's dtype."""
-    n, k = weight.shape
-    x = _rows(x)
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    # the lab's winners: 8 rows x 512 columns per step, 4 warps; for the long down-projection rows 16 x 1024
-    block_n, block_k, warps = (16, 1024, 8) if k >= 8192 else (8, 512, 4)
-    block_k = min(block_k, triton.next_power_of_2(k))
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        weight, x, bias if bias is not None else x, y, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, num_warps=warps,
-    )
-    return y

@@ -301,8 +301,7 @@ class GpuStepRunner:
             seq_lens_host=[self.max_model_len] * size,
         )
         hidden = self.model(hdr[0:size], hdr[b : b + size], self.kv_pool, meta, self.backend)
-        logits = self.model.compute_logits(hidden)
-        return logits, logits.argmax(dim=-1)
+        return self.model.logits_and_greedy(hidden)
 
     def _free_stale_rows(self) -> None:
         """Rows of finished requests, or of preempted ones (their block list was replaced), go back."""

@@ -102,25 +102,37 @@ class Attention(nn.Module):
         return self._out(o)
 
     def _out(self, o: torch.Tensor, ops: FusedOps | None = None) -> torch.Tensor:
+        """o_proj (+ the all-reduce of a row-parallel shard); o: [T, H, D] or [T, H * D]."""
         flat = o.reshape(-1, self.q_size)
         out = ops.linear(flat, self.o_proj) if ops is not None else self.o_proj(flat)
         return self.tp.all_reduce(out) if self.tp is not None else out
 
     def forward_fused(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend,
                       ops: FusedOps) -> torch.Tensor:
-        qkv = ops.linear(x, self.qkv_proj)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        # RoPE on q and k and the K/V store in one kernel; q comes back contiguous.
-        q = ops.rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_size,
-                                  kv_scale=self.kv_scale)
-        o = backend.forward(q, k_cache, v_cache, meta, self.scale)
-        return self._out(o, ops)
+        return self._out(self.attend_fused(x, cos, sin, k_cache, v_cache, meta, backend, ops), ops)
+
+    def attend_fused(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend,
+                     ops: FusedOps) -> torch.Tensor:
+        """The fused path up to the attention output [T, H, D] (o_proj is the caller's)."""
+        q = None
+        fused_qkv = getattr(ops, "qkv_rope_and_write_kv", None)
+        if fused_qkv is not None and self.q_norm is None and self.kv_scale is None:
+            # one token: RoPE and the K/V store in the qkv GEMV's epilogue (None where that does not apply)
+            q = fused_qkv(x, self.qkv_proj, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin, k_cache,
+                          v_cache, meta.slot_mapping, meta.block_size)
+        if q is None:
+            qkv = ops.linear(x, self.qkv_proj)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(-1, self.num_heads, self.head_dim)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)
+            v = v.view(-1, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q = self.q_norm(q)
+                k = self.k_norm(k)
+            # RoPE on q and k and the K/V store in one kernel; q comes back contiguous.
+            q = ops.rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_size,
+                                      kv_scale=self.kv_scale)
+        return backend.forward(q, k_cache, v_cache, meta, self.scale)
 
 
 class MLP(nn.Module):
@@ -136,6 +148,13 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down(F.silu(gate) * up)
+
+    def activated(self, x: torch.Tensor, ops: FusedOps) -> torch.Tensor:
+        """silu(gate) * up of the fused path: for one token in the gate_up GEMV's epilogue where the ops
+        have it."""
+        fused = getattr(ops, "gate_up_silu", None)
+        out = fused(x, self.gate_up_proj) if fused is not None else None
+        return out if out is not None else ops.silu_and_mul(ops.linear(x, self.gate_up_proj))
 
     def down(self, h: torch.Tensor, ops: FusedOps | None = None) -> torch.Tensor:
         out = ops.linear(h, self.down_proj) if ops is not None else self.down_proj(h)
@@ -172,6 +191,7 @@ class DecoderLM(nn.Module):
         # pdserve.gpu.ops on CUDA (set by the GPU step runner), CpuOps on CPU (the model runner); None = the
         # plain torch path
         self.fused_ops: FusedOps | None = None
+        self._scratch: torch.Tensor | None = None  # the fused ops' epilogue counters, made on first use
 
     def forward(
         self,
@@ -194,17 +214,33 @@ class DecoderLM(nn.Module):
     def _forward_fused(self, x, cos, sin, kv_pool, meta, backend, ops: FusedOps) -> torch.Tensor:
         # `residual` carries the stream x_i; each fused_add_rms_norm adds the last block's output to it
         # in place and normalises, so the adds round exactly where DecoderLayer.forward's adds round.
+        # With one token on one rank, o_proj and down_proj may do that add and norm in their last program
+        # (ops.linear_add_rms_norm); the op order and rounding stay the same.
         eps = self.cfg.rms_norm_eps
         residual = x
         h = ops.rms_norm(x, self.layers[0].input_layernorm.weight, eps)
+        n = len(self.layers)
         for i, layer in enumerate(self.layers):
-            if i > 0:
-                h, residual = ops.fused_add_rms_norm(x, residual, layer.input_layernorm.weight, eps)
-            a = layer.self_attn.forward_fused(h, cos, sin, kv_pool[:, i, 0], kv_pool[:, i, 1], meta, backend, ops)
-            h, residual = ops.fused_add_rms_norm(a, residual, layer.post_attention_layernorm.weight, eps)
-            x = layer.mlp.down(ops.silu_and_mul(ops.linear(h, layer.mlp.gate_up_proj)), ops)
-        out, _ = ops.fused_add_rms_norm(x, residual, self.norm.weight, eps)
-        return out
+            attn, mlp = layer.self_attn, layer.mlp
+            o = attn.attend_fused(h, cos, sin, kv_pool[:, i, 0], kv_pool[:, i, 1], meta, backend, ops)
+            h, residual = self._project_add_norm(ops, o.reshape(-1, attn.q_size), attn.o_proj, attn._out, residual,
+                                                 layer.post_attention_layernorm.weight, eps)
+            norm_next = self.layers[i + 1].input_layernorm.weight if i + 1 < n else self.norm.weight
+            h, residual = self._project_add_norm(ops, mlp.activated(h, ops), mlp.down_proj, mlp.down, residual,
+                                                 norm_next, eps)
+        return h
+
+    def _project_add_norm(self, ops: FusedOps, x: torch.Tensor, proj: nn.Linear, project, residual: torch.Tensor,
+                          weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """fused_add_rms_norm(project(x), residual): one launch where the ops have linear_add_rms_norm
+        (one row, one rank); `project` is the module's own projection (with its all-reduce) otherwise."""
+        fused = getattr(ops, "linear_add_rms_norm", None)
+        if fused is not None and self.tp is None:
+            scratch = self._epilogue_scratch(ops, x.device)
+            got = fused(x, proj, residual, weight, eps, None if scratch is None else scratch[2:3])
+            if got is not None:
+                return got
+        return ops.fused_add_rms_norm(project(x, ops), residual, weight, eps)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
@@ -222,3 +258,28 @@ class DecoderLM(nn.Module):
         if self.tp is None:
             return logits
         return self.tp.all_gather_last_dim(logits)[..., : self.cfg.vocab_size]
+
+    def logits_and_greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 logits, argmax token ids) of the last hidden states. One row on one rank: the argmax
+        runs in the LM head GEMV's epilogue where the fused ops have it (a decode graph's last kernels)."""
+        ops = self.fused_ops
+        fused = getattr(ops, "lm_head_argmax", None)
+        if fused is not None and self.tp is None and hidden.shape[0] == 1:
+            scratch = self._epilogue_scratch(ops, hidden.device)
+            got = fused(hidden, self.lm_head, None if scratch is None else scratch[0:2])
+            if got is not None:
+                return got
+        logits = self.compute_logits(hidden)
+        return logits, logits.argmax(dim=-1)
+
+    def _epilogue_scratch(self, ops: FusedOps, device: torch.device) -> torch.Tensor | None:
+        """The fused epilogues' persistent counters (their kernels leave them at rest). Made outside graph
+        capture (the step runner's warm-up forward precedes every capture); None during a capture without
+        one, or where the ops have none."""
+        s = self._scratch
+        if s is None or s.device != device:
+            make = getattr(ops, "new_epilogue_scratch", None)
+            if make is None or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                return None
+            s = self._scratch = make(device)
+        return s

@@ -173,13 +173,17 @@ def check_kernels(dtype: torch.dtype = torch.bfloat16, device: str = "cuda", tol
         scale = case["d"] ** -0.5
         want = ref.forward(c.q, c.k_cache, c.v_cache, c.meta, scale).float()
         if c.meta.decode_only:
+            counters = tk.new_merge_counters(c.q.device, 4096)
             for splits in sorted({1, 2, 3, 7, 16, 32, tk.decode_num_splits(len(case["q"]), case["kvh"], 132)}):
-                out = torch.full_like(c.q, float("nan"))  # poisoned: every element must be written
-                tk.decode_attention(c.q, c.k_cache, c.v_cache, c.meta.block_tables, c.meta.seq_lens, scale, splits,
-                                    out=out)
-                err = rel_err(out, want)
-                results.append({"kernel": "decode", "case": case["name"], "splits": splits, "rel_err": err,
-                                "ok": err < tol})
+                for fused in (False, True) if splits > 1 else (False,):
+                    for _ in range(2 if fused else 1):  # twice: the counters must be back at rest
+                        out = torch.full_like(c.q, float("nan"))  # poisoned: every element must be written
+                        tk.decode_attention(c.q, c.k_cache, c.v_cache, c.meta.block_tables, c.meta.seq_lens, scale,
+                                            splits, out=out, merge_counters=counters if fused else None)
+                    err = rel_err(out, want)
+                    results.append({"kernel": "decode" + ("+fused-merge" if fused else ""), "case": case["name"],
+                                    "splits": splits, "rel_err": err,
+                                    "ok": err < tol and not bool(counters.any())})
         out = torch.full_like(c.q, float("nan"))
         tk.prefill_attention(c.q, c.k_cache, c.v_cache, c.meta.block_tables, c.meta.seq_lens,
                              c.meta.query_start_loc, scale, len(case["q"]), out=out)
@@ -255,8 +259,94 @@ def check_ops(dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> list
             want = F.linear(xb.double(), w.double(), None if b is None else b.double())
             res.append({"op": f"linear[{n_out}x{k_in}{'+b' if bias else ''}]",
                         "rel_err": rel_err(ops.gemv(xb, w, b), want)})
+        res += _check_gemv_epilogues(ops, dtype, device, gen)
     for item in res:
         item["ok"] = item["rel_err"] < tol
+    return res
+
+
+def _check_gemv_epilogues(ops, dtype: torch.dtype, device: str, gen: torch.Generator) -> list[dict[str, Any]]:
+    """The batch-1 GEMVs with fused epilogues (pdserve.gpu.gemv) vs the unfused ops they replace."""
+    from torch import nn
+
+    from pdserve.gpu import gemv as gv
+    from pdserve.model.rope import apply_rotary
+
+    def linear(k_in: int, n_out: int, bias: bool) -> nn.Linear:
+        layer = nn.Linear(k_in, n_out, bias=bias)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn((n_out, k_in), generator=gen) / k_in**0.5)
+            if bias:
+                layer.bias.copy_(torch.randn(n_out, generator=gen))
+        return layer.to(device=device, dtype=dtype)
+
+    res: list[dict[str, Any]] = []
+    # gate_up + SiLU-and-mul: an intermediate size that is no multiple of the pairs per program, ragged K
+    for inter, k_in, bias in ((998, 256, False), (64, 200, True)):
+        layer = linear(k_in, 2 * inter, bias)
+        x = torch.randn((1, k_in), generator=gen).to(dtype=dtype, device=device)
+        want = ops.silu_and_mul(ops.gemv(x, layer.weight, layer.bias))
+        res.append({"op": f"gate_up_silu[{inter}x{k_in}{'+b' if bias else ''}]",
+                    "rel_err": rel_err(gv.gate_up_silu(x, layer), want)})
+    # qkv + RoPE + K/V store: the token's slot, and a padding row's slot -1 (nothing stored)
+    heads, kvh, d, k_in = 28, 4, 128, 256
+    layer = linear(k_in, (heads + 2 * kvh) * d, True)
+    x = torch.randn((1, k_in), generator=gen).to(dtype=dtype, device=device)
+    pos = torch.tensor([12345], device=device)
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=device).float() / d))
+    emb = torch.cat((pos.float()[:, None] * inv[None, :],) * 2, -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    c = make_paged_case([1], [40], heads, kvh, d, dtype=dtype, device=device, seed=11)
+    qkv = ops.gemv(x, layer.weight, layer.bias)
+    q, k, v = qkv.split([heads * d, kvh * d, kvh * d], dim=-1)
+    want_q = apply_rotary(q.view(1, heads, d), cos, sin)
+    want_k = apply_rotary(k.view(1, kvh, d), cos, sin)
+    before = c.pool.clone()
+    got_q = gv.qkv_rope_and_write_kv(x, layer, heads, kvh, d, cos, sin, c.k_cache, c.v_cache, c.meta.slot_mapping, 16)
+    slot = int(c.meta.slot_mapping[0])
+    blk = slot // 16  # slots are physical: block id * block size + offset
+    got_k = c.k_cache[blk, slot % 16]
+    got_v = c.v_cache[blk, slot % 16]
+    untouched = before.clone()
+    untouched[:, c.layer, 0][blk, slot % 16] = c.pool[:, c.layer, 0][blk, slot % 16]
+    untouched[:, c.layer, 1][blk, slot % 16] = c.pool[:, c.layer, 1][blk, slot % 16]
+    err = max(rel_err(got_q, want_q), rel_err(got_k, want_k[0]), rel_err(got_v, v.view(kvh, d)))
+    res.append({"op": "qkv_rope_and_write_kv", "rel_err": err if torch.equal(untouched, c.pool) else float("inf")})
+    pad = torch.full_like(c.meta.slot_mapping, -1)
+    before = c.pool.clone()
+    gv.qkv_rope_and_write_kv(x, layer, heads, kvh, d, cos, sin, c.k_cache, c.v_cache, pad, 16)
+    res.append({"op": "qkv_rope_and_write_kv[slot -1]", "rel_err": 0.0 if torch.equal(before, c.pool) else float("inf")})
+    # LM head + argmax: the token is its own logits' first argmax, ties included; the scratch ends at rest
+    vocab, k_in = 4000, 96
+    layer = linear(k_in, vocab, False)
+    x = torch.randn((1, k_in), generator=gen).to(dtype=dtype, device=device)
+    scratch = gv.new_epilogue_scratch(torch.device(device))
+    for tie in (None, (2500, 700, 3999)):
+        if tie is not None:  # three equal best rows: the lowest index must win
+            with torch.no_grad():
+                for r in tie:
+                    layer.weight[r] = x[0] * 4
+        want = ops.gemv(x, layer.weight).float()
+        for _ in range(2):
+            logits, token = gv.lm_head_argmax(x, layer, scratch[0:2])
+        ok = (int(token[0]) == int(want.argmax(-1)[0]) == int(logits.argmax(-1)[0])
+              and (tie is None or int(token[0]) == min(tie))
+              and scratch.tolist() == [gv.ARGMAX_KEY_RESET, 0, 0])
+        res.append({"op": f"lm_head_argmax{'[ties]' if tie else ''}",
+                    "rel_err": rel_err(logits, want) if ok else float("inf")})
+    # o_proj / down_proj + residual add + RMSNorm in the last program (run twice: the counter at rest)
+    for n_out, k_in, bias in ((4096, 512, False), (300, 200, True)):
+        layer = linear(k_in, n_out, bias)
+        x = torch.randn((1, k_in), generator=gen).to(dtype=dtype, device=device)
+        res0 = torch.randn((1, n_out), generator=gen).to(dtype=dtype, device=device)
+        nw = (1 + 0.1 * torch.randn(n_out, generator=gen)).to(dtype=dtype, device=device)
+        want_h, want_r = ops.fused_add_rms_norm(ops.gemv(x, layer.weight, layer.bias), res0.clone(), nw, 1e-5)
+        errs = []
+        for _ in range(2):
+            got_h, got_r = gv.linear_add_rms_norm(x, layer, res0.clone(), nw, 1e-5, scratch[2:3])
+            errs.append(max(rel_err(got_h, want_h), rel_err(got_r, want_r)))
+        res.append({"op": f"linear_add_rms_norm[{n_out}x{k_in}{'+b' if bias else ''}]",
+                    "rel_err": max(errs) if int(scratch[2]) == 0 else float("inf")})
     return res
 
 
@@ -403,19 +493,21 @@ def check_engines_tiny(archs: tuple[str, ...] = ("llama", "qwen2", "qwen3"), max
         wave2 = [shared[:64] + [5, 6, 7], shared[:150], shared[:48]] + [
             torch.randint(3, 320, (n,), generator=gen).tolist() for n in (3, 90)
         ]
+        # alone: every decode step a batch-1 graph step (the GEMV epilogues, the fused split merge)
+        solo = [torch.randint(3, 320, (70,), generator=gen).tolist()]
         common = dict(model=str(model_dir), dtype="float32", max_num_batched_tokens=64, num_gpu_blocks_override=256,
                       max_num_seqs=8, max_model_len=1024)
         outs: dict[str, list[list[int]]] = {}
         hits: dict[str, int] = {}
         for dev in ("cpu", device):
             eng = LLMEngine(EngineConfig(device=dev, **common))
-            outs[dev] = _run_engine(eng, wave1, greedy) + _run_engine(eng, wave2, greedy)
+            outs[dev] = _run_engine(eng, wave1, greedy) + _run_engine(eng, wave2, greedy) + _run_engine(eng, solo, greedy)
             hits[dev] = eng.stats().prefix_cache_hits
             if dev != "cpu":
                 gpu_info = {"backend": eng.runner.backend.name, "graphs": eng.runner.gpu.graph_sizes,
                             "graph_steps": eng.runner.step_timing.graph_steps, "steps": eng.runner.step_timing.steps}
             del eng
-        hf = _hf_greedy(model_dir, wave1 + wave2, max_tokens)
+        hf = _hf_greedy(model_dir, wave1 + wave2 + solo, max_tokens)
         n_prompts = len(hf)
         gpu_vs_cpu = sum(a == b for a, b in zip(outs[device], outs["cpu"], strict=True))
         gpu_vs_hf = sum(a == b for a, b in zip(outs[device], hf, strict=True))
