@@ -803,12 +803,14 @@ class EngineBench:
         }
 
     def p1_variant(self, epilogues: bool = True, norm_epilogue: bool = True, merge: bool = True) -> dict[str, Any]:
-        """P1 again in the same engine with some of issue 21's decode fusions off (the batch-1 graph
-        recaptured): all off = separate RoPE + K/V store, SiLU-and-mul, add + RMSNorm, argmax and split-merge
-        kernels, the code before issue 21's second pass. Before/after in one run."""
+        """P1 again in the same engine with issue 21's decode fusions switched as given (the batch-1 graph
+        recaptured, then recaptured back): all off = separate RoPE + K/V store, SiLU-and-mul, add + RMSNorm,
+        argmax and split-merge kernels (the default until measured; PDSERVE_DECODE_FUSIONS=1 turns them
+        on). Before/after in one run."""
         from pdserve.gpu import gemv
 
         backend = self.engine.runner.backend
+        saved = gemv.EPILOGUE_FUSIONS, gemv.NORM_EPILOGUE, backend.fused_decode_merge
         gemv.EPILOGUE_FUSIONS = epilogues
         gemv.NORM_EPILOGUE = norm_epilogue
         backend.fused_decode_merge = merge
@@ -818,7 +820,7 @@ class EngineBench:
             out["fusions"] = {"epilogues": epilogues, "norm_epilogue": norm_epilogue, "merge": merge}
             return out
         finally:
-            gemv.EPILOGUE_FUSIONS = gemv.NORM_EPILOGUE = backend.fused_decode_merge = True
+            gemv.EPILOGUE_FUSIONS, gemv.NORM_EPILOGUE, backend.fused_decode_merge = saved
             self._recapture(1)
 
     def _recapture(self, size: int) -> None:
@@ -1156,10 +1158,11 @@ def main() -> int:
     if eb is not None:
         for name, fn, fargs, min_left in (
             ("p1_decode_b1", eb.decode, (1, 128, 200), 20),
+            ("p1_decode_b1_fused", lambda: eb.p1_variant(True, True, True), (), 20),
+            ("p1_decode_b1_fused_no_norm_epilogue", lambda: eb.p1_variant(True, False, True), (), 20),
+            ("p1_decode_b1_fused_no_merge", lambda: eb.p1_variant(True, True, False), (), 20),
             ("p1_decode_b1_unfused", lambda: eb.p1_variant(False, False, False), (), 20),
-            ("p1_decode_b1_no_norm_epilogue", lambda: eb.p1_variant(True, False, True), (), 20),
-            ("p1_decode_b1_no_merge_fusion", lambda: eb.p1_variant(True, True, False), (), 20),
-            ("p1_decode_b1_again", eb.decode, (1, 128, 200), 20),  # fused again: the A/B's drift
+            ("p1_decode_b1_again", eb.decode, (1, 128, 200), 20),  # the default again: the A/B's drift
             ("decode_b1_variants", eb.decode_variants_b1, (), 20),
             ("p2_decode_b64_2k", eb.decode, (64, 2048, 64), 30),
             ("p2_no_prefix_cache", eb.decode_no_prefix_cache, (64, 2048, 32), 30),
@@ -1204,10 +1207,11 @@ def summarize(s: Suite, ceil: dict[str, Any]) -> None:
         rows.append(("P1 decode b1: weights/ITL", f"{p1['weight_only_GBps']:.0f} GB/s (ITL {p1['itl_ms']:.2f} ms)",
                      f"{ratio(p1['weight_only_GBps'], bw)} of rw copy ({ratio(p1['weight_only_GBps'], bw1)} one-way)",
                      "goal 85%"))
-    for key, label in (("p1_decode_b1_unfused", "P1 with issue-21 fusions off"),
-                       ("p1_decode_b1_no_norm_epilogue", "P1 without the add+norm epilogue"),
-                       ("p1_decode_b1_no_merge_fusion", "P1 without the fused split merge"),
-                       ("p1_decode_b1_again", "P1 again")):
+    for key, label in (("p1_decode_b1_fused", "P1, issue-21 decode fusions on"),
+                       ("p1_decode_b1_fused_no_norm_epilogue", "P1, fusions on but the add+norm epilogue"),
+                       ("p1_decode_b1_fused_no_merge", "P1, fusions on but the split merge"),
+                       ("p1_decode_b1_unfused", "P1, fusions off"),
+                       ("p1_decode_b1_again", "P1 (default) again")):
         x = r.get(key) or {}
         if "itl_ms" in x:
             rows.append((label, f"{x['weight_only_GBps']:.0f} GB/s (ITL {x['itl_ms']:.2f} ms)",

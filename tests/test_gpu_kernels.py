@@ -153,9 +153,10 @@ def test_batch1_decode_epilogues_are_token_exact(tiny_model_factory, arch, monke
     from pdserve.attention import triton_backend as tb
     from pdserve.cpu import packed_linear
     from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.gpu import ops
+    from pdserve.gpu import gemv, ops
 
     model = tiny_model_factory(arch)
+    monkeypatch.setattr(gemv, "EPILOGUE_FUSIONS", True)  # (off by default until measured on the GPU)
     used = {"qkv_rope_and_write_kv": 0, "gate_up_silu": 0, "lm_head_argmax": 0, "linear_add_rms_norm": 0}
     for name in used:
         real = getattr(ops, name)
@@ -178,6 +179,7 @@ def test_batch1_decode_epilogues_are_token_exact(tiny_model_factory, arch, monke
     monkeypatch.setattr(packed_linear, "pack_linears", lambda model, dtype: 0)
     engine = make_engine(model, **kw)
     engine.runner.backend = tb.TritonAttention(num_sms=4)
+    engine.runner.backend.fused_decode_merge = True
     engine.runner.use_gpu_step_runner(simulate_graphs=True)
     got = [run_engine(engine, [p], params)[0] for p in prompts]
     assert got == want

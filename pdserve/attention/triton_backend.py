@@ -16,6 +16,8 @@ gathered K/V for cuDNN.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pdserve.attention import fp8_kv
@@ -52,6 +54,16 @@ FP8_DECODE_CONFIGS: list[tuple[int, int, int, int, int]] = [
 ]
 
 
+# Issue 21's batch-1 decode fusions: the split merge in the decode kernel (here) and the GEMV epilogues
+# (pdserve.gpu.gemv). Built and checked token-exact on the CPU (Triton's interpreter), not yet measured on
+# an H200: off unless PDSERVE_DECODE_FUSIONS=1 (benchmarks/gpu_suite.py measures them on and off).
+DECODE_FUSIONS_ENV = "PDSERVE_DECODE_FUSIONS"
+
+
+def decode_fusions_from_env() -> bool:
+    return os.environ.get(DECODE_FUSIONS_ENV, "") == "1"
+
+
 def decode_config(batch: int, configs: list[tuple[int, int, int, int, int]] | None = None) -> tuple[int, int, int, int]:
     configs = DECODE_CONFIGS if configs is None else configs
     for max_batch, tile_n, warps, stages, pps in configs:
@@ -76,7 +88,7 @@ class TritonAttention:
         self.long_prefill = long_prefill
         # decode's split merge in the attention kernel's last program per (sequence, kv head): one launch
         # less per layer (issue 21: 0.08 ms of a 4.4 ms batch-1 step). False: the separate merge kernel.
-        self.fused_decode_merge = True
+        self.fused_decode_merge = decode_fusions_from_env()
         self._merge_counters: torch.Tensor | None = None
         if long_prefill is not None:
             # the kernel starts the keys left after partial 1 at a tile boundary

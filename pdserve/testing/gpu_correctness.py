@@ -270,7 +270,6 @@ def _check_gemv_epilogues(ops, dtype: torch.dtype, device: str, gen: torch.Gener
     from torch import nn
 
     from pdserve.gpu import gemv as gv
-    from pdserve.model.rope import apply_rotary
 
     def linear(k_in: int, n_out: int, bias: bool) -> nn.Linear:
         layer = nn.Linear(k_in, n_out, bias=bias)
@@ -279,6 +278,18 @@ def _check_gemv_epilogues(ops, dtype: torch.dtype, device: str, gen: torch.Gener
             if bias:
                 layer.bias.copy_(torch.randn(n_out, generator=gen))
         return layer.to(device=device, dtype=dtype)
+
+    saved = gv.EPILOGUE_FUSIONS, gv.NORM_EPILOGUE
+    gv.EPILOGUE_FUSIONS = gv.NORM_EPILOGUE = True  # (the switches the engine reads; checked here whatever they say)
+    try:
+        return _check_gemv_epilogues_on(ops, gv, linear, dtype, device, gen)
+    finally:
+        gv.EPILOGUE_FUSIONS, gv.NORM_EPILOGUE = saved
+
+
+def _check_gemv_epilogues_on(ops, gv, linear, dtype: torch.dtype, device: str,
+                             gen: torch.Generator) -> list[dict[str, Any]]:
+    from pdserve.model.rope import apply_rotary
 
     res: list[dict[str, Any]] = []
     # gate_up + SiLU-and-mul: an intermediate size that is no multiple of the pairs per program, ragged K
