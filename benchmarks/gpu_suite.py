@@ -805,8 +805,7 @@ class EngineBench:
     def p1_variant(self, epilogues: bool = True, norm_epilogue: bool = True, merge: bool = True) -> dict[str, Any]:
         """P1 again in the same engine with issue 21's decode fusions switched as given (the batch-1 graph
         recaptured, then recaptured back): all off = separate RoPE + K/V store, SiLU-and-mul, add + RMSNorm,
-        argmax and split-merge kernels (the default until measured; PDSERVE_DECODE_FUSIONS=1 turns them
-        on). Before/after in one run."""
+        argmax and split-merge kernels (PDSERVE_DECODE_FUSIONS=0; on by default). Before/after in one run."""
         from pdserve.gpu import gemv
 
         backend = self.engine.runner.backend

@@ -55,13 +55,13 @@ FP8_DECODE_CONFIGS: list[tuple[int, int, int, int, int]] = [
 
 
 # Issue 21's batch-1 decode fusions: the split merge in the decode kernel (here) and the GEMV epilogues
-# (pdserve.gpu.gemv). Built and checked token-exact on the CPU (Triton's interpreter), not yet measured on
-# an H200: off unless PDSERVE_DECODE_FUSIONS=1 (benchmarks/gpu_suite.py measures them on and off).
+# (pdserve.gpu.gemv). On the H200 they took P1's ITL from 4.53-4.61 ms to 4.37 ms in one run (BENCHMARKS.md);
+# PDSERVE_DECODE_FUSIONS=0 turns them off (benchmarks/gpu_suite.py measures them on and off in one run).
 DECODE_FUSIONS_ENV = "PDSERVE_DECODE_FUSIONS"
 
 
 def decode_fusions_from_env() -> bool:
-    return os.environ.get(DECODE_FUSIONS_ENV, "") == "1"
+    return os.environ.get(DECODE_FUSIONS_ENV, "1") != "0"
 
 
 def decode_config(batch: int, configs: list[tuple[int, int, int, int, int]] | None = None) -> tuple[int, int, int, int]:
@@ -89,6 +89,7 @@ class TritonAttention:
         # decode's split merge in the attention kernel's last program per (sequence, kv head): one launch
         # less per layer (issue 21: 0.08 ms of a 4.4 ms batch-1 step). False: the separate merge kernel.
         self.fused_decode_merge = decode_fusions_from_env()
+        self.fused_merge_max_batch = 1  # where it was measured (P1); larger split batches keep the merge kernel
         self._merge_counters: torch.Tensor | None = None
         if long_prefill is not None:
             # the kernel starts the keys left after partial 1 at a tile boundary
@@ -128,7 +129,8 @@ class TritonAttention:
             return tk.decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits,
                 tile_n=tile_n, num_warps=warps, num_stages=stages, kv_format=self.kv_format,
-                merge_counters=self._counters(q.device, batch * k_cache.shape[2]) if splits > 1 else None,
+                merge_counters=(self._counters(q.device, batch * k_cache.shape[2])
+                                if splits > 1 and batch <= self.fused_merge_max_batch else None),
             )
         partials = None
         lpc = self.long_prefill

@@ -21,8 +21,8 @@ that need the whole output run in the program that finishes last (an atomic coun
 Each epilogue rounds where the unfused ops round (the GEMV output to the model dtype first), so the
 results are the same bits as gemv followed by ops.silu_and_mul / ops.rope_and_write_kv / argmax.
 
-`EPILOGUE_FUSIONS` switches them (the unfused kernels run when off): off unless PDSERVE_DECODE_FUSIONS=1
-until they are measured on the H200 (benchmarks/gpu_suite.py measures both ways in one run).
+`EPILOGUE_FUSIONS` switches them (the unfused kernels run when off; PDSERVE_DECODE_FUSIONS=0 at start):
+benchmarks/gpu_suite.py measures both ways in one run.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import triton.language as tl
 
 from pdserve.attention.triton_backend import decode_fusions_from_env
 
-EPILOGUE_FUSIONS = decode_fusions_from_env()  # off until measured on the H200: see triton_backend
+EPILOGUE_FUSIONS = decode_fusions_from_env()  # on unless PDSERVE_DECODE_FUSIONS=0 (triton_backend)
 # the residual add + RMSNorm after o_proj and down_proj in the GEMV's last program (within EPILOGUE_FUSIONS)
 NORM_EPILOGUE = True
 
