@@ -176,7 +176,8 @@ def _thread_line(st: dict) -> str:
                      f"runq {st[f'{where}_rq_s']:.1f} blocked {st[f'{where}_blocked_s']:.1f} "
                      f"(others' cpu {st[f'{where}_other_run_s']:.1f})")
     return (f"        engine thread s {'; '.join(parts)}; steps {st['steps']} (mixed {st['mixed_steps']}, "
-            f"prefill-only {st['prefill_only_steps']}), decode step p50 {st['decode_step_p50_ms']:.1f} ms "
+            f"prefill-only {st['prefill_only_steps']}, on >1 thread {st['multi_thread_steps']}), "
+            f"decode step p50 {st['decode_step_p50_ms']:.1f} ms "
             f"at {st['decode_seqs_p50']} seqs")
 
 

@@ -90,6 +90,7 @@ def window_stats(path: str, since: float, until: float) -> dict:
     decode = [s["sched_ms"] + s["exec_ms"] + s["post_ms"] for s in steps if s["prefill_tokens"] == 0]
     out: dict = {"steps": len(steps), "mixed_steps": sum(1 for s in steps if 0 < s["prefill_tokens"] < s["tokens"]),
                  "prefill_only_steps": sum(1 for s in steps if s["prefill_tokens"] == s["tokens"]),
+                 "multi_thread_steps": sum(1 for s in steps if s.get("threads", 1) > 1),
                  "decode_step_p50_ms": pct(decode, 0.5), "decode_seqs_p50": pct(
                      [s["seqs"] for s in steps if s["prefill_tokens"] == 0], 0.5)}
     if all("run_ms" in s for s in steps):

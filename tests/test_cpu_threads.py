@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from pdserve.cpu.spare_cores import SpareCores
 from pdserve.cpu.threads import BIND_ENV, DECODE_STEP_TOKENS, ENV, StepThreads
 
 
@@ -74,3 +75,73 @@ def test_bind_pins_only_the_stepping_thread(monkeypatch):
     worker.join()
     assert seen == [{min(process_cores)}]
     assert os.sched_getaffinity(0) == process_cores  # the other threads keep every core
+
+
+class _Counters:
+    """Scripted (machine busy s, own busy s) readings and a clock for SpareCores."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.machine = 100.0
+        self.own = 10.0
+
+    def advance(self, dt: float, machine_cores: float, own_cores: float) -> None:
+        self.now += dt
+        self.machine += dt * machine_cores
+        self.own += dt * own_cores
+
+
+def test_spare_cores_subtracts_this_process():
+    c = _Counters()
+    spare = SpareCores(window_s=1.0, sample_s=0.1, counters=lambda: (c.machine, c.own), clock=lambda: c.now)
+    assert spare.available
+    assert spare.others_busy() is None  # one sample: no window yet
+    for _ in range(20):  # 2 s: the machine busy 1.2 cores, of which this process 1.0
+        c.advance(0.1, 1.2, 1.0)
+        busy = spare.others_busy()
+    assert busy == pytest.approx(0.2)
+    for _ in range(20):  # another process takes a core: seen within the 1 s window
+        c.advance(0.1, 2.0, 1.0)
+        busy = spare.others_busy()
+    assert busy == pytest.approx(1.0)
+    c.advance(60.0, 0.0, 0.0)  # an idle spell: the old window does not count
+    assert spare.others_busy() is None
+
+
+def test_spare_cores_reads_this_machine():
+    spare = SpareCores(window_s=10.0, sample_s=0.2)
+    if not spare.available:
+        pytest.skip("no /proc/stat here")
+    busy = None
+    for _ in range(10_000):  # bounded: our own CPU for at least one 0.2 s sample interval
+        sum(i * i for i in range(2_000))
+        busy = spare.others_busy()
+        if busy is not None:
+            break
+    assert busy is not None
+    # the counters tick at 10 ms: over >= 0.2 s, within a tenth of a core of the truth per CPU
+    assert 0.0 <= busy <= (os.cpu_count() or 1) * 1.1
+
+
+def test_auto_takes_every_core_only_while_the_others_leave_them_idle():
+    c = _Counters()
+    spare = SpareCores(window_s=1.0, sample_s=0.1, counters=lambda: (c.machine, c.own), clock=lambda: c.now)
+    t = StepThreads(1, 1, spare_max=2, spare=spare)
+    assert t.for_step(1) == 1  # no window yet: the base count
+    for _ in range(15):
+        c.advance(0.1, 1.1, 1.0)
+    assert t.for_step(1) == t.for_step(DECODE_STEP_TOKENS + 1) == 2
+    for _ in range(15):
+        c.advance(0.1, 2.0, 1.0)
+    assert t.for_step(1) == 1
+
+
+def test_env_auto(monkeypatch):
+    monkeypatch.setenv(ENV, "auto")
+    t = StepThreads.from_env()
+    cores = torch.get_num_threads()
+    assert (t.decode, t.prefill) == (max(1, cores - 1),) * 2
+    if cores > 1 and SpareCores().available:
+        assert t.spare_max == cores and t.spare is not None
+    else:
+        assert t.spare is None

@@ -11,6 +11,15 @@ one thread prefilled at about twice that rate.
 `PDSERVE_CPU_THREADS=D[,P]` sets the decode and prefill counts (P defaults to D), e.g. `2` to give the
 engine both cores of an otherwise idle 2-core box.
 
+`PDSERVE_CPU_THREADS=auto`: every core but one, as above, and every core for a step while the rest of the
+machine has left them idle (its other processes used at most `IDLE_OTHERS_CORES` cores over the last
+second, `pdserve.cpu.spare_cores`). On the 2-core box with nothing else running, a decode step at batch 16
+took ~110 ms on two threads against ~170 ms on one (the paged attention reads scattered 12 KiB K/V
+chunks at a quarter of one core's streaming rate: two cores' memory parallelism halves it); once another
+process wants the core, the step goes back to one thread within about a second. Results do not depend on
+the thread count (the C kernels give each sequence or row to one thread; oneDNN's linears split the
+output columns), so neither do the tokens.
+
 `PDSERVE_CPU_BIND=1` also pins the stepping thread (and so the OpenMP threads it starts) to the cores it
 steps on, the first max(D, P) of the ones this process may use, leaving the rest to the HTTP thread, as
 vLLM's CPU worker binds itself ("core ids=[0]" on the 2-core box). Off by default (see BENCHMARKS.md,
@@ -25,29 +34,42 @@ import threading
 
 import torch
 
+from pdserve.cpu.spare_cores import SpareCores
+
 log = logging.getLogger("pdserve.cpu")
 
 ENV = "PDSERVE_CPU_THREADS"
 BIND_ENV = "PDSERVE_CPU_BIND"
 # Steps with at most this many query tokens count as decode-sized (weights-bound, short regions).
 DECODE_STEP_TOKENS = 64
+# `auto`: a step takes every core while the machine's other processes used at most this many cores lately
+IDLE_OTHERS_CORES = 0.3
 
 
 class StepThreads:
-    def __init__(self, decode: int, prefill: int, bind: bool = False):
+    def __init__(self, decode: int, prefill: int, bind: bool = False, spare_max: int | None = None,
+                 spare: SpareCores | None = None):
+        """spare_max: with `spare`, the count a step takes while the other processes leave the cores idle."""
         if decode < 1 or prefill < 1:
             raise ValueError(f"{ENV}: thread counts must be >= 1, got {decode},{prefill}")
         self.decode = decode
         self.prefill = prefill
         self.bind = bind
+        self.spare_max = spare_max
+        self.spare = spare if spare_max is not None else None
         self._bound: set[int] = set()  # idents of the threads already pinned
 
     @classmethod
     def from_env(cls) -> StepThreads:
         bind = os.environ.get(BIND_ENV, "0").strip() not in ("", "0")
         value = os.environ.get(ENV, "").strip()
-        if not value:
-            n = max(1, torch.get_num_threads() - 1)  # torch's default: the cores, or OMP_NUM_THREADS
+        cores = torch.get_num_threads()  # torch's default: the cores, or OMP_NUM_THREADS
+        if not value or value == "auto":
+            n = max(1, cores - 1)
+            if value == "auto" and cores > n:
+                spare = SpareCores()
+                if spare.available:
+                    return cls(n, n, bind, spare_max=cores, spare=spare)
             return cls(n, n, bind)
         try:
             parts = [int(p) for p in value.split(",")]
@@ -58,16 +80,22 @@ class StepThreads:
         return cls(parts[0], parts[-1], bind)
 
     def for_step(self, num_tokens: int) -> int:
-        return self.decode if num_tokens <= DECODE_STEP_TOKENS else self.prefill
+        n = self.decode if num_tokens <= DECODE_STEP_TOKENS else self.prefill
+        if self.spare is not None and self.spare_max is not None and self.spare_max > n:
+            others = self.spare.others_busy()
+            if others is not None and others <= IDLE_OTHERS_CORES:
+                return self.spare_max
+        return n
 
-    def apply(self, num_tokens: int) -> None:
+    def apply(self, num_tokens: int) -> int:
         """Sets torch's thread count for a step of `num_tokens` query tokens (in the stepping thread:
-        OpenMP's count is per calling thread)."""
+        OpenMP's count is per calling thread); returns it."""
         n = self.for_step(num_tokens)
         if self.bind:
             self._pin_this_thread()
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
+        return n
 
     def _pin_this_thread(self) -> None:
         ident = threading.get_ident()
@@ -75,10 +103,11 @@ class StepThreads:
             return
         self._bound.add(ident)
         allowed = sorted(os.sched_getaffinity(0))
-        cores = set(allowed[: max(self.decode, self.prefill)])
+        cores = set(allowed[: max(self.decode, self.prefill, self.spare_max or 0)])
         os.sched_setaffinity(0, cores)  # Linux: pid 0 is the calling thread, not the whole process
         log.info("CPU steps pinned to cores %s", sorted(cores))
 
     def __repr__(self) -> str:
         pinned = ", pinned" if self.bind else ""
-        return f"decode steps {self.decode} thread(s), prefill steps {self.prefill}{pinned}"
+        spare = f", {self.spare_max} while the other processes leave the cores idle" if self.spare else ""
+        return f"decode steps {self.decode} thread(s), prefill steps {self.prefill}{spare}{pinned}"

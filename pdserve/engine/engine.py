@@ -499,7 +499,7 @@ class LLMEngine:
                 t_start, t_sched, t_exec, time.perf_counter(), seqs=len(sched.scheduled),
                 tokens=sched.num_tokens, prefill_tokens=sum(n for _, n in sched.scheduled if n > 1),
                 graph=timing.graph_steps > graphs0, wait_s=timing.wait_s - wait0, outputs=len(outputs),
-                start_counters=counters0)
+                start_counters=counters0, threads=getattr(self.runner, "last_step_threads", None))
         return outputs
 
     def _emit(self, req: Request, finished: bool = False) -> RequestOutput:

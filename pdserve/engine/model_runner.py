@@ -152,6 +152,7 @@ class ModelRunner:
                                  tp=tp)
         self.num_kv_heads = self.model.shard.kv_heads  # this rank's share of the KV heads
         self.cpu_threads = None
+        self.last_step_threads: int | None = None  # the torch threads the last CPU step ran on (the step log's)
         if self.device.type == "cpu":
             from pdserve.cpu.allocator import keep_freed_memory
             from pdserve.cpu.packed_linear import pack_linears
@@ -336,7 +337,7 @@ class ModelRunner:
         if self.gpu is not None:
             return self.gpu.execute(batch)
         if self.cpu_threads is not None:
-            self.cpu_threads.apply(sum(n for _, n in batch))
+            self.last_step_threads = self.cpu_threads.apply(sum(n for _, n in batch))
         input_ids, positions, meta = self._prepare(batch)
         rows: list[int] = []
         sampling: list[Request] = []

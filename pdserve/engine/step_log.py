@@ -93,7 +93,7 @@ class StepLog:
 
     def record(self, start: float, scheduled: float, executed: float, end: float, *, seqs: int, tokens: int,
                prefill_tokens: int, graph: bool, wait_s: float, outputs: int,
-               start_counters: tuple[int, int, int] | None = None) -> None:
+               start_counters: tuple[int, int, int] | None = None, threads: int | None = None) -> None:
         gap = 0.0 if self._last_end is None else start - self._last_end
         self._last_end = end
         line = {
@@ -102,6 +102,8 @@ class StepLog:
             "wait_ms": round(wait_s * 1e3, 3), "post_ms": round((end - executed) * 1e3, 3),
             "seqs": seqs, "tokens": tokens, "prefill_tokens": prefill_tokens, "graph": graph, "outputs": outputs,
         }
+        if threads is not None:
+            line["threads"] = threads  # CPU: the torch threads the step ran on
         if start_counters is not None and self._clock is not None and self._clock.available:
             end_counters = self.counters()
             line.update(_split("", end - start, start_counters, end_counters))
