@@ -134,6 +134,17 @@ def test_loader_reads_the_scales_under_each_vllm_name(tiny_llama, calibrated, tm
     assert run_engine(engine, [[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0))[0]
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_checkpoints_carry_scales_the_same_way(tiny_model_factory, tmp_path, arch):
+    """Qwen2 (qkv bias) and Qwen3 (q/k norms, `self_attn.k_norm.weight` is no scale) load the scales too."""
+    src = tiny_model_factory(arch)
+    model_dir = with_tensors(src, tmp_path / arch, scale_tensors([(0.02, 0.01), (0.03, 0.015)], "modelopt"))
+    engine = make_engine(model_dir, kv_cache_dtype="fp8")
+    want = [(fp8_kv.static_kv_scale(k), fp8_kv.static_kv_scale(v)) for k, v in [(0.02, 0.01), (0.03, 0.015)]]
+    assert [layer.self_attn.kv_scale for layer in engine.runner.model.layers] == want
+    assert run_engine(engine, [[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0))[0]
+
+
 def test_the_deprecated_single_kv_scale_and_a_partial_checkpoint(tiny_llama, tmp_path):
     """`kv_scale` serves K and V; a layer without scales keeps per-row scales (`checkpoint+dynamic`)."""
     model_dir = with_tensors(tiny_llama, tmp_path / "tiny-llama", {"model.layers.1.self_attn.kv_scale": torch.tensor(0.01)})
