@@ -50,6 +50,11 @@ def count_loads(ptx: str) -> dict[str, int]:
     return out
 
 
+def _f16_args(fp8: bool) -> dict:
+    """What triton_kernels._read_args passes for bf16 queries on a GPU: fp8 read as float16 by packed PTX."""
+    return {"FP8_F16": fp8, "FP8_ASM": fp8, "FP8_UNIT": tf8.f16_unit(fp8_kv.fp8_format("fp8")) if fp8 else 1.0}
+
+
 def decode_ptx(fp8: bool, tile_n: int, warps: int, stages: int) -> str:
     cache_t = "*u8" if fp8 else "*bf16"
     signature = {
@@ -62,7 +67,7 @@ def decode_ptx(fp8: bool, tile_n: int, warps: int, stages: int) -> str:
     args = tf8.kernel_args(fp8_kv.fp8_format("fp8") if fp8 else None)
     constexprs = {"H": H, "G": H // KVH, "BLOCK_G": 16, "D": D, "BLOCK_D": D, "BLOCK_SIZE": BS, "TILE_N": tile_n,
                   "DOT_PRECISION": "tf32", "EVEN_D": True, "KV_FP8": args["KV_FP8"], "FP8_MANT": args["FP8_MANT"],
-                  "KVH": KVH}
+                  "KVH": KVH, **_f16_args(fp8)}
     divisible = {"q_ptr", "stride_q_t", "stride_q_h", "k_cache_ptr", "v_cache_ptr", "stride_c_blk", "stride_c_tok",
                  "block_tables_ptr", "seq_lens_ptr", "out_ptr", "stride_o_t", "stride_o_h", "part_o_ptr",
                  "part_lse_ptr"}
@@ -86,7 +91,7 @@ def prefill_ptx(fp8: bool, block_m: int, tile_n: int, warps: int, stages: int) -
     g = H // KVH
     constexprs = {"G": g, "BLOCK_Q": block_m // g, "BLOCK_M": block_m, "D": D, "BLOCK_D": D, "BLOCK_SIZE": BS,
                   "TILE_N": tile_n, "DOT_PRECISION": "tf32", "EVEN_D": True, "HAS_PARTIALS": False,
-                  "KV_FP8": args["KV_FP8"], "FP8_MANT": args["FP8_MANT"], "KVH": KVH}
+                  "KV_FP8": args["KV_FP8"], "FP8_MANT": args["FP8_MANT"], "KVH": KVH, **_f16_args(fp8)}
     divisible = {"q_ptr", "stride_q_t", "stride_q_h", "k_cache_ptr", "v_cache_ptr", "stride_c_blk", "stride_c_tok",
                  "block_tables_ptr", "seq_lens_ptr", "qsl_ptr", "out_ptr", "stride_o_t", "stride_o_h"}
     if not fp8:

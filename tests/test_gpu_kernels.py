@@ -19,8 +19,10 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("these tests need the interpreter: triton was imported before TRITON_INTERPRET was set",
                 allow_module_level=True)
 
+import triton.language as tl  # noqa: E402
 import triton.runtime.interpreter as _interp  # noqa: E402
 
+from pdserve.attention import triton_fp8 as tf8  # noqa: E402
 from pdserve.attention import triton_kernels as tk  # noqa: E402
 from pdserve.testing.gpu_correctness import SdpaReference, check_ops, make_paged_case, rel_err  # noqa: E402
 
@@ -239,6 +241,38 @@ def test_fp8_kernels_match_sdpa_on_dequantized_kv_and_store_the_cpu_bytes(fmt):
     assert len(results) == 8  # 2 prefill, 2 decode splits, 2 stores x (per-row, static checkpoint scales)
     for item in results:
         assert item["ok"], item
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_kernels_with_16_bit_queries_read_kv_as_float16_bits(fmt):
+    """16-bit queries: the read kernels take fp8 K/V as float16 by moving bits (triton_fp8.fp8_to_f16, the
+    integer form of the GPU's packed PTX) and fold e4m3's 2^8 into the scales: same attention as SDPA over
+    the dequantized pool, to 16-bit precision."""
+    from pdserve.testing.gpu_correctness import check_fp8_kernels
+
+    results = check_fp8_kernels(torch.float16, "cpu", FP8_CASES, (fmt,), block_size=4, tile_n=16, block_m=16,
+                                splits_list=(1, 3))
+    assert sum(r["kernel"].startswith(("decode", "prefill")) for r in results) == 4  # 2 prefill, 2 decode splits
+    for item in results:
+        assert item["ok"], item
+    assert max(r.get("rel_err", 0.0) for r in results) < 5e-3  # 16-bit rounding, not a misplaced power of 2
+
+
+@triton.jit
+def _fp8_bytes_to_f16(src, dst, FP8_MANT: tl.constexpr):
+    i = tl.arange(0, 256)
+    tl.store(dst + i, tf8.fp8_to_f16(tl.load(src + i), FP8_MANT, False))
+
+
+def test_fp8_to_f16_bits_are_exact_for_every_byte():
+    """Every e4m3 byte (but NaN) decodes to its value x 2^-8, every e5m2 byte to its value, in float16."""
+    raw = torch.arange(256, dtype=torch.uint8)
+    for mant, dtype, unit in ((3, torch.float8_e4m3fn, 256.0), (2, torch.float8_e5m2, 1.0)):
+        out = torch.empty(256, dtype=torch.float16)
+        _fp8_bytes_to_f16[(1,)](raw, out, FP8_MANT=mant)
+        want = raw.view(dtype).float()
+        finite = want.isfinite()
+        assert torch.equal(out.float()[finite] * unit, want[finite])
 
 
 def test_fp8_long_prefill_partials_dequantize_gathered_kv():

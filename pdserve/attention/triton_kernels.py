@@ -25,6 +25,7 @@ Everything here needs triton; it is imported only on CUDA (or under TRITON_INTER
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -42,12 +43,21 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _read_args(kv_format: fp8_kv.Fp8Format | None, k_cache: torch.Tensor, head_dim: int) -> dict:
+def _read_args(kv_format: fp8_kv.Fp8Format | None, k_cache: torch.Tensor, head_dim: int,
+               q: torch.Tensor | None = None) -> dict:
+    """The fp8 constexprs of the read kernels. FP8_F16: 16-bit queries read fp8 K/V as float16 by moving bits
+    (triton_fp8.fp8_to_f16; FP8_UNIT folds its power of two into the scales), through packed PTX on a GPU
+    (FP8_ASM) and integer arithmetic under Triton's interpreter. float32 queries (the exactness tests'
+    models) convert the fp8 values to float32."""
+    f16 = False
     if kv_format is not None:  # whole regions (fp8_kv.layer_views' layout) with 16-byte aligned value rows
         assert k_cache.dtype == torch.uint8 and k_cache.shape[-1] == head_dim + fp8_kv.SCALE_BYTES
         assert k_cache[0].is_contiguous()
+        f16 = q is not None and q.dtype in (torch.bfloat16, torch.float16)
     args = tf8.kernel_args(kv_format)
-    return {"KV_FP8": args["KV_FP8"], "FP8_MANT": args["FP8_MANT"]}
+    return {"KV_FP8": args["KV_FP8"], "FP8_MANT": args["FP8_MANT"], "FP8_F16": f16,
+            "FP8_ASM": f16 and k_cache.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
+            "FP8_UNIT": tf8.f16_unit(kv_format) if f16 else 1.0}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -139,7 +149,8 @@ def _decode_kernel(
     H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     KV_FP8: tl.constexpr, FP8_MANT: tl.constexpr, KVH: tl.constexpr, FUSED_MERGE: tl.constexpr,
-    MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
+    MERGE_G: tl.constexpr, MERGE_S: tl.constexpr, FP8_F16: tl.constexpr, FP8_ASM: tl.constexpr,
+    FP8_UNIT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -157,6 +168,8 @@ def _decode_kernel(
     dmask = d < D
     q = tl.load(q_ptr + b * stride_q_t + head[:, None] * stride_q_h + d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
+    if FP8_F16:  # fp8 K/V read as float16 (triton_fp8.fp8_to_f16): the products run in float16
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -178,12 +191,12 @@ def _decode_kernel(
         else:
             kv_mask = tmask[:, None] & dmask[None, :]
         if KV_FP8:
-            # fp8: the matrix products run on the exact fp8 values in q's dtype; each key's scale
+            # fp8: the matrix products run on the exact fp8 values (times 1 / FP8_UNIT); each key's scale
             # multiplies its score column, each value's scale its probability column
-            k = tf8.as_fp8(tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0),
-                           FP8_MANT).to(q.dtype)
+            k = tf8.fp8_tile(tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0), q.dtype,
+                             FP8_MANT, FP8_F16, FP8_ASM)
             k_scale = tf8.load_scale(k_cache_ptr + s_off, tmask)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (k_scale * scale_log2)[None, :]
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (k_scale * (scale_log2 * FP8_UNIT))[None, :]
         else:
             k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
@@ -193,9 +206,9 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if KV_FP8:
-            v = tf8.as_fp8(tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0),
-                           FP8_MANT).to(q.dtype)
-            p = p * tf8.load_scale(v_cache_ptr + s_off, tmask)[None, :]
+            v = tf8.fp8_tile(tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0), q.dtype,
+                             FP8_MANT, FP8_F16, FP8_ASM)
+            p = p * (tf8.load_scale(v_cache_ptr + s_off, tmask) * FP8_UNIT)[None, :]
         else:
             v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -336,7 +349,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scale * LOG2E, num_splits,
         H=num_heads, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, TILE_N=tile_n, DOT_PRECISION=_dot_precision(q.dtype),
-        EVEN_D=d == block_d, **_read_args(kv_format, k_cache, d), KVH=kvh, FUSED_MERGE=fused_merge,
+        EVEN_D=d == block_d, **_read_args(kv_format, k_cache, d, q), KVH=kvh, FUSED_MERGE=fused_merge,
         MERGE_G=triton.next_power_of_2(group), MERGE_S=8, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1 and not fused_merge:
@@ -356,6 +369,7 @@ def _attend_tiles(
     tile_lo, tile_hi, key_limit, seq_len, scale_log2, d, dmask,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, D: tl.constexpr, KV_FP8: tl.constexpr, FP8_MANT: tl.constexpr, KVH: tl.constexpr,
+    FP8_F16: tl.constexpr, FP8_ASM: tl.constexpr, FP8_UNIT: tl.constexpr,
 ):
     head_off = kvh.to(tl.int64) * stride_c_head
     n = tl.arange(0, TILE_N)
@@ -384,9 +398,10 @@ def _attend_tiles(
                 k = tl.load(ptrs_k)
             else:
                 k = tl.load(ptrs_k, mask=dmask[None, :], other=0.0)
-        if KV_FP8:  # exact fp8 values in q's dtype; the row scales multiply score / probability columns
-            qk = tl.dot(q, tl.trans(tf8.as_fp8(k, FP8_MANT).to(q.dtype)), input_precision=DOT_PRECISION)
-            qk = qk * tf8.load_scale(k_cache_ptr + s_off, tmask)[None, :]
+        if KV_FP8:  # exact fp8 values (times 1 / FP8_UNIT); the row scales multiply score / probability columns
+            qk = tl.dot(q, tl.trans(tf8.fp8_tile(k, q.dtype, FP8_MANT, FP8_F16, FP8_ASM)),
+                        input_precision=DOT_PRECISION)
+            qk = qk * (tf8.load_scale(k_cache_ptr + s_off, tmask) * FP8_UNIT)[None, :]
         else:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
@@ -403,7 +418,7 @@ def _attend_tiles(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if KV_FP8:
-            p = p * tf8.load_scale(v_cache_ptr + s_off, tmask)[None, :]
+            p = p * (tf8.load_scale(v_cache_ptr + s_off, tmask) * FP8_UNIT)[None, :]
         if MASKED:
             if EVEN_D:
                 v = tl.load(ptrs_v, mask=tmask[:, None], other=0.0)
@@ -415,7 +430,7 @@ def _attend_tiles(
             else:
                 v = tl.load(ptrs_v, mask=dmask[None, :], other=0.0)
         if KV_FP8:
-            v = tf8.as_fp8(v, FP8_MANT).to(q.dtype)
+            v = tf8.fp8_tile(v, q.dtype, FP8_MANT, FP8_F16, FP8_ASM)
         # rescale first, then let the matrix unit accumulate into acc (no second [M, D] add)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
@@ -443,6 +458,7 @@ def _prefill_kernel(
     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_PARTIALS: tl.constexpr, KV_FP8: tl.constexpr, FP8_MANT: tl.constexpr, KVH: tl.constexpr,
+    FP8_F16: tl.constexpr, FP8_ASM: tl.constexpr, FP8_UNIT: tl.constexpr,
 ):
     # Longest q blocks (the last of each causal sequence) first: better tail balance.
     qb_global = num_q_blocks - 1 - tl.program_id(0)
@@ -517,15 +533,17 @@ def _prefill_kernel(
     # (a chunk whose partials covered every key only merges them: it needs no queries)
     q = tl.load(q_ptr + q_rows[:, None] * stride_q_t + head[:, None] * stride_q_h + d[None, :],
                 mask=rmask & (n_all > n_lo), other=0.0)
+    if FP8_F16:  # fp8 K/V read as float16 (triton_fp8.fp8_to_f16): the products run in float16
+        q = q.to(tl.float16)
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, kvh, stride_c_blk, stride_c_tok, stride_c_head,
         n_lo, n_full, key_limit, seq_len, scale_log2, d, dmask,
-        False, EVEN_D, BLOCK_SIZE, TILE_N, DOT_PRECISION, D, KV_FP8, FP8_MANT, KVH,
+        False, EVEN_D, BLOCK_SIZE, TILE_N, DOT_PRECISION, D, KV_FP8, FP8_MANT, KVH, FP8_F16, FP8_ASM, FP8_UNIT,
     )
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, kvh, stride_c_blk, stride_c_tok, stride_c_head,
         n_full, n_all, key_limit, seq_len, scale_log2, d, dmask,
-        True, EVEN_D, BLOCK_SIZE, TILE_N, DOT_PRECISION, D, KV_FP8, FP8_MANT, KVH,
+        True, EVEN_D, BLOCK_SIZE, TILE_N, DOT_PRECISION, D, KV_FP8, FP8_MANT, KVH, FP8_F16, FP8_ASM, FP8_UNIT,
     )
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_o_t + head[:, None] * stride_o_h + d[None, :],
@@ -585,7 +603,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         scale * LOG2E,
         G=group, BLOCK_Q=block_q, BLOCK_M=block_m, D=d, BLOCK_D=triton.next_power_of_2(d),
         BLOCK_SIZE=block_size, TILE_N=tile_n, DOT_PRECISION=_dot_precision(q.dtype),
-        EVEN_D=d == triton.next_power_of_2(d), HAS_PARTIALS=partials is not None, **_read_args(kv_format, k_cache, d),
+        EVEN_D=d == triton.next_power_of_2(d), HAS_PARTIALS=partials is not None, **_read_args(kv_format, k_cache, d, q),
         KVH=kvh, num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -384,7 +384,7 @@ def check_fp8_kernels(dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
     from pdserve.attention import triton_kernels as tk
     from pdserve.gpu import ops
 
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # 16-bit queries: the products run in 16 bits
     ref = SdpaReference(torch.float32)
     sizes = {} if tile_n is None else {"tile_n": tile_n}
     results: list[dict[str, Any]] = []
