@@ -200,3 +200,28 @@ def fp8_tile(raw, dtype: tl.constexpr, FP8_MANT: tl.constexpr, F16: tl.constexpr
         return fp8_to_f16(raw, FP8_MANT, ASM)
     else:
         return as_fp8(raw, FP8_MANT).to(dtype)
+
+
+@triton.jit
+def tile_scale_rows(bt_row, tile, seq_len, kvh, stride_blk, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    KVH: tl.constexpr, D: tl.constexpr):
+    """Where the scales of tokens [tile * TILE_N, + TILE_N) of KV head kvh live, per block of the tile (TILE_N a
+    multiple of BLOCK_SIZE): (byte offsets [NB, 2 * BLOCK_SIZE], mask). A block's BLOCK_SIZE scales of one head
+    are 2 * BLOCK_SIZE contiguous bytes: one row per block instead of one 2-byte load per token."""
+    NB: tl.constexpr = TILE_N // BLOCK_SIZE
+    j = tl.arange(0, NB)
+    c = tl.arange(0, 2 * BLOCK_SIZE)
+    first = tile * TILE_N + j * BLOCK_SIZE
+    blk = tl.load(bt_row + tile * NB + j, mask=first < seq_len, other=0).to(tl.int64)
+    row = blk * stride_blk + (KVH * BLOCK_SIZE * D) + kvh.to(tl.int64) * (2 * BLOCK_SIZE)
+    return row[:, None] + c[None, :], (first[:, None] + c[None, :] // 2) < seq_len
+
+
+@triton.jit
+def load_tile_scales(cache_ptr, offsets, mask, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The scales at `tile_scale_rows`' offsets as float32 [TILE_N] in token order (0 past the sequence)."""
+    NB: tl.constexpr = TILE_N // BLOCK_SIZE
+    raw = tl.load(cache_ptr + offsets, mask=mask, other=0)
+    lo, hi = tl.split(tl.reshape(raw, [NB, BLOCK_SIZE, 2]))
+    bits = (hi.to(tl.int32) << 24) | (lo.to(tl.int32) << 16)
+    return tl.reshape(bits.to(tl.float32, bitcast=True), [TILE_N])

@@ -177,7 +177,24 @@ def _decode_kernel(
     n = tl.arange(0, TILE_N)
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     head_off = kvh.to(tl.int64) * stride_c_head
+    SCALE_ROWS: tl.constexpr = KV_FP8 and TILE_N % BLOCK_SIZE == 0
+    if SCALE_ROWS:
+        # The row scales are too small for Triton's cp.async pipeline (2 bytes per thread), so they are
+        # prefetched by hand: each tile's scales are loaded one tile ahead, their block ids two tiles ahead,
+        # and the loads land while the previous tile computes.
+        s_rows, s_mask = tf8.tile_scale_rows(bt_row, t_start, seq_len, kvh, stride_c_blk, TILE_N, BLOCK_SIZE, KVH, D)
+        k_scale_next = tf8.load_tile_scales(k_cache_ptr, s_rows, s_mask, TILE_N, BLOCK_SIZE)
+        v_scale_next = tf8.load_tile_scales(v_cache_ptr, s_rows, s_mask, TILE_N, BLOCK_SIZE)
+        s_rows, s_mask = tf8.tile_scale_rows(bt_row, t_start + 1, seq_len, kvh, stride_c_blk, TILE_N, BLOCK_SIZE,
+                                             KVH, D)
     for tile in range(t_start, t_end):
+        if SCALE_ROWS:
+            k_scale = k_scale_next
+            v_scale = v_scale_next
+            k_scale_next = tf8.load_tile_scales(k_cache_ptr, s_rows, s_mask, TILE_N, BLOCK_SIZE)
+            v_scale_next = tf8.load_tile_scales(v_cache_ptr, s_rows, s_mask, TILE_N, BLOCK_SIZE)
+            s_rows, s_mask = tf8.tile_scale_rows(bt_row, tile + 2, seq_len, kvh, stride_c_blk, TILE_N, BLOCK_SIZE,
+                                                 KVH, D)
         tok = tile * TILE_N + n
         tmask = tok < seq_len
         blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
@@ -195,7 +212,9 @@ def _decode_kernel(
             # multiplies its score column, each value's scale its probability column
             k = tf8.fp8_tile(tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0), q.dtype,
                              FP8_MANT, FP8_F16, FP8_ASM)
-            k_scale = tf8.load_scale(k_cache_ptr + s_off, tmask)
+            if not SCALE_ROWS:
+                k_scale = tf8.load_scale(k_cache_ptr + s_off, tmask)
+                v_scale = tf8.load_scale(v_cache_ptr + s_off, tmask)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (k_scale * (scale_log2 * FP8_UNIT))[None, :]
         else:
             k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -208,7 +227,7 @@ def _decode_kernel(
         if KV_FP8:
             v = tf8.fp8_tile(tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0), q.dtype,
                              FP8_MANT, FP8_F16, FP8_ASM)
-            p = p * (tf8.load_scale(v_cache_ptr + s_off, tmask) * FP8_UNIT)[None, :]
+            p = p * (v_scale * FP8_UNIT)[None, :]
         else:
             v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -401,7 +420,15 @@ def _attend_tiles(
         if KV_FP8:  # exact fp8 values (times 1 / FP8_UNIT); the row scales multiply score / probability columns
             qk = tl.dot(q, tl.trans(tf8.fp8_tile(k, q.dtype, FP8_MANT, FP8_F16, FP8_ASM)),
                         input_precision=DOT_PRECISION)
-            qk = qk * (tf8.load_scale(k_cache_ptr + s_off, tmask) * FP8_UNIT)[None, :]
+            if TILE_N % BLOCK_SIZE == 0:  # whole blocks per tile: the scales load as pipelined rows
+                s_rows, s_mask = tf8.tile_scale_rows(bt_row, tile, seq_len, kvh, stride_c_blk, TILE_N, BLOCK_SIZE,
+                                                     KVH, D)
+                k_scale = tf8.load_tile_scales(k_cache_ptr, s_rows, s_mask, TILE_N, BLOCK_SIZE)
+                v_scale = tf8.load_tile_scales(v_cache_ptr, s_rows, s_mask, TILE_N, BLOCK_SIZE)
+            else:
+                k_scale = tf8.load_scale(k_cache_ptr + s_off, tmask)
+                v_scale = tf8.load_scale(v_cache_ptr + s_off, tmask)
+            qk = qk * (k_scale * FP8_UNIT)[None, :]
         else:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
@@ -418,7 +445,7 @@ def _attend_tiles(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if KV_FP8:
-            p = p * (tf8.load_scale(v_cache_ptr + s_off, tmask) * FP8_UNIT)[None, :]
+            p = p * (v_scale * FP8_UNIT)[None, :]
         if MASKED:
             if EVEN_D:
                 v = tl.load(ptrs_v, mask=tmask[:, None], other=0.0)
