@@ -62,12 +62,12 @@ def decode_ptx(fp8: bool, tile_n: int, warps: int, stages: int) -> str:
         "k_cache_ptr": cache_t, "v_cache_ptr": cache_t, "stride_c_blk": "i32", "stride_c_tok": "i32",
         "stride_c_head": "i32", "block_tables_ptr": "*i32", "stride_bt": "i32", "seq_lens_ptr": "*i32",
         "out_ptr": "*bf16", "stride_o_t": "i32", "stride_o_h": "i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
-        "scale_log2": "fp32", "num_splits": "i32",
+        "counters_ptr": "*i32", "scale_log2": "fp32", "num_splits": "i32",
     }
     args = tf8.kernel_args(fp8_kv.fp8_format("fp8") if fp8 else None)
     constexprs = {"H": H, "G": H // KVH, "BLOCK_G": 16, "D": D, "BLOCK_D": D, "BLOCK_SIZE": BS, "TILE_N": tile_n,
                   "DOT_PRECISION": "tf32", "EVEN_D": True, "KV_FP8": args["KV_FP8"], "FP8_MANT": args["FP8_MANT"],
-                  "KVH": KVH, **_f16_args(fp8)}
+                  "KVH": KVH, "FUSED_MERGE": False, "MERGE_G": H // KVH, "MERGE_S": 8, **_f16_args(fp8)}
     divisible = {"q_ptr", "stride_q_t", "stride_q_h", "k_cache_ptr", "v_cache_ptr", "stride_c_blk", "stride_c_tok",
                  "block_tables_ptr", "seq_lens_ptr", "out_ptr", "stride_o_t", "stride_o_h", "part_o_ptr",
                  "part_lse_ptr"}
