@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -106,6 +107,12 @@ def cpu_seconds(pid: int) -> float | None:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of this process's finished children (the client runs are its children)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def run_client(server: Server, model_dir: Path, concurrency: int, args: argparse.Namespace, out_dir: Path,
                tag: str) -> dict:
     name = f"{tag}.json"
@@ -118,15 +125,17 @@ def run_client(server: Server, model_dir: Path, concurrency: int, args: argparse
     load = load_average()
     cpu0 = cpu_seconds(server.proc.pid)
     t0 = time.monotonic()
+    client0 = _children_cpu_s()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=args.client_timeout)
     t1 = time.monotonic()
+    client_cpu_s = _children_cpu_s() - client0  # the load client's own CPU, on the same cores
     cpu1 = cpu_seconds(server.proc.pid)
     data = json.loads((out_dir / name).read_text())
     if data["failed"]:
         raise RuntimeError(f"{server.name}: {data['failed']} requests failed: {data['errors'][:3]}")
     cpu_s = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
     return {"server": server.name, "concurrency": concurrency, "load_avg_1m": load,
-            "server_cpu_s": cpu_s,
+            "server_cpu_s": cpu_s, "client_cpu_s": client_cpu_s,
             "cpu_ms_per_output_token": None if cpu_s is None else 1000 * cpu_s / data["total_output_tokens"],
             "wall_s": time.monotonic() - t0, "output_tok_s": data["output_throughput"],
             "ttft_p50_ms": data["median_ttft_ms"], "itl_p50_ms": data["median_itl_ms"],
@@ -245,7 +254,8 @@ def main() -> None:
                           f"{r['ttft_p50_ms']:>7.0f}ms {r['itl_p50_ms']:>6.1f}ms {r['itl_p99_ms']:>6.1f}ms "
                           f"{_fmt(r['cpu_ms_per_output_token']):>14}", flush=True)
                     if r["steps"].get("step_run_s") is not None:
-                        print(_thread_line(r["steps"]), flush=True)
+                        print(_thread_line(r["steps"]) + f"; client CPU {r['client_cpu_s']:.1f} s in "
+                              f"{r['wall_s']:.0f} s", flush=True)
     finally:
         for s in servers:
             stop(s.proc)

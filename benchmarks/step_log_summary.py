@@ -95,8 +95,10 @@ def window_stats(path: str, since: float, until: float) -> dict:
                      [s["seqs"] for s in steps if s["prefill_tokens"] == 0], 0.5)}
     if all("run_ms" in s for s in steps):
         for prefix, where in (("", "step"), ("gap_", "gap")):
+            # the first step's gap reaches back before the window (the engine idled between runs)
+            group = steps if prefix == "" else steps[1:]
             for key in ("run_ms", "rq_ms", "blocked_ms", "other_run_ms"):
-                out[f"{where}_{key.removesuffix('_ms')}_s"] = round(sum(s.get(prefix + key, 0.0) for s in steps) / 1e3, 3)
+                out[f"{where}_{key.removesuffix('_ms')}_s"] = round(sum(s.get(prefix + key, 0.0) for s in group) / 1e3, 3)
     return out
 
 

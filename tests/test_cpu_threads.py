@@ -12,11 +12,19 @@ from pdserve.cpu.spare_cores import SpareCores
 from pdserve.cpu.threads import BIND_ENV, DECODE_STEP_TOKENS, ENV, StepThreads
 
 
-def test_default_leaves_one_core(monkeypatch):
+def test_default_leaves_one_core_unless_the_machine_is_idle(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     t = StepThreads.from_env()
-    n = max(1, torch.get_num_threads() - 1)
+    cores = torch.get_num_threads()
+    n = max(1, cores - 1)
     assert (t.decode, t.prefill) == (n, n)
+    assert t.spare_max == (cores if cores > 1 and SpareCores().available else None)
+
+
+def test_fixed_count_never_takes_more(monkeypatch):
+    monkeypatch.setenv(ENV, "1")
+    t = StepThreads.from_env()
+    assert t.spare is None and t.for_step(1) == t.for_step(DECODE_STEP_TOKENS + 1) == 1
 
 
 def test_decode_and_prefill_sized_steps():

@@ -1,24 +1,27 @@
 """How many torch threads a CPU step runs with: one count for decode-sized steps, one for prefill-sized.
 
-Default: every core but one, for both (one on a 2-core box), as vLLM's CPU backend does (`reserve_cpu_num=1`:
-its log on the 2-core box reads "core ids=[0]", "Reducing Torch threads from 2 to 1 for serving"). A step is
-hundreds of OpenMP regions, and each waits at a barrier for its slowest thread; when the server's own HTTP
-thread, a client or another process takes one of the engine's cores, the thread the OS descheduled stalls
-every region. Measured on the shared 2-core box (load 3-5), a SmolLM2 decode step at batch 4 took 91 ms on one
-thread and 180-820 ms on two; under load 20-30 a 2048-token prefill took 6-13 s on two threads where vLLM's
-one thread prefilled at about twice that rate.
+Default (`auto`): every core but one (one on a 2-core box), as vLLM's CPU backend does (`reserve_cpu_num=1`:
+its log on the 2-core box reads "core ids=[0]", "Reducing Torch threads from 2 to 1 for serving"), and
+every core for a step while the rest of the machine leaves them idle: its other processes used at most
+`IDLE_OTHERS_CORES` cores over the last second (`pdserve.cpu.spare_cores`: /proc/stat less this process).
 
-`PDSERVE_CPU_THREADS=D[,P]` sets the decode and prefill counts (P defaults to D), e.g. `2` to give the
-engine both cores of an otherwise idle 2-core box.
+Why not always every core: a step is hundreds of OpenMP regions, and each waits at a barrier for its slowest
+thread; when a client or another process takes one of the engine's cores, the thread the OS descheduled
+stalls every region. Measured on the shared 2-core box (load 3-5), a SmolLM2 decode step at batch 4 took
+91 ms on one thread and 180-820 ms on two; under load 20-30 a 2048-token prefill took 6-13 s on two threads
+where vLLM's one thread prefilled at about twice that rate. Why every core when they are idle: with
+nothing else running (load 1.3-2.2), a decode step at batch 16 took ~110 ms on two threads against 160-180
+ms on one: the paged attention reads each block's K/V of a layer as a separate 12 KiB chunk of the
+block-contiguous pool, at ~10 GB/s against ~22 GB/s streaming, and a second core doubles the memory
+parallelism (prefill's matmuls split as well). Once another process wants the core, steps go back to
+one thread within about a second. Results do not depend on the thread count (the C kernels give each
+sequence, prompt head or row to one thread; oneDNN's packed linears gave bit-equal outputs on 1 and 2
+threads for every SmolLM2 shape), so neither do the tokens. Known limit: this process's own other
+threads (HTTP) count as this process, not as others: a server whose HTTP side is busy (a tiny model at
+high request rates) should set a fixed count.
 
-`PDSERVE_CPU_THREADS=auto`: every core but one, as above, and every core for a step while the rest of the
-machine has left them idle (its other processes used at most `IDLE_OTHERS_CORES` cores over the last
-second, `pdserve.cpu.spare_cores`). On the 2-core box with nothing else running, a decode step at batch 16
-took ~110 ms on two threads against ~170 ms on one (the paged attention reads scattered 12 KiB K/V
-chunks at a quarter of one core's streaming rate: two cores' memory parallelism halves it); once another
-process wants the core, the step goes back to one thread within about a second. Results do not depend on
-the thread count (the C kernels give each sequence or row to one thread; oneDNN's linears split the
-output columns), so neither do the tokens.
+`PDSERVE_CPU_THREADS=D[,P]` sets fixed decode and prefill counts (P defaults to D): `1` is the earlier
+default on a 2-core box, `2` gives the engine both cores always.
 
 `PDSERVE_CPU_BIND=1` also pins the stepping thread (and so the OpenMP threads it starts) to the cores it
 steps on, the first max(D, P) of the ones this process may use, leaving the rest to the HTTP thread, as
@@ -66,7 +69,7 @@ class StepThreads:
         cores = torch.get_num_threads()  # torch's default: the cores, or OMP_NUM_THREADS
         if not value or value == "auto":
             n = max(1, cores - 1)
-            if value == "auto" and cores > n:
+            if cores > n:
                 spare = SpareCores()
                 if spare.available:
                     return cls(n, n, bind, spare_max=cores, spare=spare)
