@@ -153,3 +153,23 @@ def test_env_auto(monkeypatch):
         assert t.spare_max == cores and t.spare is not None
     else:
         assert t.spare is None
+
+
+def test_spare_cores_counts_a_busy_main_thread_as_others():
+    """From a stepping thread, the main thread's CPU (a server's event loop) is not the steps' own."""
+    spare = SpareCores(window_s=10.0, sample_s=0.2)
+    if not spare.available or not os.path.exists(f"/proc/self/task/{os.getpid()}/stat"):
+        pytest.skip("no /proc here")
+    from pdserve.cpu import spare_cores
+
+    seen = {}
+
+    def step():
+        seen["first"] = spare_cores._step_counters()[1]
+
+    before = spare_cores._step_counters()[1]  # main thread: all of this process
+    th = threading.Thread(target=step)
+    th.start()
+    th.join(60)
+    # this process's CPU less its main thread's, which has done all the work so far (imports, tests)
+    assert seen["first"] < before

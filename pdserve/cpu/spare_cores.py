@@ -1,5 +1,6 @@
 """How much CPU the rest of the machine has been using lately: the machine's busy time (/proc/stat) minus
-this process's own (all its threads), over a short sliding window, in cores.
+this process's own stepping (its threads but the main one, when the steps run elsewhere: a server's event
+loop counts as the others'), over a short sliding window, in cores.
 
 The CPU step threads use it to take every core only while the others leave them idle (`StepThreads`,
 `PDSERVE_CPU_THREADS=auto`): an OpenMP region waits at its barrier for its slowest thread, so a second
@@ -12,6 +13,7 @@ Linux only (/proc/stat); elsewhere `others_busy()` is None and callers keep thei
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -39,6 +41,25 @@ def _own_busy_s() -> float:
     return t.user + t.system
 
 
+def _main_thread_busy_s() -> float:
+    """CPU seconds of this process's main thread (the server's event loop: HTTP, tokenization), 0 if unknown."""
+    try:
+        fields = Path(f"/proc/self/task/{os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _step_counters() -> tuple[float | None, float]:
+    """(machine busy s, this process's busy s); called from a stepping thread other than the main thread,
+    the main thread's CPU counts as the others': an event loop busy with HTTP wants its core as much as
+    another process does."""
+    own = _own_busy_s()
+    if threading.current_thread() is not threading.main_thread():
+        own -= _main_thread_busy_s()
+    return _machine_busy_s(), own
+
+
 class SpareCores:
     """`others_busy()`: cores the machine's other processes kept busy over the last `window_s` seconds,
     re-sampled at most every `sample_s` (a /proc/stat read, ~20 us)."""
@@ -49,7 +70,7 @@ class SpareCores:
         """counters: () -> (machine busy s or None, own busy s); the real ones by default."""
         self.window_s = window_s
         self.sample_s = sample_s
-        self._counters = counters or (lambda: (_machine_busy_s(), _own_busy_s()))
+        self._counters = counters or _step_counters
         self._clock = clock
         self._samples: deque[tuple[float, float, float]] = deque()  # (clock, machine busy, own busy)
         self.available = self._counters()[0] is not None

@@ -16,9 +16,9 @@ block-contiguous pool, at ~10 GB/s against ~22 GB/s streaming, and a second core
 parallelism (prefill's matmuls split as well). Once another process wants the core, steps go back to
 one thread within about a second. Results do not depend on the thread count (the C kernels give each
 sequence, prompt head or row to one thread; oneDNN's packed linears gave bit-equal outputs on 1 and 2
-threads for every SmolLM2 shape), so neither do the tokens. Known limit: this process's own other
-threads (HTTP) count as this process, not as others: a server whose HTTP side is busy (a tiny model at
-high request rates) should set a fixed count.
+threads for every SmolLM2 shape), so neither do the tokens. The server's event loop (the main thread,
+when the steps run in the engine thread) counts as the others: an HTTP side busy enough to want its core
+keeps the steps on one thread.
 
 `PDSERVE_CPU_THREADS=D[,P]` sets fixed decode and prefill counts (P defaults to D): `1` is the earlier
 default on a 2-core box, `2` gives the engine both cores always.
