@@ -655,6 +655,7 @@ class EngineBench:
         }
         self.counter = 0
         self.gen = torch.Generator().manual_seed(1234)
+        self.p1_steps = 400
         self.warmed_modes: set[str] = set()  # long_context's attention modes that have run once
 
     def prompts(self, n: int, length: int) -> list[list[int]]:
@@ -802,25 +803,61 @@ class EngineBench:
             "gaps_by_kind_pair_us": {k: round(v, 1) for k, v in sorted(gaps_by_pair.items(), key=lambda kv: -kv[1])[:12]},
         }
 
-    def p1_variant(self, epilogues: bool = True, norm_epilogue: bool = True, merge: bool = True) -> dict[str, Any]:
+    def p1_variant(self, epilogues: bool = True, norm_epilogue: bool = True, merge: bool = True,
+                   rope_table: bool = True) -> dict[str, Any]:
         """P1 again in the same engine with issue 21's decode fusions switched as given (the batch-1 graph
         recaptured, then recaptured back): all off = separate RoPE + K/V store, SiLU-and-mul, add + RMSNorm,
         argmax and split-merge kernels (PDSERVE_DECODE_FUSIONS=0; on by default). Before/after in one run."""
         from pdserve.gpu import gemv
 
         backend = self.engine.runner.backend
-        saved = gemv.EPILOGUE_FUSIONS, gemv.NORM_EPILOGUE, backend.fused_decode_merge
+        model = self.engine.runner.model
+        saved = gemv.EPILOGUE_FUSIONS, gemv.NORM_EPILOGUE, backend.fused_decode_merge, model.rope_table_len
         gemv.EPILOGUE_FUSIONS = epilogues
         gemv.NORM_EPILOGUE = norm_epilogue
         backend.fused_decode_merge = merge
+        model.rope_table_len = saved[3] if rope_table else None
         try:
             self._recapture(1)
-            out = self.decode(1, 128, 200)
-            out["fusions"] = {"epilogues": epilogues, "norm_epilogue": norm_epilogue, "merge": merge}
+            out = self.decode(1, 128, self.p1_steps)
+            out["fusions"] = {"epilogues": epilogues, "norm_epilogue": norm_epilogue, "merge": merge,
+                              "rope_table": rope_table}
             return out
         finally:
-            gemv.EPILOGUE_FUSIONS, gemv.NORM_EPILOGUE, backend.fused_decode_merge = saved
+            gemv.EPILOGUE_FUSIONS, gemv.NORM_EPILOGUE, backend.fused_decode_merge, model.rope_table_len = saved
             self._recapture(1)
+
+    def gemv_epilogue_costs(self) -> dict[str, Any]:
+        """Graph-timed us of each batch-1 GEMV of layer 0 (and the LM head) plain vs with its epilogue
+        (issue 21): what the epilogue adds to the kernel it rides on."""
+        from pdserve.gpu import gemv as gv
+
+        model = self.engine.runner.model
+        layer = model.layers[0]
+        dev = model.lm_head.weight.device
+        dt = model.lm_head.weight.dtype
+        scratch = gv.new_epilogue_scratch(dev)
+        hidden = model.cfg.hidden_size
+        x_h = torch.randn((1, hidden), device=dev, dtype=dt)
+        x_i = torch.randn((1, layer.mlp.intermediate), device=dev, dtype=dt)
+        x_o = torch.randn((1, layer.self_attn.q_size), device=dev, dtype=dt)
+        res = torch.randn((1, hidden), device=dev, dtype=dt)
+        nw = layer.post_attention_layernorm.weight
+        out: dict[str, Any] = {}
+        cases = {
+            "gate_up": (lambda: gv.gemv(x_h, layer.mlp.gate_up_proj.weight),
+                        lambda: gv.gate_up_silu(x_h, layer.mlp.gate_up_proj)),
+            "o_proj": (lambda: gv.gemv(x_o, layer.self_attn.o_proj.weight),
+                       lambda: gv.linear_add_rms_norm(x_o, layer.self_attn.o_proj, res, nw, 1e-5, scratch[2:3])),
+            "down": (lambda: gv.gemv(x_i, layer.mlp.down_proj.weight),
+                     lambda: gv.linear_add_rms_norm(x_i, layer.mlp.down_proj, res, nw, 1e-5, scratch[2:3])),
+            "lm_head": (lambda: gv.gemv(x_h, model.lm_head.weight),
+                        lambda: gv.lm_head_argmax(x_h, model.lm_head, scratch[0:2])),
+        }
+        with torch.inference_mode():
+            for name, (plain, fused) in cases.items():
+                out[name] = {"plain_us": graph_us(plain), "epilogue_us": graph_us(fused)}
+        return out
 
     def _recapture(self, size: int) -> None:
         gpu = self.engine.runner.gpu
@@ -1156,12 +1193,14 @@ def main() -> int:
     eb = holder.get("bench")
     if eb is not None:
         for name, fn, fargs, min_left in (
-            ("p1_decode_b1", eb.decode, (1, 128, 200), 20),
-            ("p1_decode_b1_fused", lambda: eb.p1_variant(True, True, True), (), 20),
+            ("p1_decode_b1", eb.decode, (1, 128, eb.p1_steps), 20),
+            ("p1_decode_b1_unfused", lambda: eb.p1_variant(False, False, False, False), (), 20),
+            ("p1_decode_b1_fused_no_rope_table", lambda: eb.p1_variant(True, True, True, False), (), 20),
             ("p1_decode_b1_fused_no_norm_epilogue", lambda: eb.p1_variant(True, False, True), (), 20),
             ("p1_decode_b1_fused_no_merge", lambda: eb.p1_variant(True, True, False), (), 20),
-            ("p1_decode_b1_unfused", lambda: eb.p1_variant(False, False, False), (), 20),
-            ("p1_decode_b1_again", eb.decode, (1, 128, 200), 20),  # the default again: the A/B's drift
+            ("p1_decode_b1_again", eb.decode, (1, 128, eb.p1_steps), 20),  # the default again: the drift
+            ("p1_decode_b1_unfused_again", lambda: eb.p1_variant(False, False, False, False), (), 20),
+            ("gemv_epilogue_costs", eb.gemv_epilogue_costs, (), 20),
             ("decode_b1_variants", eb.decode_variants_b1, (), 20),
             ("p2_decode_b64_2k", eb.decode, (64, 2048, 64), 30),
             ("p2_no_prefix_cache", eb.decode_no_prefix_cache, (64, 2048, 32), 30),
@@ -1206,11 +1245,12 @@ def summarize(s: Suite, ceil: dict[str, Any]) -> None:
         rows.append(("P1 decode b1: weights/ITL", f"{p1['weight_only_GBps']:.0f} GB/s (ITL {p1['itl_ms']:.2f} ms)",
                      f"{ratio(p1['weight_only_GBps'], bw)} of rw copy ({ratio(p1['weight_only_GBps'], bw1)} one-way)",
                      "goal 85%"))
-    for key, label in (("p1_decode_b1_fused", "P1, issue-21 decode fusions on"),
+    for key, label in (("p1_decode_b1_unfused", "P1, issue-21 decode fusions off"),
+                       ("p1_decode_b1_fused_no_rope_table", "P1, fusions on but the RoPE table"),
                        ("p1_decode_b1_fused_no_norm_epilogue", "P1, fusions on but the add+norm epilogue"),
                        ("p1_decode_b1_fused_no_merge", "P1, fusions on but the split merge"),
-                       ("p1_decode_b1_unfused", "P1, fusions off"),
-                       ("p1_decode_b1_again", "P1 (default) again")):
+                       ("p1_decode_b1_again", "P1 (default) again"),
+                       ("p1_decode_b1_unfused_again", "P1, fusions off again")):
         x = r.get(key) or {}
         if "itl_ms" in x:
             rows.append((label, f"{x['weight_only_GBps']:.0f} GB/s (ITL {x['itl_ms']:.2f} ms)",

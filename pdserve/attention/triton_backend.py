@@ -16,14 +16,13 @@ gathered K/V for cuDNN.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from pdserve.attention import fp8_kv
 from pdserve.attention import long_prefill as lp
 from pdserve.attention import triton_kernels as tk
 from pdserve.attention.base import AttentionMetadata, KvScale
+from pdserve.gpu.decode_fusions import decode_fusions_from_env
 
 # Prefill launch parameters (block_m, tile_n, num_warps, num_stages), from the sweep in
 # benchmarks/gpu_kernel_lab.py on an H200 (2026-12-01): short queries (B=8, q 512 of kv 2048) 268 TFLOP/s
@@ -52,16 +51,6 @@ FP8_DECODE_CONFIGS: list[tuple[int, int, int, int, int]] = [
     (128, 128, 4, 2, 2),
     DECODE_CONFIGS[3],
 ]
-
-
-# Issue 21's batch-1 decode fusions: the split merge in the decode kernel (here) and the GEMV epilogues
-# (pdserve.gpu.gemv). On the H200 they took P1's ITL from 4.53-4.61 ms to 4.37 ms in one run (BENCHMARKS.md);
-# PDSERVE_DECODE_FUSIONS=0 turns them off (benchmarks/gpu_suite.py measures them on and off in one run).
-DECODE_FUSIONS_ENV = "PDSERVE_DECODE_FUSIONS"
-
-
-def decode_fusions_from_env() -> bool:
-    return os.environ.get(DECODE_FUSIONS_ENV, "1") != "0"
 
 
 def decode_config(batch: int, configs: list[tuple[int, int, int, int, int]] | None = None) -> tuple[int, int, int, int]:

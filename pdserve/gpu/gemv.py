@@ -31,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.attention.triton_backend import decode_fusions_from_env
+from pdserve.gpu.decode_fusions import decode_fusions_from_env
 
-EPILOGUE_FUSIONS = decode_fusions_from_env()  # on unless PDSERVE_DECODE_FUSIONS=0 (triton_backend)
+EPILOGUE_FUSIONS = decode_fusions_from_env()  # on unless PDSERVE_DECODE_FUSIONS=0
 # the residual add + RMSNorm after o_proj and down_proj in the GEMV's last program (within EPILOGUE_FUSIONS)
 NORM_EPILOGUE = True
 
@@ -93,7 +93,7 @@ def _add_rms_norm_epilogue(y_ptr, res_ptr, nw_ptr, h_ptr, cnt_ptr, N, eps, BLOCK
     tl.debug_barrier()
     done = tl.atomic_add(cnt_ptr, 1)
     if done == tl.num_programs(0) - 1:
-        tl.atomic_xchg(cnt_ptr, 0)
+        tl.store(cnt_ptr, 0)  # at rest for the next launch (nothing else touches it in this one)
         tl.debug_barrier()
         cols = tl.arange(0, BLOCK)
         mask = cols < N
@@ -123,7 +123,7 @@ def _argmax_epilogue(y, rows, rmask, key_ptr, tok_ptr):
     done = tl.atomic_add(key_ptr + 1, 1)
     if done == tl.num_programs(0) - 1:
         top = tl.atomic_xchg(key_ptr, -9223372036854775807)  # == ARGMAX_KEY_RESET
-        tl.atomic_xchg(key_ptr + 1, 0)
+        tl.store(key_ptr + 1, 0)  # at rest for the next launch (every program has counted)
         tl.store(tok_ptr, 4294967295 - (top & 4294967295))
 
 

@@ -31,6 +31,7 @@ from pdserve.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
+from pdserve.gpu.decode_fusions import decode_fusions_from_env
 from pdserve.gpu.step_timing import StepTiming
 from pdserve.model.decoder import DecoderLM
 
@@ -224,6 +225,8 @@ class GpuStepRunner:
 
             kv_format = getattr(self.backend, "kv_format", None)  # an fp8 pool: the K/V store quantizes
             self.model.fused_ops = ops if kv_format is None else ops.Fp8KvOps(kv_format)
+            if self.device.type == "cuda" and decode_fusions_from_env():
+                self.model.rope_table_len = max_model_len  # RoPE rows gathered: fewer graph nodes (issue 21)
         self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
         self.max_model_len = max_model_len
         self.timing = StepTiming()

@@ -192,6 +192,9 @@ class DecoderLM(nn.Module):
         # plain torch path
         self.fused_ops: FusedOps | None = None
         self._scratch: torch.Tensor | None = None  # the fused ops' epilogue counters, made on first use
+        # positions below this come from a cos/sin table (RotaryEmbedding.cos_sin_rows; the GPU step runner
+        # sets it to max_model_len); None: computed per step
+        self.rope_table_len: int | None = None
 
     def forward(
         self,
@@ -204,7 +207,10 @@ class DecoderLM(nn.Module):
         """Returns the final hidden states [num_tokens, hidden]. kv_pool is the block-contiguous pool
         [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]."""
         x = self._embed(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        if self.rope_table_len and positions.is_cuda:
+            cos, sin = self.rotary.cos_sin_rows(positions, x.dtype, self.rope_table_len)
+        else:
+            cos, sin = self.rotary.cos_sin(positions, x.dtype)
         if self.fused_ops is not None:
             return self._forward_fused(x, cos, sin, kv_pool, meta, backend, self.fused_ops)
         for i, layer in enumerate(self.layers):

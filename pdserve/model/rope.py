@@ -44,6 +44,23 @@ class RotaryEmbedding(torch.nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def cos_sin_rows(self, positions: torch.Tensor, dtype: torch.dtype,
+                     length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos_sin(positions) as rows gathered from a table of positions [0, length) (one kernel where
+        computing them takes seven: a batch-1 decode graph's nodes count, issue 21). The table is cos_sin of
+        arange(length) on the same device, elementwise, so the rows are the same bits. Returns strided views
+        (last dim contiguous, cos.stride() == sin.stride()). The table is made on first use, outside any CUDA
+        graph capture (the step runner's warm-up forward precedes each capture); during a capture without
+        one, the rows are computed."""
+        t = getattr(self, "_table", None)
+        if t is None or t.shape[0] < length or t.dtype != dtype or t.device != positions.device:
+            if positions.is_cuda and torch.cuda.is_current_stream_capturing():
+                return self.cos_sin(positions, dtype)
+            cos, sin = self.cos_sin(torch.arange(length, device=positions.device), dtype)
+            t = self._table = torch.stack((cos, sin), dim=1)  # [length, 2, D]
+        rows = t.index_select(0, positions)
+        return rows[:, 0], rows[:, 1]
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim] (rotate-half convention)."""
