@@ -160,12 +160,6 @@ def _decode_kernel(
     tiles_per_split = tl.cdiv(n_tiles, num_splits)
     t_start = split * tiles_per_split
     t_end = tl.minimum(t_start + tiles_per_split, n_tiles)
-    if FUSED_MERGE:
-        # Only the splits that see keys take part (a padding row's split 0 stands in, to write its zeros):
-        # the rest leave at once, with no partial to store and nothing to count.
-        active = tl.maximum(tl.cdiv(n_tiles, tl.maximum(tiles_per_split, 1)), 1)
-        if split >= active:
-            return
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -259,9 +253,12 @@ def _decode_kernel(
             tl.debug_barrier()
             counter = counters_ptr + b * KVH + kvh
             done = tl.atomic_add(counter, 1)
-            if done == active - 1:
-                tl.store(counter, 0)  # at rest for the next launch (every active split has counted)
+            if done == num_splits - 1:
+                # (measured on the H200: letting only the splits that saw keys count, and resetting with a
+                # plain store, made this kernel slower, 9.1 vs 7.6 us per layer at batch 1)
+                tl.atomic_xchg(counter, 0)
                 tl.debug_barrier()
+                active = tl.cdiv(n_tiles, tl.maximum(tiles_per_split, 1))  # splits that saw keys
                 _merge_group(part_o_ptr, part_lse_ptr, out_ptr, stride_o_t, stride_o_h, b, kvh * G, active,
                              num_splits, H, G, D, BLOCK_D, MERGE_G, MERGE_S)
 
