@@ -803,11 +803,12 @@ class EngineBench:
             "gaps_by_kind_pair_us": {k: round(v, 1) for k, v in sorted(gaps_by_pair.items(), key=lambda kv: -kv[1])[:12]},
         }
 
-    def p1_variant(self, epilogues: bool = True, norm_epilogue: bool = True, merge: bool = True,
+    def p1_variant(self, epilogues: bool = True, norm_epilogue: bool = True, merge: bool = False,
                    rope_table: bool = True) -> dict[str, Any]:
         """P1 again in the same engine with issue 21's decode fusions switched as given (the batch-1 graph
         recaptured, then recaptured back): all off = separate RoPE + K/V store, SiLU-and-mul, add + RMSNorm,
-        argmax and split-merge kernels (PDSERVE_DECODE_FUSIONS=0; on by default). Before/after in one run."""
+        argmax kernels and RoPE cos/sin computed per step (PDSERVE_DECODE_FUSIONS=0; on by default); merge =
+        the split merge inside the decode kernel (off by default). Before/after in one run."""
         from pdserve.gpu import gemv
 
         backend = self.engine.runner.backend
@@ -1195,9 +1196,9 @@ def main() -> int:
         for name, fn, fargs, min_left in (
             ("p1_decode_b1", eb.decode, (1, 128, eb.p1_steps), 20),
             ("p1_decode_b1_unfused", lambda: eb.p1_variant(False, False, False, False), (), 20),
-            ("p1_decode_b1_fused_no_rope_table", lambda: eb.p1_variant(True, True, True, False), (), 20),
-            ("p1_decode_b1_fused_no_norm_epilogue", lambda: eb.p1_variant(True, False, True), (), 20),
-            ("p1_decode_b1_fused_no_merge", lambda: eb.p1_variant(True, True, False), (), 20),
+            ("p1_decode_b1_fused_no_rope_table", lambda: eb.p1_variant(True, True, False, False), (), 20),
+            ("p1_decode_b1_fused_no_norm_epilogue", lambda: eb.p1_variant(True, False, False), (), 20),
+            ("p1_decode_b1_fused_merge", lambda: eb.p1_variant(True, True, True), (), 20),
             ("p1_decode_b1_again", eb.decode, (1, 128, eb.p1_steps), 20),  # the default again: the drift
             ("p1_decode_b1_unfused_again", lambda: eb.p1_variant(False, False, False, False), (), 20),
             ("gemv_epilogue_costs", eb.gemv_epilogue_costs, (), 20),
@@ -1248,7 +1249,7 @@ def summarize(s: Suite, ceil: dict[str, Any]) -> None:
     for key, label in (("p1_decode_b1_unfused", "P1, issue-21 decode fusions off"),
                        ("p1_decode_b1_fused_no_rope_table", "P1, fusions on but the RoPE table"),
                        ("p1_decode_b1_fused_no_norm_epilogue", "P1, fusions on but the add+norm epilogue"),
-                       ("p1_decode_b1_fused_no_merge", "P1, fusions on but the split merge"),
+                       ("p1_decode_b1_fused_merge", "P1, fusions on + the split merge in attention"),
                        ("p1_decode_b1_again", "P1 (default) again"),
                        ("p1_decode_b1_unfused_again", "P1, fusions off again")):
         x = r.get(key) or {}

@@ -22,7 +22,6 @@ from pdserve.attention import fp8_kv
 from pdserve.attention import long_prefill as lp
 from pdserve.attention import triton_kernels as tk
 from pdserve.attention.base import AttentionMetadata, KvScale
-from pdserve.gpu.decode_fusions import decode_fusions_from_env
 
 # Prefill launch parameters (block_m, tile_n, num_warps, num_stages), from the sweep in
 # benchmarks/gpu_kernel_lab.py on an H200 (2026-12-01): short queries (B=8, q 512 of kv 2048) 268 TFLOP/s
@@ -75,9 +74,12 @@ class TritonAttention:
             num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         self.num_sms = num_sms
         self.long_prefill = long_prefill
-        # decode's split merge in the attention kernel's last program per (sequence, kv head): one launch
-        # less per layer (issue 21: 0.08 ms of a 4.4 ms batch-1 step). False: the separate merge kernel.
-        self.fused_decode_merge = decode_fusions_from_env()
+        # decode's split merge in the attention kernel's last program per (sequence, kv head) instead of the
+        # merge kernel: off. Measured on the H200 (issue 21, BENCHMARKS.md "Decode, batch 1"): faster at
+        # batch 1 with up to ~330 keys (7.6 us per layer vs 4.4 + 2.5 for attention + merge kernel), slower
+        # with 128-530 keys (9.4 us per layer), and longer contexts have every split active (the last
+        # program's merge reads them 8 at a time, in series). Kept switchable for the suite's A/B.
+        self.fused_decode_merge = False
         self.fused_merge_max_batch = 1  # where it was measured (P1); larger split batches keep the merge kernel
         self._merge_counters: torch.Tensor | None = None
         if long_prefill is not None:

@@ -1,9 +1,10 @@
 """The switch for issue 21's batch-1 decode fusions (no triton import: the CPU side reads it too).
 
-What it covers: the GEMV epilogues (pdserve.gpu.gemv), the split-KV merge inside the decode kernel
-(pdserve.attention.triton_backend) and the RoPE cos/sin table (DecoderLM.rope_table_len). On the H200 they
-took P1's ITL from 4.53-4.61 ms to 4.37 ms in one run (BENCHMARKS.md, "Decode, batch 1 (P1)");
-PDSERVE_DECODE_FUSIONS=0 turns them off (benchmarks/gpu_suite.py measures them on and off in one run).
+What it covers: the GEMV epilogues (pdserve.gpu.gemv) and the RoPE cos/sin table (DecoderLM.rope_table_len).
+On the H200 they took P1 from 76.4-77.1 % to 81.1-83.2 % of copy bandwidth, each pair in one run
+(BENCHMARKS.md, "Decode, batch 1 (P1)"); PDSERVE_DECODE_FUSIONS=0 turns them off (benchmarks/gpu_suite.py
+measures them on and off in one run). The split merge inside the decode kernel is a separate switch
+(TritonAttention.fused_decode_merge), off: it measured slower past ~330 keys.
 """
 
 from __future__ import annotations
