@@ -44,3 +44,13 @@ def test_step_log_records_steps_and_requests(tiny_llama, tmp_path, monkeypatch):
     assert f"{len(steps)} steps" in out.stdout and "2 requests" in out.stdout and "decode-eager" in out.stdout
     if Path("/proc/thread-self/schedstat").exists():
         assert "stepping thread inside steps" in out.stdout and "between steps" in out.stdout
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from step_log_summary import window_stats  # what bench_vllm_cpu.py records per run
+
+    stats = window_stats(str(tmp_path / "steps-engine.jsonl"), steps[0]["t"], steps[-1]["t"])
+    assert stats["steps"] == len(steps) and stats["prefill_only_steps"] + stats["mixed_steps"] == 3
+    assert stats["multi_thread_steps"] <= len(steps) and stats["decode_seqs_p50"] >= 1
+    assert all(s.get("threads", 1) >= 1 for s in steps)
+    if Path("/proc/thread-self/schedstat").exists():
+        assert stats["step_run_s"] > 0 and stats["gap_blocked_s"] >= 0
+    assert window_stats(str(tmp_path / "steps-engine.jsonl"), 0.0, steps[0]["t"] - 1) == {}
