@@ -173,3 +173,16 @@ def test_spare_cores_counts_a_busy_main_thread_as_others():
     th.join(60)
     # this process's CPU less its main thread's, which has done all the work so far (imports, tests)
     assert seen["first"] < before
+
+
+def test_observe_keeps_the_window_fresh_across_a_lull():
+    c = _Counters()
+    spare = SpareCores(window_s=1.0, sample_s=0.1, counters=lambda: (c.machine, c.own), clock=lambda: c.now)
+    t = StepThreads(1, 1, spare_max=2, spare=spare)
+    for _ in range(15):  # steps while another process is busy
+        c.advance(0.1, 2.0, 1.0)
+        t.for_step(1)
+    for _ in range(100):  # the engine idles 10 s, the machine too; observed between steps
+        c.advance(0.1, 0.05, 0.0)
+        t.observe()
+    assert t.for_step(DECODE_STEP_TOKENS + 1) == 2  # the burst's first (prefill) step sees the idle cores

@@ -90,6 +90,12 @@ class StepThreads:
                 return self.spare_max
         return n
 
+    def observe(self) -> None:
+        """Between steps (the engine idles): keeps the spare-core window fresh, so the first step of a burst
+        (a long prefill) is decided on the last second rather than on no window or one from before the lull."""
+        if self.spare is not None:
+            self.spare.others_busy()
+
     def apply(self, num_tokens: int) -> int:
         """Sets torch's thread count for a step of `num_tokens` query tokens (in the stepping thread:
         OpenMP's count is per calling thread); returns it."""

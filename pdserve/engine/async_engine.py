@@ -189,6 +189,7 @@ class AsyncEngine:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
                 if not self.engine.has_unfinished():
                     self.engine.publish_kv_events()  # e.g. the disk tier's writes that finished meanwhile
+                    self.engine.runner.observe_idle()
                     # Idle: sleep until a command arrives (bounded, so held leases still get reaped).
                     self._wake.wait(0.01 if (self.engine.held or self.engine.num_loading) else 0.05)
                     self._wake.clear()

@@ -219,6 +219,11 @@ class ModelRunner:
             assert self.gpu is not None, f"step {kind!r} for a rank without the GPU step runner"
             self.gpu.replay(msg)
 
+    def observe_idle(self) -> None:
+        """Called while the engine idles between steps (CPU: the step threads' spare-core window)."""
+        if self.cpu_threads is not None:
+            self.cpu_threads.observe()
+
     def check_alive(self) -> None:
         """Raises when a tensor-parallel worker rank has died (a no-op with one rank)."""
         if self.workers is not None:
