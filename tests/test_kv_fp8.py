@@ -165,11 +165,14 @@ def test_handshake_refuses_a_kv_dtype_mismatch():
 
 def test_real_model_fp8_agrees_with_float32_kv():
     """SmolLM2-135M: fp8_e4m3 KV against float32 KV on 4 of the benchmark's prompts x 16 greedy tokens (a CI-
-    cheap subset of its 50 x 64). Bounds from the full CPU run (BENCHMARKS.md, FP8 KV cache): while the
-    contexts agree, the chosen token's logprob moves by 0.035 on average (bound: 0.1); greedy decoding of
-    this small model then flips a near-tie after ~23 tokens on average, so over 16 tokens the common prefix
-    is mostly whole (bound: half). A broken fp8 path (a wrong scale, a misplaced row) moves logprobs by
-    whole units and diverges within a few tokens. And the chat answer still says Paris."""
+    cheap subset of its 50 x 64). Bounds from the full CPU runs (BENCHMARKS.md, FP8 KV cache): while the
+    contexts agree, the chosen token's logprob moves by 0.026-0.035 on average (bound: 0.1). Greedy decoding of
+    this small model then flips a near-tie, after ~23 tokens on average but within 4 tokens for 12 % of the 50
+    prompts, and two of these four are such prompts (first divergences 8, 4, 16, 4 on main in December: a
+    common prefix of 0.50; earlier engine builds gave 16, 16, 16, 4), so the bound on the common prefix is a
+    quarter: the first token never differs (a fresh prompt attends over its own new K/V, not the pool), and a
+    broken fp8 path (a wrong scale, a misplaced row) moves logprobs by whole units and diverges at once on
+    every prompt. And the chat answer still says Paris."""
     pytest.importorskip("gguf")
     import sys
     from pathlib import Path
@@ -181,7 +184,7 @@ def test_real_model_fp8_agrees_with_float32_kv():
     ref, _ = run("auto", texts, 16)
     got, answer = run("fp8", texts, 16)
     agreement = compare("fp8_e4m3", ref, got, answer)
-    assert agreement.logprob_mad < 0.1 and agreement.common_prefix >= 0.5, agreement
+    assert agreement.logprob_mad < 0.1 and agreement.common_prefix >= 0.25, agreement
     assert "Paris" in answer, answer
 
 
