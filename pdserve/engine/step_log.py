@@ -94,6 +94,13 @@ class StepLog:
     def record(self, start: float, scheduled: float, executed: float, end: float, *, seqs: int, tokens: int,
                prefill_tokens: int, graph: bool, wait_s: float, outputs: int,
                start_counters: tuple[int, int, int] | None = None, threads: int | None = None) -> None:
+        end_counters = None
+        if start_counters is not None and self._clock is not None and self._clock.available:
+            # read before the step's end time is taken, so that the wall window [start, end] encloses the
+            # counters' window: a preemption between the two would otherwise charge run-queue wait to the
+            # counters that the wall clock did not see (caught under load: run + wait > wall)
+            end_counters = self.counters()
+            end = time.perf_counter()
         gap = 0.0 if self._last_end is None else start - self._last_end
         self._last_end = end
         line = {
@@ -104,8 +111,7 @@ class StepLog:
         }
         if threads is not None:
             line["threads"] = threads  # CPU: the torch threads the step ran on
-        if start_counters is not None and self._clock is not None and self._clock.available:
-            end_counters = self.counters()
+        if start_counters is not None and end_counters is not None:
             line.update(_split("", end - start, start_counters, end_counters))
             if self._last_counters is not None:
                 line.update(_split("gap_", gap, self._last_counters, start_counters))
