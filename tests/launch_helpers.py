@@ -30,8 +30,33 @@ def tiny_model_with_tokenizer(src: Path, out: Path) -> Path:
     return out
 
 
+_TCP_LISTEN = "0A"  # the state column of /proc/net/tcp{,6}
+
+
+def _tcp_states(port: int) -> list[str] | None:
+    """States (hex, as /proc/net/tcp writes them) of every TCP socket whose local port is `port`; None off Linux."""
+    states: list[str] = []
+    found = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        found = True
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 3 and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                states.append(fields[3])
+    return states if found else None
+
+
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    """Nothing listens on the port (TIME_WAIT leftovers do not count, as for a restarted server)."""
+    """Nothing listens on the port. Connections the killed servers leave to the kernel (TIME_WAIT, and
+    FIN_WAIT while a client of the test still holds its end) do not count: they are no process's, and a
+    restarted server binds past them. On Linux read from /proc/net/tcp; elsewhere a bind probe."""
+    states = _tcp_states(port)
+    if states is not None:
+        return _TCP_LISTEN not in states
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -149,7 +174,7 @@ def assert_all_gone(pids: list[int], ports: set[int], timeout: float = 30) -> No
         f"still running: {[p for p in pids if pid_alive(p)]}"
     )
     assert wait_until(lambda: all(port_free(p) for p in ports), timeout), (
-        f"ports still bound: {[p for p in ports if not port_free(p)]}"
+        f"ports still listened on: {[(p, _tcp_states(p)) for p in ports if not port_free(p)]}"
     )
 
 
