@@ -679,7 +679,7 @@ class EngineBench:
         while self.engine.has_unfinished():
             self.engine.step()
 
-    def decode(self, batch: int, prompt_len: int, steps: int) -> dict[str, Any]:
+    def decode(self, batch: int, prompt_len: int, steps: int, profile: bool = True) -> dict[str, Any]:
         eng = self.engine
         ids = self.add(self.prompts(batch, prompt_len), steps + 40)
         prefill_steps = []
@@ -705,8 +705,8 @@ class EngineBench:
         size = min(s for s in gpu.graph_sizes if s >= batch)
         graph = gpu.graphs[size][0]
         dev_s = time_cuda(graph.replay, warmup=3, iters=20)
-        breakdown = self.kernel_breakdown(size)
-        replay_profile = self.graph_profile(size) if batch == 1 else None
+        breakdown = self.kernel_breakdown(size) if profile else None
+        replay_profile = self.graph_profile(size) if batch == 1 and profile else None
         self.drain()
         itl = statistics.median(times)
         kv_bytes = statistics.median(ctx) * self.kv_bytes_per_token
@@ -827,6 +827,61 @@ class EngineBench:
         finally:
             gemv.EPILOGUE_FUSIONS, gemv.NORM_EPILOGUE, backend.fused_decode_merge, model.rope_table_len = saved
             self._recapture(1)
+
+    def decode_async(self, on: bool, batch: int = 1, prompt_len: int = 128, steps: int | None = None,
+                     ) -> dict[str, Any]:
+        """A decode run with async scheduling on (decode steps launched before the previous step's tokens are
+        read: pdserve.engine.async_decode) or off (every step waits for its tokens), in the same engine: the
+        pipeline swapped in or out between runs. Before/after in one run."""
+        from pdserve.engine.async_decode import DecodePipeline
+
+        eng = self.engine
+        self.drain()
+        saved = eng.pipeline
+        eng.pipeline = DecodePipeline(eng.scheduler, eng.blocks, eng.runner) if on else None
+        try:
+            ahead0 = eng.pipeline.num_launched_ahead if on else 0
+            out = self.decode(batch, prompt_len, steps or self.p1_steps, profile=False)
+            out["async_scheduling"] = on
+            out["launched_ahead"] = (eng.pipeline.num_launched_ahead - ahead0) if on else 0
+            return out
+        finally:
+            self.drain()
+            eng.pipeline = saved
+
+    def long_context_budgets(self, prompt_len: int, budgets: tuple[int, ...], reps: int = 2) -> dict[str, Any]:
+        """TTFT of one prompt (max_tokens 1) at several chunk budgets (the scheduler's max_num_batched_tokens),
+        the default attention mode, same engine; each budget first runs the prompt length once untimed (its
+        chunk shapes' kernels and library plans)."""
+        eng = self.engine
+        c = self.cfg
+        flops = (2.0 * self.linear_params * prompt_len
+                 + c.num_layers * _attention_flops(c.num_heads, c.head_dim, [prompt_len], [prompt_len])
+                 + 2.0 * c.vocab_size * c.hidden_size)
+        out: dict[str, Any] = {"prompt_len": prompt_len, "flops_T": flops / 1e12, "budgets": {}}
+        saved = eng.scheduler.max_num_batched_tokens
+        try:
+            for budget in budgets:
+                eng.scheduler.max_num_batched_tokens = budget
+                times, step_ms = [], []
+                for rep in range(reps + 1):
+                    self.add(self.prompts(1, prompt_len), 1)
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    steps = []
+                    while eng.has_unfinished():
+                        ts = time.perf_counter()
+                        eng.step()
+                        steps.append(time.perf_counter() - ts)
+                    if rep:  # the first is the untimed warm-up
+                        times.append(time.perf_counter() - t)
+                        step_ms = [round(x * 1e3, 1) for x in steps]
+                ttft = statistics.median(times)
+                out["budgets"][str(budget)] = {"ttft_s": ttft, "all_s": [round(x, 4) for x in times],
+                                               "step_ms": step_ms, "tflops": flops / ttft / 1e12}
+        finally:
+            eng.scheduler.max_num_batched_tokens = saved
+        return out
 
     def gemv_epilogue_costs(self) -> dict[str, Any]:
         """Graph-timed us of each batch-1 GEMV of layer 0 (and the LM head) plain vs with its epilogue
@@ -1200,6 +1255,14 @@ def main() -> int:
             ("p1_decode_b1_fused_no_norm_epilogue", lambda: eb.p1_variant(True, False, False), (), 20),
             ("p1_decode_b1_fused_merge", lambda: eb.p1_variant(True, True, True), (), 20),
             ("p1_decode_b1_again", eb.decode, (1, 128, eb.p1_steps), 20),  # the default again: the drift
+            # async scheduling off / on, alternated (issue 21's third pass)
+            ("p1_async_off", lambda: eb.decode_async(False), (), 15),
+            ("p1_async_on", lambda: eb.decode_async(True), (), 15),
+            ("p1_async_off_again", lambda: eb.decode_async(False), (), 15),
+            ("p1_async_on_again", lambda: eb.decode_async(True), (), 15),
+            ("p2_async_off", lambda: eb.decode_async(False, 64, 2048, 64), (), 20),
+            ("p2_async_on", lambda: eb.decode_async(True, 64, 2048, 64), (), 20),
+            ("long_context_budgets_32768", lambda: eb.long_context_budgets(32768, (8192, 16384, 32768)), (), 40),
             ("p1_decode_b1_unfused_again", lambda: eb.p1_variant(False, False, False, False), (), 20),
             ("gemv_epilogue_costs", eb.gemv_epilogue_costs, (), 20),
             ("decode_b1_variants", eb.decode_variants_b1, (), 20),
@@ -1256,6 +1319,22 @@ def summarize(s: Suite, ceil: dict[str, Any]) -> None:
         if "itl_ms" in x:
             rows.append((label, f"{x['weight_only_GBps']:.0f} GB/s (ITL {x['itl_ms']:.2f} ms)",
                          f"{ratio(x['weight_only_GBps'], bw)} of rw copy", "same run"))
+    for key, label in (("p1_async_off", "P1, async scheduling off"), ("p1_async_on", "P1, async scheduling on"),
+                       ("p1_async_off_again", "P1, async off again"), ("p1_async_on_again", "P1, async on again")):
+        x = r.get(key) or {}
+        if "itl_ms" in x:
+            rows.append((label, f"{x['weight_only_GBps']:.0f} GB/s (ITL {x['itl_ms']:.2f} ms, device-only "
+                         f"{x['device_only_step_ms']:.2f})", f"{ratio(x['weight_only_GBps'], bw)} of rw copy",
+                         f"launched ahead {x.get('launched_ahead', 0)}"))
+    for key, label in (("p2_async_off", "P2, async scheduling off"), ("p2_async_on", "P2, async scheduling on")):
+        x = r.get(key) or {}
+        if "itl_ms" in x:
+            rows.append((label, f"{x['achieved_GBps']:.0f} GB/s (step {x['itl_ms']:.2f} ms)",
+                         f"{ratio(x['achieved_GBps'], bw)} of rw copy", f"launched ahead {x.get('launched_ahead', 0)}"))
+    lcb = r.get("long_context_budgets_32768") or {}
+    for b, x in (lcb.get("budgets") or {}).items():
+        rows.append((f"TTFT {lcb['prompt_len']} tokens, chunk budget {b}", f"{x['ttft_s'] * 1e3:.0f} ms",
+                     f"{ratio(x['tflops'], mm)} of matmul (causal attention FLOPs counted)", "goal 75%"))
     p2 = r.get("p2_decode_b64_2k") or {}
     if "itl_ms" in p2:
         rows.append(("P2 decode b64 2k: (W+KV)/step", f"{p2['achieved_GBps']:.0f} GB/s (step {p2['itl_ms']:.2f} ms)",

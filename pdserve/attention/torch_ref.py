@@ -17,6 +17,9 @@ class TorchAttention:
     def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata, kv_scale=None) -> None:
         # a float cache stores the values as they are: kv_scale (an fp8 pool's) does not apply
         slots = meta.slot_mapping
+        if meta.decode_only and bool((slots < 0).any()):  # a decode graph's padding rows: slot -1, no store
+            keep = slots >= 0
+            slots, k, v = slots[keep], k[keep], v[keep]
         block_idx = torch.div(slots, meta.block_size, rounding_mode="floor")
         offset = slots - block_idx * meta.block_size
         k_cache[block_idx, offset] = k

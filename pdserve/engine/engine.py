@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.api import pd
 from pdserve.config import EngineConfig
+from pdserve.engine.async_decode import DecodePipeline, InflightDecode, async_scheduling_enabled
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.grammars import Grammars
 from pdserve.engine.kv_connector_protocol import KVConnectorProtocol
@@ -140,6 +141,10 @@ class LLMEngine:
         if not config.enable_chunked_prefill:
             budget = max(budget, self.max_model_len)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, budget, config.enable_chunked_prefill)
+        # async scheduling (pdserve.engine.async_decode): decode steps launched ahead; None: every step waits
+        self.pipeline = DecodePipeline(self.scheduler, self.blocks, self.runner) \
+            if async_scheduling_enabled(config.async_scheduling, self.runner.device.type) else None
+        self._inflight: InflightDecode | None = None  # a decode step launched and not yet taken in
         self.tiers = None  # the KV offload tiers (host memory, disk) behind the pool, when configured
         self.tier_loader = None
         if config.kv_offloading:
@@ -209,6 +214,8 @@ class LLMEngine:
                 break
         for rid in list(self.requests):
             self.abort_request(rid)
+        while self._inflight is not None:  # a step launched ahead for the aborted requests: taken in, dropped
+            self.step()
         # library kernels' per-shape plans (cuDNN's attention for long prefill chunks): ~65 ms each if built
         # at a long prompt's first chunks instead
         warm = getattr(self.runner.backend, "warm_up", None)
@@ -416,7 +423,9 @@ class LLMEngine:
         return self._finish(req, hold=False)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests in the engine, or a step launched ahead still to be taken in (its rows may all have ended:
+        the next step() takes it in)."""
+        return bool(self.requests) or self._inflight is not None
 
     def check_health(self) -> None:
         """Raises when the engine cannot run another step (a tensor-parallel worker died)."""
@@ -452,6 +461,9 @@ class LLMEngine:
                 return outputs
         t_start = time.perf_counter()
         counters0 = self.step_log.counters() if self.step_log is not None else None
+        if self._inflight is not None:
+            outputs.extend(self._advance(t_start, counters0))
+            return outputs
         if self.history:
             self._evict_history_for_room()
         if self.tier_loader is not None:
@@ -473,6 +485,11 @@ class LLMEngine:
         for req, _ in sched.scheduled:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
+        if self.pipeline is not None:
+            self._inflight = self.pipeline.launch_scheduled(sched.scheduled)
+            if self._inflight is not None:
+                outputs.extend(self._advance(t_start, counters0))
+                return outputs
         t_sched = time.perf_counter()
         timing = self.runner.step_timing
         graphs0, wait0 = timing.graph_steps, timing.wait_s
@@ -483,23 +500,56 @@ class LLMEngine:
             self.blocks.cache_full_blocks(req)
         now = time.monotonic()
         for req, tok, lp in zip(reqs, tokens, logprobs, strict=True):
-            req.output_token_ids.append(tok)
-            if lp is not None:
-                req.output_logprobs.append(lp)
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.metrics.last_token_time = now
-            if req.check_stop(tok) or (req.grammar is not None and self.grammars.advance(req, tok)):
-                self.scheduler.remove(req)
-                outputs.append(self._finish(req, hold=req.kv.send or req.kv.keep_history))
-            else:
-                outputs.append(self._emit(req))
+            self._take_token(req, tok, lp, now, outputs)
         if self.step_log is not None:
             self.step_log.record(
                 t_start, t_sched, t_exec, time.perf_counter(), seqs=len(sched.scheduled),
                 tokens=sched.num_tokens, prefill_tokens=sum(n for _, n in sched.scheduled if n > 1),
                 graph=timing.graph_steps > graphs0, wait_s=timing.wait_s - wait0, outputs=len(outputs),
                 start_counters=counters0, threads=getattr(self.runner, "last_step_threads", None))
+        return outputs
+
+    def _take_token(self, req: Request, tok: int, lp: TokenLogprob | None, now: float,
+                    outputs: list[RequestOutput]) -> None:
+        """A sampled token into its request: emitted, or the request finished by it."""
+        req.output_token_ids.append(tok)
+        if lp is not None:
+            req.output_logprobs.append(lp)
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.last_token_time = now
+        if req.check_stop(tok) or (req.grammar is not None and self.grammars.advance(req, tok)):
+            self.scheduler.remove(req)
+            outputs.append(self._finish(req, hold=req.kv.send or req.kv.keep_history))
+        else:
+            outputs.append(self._emit(req))
+
+    def _advance(self, t_start: float, counters0: tuple[int, int, int] | None) -> list[RequestOutput]:
+        """Async scheduling: launch the step after the one in flight when it qualifies (pipeline.launch_next),
+        then take the one in flight in: its tokens into their requests, the rows of requests that ended
+        meanwhile dropped. Without a launch the pipeline is empty afterwards and the next step is scheduled
+        normally."""
+        assert self.pipeline is not None and self._inflight is not None
+        cur = self._inflight
+        parked = self.tier_loader is not None and bool(self.tier_loader.parked)
+        self._inflight = self.pipeline.launch_next(cur, waiting_elsewhere=parked)
+        t_sched = time.perf_counter()
+        tokens = self.runner.collect_decode(cur.launched)
+        t_exec = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        now = time.monotonic()
+        for req, pos, tok in zip(cur.reqs, cur.positions, tokens, strict=True):
+            if req.finished or req.num_computed_tokens != pos:
+                continue  # ended at the step before (or aborted since): this row ran ahead for nothing
+            req.num_computed_tokens = pos + 1
+            self.blocks.cache_full_blocks(req)
+            self._take_token(req, tok, None, now, outputs)
+        if self.step_log is not None:
+            n = len(cur.reqs)
+            self.step_log.record(
+                t_start, t_sched, t_exec, time.perf_counter(), seqs=n, tokens=n, prefill_tokens=0, graph=True,
+                wait_s=cur.launched.wait_s, outputs=len(outputs), start_counters=counters0,
+                threads=None)
         return outputs
 
     def _emit(self, req: Request, finished: bool = False) -> RequestOutput:

@@ -25,6 +25,7 @@ from pdserve.model.kv_scales import use_checkpoint_kv_scales
 from pdserve.model.loader import build_model
 
 if TYPE_CHECKING:
+    from pdserve.gpu.step_runner import LaunchedDecode
     from pdserve.parallel.comm import TPGroup
     from pdserve.parallel.executor import TPWorkers
 
@@ -334,6 +335,24 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
         return input_ids, positions, meta
+
+    # ---- async scheduling (pdserve.engine.async_decode) -----------------------------------------
+    @property
+    def can_launch_async(self) -> bool:
+        """Decode steps can be launched before the previous one's tokens are read (the GPU step path with
+        graphs, one rank); the CPU path has no device to overlap with."""
+        return self.gpu is not None and self.gpu.can_launch_async
+
+    def launch_decode(self, reqs: list[Request], positions: list[int], prev: LaunchedDecode | None = None,
+                      src_rows: list[int] | None = None) -> LaunchedDecode | None:
+        """GpuStepRunner.launch_decode (None: nothing launched)."""
+        assert self.gpu is not None
+        return self.gpu.launch_decode(reqs, positions, prev, src_rows)
+
+    def collect_decode(self, launched: LaunchedDecode) -> list[int]:
+        """The launched step's tokens, once on the host (GpuStepRunner.collect_decode)."""
+        assert self.gpu is not None
+        return self.gpu.collect_decode(launched)
 
     @torch.inference_mode()
     def execute(self, batch: list[tuple[Request, int]]) -> tuple[list[Request], list[int], list[TokenLogprob | None]]:

@@ -12,6 +12,9 @@ ModelRunner delegates `execute` here on CUDA. What it does differently from the 
   batched sampler on the device.
 - No host sync inside the model: kernel grids come from host-known sizes, sequence lengths are read on
   the device.
+- Async scheduling (`launch_decode` / `collect_decode`, driven by pdserve.engine.async_decode): a decode graph
+  step can be launched before the previous one's tokens reached the host, its input ids gathered on the device
+  from the previous replay's argmax; the host reads a step's tokens from a pinned copy queued behind it.
 - Tensor parallelism: rank 0 hands each step's staged host inputs to `step_sink` before running it; the
   other ranks `replay` them through the same device code (graph replay or eager), so every rank runs the
   same graph with the same inputs, collectives included. Only rank 0 samples.
@@ -126,6 +129,18 @@ class EagerShape:
         return buf[lo:hi]
 
 
+@dataclass
+class LaunchedDecode:
+    """A decode graph step launched without waiting for it (async scheduling). The next step may take its input
+    ids from `tokens` on the device; the host reads `host_tokens` once `ready` has passed."""
+
+    num_rows: int
+    tokens: torch.Tensor  # the step's argmax ids on the device ([>= num_rows], int64; the graph's output)
+    host_tokens: torch.Tensor  # pinned host copy of tokens[:num_rows], filled by a copy queued behind the step
+    ready: torch.cuda.Event | None  # recorded after that copy (None on CPU, where the copy is done at once)
+    wait_s: float = 0.0  # host time spent waiting for it (collect_decode)
+
+
 class HostBatch:
     """Flattened inputs for one step, built with numpy into a slice of a pinned int64 buffer.
 
@@ -237,9 +252,17 @@ class GpuStepRunner:
         self._dev = torch.empty(0, dtype=torch.int64, device=self.device)
         self.graph_sizes: list[int] = []
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        # async scheduling: two pinned token buffers used in turn (a step's copy lands in one while the host
+        # reads the previous step's from the other), and the event after the last launch's host->device
+        # copies (the pinned staging buffers must not be rewritten before those copies ran)
+        self._tok_host = [torch.zeros(max(max_num_seqs, 1), dtype=torch.int64, pin_memory=self.pin)
+                          for _ in range(2)]
+        self._tok_turn = 0
+        self._staged: torch.cuda.Event | None = None
         # Graphs need a backend that reads sequence lengths on the device (the captured metadata's host
-        # lists are placeholders); the torch reference reads the host lists, so it runs eagerly.
-        if not enforce_eager and getattr(self.backend, "name", "") != "torch-sdpa":
+        # lists are placeholders); the torch reference reads host lists except in its decode path, which the
+        # graphs' decode-only metadata takes, so it simulates them (tests) but is never captured.
+        if simulate_graphs or (not enforce_eager and getattr(self.backend, "name", "") != "torch-sdpa"):
             self.graph_sizes = graph_sizes_for(max_num_seqs)
             self._capture()
 
@@ -256,10 +279,11 @@ class GpuStepRunner:
         bmax = self.graph_sizes[-1]
         self._gb = bmax
         width = self.max_blocks_per_seq
-        # Static header, one host->device copy per step: ids | positions | slots | seq_lens | table rows.
-        self._g_host = torch.zeros(5 * bmax, dtype=torch.int64, pin_memory=self.pin)
+        # Static header, one host->device copy per step: ids | positions | slots | seq_lens | table rows |
+        # source rows (async scheduling: which row of the previous step's tokens each row's input id is).
+        self._g_host = torch.zeros(6 * bmax, dtype=torch.int64, pin_memory=self.pin)
         self._g_host_np = self._g_host.numpy()
-        self._g_dev = torch.zeros(5 * bmax, dtype=torch.int64, device=self.device)
+        self._g_dev = torch.zeros(6 * bmax, dtype=torch.int64, device=self.device)
         # Persistent block tables: each request keeps one row while it lives, and a step sends only the
         # blocks added since the last (one in block_size steps per request). Row 0 stays zero, for the
         # padding rows. The graph gathers its batch's rows; rewriting [B, W] tables from Python lists each
@@ -356,14 +380,12 @@ class GpuStepRunner:
         """Replays the decode graph for a batch of one-token rows. Returns logits and argmax tokens for
         the batch's rows, and the rows that reach their frontier (None: all of them; a one-token chunk
         of a recompute after preemption does not)."""
-        b = self._gb
         bs = self.block_size
         n = len(batch)
         got = self._table_rows(batch)
         if got is None:
             return None
         rows, updates = got
-        buf = self._g_host_np
         # per-request Python values gathered in lists, stored with one numpy assignment each
         tok_l: list[int] = []
         pos_l: list[int] = []
@@ -376,6 +398,23 @@ class GpuStepRunner:
             slot_l.append(req.block_ids[p // bs] * bs + p % bs)
             if p + 1 != req.num_tokens:
                 partial.append(i)
+        self._wait_staged()
+        self._stage_header(size, tok_l, pos_l, slot_l, rows)
+        if self.step_sink is not None:
+            self.step_sink(("graph", size, self._g_host_np.copy(), updates))
+        logits, tokens = self._replay_graph(size, updates)
+        keep = None
+        if partial:
+            skip = set(partial)
+            keep = [i for i in range(n) if i not in skip]
+        return logits[:n], tokens[:n], keep
+
+    def _stage_header(self, size: int, tok_l: list[int], pos_l: list[int], slot_l: list[int],
+                      rows: list[int], src_rows: list[int] | None = None) -> None:
+        """Writes the pinned header for a graph step of len(pos_l) rows padded to `size`."""
+        b = self._gb
+        n = len(pos_l)
+        buf = self._g_host_np
         buf[0:n] = tok_l
         buf[b : b + n] = pos_l
         buf[2 * b : 2 * b + n] = slot_l
@@ -387,17 +426,22 @@ class GpuStepRunner:
         buf[2 * b + n : 2 * b + size] = -1
         buf[3 * b + n : 3 * b + size] = 0
         buf[4 * b + n : 4 * b + size] = 0
-        if self.step_sink is not None:
-            self.step_sink(("graph", size, buf.copy(), updates))
-        logits, tokens = self._replay_graph(size, updates)
-        keep = None
-        if partial:
-            skip = set(partial)
-            keep = [i for i in range(n) if i not in skip]
-        return logits[:n], tokens[:n], keep
+        if src_rows is not None:
+            buf[5 * b : 5 * b + n] = src_rows
 
-    def _replay_graph(self, size: int, updates: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The device half of a graph step, from the staged header (`_g_host`) and new block-table entries."""
+    def _wait_staged(self) -> None:
+        """Before the pinned staging buffers are rewritten: the last async launch's host->device copies of
+        them must have run (a launch does not wait for its step; the copies sit ahead of it in the stream)."""
+        if self._staged is not None:
+            self._staged.synchronize()
+            self._staged = None
+
+    def _replay_graph(self, size: int, updates: list[int], ids_from: tuple[torch.Tensor, int] | None = None,
+                      ahead: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device half of a graph step, from the staged header (`_g_host`) and new block-table entries.
+        ids_from (async scheduling): (the previous step's tokens on the device, n): the first n input ids are
+        gathered from them by the header's source rows instead of coming from the host. ahead: launched
+        without waiting for it (async scheduling)."""
         self._g_dev.copy_(self._g_host, non_blocking=True)
         if updates:
             m = len(updates) // 2
@@ -406,6 +450,15 @@ class GpuStepRunner:
             dev[: 2 * m].copy_(host[: 2 * m], non_blocking=True)
             pairs = dev[: 2 * m].view(m, 2)
             self._g_rows.view(-1).index_copy_(0, pairs[:, 0], pairs[:, 1])
+        if ids_from is not None:
+            prev, n = ids_from
+            b = self._gb
+            torch.index_select(prev, 0, self._g_dev[5 * b : 5 * b + n], out=self._g_dev[0:n])
+        if ahead and self.device.type == "cuda":
+            # this launch does not wait for its step: the staging buffers may be rewritten once the copies
+            # above ran, which the next launch checks (_wait_staged)
+            self._staged = torch.cuda.Event()
+            self._staged.record()
         if self.simulate_graphs:
             logits, tokens = self._graph_forward(size)
         else:
@@ -414,6 +467,64 @@ class GpuStepRunner:
             graph.replay()
             self.timing.launch_s += time.perf_counter() - t
         return logits, tokens
+
+    # ---- async scheduling ----------------------------------------------------------------------
+    @property
+    def can_launch_async(self) -> bool:
+        """Decode steps can be launched ahead (graphs, or their CPU simulation; one rank: the other ranks'
+        replays would need the previous step's tokens too)."""
+        return (bool(self.graphs) or self.simulate_graphs) and self.step_sink is None
+
+    @torch.inference_mode()
+    def launch_decode(self, reqs: list[Request], positions: list[int], prev: LaunchedDecode | None = None,
+                      src_rows: list[int] | None = None) -> LaunchedDecode | None:
+        """Launches one decode graph step without waiting for it: row i computes request i's token at
+        positions[i] (its K/V stored there) and samples the next one by the graph's argmax. The input ids come
+        from the host (each request's token at its position) or, with `prev`, from row src_rows[i] of prev's
+        tokens on the device: the step can be queued before prev's tokens reached the host. The caller has
+        allocated each request's block for its position. None when no graph fits or no block-table row is
+        free (nothing was launched; the caller runs the step synchronously)."""
+        t0 = time.perf_counter()
+        n = len(reqs)
+        size = pick_graph_size(self.graph_sizes, n) if self.can_launch_async else None
+        if size is None:
+            return None
+        got = self._table_rows([(r, 1) for r in reqs])
+        if got is None:
+            return None
+        rows, updates = got
+        bs = self.block_size
+        slot_l = [req.block_ids[p // bs] * bs + p % bs for req, p in zip(reqs, positions, strict=True)]
+        tok_l = [0] * n if prev is not None else [r.token_at(p) for r, p in zip(reqs, positions, strict=True)]
+        self._wait_staged()
+        self._stage_header(size, tok_l, positions, slot_l, rows, src_rows)
+        _, tokens = self._replay_graph(size, updates, None if prev is None else (prev.tokens, n), ahead=True)
+        # the step's tokens to the host, queued behind it; two buffers in turn: the host may still be reading
+        # the previous step's while this copy lands
+        host = self._tok_host[self._tok_turn]
+        self._tok_turn ^= 1
+        host[:n].copy_(tokens[:n], non_blocking=True)
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        self.timing.graph_steps += 1
+        self.timing.steps += 1
+        self.tables.end_step()
+        self.timing.total_s += time.perf_counter() - t0
+        return LaunchedDecode(n, tokens, host, ready)
+
+    def collect_decode(self, launched: LaunchedDecode) -> list[int]:
+        """Waits for a launched step's tokens to reach the host; returns them, one per row."""
+        t0 = time.perf_counter()
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        ids = launched.host_tokens[: launched.num_rows].tolist()
+        dt = time.perf_counter() - t0
+        launched.wait_s = dt
+        self.timing.wait_s += dt
+        self.timing.total_s += dt
+        return ids
 
     # ---- eager steps ---------------------------------------------------------------------------
     def _run_eager(self, batch: list[tuple[Request, int]]) -> tuple[HostBatch, torch.Tensor | None]:

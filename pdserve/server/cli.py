@@ -43,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--cpu-kv-cache-gb", type=float, default=1.0)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch the next decode step before this one's tokens are read (greedy pure-decode graph "
+                        "steps; the rest stays synchronous). Default: on for CUDA (PDSERVE_ASYNC_SCHEDULING=0/1 "
+                        "sets the default)")
     p.add_argument("--attention-backend", default="auto",
                    choices=("auto", "triton", "triton-cudnn", "flashinfer"),
                    help="GPU attention: Triton kernels, with long prefill chunks on cuDNN (triton-cudnn; auto "
@@ -126,6 +130,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         attention_backend=args.attention_backend,
         max_waiting_requests=args.max_waiting_requests,
         kv_transfer_config=kv,

@@ -510,27 +510,78 @@ def check_engines_tiny(archs: tuple[str, ...] = ("llama", "qwen2", "qwen3"), max
                       max_num_seqs=8, max_model_len=1024)
         outs: dict[str, list[list[int]]] = {}
         hits: dict[str, int] = {}
-        for dev in ("cpu", device):
-            eng = LLMEngine(EngineConfig(device=dev, **common))
-            outs[dev] = _run_engine(eng, wave1, greedy) + _run_engine(eng, wave2, greedy) + _run_engine(eng, solo, greedy)
-            hits[dev] = eng.stats().prefix_cache_hits
-            if dev != "cpu":
+        gpu_info: dict[str, Any] = {}
+        # the GPU engine with async scheduling on (launching decode steps ahead) and off
+        for name, dev, async_on in (("cpu", "cpu", False), (device, device, True), ("sync", device, False)):
+            eng = LLMEngine(EngineConfig(device=dev, async_scheduling=async_on, **common))
+            outs[name] = _run_engine(eng, wave1, greedy) + _run_engine(eng, wave2, greedy) + _run_engine(eng, solo, greedy)
+            hits[name] = eng.stats().prefix_cache_hits
+            if name == device:
                 gpu_info = {"backend": eng.runner.backend.name, "graphs": eng.runner.gpu.graph_sizes,
-                            "graph_steps": eng.runner.step_timing.graph_steps, "steps": eng.runner.step_timing.steps}
+                            "graph_steps": eng.runner.step_timing.graph_steps, "steps": eng.runner.step_timing.steps,
+                            "launched_ahead": eng.pipeline.num_launched_ahead if eng.pipeline else 0}
+                if arch == archs[0]:
+                    gpu_info["async_stops"] = _check_async_stops(eng, outs["cpu"][: len(wave1)], wave1)
             del eng
         hf = _hf_greedy(model_dir, wave1 + wave2 + solo, max_tokens)
         n_prompts = len(hf)
         gpu_vs_cpu = sum(a == b for a, b in zip(outs[device], outs["cpu"], strict=True))
         gpu_vs_hf = sum(a == b for a, b in zip(outs[device], hf, strict=True))
+        sync_vs_hf = sum(a == b for a, b in zip(outs["sync"], hf, strict=True))
+        stops_ok = gpu_info.get("async_stops", {}).get("ok", True)
         results.append({
             "arch": arch, "prompts": n_prompts, "gpu_eq_cpu": gpu_vs_cpu, "gpu_eq_hf": gpu_vs_hf,
-            "cpu_eq_hf": sum(a == b for a, b in zip(outs["cpu"], hf, strict=True)),
+            "gpu_sync_eq_hf": sync_vs_hf, "cpu_eq_hf": sum(a == b for a, b in zip(outs["cpu"], hf, strict=True)),
             "prefix_hit_tokens": hits, **gpu_info,
-            "ok": gpu_vs_cpu == n_prompts and gpu_vs_hf == n_prompts and hits[device] > 0,
+            "ok": gpu_vs_cpu == n_prompts and gpu_vs_hf == n_prompts and sync_vs_hf == n_prompts
+            and hits[device] > 0 and gpu_info.get("launched_ahead", 0) > 0 and stops_ok,
             "seconds": round(time.perf_counter() - t0, 1),
         })
         torch.cuda.empty_cache()
     return results
+
+
+def _check_async_stops(eng, ref: list[list[int]], prompts: list[list[int]]) -> dict[str, Any]:
+    """Async scheduling's stops on the device: per prompt a stop token (taken from its reference tokens),
+    EOS, max_tokens or nothing, in one batch; each must end at the same token as the reference, with no
+    output after its last, and the pool must be whole again afterwards."""
+    from pdserve.engine.sampling_params import SamplingParams
+
+    plist = []
+    want = []
+    for i, r in enumerate(ref):
+        k = 2 + i % 5
+        if i % 3 == 0:
+            plist.append(SamplingParams(max_tokens=len(r), temperature=0.0, ignore_eos=True,
+                                        stop_token_ids=[r[k]]))
+            want.append(r[: r.index(r[k]) + 1])
+        elif i % 3 == 1:
+            plist.append(SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True))
+            want.append(r[:k])
+        else:
+            plist.append(SamplingParams(max_tokens=len(r), temperature=0.0, ignore_eos=True))
+            want.append(r)
+    base = eng.num_finished
+    ids = [f"s{base}-{i}" for i in range(len(prompts))]
+    for rid, p, sp in zip(ids, prompts, plist, strict=True):
+        eng.add_request(rid, p, sp)
+    got: dict[str, list[int]] = {rid: [] for rid in ids}
+    ended: set[str] = set()
+    late = 0
+    ahead0 = eng.pipeline.num_launched_ahead if eng.pipeline else 0
+    for _ in range(10_000):  # bounded
+        if not eng.has_unfinished():
+            break
+        for o in eng.step():
+            late += o.request_id in ended
+            got[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                ended.add(o.request_id)
+    equal = sum(got[rid] == w for rid, w in zip(ids, want, strict=True))
+    pool_whole = eng.blocks.num_free_blocks == eng.blocks.num_blocks
+    ahead = (eng.pipeline.num_launched_ahead if eng.pipeline else 0) - ahead0
+    return {"prompts": len(ids), "equal": equal, "outputs_after_finish": late, "pool_whole": pool_whole,
+            "launched_ahead": ahead, "ok": equal == len(ids) and late == 0 and pool_whole and ahead > 0}
 
 
 # ---------------------------------------------------------------------------------------------------
