@@ -15,7 +15,7 @@ from engine_utils import hf_greedy, make_engine, mixed_prompts, run_engine
 
 from pdserve.attention.torch_ref import TorchAttention
 from pdserve.config import EngineConfig
-from pdserve.engine.async_decode import ASYNC_SCHEDULING_ENV, async_scheduling_enabled
+from pdserve.engine.async_decode import ASYNC_SCHEDULING_ENV, DEFAULT_ON_CUDA, async_scheduling_enabled
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -65,7 +65,7 @@ def tokens_of(outs: list) -> list[int]:
 
 def test_default_and_switches(monkeypatch):
     monkeypatch.delenv(ASYNC_SCHEDULING_ENV, raising=False)
-    assert async_scheduling_enabled(None, "cuda") and not async_scheduling_enabled(None, "cpu")
+    assert async_scheduling_enabled(None, "cuda") is DEFAULT_ON_CUDA and not async_scheduling_enabled(None, "cpu")
     monkeypatch.setenv(ASYNC_SCHEDULING_ENV, "0")
     assert not async_scheduling_enabled(None, "cuda")
     assert async_scheduling_enabled(True, "cuda")

@@ -46,14 +46,18 @@ if TYPE_CHECKING:
 ASYNC_SCHEDULING_ENV = "PDSERVE_ASYNC_SCHEDULING"  # 0 / 1: overrides the default (EngineConfig.async_scheduling)
 
 
+# Whether CUDA engines launch decode steps ahead unless told otherwise (the CPU path never can)
+DEFAULT_ON_CUDA = False
+
+
 def async_scheduling_enabled(setting: bool | None, device_type: str) -> bool:
-    """The engine arg wins; else PDSERVE_ASYNC_SCHEDULING; else on for CUDA (where it measured faster)."""
+    """The engine arg wins; else PDSERVE_ASYNC_SCHEDULING; else DEFAULT_ON_CUDA on CUDA, off elsewhere."""
     if setting is not None:
         return setting
     env = os.environ.get(ASYNC_SCHEDULING_ENV)
     if env is not None:
         return env != "0"
-    return device_type == "cuda"
+    return DEFAULT_ON_CUDA and device_type == "cuda"
 
 
 @dataclass
