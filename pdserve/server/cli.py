@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch the next decode step before this one's tokens are read (greedy pure-decode graph "
-                        "steps; the rest stays synchronous). Default: PDSERVE_ASYNC_SCHEDULING=0/1, else off")
+                        "steps; the rest stays synchronous). Default: PDSERVE_ASYNC_SCHEDULING=0/1, else on for CUDA")
     p.add_argument("--attention-backend", default="auto",
                    choices=("auto", "triton", "triton-cudnn", "flashinfer"),
                    help="GPU attention: Triton kernels, with long prefill chunks on cuDNN (triton-cudnn; auto "
