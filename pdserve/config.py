@@ -20,6 +20,13 @@ def canonical_kv_cache_dtype(name: str) -> str:
     return "fp8_e4m3" if key == "fp8" else key
 
 
+# A step without decode rows may give one long prompt this many tokens on the GPU (measured on the H200:
+# BENCHMARKS.md, issue 21 "Third pass": a 32k prompt at 75.9 % of the matmul rate in one step, 73.6 % in
+# 8192-token chunks)
+PREFILL_ONLY_CHUNK_GPU = 32768
+DEFAULT_GPU_BUDGET = 8192  # max_num_batched_tokens' default on the GPU (2048 on CPU)
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # HF folder path or a short name of an embedded model; None = the default
@@ -32,6 +39,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # token budget per step (chunked prefill); default 2048 CPU / 8192 GPU
+    # a step without decode rows may give one long prompt a chunk of up to this many tokens (Scheduler);
+    # None: 32768 on GPU, off on CPU; 0: off
+    prefill_only_chunk_tokens: int | None = None
     block_size: int = 16
     # vLLM's --kv-cache-dtype: auto (the model's dtype) | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2
     kv_cache_dtype: str = "auto"
@@ -62,6 +72,12 @@ class EngineConfig:
     distributed_timeout_s: float = 120.0  # bound on every tensor-parallel collective while serving
     distributed_setup_timeout_s: float = 900.0  # bound on starting the ranks and loading their weights
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def prefill_only_chunk(self, device_type: str) -> int:
+        """The longest chunk a step without decode rows may give one long prompt (0: off; Scheduler)."""
+        if self.prefill_only_chunk_tokens is not None:
+            return max(0, self.prefill_only_chunk_tokens)
+        return PREFILL_ONLY_CHUNK_GPU if device_type == "cuda" else 0
 
     @property
     def kv_offloading(self) -> bool:

@@ -143,3 +143,23 @@ def test_warm_up_leaves_the_engine_as_new_and_exact(tiny_llama):
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     assert run_engine(engine, prompts, greedy) == hf_greedy(tiny_llama, prompts, 6)
     assert engine.blocks.prefix_hits > 0
+
+
+def test_long_chunks_of_steps_without_decode_rows_are_token_exact(tiny_llama):
+    """prefill_only_chunk_tokens: long prompts prefilled in chunks longer than the budget while nothing
+    decodes (the first), interleaved with budget-sized chunks once requests decode: same tokens as HF."""
+    prompts = mixed_prompts(320, seed=21, lengths=(230, 150, 9))
+    engine = make_engine(tiny_llama, max_num_batched_tokens=32, prefill_only_chunk_tokens=96, max_model_len=512)
+    assert make_engine(tiny_llama).scheduler.prefill_only_chunk_tokens == 0  # off on CPU by default
+    sizes: list[int] = []
+    real = engine.scheduler.schedule
+
+    def schedule():
+        out = real()
+        sizes.append(out.num_tokens)
+        return out
+
+    engine.scheduler.schedule = schedule
+    got = run_engine(engine, prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert got == hf_greedy(tiny_llama, prompts, 8)
+    assert sizes[:3] == [96, 96, 38]  # the first prompt alone in long chunks (230 = 96 + 96 + 38)

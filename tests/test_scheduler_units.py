@@ -176,3 +176,26 @@ def test_failed_load_recomputes_from_the_local_prefix_hit():
     assert out.scheduled == [(remote, remote.num_prompt_tokens - 3 * BS)]
     finish(sched, remote)
     assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
+
+
+def test_a_step_without_decode_rows_gives_one_long_prompt_a_longer_chunk():
+    """prefill_only_chunk_tokens: with nothing decoding, the first long prompt takes up to that many tokens and
+    holds the step alone; a short prompt is scheduled within the budget as before; once a request decodes,
+    every chunk is the budget's again."""
+    sched = Scheduler(BlockManager(512, BS, True), 8, max_num_batched_tokens=64, prefill_only_chunk_tokens=256)
+    long1 = request("long1", list(range(1, 601)), max_tokens=3)
+    short = request("short", list(range(700, 720)), max_tokens=50)
+    sched.add(long1)
+    sched.add(short)
+    assert [(r.request_id, n) for r, n in step(sched).scheduled] == [("long1", 256)]  # alone in its step
+    assert [(r.request_id, n) for r, n in step(sched).scheduled] == [("long1", 256)]
+    # 88 left: more than the budget (64) -> the long chunk again, which finishes the prompt
+    assert [(r.request_id, n) for r, n in step(sched).scheduled] == [("long1", 88)]
+    # long1 now decodes: the budget's rules (its decode row + short's 20 tokens)
+    assert [(r.request_id, n) for r, n in step(sched).scheduled] == [("long1", 1), ("short", 20)]
+    long2 = request("long2", list(range(1000, 1300)), max_tokens=3)
+    sched.add(long2)
+    assert [(r.request_id, n) for r, n in step(sched).scheduled] == [("long1", 1), ("short", 1), ("long2", 62)]
+    off = Scheduler(BlockManager(512, BS, True), 8, max_num_batched_tokens=64, prefill_only_chunk_tokens=0)
+    off.add(request("x", list(range(1, 601))))
+    assert [n for _, n in step(off).scheduled] == [64]

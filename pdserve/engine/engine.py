@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.api import pd
-from pdserve.config import EngineConfig
+from pdserve.config import DEFAULT_GPU_BUDGET, EngineConfig
 from pdserve.engine.async_decode import DecodePipeline, InflightDecode, async_scheduling_enabled
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.grammars import Grammars
@@ -136,11 +136,12 @@ class LLMEngine:
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                    enable_events=publish)
         self.kv_events = None  # the ZMQ publisher of the pool's KV events, when --kv-events-config enables it
-        default_budget = 8192 if self.runner.device.type == "cuda" else 2048
+        default_budget = DEFAULT_GPU_BUDGET if self.runner.device.type == "cuda" else 2048
         budget = config.max_num_batched_tokens or default_budget
         if not config.enable_chunked_prefill:
             budget = max(budget, self.max_model_len)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, budget, config.enable_chunked_prefill)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, budget, config.enable_chunked_prefill,
+                                   config.prefill_only_chunk(self.runner.device.type))
         # async scheduling (pdserve.engine.async_decode): decode steps launched ahead; None: every step waits
         self.pipeline = DecodePipeline(self.scheduler, self.blocks, self.runner) \
             if async_scheduling_enabled(config.async_scheduling, self.runner.device.type) else None
@@ -221,8 +222,12 @@ class LLMEngine:
         warm = getattr(self.runner.backend, "warm_up", None)
         if warm is not None:
             c = self.model_cfg
-            n_plans = warm(c.num_heads, c.num_kv_heads, c.head_dim, self.runner.dtype, self.runner.device,
-                           self.scheduler.max_num_batched_tokens, self.max_model_len)
+            n_plans = 0
+            s = self.scheduler
+            # the budget's chunks and the longer one a step without decode rows may take
+            for chunk in sorted({s.max_num_batched_tokens, max(s.max_num_batched_tokens, s.prefill_only_chunk_tokens)}):
+                n_plans += warm(c.num_heads, c.num_kv_heads, c.head_dim, self.runner.dtype, self.runner.device,
+                                chunk, self.max_model_len)
             if n_plans:
                 log.info("built %d attention plans for long prefill chunks", n_plans)
         self.num_finished = 0

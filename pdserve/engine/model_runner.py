@@ -15,7 +15,7 @@ import torch
 
 from pdserve.attention import fp8_kv
 from pdserve.attention.base import AttentionMetadata
-from pdserve.config import EngineConfig
+from pdserve.config import DEFAULT_GPU_BUDGET, EngineConfig
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
@@ -280,6 +280,7 @@ class ModelRunner:
             own = torch.cuda.memory_reserved(self.device)
             budget = min(total * self.config.gpu_memory_utilization - own, free)
             budget -= 2 * 1024**3  # headroom for activations, CUDA graphs and the CUDA context
+            budget -= self._extra_activation_bytes()
         else:
             budget = self.config.cpu_kv_cache_gb * 1024**3
         blocks = int(budget // self.block_bytes)
@@ -288,6 +289,17 @@ class ModelRunner:
         if blocks < 1:
             raise RuntimeError("no memory left for the KV cache; lower the model size or raise the memory budget")
         return blocks
+
+    def _extra_activation_bytes(self) -> int:
+        """Activations of the largest step beyond what a step of the default GPU budget needs (which the fixed
+        headroom covers): a step of up to max(max_num_batched_tokens, prefill_only_chunk) tokens holds ~4
+        hidden-sized rows, q/k/v and 3 MLP-intermediate rows per token at once."""
+        cfg, c = self.config, self.model_cfg
+        largest = max(cfg.max_num_batched_tokens or DEFAULT_GPU_BUDGET, cfg.prefill_only_chunk(self.device.type))
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        per_token = elem * (4 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+                            + 3 * c.intermediate_size)
+        return max(0, largest - DEFAULT_GPU_BUDGET) * per_token
 
     @property
     def layout(self) -> str:

@@ -30,10 +30,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, prefill_only_chunk_tokens: int = 0):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # A step with no decode row (no running request waits for its next token) may give its first request a
+        # chunk of up to this many tokens, when that prompt has more left than the budget; the step then holds
+        # that request alone. Bigger GEMMs, fewer passes over the context (a 32k prompt on the H200: 73.6 % of
+        # the matmul rate in 8192-token chunks, 75.9 % in one step). 0: off.
+        self.prefill_only_chunk_tokens = prefill_only_chunk_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -73,12 +78,20 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
+        big = self.prefill_only_chunk_tokens > budget and self.enable_chunked_prefill and all(
+            r.num_tokens - r.num_computed_tokens > 1 for r in self.running)
+
+        def cap(left: int) -> int:
+            """The most this request may take now: the budget left, or the one long chunk of a step without
+            decode rows (budget then goes negative: nothing else joins the step)."""
+            return self.prefill_only_chunk_tokens if big and not out.scheduled and left > budget else budget
 
         # 1. Running requests first: decodes and the rest of chunked prefills.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            left = req.num_tokens - req.num_computed_tokens
+            num_new = min(left, cap(left))
             if num_new <= 0:
                 i += 1
                 continue
@@ -127,7 +140,7 @@ class Scheduler:
             if num_new > budget:
                 if not self.enable_chunked_prefill and scheduled_ids:
                     break
-                num_new = budget
+                num_new = min(num_new, cap(num_new))
             if not self.blocks.allocate(req, num_computed + num_new, cached):
                 break
             self.waiting.popleft()

@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--prefill-only-chunk-tokens", type=int, default=None, metavar="N",
+                   help="a step without decode rows may give one long prompt a chunk of up to N tokens (bigger "
+                        "GEMMs, fewer passes over the context); default 32768 on GPU, off on CPU; 0 turns it off")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
@@ -121,6 +124,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_only_chunk_tokens=args.prefill_only_chunk_tokens,
         block_size=args.block_size,
         kv_cache_dtype=args.kv_cache_dtype,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
