@@ -16,6 +16,7 @@ does (claim, READ, release-with-verify), and reports:
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -120,19 +121,32 @@ class _RawCopy:
         self.dst = torch.zeros(nbytes // 2, dtype=torch.int16, device=dst_device)
         self.run()  # fault the pages in / warm the copy engine
 
-    def run(self) -> float:
+    def run(self, nbytes: int | None = None) -> float:
+        """Seconds to copy the first nbytes (all by default)."""
+        n = self.src.numel() if nbytes is None else nbytes // 2
         for d in self.devices:
             _sync(d)
         t0 = time.perf_counter()
-        self.dst.copy_(self.src)
+        self.dst[:n].copy_(self.src[:n])
         for d in self.devices:
             _sync(d)
         return time.perf_counter() - t0
 
 
+def _fit_fixed_cost(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
+    """Least-squares t = fixed + bytes / rate over the sizes: (fixed seconds, bytes per second)."""
+    n = len(sizes)
+    mx, my = sum(sizes) / n, sum(seconds) / n
+    var = sum((x - mx) ** 2 for x in sizes)
+    slope = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds, strict=True)) / var
+    return my - slope * mx, 1.0 / slope
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--tokens", default="8192",
+                    help="prompt length in tokens; several comma-separated: each measured in the same run, the "
+                         "sizes interleaved, and READ time = fixed cost + bytes / rate fitted over them")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -147,8 +161,10 @@ def main() -> None:
     ap.add_argument(
         "--copy-threads", type=int, default=1, help="torch threads for the CPU raw copy (cma is 1)"
     )
+    ap.add_argument("--json", default=None, help="also write every measurement here")
     args = ap.parse_args()
     args.producer_device = args.producer_device or args.device
+    token_list = [int(t) for t in str(args.tokens).split(",")]
 
     import torch
 
@@ -156,14 +172,16 @@ def main() -> None:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("CUDA is not available; use --device cpu")
     token_bytes = _pool(args, 1, "cpu", 0).numel() * _pool(args, 1, "cpu", 0).element_size() // args.block_size
-    blocks = -(-args.tokens // args.block_size)
     block_bytes = token_bytes * args.block_size
+    sizes = [(t, -(-t // args.block_size)) for t in token_list]  # (tokens, blocks)
+    blocks = max(b for _, b in sizes)
     nbytes = blocks * block_bytes
     num_blocks = blocks * 2  # room to place the prompt at scattered ids
     print(
         f"pool: {args.layers} layers x {args.kv_heads} kv heads x {args.head_dim} x {args.dtype} = "
         f"{token_bytes / 1024:.0f} KiB/token, block {args.block_size} tokens = {block_bytes / 2**20:.2f} MiB; "
-        f"prompt {args.tokens} tokens = {blocks} blocks = {nbytes / 2**20:.0f} MiB; "
+        f"prompt {', '.join(str(t) for t in token_list)} tokens = {', '.join(str(b) for _, b in sizes)} blocks = "
+        f"{', '.join(f'{b * block_bytes / 2**20:.0f}' for _, b in sizes)} MiB; "
         f"producer {args.producer_device} -> consumer {args.device}"
     )
     # Shared CI boxes are noisy: say how busy this one was.
@@ -190,53 +208,83 @@ def main() -> None:
             local_ids = rng.sample(range(num_blocks), blocks)
 
         raw = _RawCopy(args.producer_device, args.device, nbytes)
-        xfer, load, copy, descs = [], [], [], 0
-        # Loads and raw copies alternate so that both see the same machine load (noisy on shared CPU boxes).
-        for i in range(args.iters + 1):  # the first load includes the handshake and connection setup
-            parent.send(("hold", (f"bench-{i}", remote_ids)))
+
+        def load(tag: str, n: int) -> Any:
+            parent.send(("hold", (f"bench-{tag}", remote_ids[:n])))
             params = parent.recv()
-            connector.start_load(f"d-{i}", params, local_ids, 0)
+            connector.start_load(f"d-{tag}", params, local_ids[:n], 0)
             deadline = time.monotonic() + 120
             results: list[Any] = []
             while not results and time.monotonic() < deadline:
                 results = connector.poll_loads()
                 time.sleep(0.0005)
             if not results or not results[0].ok:
-                raise RuntimeError(f"load {i} failed: {results}")
-            r = results[0]
-            if i == 0:
-                parent.send(("checksum", remote_ids))
-                if parent.recv() != _checksum(pool, local_ids):
-                    raise RuntimeError("loaded blocks differ from the producer's")
-                print(f"first load (handshake + connect + READ): {r.seconds * 1e3:.1f} ms, bytes verified")
-                continue
-            xfer.append(r.xfer_seconds)
-            load.append(r.seconds)
-            descs = r.num_descriptors
-            copy.append(raw.run())
+                raise RuntimeError(f"load {tag} failed: {results}")
+            return results[0]
+
+        r = load("first", blocks)  # includes the handshake and connection setup
+        parent.send(("checksum", remote_ids))
+        if parent.recv() != _checksum(pool, local_ids):
+            raise RuntimeError("loaded blocks differ from the producer's")
+        print(f"first load (handshake + connect + READ): {r.seconds * 1e3:.1f} ms, bytes verified")
+        stats = {n: {"xfer": [], "post": [], "load": [], "copy": [], "descs": 0} for _, n in sizes}
+        # Loads and raw copies alternate (and sizes interleave) so that all see the same machine load.
+        for i in range(args.iters):
+            for _, n in sizes:
+                r = load(f"{i}-{n}", n)
+                st = stats[n]
+                st["xfer"].append(r.xfer_seconds)
+                st["post"].append(r.post_seconds)
+                st["load"].append(r.seconds)
+                st["descs"] = r.num_descriptors
+                st["copy"].append(raw.run(n * block_bytes))
         parent.send(("stop", None))
 
-        nixl_gbps = nbytes / statistics.median(xfer) / 1e9
-        load_gbps = nbytes / statistics.median(load) / 1e9
-        copy_gbps = nbytes / statistics.median(copy) / 1e9
         kind = (
             ("device-to-device copy" if args.producer_device == args.device else "peer GPU-to-GPU copy")
             if args.device.startswith("cuda")
             else f"torch CPU copy ({args.copy_threads} thread)"
         )
-        print(f"descriptors per READ: {descs}; iterations: {args.iters}")
-        print(
-            f"NIXL READ        : {nixl_gbps:8.2f} GB/s  (median {statistics.median(xfer) * 1e3:.2f} ms, "
-            f"best {nbytes / min(xfer) / 1e9:.2f} GB/s)"
-        )
-        print(
-            f"load end-to-end  : {load_gbps:8.2f} GB/s  (claim + READ + release, median "
-            f"{statistics.median(load) * 1e3:.2f} ms)"
-        )
-        print(f"raw copy         : {copy_gbps:8.2f} GB/s  ({kind}, same bytes, same run)")
-        print(
-            f"ratio NIXL READ / raw copy = {nixl_gbps / copy_gbps:.2f}; load / raw copy = {load_gbps / copy_gbps:.2f}"
-        )
+        report: dict[str, Any] = {"dtype": args.dtype, "iters": args.iters, "scatter": args.scatter, "sizes": []}
+        for tokens, n in sizes:
+            st = stats[n]
+            size = n * block_bytes
+            med = {k: statistics.median(st[k]) for k in ("xfer", "post", "load", "copy")}
+            q = statistics.quantiles(st["xfer"], n=10) if len(st["xfer"]) >= 2 else [med["xfer"]] * 9
+            report["sizes"].append({"tokens": tokens, "bytes": size, "descriptors": st["descs"],
+                                    "median_s": med, "xfer_p10_s": q[0], "xfer_p90_s": q[-1],
+                                    "xfer_s": st["xfer"], "copy_s": st["copy"]})
+            if len(sizes) > 1:
+                print(f"--- {tokens} tokens, {size / 2**20:.0f} MiB")
+            nixl_gbps = size / med["xfer"] / 1e9
+            copy_gbps = size / med["copy"] / 1e9
+            print(f"descriptors per READ: {st['descs']}; iterations: {args.iters}")
+            print(
+                f"NIXL READ        : {nixl_gbps:8.2f} GB/s  (median {med['xfer'] * 1e3:.3f} ms, p10-p90 "
+                f"{q[0] * 1e3:.3f}-{q[-1] * 1e3:.3f} ms, of which post {med['post'] * 1e3:.3f} ms; best "
+                f"{size / min(st['xfer']) / 1e9:.2f} GB/s)"
+            )
+            print(
+                f"load end-to-end  : {size / med['load'] / 1e9:8.2f} GB/s  (claim + READ + release, median "
+                f"{med['load'] * 1e3:.2f} ms)"
+            )
+            print(f"raw copy         : {copy_gbps:8.2f} GB/s  ({kind}, same bytes, same run, median "
+                  f"{med['copy'] * 1e3:.3f} ms)")
+            print(f"ratio NIXL READ / raw copy = {nixl_gbps / copy_gbps:.2f}; load / raw copy = "
+                  f"{size / med['load'] / 1e9 / copy_gbps:.2f}")
+        if len(sizes) > 1:
+            xs = [n * block_bytes for _, n in sizes]
+            fits = {}
+            for key in ("xfer", "copy", "post"):
+                fixed, rate = _fit_fixed_cost(xs, [statistics.median(stats[n][key]) for _, n in sizes])
+                fits[key] = {"fixed_s": fixed, "GBps": rate / 1e9}
+            report["fit"] = fits
+            print(f"fit, time = fixed + bytes / rate: NIXL READ fixed {fits['xfer']['fixed_s'] * 1e3:.3f} ms, "
+                  f"{fits['xfer']['GBps']:.0f} GB/s; raw copy fixed {fits['copy']['fixed_s'] * 1e3:.3f} ms, "
+                  f"{fits['copy']['GBps']:.0f} GB/s; post {fits['post']['fixed_s'] * 1e3:.3f} ms")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
     finally:
         if connector is not None:
             connector.shutdown()

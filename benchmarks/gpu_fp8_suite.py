@@ -40,10 +40,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-# (tile_n, num_warps, num_stages, programs per SM) tried for the fp8 decode kernel at batch 64 (at 4 per SM the
-# b64 x 8-head grid splits each sequence in 2)
-FP8_DECODE_SWEEP = [(64, 4, 2, 2), (64, 4, 3, 2), (128, 4, 2, 2), (128, 4, 3, 2), (128, 8, 3, 1), (64, 8, 3, 2),
-                    (32, 4, 3, 2), (64, 4, 3, 4), (128, 4, 4, 2)]
+# (tile_n, num_warps, num_stages, programs per SM, fp8_wide) tried for the fp8 decode kernel at batch 64 (at 4
+# per SM the b64 x 8-head grid splits each sequence in 2, at 8 in 3). fp8_wide: the tiles decoded as loaded
+# ("v": V, "kv": both; triton_fp8.load_tile_f16), "" the earlier kernel (decoded in the operand layout).
+FP8_DECODE_SWEEP = [
+    (128, 4, 2, 2, ""), (256, 4, 2, 2, ""), (128, 8, 2, 2, ""), (128, 4, 2, 4, ""),
+    (128, 4, 2, 2, "v"), (128, 4, 3, 2, "v"), (64, 4, 2, 2, "v"), (64, 4, 3, 2, "v"), (128, 8, 2, 2, "v"),
+    (128, 8, 3, 2, "v"), (256, 8, 2, 2, "v"), (256, 4, 2, 2, "v"), (128, 4, 2, 4, "v"), (64, 4, 2, 4, "v"),
+    (64, 4, 3, 4, "v"), (128, 4, 2, 8, "v"),
+    (128, 4, 2, 2, "kv"), (64, 4, 2, 2, "kv"), (128, 8, 2, 2, "kv"), (128, 4, 3, 2, "kv"),
+]
+# smaller batches (their buckets' configs), earlier kernel vs "v", same context
+FP8_DECODE_SMALL = [(1, ""), (1, "v"), (8, ""), (8, "v")]
 
 
 class Run:
@@ -126,12 +134,13 @@ def decode_kernel(small: bool) -> dict[str, Any]:
     timer = (lambda fn: (fn(), 0.0)[1]) if small else graph_us
     out = torch.empty_like(c.q)
 
-    def run(case, cfg, kv_format):
-        tile_n, warps, stages, pps = cfg
-        splits = tk.decode_num_splits(batch, kvh, num_sms, pps)
-        return lambda: tk.decode_attention(case.q, case.k_cache, case.v_cache, case.meta.block_tables,
-                                           case.meta.seq_lens, scale, splits, out=out, tile_n=tile_n,
-                                           num_warps=warps, num_stages=stages, kv_format=kv_format)
+    def run(case, cfg, kv_format, rows=batch):
+        tile_n, warps, stages, pps, *wide = cfg
+        splits = tk.decode_num_splits(rows, kvh, num_sms, pps)
+        return lambda: tk.decode_attention(case.q[:rows], case.k_cache, case.v_cache, case.meta.block_tables[:rows],
+                                           case.meta.seq_lens[:rows], scale, splits, out=out[:rows], tile_n=tile_n,
+                                           num_warps=warps, num_stages=stages, kv_format=kv_format,
+                                           fp8_wide=wide[0] if wide else "")
 
     kv_bytes = {"bf16": batch * ctx * kvh * 2 * d * 2, "fp8": batch * ctx * kvh * 2 * (d + fp8_kv.SCALE_BYTES)}
     bf16_cfg = tb.decode_config(batch)
@@ -141,15 +150,29 @@ def decode_kernel(small: bool) -> dict[str, Any]:
     res["bf16"] = {"config": bf16_cfg, "us": us, "GBps": kv_bytes["bf16"] / max(us, 1e-9) / 1e3}
     want = SdpaReference(torch.float32).forward(cf.q, cf.k_cache, cf.v_cache, cf.meta, scale)
     sweep = []
-    for cfg in ([bf16_cfg] if small else [bf16_cfg, *FP8_DECODE_SWEEP]):
+    sweep_cfgs = [(*bf16_cfg, ""), (*bf16_cfg, "v")] if small else [(*bf16_cfg, ""), *FP8_DECODE_SWEEP]
+    for cfg in sweep_cfgs:
         try:
             fn = run(c8, cfg, fmt)
             us = timer(fn)
+            out.fill_(float("nan"))
             fn()
             sweep.append({"config": cfg, "us": us, "GBps": kv_bytes["fp8"] / max(us, 1e-9) / 1e3,
                           "rel_err": rel_err(out, want)})
         except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
             sweep.append({"config": cfg, "error": f"{type(e).__name__}: {e}"[:300]})
+        print(json.dumps(sweep[-1]), flush=True)
+    small_rows = []
+    for rows, wide in FP8_DECODE_SMALL:  # bf16 then fp8 (earlier kernel and "v") at the bucket's config
+        if rows > batch:
+            continue
+        cfg = tb.decode_config(rows, tb.FP8_DECODE_CONFIGS)
+        row = {"batch": rows, "fp8_wide": wide, "config": cfg,
+               "bf16_us": timer(run(c, tb.decode_config(rows), None, rows)),
+               "fp8_us": timer(run(c8, (*cfg, wide), fmt, rows))}
+        small_rows.append(row)
+        print(json.dumps(row), flush=True)
+    res["fp8_small_batches"] = small_rows
     ok = [s for s in sweep if "us" in s and s["rel_err"] < 2e-2]
     best = min(ok, key=lambda s: s["us"]) if ok else None
     res["fp8_sweep"] = sweep
@@ -159,17 +182,20 @@ def decode_kernel(small: bool) -> dict[str, Any]:
     return res
 
 
-def use_fp8_decode_config(cfg: tuple[int, int, int, int], batch: int) -> list:
-    """Make the fp8 decode config of `batch`'s bucket `cfg` (the sweep's winner) for the engine built next."""
+def use_fp8_decode_config(cfg: tuple, batch: int) -> dict:
+    """Make the fp8 decode config of `batch`'s bucket `cfg` (the sweep's winner: tile, warps, stages, programs
+    per SM, fp8_wide) for the engine built next (fp8_wide applies to every bucket)."""
     from pdserve.attention import triton_backend as tb
 
     table = [list(row) for row in tb.FP8_DECODE_CONFIGS]
     for row in table:
         if batch <= row[0]:
-            row[1:] = list(cfg)
+            row[1:] = list(cfg[:4])
             break
     tb.FP8_DECODE_CONFIGS = [tuple(row) for row in table]
-    return tb.FP8_DECODE_CONFIGS
+    if len(cfg) > 4:
+        tb.FP8_DECODE_WIDE = cfg[4]
+    return {"configs": tb.FP8_DECODE_CONFIGS, "fp8_wide": tb.FP8_DECODE_WIDE}
 
 
 def engine(kv_cache_dtype: str, batch: int, ctx: int, long_prompt: int) -> dict[str, Any]:
@@ -213,11 +239,24 @@ def _script(cmd: list[str], timeout: float) -> dict[str, Any]:
     return {"cmd": " ".join(cmd), "rc": p.returncode, "tail": lines[-14:], "s": round(time.perf_counter() - t, 1)}
 
 
-def nixl(small: bool, per_run_s: float) -> dict[str, Any]:
-    args = ["--tokens", "64", "--device", "cpu", "--iters", "2"] if small else \
-        ["--tokens", "8192", "--device", "cuda:0", "--iters", "10"]
-    return {dt: _script([sys.executable, "benchmarks/bench_kv_transfer.py", *args, "--dtype", dt], per_run_s)
-            for dt in ("bf16", "fp8")}
+def nixl(small: bool, per_run_s: float, out: Path) -> dict[str, Any]:
+    """NIXL READ, bf16 vs fp8 pool: 2k/4k/8k-token prompts interleaved in one run per dtype (30 READs each,
+    medians; the fit of time = fixed + bytes / rate says what the fixed per-READ cost is), then the 8k prompt
+    scattered (one descriptor per block) to see whether descriptor count is the fixed cost."""
+    if small:
+        runs = {"": ["--tokens", "32,64", "--device", "cpu", "--iters", "2"]}
+    else:
+        runs = {"": ["--tokens", "2048,4096,8192", "--device", "cuda:0", "--iters", "30"],
+                "_scatter": ["--tokens", "8192", "--device", "cuda:0", "--iters", "15", "--scatter"]}
+    res: dict[str, Any] = {}
+    for tag, args in runs.items():
+        for dt in ("bf16", "fp8"):
+            path = out / f"nixl_{dt}{tag}.json"
+            res[f"{dt}{tag}"] = _script([sys.executable, "benchmarks/bench_kv_transfer.py", *args, "--dtype", dt,
+                                         "--json", str(path)], per_run_s)
+            if path.exists():
+                res[f"{dt}{tag}"]["report"] = {k: v for k, v in json.loads(path.read_text()).items()}
+    return res
 
 
 def pd1(small: bool, per_run_s: float, tokenizer: str) -> dict[str, Any]:
@@ -273,7 +312,7 @@ def summarize(r: dict[str, Any]) -> None:
               f"{row['logprob_mad']:.4f}, identical {row['identical_prompts']}/{row['prompts']}, "
               f"answer {row['capital_answer']!r}")
     for sec in ("nixl", "pd1"):
-        for k in ("bf16", "fp8"):
+        for k in ("bf16", "fp8", "bf16_scatter", "fp8_scatter"):
             tail = get(sec, k, "tail")
             if tail:
                 print(f"{sec} {k}: " + " | ".join(tail[-5:]))
@@ -319,7 +358,7 @@ def main() -> int:
             if name == "accuracy":
                 run.section(name, accuracy, True)
             elif name == "nixl":
-                run.section(name, nixl, True, 120)
+                run.section(name, nixl, True, 120, run.out)
             else:
                 run.section(name, pd1, True, 300, args.tokenizer)
         summarize(run.results)
@@ -329,8 +368,8 @@ def main() -> int:
     run.section("engine_bf16", engine, "auto", 64, 4096, 32768, min_left_s=200)
     run.section("engine_fp8", engine, "fp8", 64, 4096, 32768, min_left_s=150)
     run.section("accuracy", accuracy, False, min_left_s=90)
-    run.section("nixl", nixl, False, 60, min_left_s=60)
     run.section("pd1", pd1, False, max(60.0, run.left() / 2), args.tokenizer, min_left_s=150)
+    run.section("nixl", nixl, False, 60, run.out, min_left_s=60)
     summarize(run.results)
     return 0
 

@@ -47,6 +47,10 @@ def count_loads(ptx: str) -> dict[str, int]:
            for n in (16, 8, 4)}
     for width in ("v4.b32", "v2.b32", "b32", "b16", "b8", "u8"):
         out[f"ld.global.{width}"] = len(re.findall(rf"ld\.global(?:\.[a-z0-9:]+)*\.{re.escape(width)}\s", ptx))
+    # shared-memory side: byte loads (an 8-bit tile moved into an operand layout one value at a time) vs
+    # ldmatrix (16-bit operands, transposed or not)
+    out["ld.shared.b8"] = len(re.findall(r"ld\.shared\.b8\s", ptx))
+    out["ldmatrix"] = len(re.findall(r"ldmatrix\.sync", ptx))
     return out
 
 
@@ -55,7 +59,7 @@ def _f16_args(fp8: bool) -> dict:
     return {"FP8_F16": fp8, "FP8_ASM": fp8, "FP8_UNIT": tf8.f16_unit(fp8_kv.fp8_format("fp8")) if fp8 else 1.0}
 
 
-def decode_ptx(fp8: bool, tile_n: int, warps: int, stages: int) -> str:
+def decode_ptx(fp8: bool, tile_n: int, warps: int, stages: int, wide: str = "") -> str:
     cache_t = "*u8" if fp8 else "*bf16"
     signature = {
         "q_ptr": "*bf16", "stride_q_t": "i32", "stride_q_h": "i32",
@@ -67,7 +71,8 @@ def decode_ptx(fp8: bool, tile_n: int, warps: int, stages: int) -> str:
     args = tf8.kernel_args(fp8_kv.fp8_format("fp8") if fp8 else None)
     constexprs = {"H": H, "G": H // KVH, "BLOCK_G": 16, "D": D, "BLOCK_D": D, "BLOCK_SIZE": BS, "TILE_N": tile_n,
                   "DOT_PRECISION": "tf32", "EVEN_D": True, "KV_FP8": args["KV_FP8"], "FP8_MANT": args["FP8_MANT"],
-                  "KVH": KVH, "FUSED_MERGE": False, "MERGE_G": H // KVH, "MERGE_S": 8, **_f16_args(fp8)}
+                  "KVH": KVH, "FUSED_MERGE": False, "MERGE_G": H // KVH, "MERGE_S": 8, **_f16_args(fp8),
+                  "FP8_WIDE_K": fp8 and "k" in wide, "FP8_WIDE_V": fp8 and "v" in wide}
     divisible = {"q_ptr", "stride_q_t", "stride_q_h", "k_cache_ptr", "v_cache_ptr", "stride_c_blk", "stride_c_tok",
                  "block_tables_ptr", "seq_lens_ptr", "out_ptr", "stride_o_t", "stride_o_h", "part_o_ptr",
                  "part_lse_ptr"}
@@ -103,14 +108,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="folder for the PTX files")
     ap.add_argument("--configs", default="64,4,2;128,4,3;128,8,3", help="decode tile,warps,stages;...")
+    ap.add_argument("--wide", default="", help="fp8 decode: tiles decoded as loaded in 32-bit words (k, v, kv)")
     ap.add_argument("--prefill-configs", default="128,64,8,3", help="prefill block_m,tile,warps,stages;...")
     a = ap.parse_args()
     jobs = []
     for cfg in filter(None, a.configs.split(";")):
         tile_n, warps, stages = (int(x) for x in cfg.split(","))
         for fp8 in (False, True):
-            jobs.append(({"kernel": "decode", "tile_n": tile_n, "warps": warps, "stages": stages},
-                         lambda fp8=fp8, c=(tile_n, warps, stages): decode_ptx(fp8, *c), fp8))
+            desc = {"kernel": "decode", "tile_n": tile_n, "warps": warps, "stages": stages}
+            if fp8 and a.wide:
+                desc["wide"] = a.wide
+            jobs.append((desc, lambda fp8=fp8, c=(tile_n, warps, stages): decode_ptx(fp8, *c, a.wide), fp8))
     for cfg in filter(None, a.prefill_configs.split(";")):
         block_m, tile_n, warps, stages = (int(x) for x in cfg.split(","))
         for fp8 in (False, True):

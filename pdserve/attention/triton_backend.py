@@ -50,6 +50,11 @@ FP8_DECODE_CONFIGS: list[tuple[int, int, int, int, int]] = [
     (128, 128, 4, 2, 2),
     DECODE_CONFIGS[3],
 ]
+# Which fp8 tiles the decode kernel decodes where they were loaded, in 32-bit words (triton_kernels.
+# decode_attention's fp8_wide): "v", because the V tile decoded in the p.v operand layout was moved there one
+# byte at a time (`ld.shared.b8`, 128 per thread per 128-token tile, sm_90 PTX: benchmarks/kernel_ptx_loads.py
+# --wide), which the float16 tile avoids (ldmatrix.trans, as for a bf16 pool).
+FP8_DECODE_WIDE = "v"
 
 
 def decode_config(batch: int, configs: list[tuple[int, int, int, int, int]] | None = None) -> tuple[int, int, int, int]:
@@ -120,6 +125,7 @@ class TritonAttention:
             return tk.decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits,
                 tile_n=tile_n, num_warps=warps, num_stages=stages, kv_format=self.kv_format,
+                fp8_wide=FP8_DECODE_WIDE,
                 merge_counters=(self._counters(q.device, batch * k_cache.shape[2])
                                 if splits > 1 and batch <= self.fused_merge_max_batch else None),
             )

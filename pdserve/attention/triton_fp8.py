@@ -225,3 +225,73 @@ def load_tile_scales(cache_ptr, offsets, mask, TILE_N: tl.constexpr, BLOCK_SIZE:
     lo, hi = tl.split(tl.reshape(raw, [NB, BLOCK_SIZE, 2]))
     bits = (hi.to(tl.int32) << 24) | (lo.to(tl.int32) << 16)
     return tl.reshape(bits.to(tl.float32, bitcast=True), [TILE_N])
+
+
+# The same decode, one 32-bit word (4 fp8 values) in, four float16 out: for tiles decoded where they were
+# loaded (`load_tile_f16`), before Triton moves them into a matrix-product operand layout.
+_E4M3_TO_F16X4_ASM = tl.constexpr("""{
+.reg .b32 z, h<2>, t<2>, s<2>;
+mov.b32 z, 0;
+prmt.b32 h0, $4, z, 0x1404;
+prmt.b32 h1, $4, z, 0x3424;
+shr.b32 t0, h0, 1;
+shr.b32 t1, h1, 1;
+and.b32 t0, t0, 0x3F803F80;
+and.b32 t1, t1, 0x3F803F80;
+and.b32 s0, h0, 0x80008000;
+and.b32 s1, h1, 0x80008000;
+or.b32 t0, t0, s0;
+or.b32 t1, t1, s1;
+mov.b32 {$0, $1}, t0;
+mov.b32 {$2, $3}, t1;
+}""")
+_E5M2_TO_F16X4_ASM = tl.constexpr("""{
+.reg .b32 z, h<2>;
+mov.b32 z, 0;
+prmt.b32 h0, $4, z, 0x1404;
+prmt.b32 h1, $4, z, 0x3424;
+mov.b32 {$0, $1}, h0;
+mov.b32 {$2, $3}, h1;
+}""")
+
+
+@triton.jit
+def _byte_to_f16(w, shift: tl.constexpr, FP8_MANT: tl.constexpr):
+    b = (w >> shift) & 0xFF
+    if FP8_MANT == 3:
+        bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
+    else:
+        bits = b << 8
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def load_tile_f16(cache_ptr, row_off, mask, TILE_N: tl.constexpr, D: tl.constexpr, FP8_MANT: tl.constexpr,
+                  ASM: tl.constexpr):
+    """A [TILE_N, D] fp8 tile (rows at byte offsets row_off, 16-byte aligned) as float16 (x 1 / f16_unit),
+    decoded in the layout it was loaded in: 32-bit words, 4 values each, joined back into rows. Why: a V tile
+    decoded by `fp8_tile` is first moved into the p.v product's operand layout as bytes (V's rows are the
+    product's reduction dimension, and there is no transposing 8-bit shared-memory load on sm_90), which
+    Triton does with one `ld.shared.b8` per value (128 per thread for a 128 x 128 tile); decoded here, the
+    float16 tile is transposed by `ldmatrix.trans` like a bf16 pool's."""
+    w4 = tl.arange(0, D // 4)
+    # int32 offsets from an int32 base, so that the 16-byte alignment of the rows stays provable (16-byte
+    # cp.async copies), which adding 4 * word to the byte pointer before the cast would hide
+    words = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    w = tl.load(words + (row_off // 4)[:, None] + w4[None, :], mask=mask, other=0)
+    if ASM:
+        if FP8_MANT == 3:
+            a, b, c, e = tl.inline_asm_elementwise(_E4M3_TO_F16X4_ASM, "=h,=h,=h,=h,r", [w],
+                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                   is_pure=True, pack=1)
+        else:
+            a, b, c, e = tl.inline_asm_elementwise(_E5M2_TO_F16X4_ASM, "=h,=h,=h,=h,r", [w],
+                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                   is_pure=True, pack=1)
+    else:
+        a = _byte_to_f16(w, 0, FP8_MANT)
+        b = _byte_to_f16(w, 8, FP8_MANT)
+        c = _byte_to_f16(w, 16, FP8_MANT)
+        e = _byte_to_f16(w, 24, FP8_MANT)
+    # join stacks along a new last axis: (a, c) and (b, e) pairs, then those pairs, flatten to a, b, c, e
+    return tl.reshape(tl.join(tl.join(a, c), tl.join(b, e)), [TILE_N, D])

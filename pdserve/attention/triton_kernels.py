@@ -150,7 +150,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     KV_FP8: tl.constexpr, FP8_MANT: tl.constexpr, KVH: tl.constexpr, FUSED_MERGE: tl.constexpr,
     MERGE_G: tl.constexpr, MERGE_S: tl.constexpr, FP8_F16: tl.constexpr, FP8_ASM: tl.constexpr,
-    FP8_UNIT: tl.constexpr,
+    FP8_UNIT: tl.constexpr, FP8_WIDE_K: tl.constexpr, FP8_WIDE_V: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -210,8 +210,11 @@ def _decode_kernel(
         if KV_FP8:
             # fp8: the matrix products run on the exact fp8 values (times 1 / FP8_UNIT); each key's scale
             # multiplies its score column, each value's scale its probability column
-            k = tf8.fp8_tile(tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0), q.dtype,
-                             FP8_MANT, FP8_F16, FP8_ASM)
+            if FP8_WIDE_K:
+                k = tf8.load_tile_f16(k_cache_ptr, off, tmask[:, None], TILE_N, D, FP8_MANT, FP8_ASM)
+            else:
+                k = tf8.fp8_tile(tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0), q.dtype,
+                                 FP8_MANT, FP8_F16, FP8_ASM)
             if not SCALE_ROWS:
                 k_scale = tf8.load_scale(k_cache_ptr + s_off, tmask)
                 v_scale = tf8.load_scale(v_cache_ptr + s_off, tmask)
@@ -225,8 +228,11 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if KV_FP8:
-            v = tf8.fp8_tile(tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0), q.dtype,
-                             FP8_MANT, FP8_F16, FP8_ASM)
+            if FP8_WIDE_V:
+                v = tf8.load_tile_f16(v_cache_ptr, off, tmask[:, None], TILE_N, D, FP8_MANT, FP8_ASM)
+            else:
+                v = tf8.fp8_tile(tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0), q.dtype,
+                                 FP8_MANT, FP8_F16, FP8_ASM)
             p = p * (v_scale * FP8_UNIT)[None, :]
         else:
             v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -339,12 +345,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      seq_lens: torch.Tensor, scale: float, num_splits: int, out: torch.Tensor | None = None,
                      tile_n: int = 64, num_warps: int = 4, num_stages: int = 2,
                      kv_format: fp8_kv.Fp8Format | None = None,
-                     merge_counters: torch.Tensor | None = None) -> torch.Tensor:
+                     merge_counters: torch.Tensor | None = None, fp8_wide: str = "") -> torch.Tensor:
     """q: [B, H, D]; block_tables: [B, >= blocks of the longest sequence]; seq_lens: [B] (0 = padding row,
     whose output is 0). Returns [B, H, D] in q's dtype. kv_format: the caches are fp8 layer views (uint8, fp8_kv's layout).
     merge_counters: int32 zeros, at least B * kv_heads (new_merge_counters), kept between launches: the
     splits are merged by the last program of each (sequence, kv head) instead of a second kernel, and the
-    counters are left at zero."""
+    counters are left at zero. fp8_wide: which fp8 tiles ("k", "v", "kv") are decoded as loaded, in 32-bit
+    words (triton_fp8.load_tile_f16; float16 queries or bf16 only, head_dim a power of two)."""
     batch, num_heads, d = q.shape
     _, block_size, kvh, _ = k_cache.shape
     group = num_heads // kvh
@@ -358,6 +365,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         part_o = part_lse = out  # unused
     fused_merge = num_splits > 1 and merge_counters is not None
+    read = _read_args(kv_format, k_cache, d, q)
+    wide = read["FP8_F16"] and d == block_d  # the word decode yields float16 rows of whole words
     if fused_merge:
         assert merge_counters.dtype == torch.int32 and merge_counters.numel() >= batch * kvh
     _decode_kernel[(batch, kvh, num_splits)](
@@ -370,8 +379,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scale * LOG2E, num_splits,
         H=num_heads, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, TILE_N=tile_n, DOT_PRECISION=_dot_precision(q.dtype),
-        EVEN_D=d == block_d, **_read_args(kv_format, k_cache, d, q), KVH=kvh, FUSED_MERGE=fused_merge,
+        EVEN_D=d == block_d, **read, KVH=kvh, FUSED_MERGE=fused_merge,
         MERGE_G=triton.next_power_of_2(group), MERGE_S=8, num_warps=num_warps, num_stages=num_stages,
+        FP8_WIDE_K=wide and "k" in fp8_wide, FP8_WIDE_V=wide and "v" in fp8_wide,
     )
     if num_splits > 1 and not fused_merge:
         _decode_merge_kernel[(batch, num_heads)](

@@ -73,6 +73,7 @@ class LoadResult:
     seconds: float = 0.0  # the whole load: handshake (if any), claim, READ, release
     num_descriptors: int = 0
     xfer_seconds: float = 0.0  # the NIXL READ alone (post to completion)
+    post_seconds: float = 0.0  # of which the post (NIXL transfer() call)
     # the HTTP status a failed request gets: 409 when the producer's KV cannot be read here at all
     # (incompatible layout, model or KV dtype: a deployment mistake, never retried), the lease rejection's
     # status (pdserve.api.pd.LEASE_REJECTION_STATUS) when `rejected`, else 500
@@ -406,6 +407,7 @@ class KVConsumer:
             seconds=time.perf_counter() - t0,
             num_descriptors=num_descriptors,
             xfer_seconds=stats.xfer_s,
+            post_seconds=stats.post_s,
         )
 
     def _read_one(self, dst_rank: int, read: RankRead, remote: _Remote, notif: bytes, deadline: float) -> ReadStats:
