@@ -44,14 +44,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 # per SM the b64 x 8-head grid splits each sequence in 2, at 8 in 3). fp8_wide: the tiles decoded as loaded
 # ("v": V, "kv": both; triton_fp8.load_tile_f16), "" the earlier kernel (decoded in the operand layout).
 FP8_DECODE_SWEEP = [
-    (128, 4, 2, 2, ""), (256, 4, 2, 2, ""), (128, 8, 2, 2, ""), (128, 4, 2, 4, ""),
-    (128, 4, 2, 2, "v"), (128, 4, 3, 2, "v"), (64, 4, 2, 2, "v"), (64, 4, 3, 2, "v"), (128, 8, 2, 2, "v"),
-    (128, 8, 3, 2, "v"), (256, 8, 2, 2, "v"), (256, 4, 2, 2, "v"), (128, 4, 2, 4, "v"), (64, 4, 2, 4, "v"),
-    (64, 4, 3, 4, "v"), (128, 4, 2, 8, "v"),
-    (128, 4, 2, 2, "kv"), (64, 4, 2, 2, "kv"), (128, 8, 2, 2, "kv"), (128, 4, 3, 2, "kv"),
+    (256, 4, 2, 2, ""), (128, 4, 2, 4, ""),
+    (128, 4, 2, 2, "v"), (128, 4, 3, 2, "v"), (64, 4, 2, 2, "v"), (128, 8, 2, 2, "v"), (256, 4, 2, 2, "v"),
+    (128, 4, 2, 4, "v"), (64, 4, 2, 4, "v"),
+    (128, 4, 2, 2, "kv"), (64, 4, 2, 2, "kv"),
+    # q . k on the fp8 tensor cores (wgmma e4m3, q split in two e4m3 parts), V decoded as loaded
+    (128, 4, 2, 2, "q8v"), (128, 4, 3, 2, "q8v"), (64, 4, 2, 2, "q8v"), (128, 8, 2, 2, "q8v"),
+    (256, 4, 2, 2, "q8v"), (128, 4, 2, 4, "q8v"),
 ]
 # smaller batches (their buckets' configs), earlier kernel vs "v", same context
-FP8_DECODE_SMALL = [(1, ""), (1, "v"), (8, ""), (8, "v")]
+FP8_DECODE_SMALL = [(1, ""), (1, "v"), (1, "q8v"), (8, ""), (8, "v"), (8, "q8v")]
 
 
 class Run:
@@ -109,7 +111,7 @@ def kernels(small: bool) -> dict[str, Any]:
         res = check_fp8_kernels(torch.float32, "cpu", cases, ("fp8_e4m3",), block_size=4, tile_n=16, block_m=16,
                                 splits_list=(1, 2))
     else:
-        res = check_fp8_kernels(torch.bfloat16, "cuda", KERNEL_CASES)
+        res = check_fp8_kernels(torch.bfloat16, "cuda", KERNEL_CASES, wide_list=("", "v", "kv", "q8v"))
     return {"all_ok": all(r["ok"] for r in res), "worst_rel_err": max(r.get("rel_err", 0.0) for r in res),
             "results": res}
 
@@ -150,7 +152,9 @@ def decode_kernel(small: bool) -> dict[str, Any]:
     res["bf16"] = {"config": bf16_cfg, "us": us, "GBps": kv_bytes["bf16"] / max(us, 1e-9) / 1e3}
     want = SdpaReference(torch.float32).forward(cf.q, cf.k_cache, cf.v_cache, cf.meta, scale)
     sweep = []
-    sweep_cfgs = [(*bf16_cfg, ""), (*bf16_cfg, "v")] if small else [(*bf16_cfg, ""), *FP8_DECODE_SWEEP]
+    # first: the fp8 kernel as it was (its batch-64 config, tiles decoded in the operand layout)
+    was = (*tb.decode_config(batch, tb.FP8_DECODE_CONFIGS), "")
+    sweep_cfgs = [(*bf16_cfg, ""), (*bf16_cfg, "v")] if small else [was, *FP8_DECODE_SWEEP]
     for cfg in sweep_cfgs:
         try:
             fn = run(c8, cfg, fmt)
@@ -246,8 +250,8 @@ def nixl(small: bool, per_run_s: float, out: Path) -> dict[str, Any]:
     if small:
         runs = {"": ["--tokens", "32,64", "--device", "cpu", "--iters", "2"]}
     else:
-        runs = {"": ["--tokens", "2048,4096,8192", "--device", "cuda:0", "--iters", "30"],
-                "_scatter": ["--tokens", "8192", "--device", "cuda:0", "--iters", "15", "--scatter"]}
+        runs = {"": ["--tokens", "2048,4096,8192", "--device", "cuda:0", "--iters", "25"],
+                "_scatter": ["--tokens", "8192", "--device", "cuda:0", "--iters", "10", "--scatter"]}
     res: dict[str, Any] = {}
     for tag, args in runs.items():
         for dt in ("bf16", "fp8"):
@@ -339,6 +343,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / ".out")))
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting sections past this")
     ap.add_argument("--skip", default="", help="comma-separated section names to skip")
+    ap.add_argument("--no-long-prompt", action="store_true", help="engines: skip the 32k-prompt TTFT")
     ap.add_argument("--small", action="store_true", help="CPU dry run with tiny shapes (plumbing only)")
     ap.add_argument("--tokenizer", default=".whl/smol-tok", help="tokenizer folder for the pd1 servers")
     args = ap.parse_args()
@@ -365,10 +370,13 @@ def main() -> int:
         return 0
     if dk and dk.get("fp8_best"):
         run.results["fp8_decode_configs_used"] = use_fp8_decode_config(tuple(dk["fp8_best"]["config"]), 64)
-    run.section("engine_bf16", engine, "auto", 64, 4096, 32768, min_left_s=200)
-    run.section("engine_fp8", engine, "fp8", 64, 4096, 32768, min_left_s=150)
+        # the pd1 servers (subprocesses) decode with the winner's tile decode too
+        os.environ["PDSERVE_FP8_DECODE_WIDE"] = run.results["fp8_decode_configs_used"]["fp8_wide"]
+    long_prompt = 0 if args.no_long_prompt else 32768
+    run.section("engine_bf16", engine, "auto", 64, 4096, long_prompt, min_left_s=180)
+    run.section("engine_fp8", engine, "fp8", 64, 4096, long_prompt, min_left_s=150)
     run.section("accuracy", accuracy, False, min_left_s=90)
-    run.section("pd1", pd1, False, max(60.0, run.left() / 2), args.tokenizer, min_left_s=150)
+    run.section("pd1", pd1, False, max(60.0, run.left() / 2), args.tokenizer, min_left_s=100)
     run.section("nixl", nixl, False, 60, run.out, min_left_s=60)
     summarize(run.results)
     return 0

@@ -72,7 +72,8 @@ def decode_ptx(fp8: bool, tile_n: int, warps: int, stages: int, wide: str = "") 
     constexprs = {"H": H, "G": H // KVH, "BLOCK_G": 16, "D": D, "BLOCK_D": D, "BLOCK_SIZE": BS, "TILE_N": tile_n,
                   "DOT_PRECISION": "tf32", "EVEN_D": True, "KV_FP8": args["KV_FP8"], "FP8_MANT": args["FP8_MANT"],
                   "KVH": KVH, "FUSED_MERGE": False, "MERGE_G": H // KVH, "MERGE_S": 8, **_f16_args(fp8),
-                  "FP8_WIDE_K": fp8 and "k" in wide, "FP8_WIDE_V": fp8 and "v" in wide}
+                  "FP8_WIDE_K": fp8 and "k" in wide, "FP8_WIDE_V": fp8 and "v" in wide,
+                  "FP8_QK8": fp8 and "q8" in wide}
     divisible = {"q_ptr", "stride_q_t", "stride_q_h", "k_cache_ptr", "v_cache_ptr", "stride_c_blk", "stride_c_tok",
                  "block_tables_ptr", "seq_lens_ptr", "out_ptr", "stride_o_t", "stride_o_h", "part_o_ptr",
                  "part_lse_ptr"}

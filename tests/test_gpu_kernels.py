@@ -248,13 +248,14 @@ def test_fp8_kernels_with_16_bit_queries_read_kv_as_float16_bits(fmt):
     """16-bit queries: the read kernels take fp8 K/V as float16 by moving bits (triton_fp8.fp8_to_f16, the
     integer form of the GPU's packed PTX) and fold e4m3's 2^8 into the scales: same attention as SDPA over
     the dequantized pool, to 16-bit precision. Decode also with its tiles decoded as loaded, 4 values per
-    32-bit word (triton_fp8.load_tile_f16: V, and K and V)."""
+    32-bit word (triton_fp8.load_tile_f16: V, and K and V), and with q . k on fp8 products (q split in two
+    e4m3 parts, e4m3 pools only)."""
     from pdserve.testing.gpu_correctness import check_fp8_kernels
 
     results = check_fp8_kernels(torch.float16, "cpu", FP8_CASES, (fmt,), block_size=4, tile_n=16, block_m=16,
-                                splits_list=(1, 3), wide_list=("", "v", "kv"))
-    # 2 prefill, 2 decode splits x 3 tile decodes
-    assert sum(r["kernel"].startswith(("decode", "prefill")) for r in results) == 8
+                                splits_list=(1, 3), wide_list=("", "v", "kv", "q8v"))
+    # 2 prefill, 2 decode splits x 4 tile decodes
+    assert sum(r["kernel"].startswith(("decode", "prefill")) for r in results) == 10
     for item in results:
         assert item["ok"], item
     assert max(r.get("rel_err", 0.0) for r in results) < 5e-3  # 16-bit rounding, not a misplaced power of 2

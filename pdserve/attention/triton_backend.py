@@ -16,6 +16,8 @@ gathered K/V for cuDNN.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pdserve.attention import fp8_kv
@@ -53,8 +55,9 @@ FP8_DECODE_CONFIGS: list[tuple[int, int, int, int, int]] = [
 # Which fp8 tiles the decode kernel decodes where they were loaded, in 32-bit words (triton_kernels.
 # decode_attention's fp8_wide): "v", because the V tile decoded in the p.v operand layout was moved there one
 # byte at a time (`ld.shared.b8`, 128 per thread per 128-token tile, sm_90 PTX: benchmarks/kernel_ptx_loads.py
-# --wide), which the float16 tile avoids (ldmatrix.trans, as for a bf16 pool).
-FP8_DECODE_WIDE = "v"
+# --wide), which the float16 tile avoids (ldmatrix.trans, as for a bf16 pool). PDSERVE_FP8_DECODE_WIDE
+# overrides it (A/B runs: benchmarks/gpu_fp8_suite.py hands its sweep's winner to the servers it starts).
+FP8_DECODE_WIDE = os.environ.get("PDSERVE_FP8_DECODE_WIDE", "v")
 
 
 def decode_config(batch: int, configs: list[tuple[int, int, int, int, int]] | None = None) -> tuple[int, int, int, int]:

@@ -295,3 +295,30 @@ def load_tile_f16(cache_ptr, row_off, mask, TILE_N: tl.constexpr, D: tl.constexp
         e = _byte_to_f16(w, 24, FP8_MANT)
     # join stacks along a new last axis: (a, c) and (b, e) pairs, then those pairs, flatten to a, b, c, e
     return tl.reshape(tl.join(tl.join(a, c), tl.join(b, e)), [TILE_N, D])
+
+
+# q . k on the fp8 tensor cores (Hopper's wgmma takes e4m3 directly, K-major, from shared memory, where K's
+# tile already is): no K decode at all. q is split into two e4m3 parts, q / q_scale ~ hi + lo / LO_SCALE,
+# which keeps about 8 significant bits (bfloat16's): hi holds the top 4, lo the rounding error of hi. With
+# round-to-nearest |error of hi| <= 2^-4 |x|, 16 with a truncating conversion (Triton's CPU interpreter):
+# times LO_SCALE = 8 it stays below e4m3's 448 either way.
+_Q8_MAX = tl.constexpr(448.0)
+_Q8_LO_SCALE = tl.constexpr(8.0)
+
+
+@triton.jit
+def split_e4m3(q):
+    """float32 q [G, D] -> (hi, lo e4m3 [G, D], scale [G]) with q ~ (hi + lo / 8) * scale per row."""
+    amax = tl.max(tl.abs(q), 1)
+    scale = tl.where(amax > 0, amax / _Q8_MAX, 1.0)
+    x = q / scale[:, None]
+    hi = x.to(tl.float8e4nv)
+    lo = ((x - hi.to(tl.float32)) * _Q8_LO_SCALE).to(tl.float8e4nv)
+    return hi, lo, scale
+
+
+@triton.jit
+def dot_e4m3_split(k8, q_hi, q_lo):
+    """k8 [N, D] e4m3 times the split query (split_e4m3's hi, lo [G, D]): [N, G] float32, before q's scale."""
+    s = tl.dot(k8, tl.trans(q_lo)) * (1.0 / _Q8_LO_SCALE)
+    return tl.dot(k8, tl.trans(q_hi), s)

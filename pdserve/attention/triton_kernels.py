@@ -150,7 +150,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     KV_FP8: tl.constexpr, FP8_MANT: tl.constexpr, KVH: tl.constexpr, FUSED_MERGE: tl.constexpr,
     MERGE_G: tl.constexpr, MERGE_S: tl.constexpr, FP8_F16: tl.constexpr, FP8_ASM: tl.constexpr,
-    FP8_UNIT: tl.constexpr, FP8_WIDE_K: tl.constexpr, FP8_WIDE_V: tl.constexpr,
+    FP8_UNIT: tl.constexpr, FP8_WIDE_K: tl.constexpr, FP8_WIDE_V: tl.constexpr, FP8_QK8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -168,6 +168,8 @@ def _decode_kernel(
     dmask = d < D
     q = tl.load(q_ptr + b * stride_q_t + head[:, None] * stride_q_h + d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
+    if FP8_QK8:  # q . k on the fp8 tensor cores: q as two e4m3 parts (triton_fp8.split_e4m3)
+        q_hi, q_lo, q_scale = tf8.split_e4m3(q.to(tl.float32))
     if FP8_F16:  # fp8 K/V read as float16 (triton_fp8.fp8_to_f16): the products run in float16
         q = q.to(tl.float16)
 
@@ -210,7 +212,10 @@ def _decode_kernel(
         if KV_FP8:
             # fp8: the matrix products run on the exact fp8 values (times 1 / FP8_UNIT); each key's scale
             # multiplies its score column, each value's scale its probability column
-            if FP8_WIDE_K:
+            if FP8_QK8:
+                k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0).to(tl.float8e4nv,
+                                                                                               bitcast=True)
+            elif FP8_WIDE_K:
                 k = tf8.load_tile_f16(k_cache_ptr, off, tmask[:, None], TILE_N, D, FP8_MANT, FP8_ASM)
             else:
                 k = tf8.fp8_tile(tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0), q.dtype,
@@ -218,7 +223,13 @@ def _decode_kernel(
             if not SCALE_ROWS:
                 k_scale = tf8.load_scale(k_cache_ptr + s_off, tmask)
                 v_scale = tf8.load_scale(v_cache_ptr + s_off, tmask)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (k_scale * (scale_log2 * FP8_UNIT))[None, :]
+            if FP8_QK8:
+                # keys as the product's M side (K's rows, already in shared memory, feed wgmma as they are),
+                # the query group as its N side; exact e4m3 values, so no FP8_UNIT on the key scales
+                s = tl.trans(tf8.dot_e4m3_split(k, q_hi, q_lo))
+                s = s * q_scale[:, None] * (k_scale * scale_log2)[None, :]
+            else:
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (k_scale * (scale_log2 * FP8_UNIT))[None, :]
         else:
             k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
@@ -351,7 +362,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     merge_counters: int32 zeros, at least B * kv_heads (new_merge_counters), kept between launches: the
     splits are merged by the last program of each (sequence, kv head) instead of a second kernel, and the
     counters are left at zero. fp8_wide: which fp8 tiles ("k", "v", "kv") are decoded as loaded, in 32-bit
-    words (triton_fp8.load_tile_f16; float16 queries or bf16 only, head_dim a power of two)."""
+    words (triton_fp8.load_tile_f16; float16 queries or bf16 only, head_dim a power of two); with "q8" in it,
+    an e4m3 pool's q . k runs on the fp8 tensor cores instead (triton_fp8.split_e4m3), K not decoded."""
     batch, num_heads, d = q.shape
     _, block_size, kvh, _ = k_cache.shape
     group = num_heads // kvh
@@ -382,6 +394,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         EVEN_D=d == block_d, **read, KVH=kvh, FUSED_MERGE=fused_merge,
         MERGE_G=triton.next_power_of_2(group), MERGE_S=8, num_warps=num_warps, num_stages=num_stages,
         FP8_WIDE_K=wide and "k" in fp8_wide, FP8_WIDE_V=wide and "v" in fp8_wide,
+        FP8_QK8=wide and "q8" in fp8_wide and read["FP8_MANT"] == 3,
     )
     if num_splits > 1 and not fused_merge:
         _decode_merge_kernel[(batch, num_heads)](

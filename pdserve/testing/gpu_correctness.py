@@ -377,7 +377,7 @@ def check_fp8_kernels(dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
                       cases: list[dict[str, Any]] | None = None, formats: tuple[str, ...] = ("fp8_e4m3", "fp8_e5m2"),
                       block_size: int = 16, tile_n: int | None = None, block_m: int | None = None,
                       splits_list: tuple[int, ...] = (1, 3, 16),
-                      wide_list: tuple[str, ...] = ("", "v", "kv")) -> list[dict[str, Any]]:
+                      wide_list: tuple[str, ...] = ("", "v", "kv", "q8v")) -> list[dict[str, Any]]:
     """The kernels over an fp8 pool: attention vs SDPA in float32 over the dequantized pool (decode also with
     each of `wide_list`'s tiles decoded as loaded, triton_kernels.decode_attention's fp8_wide); the K/V
     stores (plain, and fused with RoPE) byte-for-byte vs fp8_kv.write (the CPU writer) of the rows they store into a
