@@ -250,8 +250,8 @@ def nixl(small: bool, per_run_s: float, out: Path) -> dict[str, Any]:
     if small:
         runs = {"": ["--tokens", "32,64", "--device", "cpu", "--iters", "2"]}
     else:
-        runs = {"": ["--tokens", "2048,4096,8192", "--device", "cuda:0", "--iters", "25"],
-                "_scatter": ["--tokens", "8192", "--device", "cuda:0", "--iters", "10", "--scatter"]}
+        runs = {"": ["--tokens", "2048,4096,8192", "--device", "cuda:0", "--iters", "21"],
+                "_scatter": ["--tokens", "8192", "--device", "cuda:0", "--iters", "9", "--scatter"]}
     res: dict[str, Any] = {}
     for tag, args in runs.items():
         for dt in ("bf16", "fp8"):
@@ -376,8 +376,8 @@ def main() -> int:
     run.section("engine_bf16", engine, "auto", 64, 4096, long_prompt, min_left_s=180)
     run.section("engine_fp8", engine, "fp8", 64, 4096, long_prompt, min_left_s=150)
     run.section("accuracy", accuracy, False, min_left_s=90)
-    run.section("pd1", pd1, False, max(60.0, run.left() / 2), args.tokenizer, min_left_s=100)
-    run.section("nixl", nixl, False, 60, run.out, min_left_s=60)
+    run.section("nixl", nixl, False, 60, run.out, min_left_s=50)
+    run.section("pd1", pd1, False, max(60.0, run.left() / 2), args.tokenizer, min_left_s=80)
     summarize(run.results)
     return 0
 
