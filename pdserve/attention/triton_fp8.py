@@ -218,6 +218,33 @@ def tile_scale_rows(bt_row, tile, seq_len, kvh, stride_blk, TILE_N: tl.constexpr
 
 
 @triton.jit
+def tile_scale_halves(bt_row, tile, seq_len, kvh, stride_blk, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      KVH: tl.constexpr, D: tl.constexpr):
+    """tile_scale_rows in bfloat16 units: (offsets [NB, BLOCK_SIZE] from the layer view's base as int16, mask)."""
+    NB: tl.constexpr = TILE_N // BLOCK_SIZE
+    j = tl.arange(0, NB)
+    c = tl.arange(0, BLOCK_SIZE)
+    first = tile * TILE_N + j * BLOCK_SIZE
+    blk = tl.load(bt_row + tile * NB + j, mask=first < seq_len, other=0).to(tl.int64)
+    row = (blk * stride_blk + (KVH * BLOCK_SIZE * D)) // 2 + kvh.to(tl.int64) * BLOCK_SIZE
+    return row[:, None] + c[None, :], (first[:, None] + c[None, :]) < seq_len
+
+
+@triton.jit
+def load_scale_rows(cache_ptr, offsets, mask):
+    """The raw scales at `tile_scale_halves`' offsets: int16 [NB, BLOCK_SIZE] (bfloat16 bits, 0 past the
+    sequence). Kept raw so that a prefetching loop first uses (converts) them in its next iteration: a load's
+    first use is where the thread waits for it."""
+    return tl.load(cache_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + offsets, mask=mask, other=0)
+
+
+@triton.jit
+def scales_from_rows(raw, TILE_N: tl.constexpr):
+    """load_scale_rows' int16 [NB, BLOCK_SIZE] as float32 [TILE_N] in token order."""
+    return tl.reshape((raw.to(tl.int32) << 16).to(tl.float32, bitcast=True), [TILE_N])
+
+
+@triton.jit
 def load_tile_scales(cache_ptr, offsets, mask, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """The scales at `tile_scale_rows`' offsets as float32 [TILE_N] in token order (0 past the sequence)."""
     NB: tl.constexpr = TILE_N // BLOCK_SIZE

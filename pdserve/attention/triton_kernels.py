@@ -183,20 +183,23 @@ def _decode_kernel(
     if SCALE_ROWS:
         # The row scales are too small for Triton's cp.async pipeline (2 bytes per thread), so they are
         # prefetched by hand: each tile's scales are loaded one tile ahead, their block ids two tiles ahead,
-        # and the loads land while the previous tile computes.
-        s_rows, s_mask = tf8.tile_scale_rows(bt_row, t_start, seq_len, kvh, stride_c_blk, TILE_N, BLOCK_SIZE, KVH, D)
-        k_scale_next = tf8.load_tile_scales(k_cache_ptr, s_rows, s_mask, TILE_N, BLOCK_SIZE)
-        v_scale_next = tf8.load_tile_scales(v_cache_ptr, s_rows, s_mask, TILE_N, BLOCK_SIZE)
-        s_rows, s_mask = tf8.tile_scale_rows(bt_row, t_start + 1, seq_len, kvh, stride_c_blk, TILE_N, BLOCK_SIZE,
-                                             KVH, D)
+        # and both stay raw until the iteration that uses them (a load's first use is where the thread
+        # waits: converting them right after the load, as an earlier version did, exposed their latency in
+        # every iteration).
+        s_rows, s_mask = tf8.tile_scale_halves(bt_row, t_start, seq_len, kvh, stride_c_blk, TILE_N, BLOCK_SIZE,
+                                               KVH, D)
+        k_raw_next = tf8.load_scale_rows(k_cache_ptr, s_rows, s_mask)
+        v_raw_next = tf8.load_scale_rows(v_cache_ptr, s_rows, s_mask)
+        s_rows, s_mask = tf8.tile_scale_halves(bt_row, t_start + 1, seq_len, kvh, stride_c_blk, TILE_N, BLOCK_SIZE,
+                                               KVH, D)
     for tile in range(t_start, t_end):
         if SCALE_ROWS:
-            k_scale = k_scale_next
-            v_scale = v_scale_next
-            k_scale_next = tf8.load_tile_scales(k_cache_ptr, s_rows, s_mask, TILE_N, BLOCK_SIZE)
-            v_scale_next = tf8.load_tile_scales(v_cache_ptr, s_rows, s_mask, TILE_N, BLOCK_SIZE)
-            s_rows, s_mask = tf8.tile_scale_rows(bt_row, tile + 2, seq_len, kvh, stride_c_blk, TILE_N, BLOCK_SIZE,
-                                                 KVH, D)
+            k_scale = tf8.scales_from_rows(k_raw_next, TILE_N)
+            v_scale = tf8.scales_from_rows(v_raw_next, TILE_N)
+            k_raw_next = tf8.load_scale_rows(k_cache_ptr, s_rows, s_mask)
+            v_raw_next = tf8.load_scale_rows(v_cache_ptr, s_rows, s_mask)
+            s_rows, s_mask = tf8.tile_scale_halves(bt_row, tile + 2, seq_len, kvh, stride_c_blk, TILE_N,
+                                                   BLOCK_SIZE, KVH, D)
         tok = tile * TILE_N + n
         tmask = tok < seq_len
         blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
