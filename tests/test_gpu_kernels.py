@@ -237,8 +237,9 @@ def test_fp8_kernels_match_sdpa_on_dequantized_kv_and_store_the_cpu_bytes(fmt):
     from pdserve.testing.gpu_correctness import check_fp8_kernels
 
     results = check_fp8_kernels(torch.float32, "cpu", FP8_CASES, (fmt,), block_size=4, tile_n=16, block_m=16,
-                                splits_list=(1, 3), wide_list=("",))
-    assert len(results) == 8  # 2 prefill, 2 decode splits, 2 stores x (per-row, static checkpoint scales)
+                                splits_list=(1, 3), read_list=("", "r"))
+    # 2 prefill, 2 decode splits x 2 scale reads, 2 stores x (per-row, static checkpoint scales)
+    assert len(results) == 10
     for item in results:
         assert item["ok"], item
 
@@ -248,14 +249,14 @@ def test_fp8_kernels_with_16_bit_queries_read_kv_as_float16_bits(fmt):
     """16-bit queries: the read kernels take fp8 K/V as float16 by moving bits (triton_fp8.fp8_to_f16, the
     integer form of the GPU's packed PTX) and fold e4m3's 2^8 into the scales: same attention as SDPA over
     the dequantized pool, to 16-bit precision. Decode also with its tiles decoded as loaded, 4 values per
-    32-bit word (triton_fp8.load_tile_f16: V, and K and V), and with q . k on fp8 products (q split in two
-    e4m3 parts, e4m3 pools only)."""
+    32-bit word (triton_fp8.load_tile_f16: V, and K and V), with q . k on fp8 products (q split in two
+    e4m3 parts, e4m3 pools only), and with the row scales kept raw until used."""
     from pdserve.testing.gpu_correctness import check_fp8_kernels
 
     results = check_fp8_kernels(torch.float16, "cpu", FP8_CASES, (fmt,), block_size=4, tile_n=16, block_m=16,
-                                splits_list=(1, 3), wide_list=("", "v", "kv", "q8v"))
-    # 2 prefill, 2 decode splits x 4 tile decodes
-    assert sum(r["kernel"].startswith(("decode", "prefill")) for r in results) == 10
+                                splits_list=(1, 3), read_list=("", "v", "kv", "q8v", "rq8v"))
+    # 2 prefill, 2 decode splits x 5 ways of reading
+    assert sum(r["kernel"].startswith(("decode", "prefill")) for r in results) == 12
     for item in results:
         assert item["ok"], item
     assert max(r.get("rel_err", 0.0) for r in results) < 5e-3  # 16-bit rounding, not a misplaced power of 2

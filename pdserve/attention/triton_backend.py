@@ -45,19 +45,23 @@ DECODE_CONFIGS: list[tuple[int, int, int, int, int]] = [
 # The same for an fp8 pool (read as float16 bits in the kernel). Batch 64, kv 4096 on the H200
 # (benchmarks/gpu_fp8_suite.py, aligned layout, 2026-12-01, results/h200-fp8-kv/gpu_fp8_suite_aligned_3_final.json):
 # tile 128 / 4 warps / 2 stages / 2 per SM 240 us per layer; (128, 4, 3, 2) 250; bf16's (64, 4, 2, 2) 416: a
-# 64-token fp8 tile is too little work per iteration. The other buckets keep bf16's settings (not swept).
+# 64-token fp8 tile is too little work per iteration. Then (results/h200-fp8-kv/gpu_fp8_suite_sweep_4.json, same
+# run): 4 per SM (each sequence split in 2) 220 us vs 238 at 2 per SM, 256-token tiles 243. The other buckets
+# keep bf16's settings (batch 1 and 8 measured: fp8 11.2 / 58.7 us vs bf16 9.8 / 40.5 at kv 4096).
 FP8_DECODE_CONFIGS: list[tuple[int, int, int, int, int]] = [
     DECODE_CONFIGS[0],
     DECODE_CONFIGS[1],
-    (128, 128, 4, 2, 2),
+    (128, 128, 4, 2, 4),
     DECODE_CONFIGS[3],
 ]
-# Which fp8 tiles the decode kernel decodes where they were loaded, in 32-bit words (triton_kernels.
-# decode_attention's fp8_wide): "v", because the V tile decoded in the p.v operand layout was moved there one
-# byte at a time (`ld.shared.b8`, 128 per thread per 128-token tile, sm_90 PTX: benchmarks/kernel_ptx_loads.py
-# --wide), which the float16 tile avoids (ldmatrix.trans, as for a bf16 pool). PDSERVE_FP8_DECODE_WIDE
-# overrides it (A/B runs: benchmarks/gpu_fp8_suite.py hands its sweep's winner to the servers it starts).
-FP8_DECODE_WIDE = os.environ.get("PDSERVE_FP8_DECODE_WIDE", "v")
+# How the decode kernel reads an fp8 pool (triton_kernels.decode_attention's fp8_read flags): "" (tiles decoded
+# in the products' operand layout, scales converted as loaded). Measured on the H200 at batch 64 / kv 4096, same
+# run as above, at (128, 4, 2, 4): "v" 228 us (V decoded as loaded: no byte-wise shared loads, but no faster),
+# "q8v" (q . k on fp8 tensor cores) 251; at (128, 4, 3, 2) "q8v" 228, "v" 243. "r" (scales kept raw until
+# used) is built and correct on the CPU interpreter but not yet measured on the GPU, so it is not the default.
+# PDSERVE_FP8_DECODE_READ overrides it (A/B runs: gpu_fp8_suite.py hands its sweep's winner to the servers it
+# starts).
+FP8_DECODE_READ = os.environ.get("PDSERVE_FP8_DECODE_READ", "")
 
 
 def decode_config(batch: int, configs: list[tuple[int, int, int, int, int]] | None = None) -> tuple[int, int, int, int]:
@@ -128,7 +132,7 @@ class TritonAttention:
             return tk.decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits,
                 tile_n=tile_n, num_warps=warps, num_stages=stages, kv_format=self.kv_format,
-                fp8_wide=FP8_DECODE_WIDE,
+                fp8_read=FP8_DECODE_READ,
                 merge_counters=(self._counters(q.device, batch * k_cache.shape[2])
                                 if splits > 1 and batch <= self.fused_merge_max_batch else None),
             )

@@ -151,6 +151,7 @@ def _decode_kernel(
     KV_FP8: tl.constexpr, FP8_MANT: tl.constexpr, KVH: tl.constexpr, FUSED_MERGE: tl.constexpr,
     MERGE_G: tl.constexpr, MERGE_S: tl.constexpr, FP8_F16: tl.constexpr, FP8_ASM: tl.constexpr,
     FP8_UNIT: tl.constexpr, FP8_WIDE_K: tl.constexpr, FP8_WIDE_V: tl.constexpr, FP8_QK8: tl.constexpr,
+    FP8_SCALE_RAW: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -182,24 +183,40 @@ def _decode_kernel(
     SCALE_ROWS: tl.constexpr = KV_FP8 and TILE_N % BLOCK_SIZE == 0
     if SCALE_ROWS:
         # The row scales are too small for Triton's cp.async pipeline (2 bytes per thread), so they are
-        # prefetched by hand: each tile's scales are loaded one tile ahead, their block ids two tiles ahead,
-        # and both stay raw until the iteration that uses them (a load's first use is where the thread
-        # waits: converting them right after the load, as an earlier version did, exposed their latency in
-        # every iteration).
-        s_rows, s_mask = tf8.tile_scale_halves(bt_row, t_start, seq_len, kvh, stride_c_blk, TILE_N, BLOCK_SIZE,
-                                               KVH, D)
-        k_raw_next = tf8.load_scale_rows(k_cache_ptr, s_rows, s_mask)
-        v_raw_next = tf8.load_scale_rows(v_cache_ptr, s_rows, s_mask)
-        s_rows, s_mask = tf8.tile_scale_halves(bt_row, t_start + 1, seq_len, kvh, stride_c_blk, TILE_N, BLOCK_SIZE,
-                                               KVH, D)
-    for tile in range(t_start, t_end):
-        if SCALE_ROWS:
-            k_scale = tf8.scales_from_rows(k_raw_next, TILE_N)
-            v_scale = tf8.scales_from_rows(v_raw_next, TILE_N)
+        # prefetched by hand: each tile's scales are loaded one tile ahead, their block ids two tiles ahead.
+        # FP8_SCALE_RAW keeps them raw until the iteration that uses them: a load's first use is where the
+        # thread waits, and converting them right after the load (the default path) puts that wait, a global
+        # load's latency, in every iteration (sm_90 PTX: the loaded registers go to st.shared at once).
+        if FP8_SCALE_RAW:
+            s_rows, s_mask = tf8.tile_scale_halves(bt_row, t_start, seq_len, kvh, stride_c_blk, TILE_N, BLOCK_SIZE,
+                                                   KVH, D)
             k_raw_next = tf8.load_scale_rows(k_cache_ptr, s_rows, s_mask)
             v_raw_next = tf8.load_scale_rows(v_cache_ptr, s_rows, s_mask)
-            s_rows, s_mask = tf8.tile_scale_halves(bt_row, tile + 2, seq_len, kvh, stride_c_blk, TILE_N,
+            s_rows, s_mask = tf8.tile_scale_halves(bt_row, t_start + 1, seq_len, kvh, stride_c_blk, TILE_N,
                                                    BLOCK_SIZE, KVH, D)
+        else:
+            s_rows, s_mask = tf8.tile_scale_rows(bt_row, t_start, seq_len, kvh, stride_c_blk, TILE_N, BLOCK_SIZE,
+                                                 KVH, D)
+            k_scale_next = tf8.load_tile_scales(k_cache_ptr, s_rows, s_mask, TILE_N, BLOCK_SIZE)
+            v_scale_next = tf8.load_tile_scales(v_cache_ptr, s_rows, s_mask, TILE_N, BLOCK_SIZE)
+            s_rows, s_mask = tf8.tile_scale_rows(bt_row, t_start + 1, seq_len, kvh, stride_c_blk, TILE_N, BLOCK_SIZE,
+                                                 KVH, D)
+    for tile in range(t_start, t_end):
+        if SCALE_ROWS:
+            if FP8_SCALE_RAW:
+                k_scale = tf8.scales_from_rows(k_raw_next, TILE_N)
+                v_scale = tf8.scales_from_rows(v_raw_next, TILE_N)
+                k_raw_next = tf8.load_scale_rows(k_cache_ptr, s_rows, s_mask)
+                v_raw_next = tf8.load_scale_rows(v_cache_ptr, s_rows, s_mask)
+                s_rows, s_mask = tf8.tile_scale_halves(bt_row, tile + 2, seq_len, kvh, stride_c_blk, TILE_N,
+                                                       BLOCK_SIZE, KVH, D)
+            else:
+                k_scale = k_scale_next
+                v_scale = v_scale_next
+                k_scale_next = tf8.load_tile_scales(k_cache_ptr, s_rows, s_mask, TILE_N, BLOCK_SIZE)
+                v_scale_next = tf8.load_tile_scales(v_cache_ptr, s_rows, s_mask, TILE_N, BLOCK_SIZE)
+                s_rows, s_mask = tf8.tile_scale_rows(bt_row, tile + 2, seq_len, kvh, stride_c_blk, TILE_N,
+                                                     BLOCK_SIZE, KVH, D)
         tok = tile * TILE_N + n
         tmask = tok < seq_len
         blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
@@ -359,12 +376,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      seq_lens: torch.Tensor, scale: float, num_splits: int, out: torch.Tensor | None = None,
                      tile_n: int = 64, num_warps: int = 4, num_stages: int = 2,
                      kv_format: fp8_kv.Fp8Format | None = None,
-                     merge_counters: torch.Tensor | None = None, fp8_wide: str = "") -> torch.Tensor:
+                     merge_counters: torch.Tensor | None = None, fp8_read: str = "") -> torch.Tensor:
     """q: [B, H, D]; block_tables: [B, >= blocks of the longest sequence]; seq_lens: [B] (0 = padding row,
     whose output is 0). Returns [B, H, D] in q's dtype. kv_format: the caches are fp8 layer views (uint8, fp8_kv's layout).
     merge_counters: int32 zeros, at least B * kv_heads (new_merge_counters), kept between launches: the
     splits are merged by the last program of each (sequence, kv head) instead of a second kernel, and the
-    counters are left at zero. fp8_wide: which fp8 tiles ("k", "v", "kv") are decoded as loaded, in 32-bit
+    counters are left at zero. fp8_read: which fp8 tiles ("k", "v", "kv") are decoded as loaded, in 32-bit
     words (triton_fp8.load_tile_f16; float16 queries or bf16 only, head_dim a power of two); with "q8" in it,
     an e4m3 pool's q . k runs on the fp8 tensor cores instead (triton_fp8.split_e4m3), K not decoded."""
     batch, num_heads, d = q.shape
@@ -381,7 +398,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_o = part_lse = out  # unused
     fused_merge = num_splits > 1 and merge_counters is not None
     read = _read_args(kv_format, k_cache, d, q)
-    wide = read["FP8_F16"] and d == block_d  # the word decode yields float16 rows of whole words
+    words = read["FP8_F16"] and d == block_d  # the word decode yields float16 rows of whole words
     if fused_merge:
         assert merge_counters.dtype == torch.int32 and merge_counters.numel() >= batch * kvh
     _decode_kernel[(batch, kvh, num_splits)](
@@ -396,8 +413,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_SIZE=block_size, TILE_N=tile_n, DOT_PRECISION=_dot_precision(q.dtype),
         EVEN_D=d == block_d, **read, KVH=kvh, FUSED_MERGE=fused_merge,
         MERGE_G=triton.next_power_of_2(group), MERGE_S=8, num_warps=num_warps, num_stages=num_stages,
-        FP8_WIDE_K=wide and "k" in fp8_wide, FP8_WIDE_V=wide and "v" in fp8_wide,
-        FP8_QK8=wide and "q8" in fp8_wide and read["FP8_MANT"] == 3,
+        FP8_WIDE_K=words and "k" in fp8_read, FP8_WIDE_V=words and "v" in fp8_read,
+        FP8_QK8=words and "q8" in fp8_read and read["FP8_MANT"] == 3, FP8_SCALE_RAW="r" in fp8_read,
     )
     if num_splits > 1 and not fused_merge:
         _decode_merge_kernel[(batch, num_heads)](

@@ -377,9 +377,9 @@ def check_fp8_kernels(dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
                       cases: list[dict[str, Any]] | None = None, formats: tuple[str, ...] = ("fp8_e4m3", "fp8_e5m2"),
                       block_size: int = 16, tile_n: int | None = None, block_m: int | None = None,
                       splits_list: tuple[int, ...] = (1, 3, 16),
-                      wide_list: tuple[str, ...] = ("", "v", "kv", "q8v")) -> list[dict[str, Any]]:
+                      read_list: tuple[str, ...] = ("", "v", "q8v", "r", "rq8v")) -> list[dict[str, Any]]:
     """The kernels over an fp8 pool: attention vs SDPA in float32 over the dequantized pool (decode also with
-    each of `wide_list`'s tiles decoded as loaded, triton_kernels.decode_attention's fp8_wide); the K/V
+    each of `read_list`'s ways of reading the pool, triton_kernels.decode_attention's fp8_read); the K/V
     stores (plain, and fused with RoPE) byte-for-byte vs fp8_kv.write (the CPU writer) of the rows they store into a
     float pool (the fused RoPE's own rounding is check_ops' business), padding slots skipped."""
     from pdserve.attention import fp8_kv
@@ -398,13 +398,13 @@ def check_fp8_kernels(dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
             scale = case["d"] ** -0.5
             want = ref.forward(cf.q, cf.k_cache, cf.v_cache, cf.meta, scale).float()
             if c8.meta.decode_only:
-                for splits, wide in itertools.product(splits_list, wide_list):
+                for splits, wide in itertools.product(splits_list, read_list):
                     out = torch.full_like(c8.q, float("nan"))
                     tk.decode_attention(c8.q, c8.k_cache, c8.v_cache, c8.meta.block_tables, c8.meta.seq_lens, scale,
-                                        splits, out=out, kv_format=fmt, fp8_wide=wide, **sizes)
+                                        splits, out=out, kv_format=fmt, fp8_read=wide, **sizes)
                     err = rel_err(out, want)
                     results.append({"kernel": f"decode[{name}]", "case": case["name"], "splits": splits,
-                                    "fp8_wide": wide, "rel_err": err, "ok": err < tol})
+                                    "fp8_read": wide, "rel_err": err, "ok": err < tol})
             out = torch.full_like(c8.q, float("nan"))
             extra = sizes if block_m is None else {**sizes, "block_m": block_m}
             tk.prefill_attention(c8.q, c8.k_cache, c8.v_cache, c8.meta.block_tables, c8.meta.seq_lens,
