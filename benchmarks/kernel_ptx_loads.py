@@ -41,6 +41,29 @@ def _compile(fn, signature: dict[str, str], constexprs: dict, divisible: set[str
     return kernel.asm["ptx"]
 
 
+def loop_loads_waited_in_loop(ptx: str) -> int:
+    """Synchronous global loads inside the main loop whose result is used before the loop's back-edge, i.e. in
+    the iteration that issued them: each is a wait for a global load's latency per iteration. (A load first used
+    only after the back-edge, by the next iteration, is a prefetch.) The main loop: the longest backward branch."""
+    lines = ptx.splitlines()
+    labels = {ln.split(":")[0]: i for i, ln in enumerate(lines) if re.match(r"^\$L__BB\d+_\d+:", ln)}
+    loops = [(labels[m.group(1)], i) for i, ln in enumerate(lines)
+             if (m := re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", ln)) and labels.get(m.group(1), i) < i]
+    if not loops:
+        return 0
+    start, end = max(loops, key=lambda se: se[1] - se[0])
+    waited = 0
+    for i in range(start, end):
+        m = re.search(r"ld\.global[^{]*\{\s*([^}]*)\}", lines[i])
+        if not m:
+            continue
+        regs = [r.strip() for r in m.group(1).split(",")]
+        pattern = re.compile(r"(?<![\w%])(" + "|".join(re.escape(r) for r in regs) + r")(?!\w)")
+        if any(pattern.search(ln) and "mov.u" not in ln for ln in lines[i + 1:end]):
+            waited += 1
+    return waited
+
+
 def count_loads(ptx: str) -> dict[str, int]:
     """Load instructions in the PTX text (static counts: prologue and loop body of the pipelined loop)."""
     out = {f"cp.async {n}B": len(re.findall(rf"cp\.async\.c[ag]\.shared\.global[^\n]*, {hex(n)},", ptx))
@@ -51,6 +74,7 @@ def count_loads(ptx: str) -> dict[str, int]:
     # ldmatrix (16-bit operands, transposed or not)
     out["ld.shared.b8"] = len(re.findall(r"ld\.shared\.b8\s", ptx))
     out["ldmatrix"] = len(re.findall(r"ldmatrix\.sync", ptx))
+    out["loop loads waited in loop"] = loop_loads_waited_in_loop(ptx)
     return out
 
 
