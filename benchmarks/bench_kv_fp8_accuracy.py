@@ -67,6 +67,13 @@ CAPITAL_QUESTION = "What is the capital of France?"
 CALIBRATION_TEMPLATE = "Tell me a short story about {}."  # not one of TEMPLATES: calibrate off the test set
 
 
+def pool_blocks(device: str) -> int:
+    """Blocks of the device's default size for 32k tokens: every prompt's KV at once."""
+    from pdserve.config import default_block_size
+
+    return 32768 // default_block_size(device)
+
+
 def run(kv_cache_dtype: str, texts: list[str], max_tokens: int, device: str = "cpu",
         dtype: str = "auto", model: str | None = None) -> tuple[list[list[tuple[int, float]]], str]:
     """[(token, logprob)] per prompt, greedy; and the greedy answer to CAPITAL_QUESTION."""
@@ -74,8 +81,8 @@ def run(kv_cache_dtype: str, texts: list[str], max_tokens: int, device: str = "c
     from pdserve.llm import LLM
 
     # a small pool: 50 prompts x ~100 tokens need ~400 blocks of 16
-    llm = LLM(model, kv_cache_dtype=kv_cache_dtype, device=device, dtype=dtype, num_gpu_blocks_override=2048,
-              enable_prefix_caching=False)
+    llm = LLM(model, kv_cache_dtype=kv_cache_dtype, device=device, dtype=dtype,
+              num_gpu_blocks_override=pool_blocks(device), enable_prefix_caching=False)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
         results = llm.chat([[{"role": "user", "content": t}] for t in texts], params, use_tqdm=False)
@@ -93,7 +100,8 @@ def calibrate_kv_scales(max_tokens: int, device: str = "cpu", dtype: str = "auto
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.llm import LLM
 
-    llm = LLM(model, device=device, dtype=dtype, num_gpu_blocks_override=2048, enable_prefix_caching=False)
+    llm = LLM(model, device=device, dtype=dtype, num_gpu_blocks_override=pool_blocks(device),
+              enable_prefix_caching=False)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         llm.chat([[{"role": "user", "content": CALIBRATION_TEMPLATE.format(t)}] for t in TOPICS], params,

@@ -72,9 +72,13 @@ def make_prompts(model_dir: Path, n: int, length: int, seed: int) -> list[list[i
 
 
 def num_blocks(args: argparse.Namespace) -> int:
-    """A KV pool that fits every concurrent sequence (no preemption on either side), plus slack."""
-    per_seq = -(-(args.input_len + args.output_len) // 16) + 1
-    return args.concurrency * per_seq + 64
+    """A KV pool (of the device's default block size) that fits every concurrent sequence (no preemption on
+    either side), plus slack."""
+    from pdserve.config import default_block_size
+
+    bs = default_block_size(args.device)
+    per_seq = -(-(args.input_len + args.output_len) // bs) + 1
+    return args.concurrency * per_seq + 1024 // bs
 
 
 class Offline:

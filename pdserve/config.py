@@ -26,6 +26,18 @@ def canonical_kv_cache_dtype(name: str) -> str:
 PREFILL_ONLY_CHUNK_GPU = 32768
 DEFAULT_GPU_BUDGET = 8192  # max_num_batched_tokens' default on the GPU (2048 on CPU)
 
+CPU_BLOCK_SIZE = 128
+GPU_BLOCK_SIZE = 16
+
+
+def default_block_size(device: str) -> int:
+    """The KV block size an engine on `device` (`auto`, `cpu`, `cuda[:N]`) gets when none is given."""
+    if device == "auto":
+        import torch  # only here: which device `auto` means
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return CPU_BLOCK_SIZE if device == "cpu" else GPU_BLOCK_SIZE
+
 
 @dataclass
 class EngineConfig:
@@ -42,7 +54,9 @@ class EngineConfig:
     # a step without decode rows may give one long prompt a chunk of up to this many tokens (Scheduler);
     # None: 32768 on GPU, off on CPU; 0: off
     prefill_only_chunk_tokens: int | None = None
-    block_size: int = 16
+    # tokens per KV block; None: 128 on CPU, 16 on CUDA, as vLLM picks them (vllm/platforms/cpu.py sets 128
+    # when the user gave none: its CPU attention, like pdserve's, streams a head's block_size rows at once)
+    block_size: int | None = None
     # vLLM's --kv-cache-dtype: auto (the model's dtype) | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2
     kv_cache_dtype: str = "auto"
     num_gpu_blocks_override: int | None = None  # fix the KV pool size in blocks (tests force tiny pools)
@@ -109,6 +123,8 @@ class EngineConfig:
         canonical_kv_cache_dtype(self.kv_cache_dtype)  # ValueError naming the choices
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
+        if self.block_size is None:
+            self.block_size = default_block_size(self.device)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -30,6 +30,8 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], params: SamplingPara
 
 def make_engine(model_dir: Path, **kw) -> LLMEngine:
     kw.setdefault("device", "cpu")
+    # the tests' pools, prompts and prefix hits are sized in blocks of 16 (GPU's default; CPU's is 128)
+    kw.setdefault("block_size", 16)
     kw.setdefault("num_gpu_blocks_override", 128)
     return LLMEngine(EngineConfig(model=str(model_dir), **kw))
 

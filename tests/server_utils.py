@@ -95,9 +95,11 @@ class ServerProcess(PdserveProcess):
 
     def __init__(self, model_dir: Path, log_path: Path, *args: str, env: dict[str, str] | None = None):
         port = free_port()
+        # the tests' pools, prompts and prefix hits are sized in blocks of 16 (GPU's default; CPU's is 128)
+        block = [] if "--block-size" in args else ["--block-size", "16"]
         super().__init__(log_path, port, ["serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-                                          "--served-model-name", MODEL, "--disable-uvicorn-access-log", *args],
-                         env=env)
+                                          "--served-model-name", MODEL, "--disable-uvicorn-access-log", *block,
+                                          *args], env=env)
 
 
 @contextmanager

@@ -65,6 +65,28 @@ def test_prefix_cache_hits_are_exact(tiny_llama):
     assert_accounting_clean(engine)
 
 
+def test_cpu_default_blocks_of_128_in_a_head_major_pool_are_exact(tiny_llama):
+    """The CPU defaults (vLLM's): blocks of 128 tokens, each (layer, K|V) region head-major; prompts over
+    several blocks, chunked, decoding across a block boundary, and a two-block prefix-cache hit."""
+    from pdserve.kv_transfer.compat import HEAD_MAJOR_LAYOUT
+
+    engine = make_engine(tiny_llama, block_size=None, num_gpu_blocks_override=24, max_num_batched_tokens=100)
+    runner = engine.runner
+    assert engine.config.block_size == runner.block_size == 128 and runner.layout == HEAD_MAJOR_LAYOUT
+    _, layers, _, heads, tokens, dim = runner.kv_pool.shape
+    assert (heads, tokens) == (runner.num_kv_heads, 128) and runner.kv_pool.is_contiguous()
+    assert runner.kv_cache.shape == (runner.num_blocks, layers, 2, 128, heads, dim)
+    shared = mixed_prompts(VOCAB, seed=11, lengths=(260,))[0]
+    prompts = [shared + [5, 6], mixed_prompts(VOCAB, seed=12, lengths=(120,))[0], [9, 10, 11]]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)  # 120 + 20 crosses 128
+    assert run_engine(engine, prompts, params) == hf_greedy(tiny_llama, prompts, 20)
+    hits_before = engine.blocks.prefix_hits
+    again = [shared + [7, 8, 9]]
+    assert run_engine(engine, again, params) == hf_greedy(tiny_llama, again, 20)
+    assert engine.blocks.prefix_hits - hits_before >= 256
+    assert_accounting_clean(engine)
+
+
 def test_tiny_chunked_prefill_is_exact(tiny_llama):
     engine = make_engine(tiny_llama, max_num_batched_tokens=5, block_size=4)
     prompts = mixed_prompts(VOCAB, seed=7)

@@ -111,3 +111,36 @@ def test_fp8_pools_split_by_head_with_values_and_scales(kv_heads: int, src_tp: i
         np.testing.assert_array_equal(consumer[local_ids], rank_pool(d_rank, dst_tp)[remote_ids])
         assert not consumer[[3, 5, 6]].any()
         assert sum(r.nbytes for r in reads) == len(local_ids) * consumer.nbytes // blocks
+
+
+@pytest.mark.parametrize(("kv_heads", "src_tp", "dst_tp"), [(4, 1, 2), (4, 2, 1), (8, 4, 2), (2, 1, 4), (8, 2, 2)])
+def test_head_major_float_pools_split_by_head(kv_heads: int, src_tp: int, dst_tp: int) -> None:
+    """CPU float pools (`[blocks, layers, 2, heads, block_size, head_dim]`): a head's rows of a (layer, K|V)
+    region are one run, so a consumer rank reads its heads as one piece per region, never per token row."""
+    from pdserve.kv_transfer.compat import HEAD_MAJOR_LAYOUT
+
+    rng = np.random.default_rng(kv_heads * 100 + src_tp * 10 + dst_tp)
+    blocks = 7
+    global_kv = rng.standard_normal((blocks, LAYERS, 2, kv_heads, BS, HD)).astype(np.float32)
+
+    def rank_pool(rank: int, tp: int) -> np.ndarray:
+        start, n = kv_head_start(rank, tp, kv_heads), kv_heads_per_rank(tp, kv_heads)
+        return np.ascontiguousarray(global_kv[:, :, :, start : start + n])
+
+    compat = {"num_layers": LAYERS, "block_size": BS, "head_dim": HD, "kv_layout": HEAD_MAJOR_LAYOUT}
+    producers = [rank_pool(r, src_tp) for r in range(src_tp)]
+    remotes = [RemotePool(0, p.nbytes, "DRAM", 0, p.nbytes // blocks, blocks) for p in producers]
+    local_ids, remote_ids = [0, 1, 2, 4], [6, 5, 1, 2]
+    runs = coalesce_block_runs(local_ids, remote_ids)
+    for d in range(dst_tp):
+        heads = kv_heads_per_rank(dst_tp, kv_heads)
+        consumer = np.zeros((blocks, LAYERS, 2, heads, BS, HD), dtype=np.float32)
+        geometry = block_geometry(compat, consumer.nbytes // blocks, heads)
+        assert geometry == BlockGeometry(LAYERS * 2, (BS * HD * 4,))
+        reads = plan_rank_reads(runs, geometry=geometry, num_kv_heads=kv_heads, dst_rank=d, dst_tp=dst_tp,
+                                src_tp=src_tp, local=_region(consumer), remotes=remotes)
+        for read in reads:
+            _apply(consumer, producers[read.src_rank], read.local_descs, read.remote_descs)
+            assert read.num_descriptors <= len(runs) * kv_heads  # a row per run (and head run), never per token
+        np.testing.assert_array_equal(consumer[local_ids], rank_pool(d, dst_tp)[remote_ids])
+        assert not consumer[[3, 5, 6]].any()

@@ -177,7 +177,7 @@ def test_the_pool_holds_x_over_the_checkpoint_scale(tiny_llama, scaled_llama, ca
     run_engine(ref, prompt, one)
     fp8 = make_engine(scaled_llama, kv_cache_dtype="fp8", **kw)
     run_engine(fp8, prompt, one)
-    fpool, qpool = ref.runner.kv_pool, fp8.runner.kv_pool
+    fpool, qpool = ref.runner.kv_cache, fp8.runner.kv_pool  # the float pool as [block, layer, K/V, token, head, dim]
     for kv in (0, 1):
         blk, off = _written_rows(fpool, 0, kv)
         assert blk.numel() == 37

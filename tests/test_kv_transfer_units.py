@@ -413,6 +413,20 @@ def test_compat_differences_name_the_fields() -> None:
     assert compat_differences(a, dict(a)) == []
 
 
+def test_a_cpu_head_major_pool_and_a_gpu_token_major_pool_are_refused() -> None:
+    """A CPU float pool keeps its regions head-major, a GPU pool token-major: the same bytes read as the
+    other order would be garbage KV, so the handshake refuses the pair, naming the layouts."""
+    from pdserve.kv_transfer.compat import HEAD_MAJOR_LAYOUT, POOL_LAYOUT, check_compat
+    from pdserve.kv_transfer.errors import CompatibilityError
+
+    common = dict(model="m", dtype="float32", block_size=16, num_layers=2, num_kv_heads=2, head_dim=8)
+    gpu, cpu = make_compat(**common), make_compat(**common, kv_layout=HEAD_MAJOR_LAYOUT)
+    assert gpu["kv_layout"] == POOL_LAYOUT
+    with pytest.raises(CompatibilityError, match="kv_layout: ours='block,layer,kv,token,head,dim' "
+                                                 "theirs='block,layer,kv,head,token,dim'"):
+        check_compat(gpu, cpu, peer="producer")
+
+
 # ---- side channel ---------------------------------------------------------------------------------------
 
 

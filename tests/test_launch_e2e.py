@@ -60,8 +60,9 @@ def test_multi_turn_chat_reads_the_history_back(tiny: Path, tmp_path: Path) -> N
     decode instance instead of recomputing it, and the proxy follows both instances' KV events."""
     import httpx
 
-    up = Up([str(tiny), "--port", "0", "--kv-history", "--kv-events", "--log-dir", str(tmp_path / "logs")],
-            cwd=tmp_path)
+    # blocks of 16 (not the CPU default of 128): a short chat's history fills whole blocks to read back
+    up = Up([str(tiny), "--port", "0", "--kv-history", "--kv-events", "--log-dir", str(tmp_path / "logs"),
+             "--serve-arg=--block-size 16"], cwd=tmp_path)
     pids: list[int] = []
     try:
         info = up.ready(STARTUP_S)

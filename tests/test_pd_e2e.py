@@ -334,3 +334,36 @@ def test_tcp_transport(model_dir, tmp_path):
     finally:
         for s in servers:
             s.stop()
+
+
+def test_cpu_default_blocks_of_128_in_head_major_pools_transfer_exactly(model_dir, tmp_path):
+    """The CPU defaults (blocks of 128 tokens, head-major (layer, K|V) regions): a prompt of several blocks
+    moves over NIXL and decodes to the collocated instance's tokens; both sides report the layout."""
+    from pdserve.kv_transfer.compat import HEAD_MAJOR_LAYOUT
+
+    args = ("--max-model-len", "512", "--num-gpu-blocks-override", "24", "--block-size", "128")
+
+    def start128(name: str, *extra: str) -> ServerProcess:
+        return ServerProcess(model_dir, tmp_path / f"{name}.log", *args, *extra, env=SECRET_ENV)
+
+    servers = {"prefill": start128("p128", "--kv-transfer-config", kv_config("kv_producer"),
+                                   "--side-channel-port", "0"),
+               "decode": start128("d128", "--kv-transfer-config", kv_config("kv_consumer")),
+               "collocated": start128("c128")}
+    with all_ready(servers):
+        prefill, decode, colo = servers["prefill"], servers["decode"], servers["collocated"]
+        for srv in servers.values():
+            info = httpx.get(f"{srv.url}/pdserve/info", timeout=10).json()
+            assert info["block_size"] == 128 and info["kv_layout"] == HEAD_MAJOR_LAYOUT
+        body = {"model": "tiny", "prompt": long_prompt(140, 5), "max_tokens": 12, "temperature": 0}
+        ref = httpx.post(f"{colo.url}/v1/completions", json=body, timeout=60).json()
+        assert ref["usage"]["prompt_tokens"] > 2 * 128
+        before = httpx.get(f"{decode.url}/metrics").text
+        params = prefill_leg(prefill, "completions", body, "b128")
+        out = decode_leg(decode, "completions", body, params, "b128")
+        assert out.status_code == 200 and out.json()["choices"][0]["text"] == ref["choices"][0]["text"]
+        moved = (metric_value(httpx.get(f"{decode.url}/metrics").text, "vllm:nixl_bytes_transferred_sum")
+                 - metric_value(before, "vllm:nixl_bytes_transferred_sum"))
+        assert moved > 0 and moved % (2 * 128) == 0  # whole blocks of K and V rows
+        wait_idle(decode.url)
+        wait_idle(prefill.url)

@@ -155,7 +155,7 @@ class LLMEngine:
             self.tiers = KVTierManager(
                 self.runner.kv_pool, config.block_size, int(config.kv_offloading_size * GIB),
                 config.kv_offloading_disk_path, int((config.kv_offloading_disk_size or 0) * GIB), events=publish,
-                kv_encoding=None if self.runner.kv_format is None
+                kv_encoding=self.runner.layout if self.runner.kv_format is None
                 else f"{self.runner.kv_cache_dtype}/{self.runner.kv_scales}")
             self.blocks.on_evict = self.tiers.on_device_evict
             self.tier_loader = TierLoader(self.blocks, self.scheduler, self.tiers)

@@ -20,6 +20,7 @@ from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
 from pdserve.gpu.step_timing import StepTiming
+from pdserve.kv_transfer.compat import HEAD_MAJOR_LAYOUT, POOL_LAYOUT
 from pdserve.model.config import ModelConfig
 from pdserve.model.kv_scales import use_checkpoint_kv_scales
 from pdserve.model.loader import build_model
@@ -172,10 +173,21 @@ class ModelRunner:
             from pdserve.cpu.ops import CpuOps
 
             self.model.fused_ops = CpuOps(self.backend.lib, self.backend)
+        # A CPU float pool keeps each (layer, K|V) region of a block head-major, as vLLM's CPU backend
+        # does (vllm/v1/attention/backends/cpu_attn.py: [num_blocks, num_kv_heads, block_size, head_size]):
+        # the paged decode kernel then streams one run of block_size * head_dim values per head. Token-major
+        # regions gave it a head's rows 256 B at a time, every num_kv_heads rows, which it read from DRAM
+        # at half the rate (measured on the 2-core EPYC box: batch 4 x 576 keys x 30 layers of SmolLM2,
+        # 16 ms a step at block size 128 against 8 ms head-major). GPU kernels are written for token-major
+        # (vLLM's NHD), and the fp8 format lays out its regions itself (pdserve.attention.fp8_kv).
+        self.kv_layout = HEAD_MAJOR_LAYOUT if self.device.type == "cpu" and self.kv_format is None else POOL_LAYOUT
         self.num_blocks = self._decide_num_blocks()
         # The block-contiguous pool: one block spans every layer, so one NIXL descriptor moves one block.
         # torch.zeros touches every page now, not during the first transfer.
         self.kv_pool = torch.zeros(self.pool_shape(self.num_blocks), dtype=self.kv_storage_dtype, device=self.device)
+        # What the model and the attention backends index: [block, layer, K|V, token, head, dim] over the
+        # pool's memory whatever its layout (a head-major pool as a transposed view: the kernels take strides).
+        self.kv_cache = self.kv_pool.transpose(3, 4) if self.kv_layout == HEAD_MAJOR_LAYOUT else self.kv_pool
         self.sampler = Sampler(config.seed)
         # CUDA: fused kernels, pinned batched inputs, decode CUDA graphs, greedy argmax on the device.
         self.gpu = None
@@ -193,7 +205,7 @@ class ModelRunner:
             # rank 0: the other ranks switch first; graph capture runs collectives, which every rank must join
             self.step_sink(("use_gpu_step_runner", simulate_graphs))
         self.gpu = GpuStepRunner(
-            self.model, self.kv_pool, self.backend, self.sampler, block_size=self.block_size,
+            self.model, self.kv_cache, self.backend, self.sampler, block_size=self.block_size,
             max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len or self.model_cfg.max_position_embeddings,
             enforce_eager=cfg.enforce_eager or not getattr(self.backend, "supports_graphs", True),
             simulate_graphs=simulate_graphs)
@@ -259,6 +271,8 @@ class ModelRunner:
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         c = self.model_cfg
         row = c.head_dim if self.kv_format is None else self.kv_format.row_bytes(c.head_dim)
+        if self.kv_layout == HEAD_MAJOR_LAYOUT:
+            return (num_blocks, c.num_layers, 2, self.num_kv_heads, self.block_size, row)
         return (num_blocks, c.num_layers, 2, self.block_size, self.num_kv_heads, row)
 
     @property
@@ -303,7 +317,8 @@ class ModelRunner:
 
     @property
     def layout(self) -> str:
-        return "block,layer,kv,token,head,dim"
+        """The pool's memory order, as the KV handshake names it (`kv_transfer.compat`)."""
+        return self.kv_layout
 
     # ---- one step ----------------------------------------------------------------------------
     def _prepare(self, batch: list[tuple[Request, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -394,7 +409,7 @@ class ModelRunner:
     def _forward_cpu(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                      rows: list[int]) -> torch.Tensor | None:
         """The model over one step's flattened batch; logits of `rows` (None when no row samples)."""
-        hidden = self.model(input_ids, positions, self.kv_pool, meta, self.backend)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
         if not rows:
             return None
         return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])

@@ -61,9 +61,11 @@ class DiskRead:
 class KVTierManager:
     def __init__(self, pool: torch.Tensor, block_size: int, host_bytes: int, disk_path: str | None = None,
                  disk_bytes: int = 0, events: bool = False, kv_encoding: str | None = None):
-        """kv_encoding: what a quantized pool's bytes mean (e.g. `fp8_e4m3/<fp8_kv.SCALE_SCHEME>`), part of the
-        disk files' fingerprint: a uint8 pool's dtype and shape alone do not tell fp8 formats or block layouts
-        apart, and a disk tier written under another one must read as a miss, not as garbage KV."""
+        """kv_encoding: what the pool's bytes mean (a quantized pool's format, e.g.
+        `fp8_e4m3/<fp8_kv.SCALE_SCHEME>`; a float pool's memory order, `kv_transfer.compat`'s layout names),
+        part of the disk files' fingerprint: dtype and shape alone do not tell fp8 formats or block layouts
+        apart (a head-major and a token-major block with as many heads as tokens have the same shape), and a
+        disk tier written under another one must read as a miss, not as garbage KV."""
         self.pool = pool
         self.block_size = block_size
         self.block_shape = tuple(pool.shape[1:])

@@ -16,8 +16,11 @@ from pdserve.kv_transfer.errors import CompatibilityError
 # Bumped whenever the side-channel messages or the transfer semantics change incompatibly.
 PROTOCOL_VERSION = 2  # 2: signed envelopes, lease tokens (issue 15)
 
-# The pool is [num_blocks, num_layers, 2 (K,V), block_size, num_kv_heads, head_dim].
+# A GPU pool is [num_blocks, num_layers, 2 (K,V), block_size, num_kv_heads, head_dim] (token-major
+# regions, vLLM's NHD); a CPU float pool [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
+# (head-major regions, vLLM's CPU backend's HND: see pdserve.engine.model_runner).
 POOL_LAYOUT = "block,layer,kv,token,head,dim"
+HEAD_MAJOR_LAYOUT = "block,layer,kv,head,token,dim"
 
 REQUIRED_FIELDS = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
 

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.api.pd import RemotePrefillParams, parse_remote_kv_params
 from pdserve.kv_transfer.auth import SECRET_ENV, MessageAuth, ReplayGuard
-from pdserve.kv_transfer.compat import normalize_compat
+from pdserve.kv_transfer.compat import HEAD_MAJOR_LAYOUT, POOL_LAYOUT, normalize_compat
 from pdserve.kv_transfer.config import KVTransferConfig, is_loopback_host
 from pdserve.kv_transfer.consumer import KVConsumer, LoadResult
 from pdserve.kv_transfer.metrics import TransferMetrics
@@ -50,7 +50,10 @@ logger = logging.getLogger("pdserve.kv_transfer")
 def _check_pool_matches(
     region_shape: tuple[int, ...], region_dtype: str, compat: Mapping[str, Any], block_size: int, tp_size: int = 1
 ) -> None:
-    _, layers, _, bs, heads, dim = region_shape
+    if compat.get("kv_layout", POOL_LAYOUT) == HEAD_MAJOR_LAYOUT:
+        _, layers, _, heads, bs, dim = region_shape
+    else:
+        _, layers, _, bs, heads, dim = region_shape
     expected = {
         "num_layers": layers,
         "block_size": bs,

@@ -4,8 +4,12 @@ the descriptors that move exactly its KV heads.
 A block of a rank's pool is `units_per_block` equal units, each holding every head of the rank in one or
 more fields, head after head within a field (`BlockGeometry`):
 
-- a 16-bit pool `[num_blocks, num_layers, 2, block_size, kv_heads_of_rank, head_dim]`: a unit is one token
-  row (`num_layers * 2 * block_size` per block) with one field of `head_dim * elem` bytes per head;
+- a token-major float pool `[num_blocks, num_layers, 2, block_size, kv_heads_of_rank, head_dim]` (GPU): a
+  unit is one token row (`num_layers * 2 * block_size` per block) with one field of `head_dim * elem` bytes
+  per head;
+- a head-major float pool `[num_blocks, num_layers, 2, kv_heads_of_rank, block_size, head_dim]` (CPU): a
+  unit is one (layer, K|V) region (`num_layers * 2` per block) with one field of `block_size * head_dim *
+  elem` bytes per head;
 - an fp8 pool (`pdserve.attention.fp8_kv`, head-major regions): a unit is one (layer, K|V) region
   (`num_layers * 2` per block) with two fields, the values (`block_size * head_dim` bytes per head) and
   then the scales (`block_size * 2` bytes per head).
@@ -28,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.kv_transfer.compat import HEAD_MAJOR_LAYOUT, POOL_LAYOUT
 from pdserve.kv_transfer.pool import PoolRegion, RemotePool, descriptor_arrays
 from pdserve.parallel.layout import HeadSegment, head_sources, kv_heads_per_rank
 
@@ -52,7 +57,7 @@ class BlockGeometry:
 
 def block_geometry(compat: Mapping[str, Any], block_bytes: int, heads: int) -> BlockGeometry:
     """The geometry a compatibility dict describes; `block_bytes` / `heads` (one local pool's) give the
-    element size of a 16-bit pool."""
+    element size of a float pool."""
     layers, block_size = int(compat["num_layers"]), int(compat["block_size"])
     if compat.get("kv_scales", "none") != "none":
         from pdserve.attention import fp8_kv
@@ -61,6 +66,9 @@ def block_geometry(compat: Mapping[str, Any], block_bytes: int, heads: int) -> B
             raise ValueError(f"unknown kv_scales scheme {compat['kv_scales']!r}")
         d = int(compat["head_dim"])
         return BlockGeometry(layers * 2, (block_size * d, block_size * fp8_kv.SCALE_BYTES))
+    if compat.get("kv_layout", POOL_LAYOUT) == HEAD_MAJOR_LAYOUT:
+        regions = layers * 2
+        return BlockGeometry(regions, (block_bytes // (regions * heads),))
     rows = layers * 2 * block_size
     return BlockGeometry(rows, (block_bytes // (rows * heads),))
 

@@ -47,7 +47,8 @@ def region_of(pool: Any) -> PoolRegion:
     shape = tuple(int(s) for s in pool.shape)
     if len(shape) != POOL_NDIM:
         raise ValueError(
-            f"KV pool must be 6-D [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], got shape {shape}"
+            f"KV pool must be 6-D [num_blocks, num_layers, 2, block_size and num_kv_heads (either order), head_dim], "
+            f"got shape {shape}"
         )
     if shape[2] != 2:
         raise ValueError(f"KV pool dim 2 must be 2 (K and V), got {shape[2]}")

@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-only-chunk-tokens", type=int, default=None, metavar="N",
                    help="a step without decode rows may give one long prompt a chunk of up to N tokens (bigger "
                         "GEMMs, fewer passes over the context); default 32768 on GPU, off on CPU; 0 turns it off")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: 128 on CPU, 16 on CUDA, as vLLM)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--dtype", default="auto")

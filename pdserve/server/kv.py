@@ -35,6 +35,7 @@ def connector_factory(kv_config: Any, registry: CollectorRegistry, model_name: s
             num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
+            kv_layout=runner.layout,
             kv_cache_dtype=runner.kv_cache_dtype,
             kv_scales=runner.kv_scales,
         )
