@@ -57,11 +57,12 @@ FP8_DECODE_CONFIGS: list[tuple[int, int, int, int, int]] = [
 # How the decode kernel reads an fp8 pool (triton_kernels.decode_attention's fp8_read flags): "" (tiles decoded
 # in the products' operand layout, scales converted as loaded). Measured on the H200 at batch 64 / kv 4096, same
 # run as above, at (128, 4, 2, 4): "v" 228 us (V decoded as loaded: no byte-wise shared loads, but no faster),
-# "q8v" (q . k on fp8 tensor cores) 251; at (128, 4, 3, 2) "q8v" 228, "v" 243. "r" (scales kept raw until
-# used) is built and correct on the CPU interpreter but not yet measured on the GPU, so it is not the default.
+# "q8v" (q . k on fp8 tensor cores) 251; at (128, 4, 3, 2) "q8v" 228, "v" 243. The default, "r" (scales kept
+# raw until the iteration that uses them: no wait on a load in the loop), measured in run 5 (BENCHMARKS.md, FP8
+# section): 210.6 us at (128, 4, 2, 4) against 220.3 for "" in the same sweep, the same error vs float32 SDPA.
 # PDSERVE_FP8_DECODE_READ overrides it (A/B runs: gpu_fp8_suite.py hands its sweep's winner to the servers it
 # starts).
-FP8_DECODE_READ = os.environ.get("PDSERVE_FP8_DECODE_READ", "")
+FP8_DECODE_READ = os.environ.get("PDSERVE_FP8_DECODE_READ", "r")
 
 
 def decode_config(batch: int, configs: list[tuple[int, int, int, int, int]] | None = None) -> tuple[int, int, int, int]:
