@@ -186,3 +186,43 @@ def test_observe_keeps_the_window_fresh_across_a_lull():
         c.advance(0.1, 0.05, 0.0)
         t.observe()
     assert t.for_step(DECODE_STEP_TOKENS + 1) == 2  # the burst's first (prefill) step sees the idle cores
+
+
+def _idle_auto(spare_max: int = 2) -> StepThreads:
+    """`auto` with the other processes idle: every decode step may take every core."""
+    c = _Counters()
+    spare = SpareCores(window_s=1.0, sample_s=0.1, counters=lambda: (c.machine, c.own), clock=lambda: c.now)
+    for _ in range(15):
+        spare.others_busy()
+        c.advance(0.1, 1.1, 1.0)
+    assert spare.others_busy() == pytest.approx(0.1)
+    return StepThreads(1, 1, spare_max=spare_max, spare=spare)
+
+
+@pytest.mark.parametrize(("one_s", "two_s", "favoured"), [(0.047, 0.050, 1), (0.060, 0.041, 2)])
+def test_auto_decode_steps_run_the_count_measured_faster(one_s, two_s, favoured):
+    """Served, the second core can be slower for a short decode step (the event loop takes it mid-step);
+    offline it is faster: `auto` measures both per batch bucket, runs the faster and now and then the other."""
+    from pdserve.cpu.threads import EXPLORE_EVERY
+
+    t = _idle_auto()
+    seen = []
+    for _ in range(4 * EXPLORE_EVERY):
+        n = t.for_step(4)
+        seen.append(n)
+        t.record(4, n, one_s if n == 1 else two_s)
+    assert seen[:2] == [2, 1]  # each count measured once first
+    later = seen[2:]
+    other = 3 - favoured
+    assert later.count(other) == sum(1 for k in range(3, 4 * EXPLORE_EVERY + 1) if k % EXPLORE_EVERY == 0)
+    assert later.count(favoured) == len(later) - later.count(other)
+    assert t.decode_choice.estimates(4) == pytest.approx({1: one_s, 2: two_s})
+    assert t.for_step(DECODE_STEP_TOKENS + 1) == 2  # prefill-sized steps: every idle core, as before
+    assert t.for_step(40) == 2  # another batch bucket: measured on its own
+
+
+def test_fixed_counts_learn_nothing(monkeypatch):
+    monkeypatch.setenv(ENV, "1")
+    t = StepThreads.from_env()
+    t.record(4, 1, 0.05)
+    assert t.decode_choice is None and t.for_step(4) == 1

@@ -20,6 +20,14 @@ threads for every SmolLM2 shape), so neither do the tokens. The server's event l
 when the steps run in the engine thread) counts as the others: an HTTP side busy enough to want its core
 keeps the steps on one thread.
 
+Whether the second core pays for a decode step is measured, not assumed (`DecodeThreadChoice`): a decode
+step is weights-bound and short, and a core that is idle by the last second's account can still be taken in
+the middle of it by the server's own event loop streaming the previous step's tokens. Served at
+concurrency 4 on the idle box (SmolLM2, batch-4 decode, run K in BENCHMARKS.md), steps on two threads took
+49.8 ms at the median against 46.6 ms on one; offline, with nothing else running, two threads are ~1.5x
+faster. So per batch-size bucket `auto` keeps a smoothed time of the decode steps on each count, runs the
+faster one, and every `EXPLORE_EVERY`-th step of the bucket the other one, to follow the load.
+
 `PDSERVE_CPU_THREADS=D[,P]` sets fixed decode and prefill counts (P defaults to D): `1` is the earlier
 default on a 2-core box, `2` gives the engine both cores always.
 
@@ -47,6 +55,43 @@ BIND_ENV = "PDSERVE_CPU_BIND"
 DECODE_STEP_TOKENS = 64
 # `auto`: a step takes every core while the machine's other processes used at most this many cores lately
 IDLE_OTHERS_CORES = 0.3
+# `auto` decode steps: every this many steps of a batch-size bucket run the count the estimates do not favour
+EXPLORE_EVERY = 16
+# weight of the newest step in a count's smoothed step time
+STEP_TIME_WEIGHT = 0.25
+
+
+class DecodeThreadChoice:
+    """For decode-sized steps that could take every core: smoothed wall times of the steps on the base count
+    and on every core, per batch-size bucket (powers of two); `pick` runs the faster, exploring the other."""
+
+    def __init__(self) -> None:
+        self._times: dict[int, dict[int, float]] = {}  # bucket -> threads -> smoothed seconds
+        self._steps: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(num_tokens: int) -> int:
+        return max(1, num_tokens).bit_length()
+
+    def pick(self, num_tokens: int, base: int, wide: int) -> int:
+        b = self.bucket(num_tokens)
+        times = self._times.get(b, {})
+        k = self._steps[b] = self._steps.get(b, 0) + 1
+        if wide not in times:
+            return wide
+        if base not in times:
+            return base
+        best, other = (base, wide) if times[base] < times[wide] else (wide, base)
+        return other if k % EXPLORE_EVERY == 0 else best
+
+    def record(self, num_tokens: int, threads: int, seconds: float) -> None:
+        times = self._times.setdefault(self.bucket(num_tokens), {})
+        old = times.get(threads)
+        times[threads] = seconds if old is None else old + STEP_TIME_WEIGHT * (seconds - old)
+
+    def estimates(self, num_tokens: int) -> dict[int, float]:
+        """threads -> smoothed step seconds, for the bucket of `num_tokens`"""
+        return dict(self._times.get(self.bucket(num_tokens), {}))
 
 
 class StepThreads:
@@ -60,6 +105,7 @@ class StepThreads:
         self.bind = bind
         self.spare_max = spare_max
         self.spare = spare if spare_max is not None else None
+        self.decode_choice = DecodeThreadChoice() if self.spare is not None else None
         self._bound: set[int] = set()  # idents of the threads already pinned
 
     @classmethod
@@ -83,12 +129,20 @@ class StepThreads:
         return cls(parts[0], parts[-1], bind)
 
     def for_step(self, num_tokens: int) -> int:
-        n = self.decode if num_tokens <= DECODE_STEP_TOKENS else self.prefill
+        decode = num_tokens <= DECODE_STEP_TOKENS
+        n = self.decode if decode else self.prefill
         if self.spare is not None and self.spare_max is not None and self.spare_max > n:
             others = self.spare.others_busy()
             if others is not None and others <= IDLE_OTHERS_CORES:
+                if decode and self.decode_choice is not None:
+                    return self.decode_choice.pick(num_tokens, n, self.spare_max)
                 return self.spare_max
         return n
+
+    def record(self, num_tokens: int, threads: int, seconds: float) -> None:
+        """A finished step's wall time (`auto` decode steps learn which count is faster from these)."""
+        if self.decode_choice is not None and num_tokens <= DECODE_STEP_TOKENS:
+            self.decode_choice.record(num_tokens, threads, seconds)
 
     def observe(self) -> None:
         """Between steps (the engine idles): keeps the spare-core window fresh, so the first step of a burst

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -387,8 +388,10 @@ class ModelRunner:
         logprobs. Requests mid-way through a chunked prefill sample nothing."""
         if self.gpu is not None:
             return self.gpu.execute(batch)
+        num_tokens = sum(n for _, n in batch)
         if self.cpu_threads is not None:
-            self.last_step_threads = self.cpu_threads.apply(sum(n for _, n in batch))
+            self.last_step_threads = self.cpu_threads.apply(num_tokens)
+        started = time.perf_counter()
         input_ids, positions, meta = self._prepare(batch)
         rows: list[int] = []
         sampling: list[Request] = []
@@ -404,6 +407,8 @@ class ModelRunner:
         if logits is None:
             return [], [], []
         tokens, logprobs = self.sampler.sample(logits, sampling)
+        if self.cpu_threads is not None and self.last_step_threads is not None:
+            self.cpu_threads.record(num_tokens, self.last_step_threads, time.perf_counter() - started)
         return sampling, tokens, logprobs
 
     def _forward_cpu(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
