@@ -178,8 +178,9 @@ class ModelRunner:
         # does (vllm/v1/attention/backends/cpu_attn.py: [num_blocks, num_kv_heads, block_size, head_size]):
         # the paged decode kernel then streams one run of block_size * head_dim values per head. Token-major
         # regions gave it a head's rows 256 B at a time, every num_kv_heads rows, which it read from DRAM
-        # at half the rate (measured on the 2-core EPYC box: batch 4 x 576 keys x 30 layers of SmolLM2,
-        # 16 ms a step at block size 128 against 8 ms head-major). GPU kernels are written for token-major
+        # at half the rate (benchmarks/bench_cpu_kv_layout.py on the 2-core EPYC box, batch 4 x 576 keys x 30
+        # layers of SmolLM2: 15.4 ms a step token-major in blocks of 16, 9.3 ms head-major in blocks of 128,
+        # 12.7 ms token-major in 128). GPU kernels are written for token-major
         # (vLLM's NHD), and the fp8 format lays out its regions itself (pdserve.attention.fp8_kv).
         self.kv_layout = HEAD_MAJOR_LAYOUT if self.device.type == "cpu" and self.kv_format is None else POOL_LAYOUT
         self.num_blocks = self._decide_num_blocks()
