@@ -100,7 +100,8 @@ class SdpaReference:
     def __init__(self, compute_dtype: torch.dtype | None = None):
         self.compute_dtype = compute_dtype  # e.g. float32: the reference for bf16 kernels
 
-    def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
+    def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata, kv_scale=None) -> None:
+        # the backends' signature (decoder.Attention passes an fp8 pool's kv_scale); a float cache ignores it
         slots = meta.slot_mapping
         keep = slots >= 0
         slots = slots[keep]
