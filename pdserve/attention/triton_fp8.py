@@ -145,20 +145,18 @@ def as_fp8(raw, FP8_MANT: tl.constexpr):
 # into the row scales; the matrix products run in float16 (queries converted once per program).
 # prmt with selector 0x1404 / 0x3424 puts bytes 0, 1 / 2, 3 of $2 into the high byte of each 16-bit half
 # (the zero register z fills the low bytes): b << 8 per half, e5m2's float16 bits.
-_E4M3_TO_F16_ASM = tl.constexpr("""{
-.reg .b32 z, h<2>, t<2>, s<2>;
-mov.b32 z, 0;
-prmt.b32 h0, $2, z, 0x1404;
-prmt.b32 h1, $2, z, 0x3424;
-shr.b32 t0, h0, 1;
-shr.b32 t1, h1, 1;
-and.b32 t0, t0, 0x3F803F80;
-and.b32 t1, t1, 0x3F803F80;
-and.b32 s0, h0, 0x80008000;
-and.b32 s1, h1, 0x80008000;
-or.b32 $0, t0, s0;
-or.b32 $1, t1, s1;
-}""")
+def _e4m3_to_f16_asm(src: str, tail: str) -> str:
+    """PTX of the e4m3 decode: the 4 fp8 bytes of operand `src` moved into float16 bit positions (each byte's
+    exponent and mantissa shifted right one bit under 0x3F80, its sign kept at 0x8000) as registers t0/s0 and
+    t1/s1 (bytes 0, 1 / 2, 3); `tail` combines them into the outputs."""
+    return ("{\n.reg .b32 z, h<2>, t<2>, s<2>;\nmov.b32 z, 0;\n"
+            f"prmt.b32 h0, {src}, z, 0x1404;\nprmt.b32 h1, {src}, z, 0x3424;\n"
+            "shr.b32 t0, h0, 1;\nshr.b32 t1, h1, 1;\n"
+            "and.b32 t0, t0, 0x3F803F80;\nand.b32 t1, t1, 0x3F803F80;\n"
+            "and.b32 s0, h0, 0x80008000;\nand.b32 s1, h1, 0x80008000;\n" + tail + "}")
+
+
+_E4M3_TO_F16_ASM = tl.constexpr(_e4m3_to_f16_asm("$2", "or.b32 $0, t0, s0;\nor.b32 $1, t1, s1;\n"))
 _E5M2_TO_F16_ASM = tl.constexpr("""{
 .reg .b32 z;
 mov.b32 z, 0;
@@ -256,22 +254,8 @@ def load_tile_scales(cache_ptr, offsets, mask, TILE_N: tl.constexpr, BLOCK_SIZE:
 
 # The same decode, one 32-bit word (4 fp8 values) in, four float16 out: for tiles decoded where they were
 # loaded (`load_tile_f16`), before Triton moves them into a matrix-product operand layout.
-_E4M3_TO_F16X4_ASM = tl.constexpr("""{
-.reg .b32 z, h<2>, t<2>, s<2>;
-mov.b32 z, 0;
-prmt.b32 h0, $4, z, 0x1404;
-prmt.b32 h1, $4, z, 0x3424;
-shr.b32 t0, h0, 1;
-shr.b32 t1, h1, 1;
-and.b32 t0, t0, 0x3F803F80;
-and.b32 t1, t1, 0x3F803F80;
-and.b32 s0, h0, 0x80008000;
-and.b32 s1, h1, 0x80008000;
-or.b32 t0, t0, s0;
-or.b32 t1, t1, s1;
-mov.b32 {$0, $1}, t0;
-mov.b32 {$2, $3}, t1;
-}""")
+_E4M3_TO_F16X4_ASM = tl.constexpr(_e4m3_to_f16_asm("$4", "or.b32 t0, t0, s0;\nor.b32 t1, t1, s1;\n"
+                                                     "mov.b32 {$0, $1}, t0;\nmov.b32 {$2, $3}, t1;\n"))
 _E5M2_TO_F16X4_ASM = tl.constexpr("""{
 .reg .b32 z, h<2>;
 mov.b32 z, 0;
