@@ -40,18 +40,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-# (tile_n, num_warps, num_stages, programs per SM, fp8_read) tried for the fp8 decode kernel at batch 64 (at 4
-# per SM the b64 x 8-head grid splits each sequence in 2). fp8_read flags (triton_kernels.decode_attention):
-# "v" V decoded as loaded, "q8" q . k on the fp8 tensor cores, "r" scale rows kept raw until used; "" the default.
-# Run 4 (results/h200-fp8-kv/gpu_fp8_suite_sweep_4.json) swept "", "v", "kv", "q8v" over tiles / stages / splits:
-# all 220-260 us at 128-token tiles. This list is the next run's: "r" (not measured yet), with 3 stages (where
-# Triton also pipelines the tiles' block-table loads: no synchronous load left in the sm_90 loop, CPU PTX).
+# (tile_n, num_warps, num_stages, programs per SM, register cap) tried for the fp8 decode kernel at batch 64 (at
+# 4 per SM the b64 x 8-head grid splits each sequence in 2, with a merge kernel after). Earlier runs (V
+# token-major; results/h200-fp8-kv/gpu_fp8_suite_sweep_{4,5}.json) swept ways of decoding the tiles: all
+# 210-260 us. With V dim-major and e4m3 by the conversion instruction (run 6,
+# results/h200-fp8-kv/gpu_fp8_suite_vt_*.json): (128, 4, 2, 4, 128) 152 us, uncapped 171, 8 per SM 157, 3 stages
+# 159, 64-token tiles 180, 256-token tiles on 8 warps 191-210; unsplit at 2 per SM with the cap 135.
 FP8_DECODE_SWEEP = [
-    (128, 4, 3, 4, ""), (128, 4, 2, 4, "r"), (128, 4, 3, 2, "r"), (128, 4, 3, 4, "r"), (64, 4, 3, 4, "r"),
-    (128, 8, 3, 2, "r"), (128, 4, 3, 4, "rv"), (128, 4, 3, 2, "rq8v"), (128, 4, 3, 4, "rq8v"),
+    (128, 4, 2, 2, 128), (128, 4, 2, 4, 128), (128, 4, 2, 2, None), (128, 4, 2, 3, 128),
 ]
-# smaller batches (their buckets' configs), default vs "r", same context
-FP8_DECODE_SMALL = [(1, ""), (1, "r"), (8, ""), (8, "r")]
+# smaller batches (their buckets' configs), same context
+FP8_DECODE_SMALL = [1, 8]
 
 
 class Run:
@@ -100,7 +99,7 @@ def ceilings() -> dict[str, Any]:
     return {"copy_1gib_rw_GBps": 2 * nbytes / t / 1e9, "copy_1gib_oneway_GBps": nbytes / t / 1e9}
 
 
-def kernels(small: bool, read_list: tuple[str, ...] = ("",)) -> dict[str, Any]:
+def kernels(small: bool) -> dict[str, Any]:
     from pdserve.testing.gpu_correctness import KERNEL_CASES, check_fp8_kernels
 
     if small:  # CPU dry run under the interpreter: tiny shapes
@@ -109,7 +108,7 @@ def kernels(small: bool, read_list: tuple[str, ...] = ("",)) -> dict[str, Any]:
         res = check_fp8_kernels(torch.float32, "cpu", cases, ("fp8_e4m3",), block_size=4, tile_n=16, block_m=16,
                                 splits_list=(1, 2))
     else:
-        res = check_fp8_kernels(torch.bfloat16, "cuda", KERNEL_CASES, read_list=read_list)
+        res = check_fp8_kernels(torch.bfloat16, "cuda", KERNEL_CASES)
     return {"all_ok": all(r["ok"] for r in res), "worst_rel_err": max(r.get("rel_err", 0.0) for r in res),
             "results": res}
 
@@ -135,12 +134,12 @@ def decode_kernel(small: bool, small_batches: bool = True) -> dict[str, Any]:
     out = torch.empty_like(c.q)
 
     def run(case, cfg, kv_format, rows=batch):
-        tile_n, warps, stages, pps, *read = cfg
+        tile_n, warps, stages, pps, max_regs = cfg
         splits = tk.decode_num_splits(rows, kvh, num_sms, pps)
         return lambda: tk.decode_attention(case.q[:rows], case.k_cache, case.v_cache, case.meta.block_tables[:rows],
                                            case.meta.seq_lens[:rows], scale, splits, out=out[:rows], tile_n=tile_n,
                                            num_warps=warps, num_stages=stages, kv_format=kv_format,
-                                           fp8_read=read[0] if read else "")
+                                           max_regs=None if small else max_regs)
 
     kv_bytes = {"bf16": batch * ctx * kvh * 2 * d * 2, "fp8": batch * ctx * kvh * 2 * (d + fp8_kv.SCALE_BYTES)}
     bf16_cfg = tb.decode_config(batch)
@@ -150,9 +149,9 @@ def decode_kernel(small: bool, small_batches: bool = True) -> dict[str, Any]:
     res["bf16"] = {"config": bf16_cfg, "us": us, "GBps": kv_bytes["bf16"] / max(us, 1e-9) / 1e3}
     want = SdpaReference(torch.float32).forward(cf.q, cf.k_cache, cf.v_cache, cf.meta, scale)
     sweep = []
-    # first: the fp8 kernel as it was (its batch-64 config, tiles decoded in the operand layout)
-    was = (*tb.decode_config(batch, tb.FP8_DECODE_CONFIGS), "")
-    sweep_cfgs = [(*bf16_cfg, ""), (*bf16_cfg, "v")] if small else [was, *FP8_DECODE_SWEEP]
+    # first: the fp8 kernel as the backend runs it at this batch (its bucket's config)
+    was = tb.decode_config(batch, tb.FP8_DECODE_CONFIGS)
+    sweep_cfgs = [bf16_cfg] if small else [was, *FP8_DECODE_SWEEP]
     for cfg in sweep_cfgs:
         try:
             fn = run(c8, cfg, fmt)
@@ -165,13 +164,12 @@ def decode_kernel(small: bool, small_batches: bool = True) -> dict[str, Any]:
             sweep.append({"config": cfg, "error": f"{type(e).__name__}: {e}"[:300]})
         print(json.dumps(sweep[-1]), flush=True)
     small_rows = []
-    for rows, wide in FP8_DECODE_SMALL if small_batches else []:  # bf16, fp8 at the bucket's config
+    for rows in FP8_DECODE_SMALL if small_batches else []:  # bf16, fp8 at the bucket's config
         if rows > batch:
             continue
         cfg = tb.decode_config(rows, tb.FP8_DECODE_CONFIGS)
-        row = {"batch": rows, "fp8_read": wide, "config": cfg,
-               "bf16_us": timer(run(c, tb.decode_config(rows), None, rows)),
-               "fp8_us": timer(run(c8, (*cfg, wide), fmt, rows))}
+        row = {"batch": rows, "config": cfg, "bf16_us": timer(run(c, tb.decode_config(rows), None, rows)),
+               "fp8_us": timer(run(c8, cfg, fmt, rows))}
         small_rows.append(row)
         print(json.dumps(row), flush=True)
     res["fp8_small_batches"] = small_rows
@@ -186,18 +184,16 @@ def decode_kernel(small: bool, small_batches: bool = True) -> dict[str, Any]:
 
 def use_fp8_decode_config(cfg: tuple, batch: int) -> dict:
     """Make the fp8 decode config of `batch`'s bucket `cfg` (the sweep's winner: tile, warps, stages, programs
-    per SM, fp8_read) for the engine built next (fp8_read applies to every bucket)."""
+    per SM, register cap) for the engine built next in this process."""
     from pdserve.attention import triton_backend as tb
 
     table = [list(row) for row in tb.FP8_DECODE_CONFIGS]
     for row in table:
         if batch <= row[0]:
-            row[1:] = list(cfg[:4])
+            row[1:] = list(cfg[:5])
             break
     tb.FP8_DECODE_CONFIGS = [tuple(row) for row in table]
-    if len(cfg) > 4:
-        tb.FP8_DECODE_READ = cfg[4]
-    return {"configs": tb.FP8_DECODE_CONFIGS, "fp8_read": tb.FP8_DECODE_READ}
+    return {"configs": tb.FP8_DECODE_CONFIGS}
 
 
 def engine(kv_cache_dtype: str, batch: int, ctx: int, long_prompt: int) -> dict[str, Any]:
@@ -343,8 +339,6 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma-separated section names to skip")
     ap.add_argument("--no-long-prompt", action="store_true", help="engines: skip the 32k-prompt TTFT")
     ap.add_argument("--no-small-batches", action="store_true", help="decode_kernel: batch 64 only")
-    ap.add_argument("--kernel-reads", default=",v,q8v,r,rq8v",
-                    help="kernels: the decode's fp8_read values checked (comma-separated; empty = the default)")
     ap.add_argument("--small", action="store_true", help="CPU dry run with tiny shapes (plumbing only)")
     ap.add_argument("--tokenizer", default=".whl/smol-tok", help="tokenizer folder for the pd1 servers")
     args = ap.parse_args()
@@ -357,7 +351,7 @@ def main() -> int:
 
         run.results["env"] = env_info()
         run.section("ceilings", ceilings)
-    run.section("kernels", kernels, small, tuple(args.kernel_reads.split(",")))
+    run.section("kernels", kernels, small)
     dk = run.section("decode_kernel", decode_kernel, small, not args.no_small_batches)
     if small:
         for name in ("accuracy", "nixl", "pd1"):
@@ -371,8 +365,6 @@ def main() -> int:
         return 0
     if dk and dk.get("fp8_best"):
         run.results["fp8_decode_configs_used"] = use_fp8_decode_config(tuple(dk["fp8_best"]["config"]), 64)
-        # the pd1 servers (subprocesses) decode with the winner's tile decode too
-        os.environ["PDSERVE_FP8_DECODE_READ"] = run.results["fp8_decode_configs_used"]["fp8_read"]
     long_prompt = 0 if args.no_long_prompt else 32768
     run.section("engine_bf16", engine, "auto", 64, 4096, long_prompt, min_left_s=180)
     run.section("engine_fp8", engine, "fp8", 64, 4096, long_prompt, min_left_s=150)

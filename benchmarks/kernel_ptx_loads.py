@@ -80,10 +80,10 @@ def count_loads(ptx: str) -> dict[str, int]:
 
 def _f16_args(fp8: bool) -> dict:
     """What triton_kernels._read_args passes for bf16 queries on a GPU: fp8 read as float16 by packed PTX."""
-    return {"FP8_F16": fp8, "FP8_ASM": fp8, "FP8_UNIT": tf8.f16_unit(fp8_kv.fp8_format("fp8")) if fp8 else 1.0}
+    return {"FP8_F16": fp8, "FP8_ASM": fp8}
 
 
-def decode_ptx(fp8: bool, tile_n: int, warps: int, stages: int, read: str = "") -> str:
+def decode_ptx(fp8: bool, tile_n: int, warps: int, stages: int) -> str:
     cache_t = "*u8" if fp8 else "*bf16"
     signature = {
         "q_ptr": "*bf16", "stride_q_t": "i32", "stride_q_h": "i32",
@@ -95,9 +95,7 @@ def decode_ptx(fp8: bool, tile_n: int, warps: int, stages: int, read: str = "") 
     args = tf8.kernel_args(fp8_kv.fp8_format("fp8") if fp8 else None)
     constexprs = {"H": H, "G": H // KVH, "BLOCK_G": 16, "D": D, "BLOCK_D": D, "BLOCK_SIZE": BS, "TILE_N": tile_n,
                   "DOT_PRECISION": "tf32", "EVEN_D": True, "KV_FP8": args["KV_FP8"], "FP8_MANT": args["FP8_MANT"],
-                  "KVH": KVH, "FUSED_MERGE": False, "MERGE_G": H // KVH, "MERGE_S": 8, **_f16_args(fp8),
-                  "FP8_WIDE_K": fp8 and "k" in read, "FP8_WIDE_V": fp8 and "v" in read,
-                  "FP8_QK8": fp8 and "q8" in read, "FP8_SCALE_RAW": fp8 and "r" in read}
+                  "KVH": KVH, "FUSED_MERGE": False, "MERGE_G": H // KVH, "MERGE_S": 8, **_f16_args(fp8)}
     divisible = {"q_ptr", "stride_q_t", "stride_q_h", "k_cache_ptr", "v_cache_ptr", "stride_c_blk", "stride_c_tok",
                  "block_tables_ptr", "seq_lens_ptr", "out_ptr", "stride_o_t", "stride_o_h", "part_o_ptr",
                  "part_lse_ptr"}
@@ -133,7 +131,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="folder for the PTX files")
     ap.add_argument("--configs", default="64,4,2;128,4,3;128,8,3", help="decode tile,warps,stages;...")
-    ap.add_argument("--read", default="", help="fp8 decode: triton_kernels.decode_attention's fp8_read flags")
     ap.add_argument("--prefill-configs", default="128,64,8,3", help="prefill block_m,tile,warps,stages;...")
     a = ap.parse_args()
     jobs = []
@@ -141,9 +138,7 @@ def main() -> None:
         tile_n, warps, stages = (int(x) for x in cfg.split(","))
         for fp8 in (False, True):
             desc = {"kernel": "decode", "tile_n": tile_n, "warps": warps, "stages": stages}
-            if fp8 and a.read:
-                desc["read"] = a.read
-            jobs.append((desc, lambda fp8=fp8, c=(tile_n, warps, stages): decode_ptx(fp8, *c, a.read), fp8))
+            jobs.append((desc, lambda fp8=fp8, c=(tile_n, warps, stages): decode_ptx(fp8, *c), fp8))
     for cfg in filter(None, a.prefill_configs.split(";")):
         block_m, tile_n, warps, stages = (int(x) for x in cfg.split(","))
         for fp8 in (False, True):

@@ -92,7 +92,7 @@ def test_fp8_pools_split_by_head_with_values_and_scales(kv_heads: int, src_tp: i
 
     def rank_pool(rank: int, tp: int) -> np.ndarray:
         start, n = kv_head_start(rank, tp, kv_heads), kv_heads_per_rank(tp, kv_heads)
-        return fp8_kv.quantize_blocks(global_kv[..., start : start + n, :], fmt).numpy()
+        return fp8_kv.quantize_pool(global_kv[..., start : start + n, :], fmt).numpy()
 
     producers = [rank_pool(r, src_tp) for r in range(src_tp)]
     remotes = [RemotePool(0, p.nbytes, "DRAM", 0, p.nbytes // blocks, blocks) for p in producers]

@@ -58,40 +58,44 @@ def test_rows_stay_inside_their_block():
     pool = torch.zeros(8, layers, 2, BS, kv_heads, E4M3.row_bytes(d), dtype=torch.uint8)
     k = torch.randn(3, kv_heads, d) + 1.0
     slots = torch.tensor([5 * BS + 0, 5 * BS + 7, 5 * BS + 15])
-    fp8_kv.write(pool[:, 1, 0], k, slots, BS, E4M3)
+    fp8_kv.write(pool[:, 1, 0], k, slots, BS, E4M3, is_v=False)
     touched = pool.view(8, -1).ne(0).any(dim=1)
     assert touched.tolist() == [False] * 5 + [True] + [False] * 2
-    values, scales = fp8_kv.layer_views(pool[:, 1, 0])
+    values, scales = fp8_kv.layer_views(pool[:, 1, 0], is_v=False)
     assert torch.all(scales[5][:, [0, 7, 15]] > 0) and values.shape == (8, kv_heads, BS, d)
 
 
 def test_block_byte_layout_values_then_scales_head_major():
-    """One (block, layer, K|V) region, byte by byte: head-major fp8 values [heads, block_size, head_dim]
-    first, then the bfloat16 scales [heads, block_size]; the values start 16-byte aligned in every region of
-    a pool (the Triton kernels' 16-byte loads), and the CPU writer's bytes are fp8_kv.quantize's."""
+    """One (block, layer, K|V) region, byte by byte: head-major fp8 values first (K [heads, block_size,
+    head_dim], V dim-major [heads, head_dim, block_size]), then the bfloat16 scales [heads, block_size]; the
+    values start 16-byte aligned in every region of a pool (the Triton kernels' 16-byte loads: a K row is
+    head_dim bytes, a V row block_size bytes), and the CPU writer's bytes are fp8_kv.quantize's."""
     layers, kv_heads, d, bs, nb = 3, 4, 64, 16, 5
     pool = torch.zeros(nb, layers, 2, bs, kv_heads, E4M3.row_bytes(d), dtype=torch.uint8)
     region = bs * kv_heads * (d + 2)
     assert pool[0, 0, 0].numel() == region and region % 16 == 0
     x = torch.randn(bs, kv_heads, d, generator=torch.Generator().manual_seed(2)) * 3
     slots = 3 * bs + torch.arange(bs)
-    fp8_kv.write(pool[:, 2, 1], x, slots, bs, E4M3)
-    raw = pool[3, 2, 1].reshape(-1)  # the region's bytes
     values, scales = fp8_kv.quantize(x, E4M3)
     n = kv_heads * bs * d
-    assert torch.equal(raw[:n], values.transpose(0, 1).reshape(-1))  # [head, token, dim]
-    assert torch.equal(raw[n:], scales.transpose(0, 1).contiguous().view(torch.uint8).reshape(-1))  # [head, token]
+    for kv, order in ((0, (1, 0, 2)), (1, (1, 2, 0))):  # K [head, token, dim], V [head, dim, token]
+        fp8_kv.write(pool[:, 2, kv], x, slots, bs, E4M3, is_v=kv == 1)
+        raw = pool[3, 2, kv].reshape(-1)  # the region's bytes
+        assert torch.equal(raw[:n], values.permute(*order).reshape(-1))
+        assert torch.equal(raw[n:], scales.transpose(0, 1).contiguous().view(torch.uint8).reshape(-1))  # [head, token]
     assert not pool[:3].any() and not pool[4:].any()
-    # round trip through the block helpers, and alignment of every value row of a layer view
+    # round trip through the pool helpers, and alignment of every value row of a layer view
     float_pool = torch.randn(nb, layers, 2, bs, kv_heads, d)
-    q = fp8_kv.quantize_blocks(float_pool, E4M3)
-    back = fp8_kv.dequantize_blocks(q, E4M3, torch.float32)
+    q = fp8_kv.quantize_pool(float_pool, E4M3)
+    back = fp8_kv.dequantize_pool(q, E4M3, torch.float32)
     assert back.shape == float_pool.shape
     assert torch.all((back - float_pool).abs() <= float_pool.abs().amax(-1, keepdim=True) * (2.0**-4 + 2.0**-8))
-    vals, scs = fp8_kv.layer_views(q[:, 1, 0])
-    assert vals.data_ptr() % 16 == q.data_ptr() % 16 and vals.stride(0) % 16 == 0 and vals.stride(2) % 16 == 0
-    assert (vals.data_ptr() - q.data_ptr()) % 16 == 0
-    assert scs.dtype == torch.bfloat16 and scs.shape == (nb, kv_heads, bs)
+    for kv in (0, 1):
+        assert torch.equal(fp8_kv.quantize_blocks(float_pool[:, 1, kv], E4M3, is_v=kv == 1), q[:, 1, kv])
+        vals, scs = fp8_kv.layer_views(q[:, 1, kv], is_v=kv == 1)
+        assert vals.shape == (nb, kv_heads, bs, d) and scs.dtype == torch.bfloat16 and scs.shape == (nb, kv_heads, bs)
+        assert (vals.data_ptr() - q.data_ptr()) % 16 == 0 and vals.stride(0) % 16 == 0 and vals.stride(1) % 16 == 0
+        assert max(vals.stride(2), vals.stride(3)) % 16 == 0  # K's rows (token stride) or V's (dim stride)
 
 
 def _lib():
@@ -108,12 +112,12 @@ def test_attention_over_fp8_blocks_equals_attention_over_their_values(case, inne
     filled with the dequantized blocks."""
     heads, kv_heads, d = 8, 2, 32
     float_pool, q, k, v, meta = _step(CASES[case], num_blocks=64, heads=heads, kv_heads=kv_heads, d=d, seed=4)
-    pool = fp8_kv.quantize_blocks(float_pool, E4M3)  # the context already in the cache, quantized
+    pool = fp8_kv.quantize_pool(float_pool, E4M3)  # the context already in the cache, quantized
     layer = 1
     backend = Fp8GatherAttention(CpuPagedAttention(_lib()) if inner == "cpu-paged" else TorchAttention(), E4M3)
     backend.write_kv(pool[:, layer, 0], pool[:, layer, 1], k, v, meta)
     out = backend.forward(q, pool[:, layer, 0], pool[:, layer, 1], meta, 0.125)
-    ref_pool = fp8_kv.dequantize_blocks(pool, E4M3, torch.float32)
+    ref_pool = fp8_kv.dequantize_pool(pool, E4M3, torch.float32)
     expect = TorchAttention().forward(q, ref_pool[:, layer, 0], ref_pool[:, layer, 1], meta, 0.125)
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
 

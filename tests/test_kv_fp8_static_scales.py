@@ -183,10 +183,10 @@ def test_the_pool_holds_x_over_the_checkpoint_scale(tiny_llama, scaled_llama, ca
         assert blk.numel() == 37
         want_values, want_scales = fp8_kv.quantize(fpool[:, 0, kv][blk, off], E4M3,
                                                    fp8_kv.static_kv_scale(calibrated[0][kv]))
-        values, scales = fp8_kv.layer_views(qpool[:, 0, kv])  # [blocks, heads, block_size, (head_dim)]
+        values, scales = fp8_kv.layer_views(qpool[:, 0, kv], is_v=kv == 1)  # [blocks, heads, block_size, (hd)]
         assert torch.equal(values[blk, :, off], want_values) and torch.equal(scales[blk, :, off], want_scales)
         for layer in range(NUM_LAYERS):
-            _, scales = fp8_kv.layer_views(qpool[:, layer, kv])
+            _, scales = fp8_kv.layer_views(qpool[:, layer, kv], is_v=kv == 1)
             assert torch.all(scales[blk, :, off].float() == fp8_kv.static_kv_scale(calibrated[layer][kv]))
 
 

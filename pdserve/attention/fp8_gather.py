@@ -31,8 +31,8 @@ class Fp8GatherAttention:
 
     def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata, kv_scale: KvScale | None = None) -> None:
         k_scale, v_scale = kv_scale if kv_scale is not None else (None, None)
-        k_stored = fp8_kv.write(k_cache, k, meta.slot_mapping, meta.block_size, self.fmt, k_scale)
-        v_stored = fp8_kv.write(v_cache, v, meta.slot_mapping, meta.block_size, self.fmt, v_scale)
+        k_stored = fp8_kv.write(k_cache, k, meta.slot_mapping, meta.block_size, self.fmt, k_scale, is_v=False)
+        v_stored = fp8_kv.write(v_cache, v, meta.slot_mapping, meta.block_size, self.fmt, v_scale, is_v=True)
         # what the pool now holds for these rows, for backends that attend over a step's own rows
         self._k_new = fp8_kv.dequantize(*k_stored, self.fmt, k.dtype)
         self._v_new = fp8_kv.dequantize(*v_stored, self.fmt, v.dtype)
@@ -50,8 +50,8 @@ class Fp8GatherAttention:
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         blocks, compact = self._compact(meta)
-        k = fp8_kv.dequantize_blocks(k_cache[blocks], self.fmt, q.dtype)
-        v = fp8_kv.dequantize_blocks(v_cache[blocks], self.fmt, q.dtype)
+        k = fp8_kv.dequantize_blocks(k_cache[blocks], self.fmt, q.dtype, is_v=False)
+        v = fp8_kv.dequantize_blocks(v_cache[blocks], self.fmt, q.dtype, is_v=True)
         # the inner backend may keep this step's rows (the CPU backend attends fresh prompts over them)
         self.inner.write_kv(k, v, self._k_new.to(q.dtype), self._v_new.to(q.dtype), compact)
         return self.inner.forward(q, k, v, compact, scale)

@@ -12,20 +12,32 @@ row, and stores them inside the block's own bytes. The pool of an fp8 cache is u
 but the trailing `[block_size, num_kv_heads, head_dim + 2]` of each (block, layer, K|V) only sizes that
 region's bytes; they are laid out head-major, values first, scales after them (`SCALE_SCHEME`):
 
-    bytes [0, kv_heads * block_size * head_dim)       fp8 values  [kv_heads, block_size, head_dim]
-    bytes [kv_heads * block_size * head_dim, region)  bf16 scales [kv_heads, block_size]
+    K: bytes [0, kv_heads * block_size * head_dim)     fp8 values  [kv_heads, block_size, head_dim]
+    V: bytes [0, kv_heads * block_size * head_dim)     fp8 values  [kv_heads, head_dim, block_size]
+    then bytes [kv_heads * block_size * head_dim, region) bf16 scales [kv_heads, block_size]
 
-Never index such a pool by token or head directly: `layer_views` gives the two typed views. Why this layout:
+Never index such a pool by token or head directly: `layer_views(cache, is_v)` gives the two typed views (V's
+values view is the transposed storage seen as [kv_heads, block_size, head_dim]). Why this layout:
 - every fp8 value row starts 16-byte aligned (the region is block_size x kv_heads x (head_dim + 2) bytes,
   a multiple of 16 for block sizes of 8 or more), so the Triton kernels load K/V tiles with 16-byte
   (`cp.async`) copies like the bf16 kernels; rows of head_dim + 2 bytes with the scale inline were only
   2-byte aligned, which made fp8 decode slower than bf16 (BENCHMARKS.md, FP8 KV cache);
+- V dim-major (each head_dim row holds the block's tokens): in p . v the tokens are the reduction dimension,
+  and the matrix-product operand wants it contiguous. A token-major 8-bit V tile had to be moved into that
+  operand layout one byte at a time (sm_90 has no transposing 8-bit shared-memory load): 128 shared loads and
+  ~100 byte permutes per thread per 128-token tile, the largest part of the fp8 decode loop's instructions.
+  Dim-major, V loads like K (ldmatrix, no byte moves): the kernel went from 212 to 154 us at b64 / 4k on the
+  H200 (with the hardware e4m3 conversion and a register cap, BENCHMARKS.md);
 - block `i` is still one contiguous byte range holding its data and its scales (one NIXL descriptor per
   block moves both), and prefix-cached blocks stay self-describing;
 - head-major: one KV head's values in one region are one contiguous piece (block_size x head_dim bytes) and
   its scales another, so the tensor-parallel handoff moves a head range with two strided descriptors per
   run of blocks (`pdserve.kv_transfer.head_split`), and a decode tile reads each block's rows of its head
   as one run.
+
+Every byte of a pool is 0 (pools are zero-allocated) or a code a writer stored (values clamped to the
+format's max, so never a NaN code): the GPU kernels read the tail of a sequence's last V block past its end
+with whole rows and give it probability 0, which a NaN code would defeat (0 * NaN).
 
 Why per row rather than per block: decode appends one token at a time, so a block-wide scale would have to
 be fixed at the first write (later, larger values clipped) or the block re-quantized on every append; a
@@ -49,9 +61,10 @@ import torch
 from pdserve.config import KV_FP8_SCALE_BYTES, canonical_kv_cache_dtype
 
 SCALE_BYTES = KV_FP8_SCALE_BYTES  # one bfloat16 per (token, kv head) row
-# what the handshake's compat dict calls this layout; the earlier inline-row layout was
-# "per-token-head-bf16-inline", which a peer of this version refuses (different bytes in the same sizes)
-SCALE_SCHEME = "per-token-head-bf16-head-major-tail"
+# what the handshake's compat dict calls this layout; the earlier layouts were "per-token-head-bf16-inline" and
+# "per-token-head-bf16-head-major-tail" (V token-major), which a peer of this version refuses (different bytes
+# in the same sizes)
+SCALE_SCHEME = "per-token-head-bf16-head-major-v-dim-major-tail"
 
 
 @dataclass(frozen=True)
@@ -87,15 +100,19 @@ def scales_offset(block_size: int, kv_heads: int, head_dim: int) -> int:
     return kv_heads * block_size * head_dim
 
 
-def layer_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def layer_views(cache: torch.Tensor, is_v: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """An fp8 cache view uint8 [..., block_size, kv_heads, head_dim + 2] (one region per leading index, e.g.
-    a layer's `pool[:, layer, 0]` or the whole pool) as (values uint8 [..., kv_heads, block_size, head_dim],
-    scales bfloat16 [..., kv_heads, block_size]): views of the same bytes, for reading and writing."""
+    a layer's `pool[:, layer, 0|1]`) as (values uint8 [..., kv_heads, block_size, head_dim], scales bfloat16
+    [..., kv_heads, block_size]): views of the same bytes, for reading and writing. is_v: the regions are V's,
+    whose values are stored dim-major ([kv_heads, head_dim, block_size]; the view transposes them back)."""
     assert cache.dtype == torch.uint8
     block_size, kv_heads, d = region_geometry(cache)
     flat = cache.flatten(-3)  # the region's bytes (each region is contiguous)
     n = scales_offset(block_size, kv_heads, d)
-    values = flat[..., :n].unflatten(-1, (kv_heads, block_size, d))
+    if is_v:
+        values = flat[..., :n].unflatten(-1, (kv_heads, d, block_size)).transpose(-1, -2)
+    else:
+        values = flat[..., :n].unflatten(-1, (kv_heads, block_size, d))
     scales = flat[..., n:].view(torch.bfloat16).unflatten(-1, (kv_heads, block_size))
     return values, scales
 
@@ -127,12 +144,12 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format, dtype
 
 
 def write(cache: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
-          fmt: Fp8Format, static_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          fmt: Fp8Format, static_scale: float | None = None, *, is_v: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize rows x [num_tokens, kv_heads, head_dim] (with `static_scale` if given) and store them at
-    their slots of an fp8 layer view [num_blocks, block_size, kv_heads, head_dim + 2]. Returns what was
-    stored: (values, scales)."""
+    their slots of an fp8 layer view [num_blocks, block_size, kv_heads, head_dim + 2] (K's, or V's with
+    is_v). Returns what was stored: (values, scales)."""
     values, scales = quantize(x, fmt, static_scale)
-    cache_values, cache_scales = layer_views(cache)
+    cache_values, cache_scales = layer_views(cache, is_v)
     block = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offset = slot_mapping - block * block_size
     # (block, :, offset) with a slice between two index tensors: the token dimension comes first, [T, heads, ...]
@@ -141,19 +158,35 @@ def write(cache: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor, bloc
     return values, scales
 
 
-def quantize_blocks(x: torch.Tensor, fmt: Fp8Format, static_scale: float | None = None) -> torch.Tensor:
-    """A float pool (or a slice of one) [..., block_size, kv_heads, head_dim] -> the fp8 pool holding its
-    quantized rows, uint8 [..., block_size, kv_heads, head_dim + 2] (same bytes as `write`)."""
+def quantize_blocks(x: torch.Tensor, fmt: Fp8Format, static_scale: float | None = None, *,
+                    is_v: bool) -> torch.Tensor:
+    """A float layer view (or a slice of one) [..., block_size, kv_heads, head_dim] of K (or of V with is_v)
+    -> the fp8 regions holding its quantized rows, uint8 [..., block_size, kv_heads, head_dim + 2] (same
+    bytes as `write`)."""
     out = torch.empty((*x.shape[:-1], fmt.row_bytes(x.shape[-1])), dtype=torch.uint8, device=x.device)
-    values, scales = layer_views(out)
+    values, scales = layer_views(out, is_v)
     q, s = quantize(x.transpose(-3, -2), fmt, static_scale)  # [..., kv_heads, block_size, ...]
     values.copy_(q)
     scales.copy_(s)
     return out
 
 
-def dequantize_blocks(cache: torch.Tensor, fmt: Fp8Format, dtype: torch.dtype) -> torch.Tensor:
-    """An fp8 pool (or a slice of whole regions) [..., block_size, kv_heads, head_dim + 2] -> its values in
-    `dtype` as a float pool [..., block_size, kv_heads, head_dim] (contiguous)."""
-    values, scales = layer_views(cache)
-    return dequantize(values, scales, fmt, dtype).transpose(-3, -2).contiguous()
+def dequantize_blocks(cache: torch.Tensor, fmt: Fp8Format, dtype: torch.dtype, *, is_v: bool) -> torch.Tensor:
+    """fp8 regions of K (or of V with is_v) [..., block_size, kv_heads, head_dim + 2] -> their values in
+    `dtype` as a float layer view [..., block_size, kv_heads, head_dim] (contiguous)."""
+    values, scales = layer_views(cache, is_v)
+    x = dequantize(values, scales, fmt, dtype).transpose(-3, -2)
+    # a fresh tensor, not .contiguous(): with one kv head that would keep V's transposed stride on the size-1
+    # head axis, and the CPU kernel asks K and V for equal strides
+    return torch.empty(x.shape, dtype=dtype, device=x.device).copy_(x)
+
+
+def quantize_pool(pool: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """A whole float pool [num_blocks, num_layers, 2, block_size, kv_heads, head_dim] -> its fp8 pool (K
+    and V regions each in their own layout)."""
+    return torch.stack([quantize_blocks(pool[:, :, kv], fmt, is_v=kv == 1) for kv in (0, 1)], dim=2)
+
+
+def dequantize_pool(pool: torch.Tensor, fmt: Fp8Format, dtype: torch.dtype) -> torch.Tensor:
+    """quantize_pool's inverse: an fp8 pool -> the float pool of its values in `dtype`."""
+    return torch.stack([dequantize_blocks(pool[:, :, kv], fmt, dtype, is_v=kv == 1) for kv in (0, 1)], dim=2)

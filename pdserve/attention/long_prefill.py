@@ -90,14 +90,15 @@ def gather_kv(cache: torch.Tensor, table_row: torch.Tensor, seq_len: int) -> tor
 
 
 def gather_float_kv(cache: torch.Tensor, table_row: torch.Tensor, seq_len: int, dtype: torch.dtype,
-                    kv_format: fp8_kv.Fp8Format | None = None) -> torch.Tensor:
+                    kv_format: fp8_kv.Fp8Format | None = None, *, is_v: bool) -> torch.Tensor:
     """gather_kv, dequantized into `dtype` when the cache holds fp8 blocks (the library kernels read floats;
-    the buffer is ~seq_len x kv_heads x head_dim, small next to the chunk's attention work)."""
+    the buffer is ~seq_len x kv_heads x head_dim, small next to the chunk's attention work). is_v: `cache` holds
+    V (whose fp8 regions are laid out dim-major)."""
     if kv_format is None:
         return gather_kv(cache, table_row, seq_len)
     block_size, kv_heads, d = fp8_kv.region_geometry(cache)
     nb = (seq_len + block_size - 1) // block_size
-    blocks = fp8_kv.dequantize_blocks(cache.index_select(0, table_row[:nb].long()), kv_format, dtype)
+    blocks = fp8_kv.dequantize_blocks(cache.index_select(0, table_row[:nb].long()), kv_format, dtype, is_v=is_v)
     return blocks.view(nb * block_size, kv_heads, d)[:seq_len]
 
 
@@ -151,8 +152,8 @@ def compute_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     parts: list[tuple[ChunkPlan, tuple | None, tuple | None]] = []
     for p in plans:
         need = p.seq_len if p.own else p.bulk
-        k = gather_float_kv(k_cache, meta.block_tables[p.seq], need, q.dtype, kv_format)
-        v = gather_float_kv(v_cache, meta.block_tables[p.seq], need, q.dtype, kv_format)
+        k = gather_float_kv(k_cache, meta.block_tables[p.seq], need, q.dtype, kv_format, is_v=False)
+        v = gather_float_kv(v_cache, meta.block_tables[p.seq], need, q.dtype, kv_format, is_v=True)
         qp = _pad_rows(q[p.q_start : p.q_start + p.q_len], p.q_pad)
         bulk = own = None
         if p.bulk:
@@ -196,8 +197,8 @@ def attend_fresh_prompt(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         scale: float, impl: str = "cudnn", kv_format: fp8_kv.Fp8Format | None = None) -> torch.Tensor:
     """A step that is one fresh prompt (is_whole_fresh_prompt): one causal library call, no Triton pass."""
     seq_len = meta.seq_lens_host[0]
-    k = gather_float_kv(k_cache, meta.block_tables[0], seq_len, q.dtype, kv_format)
-    v = gather_float_kv(v_cache, meta.block_tables[0], seq_len, q.dtype, kv_format)
+    k = gather_float_kv(k_cache, meta.block_tables[0], seq_len, q.dtype, kv_format, is_v=False)
+    v = gather_float_kv(v_cache, meta.block_tables[0], seq_len, q.dtype, kv_format, is_v=True)
     if impl == "cudnn":
         o, _ = _attend_cudnn(q, k, v, True, scale, want_lse=False)  # inference mode: no statistics
     else:

@@ -16,8 +16,6 @@ gathered K/V for cuDNN.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from pdserve.attention import fp8_kv
@@ -42,35 +40,25 @@ DECODE_CONFIGS: list[tuple[int, int, int, int, int]] = [
     (1 << 30, 128, 8, 3, 1),
 ]
 
-# The same for an fp8 pool (read as float16 bits in the kernel). Batch 64, kv 4096 on the H200
-# (benchmarks/gpu_fp8_suite.py, aligned layout, 2026-12-01, results/h200-fp8-kv/gpu_fp8_suite_aligned_3_final.json):
-# tile 128 / 4 warps / 2 stages / 2 per SM 240 us per layer; (128, 4, 3, 2) 250; bf16's (64, 4, 2, 2) 416: a
-# 64-token fp8 tile is too little work per iteration. Then (results/h200-fp8-kv/gpu_fp8_suite_sweep_4.json, same
-# run): 4 per SM (each sequence split in 2) 220 us vs 238 at 2 per SM, 256-token tiles 243. The other buckets
-# keep bf16's settings (batch 1 and 8 measured: fp8 11.2 / 58.7 us vs bf16 9.8 / 40.5 at kv 4096).
-FP8_DECODE_CONFIGS: list[tuple[int, int, int, int, int]] = [
+# The same for an fp8 pool, with a sixth entry: a register cap per thread (None: none). At batch 64 / kv 4096
+# on the H200 (2026-12-02, V stored dim-major, e4m3 by the conversion instruction; BENCHMARKS.md, FP8 KV cache,
+# run 6): tile 128 / 4 warps / 2 stages capped at 128 registers (no spills) fits 4 programs per SM instead of 3
+# at the uncapped 166, so the 512 (sequence, kv head) programs of batch 64 all run in one wave, unsplit: 135 us
+# per layer, vs 149 split in two (4 per SM: the merge kernel alone ~8 us), 171 uncapped. Before (V token-major,
+# e4m3 by bit moves): 211 us. Batch 1 and 8 keep bf16's settings (8.8 / 42.4 us vs bf16's 10.0 / 40.4).
+FP8_DECODE_CONFIGS: list[tuple] = [
     DECODE_CONFIGS[0],
     DECODE_CONFIGS[1],
-    (128, 128, 4, 2, 4),
-    DECODE_CONFIGS[3],
+    (128, 128, 4, 2, 2, 128),
+    (1 << 30, 128, 4, 2, 2, 128),
 ]
-# How the decode kernel reads an fp8 pool (triton_kernels.decode_attention's fp8_read flags): "" (tiles decoded
-# in the products' operand layout, scales converted as loaded). Measured on the H200 at batch 64 / kv 4096, same
-# run as above, at (128, 4, 2, 4): "v" 228 us (V decoded as loaded: no byte-wise shared loads, but no faster),
-# "q8v" (q . k on fp8 tensor cores) 251; at (128, 4, 3, 2) "q8v" 228, "v" 243. The default, "r" (scales kept
-# raw until the iteration that uses them: no wait on a load in the loop), measured in run 5 (BENCHMARKS.md, FP8
-# section): 210.6 us at (128, 4, 2, 4) against 220.3 for "" in the same sweep, the same error vs float32 SDPA.
-# PDSERVE_FP8_DECODE_READ overrides it (A/B runs: gpu_fp8_suite.py hands its sweep's winner to the servers it
-# starts).
-FP8_DECODE_READ = os.environ.get("PDSERVE_FP8_DECODE_READ", "r")
 
 
-def decode_config(batch: int, configs: list[tuple[int, int, int, int, int]] | None = None) -> tuple[int, int, int, int]:
+def decode_config(batch: int, configs: list[tuple] | None = None) -> tuple[int, int, int, int, int | None]:
+    """(tile_n, num_warps, num_stages, programs per SM, register cap or None) of `batch`'s bucket."""
     configs = DECODE_CONFIGS if configs is None else configs
-    for max_batch, tile_n, warps, stages, pps in configs:
-        if batch <= max_batch:
-            return tile_n, warps, stages, pps
-    return configs[-1][1:]
+    row = next((r for r in configs if batch <= r[0]), configs[-1])
+    return (*row[1:5], row[5] if len(row) > 5 else None)
 
 
 def prefill_config(max_query_len: int) -> tuple[int, int, int, int]:
@@ -128,12 +116,11 @@ class TritonAttention:
                 scale: float) -> torch.Tensor:
         if meta.decode_only:
             batch = q.shape[0]
-            tile_n, warps, stages, pps = decode_config(batch, FP8_DECODE_CONFIGS if self.kv_format else None)
+            tile_n, warps, stages, pps, max_regs = decode_config(batch, FP8_DECODE_CONFIGS if self.kv_format else None)
             splits = tk.decode_num_splits(batch, k_cache.shape[2], self.num_sms, pps)
             return tk.decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits,
-                tile_n=tile_n, num_warps=warps, num_stages=stages, kv_format=self.kv_format,
-                fp8_read=FP8_DECODE_READ,
+                tile_n=tile_n, num_warps=warps, num_stages=stages, kv_format=self.kv_format, max_regs=max_regs,
                 merge_counters=(self._counters(q.device, batch * k_cache.shape[2])
                                 if splits > 1 and batch <= self.fused_merge_max_batch else None),
             )

@@ -1,10 +1,12 @@
 """fp8 KV blocks inside Triton kernels: the bytes `pdserve.attention.fp8_kv` writes, produced and read on the GPU.
 
-A (block, layer, K|V) region of an fp8 pool holds its fp8 values head-major, [kv_heads, block_size,
-head_dim], then their bfloat16 scales [kv_heads, block_size] (fp8_kv's docstring says why). A kernel gets the
-layer view `pool[:, layer, 0|1]` and its block stride; `value_offset` and `scale_offset` place a (block,
-head, token) in it. Value rows are 16-byte aligned when head_dim is a multiple of 16 and the block stride and
-view base are (Triton specializes on both), so K/V tiles load as 16-byte vectors, pipelined with `cp.async`.
+A (block, layer, K|V) region of an fp8 pool holds its fp8 values head-major, K [kv_heads, block_size,
+head_dim] and V dim-major [kv_heads, head_dim, block_size], then their bfloat16 scales [kv_heads, block_size]
+(fp8_kv's docstring says why). A kernel gets the layer view `pool[:, layer, 0|1]` and its block stride;
+`value_offset` (K), `v_value_offset` (V) and `scale_offset` place a (block, head, token) in it. K rows
+(head_dim bytes) and V rows (block_size bytes) are 16-byte aligned when those sizes are multiples of 16 and the
+block stride and view base are (Triton specializes on both), so K/V tiles load as 16-byte vectors, pipelined
+with `cp.async`.
 
 The write side must give the same bytes as `fp8_kv.write` (a pool written on the GPU and one written
 on the CPU are interchangeable: P/D handoffs between them, prefix-cached blocks, tests that compare them), so
@@ -17,9 +19,10 @@ every rounding step is spelled out here instead of left to conversion instructio
   arithmetic (`encode_fp8`). Hardware `cvt` would also round to nearest even on an H200, but Triton's CPU
   interpreter (how CI runs these kernels) truncates in both conversions, which the arithmetic avoids.
 
-The read side converts fp8 -> the compute dtype (exact: every e4m3/e5m2 value is a bfloat16/float16/float32
-value) and applies the row's scale outside the matrix products: S = (q . k8) * k_scale per key column, and
-P V = (P * v_scale per key column) . v8. So no dequantized K/V tile is ever materialized.
+The read side converts fp8 -> the compute dtype (exact: every e4m3/e5m2 value is a float16/float32 value;
+16-bit queries run the products in float16) and applies the row's scale outside the matrix products:
+S = (q . k8) * k_scale per key column, and P V = (P * v_scale per key column) . v8. So no dequantized K/V tile
+is ever materialized.
 """
 
 from __future__ import annotations
@@ -104,8 +107,15 @@ def quantize_values(x, scale, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8
 
 @triton.jit
 def value_offset(blk, head, tok, stride_blk, BLOCK_SIZE: tl.constexpr, D: tl.constexpr):
-    """Byte offset of the value row of (block blk, kv head, token tok of the block) in a layer view."""
+    """Byte offset of K's value row of (block blk, kv head, token tok of the block) in a layer view."""
     return blk * stride_blk + (head * BLOCK_SIZE + tok) * D
+
+
+@triton.jit
+def v_value_offset(blk, head, tok, stride_blk, BLOCK_SIZE: tl.constexpr, D: tl.constexpr):
+    """Byte offset of V's value of (block blk, kv head, token tok of the block) at dim 0 in a layer view: V is
+    stored dim-major, so dim j of that token is BLOCK_SIZE * j bytes further."""
+    return blk * stride_blk + head * (D * BLOCK_SIZE) + tok
 
 
 @triton.jit
@@ -136,27 +146,19 @@ def as_fp8(raw, FP8_MANT: tl.constexpr):
         return raw.to(tl.float8e5, bitcast=True)
 
 
-# fp8 -> float16 by moving bits, no conversion instructions. Why: on the H200 the fp8 decode kernel with the
-# aligned layout was bound by conversions, not memory (b64 x 4k: 310 us vs bf16's 249 us on half the bytes):
-# Triton turns fp8 -> bf16 into `cvt.rn.f16x2.e4m3x2` + one `cvt.bf16.f16` per element. Both fp8 formats
-# are float16 with fewer bits: e5m2 is float16's top byte (exact), and e4m3 placed as float16 bits
-# s.0eeee.mmm0000000 is its value times 2^-8 (subnormals included: e4m3's 0.mmm x 2^-6 lands on float16's
-# 0.mmm x 2^-14). So the kernels read K/V as float16 times `f16_unit(FP8_MANT)`^-1 and fold that power of two
-# into the row scales; the matrix products run in float16 (queries converted once per program).
-# prmt with selector 0x1404 / 0x3424 puts bytes 0, 1 / 2, 3 of $2 into the high byte of each 16-bit half
-# (the zero register z fills the low bytes): b << 8 per half, e5m2's float16 bits.
-def _e4m3_to_f16_asm(src: str, tail: str) -> str:
-    """PTX of the e4m3 decode: the 4 fp8 bytes of operand `src` moved into float16 bit positions (each byte's
-    exponent and mantissa shifted right one bit under 0x3F80, its sign kept at 0x8000) as registers t0/s0 and
-    t1/s1 (bytes 0, 1 / 2, 3); `tail` combines them into the outputs."""
-    return ("{\n.reg .b32 z, h<2>, t<2>, s<2>;\nmov.b32 z, 0;\n"
-            f"prmt.b32 h0, {src}, z, 0x1404;\nprmt.b32 h1, {src}, z, 0x3424;\n"
-            "shr.b32 t0, h0, 1;\nshr.b32 t1, h1, 1;\n"
-            "and.b32 t0, t0, 0x3F803F80;\nand.b32 t1, t1, 0x3F803F80;\n"
-            "and.b32 s0, h0, 0x80008000;\nand.b32 s1, h1, 0x80008000;\n" + tail + "}")
-
-
-_E4M3_TO_F16_ASM = tl.constexpr(_e4m3_to_f16_asm("$2", "or.b32 $0, t0, s0;\nor.b32 $1, t1, s1;\n"))
+# fp8 -> float16 for 16-bit queries (the products run in float16; queries are converted once per program).
+# e4m3: the hardware conversion, `cvt.rn.f16x2.e4m3x2` (sm_89+), two values per instruction. (Until
+# 2026-12-02 the kernels moved e4m3 bits into float16 positions with prmt/shift/and, 4 integer operations per
+# two values: on the H200 the decode loop was bound by its integer-pipe instructions, and the conversion
+# instruction took the most of them off it: BENCHMARKS.md, FP8 KV cache.) e5m2 is float16's top byte, placed
+# by one prmt per two values (selector 0x1404 / 0x3424: bytes 0, 1 / 2, 3 of $2 into the high byte of each
+# 16-bit half, the zero register z filling the low bytes). Both are exact.
+_E4M3_TO_F16_ASM = tl.constexpr("""{
+.reg .b16 lo, hi;
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 $0, lo;
+cvt.rn.f16x2.e4m3x2 $1, hi;
+}""")
 _E5M2_TO_F16_ASM = tl.constexpr("""{
 .reg .b32 z;
 mov.b32 z, 0;
@@ -165,15 +167,12 @@ prmt.b32 $1, $2, z, 0x3424;
 }""")
 
 
-def f16_unit(fmt: fp8_kv.Fp8Format) -> float:
-    """What a value decoded by `fp8_to_f16` must be multiplied by: 2^8 for e4m3, 1 for e5m2."""
-    return 256.0 if _LAYOUT[fmt.name][0] == 3 else 1.0
-
-
 @triton.jit
 def fp8_to_f16(raw, FP8_MANT: tl.constexpr, ASM: tl.constexpr):
-    """uint8 fp8 bytes -> float16 (e5m2: the value; e4m3: the value x 2^-8). ASM: packed PTX (4 bytes per
-    instruction group, GPU only); else the same bits by integer arithmetic (Triton's CPU interpreter)."""
+    """uint8 fp8 bytes -> their float16 values (exact). ASM: packed PTX (4 bytes per instruction group, GPU
+    only); else integer arithmetic (Triton's CPU interpreter, whose own fp8 conversion flushes e5m2
+    subnormals): e5m2 is float16's top byte, and e4m3 moved into float16's bit positions (s.0eeee.mmm0000000)
+    is its value x 2^-8, which the multiply by 2^8 makes exact again, subnormals included."""
     if ASM:
         if FP8_MANT == 3:
             return tl.inline_asm_elementwise(_E4M3_TO_F16_ASM, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True,
@@ -185,15 +184,15 @@ def fp8_to_f16(raw, FP8_MANT: tl.constexpr, ASM: tl.constexpr):
         b = raw.to(tl.int32)
         if FP8_MANT == 3:
             bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
+            return bits.to(tl.int16).to(tl.float16, bitcast=True) * 256.0
         else:
-            bits = b << 8
-        return bits.to(tl.int16).to(tl.float16, bitcast=True)
+            return (b << 8).to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
 def fp8_tile(raw, dtype: tl.constexpr, FP8_MANT: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr):
-    """A loaded K/V tile (uint8 fp8 bytes) as matrix-product input: float16 times 1 / f16_unit with F16 (the
-    caller converted q to float16 and multiplies the scales by the unit), else the exact values in `dtype`."""
+    """A loaded K/V tile (uint8 fp8 bytes) as matrix-product input, exact: float16 with F16 (the caller
+    converted q to float16), else `dtype`."""
     if F16:
         return fp8_to_f16(raw, FP8_MANT, ASM)
     else:
@@ -201,24 +200,51 @@ def fp8_tile(raw, dtype: tl.constexpr, FP8_MANT: tl.constexpr, F16: tl.constexpr
 
 
 @triton.jit
-def tile_scale_rows(bt_row, tile, seq_len, kvh, stride_blk, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    KVH: tl.constexpr, D: tl.constexpr):
-    """Where the scales of tokens [tile * TILE_N, + TILE_N) of KV head kvh live, per block of the tile (TILE_N a
-    multiple of BLOCK_SIZE): (byte offsets [NB, 2 * BLOCK_SIZE], mask). A block's BLOCK_SIZE scales of one head
-    are 2 * BLOCK_SIZE contiguous bytes: one row per block instead of one 2-byte load per token."""
-    NB: tl.constexpr = TILE_N // BLOCK_SIZE
-    j = tl.arange(0, NB)
-    c = tl.arange(0, 2 * BLOCK_SIZE)
-    first = tile * TILE_N + j * BLOCK_SIZE
-    blk = tl.load(bt_row + tile * NB + j, mask=first < seq_len, other=0).to(tl.int64)
-    row = blk * stride_blk + (KVH * BLOCK_SIZE * D) + kvh.to(tl.int64) * (2 * BLOCK_SIZE)
-    return row[:, None] + c[None, :], (first[:, None] + c[None, :] // 2) < seq_len
+def load_v_tile(v_cache_ptr, bt_row, tile, seq_len, kvh, stride_blk, dtype: tl.constexpr, TILE_N: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MANT: tl.constexpr,
+                F16: tl.constexpr, ASM: tl.constexpr):
+    """V's tokens [tile * TILE_N, + TILE_N) of KV head kvh as the p . v operand [TILE_N, BLOCK_D] (fp8_tile's
+    values; 0 past the sequence and past D). With whole blocks per tile the tile is loaded as [blocks, BLOCK_D,
+    BLOCK_SIZE], whose BLOCK_SIZE-byte rows are contiguous and 16-byte aligned (16-byte cp.async copies; a
+    block id loaded per token would leave Triton no proof that 16 tokens share a block). Past the sequence,
+    whole blocks are masked in the load; the last block's tail is read as it is: its probabilities are 0 (the
+    scales past the end load as 0), and its bytes are finite, because every byte of an fp8 pool is 0 (pools are
+    zero-allocated) or a code a writer stored (clamped to the format's max: never a NaN code, which 0 * NaN
+    would turn into a NaN output). Zeroing the tail in the kernel instead cost the decode loop 60 % more
+    instructions (a select over the whole tile in the tile that holds the end)."""
+    dd = tl.arange(0, BLOCK_D)
+    if TILE_N % BLOCK_SIZE == 0:
+        NB: tl.constexpr = TILE_N // BLOCK_SIZE
+        j = tl.arange(0, NB)
+        c = tl.arange(0, BLOCK_SIZE)
+        first = tile * TILE_N + j * BLOCK_SIZE
+        bmask = first < seq_len
+        blk = tl.load(bt_row + tile * NB + j, mask=bmask, other=0).to(tl.int64)
+        base = v_value_offset(blk, kvh, 0, stride_blk, BLOCK_SIZE, D)
+        ptrs = v_cache_ptr + base[:, None, None] + dd[None, :, None] * BLOCK_SIZE + c[None, None, :]
+        if D == BLOCK_D:
+            raw = tl.load(ptrs, mask=bmask[:, None, None], other=0)
+        else:
+            raw = tl.load(ptrs, mask=bmask[:, None, None] & (dd < D)[None, :, None], other=0)
+        v = fp8_tile(raw, dtype, FP8_MANT, F16, ASM)  # [NB, BLOCK_D, BLOCK_SIZE]
+        return tl.reshape(tl.permute(v, (0, 2, 1)), [TILE_N, BLOCK_D])
+    else:  # tiles within one block (block_size > tile): per-token addresses, correct but not vectorized
+        n = tl.arange(0, TILE_N)
+        tok = tile * TILE_N + n
+        tmask = tok < seq_len
+        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+        off = v_value_offset(blk, kvh, tok % BLOCK_SIZE, stride_blk, BLOCK_SIZE, D)
+        raw = tl.load(v_cache_ptr + off[:, None] + dd[None, :] * BLOCK_SIZE, mask=tmask[:, None] & (dd < D)[None, :],
+                      other=0)
+        return fp8_tile(raw, dtype, FP8_MANT, F16, ASM)
 
 
 @triton.jit
 def tile_scale_halves(bt_row, tile, seq_len, kvh, stride_blk, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       KVH: tl.constexpr, D: tl.constexpr):
-    """tile_scale_rows in bfloat16 units: (offsets [NB, BLOCK_SIZE] from the layer view's base as int16, mask)."""
+    """Where the scales of tokens [tile * TILE_N, + TILE_N) of KV head kvh live, per block of the tile (TILE_N a
+    multiple of BLOCK_SIZE), in bfloat16 units from the layer view's base: (offsets [NB, BLOCK_SIZE], mask). A
+    block's BLOCK_SIZE scales of one head are contiguous: one row per block instead of one load per token."""
     NB: tl.constexpr = TILE_N // BLOCK_SIZE
     j = tl.arange(0, NB)
     c = tl.arange(0, BLOCK_SIZE)
@@ -240,96 +266,3 @@ def load_scale_rows(cache_ptr, offsets, mask):
 def scales_from_rows(raw, TILE_N: tl.constexpr):
     """load_scale_rows' int16 [NB, BLOCK_SIZE] as float32 [TILE_N] in token order."""
     return tl.reshape((raw.to(tl.int32) << 16).to(tl.float32, bitcast=True), [TILE_N])
-
-
-@triton.jit
-def load_tile_scales(cache_ptr, offsets, mask, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """The scales at `tile_scale_rows`' offsets as float32 [TILE_N] in token order (0 past the sequence)."""
-    NB: tl.constexpr = TILE_N // BLOCK_SIZE
-    raw = tl.load(cache_ptr + offsets, mask=mask, other=0)
-    lo, hi = tl.split(tl.reshape(raw, [NB, BLOCK_SIZE, 2]))
-    bits = (hi.to(tl.int32) << 24) | (lo.to(tl.int32) << 16)
-    return tl.reshape(bits.to(tl.float32, bitcast=True), [TILE_N])
-
-
-# The same decode, one 32-bit word (4 fp8 values) in, four float16 out: for tiles decoded where they were
-# loaded (`load_tile_f16`), before Triton moves them into a matrix-product operand layout.
-_E4M3_TO_F16X4_ASM = tl.constexpr(_e4m3_to_f16_asm("$4", "or.b32 t0, t0, s0;\nor.b32 t1, t1, s1;\n"
-                                                     "mov.b32 {$0, $1}, t0;\nmov.b32 {$2, $3}, t1;\n"))
-_E5M2_TO_F16X4_ASM = tl.constexpr("""{
-.reg .b32 z, h<2>;
-mov.b32 z, 0;
-prmt.b32 h0, $4, z, 0x1404;
-prmt.b32 h1, $4, z, 0x3424;
-mov.b32 {$0, $1}, h0;
-mov.b32 {$2, $3}, h1;
-}""")
-
-
-@triton.jit
-def _byte_to_f16(w, shift: tl.constexpr, FP8_MANT: tl.constexpr):
-    b = (w >> shift) & 0xFF
-    if FP8_MANT == 3:
-        bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
-    else:
-        bits = b << 8
-    return bits.to(tl.int16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def load_tile_f16(cache_ptr, row_off, mask, TILE_N: tl.constexpr, D: tl.constexpr, FP8_MANT: tl.constexpr,
-                  ASM: tl.constexpr):
-    """A [TILE_N, D] fp8 tile (rows at byte offsets row_off, 16-byte aligned) as float16 (x 1 / f16_unit),
-    decoded in the layout it was loaded in: 32-bit words, 4 values each, joined back into rows. Why: a V tile
-    decoded by `fp8_tile` is first moved into the p.v product's operand layout as bytes (V's rows are the
-    product's reduction dimension, and there is no transposing 8-bit shared-memory load on sm_90), which
-    Triton does with one `ld.shared.b8` per value (128 per thread for a 128 x 128 tile); decoded here, the
-    float16 tile is transposed by `ldmatrix.trans` like a bf16 pool's."""
-    w4 = tl.arange(0, D // 4)
-    # int32 offsets from an int32 base, so that the 16-byte alignment of the rows stays provable (16-byte
-    # cp.async copies), which adding 4 * word to the byte pointer before the cast would hide
-    words = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    w = tl.load(words + (row_off // 4)[:, None] + w4[None, :], mask=mask, other=0)
-    if ASM:
-        if FP8_MANT == 3:
-            a, b, c, e = tl.inline_asm_elementwise(_E4M3_TO_F16X4_ASM, "=h,=h,=h,=h,r", [w],
-                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-                                                   is_pure=True, pack=1)
-        else:
-            a, b, c, e = tl.inline_asm_elementwise(_E5M2_TO_F16X4_ASM, "=h,=h,=h,=h,r", [w],
-                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-                                                   is_pure=True, pack=1)
-    else:
-        a = _byte_to_f16(w, 0, FP8_MANT)
-        b = _byte_to_f16(w, 8, FP8_MANT)
-        c = _byte_to_f16(w, 16, FP8_MANT)
-        e = _byte_to_f16(w, 24, FP8_MANT)
-    # join stacks along a new last axis: (a, c) and (b, e) pairs, then those pairs, flatten to a, b, c, e
-    return tl.reshape(tl.join(tl.join(a, c), tl.join(b, e)), [TILE_N, D])
-
-
-# q . k on the fp8 tensor cores (Hopper's wgmma takes e4m3 directly, K-major, from shared memory, where K's
-# tile already is): no K decode at all. q is split into two e4m3 parts, q / q_scale ~ hi + lo / LO_SCALE,
-# which keeps about 8 significant bits (bfloat16's): hi holds the top 4, lo the rounding error of hi. With
-# round-to-nearest |error of hi| <= 2^-4 |x|, 16 with a truncating conversion (Triton's CPU interpreter):
-# times LO_SCALE = 8 it stays below e4m3's 448 either way.
-_Q8_MAX = tl.constexpr(448.0)
-_Q8_LO_SCALE = tl.constexpr(8.0)
-
-
-@triton.jit
-def split_e4m3(q):
-    """float32 q [G, D] -> (hi, lo e4m3 [G, D], scale [G]) with q ~ (hi + lo / 8) * scale per row."""
-    amax = tl.max(tl.abs(q), 1)
-    scale = tl.where(amax > 0, amax / _Q8_MAX, 1.0)
-    x = q / scale[:, None]
-    hi = x.to(tl.float8e4nv)
-    lo = ((x - hi.to(tl.float32)) * _Q8_LO_SCALE).to(tl.float8e4nv)
-    return hi, lo, scale
-
-
-@triton.jit
-def dot_e4m3_split(k8, q_hi, q_lo):
-    """k8 [N, D] e4m3 times the split query (split_e4m3's hi, lo [G, D]): [N, G] float32, before q's scale."""
-    s = tl.dot(k8, tl.trans(q_lo)) * (1.0 / _Q8_LO_SCALE)
-    return tl.dot(k8, tl.trans(q_hi), s)

@@ -45,19 +45,19 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def _read_args(kv_format: fp8_kv.Fp8Format | None, k_cache: torch.Tensor, head_dim: int,
                q: torch.Tensor | None = None) -> dict:
-    """The fp8 constexprs of the read kernels. FP8_F16: 16-bit queries read fp8 K/V as float16 by moving bits
-    (triton_fp8.fp8_to_f16; FP8_UNIT folds its power of two into the scales), through packed PTX on a GPU
-    (FP8_ASM) and integer arithmetic under Triton's interpreter. float32 queries (the exactness tests'
-    models) convert the fp8 values to float32."""
+    """The fp8 constexprs of the read kernels. FP8_F16: 16-bit queries read fp8 K/V as float16
+    (triton_fp8.fp8_to_f16, exact: packed PTX on a GPU (FP8_ASM), integer arithmetic under Triton's
+    interpreter and for e4m3 before sm_89) and run the products in float16. float32 queries (the exactness tests' models) convert the fp8 values to float32."""
     f16 = False
     if kv_format is not None:  # whole regions (fp8_kv.layer_views' layout) with 16-byte aligned value rows
         assert k_cache.dtype == torch.uint8 and k_cache.shape[-1] == head_dim + fp8_kv.SCALE_BYTES
         assert k_cache[0].is_contiguous()
         f16 = q is not None and q.dtype in (torch.bfloat16, torch.float16)
     args = tf8.kernel_args(kv_format)
-    return {"KV_FP8": args["KV_FP8"], "FP8_MANT": args["FP8_MANT"], "FP8_F16": f16,
-            "FP8_ASM": f16 and k_cache.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
-            "FP8_UNIT": tf8.f16_unit(kv_format) if f16 else 1.0}
+    asm = f16 and k_cache.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    if asm and args["FP8_MANT"] == 3:  # the e4m3 conversion instruction exists from sm_89 (Ada, Hopper) on
+        asm = torch.cuda.get_device_capability(k_cache.device) >= (8, 9)
+    return {"KV_FP8": args["KV_FP8"], "FP8_MANT": args["FP8_MANT"], "FP8_F16": f16, "FP8_ASM": asm}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -97,9 +97,10 @@ def _write_kv_kernel(
                                  FP8_SUB_SCALE)
         v8 = tf8.quantize_values(v, v_bits.to(tl.float32, bitcast=True)[:, None], FP8_MAX, FP8_MANT, FP8_BIAS,
                                  FP8_SUB_SCALE)
-        dst = tf8.value_offset(blk, h, off, stride_c_blk, BLOCK_SIZE, D)[:, None] + d[None, :]
-        tl.store(k_cache_ptr + dst, k8, mask=mask)
-        tl.store(v_cache_ptr + dst, v8, mask=mask)
+        kdst = tf8.value_offset(blk, h, off, stride_c_blk, BLOCK_SIZE, D)[:, None] + d[None, :]
+        vdst = tf8.v_value_offset(blk, h, off, stride_c_blk, BLOCK_SIZE, D)[:, None] + d[None, :] * BLOCK_SIZE
+        tl.store(k_cache_ptr + kdst, k8, mask=mask)
+        tl.store(v_cache_ptr + vdst, v8, mask=mask)
         srows = tf8.scale_offset(blk, h, off, stride_c_blk, BLOCK_SIZE, KVH, D)
         tf8.store_scale(k_cache_ptr + srows, k_bits, hmask)
         tf8.store_scale(v_cache_ptr + srows, v_bits, hmask)
@@ -150,8 +151,6 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     KV_FP8: tl.constexpr, FP8_MANT: tl.constexpr, KVH: tl.constexpr, FUSED_MERGE: tl.constexpr,
     MERGE_G: tl.constexpr, MERGE_S: tl.constexpr, FP8_F16: tl.constexpr, FP8_ASM: tl.constexpr,
-    FP8_UNIT: tl.constexpr, FP8_WIDE_K: tl.constexpr, FP8_WIDE_V: tl.constexpr, FP8_QK8: tl.constexpr,
-    FP8_SCALE_RAW: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -169,8 +168,6 @@ def _decode_kernel(
     dmask = d < D
     q = tl.load(q_ptr + b * stride_q_t + head[:, None] * stride_q_h + d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
-    if FP8_QK8:  # q . k on the fp8 tensor cores: q as two e4m3 parts (triton_fp8.split_e4m3)
-        q_hi, q_lo, q_scale = tf8.split_e4m3(q.to(tl.float32))
     if FP8_F16:  # fp8 K/V read as float16 (triton_fp8.fp8_to_f16): the products run in float16
         q = q.to(tl.float16)
 
@@ -183,74 +180,45 @@ def _decode_kernel(
     SCALE_ROWS: tl.constexpr = KV_FP8 and TILE_N % BLOCK_SIZE == 0
     if SCALE_ROWS:
         # The row scales are too small for Triton's cp.async pipeline (2 bytes per thread), so they are
-        # prefetched by hand: each tile's scales are loaded one tile ahead, their block ids two tiles ahead.
-        # FP8_SCALE_RAW keeps them raw until the iteration that uses them: a load's first use is where the
-        # thread waits, and converting them right after the load (the default path) puts that wait, a global
-        # load's latency, in every iteration (sm_90 PTX: the loaded registers go to st.shared at once).
-        if FP8_SCALE_RAW:
-            s_rows, s_mask = tf8.tile_scale_halves(bt_row, t_start, seq_len, kvh, stride_c_blk, TILE_N, BLOCK_SIZE,
-                                                   KVH, D)
-            k_raw_next = tf8.load_scale_rows(k_cache_ptr, s_rows, s_mask)
-            v_raw_next = tf8.load_scale_rows(v_cache_ptr, s_rows, s_mask)
-            s_rows, s_mask = tf8.tile_scale_halves(bt_row, t_start + 1, seq_len, kvh, stride_c_blk, TILE_N,
-                                                   BLOCK_SIZE, KVH, D)
-        else:
-            s_rows, s_mask = tf8.tile_scale_rows(bt_row, t_start, seq_len, kvh, stride_c_blk, TILE_N, BLOCK_SIZE,
-                                                 KVH, D)
-            k_scale_next = tf8.load_tile_scales(k_cache_ptr, s_rows, s_mask, TILE_N, BLOCK_SIZE)
-            v_scale_next = tf8.load_tile_scales(v_cache_ptr, s_rows, s_mask, TILE_N, BLOCK_SIZE)
-            s_rows, s_mask = tf8.tile_scale_rows(bt_row, t_start + 1, seq_len, kvh, stride_c_blk, TILE_N, BLOCK_SIZE,
-                                                 KVH, D)
+        # prefetched by hand: each tile's scales are loaded one tile ahead, their block ids two tiles ahead, and
+        # kept raw until the iteration that uses them: a load's first use is where the thread waits, and
+        # converting them right after the load puts a global load's latency in every iteration (sm_90 PTX: the
+        # loaded registers go to st.shared at once).
+        s_rows, s_mask = tf8.tile_scale_halves(bt_row, t_start, seq_len, kvh, stride_c_blk, TILE_N, BLOCK_SIZE,
+                                               KVH, D)
+        k_raw_next = tf8.load_scale_rows(k_cache_ptr, s_rows, s_mask)
+        v_raw_next = tf8.load_scale_rows(v_cache_ptr, s_rows, s_mask)
+        s_rows, s_mask = tf8.tile_scale_halves(bt_row, t_start + 1, seq_len, kvh, stride_c_blk, TILE_N, BLOCK_SIZE,
+                                               KVH, D)
     for tile in range(t_start, t_end):
         if SCALE_ROWS:
-            if FP8_SCALE_RAW:
-                k_scale = tf8.scales_from_rows(k_raw_next, TILE_N)
-                v_scale = tf8.scales_from_rows(v_raw_next, TILE_N)
-                k_raw_next = tf8.load_scale_rows(k_cache_ptr, s_rows, s_mask)
-                v_raw_next = tf8.load_scale_rows(v_cache_ptr, s_rows, s_mask)
-                s_rows, s_mask = tf8.tile_scale_halves(bt_row, tile + 2, seq_len, kvh, stride_c_blk, TILE_N,
-                                                       BLOCK_SIZE, KVH, D)
-            else:
-                k_scale = k_scale_next
-                v_scale = v_scale_next
-                k_scale_next = tf8.load_tile_scales(k_cache_ptr, s_rows, s_mask, TILE_N, BLOCK_SIZE)
-                v_scale_next = tf8.load_tile_scales(v_cache_ptr, s_rows, s_mask, TILE_N, BLOCK_SIZE)
-                s_rows, s_mask = tf8.tile_scale_rows(bt_row, tile + 2, seq_len, kvh, stride_c_blk, TILE_N,
-                                                     BLOCK_SIZE, KVH, D)
+            k_scale = tf8.scales_from_rows(k_raw_next, TILE_N)
+            v_scale = tf8.scales_from_rows(v_raw_next, TILE_N)
+            k_raw_next = tf8.load_scale_rows(k_cache_ptr, s_rows, s_mask)
+            v_raw_next = tf8.load_scale_rows(v_cache_ptr, s_rows, s_mask)
+            s_rows, s_mask = tf8.tile_scale_halves(bt_row, tile + 2, seq_len, kvh, stride_c_blk, TILE_N,
+                                                   BLOCK_SIZE, KVH, D)
         tok = tile * TILE_N + n
         tmask = tok < seq_len
         blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
-        if KV_FP8:  # head-major regions: the offsets are constexpr multiples of D, so rows load 16 bytes wide
-            off = tf8.value_offset(blk, kvh, tok % BLOCK_SIZE, stride_c_blk, BLOCK_SIZE, D)
-            s_off = tf8.scale_offset(blk, kvh, tok % BLOCK_SIZE, stride_c_blk, BLOCK_SIZE, KVH, D)
-        else:
-            off = blk * stride_c_blk + (tok % BLOCK_SIZE) * stride_c_tok + head_off
         if EVEN_D:  # a mask constant along d keeps the 16-byte vector loads
             kv_mask = tmask[:, None]
         else:
             kv_mask = tmask[:, None] & dmask[None, :]
         if KV_FP8:
-            # fp8: the matrix products run on the exact fp8 values (times 1 / FP8_UNIT); each key's scale
-            # multiplies its score column, each value's scale its probability column
-            if FP8_QK8:
-                k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0).to(tl.float8e4nv,
-                                                                                               bitcast=True)
-            elif FP8_WIDE_K:
-                k = tf8.load_tile_f16(k_cache_ptr, off, tmask[:, None], TILE_N, D, FP8_MANT, FP8_ASM)
-            else:
-                k = tf8.fp8_tile(tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0), q.dtype,
-                                 FP8_MANT, FP8_F16, FP8_ASM)
+            # fp8: the matrix products run on the exact fp8 values; each key's scale multiplies its score
+            # column, each value's scale its probability column. K rows load 16 bytes wide (offsets are
+            # constexpr multiples of D); V is dim-major (triton_fp8.load_v_tile).
+            off = tf8.value_offset(blk, kvh, tok % BLOCK_SIZE, stride_c_blk, BLOCK_SIZE, D)
+            k = tf8.fp8_tile(tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0), q.dtype,
+                             FP8_MANT, FP8_F16, FP8_ASM)
             if not SCALE_ROWS:
+                s_off = tf8.scale_offset(blk, kvh, tok % BLOCK_SIZE, stride_c_blk, BLOCK_SIZE, KVH, D)
                 k_scale = tf8.load_scale(k_cache_ptr + s_off, tmask)
                 v_scale = tf8.load_scale(v_cache_ptr + s_off, tmask)
-            if FP8_QK8:
-                # keys as the product's M side (K's rows, already in shared memory, feed wgmma as they are),
-                # the query group as its N side; exact e4m3 values, so no FP8_UNIT on the key scales
-                s = tl.trans(tf8.dot_e4m3_split(k, q_hi, q_lo))
-                s = s * q_scale[:, None] * (k_scale * scale_log2)[None, :]
-            else:
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (k_scale * (scale_log2 * FP8_UNIT))[None, :]
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (k_scale * scale_log2)[None, :]
         else:
+            off = blk * stride_c_blk + (tok % BLOCK_SIZE) * stride_c_tok + head_off
             k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(tmask[None, :], s, float("-inf"))
@@ -259,12 +227,9 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if KV_FP8:
-            if FP8_WIDE_V:
-                v = tf8.load_tile_f16(v_cache_ptr, off, tmask[:, None], TILE_N, D, FP8_MANT, FP8_ASM)
-            else:
-                v = tf8.fp8_tile(tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0), q.dtype,
-                                 FP8_MANT, FP8_F16, FP8_ASM)
-            p = p * (v_scale * FP8_UNIT)[None, :]
+            v = tf8.load_v_tile(v_cache_ptr, bt_row, tile, seq_len, kvh, stride_c_blk, q.dtype, TILE_N, BLOCK_SIZE,
+                                D, BLOCK_D, FP8_MANT, FP8_F16, FP8_ASM)
+            p = p * v_scale[None, :]
         else:
             v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -376,14 +341,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      seq_lens: torch.Tensor, scale: float, num_splits: int, out: torch.Tensor | None = None,
                      tile_n: int = 64, num_warps: int = 4, num_stages: int = 2,
                      kv_format: fp8_kv.Fp8Format | None = None,
-                     merge_counters: torch.Tensor | None = None, fp8_read: str = "") -> torch.Tensor:
+                     merge_counters: torch.Tensor | None = None, max_regs: int | None = None) -> torch.Tensor:
     """q: [B, H, D]; block_tables: [B, >= blocks of the longest sequence]; seq_lens: [B] (0 = padding row,
     whose output is 0). Returns [B, H, D] in q's dtype. kv_format: the caches are fp8 layer views (uint8, fp8_kv's layout).
     merge_counters: int32 zeros, at least B * kv_heads (new_merge_counters), kept between launches: the
     splits are merged by the last program of each (sequence, kv head) instead of a second kernel, and the
-    counters are left at zero. fp8_read: which fp8 tiles ("k", "v", "kv") are decoded as loaded, in 32-bit
-    words (triton_fp8.load_tile_f16; float16 queries or bf16 only, head_dim a power of two); with "q8" in it,
-    an e4m3 pool's q . k runs on the fp8 tensor cores instead (triton_fp8.split_e4m3), K not decoded."""
+    counters are left at zero. max_regs: a register cap per thread (Triton's maxnreg), for occupancy."""
     batch, num_heads, d = q.shape
     _, block_size, kvh, _ = k_cache.shape
     group = num_heads // kvh
@@ -398,7 +361,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_o = part_lse = out  # unused
     fused_merge = num_splits > 1 and merge_counters is not None
     read = _read_args(kv_format, k_cache, d, q)
-    words = read["FP8_F16"] and d == block_d  # the word decode yields float16 rows of whole words
     if fused_merge:
         assert merge_counters.dtype == torch.int32 and merge_counters.numel() >= batch * kvh
     _decode_kernel[(batch, kvh, num_splits)](
@@ -413,8 +375,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_SIZE=block_size, TILE_N=tile_n, DOT_PRECISION=_dot_precision(q.dtype),
         EVEN_D=d == block_d, **read, KVH=kvh, FUSED_MERGE=fused_merge,
         MERGE_G=triton.next_power_of_2(group), MERGE_S=8, num_warps=num_warps, num_stages=num_stages,
-        FP8_WIDE_K=words and "k" in fp8_read, FP8_WIDE_V=words and "v" in fp8_read,
-        FP8_QK8=words and "q8" in fp8_read and read["FP8_MANT"] == 3, FP8_SCALE_RAW="r" in fp8_read,
+        **({} if max_regs is None else {"maxnreg": max_regs}),
     )
     if num_splits > 1 and not fused_merge:
         _decode_merge_kernel[(batch, num_heads)](
@@ -432,8 +393,8 @@ def _attend_tiles(
     acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, kvh, stride_c_blk, stride_c_tok, stride_c_head,
     tile_lo, tile_hi, key_limit, seq_len, scale_log2, d, dmask,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, D: tl.constexpr, KV_FP8: tl.constexpr, FP8_MANT: tl.constexpr, KVH: tl.constexpr,
-    FP8_F16: tl.constexpr, FP8_ASM: tl.constexpr, FP8_UNIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr,
+    FP8_MANT: tl.constexpr, KVH: tl.constexpr, FP8_F16: tl.constexpr, FP8_ASM: tl.constexpr,
 ):
     head_off = kvh.to(tl.int64) * stride_c_head
     n = tl.arange(0, TILE_N)
@@ -444,13 +405,11 @@ def _attend_tiles(
             blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
         else:
             blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)
-        if KV_FP8:  # head-major regions: the offsets are constexpr multiples of D, so rows load 16 bytes wide
+        if KV_FP8:  # head-major regions: the offsets are constexpr multiples of D, so K rows load 16 bytes wide
             off = tf8.value_offset(blk, kvh, tok % BLOCK_SIZE, stride_c_blk, BLOCK_SIZE, D)
-            s_off = tf8.scale_offset(blk, kvh, tok % BLOCK_SIZE, stride_c_blk, BLOCK_SIZE, KVH, D)
         else:
             off = blk * stride_c_blk + (tok % BLOCK_SIZE) * stride_c_tok + head_off
         ptrs_k = k_cache_ptr + off[:, None] + d[None, :]
-        ptrs_v = v_cache_ptr + off[:, None] + d[None, :]
         # Masks constant along d keep the 16-byte vector loads; full tiles need none at all.
         if MASKED:
             if EVEN_D:
@@ -462,18 +421,19 @@ def _attend_tiles(
                 k = tl.load(ptrs_k)
             else:
                 k = tl.load(ptrs_k, mask=dmask[None, :], other=0.0)
-        if KV_FP8:  # exact fp8 values (times 1 / FP8_UNIT); the row scales multiply score / probability columns
+        if KV_FP8:  # exact fp8 values; the row scales multiply score / probability columns
             qk = tl.dot(q, tl.trans(tf8.fp8_tile(k, q.dtype, FP8_MANT, FP8_F16, FP8_ASM)),
                         input_precision=DOT_PRECISION)
-            if TILE_N % BLOCK_SIZE == 0:  # whole blocks per tile: the scales load as pipelined rows
-                s_rows, s_mask = tf8.tile_scale_rows(bt_row, tile, seq_len, kvh, stride_c_blk, TILE_N, BLOCK_SIZE,
-                                                     KVH, D)
-                k_scale = tf8.load_tile_scales(k_cache_ptr, s_rows, s_mask, TILE_N, BLOCK_SIZE)
-                v_scale = tf8.load_tile_scales(v_cache_ptr, s_rows, s_mask, TILE_N, BLOCK_SIZE)
+            if TILE_N % BLOCK_SIZE == 0:  # whole blocks per tile: one row of scales per block
+                s_rows, s_mask = tf8.tile_scale_halves(bt_row, tile, seq_len, kvh, stride_c_blk, TILE_N, BLOCK_SIZE,
+                                                       KVH, D)
+                k_scale = tf8.scales_from_rows(tf8.load_scale_rows(k_cache_ptr, s_rows, s_mask), TILE_N)
+                v_scale = tf8.scales_from_rows(tf8.load_scale_rows(v_cache_ptr, s_rows, s_mask), TILE_N)
             else:
+                s_off = tf8.scale_offset(blk, kvh, tok % BLOCK_SIZE, stride_c_blk, BLOCK_SIZE, KVH, D)
                 k_scale = tf8.load_scale(k_cache_ptr + s_off, tmask)
                 v_scale = tf8.load_scale(v_cache_ptr + s_off, tmask)
-            qk = qk * (k_scale * FP8_UNIT)[None, :]
+            qk = qk * k_scale[None, :]
         else:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
@@ -489,20 +449,22 @@ def _attend_tiles(
         p = tl.exp2(qk)
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if KV_FP8:
-            p = p * (v_scale * FP8_UNIT)[None, :]
-        if MASKED:
-            if EVEN_D:
-                v = tl.load(ptrs_v, mask=tmask[:, None], other=0.0)
-            else:
-                v = tl.load(ptrs_v, mask=tmask[:, None] & dmask[None, :], other=0.0)
+        if KV_FP8:  # V is dim-major (triton_fp8.load_v_tile)
+            p = p * v_scale[None, :]
+            v = tf8.load_v_tile(v_cache_ptr, bt_row, tile, seq_len, kvh, stride_c_blk, q.dtype, TILE_N, BLOCK_SIZE,
+                                D, BLOCK_D, FP8_MANT, FP8_F16, FP8_ASM)
         else:
-            if EVEN_D:
-                v = tl.load(ptrs_v)
+            ptrs_v = v_cache_ptr + off[:, None] + d[None, :]
+            if MASKED:
+                if EVEN_D:
+                    v = tl.load(ptrs_v, mask=tmask[:, None], other=0.0)
+                else:
+                    v = tl.load(ptrs_v, mask=tmask[:, None] & dmask[None, :], other=0.0)
             else:
-                v = tl.load(ptrs_v, mask=dmask[None, :], other=0.0)
-        if KV_FP8:
-            v = tf8.fp8_tile(v, q.dtype, FP8_MANT, FP8_F16, FP8_ASM)
+                if EVEN_D:
+                    v = tl.load(ptrs_v)
+                else:
+                    v = tl.load(ptrs_v, mask=dmask[None, :], other=0.0)
         # rescale first, then let the matrix unit accumulate into acc (no second [M, D] add)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
@@ -530,7 +492,7 @@ def _prefill_kernel(
     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_PARTIALS: tl.constexpr, KV_FP8: tl.constexpr, FP8_MANT: tl.constexpr, KVH: tl.constexpr,
-    FP8_F16: tl.constexpr, FP8_ASM: tl.constexpr, FP8_UNIT: tl.constexpr,
+    FP8_F16: tl.constexpr, FP8_ASM: tl.constexpr,
 ):
     # Longest q blocks (the last of each causal sequence) first: better tail balance.
     qb_global = num_q_blocks - 1 - tl.program_id(0)
@@ -610,12 +572,12 @@ def _prefill_kernel(
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, kvh, stride_c_blk, stride_c_tok, stride_c_head,
         n_lo, n_full, key_limit, seq_len, scale_log2, d, dmask,
-        False, EVEN_D, BLOCK_SIZE, TILE_N, DOT_PRECISION, D, KV_FP8, FP8_MANT, KVH, FP8_F16, FP8_ASM, FP8_UNIT,
+        False, EVEN_D, BLOCK_SIZE, TILE_N, DOT_PRECISION, D, BLOCK_D, KV_FP8, FP8_MANT, KVH, FP8_F16, FP8_ASM,
     )
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, kvh, stride_c_blk, stride_c_tok, stride_c_head,
         n_full, n_all, key_limit, seq_len, scale_log2, d, dmask,
-        True, EVEN_D, BLOCK_SIZE, TILE_N, DOT_PRECISION, D, KV_FP8, FP8_MANT, KVH, FP8_F16, FP8_ASM, FP8_UNIT,
+        True, EVEN_D, BLOCK_SIZE, TILE_N, DOT_PRECISION, D, BLOCK_D, KV_FP8, FP8_MANT, KVH, FP8_F16, FP8_ASM,
     )
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_o_t + head[:, None] * stride_o_h + d[None, :],

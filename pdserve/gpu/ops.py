@@ -170,13 +170,16 @@ def _rope_write_kv_kernel(
         blk = slot // BLOCK_SIZE
         if KV_FP8:
             # fp8 pool: quantize the rotated (model-dtype-rounded) rows as fp8_kv.write does, into its layout
-            dst = tf8.value_offset(blk, kh, slot % BLOCK_SIZE, stride_c_blk, BLOCK_SIZE, 2 * HALF)[:, None]
-            dst += half[None, :]
+            kdst = tf8.value_offset(blk, kh, slot % BLOCK_SIZE, stride_c_blk, BLOCK_SIZE, 2 * HALF)[:, None]
+            kdst += half[None, :]
+            # V is stored dim-major: dim j of the row is BLOCK_SIZE * j bytes after dim 0
+            vdst = tf8.v_value_offset(blk, kh, slot % BLOCK_SIZE, stride_c_blk, BLOCK_SIZE, 2 * HALF)[:, None]
+            vdst += half[None, :] * BLOCK_SIZE
             srows = tf8.scale_offset(blk, kh, slot % BLOCK_SIZE, stride_c_blk, BLOCK_SIZE, KVH, 2 * HALF)
-            _store_fp8_row(k_cache_ptr, srows, dst, k1.to(tl.float32), k2.to(tl.float32), kmask, kh < KVH, HALF,
+            _store_fp8_row(k_cache_ptr, srows, kdst, k1.to(tl.float32), k2.to(tl.float32), kmask, kh < KVH, HALF,
                            FP8_MAX, FP8_MANT, FP8_BIAS, FP8_SUB_SCALE, k_static_scale, STATIC_SCALE)
-            _store_fp8_row(v_cache_ptr, srows, dst, v1.to(tl.float32), v2.to(tl.float32), kmask, kh < KVH, HALF,
-                           FP8_MAX, FP8_MANT, FP8_BIAS, FP8_SUB_SCALE, v_static_scale, STATIC_SCALE)
+            _store_fp8_row(v_cache_ptr, srows, vdst, v1.to(tl.float32), v2.to(tl.float32), kmask, kh < KVH,
+                           HALF * BLOCK_SIZE, FP8_MAX, FP8_MANT, FP8_BIAS, FP8_SUB_SCALE, v_static_scale, STATIC_SCALE)
         else:
             rows = blk * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_tok + kh * stride_c_head
             dst = rows[:, None] + half[None, :]
@@ -187,11 +190,12 @@ def _rope_write_kv_kernel(
 
 
 @triton.jit
-def _store_fp8_row(cache_ptr, scale_offs, dst, x1, x2, mask, row_mask, HALF: tl.constexpr, FP8_MAX: tl.constexpr,
-                   FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_SUB_SCALE: tl.constexpr, static_scale,
-                   STATIC_SCALE: tl.constexpr):
+def _store_fp8_row(cache_ptr, scale_offs, dst, x1, x2, mask, row_mask, SECOND_HALF: tl.constexpr,
+                   FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_SUB_SCALE: tl.constexpr,
+                   static_scale, STATIC_SCALE: tl.constexpr):
     """Rows given as two halves (masked entries 0): one scale over both (the checkpoint's static one with
-    STATIC_SCALE); fp8 values at dst, scales at scale_offs (triton_fp8.value_offset / scale_offset)."""
+    STATIC_SCALE); fp8 values at dst (the first half's) and dst + SECOND_HALF, scales at scale_offs
+    (triton_fp8.value_offset / v_value_offset / scale_offset)."""
     if STATIC_SCALE:
         bits = tf8.static_scale_bits(static_scale, scale_offs)
     else:
@@ -199,7 +203,7 @@ def _store_fp8_row(cache_ptr, scale_offs, dst, x1, x2, mask, row_mask, HALF: tl.
     scale = bits.to(tl.float32, bitcast=True)[:, None]
     tl.store(cache_ptr + dst, tf8.quantize_values(x1, scale, FP8_MAX, FP8_MANT, FP8_BIAS, FP8_SUB_SCALE),
              mask=mask)
-    tl.store(cache_ptr + dst + HALF, tf8.quantize_values(x2, scale, FP8_MAX, FP8_MANT, FP8_BIAS, FP8_SUB_SCALE),
+    tl.store(cache_ptr + dst + SECOND_HALF, tf8.quantize_values(x2, scale, FP8_MAX, FP8_MANT, FP8_BIAS, FP8_SUB_SCALE),
              mask=mask)
     tf8.store_scale(cache_ptr + scale_offs, bits, row_mask)
 

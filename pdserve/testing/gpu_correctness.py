@@ -370,17 +370,16 @@ def fp8_case(c: PagedCase, kv_format_name: str) -> tuple[PagedCase, PagedCase]:
     from pdserve.attention import fp8_kv
 
     fmt = fp8_kv.fp8_format(kv_format_name)
-    raw = fp8_kv.quantize_blocks(c.pool, fmt)
-    return dataclasses.replace(c, pool=raw), dataclasses.replace(c, pool=fp8_kv.dequantize_blocks(raw, fmt, c.q.dtype))
+    raw = fp8_kv.quantize_pool(c.pool, fmt)
+    return dataclasses.replace(c, pool=raw), dataclasses.replace(c, pool=fp8_kv.dequantize_pool(raw, fmt, c.q.dtype))
 
 
 def check_fp8_kernels(dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
                       cases: list[dict[str, Any]] | None = None, formats: tuple[str, ...] = ("fp8_e4m3", "fp8_e5m2"),
                       block_size: int = 16, tile_n: int | None = None, block_m: int | None = None,
-                      splits_list: tuple[int, ...] = (1, 3, 16),
-                      read_list: tuple[str, ...] = ("", "v", "q8v", "r", "rq8v")) -> list[dict[str, Any]]:
-    """The kernels over an fp8 pool: attention vs SDPA in float32 over the dequantized pool (decode also with
-    each of `read_list`'s ways of reading the pool, triton_kernels.decode_attention's fp8_read); the K/V
+                      splits_list: tuple[int, ...] = (1, 3, 16)) -> list[dict[str, Any]]:
+    """The kernels over an fp8 pool: attention vs SDPA in float32 over the dequantized pool (decode with several
+    splits; decode or prefill again with stale bytes past the sequences' ends); the K/V
     stores (plain, and fused with RoPE) byte-for-byte vs fp8_kv.write (the CPU writer) of the rows they store into a
     float pool (the fused RoPE's own rounding is check_ops' business), padding slots skipped."""
     from pdserve.attention import fp8_kv
@@ -399,19 +398,35 @@ def check_fp8_kernels(dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
             scale = case["d"] ** -0.5
             want = ref.forward(cf.q, cf.k_cache, cf.v_cache, cf.meta, scale).float()
             if c8.meta.decode_only:
-                for splits, wide in itertools.product(splits_list, read_list):
+                for splits in splits_list:
                     out = torch.full_like(c8.q, float("nan"))
                     tk.decode_attention(c8.q, c8.k_cache, c8.v_cache, c8.meta.block_tables, c8.meta.seq_lens, scale,
-                                        splits, out=out, kv_format=fmt, fp8_read=wide, **sizes)
+                                        splits, out=out, kv_format=fmt, **sizes)
                     err = rel_err(out, want)
                     results.append({"kernel": f"decode[{name}]", "case": case["name"], "splits": splits,
-                                    "fp8_read": wide, "rel_err": err, "ok": err < tol})
+                                    "rel_err": err, "ok": err < tol})
             out = torch.full_like(c8.q, float("nan"))
             extra = sizes if block_m is None else {**sizes, "block_m": block_m}
             tk.prefill_attention(c8.q, c8.k_cache, c8.v_cache, c8.meta.block_tables, c8.meta.seq_lens,
                                  c8.meta.query_start_loc, scale, len(case["q"]), out=out, kv_format=fmt, **extra)
             err = rel_err(out, want)
             results.append({"kernel": f"prefill[{name}]", "case": case["name"], "rel_err": err, "ok": err < tol})
+            # V bytes past each sequence's end (read with the whole rows of its last block) set to stale data,
+            # the format's largest code: results unchanged (their probabilities are 0)
+            values, _ = fp8_kv.layer_views(c8.v_cache, is_v=True)
+            bs = c8.meta.block_size
+            for b, n in enumerate(case["s"]):
+                values[int(c8.meta.block_tables[b, (n - 1) // bs]), :, (n - 1) % bs + 1:] = 0x7E if fmt.name == "fp8_e4m3" else 0x7B
+            out = torch.full_like(c8.q, float("nan"))
+            if c8.meta.decode_only:
+                tk.decode_attention(c8.q, c8.k_cache, c8.v_cache, c8.meta.block_tables, c8.meta.seq_lens, scale, 3,
+                                    out=out, kv_format=fmt, **sizes)
+            else:
+                tk.prefill_attention(c8.q, c8.k_cache, c8.v_cache, c8.meta.block_tables, c8.meta.seq_lens,
+                                     c8.meta.query_start_loc, scale, len(case["q"]), out=out, kv_format=fmt, **extra)
+            err = rel_err(out, want)
+            results.append({"kernel": f"{'decode' if c8.meta.decode_only else 'prefill'}[{name}]",
+                            "case": case["name"] + ", stale bytes past the end", "rel_err": err, "ok": err < tol})
 
         # the stores: same bytes as the CPU path's fp8_kv.write, slot -1 skipped, nothing else touched
         gen = torch.Generator().manual_seed(11)
@@ -443,8 +458,8 @@ def check_fp8_kernels(dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
                 ops.rope_and_write_kv(q, k, v, cos, sin, fpool[:, c8.layer, 0], fpool[:, c8.layer, 1], slots,
                                       block_size)
                 k_rows = fpool[:, c8.layer, 0][blk, slots[keep] % block_size]
-            fp8_kv.write(want_pool[:, c8.layer, 0], k_rows, slots[keep], block_size, fmt, k_static)
-            fp8_kv.write(want_pool[:, c8.layer, 1], v[keep], slots[keep], block_size, fmt, v_static)
+            fp8_kv.write(want_pool[:, c8.layer, 0], k_rows, slots[keep], block_size, fmt, k_static, is_v=False)
+            fp8_kv.write(want_pool[:, c8.layer, 1], v[keep], slots[keep], block_size, fmt, v_static, is_v=True)
             if op == "write_kv":
                 tk.write_kv(kc, vc, k, v, slots, block_size, fmt, kv_scale)
             else:
