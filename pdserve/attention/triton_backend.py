@@ -45,11 +45,12 @@ DECODE_CONFIGS: list[tuple[int, int, int, int, int]] = [
 # run 6): tile 128 / 4 warps / 2 stages capped at 128 registers (no spills) fits 4 programs per SM instead of 3
 # at the uncapped 166, so the 512 (sequence, kv head) programs of batch 64 all run in one wave, unsplit: 135 us
 # per layer, vs 149 split in two (4 per SM: the merge kernel alone ~8 us), 171 uncapped. Before (V token-major,
-# e4m3 by bit moves): 211 us. Batch 1 and 8 keep bf16's settings (8.8 / 42.4 us vs bf16's 10.0 / 40.4).
+# e4m3 by bit moves): 211 us. Smaller batches, kv 4096, same run (results/h200-fp8-kv/vt_small_batches.json):
+# batch 1 8.8 us with bf16's settings (128-token tiles 9.2); batch 8 28.8 us at 4 per SM (bf16's settings 42.7,
+# bf16 40.3); batch 24 63.8 us at 2 per SM (4 per SM 78.5, bf16's settings 104.0, bf16 127.8).
 FP8_DECODE_CONFIGS: list[tuple] = [
     DECODE_CONFIGS[0],
-    DECODE_CONFIGS[1],
-    (128, 128, 4, 2, 2, 128),
+    (12, 128, 4, 2, 4, 128),
     (1 << 30, 128, 4, 2, 2, 128),
 ]
 
