@@ -389,6 +389,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 # prefill (varlen, causal, paged, GQA packed)
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
+def _load_rows(ptrs, tmask, dmask, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """A [TILE_N, D] tile of K or V rows (0 where masked). Masks constant along d keep the 16-byte vector loads;
+    full tiles need none at all."""
+    if MASKED:
+        if EVEN_D:
+            return tl.load(ptrs, mask=tmask[:, None], other=0.0)
+        else:
+            return tl.load(ptrs, mask=tmask[:, None] & dmask[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=dmask[None, :], other=0.0)
+
+
+@triton.jit
 def _attend_tiles(
     acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, kvh, stride_c_blk, stride_c_tok, stride_c_head,
     tile_lo, tile_hi, key_limit, seq_len, scale_log2, d, dmask,
@@ -409,18 +425,7 @@ def _attend_tiles(
             off = tf8.value_offset(blk, kvh, tok % BLOCK_SIZE, stride_c_blk, BLOCK_SIZE, D)
         else:
             off = blk * stride_c_blk + (tok % BLOCK_SIZE) * stride_c_tok + head_off
-        ptrs_k = k_cache_ptr + off[:, None] + d[None, :]
-        # Masks constant along d keep the 16-byte vector loads; full tiles need none at all.
-        if MASKED:
-            if EVEN_D:
-                k = tl.load(ptrs_k, mask=tmask[:, None], other=0.0)
-            else:
-                k = tl.load(ptrs_k, mask=tmask[:, None] & dmask[None, :], other=0.0)
-        else:
-            if EVEN_D:
-                k = tl.load(ptrs_k)
-            else:
-                k = tl.load(ptrs_k, mask=dmask[None, :], other=0.0)
+        k = _load_rows(k_cache_ptr + off[:, None] + d[None, :], tmask, dmask, MASKED, EVEN_D)
         if KV_FP8:  # exact fp8 values; the row scales multiply score / probability columns
             qk = tl.dot(q, tl.trans(tf8.fp8_tile(k, q.dtype, FP8_MANT, FP8_F16, FP8_ASM)),
                         input_precision=DOT_PRECISION)
@@ -454,17 +459,7 @@ def _attend_tiles(
             v = tf8.load_v_tile(v_cache_ptr, bt_row, tile, seq_len, kvh, stride_c_blk, q.dtype, TILE_N, BLOCK_SIZE,
                                 D, BLOCK_D, FP8_MANT, FP8_F16, FP8_ASM)
         else:
-            ptrs_v = v_cache_ptr + off[:, None] + d[None, :]
-            if MASKED:
-                if EVEN_D:
-                    v = tl.load(ptrs_v, mask=tmask[:, None], other=0.0)
-                else:
-                    v = tl.load(ptrs_v, mask=tmask[:, None] & dmask[None, :], other=0.0)
-            else:
-                if EVEN_D:
-                    v = tl.load(ptrs_v)
-                else:
-                    v = tl.load(ptrs_v, mask=dmask[None, :], other=0.0)
+            v = _load_rows(v_cache_ptr + off[:, None] + d[None, :], tmask, dmask, MASKED, EVEN_D)
         # rescale first, then let the matrix unit accumulate into acc (no second [M, D] add)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
