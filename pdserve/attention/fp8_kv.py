@@ -26,7 +26,7 @@ values view is the transposed storage seen as [kv_heads, block_size, head_dim]).
   and the matrix-product operand wants it contiguous. A token-major 8-bit V tile had to be moved into that
   operand layout one byte at a time (sm_90 has no transposing 8-bit shared-memory load): 128 shared loads and
   ~100 byte permutes per thread per 128-token tile, the largest part of the fp8 decode loop's instructions.
-  Dim-major, V loads like K (ldmatrix, no byte moves): the kernel went from 212 to 154 us at b64 / 4k on the
+  Dim-major, V loads like K (ldmatrix, no byte moves): the kernel went from 212 to 135 us at b64 / 4k on the
   H200 (with the hardware e4m3 conversion and a register cap, BENCHMARKS.md);
 - block `i` is still one contiguous byte range holding its data and its scales (one NIXL descriptor per
   block moves both), and prefix-cached blocks stay self-describing;
