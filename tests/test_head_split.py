@@ -78,6 +78,34 @@ def test_block_size_mismatch_is_refused() -> None:
                         local=_region(consumer), remotes=[bad])
 
 
+# the consumer's blocks 0, 1, 2, 4 <- the producer's 6, 5 (a descending run), 1, 2; blocks 3, 5, 6 untouched
+SPLIT_LOCAL_IDS, SPLIT_REMOTE_IDS = [0, 1, 2, 4], [6, 5, 1, 2]
+
+
+def _check_head_split(rank_pool, consumer_pool, *, blocks: int, kv_heads: int, src_tp: int, dst_tp: int,
+                      compat: dict, geometry: BlockGeometry, descriptors_per_run_head: int,
+                      check_bytes: bool) -> None:
+    """Producer ranks' pools (`rank_pool(rank, tp)`) read by every consumer rank (`consumer_pool(heads)`, zeros)
+    through plan_rank_reads: each gets exactly its heads of the named blocks and nothing else, with at most
+    `descriptors_per_run_head` descriptors per run and head (never per token row)."""
+    producers = [rank_pool(r, src_tp) for r in range(src_tp)]
+    remotes = [RemotePool(0, p.nbytes, "DRAM", 0, p.nbytes // blocks, blocks) for p in producers]
+    runs = coalesce_block_runs(SPLIT_LOCAL_IDS, SPLIT_REMOTE_IDS)
+    for d_rank in range(dst_tp):
+        heads = kv_heads_per_rank(dst_tp, kv_heads)
+        consumer = consumer_pool(heads)
+        assert block_geometry(compat, consumer.nbytes // blocks, heads) == geometry
+        reads = plan_rank_reads(runs, geometry=geometry, num_kv_heads=kv_heads, dst_rank=d_rank, dst_tp=dst_tp,
+                                src_tp=src_tp, local=_region(consumer), remotes=remotes)
+        for read in reads:
+            _apply(consumer, producers[read.src_rank], read.local_descs, read.remote_descs)
+            assert read.num_descriptors <= len(runs) * kv_heads * descriptors_per_run_head
+        np.testing.assert_array_equal(consumer[SPLIT_LOCAL_IDS], rank_pool(d_rank, dst_tp)[SPLIT_REMOTE_IDS])
+        assert not consumer[[3, 5, 6]].any()
+        if check_bytes:
+            assert sum(r.nbytes for r in reads) == len(SPLIT_LOCAL_IDS) * consumer.nbytes // blocks
+
+
 @pytest.mark.parametrize(("kv_heads", "src_tp", "dst_tp"), [(4, 1, 2), (4, 2, 1), (4, 2, 2), (2, 2, 4), (8, 4, 2)])
 def test_fp8_pools_split_by_head_with_values_and_scales(kv_heads: int, src_tp: int, dst_tp: int) -> None:
     """fp8 pools (pdserve.attention.fp8_kv: per (layer, K|V) region, head-major values then scales): a
@@ -87,30 +115,19 @@ def test_fp8_pools_split_by_head_with_values_and_scales(kv_heads: int, src_tp: i
     from pdserve.attention import fp8_kv
 
     fmt, d, blocks = fp8_kv.fp8_format("fp8"), 16, 7
-    compat = {"num_layers": LAYERS, "block_size": BS, "head_dim": d, "kv_scales": fp8_kv.SCALE_SCHEME}
     global_kv = torch.randn(blocks, LAYERS, 2, BS, kv_heads, d, generator=torch.Generator().manual_seed(kv_heads))
 
     def rank_pool(rank: int, tp: int) -> np.ndarray:
         start, n = kv_head_start(rank, tp, kv_heads), kv_heads_per_rank(tp, kv_heads)
         return fp8_kv.quantize_pool(global_kv[..., start : start + n, :], fmt).numpy()
 
-    producers = [rank_pool(r, src_tp) for r in range(src_tp)]
-    remotes = [RemotePool(0, p.nbytes, "DRAM", 0, p.nbytes // blocks, blocks) for p in producers]
-    local_ids, remote_ids = [0, 1, 2, 4], [6, 5, 1, 2]
-    runs = coalesce_block_runs(local_ids, remote_ids)
-    for d_rank in range(dst_tp):
-        heads = kv_heads_per_rank(dst_tp, kv_heads)
-        consumer = np.zeros((blocks, LAYERS, 2, BS, heads, d + 2), dtype=np.uint8)
-        geometry = block_geometry(compat, consumer.nbytes // blocks, heads)
-        assert geometry == BlockGeometry(LAYERS * 2, (BS * d, BS * 2))
-        reads = plan_rank_reads(runs, geometry=geometry, num_kv_heads=kv_heads, dst_rank=d_rank, dst_tp=dst_tp,
-                                src_tp=src_tp, local=_region(consumer), remotes=remotes)
-        for read in reads:
-            _apply(consumer, producers[read.src_rank], read.local_descs, read.remote_descs)
-            assert read.num_descriptors <= len(runs) * kv_heads * 2  # values + scales per run, never per row
-        np.testing.assert_array_equal(consumer[local_ids], rank_pool(d_rank, dst_tp)[remote_ids])
-        assert not consumer[[3, 5, 6]].any()
-        assert sum(r.nbytes for r in reads) == len(local_ids) * consumer.nbytes // blocks
+    _check_head_split(
+        rank_pool, lambda heads: np.zeros((blocks, LAYERS, 2, BS, heads, d + 2), dtype=np.uint8),
+        blocks=blocks, kv_heads=kv_heads, src_tp=src_tp, dst_tp=dst_tp,
+        compat={"num_layers": LAYERS, "block_size": BS, "head_dim": d, "kv_scales": fp8_kv.SCALE_SCHEME},
+        geometry=BlockGeometry(LAYERS * 2, (BS * d, BS * 2)),
+        descriptors_per_run_head=2,  # values + scales per run, never per row
+        check_bytes=True)
 
 
 @pytest.mark.parametrize(("kv_heads", "src_tp", "dst_tp"), [(4, 1, 2), (4, 2, 1), (8, 4, 2), (2, 1, 4), (8, 2, 2)])
@@ -127,20 +144,10 @@ def test_head_major_float_pools_split_by_head(kv_heads: int, src_tp: int, dst_tp
         start, n = kv_head_start(rank, tp, kv_heads), kv_heads_per_rank(tp, kv_heads)
         return np.ascontiguousarray(global_kv[:, :, :, start : start + n])
 
-    compat = {"num_layers": LAYERS, "block_size": BS, "head_dim": HD, "kv_layout": HEAD_MAJOR_LAYOUT}
-    producers = [rank_pool(r, src_tp) for r in range(src_tp)]
-    remotes = [RemotePool(0, p.nbytes, "DRAM", 0, p.nbytes // blocks, blocks) for p in producers]
-    local_ids, remote_ids = [0, 1, 2, 4], [6, 5, 1, 2]
-    runs = coalesce_block_runs(local_ids, remote_ids)
-    for d in range(dst_tp):
-        heads = kv_heads_per_rank(dst_tp, kv_heads)
-        consumer = np.zeros((blocks, LAYERS, 2, heads, BS, HD), dtype=np.float32)
-        geometry = block_geometry(compat, consumer.nbytes // blocks, heads)
-        assert geometry == BlockGeometry(LAYERS * 2, (BS * HD * 4,))
-        reads = plan_rank_reads(runs, geometry=geometry, num_kv_heads=kv_heads, dst_rank=d, dst_tp=dst_tp,
-                                src_tp=src_tp, local=_region(consumer), remotes=remotes)
-        for read in reads:
-            _apply(consumer, producers[read.src_rank], read.local_descs, read.remote_descs)
-            assert read.num_descriptors <= len(runs) * kv_heads  # a row per run (and head run), never per token
-        np.testing.assert_array_equal(consumer[local_ids], rank_pool(d, dst_tp)[remote_ids])
-        assert not consumer[[3, 5, 6]].any()
+    _check_head_split(
+        rank_pool, lambda heads: np.zeros((blocks, LAYERS, 2, heads, BS, HD), dtype=np.float32),
+        blocks=blocks, kv_heads=kv_heads, src_tp=src_tp, dst_tp=dst_tp,
+        compat={"num_layers": LAYERS, "block_size": BS, "head_dim": HD, "kv_layout": HEAD_MAJOR_LAYOUT},
+        geometry=BlockGeometry(LAYERS * 2, (BS * HD * 4,)),
+        descriptors_per_run_head=1,  # a row per run (and head run), never per token
+        check_bytes=False)
