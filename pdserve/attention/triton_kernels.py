@@ -25,6 +25,7 @@ Everything here needs triton; it is imported only on CUDA (or under TRITON_INTER
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -43,6 +44,12 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+@functools.cache
+def _has_e4m3_cvt(device_index: int | None) -> bool:
+    # once per device: _read_args runs for every layer of every eager step
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
 def _read_args(kv_format: fp8_kv.Fp8Format | None, k_cache: torch.Tensor, head_dim: int,
                q: torch.Tensor | None = None) -> dict:
     """The fp8 constexprs of the read kernels. FP8_F16: 16-bit queries read fp8 K/V as float16
@@ -56,7 +63,7 @@ def _read_args(kv_format: fp8_kv.Fp8Format | None, k_cache: torch.Tensor, head_d
     args = tf8.kernel_args(kv_format)
     asm = f16 and k_cache.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
     if asm and args["FP8_MANT"] == 3:  # the e4m3 conversion instruction exists from sm_89 (Ada, Hopper) on
-        asm = torch.cuda.get_device_capability(k_cache.device) >= (8, 9)
+        asm = _has_e4m3_cvt(k_cache.device.index)
     return {"KV_FP8": args["KV_FP8"], "FP8_MANT": args["FP8_MANT"], "FP8_F16": f16, "FP8_ASM": asm}
 
 
