@@ -84,12 +84,23 @@ class EarlyDecodeLeg:
                 headers=self.headers, timeout=state.decode_timeout,
             ) as resp:
                 status, data = resp.status, await resp.read()
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            # not delivered, so nothing claimed the lease: the ordinary leg (maybe elsewhere) can still
+        except _CONNECT_ERRORS as exc:
+            # never reached the instance, so nothing claimed the lease: the ordinary leg (maybe elsewhere) can
             logger.warning("request %s: kv_transfer_params not delivered to %s: %s", self.rid, inst.url, exc)
             inst.record_failure(f"params delivery: {type(exc).__name__}", state.config.eject_after)
             await self.cancel()
             return None
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            # Sent, but no answer (the instance died or hung): it may have handed the params to its engine,
+            # which claims the lease at once, before the answer goes out. A second decode leg would then be
+            # refused the lease (409 already_claimed, blaming the client's params) or, worse, race the first:
+            # the request fails here, as a decode leg that broke after reaching its instance does.
+            logger.warning("request %s: kv_transfer_params delivery to %s broke: %s", self.rid, inst.url, exc)
+            state.metrics.error("decode_io")
+            inst.record_failure(f"params delivery: {type(exc).__name__}", state.config.eject_after)
+            await self.cancel()
+            return error_response(502, f"decode leg failed while its kv_transfer_params were delivered: "
+                                  f"{type(exc).__name__}: {exc}", "BadGatewayError", request_id=self.rid)
         if status != 200:
             # refused (the leg ends with the same 400) or not served: the leg is dropped, the answer relayed
             await self.cancel()
