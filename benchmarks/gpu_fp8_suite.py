@@ -10,7 +10,9 @@ Sections (each bounded; a failure is recorded and the next runs):
 - kernels: the fp8 kernels vs SDPA on the dequantized pool (bf16), the K/V stores byte-exact vs fp8_kv.
 - decode_kernel: one layer's decode attention at batch 64, 4k context (Llama-3.1-8B heads), bf16 pool at
   its tuned config vs the fp8 pool over a small config sweep (CUDA-graph timed); the winner is what the
-  fp8 engine below captures its graphs with.
+  fp8 engine below captures its graphs with. Then the CUDA fp8 decode kernel (opt-in, cuda_fp8_decode.py)
+  over its own small sweep, when it builds.
+- engine_fp8_cuda: the fp8 engine again with the CUDA decode kernel (its sweep's best), when it was correct.
 - engine_bf16 / engine_fp8: Llama-3.1-8B shape, dummy weights, gpu_memory_utilization 0.9: KV blocks at the
   same memory; decode step at batch 64 with 4k context ((weights + KV bytes) / step vs the copy ceiling);
   TTFT of a 32k prompt with and without the cuDNN long-prefill path (fp8 dequantizes each chunk for cuDNN).
@@ -51,6 +53,9 @@ FP8_DECODE_SWEEP = [
 ]
 # smaller batches (their buckets' configs), same context
 FP8_DECODE_SMALL = [1, 8]
+# (stages, programs per SM for the splits) of the CUDA fp8 decode kernel (pdserve/attention/cuda_fp8_decode.py,
+# opt-in until measured) at batch 64: 3 stages fit 4 CTAs per SM, 4 stages 3, 6 stages 2
+CUDA_FP8_DECODE_SWEEP = [(3, 4), (2, 4), (4, 3), (6, 2), (3, 8)]
 
 
 class Run:
@@ -173,6 +178,8 @@ def decode_kernel(small: bool, small_batches: bool = True) -> dict[str, Any]:
         small_rows.append(row)
         print(json.dumps(row), flush=True)
     res["fp8_small_batches"] = small_rows
+    if not small:
+        res.update(_cuda_decode_sweep(c8, fmt, scale, out, want, kv_bytes["fp8"], num_sms, timer))
     ok = [s for s in sweep if "us" in s and s["rel_err"] < 2e-2]
     best = min(ok, key=lambda s: s["us"]) if ok else None
     res["fp8_sweep"] = sweep
@@ -180,6 +187,48 @@ def decode_kernel(small: bool, small_batches: bool = True) -> dict[str, Any]:
     if best is not None and not small:
         res["speedup_fp8_vs_bf16"] = res["bf16"]["us"] / best["us"]
     return res
+
+
+def _cuda_decode_sweep(c8, fmt, scale: float, out: torch.Tensor, want: torch.Tensor, kv_bytes: int, num_sms: int,
+                       timer) -> dict[str, Any]:
+    """The CUDA fp8 decode kernel on decode_kernel's batch-64 case, over CUDA_FP8_DECODE_SWEEP."""
+    from pdserve.attention import cuda_fp8_decode as cfd
+    from pdserve.attention import triton_kernels as tk
+    from pdserve.testing.gpu_correctness import rel_err
+
+    if not cfd.usable(c8.q, c8.k_cache, fmt):
+        return {"fp8_cuda_skipped": cfd.build_error(c8.q.device) or "the kernel does not take this shape"}
+    rows = []
+    for stages, pps in CUDA_FP8_DECODE_SWEEP:
+        splits = tk.decode_num_splits(c8.q.shape[0], c8.k_cache.shape[2], num_sms, pps)
+
+        def fn(stages=stages, splits=splits):
+            return cfd.decode_attention(c8.q, c8.k_cache, c8.v_cache, c8.meta.block_tables, c8.meta.seq_lens, scale,
+                                        splits, fmt, stages=stages, out=out)
+
+        try:
+            us = timer(fn)
+            out.fill_(float("nan"))
+            fn()
+            rows.append({"stages": stages, "programs_per_sm": pps, "splits": splits, "us": us,
+                         "GBps": kv_bytes / max(us, 1e-9) / 1e3, "rel_err": rel_err(out, want)})
+        except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+            rows.append({"stages": stages, "programs_per_sm": pps, "error": f"{type(e).__name__}: {e}"[:300]})
+        print(json.dumps(rows[-1]), flush=True)
+    ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2]
+    return {"fp8_cuda_sweep": rows, "fp8_cuda_best": min(ok, key=lambda r: r["us"]) if ok else None}
+
+
+def engine_with_cuda_decode(best: dict, batch: int, ctx: int) -> dict[str, Any]:
+    """engine("fp8") with the CUDA decode kernel at the sweep's best setting (PDSERVE_FP8_DECODE=cuda)."""
+    from pdserve.attention import cuda_fp8_decode as cfd
+
+    os.environ["PDSERVE_FP8_DECODE"] = "cuda"
+    cfd.DEFAULT_STAGES, cfd.PROGRAMS_PER_SM = best["stages"], best["programs_per_sm"]
+    try:
+        return {"cuda_decode": best, **engine("fp8", batch, ctx, 0)}
+    finally:
+        os.environ.pop("PDSERVE_FP8_DECODE", None)
 
 
 def use_fp8_decode_config(cfg: tuple, batch: int) -> dict:
@@ -288,19 +337,26 @@ def summarize(r: dict[str, Any]) -> None:
         print(f"decode kernel b{dk['batch']} ctx {dk['context']}: bf16 {dk['bf16']['us']:.1f} us "
               f"({dk['bf16']['GBps']:.0f} GB/s) vs fp8 {dk['fp8_best']['us']:.1f} us ({dk['fp8_best']['GBps']:.0f} "
               f"GB/s, config {dk['fp8_best']['config']}): {dk.get('speedup_fp8_vs_bf16', 0):.2f}x")
+    if dk.get("fp8_cuda_best"):
+        best = dk["fp8_cuda_best"]
+        print(f"decode kernel, CUDA fp8: {best['us']:.1f} us ({best['GBps']:.0f} GB/s, {best['stages']} stages, "
+              f"{best['splits']} splits): {dk['bf16']['us'] / best['us']:.2f}x bf16")
+    elif dk.get("fp8_cuda_skipped") or dk.get("fp8_cuda_sweep"):
+        print(f"decode kernel, CUDA fp8: {dk.get('fp8_cuda_skipped') or 'no correct setting'}")
     blocks = {k: get(f"engine_{k}", "info", "num_blocks") for k in ("bf16", "fp8")}
     if all(blocks.values()):
         print(f"KV blocks at gpu_memory_utilization 0.9: bf16 {blocks['bf16']} vs fp8 {blocks['fp8']} "
               f"({blocks['fp8'] / blocks['bf16']:.2f}x)")
-    steps = {k: get(f"engine_{k}", "decode") for k in ("bf16", "fp8")}
+    steps = {k: get(f"engine_{k}", "decode") for k in ("bf16", "fp8", "fp8_cuda")}
     for k, d in steps.items():
         if d:
             share = f", {d['achieved_GBps'] / copy * 100:.0f}% of copy" if copy else ""
             print(f"decode step {k}: {d['itl_ms']:.2f} ms (device {d['device_only_step_ms']:.2f} ms), "
                   f"{d['bytes_per_step_GB']:.1f} GB/step = {d['achieved_GBps']:.0f} GB/s{share}")
-    if all(steps.values()):
-        print(f"decode step speedup fp8 vs bf16: {steps['bf16']['itl_ms'] / steps['fp8']['itl_ms']:.2f}x "
-              f"(device only {steps['bf16']['device_only_step_ms'] / steps['fp8']['device_only_step_ms']:.2f}x)")
+    for k in ("fp8", "fp8_cuda"):
+        if steps["bf16"] and steps[k]:
+            print(f"decode step speedup {k} vs bf16: {steps['bf16']['itl_ms'] / steps[k]['itl_ms']:.2f}x (device "
+                  f"only {steps['bf16']['device_only_step_ms'] / steps[k]['device_only_step_ms']:.2f}x)")
     for k in ("bf16", "fp8"):
         lc = get(f"engine_{k}", "long_context", "backends")
         if lc:
@@ -368,6 +424,8 @@ def main() -> int:
     long_prompt = 0 if args.no_long_prompt else 32768
     run.section("engine_bf16", engine, "auto", 64, 4096, long_prompt, min_left_s=180)
     run.section("engine_fp8", engine, "fp8", 64, 4096, long_prompt, min_left_s=150)
+    if dk and dk.get("fp8_cuda_best"):
+        run.section("engine_fp8_cuda", engine_with_cuda_decode, dk["fp8_cuda_best"], 64, 4096, min_left_s=120)
     run.section("accuracy", accuracy, False, min_left_s=90)
     run.section("nixl", nixl, False, 60, run.out, min_left_s=50)
     run.section("pd1", pd1, False, max(60.0, run.left() / 2), args.tokenizer, min_left_s=80)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.attention import cuda_fp8_decode as cfd
 from pdserve.attention import fp8_kv
 from pdserve.attention import long_prefill as lp
 from pdserve.attention import triton_kernels as tk
@@ -90,7 +91,10 @@ class TritonAttention:
 
     def warm_up(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                 device: torch.device, budget: int, max_model_len: int) -> int:
-        """Library plans for full-budget long chunks (long_prefill.warm_up); the kernels JIT on first use."""
+        """Library plans for full-budget long chunks (long_prefill.warm_up), and the CUDA fp8 decode kernel's
+        build when it is selected; the Triton kernels JIT on first use."""
+        if self.kv_format is not None and cfd.selected() and device.type == "cuda":
+            cfd.library(device)  # ~20 s of nvcc once per machine (cached), here rather than in the first step
         if self.long_prefill is None or self.long_prefill.impl != "cudnn":
             return 0
         return lp.warm_up(num_heads, num_kv_heads, head_dim, dtype, device, budget, max_model_len)
@@ -117,6 +121,10 @@ class TritonAttention:
                 scale: float) -> torch.Tensor:
         if meta.decode_only:
             batch = q.shape[0]
+            if self.kv_format is not None and cfd.selected() and cfd.usable(q, k_cache, self.kv_format):
+                splits = tk.decode_num_splits(batch, k_cache.shape[2], self.num_sms, cfd.PROGRAMS_PER_SM)
+                return cfd.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits,
+                                            self.kv_format, stages=cfd.DEFAULT_STAGES)
             tile_n, warps, stages, pps, max_regs = decode_config(batch, FP8_DECODE_CONFIGS if self.kv_format else None)
             splits = tk.decode_num_splits(batch, k_cache.shape[2], self.num_sms, pps)
             return tk.decode_attention(

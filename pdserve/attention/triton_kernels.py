@@ -385,11 +385,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         **({} if max_regs is None else {"maxnreg": max_regs}),
     )
     if num_splits > 1 and not fused_merge:
-        _decode_merge_kernel[(batch, num_heads)](
-            part_o, part_lse, out, out.stride(0), out.stride(1), num_splits,
-            H=num_heads, D=d, BLOCK_D=block_d, BLOCK_S=MAX_DECODE_SPLITS, num_warps=4,
-        )
+        merge_decode_splits(part_o, part_lse, out)
     return out
+
+
+def merge_decode_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """out[b, h] from the splits' partial outputs part_o [B, H, splits, BLOCK_D] (float32) and their log2-sum-exp
+    part_lse [B, H, splits] (-inf for a split that saw no keys)."""
+    batch, num_heads, num_splits, block_d = part_o.shape
+    _decode_merge_kernel[(batch, num_heads)](
+        part_o, part_lse, out, out.stride(0), out.stride(1), num_splits,
+        H=num_heads, D=out.shape[-1], BLOCK_D=block_d, BLOCK_S=MAX_DECODE_SPLITS, num_warps=4,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -374,6 +374,32 @@ def fp8_case(c: PagedCase, kv_format_name: str) -> tuple[PagedCase, PagedCase]:
     return dataclasses.replace(c, pool=raw), dataclasses.replace(c, pool=fp8_kv.dequantize_pool(raw, fmt, c.q.dtype))
 
 
+def _check_cuda_fp8_decode(c8: PagedCase, fmt: Any, scale: float, want: torch.Tensor, splits_list: tuple[int, ...],
+                           tol: float, case_name: str) -> list[dict[str, Any]]:
+    """The CUDA fp8 decode kernel (pdserve.attention.cuda_fp8_decode, opt-in until measured) on a decode case it
+    takes, every stage count; nothing where it cannot run (CPU, another head size, no nvcc); a failed build on a
+    machine with nvcc is a failed row."""
+    from pdserve.attention import cuda_fp8_decode as cfd
+
+    if not c8.q.is_cuda or torch.cuda.get_device_capability(c8.q.device) < (8, 9):
+        return []
+    if not cfd.usable(c8.q, c8.k_cache, fmt):
+        error = cfd.build_error(c8.q.device)
+        if error is None or "nvcc not found" in error:
+            return []  # a shape it does not take, or a machine that cannot build it
+        return [{"kernel": f"decode-cuda[{fmt.name}]", "case": case_name, "ok": False, "error": error[-500:]}]
+    rows = []
+    for stages in cfd.STAGES:
+        for splits in splits_list:
+            out = torch.full_like(c8.q, float("nan"))
+            cfd.decode_attention(c8.q, c8.k_cache, c8.v_cache, c8.meta.block_tables, c8.meta.seq_lens, scale, splits,
+                                 fmt, stages=stages, out=out)
+            err = rel_err(out, want)
+            rows.append({"kernel": f"decode-cuda[{fmt.name}]", "case": case_name, "stages": stages,
+                         "splits": splits, "rel_err": err, "ok": err < tol})
+    return rows
+
+
 def check_fp8_kernels(dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
                       cases: list[dict[str, Any]] | None = None, formats: tuple[str, ...] = ("fp8_e4m3", "fp8_e5m2"),
                       block_size: int = 16, tile_n: int | None = None, block_m: int | None = None,
@@ -405,6 +431,7 @@ def check_fp8_kernels(dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
                     err = rel_err(out, want)
                     results.append({"kernel": f"decode[{name}]", "case": case["name"], "splits": splits,
                                     "rel_err": err, "ok": err < tol})
+                results += _check_cuda_fp8_decode(c8, fmt, scale, want, splits_list, tol, case["name"])
             out = torch.full_like(c8.q, float("nan"))
             extra = sizes if block_m is None else {**sizes, "block_m": block_m}
             tk.prefill_attention(c8.q, c8.k_cache, c8.v_cache, c8.meta.block_tables, c8.meta.seq_lens,
@@ -421,6 +448,8 @@ def check_fp8_kernels(dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
             if c8.meta.decode_only:
                 tk.decode_attention(c8.q, c8.k_cache, c8.v_cache, c8.meta.block_tables, c8.meta.seq_lens, scale, 3,
                                     out=out, kv_format=fmt, **sizes)
+                results += _check_cuda_fp8_decode(c8, fmt, scale, want, (3,), tol,
+                                                  case["name"] + ", stale bytes past the end")
             else:
                 tk.prefill_attention(c8.q, c8.k_cache, c8.v_cache, c8.meta.block_tables, c8.meta.seq_lens,
                                      c8.meta.query_start_loc, scale, len(case["q"]), out=out, kv_format=fmt, **extra)
