@@ -376,12 +376,13 @@ def fp8_case(c: PagedCase, kv_format_name: str) -> tuple[PagedCase, PagedCase]:
 
 def _check_cuda_fp8_decode(c8: PagedCase, fmt: Any, scale: float, want: torch.Tensor, splits_list: tuple[int, ...],
                            tol: float, case_name: str) -> list[dict[str, Any]]:
-    """The CUDA fp8 decode kernel (pdserve.attention.cuda_fp8_decode, opt-in until measured) on a decode case it
-    takes, every stage count; nothing where it cannot run (CPU, another head size, no nvcc); a failed build on a
-    machine with nvcc is a failed row."""
+    """The CUDA fp8 decode kernel (pdserve.attention.cuda_fp8_decode) on a decode case it takes, every stage count,
+    when it is selected (PDSERVE_FP8_DECODE=cuda: opt-in until it has run on a GPU, so that a fault in it cannot
+    take the default kernels' checks down with the CUDA context); nothing where it cannot run (CPU, another head
+    size, no nvcc); a failed build on a machine with nvcc is a failed row."""
     from pdserve.attention import cuda_fp8_decode as cfd
 
-    if not c8.q.is_cuda or torch.cuda.get_device_capability(c8.q.device) < (8, 9):
+    if not cfd.selected() or not c8.q.is_cuda or torch.cuda.get_device_capability(c8.q.device) < (8, 9):
         return []
     if not cfd.usable(c8.q, c8.k_cache, fmt):
         error = cfd.build_error(c8.q.device)
