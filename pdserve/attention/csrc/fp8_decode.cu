@@ -113,34 +113,20 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
-template <typename T>
-__device__ __forceinline__ float to_float(T x);
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <>
-__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
-
 __device__ __forceinline__ float bf16_at(const uint8_t* p) {
   return __uint_as_float(static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(p)) << 16);
 }
 
-__device__ __forceinline__ float quad_group_max(float x) {  // over the 8 lanes with the same t (lane % 4)
-  x = fmaxf(x, __shfl_xor_sync(FULL, x, 4));
-  x = fmaxf(x, __shfl_xor_sync(FULL, x, 8));
-  return fmaxf(x, __shfl_xor_sync(FULL, x, 16));
-}
-
-__device__ __forceinline__ float quad_group_sum(float x) {
-  x += __shfl_xor_sync(FULL, x, 4);
-  x += __shfl_xor_sync(FULL, x, 8);
-  return x + __shfl_xor_sync(FULL, x, 16);
+// max (MAX) or sum of x over the 8 lanes with the same t = lane % 4 (the tokens of a head's score column, or a
+// head's partial sums)
+template <bool MAX>
+__device__ __forceinline__ float over_rows(float x) {
+#pragma unroll
+  for (int mask = 4; mask < 32; mask *= 2) {
+    const float y = __shfl_xor_sync(FULL, x, mask);
+    x = MAX ? fmaxf(x, y) : x + y;
+  }
+  return x;
 }
 
 struct Params {
@@ -190,10 +176,10 @@ __global__ void __launch_bounds__(WARPS * 32, STAGES <= 3 ? 4 : 2)
       const int d0 = 16 * j + 4 * t;
       float v0 = 0.f, v1 = 0.f, v2 = 0.f, v3 = 0.f;
       if (real) {
-        v0 = to_float(qrow[d0]);
-        v1 = to_float(qrow[d0 + 1]);
-        v2 = to_float(qrow[d0 + 2]);
-        v3 = to_float(qrow[d0 + 3]);
+        v0 = static_cast<float>(qrow[d0]);  // __half and __nv_bfloat16 convert both ways
+        v1 = static_cast<float>(qrow[d0 + 1]);
+        v2 = static_cast<float>(qrow[d0 + 2]);
+        v3 = static_cast<float>(qrow[d0 + 3]);
       }
       qb[j][0] = pack_f16x2(v0, v1);
       qb[j][1] = pack_f16x2(v2, v3);
@@ -298,7 +284,7 @@ __global__ void __launch_bounds__(WARPS * 32, STAGES <= 3 ? 4 : 2)
     x[3] = tok + 8 < seq_len ? (s[3] + s_odd[3]) * f_hi : -INFINITY;
     float m_new[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) m_new[h] = fmaxf(m_run[h], quad_group_max(fmaxf(x[h], x[h + 2])));  // finite
+    for (int h = 0; h < 2; ++h) m_new[h] = fmaxf(m_run[h], over_rows<true>(fmaxf(x[h], x[h + 2])));  // finite
     if (__any_sync(FULL, m_new[0] != m_run[0] || m_new[1] != m_run[1])) {
       const float alpha[2] = {exp2f(m_run[0] - m_new[0]), exp2f(m_run[1] - m_new[1])};
 #pragma unroll
@@ -339,8 +325,8 @@ __global__ void __launch_bounds__(WARPS * 32, STAGES <= 3 ? 4 : 2)
     }
   }
   cp_async_wait<0>();
-  l_part[0] = quad_group_sum(l_part[0]);
-  l_part[1] = quad_group_sum(l_part[1]);
+  l_part[0] = over_rows<false>(l_part[0]);
+  l_part[1] = over_rows<false>(l_part[1]);
 
   // combine the warps: (max, sum) per head and the accumulators of heads < G through shared memory (the
   // pipeline's, now idle)
@@ -380,7 +366,7 @@ __global__ void __launch_bounds__(WARPS * 32, STAGES <= 3 ? 4 : 2)
     o = l > 0.f ? o / l : 0.f;
     const int head = kvh * G + h;
     if (p.num_splits == 1) {
-      static_cast<QT*>(p.out)[b * p.out_stride_b + head * p.out_stride_h + d] = from_float<QT>(o);
+      static_cast<QT*>(p.out)[b * p.out_stride_b + head * p.out_stride_h + d] = QT(o);
     } else {
       const int64_t row = (static_cast<int64_t>(b) * p.num_heads + head) * p.num_splits + split;
       p.part_o[row * D + d] = o;
