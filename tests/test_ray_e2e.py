@@ -145,7 +145,7 @@ def app(cluster: Any, model_dir: Path, tmp_path_factory) -> Iterator[App]:  # ty
              "--autoscale", "--min-prefill", "1", "--max-prefill", "2", "--max-decode", "2",
              "--target-ongoing-prefill", "2", "--target-ongoing-decode", "3", "--waiting-high", "2",
              "--autoscale-interval", "1", "--autoscale-window", "3", "--upscale-delay", "2",
-             "--downscale-delay", "8", "--drain-timeout", "30"],
+             "--downscale-delay", "12", "--drain-timeout", "30"],
             cwd=tmp, env=dict(os.environ))
     the_app: App | None = None
     try:
@@ -371,6 +371,13 @@ def test_kill_restart_and_autoscale_under_load(app: App) -> None:
     assert _complete(app, prompt)["token_ids"] == ref["token_ids"]
 
 
+def _desired(app: App, role: str) -> float | None:
+    """The autoscaler's desired replicas of `role` (pdserve_autoscaler_desired_replicas), None if not exported yet."""
+    text = httpx.get(app.controller + "/metrics", timeout=10).text
+    prefix = f'pdserve_autoscaler_desired_replicas{{role="{role}"}} '
+    return next((float(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix)), None)
+
+
 def _serving(app: App, role: str) -> list[dict[str, Any]]:
     return [i for i in app.status()["instances"] if i["role"] == role and i["state"] == "serving"]
 
@@ -409,20 +416,23 @@ def test_role_switch_when_the_load_turns_decode_heavy(app: App, cluster: Any) ->
         assert wait_until(lambda: len(_serving(app, "prefill")) == 2, STEP_S, 1.0), since()
         added = next(i for i in _serving(app, "prefill") if i["bundle_of"] == "prefill" and i["index"] != 0)
         assert wait_until(lambda: _used_by_proxy(app, "prefill", added["url"]), STEP_S, 0.5), app.listing()
-        # 2. the flip, without a pause (a pause would let the spare prefill replica go by a plain scale-down)
-        long_load.halt()
-        load = Load(app, workers=6, prompt=short_prompt)
     finally:
         records += [dict(r, kind="long") for r in long_load.stop()]
     up = [e for e in since() if e["kind"] == "decision"]
     assert up and (up[0]["action"], up[0]["role"]) == ("scale_up", "prefill"), up
     assert up[0]["numbers"]["decode"]["replicas"] == 1
+    # 2. the flip: once the long prompts are done and the autoscaler sees a prefill replica to spare (desired 1 of
+    # 2), short prompts with long answers. Decode then wants a second replica and takes the spare one's placement
+    # by a switch, seconds before the prefill scale-down's delay (12 s) would remove it. (Flipped at once, the
+    # decode pressure could come while the prefill window still held the long prompts, no replica to spare:
+    # then decode got a new replica of its own, seen in clean-clone CI runs.)
+    assert wait_until(lambda: _desired(app, "prefill") == 1, STEP_S, 0.25), since()
+    load = Load(app, workers=6, prompt=short_prompt)
     try:  # decode-heavy, one prefill replica to spare: a switch, not a new replica
         assert wait_until(lambda: len(_serving(app, "decode")) == 2 and len(_serving(app, "prefill")) == 1,
                           STEP_S, 1.0), (since(), app.status())
         switched = next((i for i in _serving(app, "decode") if i["bundle_of"] == "prefill"), None)
-        # (a clean-clone CI run once ended here with the second decode replica in a decode bundle: keep the
-        # autoscaler's decisions in the message to tell a plain scale-down + scale-up from a switch)
+        # (the autoscaler's decisions in the message tell a plain scale-down + scale-up from a switch)
         assert switched is not None, (since(), app.status())
         assert wait_until(lambda: _used_by_proxy(app, "decode", switched["url"]), STEP_S, 0.5), app.listing()
     finally:
