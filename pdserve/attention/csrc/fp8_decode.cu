@@ -1,9 +1,9 @@
 // Paged decode attention over an fp8 KV cache (pdserve/attention/fp8_kv.py's layout), sm_89 and later.
 //
 // Why a hand-written kernel: the Triton kernel reads the fp8 cache at 4.0 TB/s on an H200 where the bf16
-// kernel reaches 4.4 (BENCHMARKS.md, FP8 KV cache). Its loop is issue-bound on shared-memory reloads of q
-// and p that Triton's operand layout for 8-bit tiles forces. Here q stays in registers and the 8-bit tiles
-// become matrix-product operands with one conversion instruction per pair of values:
+// kernel reaches 4.4 (BENCHMARKS.md, FP8 KV cache, run 6). What is left in its loop is shared-memory round
+// trips of q and p that Triton's operand layout for 8-bit tiles forces. Here q stays in registers and the
+// 8-bit tiles become matrix-product operands with one conversion instruction per pair of values:
 //
 // - one warp owns a 16-token chunk at a time (one KV block at block size 16) of one (sequence, kv head). The
 //   products are computed transposed, the G <= 8 query heads of the group as the n = 8 columns of m16n8k16:
