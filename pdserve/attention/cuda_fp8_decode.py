@@ -43,10 +43,12 @@ HEAD_DIM = 128
 GROUPS = (1, 2, 4, 8)  # query heads per KV head the kernel is instantiated for
 STAGES = (2, 3, 4, 6)  # cp.async pipeline depths instantiated (chunks of 16 tokens in flight per warp)
 BUILD_TIMEOUT_S = 600.0
-# Until measured (see Status above): 3 stages fits 4 CTAs of 4 warps per SM (112 registers, 51 KB of shared
-# memory each), and splits aim at 4 CTAs per SM like the Triton fp8 configs.
+# Until measured (see Status above): 3 stages fit 4 CTAs of 4 warps per SM (112 registers, 51 KB of shared
+# memory each). Splits aim at 2 CTAs per SM (triton_kernels.decode_num_splits rounds the splits up): batch 64
+# of 8 KV heads runs unsplit, 512 CTAs in one wave of 4 x 132 slots on an H200, with no merge kernel; aiming
+# at 4 would split it in two (1024 CTAs, two waves and the merge). Batch 8: 5 splits, 320 CTAs.
 DEFAULT_STAGES = 3
-PROGRAMS_PER_SM = 4
+PROGRAMS_PER_SM = 2
 
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL | None] = {}
