@@ -32,7 +32,7 @@ import httpx
 import pytest
 from engine_utils import make_engine, run_engine
 from launch_helpers import Up, kill_leftovers, wait_until
-from server_utils import make_model_dir
+from server_utils import make_model_dir, metric_value
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.launch.procs import pid_alive
@@ -374,8 +374,10 @@ def test_kill_restart_and_autoscale_under_load(app: App) -> None:
 def _desired(app: App, role: str) -> float | None:
     """The autoscaler's desired replicas of `role` (pdserve_autoscaler_desired_replicas), None if not exported yet."""
     text = httpx.get(app.controller + "/metrics", timeout=10).text
-    prefix = f'pdserve_autoscaler_desired_replicas{{role="{role}"}} '
-    return next((float(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix)), None)
+    try:
+        return metric_value(text, f'pdserve_autoscaler_desired_replicas{{role="{role}"}}')
+    except KeyError:
+        return None
 
 
 def _serving(app: App, role: str) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ once and leaves the Triton kernel in place.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -137,9 +138,15 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor, kv_format: fp8_kv.Fp8Format |
         return False
     if q.shape[1] % kv_heads or q.shape[1] // kv_heads not in GROUPS or block_size % 16 or block_size & (block_size - 1):
         return False
-    if torch.cuda.get_device_capability(q.device) < (8, 9):
-        return False
-    return library(q.device) is not None
+    return _device_library(q.device.index) is not None
+
+
+@functools.cache
+def _device_library(device_index: int | None) -> ctypes.CDLL | None:
+    """`library` for a GPU of sm_89 or later, else None; asked once per device (`usable` and `decode_attention`
+    run for every layer of every eager decode step)."""
+    device = torch.device("cuda", device_index)
+    return library(device) if torch.cuda.get_device_capability(device) >= (8, 9) else None
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -169,7 +176,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         part_o = part_lse = None
         part_ptrs = (None, None)
-    lib = library(q.device)
+    lib = _device_library(q.device.index)
     assert lib is not None, "decode_attention called where `usable` is false"
     rc = lib.pdserve_fp8_decode(
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),

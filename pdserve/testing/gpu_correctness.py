@@ -382,10 +382,10 @@ def _check_cuda_fp8_decode(c8: PagedCase, fmt: Any, scale: float, want: torch.Te
     size, no nvcc); a failed build on a machine with nvcc is a failed row."""
     from pdserve.attention import cuda_fp8_decode as cfd
 
-    if not cfd.selected() or not c8.q.is_cuda or torch.cuda.get_device_capability(c8.q.device) < (8, 9):
+    if not cfd.selected():
         return []
     if not cfd.usable(c8.q, c8.k_cache, fmt):
-        error = cfd.build_error(c8.q.device)
+        error = cfd.build_error(c8.q.device) if c8.q.is_cuda else None
         if error is None or "nvcc not found" in error:
             return []  # a shape it does not take, or a machine that cannot build it
         return [{"kernel": f"decode-cuda[{fmt.name}]", "case": case_name, "ok": False, "error": error[-500:]}]
