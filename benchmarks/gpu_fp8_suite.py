@@ -10,13 +10,14 @@ Sections (each bounded; a failure is recorded and the next runs):
 - kernels: the fp8 kernels vs SDPA on the dequantized pool (bf16), the K/V stores byte-exact vs fp8_kv.
 - decode_kernel: one layer's decode attention at batch 64, 4k context (Llama-3.1-8B heads), bf16 pool at
   its tuned config vs the fp8 pool over a small config sweep (CUDA-graph timed); the winner is what the
-  fp8 engine below captures its graphs with. With --cuda-decode, then the CUDA fp8 decode kernel
-  (cuda_fp8_decode.py, opt-in) over its own small sweep.
-- engine_fp8_cuda (--cuda-decode): the fp8 engine again with the CUDA decode kernel at its sweep's best, when
-  that was correct.
-- engine_bf16 / engine_fp8: Llama-3.1-8B shape, dummy weights, gpu_memory_utilization 0.9: KV blocks at the
-  same memory; decode step at batch 64 with 4k context ((weights + KV bytes) / step vs the copy ceiling);
-  TTFT of a 32k prompt with and without the cuDNN long-prefill path (fp8 dequantizes each chunk for cuDNN).
+  fp8 engine below captures its graphs with (PDSERVE_FP8_DECODE=triton). Then the CUDA fp8 decode kernel
+  (cuda_fp8_decode.py, the default where it builds and passes its check) over its own small sweep.
+- engine_bf16 / engine_fp8 (the Triton fp8 kernel) / engine_fp8_cuda (the default: the CUDA kernel at its
+  default settings): Llama-3.1-8B shape, dummy weights, gpu_memory_utilization 0.9: KV blocks at the same
+  memory; decode step at batch 64 with 4k context ((weights + KV bytes) / step vs the copy ceiling); TTFT of a
+  32k prompt with and without the cuDNN long-prefill path (fp8 dequantizes each chunk for cuDNN). With
+  --prefill-profile, engine_bf16 also profiles one 8192-token prefill step (EngineBench.prefill_profile).
+  --repeat-engines N measures the three engines' decode steps N times, alternated.
 - accuracy: SmolLM2-135M (embedded), bf16, 50 prompts x 64 greedy tokens: fp8 vs bf16 KV, and the
   "capital of France" answer (benchmarks/bench_kv_fp8_accuracy.py).
 - nixl: NIXL READ of an 8k-token prompt's KV, bf16 vs fp8 pool (benchmarks/bench_kv_transfer.py).
@@ -222,13 +223,22 @@ def _cuda_decode_sweep(c8, fmt, scale: float, out: torch.Tensor, want: torch.Ten
 
 
 def engine_with_cuda_decode(best: dict, batch: int, ctx: int) -> dict[str, Any]:
-    """engine("fp8") with the CUDA decode kernel at the sweep's best setting (PDSERVE_FP8_DECODE=cuda)."""
+    """engine("fp8") as shipped: the CUDA decode kernel at its default settings (PDSERVE_FP8_DECODE unset); the
+    sweep's best beside it for the record, and which kernel the backend took."""
     from pdserve.attention import cuda_fp8_decode as cfd
 
-    os.environ["PDSERVE_FP8_DECODE"] = "cuda"
-    cfd.DEFAULT_STAGES, cfd.PROGRAMS_PER_SM = best["stages"], best["programs_per_sm"]
+    os.environ.pop("PDSERVE_FP8_DECODE", None)
+    default = {"stages": cfd.DEFAULT_STAGES, "programs_per_sm": cfd.PROGRAMS_PER_SM}
+    res = engine("fp8", batch, ctx, 0)
+    return {"cuda_decode_default": default, "sweep_best": best,
+            "cuda_kernel_taken": cfd._device_library(torch.cuda.current_device()) is not None, **res}
+
+
+def engine_triton_fp8(batch: int, ctx: int, long_prompt: int) -> dict[str, Any]:
+    """engine("fp8") with the Triton fp8 decode kernel (PDSERVE_FP8_DECODE=triton)."""
+    os.environ["PDSERVE_FP8_DECODE"] = "triton"
     try:
-        return {"cuda_decode": best, **engine("fp8", batch, ctx, 0)}
+        return engine("fp8", batch, ctx, long_prompt)
     finally:
         os.environ.pop("PDSERVE_FP8_DECODE", None)
 
@@ -247,14 +257,17 @@ def use_fp8_decode_config(cfg: tuple, batch: int) -> dict:
     return {"configs": tb.FP8_DECODE_CONFIGS}
 
 
-def engine(kv_cache_dtype: str, batch: int, ctx: int, long_prompt: int) -> dict[str, Any]:
+def engine(kv_cache_dtype: str, batch: int, ctx: int, long_prompt: int, prefill_profile: bool = False,
+           steps: int = 24) -> dict[str, Any]:
     from gpu_suite import EngineBench
 
-    eb = EngineBench(max_model_len=max(long_prompt, ctx + 256) + 64, max_num_seqs=batch,
+    eb = EngineBench(max_model_len=max(long_prompt, ctx + 256, 8192) + 64, max_num_seqs=batch,
                      kv_cache_dtype=kv_cache_dtype)
     try:
         res: dict[str, Any] = {"info": eb.info}
-        res["decode"] = eb.decode(batch, ctx, 24)
+        res["decode"] = eb.decode(batch, ctx, steps)
+        if prefill_profile:
+            res["prefill_profile_8192"] = eb.prefill_profile(8192)
         if long_prompt:
             res["long_context"] = eb.long_context(long_prompt, reps=2)
         return res
@@ -349,16 +362,23 @@ def summarize(r: dict[str, Any]) -> None:
     if all(blocks.values()):
         print(f"KV blocks at gpu_memory_utilization 0.9: bf16 {blocks['bf16']} vs fp8 {blocks['fp8']} "
               f"({blocks['fp8'] / blocks['bf16']:.2f}x)")
-    steps = {k: get(f"engine_{k}", "decode") for k in ("bf16", "fp8", "fp8_cuda")}
-    for k, d in steps.items():
-        if d:
-            share = f", {d['achieved_GBps'] / copy * 100:.0f}% of copy" if copy else ""
-            print(f"decode step {k}: {d['itl_ms']:.2f} ms (device {d['device_only_step_ms']:.2f} ms), "
-                  f"{d['bytes_per_step_GB']:.1f} GB/step = {d['achieved_GBps']:.0f} GB/s{share}")
-    for k in ("fp8", "fp8_cuda"):
-        if steps["bf16"] and steps[k]:
-            print(f"decode step speedup {k} vs bf16: {steps['bf16']['itl_ms'] / steps[k]['itl_ms']:.2f}x (device "
-                  f"only {steps['bf16']['device_only_step_ms'] / steps[k]['device_only_step_ms']:.2f}x)")
+    for tag in [""] + [f"_{i}" for i in range(2, 10) if f"engine_bf16_{i}" in r]:
+        steps = {k: get(f"engine_{k}{tag}", "decode") for k in ("bf16", "fp8", "fp8_cuda")}
+        for k, d in steps.items():
+            if d:
+                share = f", {d['achieved_GBps'] / copy * 100:.0f}% of copy" if copy else ""
+                print(f"decode step {k}{tag}: {d['itl_ms']:.2f} ms (device {d['device_only_step_ms']:.2f} ms), "
+                      f"{d['bytes_per_step_GB']:.1f} GB/step = {d['achieved_GBps']:.0f} GB/s{share}")
+        for k in ("fp8", "fp8_cuda"):
+            if steps["bf16"] and steps[k]:
+                print(f"decode step speedup {k}{tag} vs bf16: {steps['bf16']['itl_ms'] / steps[k]['itl_ms']:.3f}x "
+                      f"(device only {steps['bf16']['device_only_step_ms'] / steps[k]['device_only_step_ms']:.3f}x)")
+    pp = get("engine_bf16", "prefill_profile_8192")
+    if pp and "device_busy_us" in pp:
+        print(f"prefill 8192: {pp['wall']['step_s'] * 1e3:.1f} ms ({pp['wall']['tflops']:.0f} TFLOP/s); profiled "
+              f"{pp['profiled_step_us'] / 1e3:.1f} ms: device busy {pp['device_busy_us'] / 1e3:.1f} ms, idle in span "
+              f"{pp['device_idle_in_span_us'] / 1e3:.2f} ms, before first kernel {pp['before_first_kernel_us'] / 1e3:.2f}"
+              f" ms; {list(pp['by_kind_us'].items())[:6]}")
     for k in ("bf16", "fp8"):
         lc = get(f"engine_{k}", "long_context", "backends")
         if lc:
@@ -398,9 +418,9 @@ def main() -> int:
     ap.add_argument("--no-long-prompt", action="store_true", help="engines: skip the 32k-prompt TTFT")
     ap.add_argument("--no-small-batches", action="store_true", help="decode_kernel: batch 64 only")
     ap.add_argument("--small", action="store_true", help="CPU dry run with tiny shapes (plumbing only)")
-    ap.add_argument("--cuda-decode", action="store_true",
-                    help="also the CUDA fp8 decode kernel (decode_kernel's CUDA sweep, engine_fp8_cuda); off until "
-                         "benchmarks/fp8_decode_cuda.py found it correct: a fault would end this process's CUDA use")
+    ap.add_argument("--prefill-profile", action="store_true", help="engine_bf16: profile one 8192-token prefill")
+    ap.add_argument("--repeat-engines", type=int, default=1, help="decode steps of the engines N times, alternated")
+    ap.add_argument("--steps", type=int, default=24, help="timed decode steps per engine (median)")
     ap.add_argument("--tokenizer", default=".whl/smol-tok", help="tokenizer folder for the pd1 servers")
     args = ap.parse_args()
     run = Run(Path(args.out), args.budget_s, set(filter(None, args.skip.split(","))))
@@ -413,7 +433,7 @@ def main() -> int:
         run.results["env"] = env_info()
         run.section("ceilings", ceilings)
     run.section("kernels", kernels, small)
-    dk = run.section("decode_kernel", decode_kernel, small, not args.no_small_batches, args.cuda_decode)
+    dk = run.section("decode_kernel", decode_kernel, small, not args.no_small_batches, True)
     if small:
         for name in ("accuracy", "nixl", "pd1"):
             if name == "accuracy":
@@ -427,10 +447,14 @@ def main() -> int:
     if dk and dk.get("fp8_best"):
         run.results["fp8_decode_configs_used"] = use_fp8_decode_config(tuple(dk["fp8_best"]["config"]), 64)
     long_prompt = 0 if args.no_long_prompt else 32768
-    run.section("engine_bf16", engine, "auto", 64, 4096, long_prompt, min_left_s=180)
-    run.section("engine_fp8", engine, "fp8", 64, 4096, long_prompt, min_left_s=150)
-    if dk and dk.get("fp8_cuda_best"):
-        run.section("engine_fp8_cuda", engine_with_cuda_decode, dk["fp8_cuda_best"], 64, 4096, min_left_s=120)
+    for i in range(max(1, args.repeat_engines)):
+        tag = "" if i == 0 else f"_{i + 1}"
+        first = i == 0
+        run.section(f"engine_bf16{tag}", engine, "auto", 64, 4096, long_prompt if first else 0,
+                    args.prefill_profile and first, args.steps, min_left_s=150)
+        run.section(f"engine_fp8{tag}", engine_triton_fp8, 64, 4096, long_prompt if first else 0, min_left_s=120)
+        run.section(f"engine_fp8_cuda{tag}", engine_with_cuda_decode, (dk or {}).get("fp8_cuda_best"), 64, 4096,
+                    min_left_s=90)
     run.section("accuracy", accuracy, False, min_left_s=90)
     run.section("nixl", nixl, False, 60, run.out, min_left_s=50)
     run.section("pd1", pd1, False, max(60.0, run.left() / 2), args.tokenizer, min_left_s=80)

@@ -1039,6 +1039,46 @@ class EngineBench:
         return {"n_seqs": n_seqs, "seq_len": seq_len, "step_s": t, "all_s": times, "tflops": flops / t / 1e12,
                 "flops_T": flops / 1e12, "attention_flop_share": flops_attn / flops}
 
+    def prefill_profile(self, seq_len: int = 8192) -> dict[str, Any]:
+        """Where one prompt's prefill step goes (issue 36: P3 at 77.9 % of matmul): one unprofiled step for the
+        wall time, then one under torch.profiler (CUDA and CPU): device busy time per kernel kind, the device's
+        idle time inside the step (the span minus the busy time: host-bound stretches) and the time from the
+        step's start to its first kernel and from its last kernel to the step's end."""
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        eng = self.engine
+        wall = self.prefill(1, seq_len, reps=2)
+        self.add(self.prompts(1, seq_len), 1)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            eng.step()
+            torch.cuda.synchronize()
+            step_us = (time.perf_counter() - t0) * 1e6
+        evs = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and e.time_range.end > 0),
+                     key=lambda e: e.time_range.start)
+        if not evs:
+            return {"error": "no device events"}
+        span = evs[-1].time_range.end - evs[0].time_range.start
+        busy, end = 0.0, evs[0].time_range.start
+        for e in evs:  # union of the kernels' intervals (streams may overlap)
+            start = max(e.time_range.start, end)
+            if e.time_range.end > start:
+                busy += e.time_range.end - start
+                end = e.time_range.end
+        kinds: dict[str, float] = {}
+        for e in evs:
+            kinds[_kernel_kind(e.name)] = kinds.get(_kernel_kind(e.name), 0.0) + e.time_range.end - e.time_range.start
+        host = [e for e in prof.events() if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
+        return {
+            "wall": wall, "profiled_step_us": step_us, "kernels": len(evs), "device_span_us": span,
+            "device_busy_us": busy, "device_idle_in_span_us": span - busy,
+            "before_first_kernel_us": (evs[0].time_range.start - min((e.time_range.start for e in host),
+                                                                      default=evs[0].time_range.start)),
+            "by_kind_us": {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])[:16]},
+        }
+
     def attention_modes(self, with_default: bool = True) -> dict[str, tuple[Any, bool]]:
         """The prefill paths one engine can switch between: name -> (long_prefill config, FlashInfer on).
         `triton`: the Triton kernel alone; `triton-cudnn`: long chunks' bulk on cuDNN; with an engine built

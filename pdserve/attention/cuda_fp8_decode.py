@@ -6,12 +6,12 @@ loaded with ctypes. The library has one C entry point that takes raw pointers an
 neither torch's headers nor a matching compiler ABI, and builds in ~20 s. Launched on torch's current stream,
 a CUDA graph captures it like any kernel.
 
-Status: NOT YET RUN ON A GPU. It was written in a session without device time: nvcc builds it for sm_90 here
-(112 registers, no spills, ~300 instructions per warp per 16-token chunk in the main loop), and a numpy
-emulation of its fragment layouts (ldmatrix, mma.m16n8k16, the transposing ldmatrix, the swizzles) matched
-plain attention for 1, 2, 4 and 8 heads per KV head; no GPU has run it. So it is opt-in,
-`PDSERVE_FP8_DECODE=cuda`, and the Triton kernel stays the default until benchmarks/fp8_decode_cuda.py
-(correctness against SDPA, then time against the Triton kernels) has run on the H200.
+Default on CUDA (`PDSERVE_FP8_DECODE` unset or `auto`): on the H200 (issue 36, BENCHMARKS.md) it is correct in
+all 144 cases of benchmarks/fp8_decode_cuda.py and faster than the Triton fp8 kernel at every batch measured.
+On each device it is taken only once it has built AND passed its own check (`self_check`: random fp8 pools
+against SDPA over the dequantized pool, at warm-up, outside any graph capture); where nvcc is missing, the GPU
+is older than sm_89, the build fails or the check fails, one log line says why and the Triton kernel decodes.
+`PDSERVE_FP8_DECODE=triton` keeps the Triton kernel; `cuda` is `auto` with the fallback logged as a warning.
 
 `usable` says whether a decode call can take it: CUDA, sm_89 or later (the e4m3/e5m2 -> f16x2 conversion
 instruction), head_dim 128, up to 8 query heads per KV head, block size a power of two and a multiple of 16,
@@ -44,7 +44,7 @@ HEAD_DIM = 128
 GROUPS = (1, 2, 4, 8)  # query heads per KV head the kernel is instantiated for
 STAGES = (2, 3, 4, 6)  # cp.async pipeline depths instantiated (chunks of 16 tokens in flight per warp)
 BUILD_TIMEOUT_S = 600.0
-# Until measured (see Status above): 3 stages fit 4 CTAs of 4 warps per SM (112 registers, 51 KB of shared
+# Measured on the H200 (issue 36): 3 stages fit 4 CTAs of 4 warps per SM (112 registers, 51 KB of shared
 # memory each). Splits aim at 2 CTAs per SM (triton_kernels.decode_num_splits rounds the splits up): batch 64
 # of 8 KV heads runs unsplit, 512 CTAs in one wave of 4 x 132 slots on an H200, with no merge kernel; aiming
 # at 4 would split it in two (1024 CTAs, two waves and the merge). Batch 8: 5 splits, 320 CTAs.
@@ -98,7 +98,8 @@ def build(arch: str) -> Path:
 
 
 def library(device: torch.device) -> ctypes.CDLL | None:
-    """The loaded kernel library for `device`'s architecture, or None when it cannot be built (logged once)."""
+    """The loaded kernel library for `device`'s architecture, or None when it cannot be built (`build_error` says
+    why; `_device_library` logs it). Not checked: decode takes it through `usable` / `prepare`."""
     arch = _arch(device)
     with _lock:
         if arch not in _libs:
@@ -111,8 +112,6 @@ def library(device: torch.device) -> ctypes.CDLL | None:
                                c_int, c_int, c_int, c_int, c_int, ctypes.c_float, c_int, c_int, c_int, ptr]
                 _libs[arch] = lib
             except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
-                log.warning("the CUDA fp8 decode kernel is not available (%s); the Triton kernel decodes instead",
-                            exc)
                 _libs[arch] = None
                 _errors[arch] = f"{type(exc).__name__}: {exc}"
         return _libs[arch]
@@ -123,9 +122,24 @@ def build_error(device: torch.device) -> str | None:
     return _errors.get(_arch(device))
 
 
+MODES = ("auto", "cuda", "triton")
+SELF_CHECK_TOL = 2e-2  # 16-bit queries: the products run in float16 (the Triton fp8 kernel's tolerance too)
+# (query heads, KV heads, sequence lengths): GQA groups 4 and 1, a 1-token sequence, ragged tails
+SELF_CHECK_CASES = ((32, 8, (1, 17, 300)), (8, 8, (33, 129)))
+
+
+def mode() -> str:
+    """`PDSERVE_FP8_DECODE`: auto (default: this kernel where it builds and passes its check), cuda (the same,
+    a fallback logged as a warning), triton (the Triton kernel always)."""
+    value = os.environ.get("PDSERVE_FP8_DECODE", "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise ValueError(f"PDSERVE_FP8_DECODE={value!r}: expected one of {', '.join(MODES)}")
+    return value
+
+
 def selected() -> bool:
-    """`PDSERVE_FP8_DECODE=cuda`: decode over fp8 pools with this kernel where `usable` (default: Triton)."""
-    return os.environ.get("PDSERVE_FP8_DECODE", "triton").lower() == "cuda"
+    """Whether fp8 decode tries this kernel at all (everything but PDSERVE_FP8_DECODE=triton)."""
+    return mode() != "triton"
 
 
 def usable(q: torch.Tensor, k_cache: torch.Tensor, kv_format: fp8_kv.Fp8Format | None) -> bool:
@@ -138,24 +152,94 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor, kv_format: fp8_kv.Fp8Format |
         return False
     if q.shape[1] % kv_heads or q.shape[1] // kv_heads not in GROUPS or block_size % 16 or block_size & (block_size - 1):
         return False
-    return _device_library(q.device.index) is not None
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if index not in _ready and torch.cuda.is_current_stream_capturing():
+        return False  # never build or check inside a capture (warm_up prepares it before any graph)
+    return _device_library(index) is not None
+
+
+_ready: set[int] = set()  # devices whose answer `_device_library` has cached
+
+
+def prepare(device: torch.device) -> bool:
+    """Build, load and check the kernel for `device` now (the backend's warm-up); whether decode will use it."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_library(index) is not None
 
 
 @functools.cache
-def _device_library(device_index: int | None) -> ctypes.CDLL | None:
-    """`library` for a GPU of sm_89 or later, else None; asked once per device (`usable` and `decode_attention`
-    run for every layer of every eager decode step)."""
+def _device_library(device_index: int) -> ctypes.CDLL | None:
+    """`library` for a GPU of sm_89 or later whose `self_check` passed, else None with one log line saying why;
+    asked once per device (`usable` and `decode_attention` run for every layer of every eager decode step)."""
     device = torch.device("cuda", device_index)
-    return library(device) if torch.cuda.get_device_capability(device) >= (8, 9) else None
+    try:
+        lib, why = _checked_library(device)
+    finally:
+        _ready.add(device_index)
+    if lib is None:
+        level = logging.WARNING if mode() == "cuda" else logging.INFO
+        log.log(level, "fp8 KV decode on %s: the Triton kernel (the CUDA kernel is not used: %s)", device, why)
+    else:
+        log.info("fp8 KV decode on %s: the CUDA kernel (built and checked)", device)
+    return lib
+
+
+def _checked_library(device: torch.device) -> tuple[ctypes.CDLL | None, str]:
+    """(the library, "") or (None, why not)."""
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        return None, f"sm_{capability[0]}{capability[1]} has no e4m3/e5m2 conversion instruction (sm_89 or later)"
+    lib = library(device)
+    if lib is None:
+        return None, build_error(device) or "the build failed"
+    try:
+        worst = self_check(device, lib)
+    except RuntimeError as exc:  # a launch error: the kernel cannot serve here
+        _errors[_arch(device)] = f"self-check raised {exc}"
+        return None, _errors[_arch(device)]
+    if not worst < SELF_CHECK_TOL:
+        _errors[_arch(device)] = f"self-check failed: relative error {worst:.3g} vs SDPA (limit {SELF_CHECK_TOL:g})"
+        return None, _errors[_arch(device)]
+    return lib, ""
+
+
+def self_check(device: torch.device, lib: ctypes.CDLL) -> float:
+    """The worst relative error of the built kernel against float32 SDPA over the dequantized pool, on small
+    random fp8 batches of both formats, unsplit and split (poisoned outputs: a row left unwritten fails)."""
+    from pdserve.testing.gpu_correctness import SdpaReference, fp8_case, make_paged_case, rel_err
+
+    ref = SdpaReference(torch.float32)
+    worst = 0.0
+    for n, (heads, kv_heads, seqs) in enumerate(SELF_CHECK_CASES):
+        case = make_paged_case([1] * len(seqs), list(seqs), heads, kv_heads, HEAD_DIM, device=device, seed=36 + n)
+        for name in ("fp8_e4m3", "fp8_e5m2"):
+            fmt = fp8_kv.fp8_format(name)
+            c8, cf = fp8_case(case, name)
+            want = ref.forward(cf.q, cf.k_cache, cf.v_cache, cf.meta, HEAD_DIM**-0.5).float()
+            for splits in (1, 3):
+                out = torch.full_like(c8.q, float("nan"))
+                _launch(lib, c8.q, c8.k_cache, c8.v_cache, c8.meta.block_tables,
+                        c8.meta.seq_lens, HEAD_DIM**-0.5, splits, fmt, DEFAULT_STAGES, out)
+                worst = max(worst, rel_err(out, want))
+    torch.cuda.synchronize(device)
+    return worst
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: int, kv_format: fp8_kv.Fp8Format,
-                     stages: int = 3, out: torch.Tensor | None = None) -> torch.Tensor:
+                     stages: int = DEFAULT_STAGES, out: torch.Tensor | None = None) -> torch.Tensor:
     """triton_kernels.decode_attention's contract for an fp8 pool (`usable` must be true): q [B, H, 128],
     k_cache / v_cache fp8 layer views [num_blocks, block_size, kv_heads, 130] (uint8), block_tables and
     seq_lens int64 (others are converted; seq_len 0 = a padding row, whose output is 0). With num_splits > 1
     the partial results are merged by triton_kernels' merge kernel."""
+    lib = _device_library(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    assert lib is not None, "decode_attention called where `usable` is false"
+    return _launch(lib, q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, kv_format, stages, out)
+
+
+def _launch(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int,
+            kv_format: fp8_kv.Fp8Format, stages: int, out: torch.Tensor | None) -> torch.Tensor:
     from pdserve.attention import triton_kernels as tk  # the merge kernel; triton is there when CUDA is
 
     assert stages in STAGES, stages
@@ -176,8 +260,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         part_o = part_lse = None
         part_ptrs = (None, None)
-    lib = _device_library(q.device.index)
-    assert lib is not None, "decode_attention called where `usable` is false"
     rc = lib.pdserve_fp8_decode(
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), out.stride(0),

@@ -91,10 +91,11 @@ class TritonAttention:
 
     def warm_up(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                 device: torch.device, budget: int, max_model_len: int) -> int:
-        """Library plans for full-budget long chunks (long_prefill.warm_up), and the CUDA fp8 decode kernel's
-        build when it is selected; the Triton kernels JIT on first use."""
+        """Library plans for full-budget long chunks (long_prefill.warm_up), and for an fp8 pool the CUDA decode
+        kernel's build and check (~20 s of nvcc once per machine, cached; here rather than in the first step,
+        and before any graph is captured); the Triton kernels JIT on first use."""
         if self.kv_format is not None and cfd.selected() and device.type == "cuda":
-            cfd.library(device)  # ~20 s of nvcc once per machine (cached), here rather than in the first step
+            cfd.prepare(device)
         if self.long_prefill is None or self.long_prefill.impl != "cudnn":
             return 0
         return lp.warm_up(num_heads, num_kv_heads, head_dim, dtype, device, budget, max_model_len)
