@@ -222,15 +222,20 @@ def _cuda_decode_sweep(c8, fmt, scale: float, out: torch.Tensor, want: torch.Ten
     return {"fp8_cuda_sweep": rows, "fp8_cuda_best": min(ok, key=lambda r: r["us"]) if ok else None}
 
 
-def engine_with_cuda_decode(best: dict, batch: int, ctx: int) -> dict[str, Any]:
-    """engine("fp8") as shipped: the CUDA decode kernel at its default settings (PDSERVE_FP8_DECODE unset); the
-    sweep's best beside it for the record, and which kernel the backend took."""
+def engine_with_cuda_decode(best: dict | None, batch: int, ctx: int, stages: int | None = None) -> dict[str, Any]:
+    """engine("fp8") as shipped: the CUDA decode kernel at its default settings (PDSERVE_FP8_DECODE unset), or
+    at `stages` pipeline stages; the sweep's best beside it for the record, and which kernel the backend took."""
     from pdserve.attention import cuda_fp8_decode as cfd
 
     os.environ.pop("PDSERVE_FP8_DECODE", None)
-    default = {"stages": cfd.DEFAULT_STAGES, "programs_per_sm": cfd.PROGRAMS_PER_SM}
-    res = engine("fp8", batch, ctx, 0)
-    return {"cuda_decode_default": default, "sweep_best": best,
+    saved = cfd.DEFAULT_STAGES
+    cfd.DEFAULT_STAGES = stages or saved
+    try:
+        used = {"stages": cfd.DEFAULT_STAGES, "programs_per_sm": cfd.PROGRAMS_PER_SM, "default_stages": saved}
+        res = engine("fp8", batch, ctx, 0)
+    finally:
+        cfd.DEFAULT_STAGES = saved
+    return {"cuda_decode": used, "sweep_best": best,
             "cuda_kernel_taken": cfd._device_library(torch.cuda.current_device()) is not None, **res}
 
 
@@ -363,13 +368,16 @@ def summarize(r: dict[str, Any]) -> None:
         print(f"KV blocks at gpu_memory_utilization 0.9: bf16 {blocks['bf16']} vs fp8 {blocks['fp8']} "
               f"({blocks['fp8'] / blocks['bf16']:.2f}x)")
     for tag in [""] + [f"_{i}" for i in range(2, 10) if f"engine_bf16_{i}" in r]:
-        steps = {k: get(f"engine_{k}{tag}", "decode") for k in ("bf16", "fp8", "fp8_cuda")}
+        names = ["bf16", "fp8", "fp8_cuda"] + sorted({k[len("engine_"):-len(tag) or None] for k in r
+                                                      if k.startswith("engine_fp8_cuda_s") and k.endswith(tag)
+                                                      and (tag or k[-2] != "_")})
+        steps = {k: get(f"engine_{k}{tag}", "decode") for k in names}
         for k, d in steps.items():
             if d:
                 share = f", {d['achieved_GBps'] / copy * 100:.0f}% of copy" if copy else ""
                 print(f"decode step {k}{tag}: {d['itl_ms']:.2f} ms (device {d['device_only_step_ms']:.2f} ms), "
                       f"{d['bytes_per_step_GB']:.1f} GB/step = {d['achieved_GBps']:.0f} GB/s{share}")
-        for k in ("fp8", "fp8_cuda"):
+        for k in names[1:]:
             if steps["bf16"] and steps[k]:
                 print(f"decode step speedup {k}{tag} vs bf16: {steps['bf16']['itl_ms'] / steps[k]['itl_ms']:.3f}x "
                       f"(device only {steps['bf16']['device_only_step_ms'] / steps[k]['device_only_step_ms']:.3f}x)")
@@ -421,6 +429,7 @@ def main() -> int:
     ap.add_argument("--prefill-profile", action="store_true", help="engine_bf16: profile one 8192-token prefill")
     ap.add_argument("--repeat-engines", type=int, default=1, help="decode steps of the engines N times, alternated")
     ap.add_argument("--steps", type=int, default=24, help="timed decode steps per engine (median)")
+    ap.add_argument("--cuda-stages-also", default="", help="engine_fp8_cuda again at these stage counts (A/B)")
     ap.add_argument("--tokenizer", default=".whl/smol-tok", help="tokenizer folder for the pd1 servers")
     args = ap.parse_args()
     run = Run(Path(args.out), args.budget_s, set(filter(None, args.skip.split(","))))
@@ -455,6 +464,9 @@ def main() -> int:
         run.section(f"engine_fp8{tag}", engine_triton_fp8, 64, 4096, long_prompt if first else 0, min_left_s=120)
         run.section(f"engine_fp8_cuda{tag}", engine_with_cuda_decode, (dk or {}).get("fp8_cuda_best"), 64, 4096,
                     min_left_s=90)
+        for st in filter(None, args.cuda_stages_also.split(",")):
+            run.section(f"engine_fp8_cuda_s{st}{tag}", engine_with_cuda_decode, (dk or {}).get("fp8_cuda_best"), 64,
+                        4096, int(st), min_left_s=60)
     run.section("accuracy", accuracy, False, min_left_s=90)
     run.section("nixl", nixl, False, 60, run.out, min_left_s=50)
     run.section("pd1", pd1, False, max(60.0, run.left() / 2), args.tokenizer, min_left_s=80)

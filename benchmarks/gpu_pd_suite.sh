@@ -9,12 +9,15 @@
 #   preflight1 the same with P and D sharing GPU 0
 #   compare    pdserve bench compare: collocated:2 (one replica per GPU) vs 1p1d (P on GPU 0, D on GPU 1),
 #              seed workload (random 8192 in / 256 out, ignore-eos, goodput ttft:2000 tpot:30)
-#   compare1   the same on one GPU: one collocated replica vs 1P1D sharing GPU 0 (each instance may use 42 %
-#              of its memory, on both sides)
+#   compare1   the same on one GPU: one collocated replica vs 1P1D sharing GPU 0, each side given the same
+#              GPU memory: the replica GPU_MEM (default 0.84), P and D half of it each (`pdserve bench
+#              compare` refuses targets given unequal resources)
 # Usage: bash benchmarks/gpu_pd_suite.sh STAGE... (default: topology kv pd1 pd2)
 # Env: TOK (tokenizer folder for the dummy model's servers), RATES, NUM_PROMPTS, MODEL (compare stages:
 # a packaged dummy shape, default Llama-3.1-8B), COMPARE_DIR (compare stages' output folder),
-# COMPARE_TIMEOUT (seconds, default 560).
+# COMPARE_TIMEOUT (seconds, default 560), IN_LEN / OUT_LEN / GOODPUT (compare stages' workload, default the
+# seed's 8192 / 256 / "ttft:2000 tpot:30"; the RAG shape: IN_LEN=28000 OUT_LEN=650 GOODPUT="ttft:2500 tpot:45"),
+# GPU_MEM (compare1: each side's GPU memory, default 0.84).
 set -u
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
@@ -48,9 +51,9 @@ seed_compare() {
     --serve-arg=--tokenizer --serve-arg=$TOK --startup-timeout 400"
   timeout "${COMPARE_TIMEOUT:-560}" python3 -m pdserve bench compare --launch "collocated=$1" --launch pd=1p1d \
     --launch-args "--model ${MODEL:-Llama-3.1-8B} $up" --model "${MODEL:-Llama-3.1-8B}" --tokenizer "$TOK" \
-    --dataset-name random --random-input-len 8192 --random-output-len 256 --ignore-eos \
+    --dataset-name random --random-input-len "${IN_LEN:-8192}" --random-output-len "${OUT_LEN:-256}" --ignore-eos \
     --num-prompts "${NUM_PROMPTS:-24}" --request-rates "${RATES:-0.4,1,2}" \
-    --percentile-metrics ttft,tpot,itl --metric-percentiles 50,99 --goodput ttft:2000 tpot:30 \
+    --percentile-metrics ttft,tpot,itl --metric-percentiles 50,99 --goodput ${GOODPUT:-ttft:2000 tpot:30} \
     --transfer-check-url auto --output-dir "$3" --disable-tqdm 2>&1 | tail -40
 }
 
@@ -86,8 +89,11 @@ for stage in "${stages[@]}"; do
       # one collocated replica per GPU vs P on GPU 0, D on GPU 1
       seed_compare collocated:2 "--gpus 0,1" "${COMPARE_DIR:-$OUT/compare}" ;;
     compare1)
-      # one GPU: one collocated replica vs P and D sharing it, every instance limited to 42 % of its memory
-      seed_compare collocated:1 "--gpus 0 --serve-arg=--gpu-memory-utilization --serve-arg=0.42" \
+      # one GPU: one collocated replica vs P and D sharing it, the same memory on both sides (per role)
+      mem=${GPU_MEM:-0.84}
+      half=$(python3 -c "print(round($mem / 2, 4))")
+      seed_compare collocated:1 "--gpus 0 --collocated-arg=--gpu-memory-utilization=$mem \
+        --prefill-arg=--gpu-memory-utilization=$half --decode-arg=--gpu-memory-utilization=$half" \
         "${COMPARE_DIR:-$OUT/compare1}" ;;
   esac
 done

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.bench.compare import describe_workload
 from pdserve.bench.compare_cli import add_compare_arguments, build_config, parse_rates
 from pdserve.bench.plots import make_plots
 from pdserve.bench.report import html_report, markdown_table
+from pdserve.bench.resources import inequality, memory_share
 from pdserve.bench.summary import RunSummary, summarize_result
 from pdserve.bench.transfer import (
     NOT_CHECKED,
@@ -20,7 +22,7 @@ from pdserve.bench.transfer import (
     judge,
     parse_metrics,
 )
-from pdserve.bench.verdict import GO, GO_UNCHECKED, NO_GO, UNDETERMINED, decide
+from pdserve.bench.verdict import GO, GO_UNCHECKED, NO_GO, UNDETERMINED, decide, note_resources
 
 PASS = TransferCheck("pass", "3 transfers, fine")
 FAIL = TransferCheck("fail", "2 failed transfer(s)")
@@ -193,7 +195,7 @@ def test_compare_arguments() -> None:
         "90",
         "--model",
         "m",
-        "--launch-args=--max-model-len 512",
+        "--launch-args=--serve-arg='--max-model-len 512'",
     )
     cfg, spec = build_config(args)
     assert [(t.name, t.kind, t.value) for t in cfg.targets] == [
@@ -202,7 +204,10 @@ def test_compare_arguments() -> None:
         ("pd", "launch", "1p1d"),
     ]
     assert cfg.baseline == "collocated" and cfg.transfer_urls == {"pd": ["auto"]}
-    assert cfg.launch_args == ["--max-model-len", "512"]
+    assert cfg.launch_args == ["--serve-arg=--max-model-len 512"]
+    # arguments `pdserve up` would reject fail before anything starts
+    with pytest.raises(ValueError, match="rejects --launch-args"):
+        build_config(_compare_args("--launch", "pd=1p1d", "--launch-args=--max-model-len 512"))
     assert spec.metric_percentiles == "50,90,99" and spec.percentile_metrics == "ttft,tpot,itl"
     assert spec.goodput == ["ttft:2000", "tpot:30"]  # the seed's SLOs by default
     with pytest.raises(ValueError, match="several candidate targets"):
@@ -220,3 +225,59 @@ def test_compare_arguments() -> None:
         )
     with pytest.raises(ValueError, match="baseline"):
         build_config(_compare_args("--target", "x=h:1", "--baseline", "nope"))
+
+
+# -- equal resources (pdserve.bench.resources) ----------------------------------------------------------
+ONE_GPU_42 = "--gpus 0 --serve-arg='--gpu-memory-utilization 0.42'"
+
+
+def _one_gpu(launch_args: str, *extra: str) -> argparse.Namespace:
+    return _compare_args("--launch", "collocated=collocated:1", "--launch", "pd=1p1d", "--model", "m",
+                         f"--launch-args={launch_args}", *extra)
+
+
+def test_an_unequal_one_gpu_comparison_is_refused_before_anything_starts() -> None:
+    # the old compare1: every instance at 0.42, so collocated got half of what P and D got together
+    with pytest.raises(ValueError, match=r"pd may use 0\.84 GPU of memory, collocated 0\.42.*per role"):
+        build_config(_one_gpu(ONE_GPU_42))
+    # on request it runs, and the verdict and the report say it is unequal
+    cfg, spec = build_config(_one_gpu(ONE_GPU_42, "--allow-unequal-resources"))
+    assert cfg.allow_unequal and cfg.resources["pd"].gpus == {"0": pytest.approx(0.84)}
+    assert cfg.resources["collocated"].describe() == "1 GPU (0), memory 0.42 GPU [collocated: GPU 0 x 0.42]"
+    verdict = decide("collocated", "1p1d", sweep((50.0, 80.0), (1.0, 0.5), (2.0, 1.0)), 30.0, PASS)
+    assert verdict.decision == GO
+    note_resources(verdict, "A", "B", inequality(cfg.resources))
+    assert verdict.decision == f"{GO} (unequal resources)"
+    assert verdict.reasons[0] == "resources: collocated A; 1p1d B" and "UNEQUAL RESOURCES" in verdict.reasons[1]
+    text = describe_workload(spec, cfg)
+    assert "Resources (UNEQUAL (pd may use 0.84 GPU of memory, collocated 0.42))" in text
+    assert "pd: 1 GPU (0), memory 0.84 GPU [prefill: GPU 0 x 0.42; decode: GPU 0 x 0.42]" in text
+
+
+def test_equal_one_gpu_comparisons_pass() -> None:
+    # pdserve up's own split of a shared GPU: 0.9 for the replica, 0.45 + 0.45 for P and D
+    cfg, spec = build_config(_one_gpu("--gpus 0"))
+    assert {n: r.memory for n, r in cfg.resources.items()} == {"collocated": pytest.approx(0.9),
+                                                               "pd": pytest.approx(0.9)}
+    # per role: the replica 0.84, P and D 0.42 each
+    per_role = ("--gpus 0 --collocated-arg='--gpu-memory-utilization 0.84' "
+                "--prefill-arg='--gpu-memory-utilization=0.42' --decode-arg='--gpu-memory-utilization 0.42'")
+    cfg, spec = build_config(_one_gpu(per_role))
+    assert inequality(cfg.resources) is None
+    assert "Resources (equal): collocated: 1 GPU (0), memory 0.84 GPU" in describe_workload(spec, cfg)
+    verdict = decide("collocated", "1p1d", sweep((50.0, 80.0), (1.0, 0.5), (2.0, 1.0)), 30.0, PASS)
+    note_resources(verdict, "A", "B", inequality(cfg.resources))
+    assert verdict.decision == GO and len(verdict.reasons) == 4  # the resources line, then (1)-(3)
+
+
+def test_different_gpus_and_url_targets() -> None:
+    # collocated:1 over GPUs 0,1 takes GPU 0 only; 1p1d puts P on 0 and D on 1
+    with pytest.raises(ValueError, match="pd runs on GPUs 0,1, collocated on 0"):
+        build_config(_one_gpu("--gpus 0,1"))
+    # a running server's resources are not known: reported, not compared
+    cfg, spec = build_config(_compare_args("--target", "collocated=h:1", "--launch", "pd=1p1d", "--model", "m",
+                                           f"--launch-args={ONE_GPU_42}"))
+    assert cfg.resources["collocated"] is None and inequality(cfg.resources) is None
+    assert "collocated: not known (a running server: not checked)" in describe_workload(spec, cfg)
+    assert memory_share(["--x", "--gpu-memory-utilization", "0.3", "--gpu-memory-utilization=0.2"], 0.9) == 0.2
+    assert memory_share(["serve"], 0.9) == 0.9

@@ -24,6 +24,7 @@ from pdserve.bench.metrics import parse_goodput
 from pdserve.bench.options import BenchSpec
 from pdserve.bench.plots import make_plots
 from pdserve.bench.report import html_report, markdown_report
+from pdserve.bench.resources import Resources, inequality
 from pdserve.bench.runner import (
     BenchError,
     Target,
@@ -38,7 +39,7 @@ from pdserve.bench.runner import (
 from pdserve.bench.summary import RunSummary, rate_label, summarize_result
 from pdserve.bench.transfer import NOT_CHECKED, TransferCheck, discover_decode_urls, judge, snapshot
 from pdserve.bench.types import SampleRequest
-from pdserve.bench.verdict import Verdict, decide
+from pdserve.bench.verdict import Verdict, decide, note_resources
 
 AUTO = "auto"
 TRANSFER_READ_ERRORS = (aiohttp.ClientError, TimeoutError, RuntimeError, KeyError, TypeError, ValueError)
@@ -73,6 +74,9 @@ class CompareConfig:
     launch_args: list[str] = field(default_factory=list)
     launch_timeout_s: float = 900.0
     min_gain: float = 0.0
+    # what each target runs on (None: not known, a running server's URL); planned before anything starts
+    resources: dict[str, Resources | None] = field(default_factory=dict)
+    allow_unequal: bool = False  # run an unequal comparison anyway (its verdicts say so)
 
 
 @dataclass
@@ -204,6 +208,9 @@ class Comparison:
             for name in names
             if name != cfg.baseline
         ]
+        for v in verdicts:
+            pair = {n: cfg.resources.get(n) for n in (v.baseline, v.candidate)}
+            note_resources(v, resource_text(pair[v.baseline]), resource_text(pair[v.candidate]), inequality(pair))
         finite = [r for r in cfg.rates if not math.isinf(r)]
         cdf_rate = cfg.cdf_rate if cfg.cdf_rate is not None else (max(finite) if finite else cfg.rates[-1])
         plots = make_plots(
@@ -270,11 +277,18 @@ def describe_workload(spec: BenchSpec, cfg: CompareConfig) -> str:
     fresh = (
         "the same prompts at every rate" if cfg.same_prompts else "fresh prompts per rate (seed + rate index)"
     )
+    problem = inequality(cfg.resources)
+    equal = f"UNEQUAL ({problem})" if problem else "equal"
+    resources = "; ".join(f"{t.name}: {resource_text(cfg.resources.get(t.name))}" for t in cfg.targets)
     return (
         f"Workload: {data}; {spec.num_prompts} requests per run{', ignore_eos' if spec.ignore_eos else ''}; "
         f"burstiness {spec.burstiness:g}; rates {', '.join(rate_label(r) for r in cfg.rates)} req/s; "
-        f"goodput SLOs {slos}; {fresh}."
+        f"goodput SLOs {slos}; {fresh}.\n\nResources ({equal}): {resources}."
     )
+
+
+def resource_text(resources: Resources | None) -> str:
+    return resources.describe() if resources is not None else "not known (a running server: not checked)"
 
 
 def compare_config_dict(
@@ -300,4 +314,6 @@ def compare_config_dict(
         or "none",
         "max mean transfer time (ms)": cfg.max_xfer_ms,
         "min relative goodput gain": cfg.min_gain,
+        **{f"resources: {t.name}": resource_text(cfg.resources.get(t.name)) for t in cfg.targets},
+        "resources equal": inequality(cfg.resources) is None,
     }

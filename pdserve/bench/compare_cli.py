@@ -12,6 +12,7 @@ from typing import Any
 
 from pdserve.bench.compare import AUTO, CompareConfig, Comparison, TargetEntry
 from pdserve.bench.options import BenchSpec, add_target_arguments, add_workload_arguments
+from pdserve.bench.resources import HOW_TO_EQUALISE, Resources, inequality, planned
 from pdserve.bench.summary import rate_label
 
 DEFAULT_COMPARE_GOODPUT = ["ttft:2000", "tpot:30"]  # the seed article's SLOs
@@ -129,6 +130,12 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         help='extra launcher arguments, e.g. --launch-args="--max-model-len 4096"',
     )
     g.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for /health")
+    g.add_argument(
+        "--allow-unequal-resources",
+        action="store_true",
+        help="run even when the launched targets get different GPUs or GPU memory (or CPU cores); by "
+        "default such a comparison is refused, since the resources alone can decide it",
+    )
     add_target_arguments(parser, with_address=False)
     add_workload_arguments(parser)
 
@@ -183,6 +190,12 @@ def build_config(args: argparse.Namespace) -> tuple[CompareConfig, BenchSpec]:
     metrics = [m for m in (spec.percentile_metrics or "").split(",") if m]
     spec.percentile_metrics = ",".join(dict.fromkeys(["ttft", "tpot", "itl", *metrics]))
     out_dir = args.output_dir or f"bench-compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    resources = target_resources(targets, spec.model, args)
+    problem = inequality(resources)
+    if problem and not args.allow_unequal_resources:
+        raise ValueError(f"the targets' resources differ: {problem}. {HOW_TO_EQUALISE}")
+    if problem:
+        print(f"warning: the targets' resources differ ({problem}); every verdict will say so", file=sys.stderr)
     cfg = CompareConfig(
         targets=targets,
         rates=rates,
@@ -197,8 +210,30 @@ def build_config(args: argparse.Namespace) -> tuple[CompareConfig, BenchSpec]:
         launch_args=shlex.split(args.launch_args),
         launch_timeout_s=args.launch_timeout,
         min_gain=args.min_goodput_gain,
+        resources=resources,
+        allow_unequal=args.allow_unequal_resources,
     )
     return cfg, spec
+
+
+def target_resources(
+    targets: Sequence[TargetEntry], model: str | None, args: argparse.Namespace
+) -> dict[str, Resources | None]:
+    """Each launched target's planned resources (`pdserve up`'s own placement of its arguments); None for a
+    URL target or a custom --launch-cmd (whose placement is its own)."""
+    from pdserve.model.default_model import DEFAULT_MODEL
+
+    out: dict[str, Resources | None] = {}
+    for t in targets:
+        if t.kind != "launch" or args.launch_cmd:
+            out[t.name] = None
+            continue
+        try:
+            out[t.name] = planned(t.value, model or DEFAULT_MODEL, shlex.split(args.launch_args))
+        except SystemExit as exc:  # argparse of `pdserve up` rejected the arguments
+            raise ValueError(f"--launch {t.name}={t.value}: `pdserve up` rejects --launch-args "
+                             f"{args.launch_args!r}") from exc
+    return out
 
 
 def compare_main(args: argparse.Namespace) -> int:

@@ -152,3 +152,16 @@ def decide(
     else:
         verdict.decision = GO_UNCHECKED
     return verdict
+
+
+UNEQUAL = "unequal resources"
+
+
+def note_resources(verdict: Verdict, baseline_text: str, candidate_text: str, problem: str | None) -> None:
+    """Say first what each side ran on (pdserve.bench.resources); an unequal pair (run anyway, on request)
+    gets the problem as a reason and its decision marked, so no one reads it as a like-for-like result."""
+    lines = [f"resources: {verdict.baseline} {baseline_text}; {verdict.candidate} {candidate_text}"]
+    if problem:
+        lines.append(f"UNEQUAL RESOURCES ({problem}): this is not a like-for-like comparison")
+        verdict.decision = f"{verdict.decision} ({UNEQUAL})"
+    verdict.reasons[:0] = lines

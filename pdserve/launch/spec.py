@@ -374,9 +374,11 @@ def has_flag(argv: list[str], flag: str) -> bool:
 def _share_gpus(instances: list[ProcSpec], engine: str, notes: list[str]) -> None:
     """Instances sharing a GPU split its memory, unless their arguments set --gpu-memory-utilization.
 
-    vLLM reads the flag as this instance's fraction of the GPU: each of n sharers gets 0.9/n. pdserve sizes
-    its KV pool as `total x utilization - memory in use on the device` (everyone's), so sharer k of n gets
-    the cumulative 0.9(k+1)/n and starts only once sharer k-1 is up (its memory is then accounted for).
+    Both engines read the flag as this instance's own fraction of the GPU (pdserve's model_runner: the pool is
+    `total x utilization - its own reserved memory`, capped by what is free), so each of n sharers gets 0.9/n:
+    together what one instance alone would take, which keeps `pdserve bench compare`'s one-GPU targets equal
+    (pdserve.bench.resources). pdserve's sharers still start one after the other (a wave each), so that each
+    sees the memory the previous one took as in use.
     """
     by_gpu: dict[str, list[ProcSpec]] = {}
     for spec in instances:
@@ -387,12 +389,11 @@ def _share_gpus(instances: list[ProcSpec], engine: str, notes: list[str]) -> Non
             continue
         n = len(specs)
         for k, spec in enumerate(specs):
-            share = GPU_MEMORY_UTILIZATION * ((k + 1) / n if engine == "pdserve" else 1 / n)
-            spec.argv += ["--gpu-memory-utilization", f"{share:.3g}"]
+            spec.argv += ["--gpu-memory-utilization", f"{GPU_MEMORY_UTILIZATION / n:.3g}"]
             spec.wave = k if engine == "pdserve" else 0
         names = ", ".join(s.name for s in specs)
-        how = ("cumulative --gpu-memory-utilization, started one after the other" if engine == "pdserve"
-               else f"--gpu-memory-utilization {GPU_MEMORY_UTILIZATION / n:.3g} each")
+        how = f"--gpu-memory-utilization {GPU_MEMORY_UTILIZATION / n:.3g} each" + (
+            ", started one after the other" if engine == "pdserve" else "")
         notes.append(f"GPU {gpu} is shared by {names}: {how}")
 
 
