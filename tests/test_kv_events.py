@@ -90,6 +90,18 @@ def test_block_hash_is_vllm_sha256_cbor():
     assert external_block_hashes(tokens, 16) == [int.from_bytes(h[-8:], "big") for h in hashes]
     with pytest.raises(ValueError):
         hash_block_tokens(None, [-1])
+    # ids of 4 and 8 bytes (the encoder inlines ids below 2^32)
+    wide = [2**32 - 1, 2**32, 2**40, 65537]
+    assert block_hashes(wide, 4) == [hashlib.sha256(cbor2.dumps((NONE_HASH, tuple(wide), None),
+                                                               canonical=True)).digest()]
+
+
+def test_token_slice_is_token_at_over_a_range():
+    req = _req("r", [10, 11, 12, 13, 14])
+    req.output_token_ids += [20, 21, 22]
+    for start in range(req.num_tokens):
+        for end in range(start, req.num_tokens + 1):
+            assert req.token_slice(start, end) == [req.token_at(i) for i in range(start, end)]
 
 
 def _req(rid: str, tokens: list[int]) -> Request:

@@ -14,7 +14,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from pdserve.engine.request import Request
-from pdserve.kv_events.block_hash import external_block_hash, hash_block_tokens
+from pdserve.kv_events import block_hash
+from pdserve.kv_events.block_hash import external_block_hash
 from pdserve.kv_events.events import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from pdserve.kv_offload.block_meta import BlockMeta
 
@@ -57,12 +58,10 @@ class BlockManager:
     def _compute_hashes(self, req: Request, upto_tokens: int) -> None:
         """Extend req.block_hashes to cover every full block within the first `upto_tokens` tokens."""
         bs = self.block_size
-        full = upto_tokens // bs
-        while len(req.block_hashes) < full:
-            i = len(req.block_hashes)
+        done, full = len(req.block_hashes), upto_tokens // bs
+        if done < full:
             parent = req.block_hashes[-1] if req.block_hashes else None
-            toks = [req.token_at(j) for j in range(i * bs, (i + 1) * bs)]
-            req.block_hashes.append(hash_block_tokens(parent, toks))
+            req.block_hashes.extend(block_hash.block_hashes(req.token_slice(done * bs, full * bs), bs, parent))
 
     def block_hashes(self, req: Request, upto_tokens: int) -> list[int]:
         """The chained hashes of req's full blocks within its first `upto_tokens` tokens (prompt, then
@@ -138,7 +137,7 @@ class BlockManager:
                 self.block_hash[bid] = h
                 self.cached[h] = bid
                 self.block_meta[bid] = BlockMeta(req.block_hashes[i - 1] if i > 0 else None,
-                                                 tuple(req.token_at(j) for j in range(i * bs, (i + 1) * bs)))
+                                                 tuple(req.token_slice(i * bs, (i + 1) * bs)))
                 if run_start < 0:
                     run_start = i
             elif run_start >= 0:

@@ -67,6 +67,15 @@ class Request:
         p = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of the prompt then the output: token_at over a range, without a call per token."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return list(self.prompt_token_ids[start:end])
+        if start >= p:
+            return list(self.output_token_ids[start - p:end - p])
+        return [*self.prompt_token_ids[start:], *self.output_token_ids[:end - p]]
+
     @property
     def max_tokens(self) -> int:
         budget = self.max_model_len - self.num_prompt_tokens
