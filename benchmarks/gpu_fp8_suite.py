@@ -56,7 +56,7 @@ FP8_DECODE_SWEEP = [
 # smaller batches (their buckets' configs), same context
 FP8_DECODE_SMALL = [1, 8]
 # (stages, programs per SM for the splits) of the CUDA fp8 decode kernel (pdserve/attention/cuda_fp8_decode.py,
-# opt-in until measured) at batch 64: 3 stages fit 4 CTAs per SM, 4 stages 3, 6 stages 2; 2 programs per SM leave
+# the default) at batch 64: 3 stages fit 4 CTAs per SM, 4 stages 3, 6 stages 2; 2 programs per SM leave
 # batch 64 unsplit (512 CTAs), 4 split it in two
 CUDA_FP8_DECODE_SWEEP = [(3, 2), (3, 4), (2, 2), (4, 2), (6, 2)]
 

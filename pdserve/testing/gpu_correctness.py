@@ -377,9 +377,8 @@ def fp8_case(c: PagedCase, kv_format_name: str) -> tuple[PagedCase, PagedCase]:
 def _check_cuda_fp8_decode(c8: PagedCase, fmt: Any, scale: float, want: torch.Tensor, splits_list: tuple[int, ...],
                            tol: float, case_name: str) -> list[dict[str, Any]]:
     """The CUDA fp8 decode kernel (pdserve.attention.cuda_fp8_decode) on a decode case it takes, every stage count,
-    when it is selected (PDSERVE_FP8_DECODE=cuda: opt-in until it has run on a GPU, so that a fault in it cannot
-    take the default kernels' checks down with the CUDA context); nothing where it cannot run (CPU, another head
-    size, no nvcc); a failed build on a machine with nvcc is a failed row."""
+    unless PDSERVE_FP8_DECODE=triton; nothing where it cannot run (CPU, another head size, no nvcc, a GPU before
+    sm_89); a failed build or self-check on a machine with nvcc is a failed row."""
     from pdserve.attention import cuda_fp8_decode as cfd
 
     if not cfd.selected():
