@@ -6,8 +6,9 @@ loaded with ctypes. The library has one C entry point that takes raw pointers an
 neither torch's headers nor a matching compiler ABI, and builds in ~20 s. Launched on torch's current stream,
 a CUDA graph captures it like any kernel.
 
-Default on CUDA (`PDSERVE_FP8_DECODE` unset or `auto`): on the H200 (issue 36, BENCHMARKS.md) it is correct in
-all 144 cases of benchmarks/fp8_decode_cuda.py and faster than the Triton fp8 kernel at every batch measured.
+Default on CUDA (`PDSERVE_FP8_DECODE` unset or `auto`): on the H200 it is correct in all 144 cases of
+benchmarks/fp8_decode_cuda.py and the 64 CUDA rows of gpu_correctness's fp8 kernel checks, and faster than the
+Triton fp8 kernel at every batch measured (BENCHMARKS.md, FP8 KV cache, run 7).
 On each device it is taken only once it has built AND passed its own check (`self_check`: random fp8 pools
 against SDPA over the dequantized pool, at warm-up, outside any graph capture); where nvcc is missing, the GPU
 is older than sm_89, the build fails or the check fails, one log line says why and the Triton kernel decodes.

@@ -127,7 +127,7 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--launch-args",
         default="",
-        help='extra launcher arguments, e.g. --launch-args="--max-model-len 4096"',
+        help="extra `pdserve up` arguments, e.g. --launch-args=\"--gpus 0 --serve-arg='--max-model-len 4096'\"",
     )
     g.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for /health")
     g.add_argument(
