@@ -1,0 +1,67 @@
+"""Prompt logprobs (vLLM's `prompt_logprobs`) against transformers' log_softmax, in the engine: whole prompts,
+chunked prefill, a prompt whose prefix is cached (it is recomputed), batched with other requests."""
+
+from __future__ import annotations
+
+import torch
+from engine_utils import make_engine, mixed_prompts
+
+from pdserve.engine.sampling_params import SamplingParams
+
+TOP = 3
+
+
+def hf_prompt_logprobs(model_dir, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt), vocab] float32 log_softmax of transformers' logits (row j predicts token j + 1)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+
+
+def run(engine, prompts, params):
+    got = {}
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"q{engine.num_finished}-{i}", p, sp)
+    order = [f"q{engine.num_finished}-{i}" for i in range(len(prompts))]
+    for _ in range(1000):
+        if not engine.has_unfinished():
+            break
+        for o in engine.step():
+            if o.prompt_logprobs is not None:
+                assert o.request_id not in got, "prompt logprobs are sent once"
+                got[o.request_id] = o.prompt_logprobs
+    return [got.get(rid) for rid in order]
+
+
+def check(model_dir, prompt, lps, top=TOP):
+    ref = hf_prompt_logprobs(model_dir, prompt)
+    assert len(lps) == len(prompt) and lps[0] is None
+    for j in range(1, len(prompt)):
+        lp, row = lps[j], ref[j - 1]
+        assert lp.token_id == prompt[j]
+        assert abs(lp.logprob - row[prompt[j]].item()) < 1e-4, j
+        assert lp.rank == int((row > row[prompt[j]]).sum()) + 1
+        vals, ids = torch.topk(row, top)
+        assert [t for t, _ in lp.top] == ids.tolist()
+        assert max((abs(v - r) for (_, v), r in zip(lp.top, vals.tolist(), strict=True)), default=0) < 1e-4
+
+
+def test_prompt_logprobs_match_hf_chunked_and_cached(tiny_llama):
+    prompts = mixed_prompts(320, lengths=(40, 5, 70))
+    # chunks of 24 tokens: the 70-token prompt is computed over three steps, batched with the others
+    engine = make_engine(tiny_llama, max_num_batched_tokens=24, enable_chunked_prefill=True)
+    plain = SamplingParams(max_tokens=2, temperature=0.0)
+    with_lps = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=TOP)
+    got = run(engine, prompts, [with_lps, plain, with_lps])
+    check(tiny_llama, prompts[0], got[0])
+    assert got[1] is None
+    check(tiny_llama, prompts[2], got[2])
+    # the same prompt again: its blocks are cached, but a prompt-logprob request computes every position
+    hits_before = engine.blocks.prefix_hits
+    again = run(engine, [prompts[2]], [SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)])[0]
+    assert engine.blocks.prefix_hits == hits_before
+    check(tiny_llama, prompts[2], again, top=0)
+    run(engine, [prompts[2]], [plain])  # without prompt logprobs the same prompt does hit the cache
+    assert engine.blocks.prefix_hits > hits_before
