@@ -85,7 +85,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     max_tokens = resolve_max_tokens(requested, len(ids), state.max_model_len, state.defaults, param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     request_id = f"chatcmpl-{base_request_id(raw, req.request_id)}"
-    choices = make_choices(state, req, request_id, [ids], [max_tokens], logprobs, kv, per_prompt_suffix=False)
+    choices = make_choices(state, req, request_id, [ids], [max_tokens], logprobs, kv, per_prompt_suffix=False,
+                           prompt_logprobs=req.prompt_logprobs)
     role = chat_role(req)
     echo = ""
     if req.echo and req.messages and isinstance(req.messages[-1], dict) and req.messages[-1].get("role") == role:
@@ -153,7 +154,8 @@ class _ChatView:
             "service_tier": None,
             "system_fingerprint": None,
             "usage": usage(gen.choices, [self.prompt_ids], req.n, self.kv),
-            "prompt_logprobs": None,
+            "prompt_logprobs": (None if gen.choices[0].prompt_logprobs is None
+                                else self.fmt.prompt(gen.choices[0].prompt_logprobs)),
             "prompt_token_ids": self.prompt_ids if req.return_token_ids else None,
             "kv_transfer_params": gen.choices[0].kv_transfer_result,
         }
