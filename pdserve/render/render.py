@@ -23,6 +23,7 @@ from pdserve.server.params import (
     check_completion_request,
     completion_prompt_items,
     completion_prompt_logprobs,
+    forced_tool_of,
     resolve_max_tokens,
     truncate_prompt,
     validate_token_ids,
@@ -63,7 +64,11 @@ def refuse_prompt_logprobs(wanted: int | None) -> None:
 def check_chat_request(ctx: RenderContext, req: ChatCompletionRequest) -> bool:
     """Validations shared by render and derender; returns whether the output is parsed for tool calls."""
     refuse_prompt_logprobs(req.prompt_logprobs)
-    return check_chat_fields(ctx.parsers, req)
+    use_tools = check_chat_fields(ctx.parsers, req)
+    if forced_tool_of(req) is not None:  # derender would show the forced call's JSON as content
+        raise not_supported("tool_choice", " (\"required\" or a named function) through the render tier; send "
+                            "the request to `pdserve serve` or the proxy")
+    return use_tools
 
 
 def chat_prompt_text(ctx: RenderContext, req: ChatCompletionRequest) -> str:

@@ -13,6 +13,7 @@ from pdserve.engine.sampling_params import MAX_N, ParamError, SamplingParams, ch
 from pdserve.server.errors import APIError, bad_request, not_supported
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from pdserve.structured.params import LEGACY_FIELDS, StructuredOutputsParams, from_openai_request
+from pdserve.text.forced_tools import ForcedTool, ForcedToolError, forced_tool
 from pdserve.text.output_parsers import ToolChoiceError, parses_tool_calls
 
 log = logging.getLogger("pdserve.server")
@@ -217,9 +218,23 @@ def build_sampling_params(fields: Any, *, max_tokens: int, logprobs: int | None,
 def structured_outputs_of(fields: Any) -> StructuredOutputsParams | None:
     """`structured_outputs`, `response_format` and the legacy `guided_*` fields (those a request has) as one
     spec (ParamError for a malformed one; the grammar itself is checked by the engine)."""
+    forced = forced_tool_of(fields)
+    if forced is not None:
+        # as vLLM's ChatCompletionRequest.to_sampling_params: the tool call's schema is the constraint
+        return StructuredOutputsParams(json=forced.schema(fields.tools,
+                                                          getattr(fields, "parallel_tool_calls", None) is not False))
     legacy = {k: getattr(fields, k) for k in LEGACY_FIELDS if getattr(fields, k, None) is not None}
     return from_openai_request(getattr(fields, "structured_outputs", None), getattr(fields, "response_format", None),
                                legacy)
+
+
+def forced_tool_of(fields: Any) -> ForcedTool | None:
+    """A chat request's tool_choice "required" or named function (checked by check_chat_fields), else None."""
+    tools = getattr(fields, "tools", None)
+    try:
+        return forced_tool(tools, getattr(fields, "tool_choice", None)) if tools else None
+    except ForcedToolError as e:
+        raise APIError(str(e), 400, e.param) from e
 
 
 def logit_bias_by_id(bias: dict[str, float] | None, param: str) -> dict[int, float] | None:
