@@ -65,3 +65,17 @@ def test_prompt_logprobs_match_hf_chunked_and_cached(tiny_llama):
     check(tiny_llama, prompts[2], again, top=0)
     run(engine, [prompts[2]], [plain])  # without prompt logprobs the same prompt does hit the cache
     assert engine.blocks.prefix_hits > hits_before
+
+
+def test_offline_llm_prompt_logprobs(tiny_llama):
+    """vLLM's offline form: SamplingParams(prompt_logprobs=k) -> RequestOutput.prompt_logprobs."""
+    from pdserve import LLM
+
+    llm = LLM(model=str(tiny_llama), skip_tokenizer_init=True, device="cpu", block_size=16,
+              num_gpu_blocks_override=64)
+    prompt = mixed_prompts(320, seed=3, lengths=(21,))[0]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, temperature=0.0,
+                                                                    prompt_logprobs=2), use_tqdm=False)[0]
+    check(tiny_llama, prompt, out.prompt_logprobs, top=2)
+    assert llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1),
+                        use_tqdm=False)[0].prompt_logprobs is None
