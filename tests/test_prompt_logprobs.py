@@ -3,6 +3,7 @@ chunked prefill, a prompt whose prefix is cached (it is recomputed), batched wit
 
 from __future__ import annotations
 
+import pytest
 import torch
 from engine_utils import make_engine, mixed_prompts
 
@@ -48,10 +49,19 @@ def check(model_dir, prompt, lps, top=TOP):
         assert max((abs(v - r) for (_, v), r in zip(lp.top, vals.tolist(), strict=True)), default=0) < 1e-4
 
 
-def test_prompt_logprobs_match_hf_chunked_and_cached(tiny_llama):
+@pytest.mark.parametrize("runner", ["cpu", "gpu_step_runner"])
+def test_prompt_logprobs_match_hf_chunked_and_cached(tiny_llama, runner: str):
+    """runner gpu_step_runner: the CUDA step path (its HostBatch rows, eager steps, decode graphs simulated)
+    run on the CPU."""
     prompts = mixed_prompts(320, lengths=(40, 5, 70))
     # chunks of 24 tokens: the 70-token prompt is computed over three steps, batched with the others
     engine = make_engine(tiny_llama, max_num_batched_tokens=24, enable_chunked_prefill=True)
+    if runner == "gpu_step_runner":  # as test_async_scheduling.simulate_gpu_path: torch reference attention
+        from pdserve.attention.torch_ref import TorchAttention
+
+        engine.runner.backend = TorchAttention()
+        engine.runner.model.fused_ops = None
+        engine.runner.use_gpu_step_runner(simulate_graphs=True)
     plain = SamplingParams(max_tokens=2, temperature=0.0)
     with_lps = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=TOP)
     got = run(engine, prompts, [with_lps, plain, with_lps])
@@ -65,6 +75,8 @@ def test_prompt_logprobs_match_hf_chunked_and_cached(tiny_llama):
     check(tiny_llama, prompts[2], again, top=0)
     run(engine, [prompts[2]], [plain])  # without prompt logprobs the same prompt does hit the cache
     assert engine.blocks.prefix_hits > hits_before
+    if runner == "gpu_step_runner":
+        assert engine.runner.step_timing.graph_steps > 0  # the decode steps took the (simulated) graphs
 
 
 def test_offline_llm_prompt_logprobs(tiny_llama):
