@@ -112,8 +112,9 @@ def check_chat_fields(parsers: Any, req: ChatCompletionRequest) -> bool:
 
 def completion_prompt_logprobs(req: CompletionRequest) -> int | None:
     """The prompt logprobs a completions request needs: `prompt_logprobs`, else with `echo` its `logprobs`
-    (the echoed prompt tokens carry theirs, as in vLLM's CompletionRequest.to_sampling_params)."""
-    if req.prompt_logprobs is not None:
+    (the echoed prompt tokens carry theirs, as in vLLM's CompletionRequest.to_sampling_params). None for a
+    streamed `prompt_logprobs: 0` without echo (stream chunks have no field for them: not computed)."""
+    if req.prompt_logprobs is not None and not (req.stream and not req.echo):
         return req.prompt_logprobs
     return req.logprobs if req.echo else None
 

@@ -93,7 +93,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     request_id = f"chatcmpl-{base_request_id(raw, req.request_id)}"
     choices = make_choices(state, req, request_id, [ids], [max_tokens], logprobs, kv, per_prompt_suffix=False,
-                           prompt_logprobs=req.prompt_logprobs)
+                           prompt_logprobs=None if req.stream else req.prompt_logprobs)  # streams carry none
     role = chat_role(req)
     echo = ""
     if req.echo and req.messages and isinstance(req.messages[-1], dict) and req.messages[-1].get("role") == role:
