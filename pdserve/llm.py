@@ -42,7 +42,9 @@ class GenerationResult:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished: bool = True
-    prompt_logprobs: None = None  # not computed (vLLM's field, for code that reads it)
+    # SamplingParams(prompt_logprobs=k): per prompt position (the first None) the prompt token's logprob and the
+    # top k, as TokenLogprob (token_id, logprob, rank, top)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 RequestOutput = GenerationResult  # vLLM's name for it
@@ -181,6 +183,8 @@ class LLM:
                 if out.request_id in done:
                     continue
                 res, j, collector = collectors[out.request_id]
+                if j == 0 and out.prompt_logprobs is not None:  # on the first output only
+                    res.prompt_logprobs = out.prompt_logprobs
                 stop_hit = collector.add(out)
                 if not (stop_hit or out.finished):
                     continue

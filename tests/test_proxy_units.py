@@ -151,6 +151,23 @@ def test_local_only_reason(body: dict, reason: str | None) -> None:
     assert pd.local_only_reason(body) == reason
 
 
+@pytest.mark.parametrize(
+    ("body", "scores"),
+    [
+        ({"prompt": [1, 2], "echo": True, "logprobs": 1, "max_tokens": 1}, True),  # lm-eval's loglikelihood
+        ({"prompt": "x", "echo": True, "logprobs": 0, "max_tokens": 0}, True),
+        ({"messages": [], "prompt_logprobs": 2, "max_completion_tokens": 1, "max_tokens": 50}, True),
+        ({"prompt": "x", "prompt_logprobs": 2, "max_tokens": 5}, False),  # also decodes: a decode instance
+        ({"prompt": "x", "prompt_logprobs": 2}, False),  # no limit: it may decode to the context length
+        ({"prompt": "x", "echo": True, "max_tokens": 1}, False),  # no logprobs: an ordinary P/D pair
+        ({"prompt": "x", "prompt_logprobs": 1, "max_tokens": True}, False),
+    ],
+)
+def test_scores_prompt(body: dict, scores: bool) -> None:
+    """Which prompt-logprob requests the proxy serves whole on a prefill instance."""
+    assert pd.scores_prompt(body) is scores
+
+
 def test_n_forks_over_pd() -> None:
     """pdserve decode instances fork one load into n choices: n > 1 stays one pair, whose prefill leg asks
     one choice (one held lease)."""

@@ -182,10 +182,11 @@ def test_chat_three_hop_equals_in_process(procs: dict[str, Proc], case: str, str
 
 COMPLETION_CASES = {
     "script": {"prompt": "Weather report:\n", "max_tokens": 30},
-    "two_prompts_logprobs_echo": {"prompt": ["Once upon a time", "hello\n"], "max_tokens": 8, "logprobs": 2,
-                                  "echo": True},
+    # echo with logprobs needs prompt logprobs, which the render tier refuses (test_render_refuses_prompt_logprobs)
+    "two_prompts_logprobs": {"prompt": ["Once upon a time", "hello\n"], "max_tokens": 8, "logprobs": 2},
+    "two_prompts_echo": {"prompt": ["Once upon a time", "hello\n"], "max_tokens": 8, "echo": True},
     "token_prompt_n2_echo": {"prompt": [1000, 2000, 3000], "max_tokens": 5, "n": 2, "temperature": 0.9, "seed": 3,
-                             "return_token_ids": True, "echo": True, "logprobs": 1},
+                             "return_token_ids": True, "echo": True},
     "stop_string": {"prompt": "x\n", "max_tokens": 30, "stop": ["plan"], "include_stop_str_in_output": True},
     "penalties_bias_allowed": {"prompt": "Weather report:\n", "max_tokens": 10, "return_token_ids": True,
                                "allowed_token_ids": [1000, 2000, 3000, 4000], "logit_bias": {"2000": 3},
@@ -233,6 +234,16 @@ def test_pd_render_moves_the_kv_over_nixl(procs: dict[str, Proc], stream: bool) 
     a, b = both(procs, "render_pd", "/v1/completions", body, f"pd-kv-{stream}")
     assert a == b and a["choices"][0]["token_ids"][:4] == [49152, 4239, 549, 1252]
     assert _metric(procs["engine"], metric, 0.0) > before
+
+
+def test_render_refuses_prompt_logprobs(procs: dict[str, Proc]) -> None:
+    """Prompt logprobs do not travel through /inference/v1/generate: a 400 naming them, not a response
+    without them (`pdserve serve` computes them)."""
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 1, "echo": True, "logprobs": 1}),
+                       ("/v1/chat/completions", {"messages": ASK, "max_tokens": 1, "prompt_logprobs": 1})):
+        r = post(procs["render"], path, {"model": "tiny", **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+        assert post(procs["serve"], path, {"model": "tiny", **body}).status_code == 200
 
 
 def test_chat_without_parsers_on_pd_render(procs: dict[str, Proc]) -> None:

@@ -151,10 +151,15 @@ def test_tool_choice_rules():
     assert parses_tool_calls(FULL, None, None) is False
     with pytest.raises(ToolChoiceError, match="enable-auto-tool-choice"):
         parses_tool_calls(ParserConfig("qwen3"), tools, "auto")
+    # "required" and a named function are forced by structured outputs: no parser reads them
+    assert parses_tool_calls(ParserConfig(), tools, "required") is False
+    assert parses_tool_calls(ParserConfig(), tools, {"type": "function", "function": {"name": "f"}}) is False
+    with pytest.raises(ToolChoiceError, match="has not been passed"):
+        parses_tool_calls(FULL, tools, {"type": "function", "function": {"name": "g"}})
+    with pytest.raises(ToolChoiceError, match="non-empty tools"):
+        parses_tool_calls(FULL, [], "required")
     with pytest.raises(ToolChoiceError):
-        parses_tool_calls(FULL, tools, "required")
-    with pytest.raises(ToolChoiceError):
-        parses_tool_calls(FULL, tools, {"type": "function", "function": {"name": "f"}})
+        parses_tool_calls(FULL, tools, {"type": "function", "function": "f"})
     with pytest.raises(ValueError):
         ParserConfig(None, None, True)
     with pytest.raises(ValueError):

@@ -207,7 +207,8 @@ def test_json_object(server: PdserveProcess, client: openai.OpenAI) -> None:
     ({"structured_outputs": {"choice": []}}, "choice"),
     ({"structured_outputs": {"disable_any_whitespace": True}}, "none are specified"),
     ({"response_format": {"type": "json_schema"}}, "'json_schema' field must be provided"),
-    ({"response_format": {"type": "structural_tag"}}, "not supported"),
+    ({"response_format": {"type": "structural_tag"}}, "non-empty `structures`"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "triggered_tags"}}}, "structures/triggers"),
 ])
 def test_invalid_constraints_are_400s(client: openai.OpenAI, extra: dict, fragment: str) -> None:
     with pytest.raises(openai.BadRequestError) as err:

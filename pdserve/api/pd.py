@@ -202,9 +202,30 @@ def local_only_reason(body: dict[str, Any], *, fork_n: bool = False) -> str | No
         value = body.get(key)
         if type(value) is int and value > 1:
             return f"{key} > 1"
-    if body.get("prompt_logprobs") is not None or (body.get("echo") and body.get("logprobs") is not None):
-        return "prompt logprobs"
+    if wants_prompt_logprobs(body):
+        return PROMPT_LOGPROBS
     return None
+
+
+PROMPT_LOGPROBS = "prompt logprobs"
+
+
+def wants_prompt_logprobs(body: dict[str, Any]) -> bool:
+    """`prompt_logprobs`, or completions `echo` with `logprobs` (the echoed prompt tokens carry theirs)."""
+    return body.get("prompt_logprobs") is not None or bool(body.get("echo") and body.get("logprobs") is not None)
+
+
+def scores_prompt(body: dict[str, Any]) -> bool:
+    """A request that wants prompt logprobs and generates at most one token (lm-evaluation-harness's
+    loglikelihood requests: echo, logprobs, max_tokens 0 or 1): all of its work is one prefill, so a proxy
+    serves it whole on a prefill instance rather than putting a prefill into a decode instance's batches."""
+    if not wants_prompt_logprobs(body):
+        return False
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if type(value) is int:
+            return value <= 1
+    return False  # no limit given: it may generate up to the context length
 
 
 def one_lease_violation(params: Any, num_prompts: int) -> str | None:

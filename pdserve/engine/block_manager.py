@@ -76,6 +76,10 @@ class BlockManager:
             return []
         max_tokens = req.num_tokens - 1
         self._compute_hashes(req, max_tokens)
+        if req.params.prompt_logprobs is not None:
+            # prompt logprobs need the logits of every prompt position: the whole prompt is computed (vLLM's
+            # kv_cache_manager.get_computed_blocks skips the cache for them too); its blocks are still cached
+            return []
         hits: list[int] = []
         for h in req.block_hashes[: max_tokens // self.block_size]:
             bid = self.cached.get(h)

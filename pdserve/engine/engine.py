@@ -275,6 +275,9 @@ class LLMEngine:
                                    can_send=conn is not None and conn.can_send,
                                    keeps_history=conn is not None and conn.keeps_history)
         later = None
+        if kv.needs_load and params.prompt_logprobs is not None:
+            raise ParamError("prompt_logprobs need the logits of every prompt position, which a request that "
+                             "reads its prompt's KV from another instance does not compute", "prompt_logprobs")
         if kv.needs_load:
             try:
                 later = pd.params_later_key(kv_transfer_params)
@@ -560,6 +563,9 @@ class LLMEngine:
     def _emit(self, req: Request, finished: bool = False) -> RequestOutput:
         new = req.output_token_ids[req.num_emitted :]
         lps = req.output_logprobs[req.num_emitted :] if req.params.logprobs is not None else None
+        # prompt logprobs travel once, with the first output (they are complete once a token is sampled)
+        prompt_lps = (req.prompt_logprobs if req.params.prompt_logprobs is not None and req.num_emitted == 0
+                      and len(req.prompt_logprobs) == req.num_prompt_tokens else None)
         req.num_emitted = len(req.output_token_ids)
         return RequestOutput(
             request_id=req.request_id,
@@ -577,6 +583,7 @@ class LLMEngine:
             kv_transfer_params=req.result_kv_transfer_params if finished else None,
             remote_cached_tokens=req.remote_cached_tokens,
             metrics=req.metrics,
+            prompt_logprobs=prompt_lps,
         )
 
     def _finish(self, req: Request, hold: bool) -> RequestOutput:

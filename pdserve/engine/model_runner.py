@@ -17,6 +17,7 @@ import torch
 from pdserve.attention import fp8_kv
 from pdserve.attention.base import AttentionMetadata
 from pdserve.config import DEFAULT_GPU_BUDGET, EngineConfig
+from pdserve.engine import prompt_logprobs
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
@@ -394,7 +395,9 @@ class ModelRunner:
             self.last_step_threads = self.cpu_threads.apply(num_tokens)
         started = time.perf_counter()
         input_ids, positions, meta = self._prepare(batch)
-        rows: list[int] = []
+        spans = prompt_logprobs.prompt_spans(batch)
+        rows: list[int] = prompt_logprobs.span_rows(spans)  # prompt-logprob rows first, then the sampling rows
+        num_prompt_rows = len(rows)
         sampling: list[Request] = []
         end = 0
         for req, n in batch:
@@ -406,6 +409,11 @@ class ModelRunner:
             self.step_sink(("cpu", input_ids, positions, meta, rows))
         logits = self._forward_cpu(input_ids, positions, meta, rows)
         if logits is None:
+            return [], [], []
+        if spans:
+            prompt_logprobs.record(spans, logits[:num_prompt_rows])
+            logits = logits[num_prompt_rows:]
+        if not sampling:
             return [], [], []
         tokens, logprobs = self.sampler.sample(logits, sampling)
         if self.cpu_threads is not None and self.last_step_threads is not None:

@@ -44,6 +44,8 @@ class RequestOutput:
     # the producer's prefix cache held (their remote_prefill_cached_tokens), for the response's usage
     remote_cached_tokens: int | None = None
     metrics: RequestMetrics | None = None
+    # params.prompt_logprobs: one per prompt position (the first None), on the request's first output only
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # with `error`: the HTTP status it is answered with: 409 when a KV producer's cache cannot be read by this
     # instance, a lease rejection's 4xx (below), else 500
     error_status: int = 500

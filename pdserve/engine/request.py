@@ -32,6 +32,8 @@ class Request:
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # params.prompt_logprobs: one entry per prompt position computed so far (position 0 has none: None)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens not computed here (prefix cache or transfer); -1 = unset
     block_ids: list[int] = field(default_factory=list)

@@ -259,19 +259,27 @@ class Sampler:
                        want: list[int]) -> tuple[list[int], list[TokenLogprob | None]]:
         """Logprobs of the raw logits (as vLLM reports them), the chosen token's rank, and the top n."""
         rows = torch.tensor(want, device=raw.device)
-        lps = torch.log_softmax(raw[rows], dim=-1)
-        picked = chosen[rows]
-        chosen_lp = lps.gather(1, picked[:, None])
-        ranks = (lps > chosen_lp).sum(dim=-1) + 1
-        top_n = max(reqs[i].params.logprobs or 0 for i in want)
-        top_vals, top_ids = torch.topk(lps, top_n, dim=-1) if top_n else (lps[:, :0], picked[:, None][:, :0])
-        # one device->host copy for all of it
-        host = torch.cat([chosen_lp, ranks[:, None].to(lps.dtype), top_vals, top_ids.to(lps.dtype)], dim=1).tolist()
+        got = token_logprobs(raw[rows], chosen[rows], [reqs[i].params.logprobs or 0 for i in want])
         tokens = chosen.tolist()
         out: list[TokenLogprob | None] = [None] * len(reqs)
-        for row, i in enumerate(want):
-            vals = host[row]
-            n = reqs[i].params.logprobs or 0
-            top = [(int(vals[2 + top_n + j]), vals[2 + j]) for j in range(n)]
-            out[i] = TokenLogprob(token_id=tokens[i], logprob=vals[0], rank=int(vals[1]), top=top)
+        for lp, i in zip(got, want, strict=True):
+            out[i] = lp
         return tokens, out
+
+
+def token_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, top_ns: list[int]) -> list[TokenLogprob]:
+    """Per row of raw logits: the given token's logprob (float32 log_softmax) and rank, and the row's top n
+    (top_ns[i]) ids and logprobs. One device->host copy for all of it. Shared by the sampled tokens'
+    logprobs and the prompt's."""
+    lps = torch.log_softmax(raw.float(), dim=-1)
+    token_lp = lps.gather(1, token_ids[:, None])
+    ranks = (lps > token_lp).sum(dim=-1) + 1
+    top_n = max(top_ns, default=0)
+    top_vals, top_ids = torch.topk(lps, top_n, dim=-1) if top_n else (lps[:, :0], token_ids[:, None][:, :0])
+    host = torch.cat([token_lp, ranks[:, None].to(lps.dtype), top_vals, top_ids.to(lps.dtype)], dim=1).tolist()
+    ids = token_ids.tolist()
+    out: list[TokenLogprob] = []
+    for vals, tok, n in zip(host, ids, top_ns, strict=True):
+        top = [(int(vals[2 + top_n + j]), vals[2 + j]) for j in range(n)]
+        out.append(TokenLogprob(token_id=tok, logprob=vals[0], rank=int(vals[1]), top=top))
+    return out

@@ -32,6 +32,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per generated token (0 = only the sampled one)
+    # top logprobs per prompt position (vLLM's): every position but the first gets the prompt token's logprob
+    # and the top n; such a request computes its whole prompt (no prefix-cache hits, no remote KV)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0  # subtracted once from every token already in the output
@@ -102,6 +105,8 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ParamError(f"logprobs must be in [0, 20], got {self.logprobs}.", "logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ParamError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}.", "prompt_logprobs")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ParamError("stop_token_ids must be non-negative integers.", "stop_token_ids")
         for name in ("presence_penalty", "frequency_penalty"):

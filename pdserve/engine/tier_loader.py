@@ -39,7 +39,8 @@ class TierLoader:
         s = self.scheduler
         room = max(s.max_num_seqs - len(s.running) - len(s.loading), 1)
         for req in list(islice(s.waiting, room)):
-            if req.tier_scan != req.metrics.num_preemptions and req.num_computed_tokens == 0:
+            if (req.tier_scan != req.metrics.num_preemptions and req.num_computed_tokens == 0
+                    and req.params.prompt_logprobs is None):  # prompt logprobs: the whole prompt is computed
                 req.tier_scan = req.metrics.num_preemptions
                 self._load_prefix(req)
 

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from pdserve.attention.base import AttentionBackend, AttentionMetadata
+from pdserve.engine import prompt_logprobs
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
@@ -160,7 +161,10 @@ class HostBatch:
         self.query_lens = [n for _, n in batch]
         self.seq_lens = [r.num_computed_tokens + n for r, n in batch]
         self.sampling: list[Request] = []
-        rows: list[int] = []
+        # prompt logprobs' rows first (pdserve.engine.prompt_logprobs), then one sampling row per frontier
+        self.prompt_spans = prompt_logprobs.prompt_spans(batch)
+        rows: list[int] = prompt_logprobs.span_rows(self.prompt_spans)
+        self.num_prompt_rows = len(rows)
         end = 0
         for (req, n), seq_len in zip(batch, self.seq_lens, strict=True):
             end += n
@@ -579,7 +583,8 @@ class GpuStepRunner:
     def execute(self, batch: list[tuple[Request, int]]) -> tuple[list[Request], list[int], list[TokenLogprob | None]]:
         t0 = time.perf_counter()
         size = None
-        if (self.graphs or self.simulate_graphs) and all(n == 1 for _, n in batch):
+        if ((self.graphs or self.simulate_graphs) and all(n == 1 for _, n in batch)
+                and not prompt_logprobs.prompt_spans(batch)):  # a graph computes only the sampling rows
             size = pick_graph_size(self.graph_sizes, len(batch))
         graph_out = self._run_graph(batch, size) if size is not None else None
         if graph_out is not None:
@@ -594,6 +599,9 @@ class GpuStepRunner:
         else:
             hb, logits = self._run_eager(batch)
             sampling = hb.sampling
+            if hb.prompt_spans and logits is not None:
+                prompt_logprobs.record(hb.prompt_spans, logits[: hb.num_prompt_rows])
+                logits = logits[hb.num_prompt_rows :]
             tokens = None if logits is None else logits.argmax(dim=-1)
         result: tuple[list[Request], list[int], list[TokenLogprob | None]] = ([], [], [])
         if logits is not None and sampling:

@@ -22,6 +22,7 @@ from pdserve.api.pd import (
     is_batch_prompt,
     local_only_reason,
     prefill_prompt_token_ids,
+    scores_prompt,
 )
 from pdserve.preflight.plan import PullChoice, parse_bandwidth, pull_or_recompute
 from pdserve.proxy.config import ProxyConfig
@@ -146,8 +147,13 @@ class ProxyHandlers:
         decode_tokens = tokens + max_output_tokens(body)
 
         reason = None
+        role = "decode"
         if len(state.prefill) == 0:
             path = "collocated"
+        elif scores_prompt(body):
+            # prompt logprobs with at most one token out: a prefill and nothing else, served whole where
+            # prefills run (ARCHITECTURE.md, "Prompt logprobs over P/D")
+            path, role, reason = "prefill_local", "prefill", "prompt scoring (prompt logprobs, max_tokens <= 1)"
         elif (local_work := self._local_prefill_work(tokens, prefix)) < cfg.disagg_threshold_tokens:
             path = "conditional_local"
             reason = f"~{local_work} uncached prompt tokens on a decode instance < --disagg-threshold-tokens"
@@ -175,7 +181,7 @@ class ProxyHandlers:
         self.metrics.path[path].inc()
         logger.debug("request %s: %s (%s)", rid, path, reason or "no prefill pool")
         return await relay_decode(
-            state, request, api_path, raw, headers, tokens=decode_tokens, kv_claimed=False, prefix=prefix
+            state, request, api_path, raw, headers, tokens=decode_tokens, kv_claimed=False, prefix=prefix, role=role
         )
 
     def _local_prefill_work(self, tokens: int, prefix: CachedPrefix | None) -> int:

@@ -207,9 +207,11 @@ async def relay_decode(
     tokens: int,
     kv_claimed: bool,
     prefix: CachedPrefix | None = None,
+    role: str = "decode",
 ) -> web.StreamResponse:
     """Send the decode leg (`send_decode`) and relay its response to the client."""
-    leg = await send_decode(state, api_path, payload, headers, tokens=tokens, kv_claimed=kv_claimed, prefix=prefix)
+    leg = await send_decode(state, api_path, payload, headers, tokens=tokens, kv_claimed=kv_claimed, prefix=prefix,
+                            role=role)
     if isinstance(leg, web.Response):
         return leg
     try:
@@ -269,6 +271,7 @@ async def send_decode(
     tokens: int,
     kv_claimed: bool,
     prefix: CachedPrefix | None = None,
+    role: str = "decode",
 ) -> DecodeLeg | web.Response:
     """Send the decode leg; returns it once an instance answered (any status but a retried 5xx), or the
     error response for the client. A leg that never reached an instance (connect failure) is retried on
@@ -276,7 +279,9 @@ async def send_decode(
     its instance may have claimed the prefill's KV lease. Retries after a leg that reached an instance are
     paid from the retry budget; with no decode instance available the first attempt waits (bounded) for
     one, then the answer is 503 with Retry-After. `prefix`: the decode instance computes the prompt itself
-    (not a P/D decode leg): chosen by cached prefix and load, counted as its uncached tokens."""
+    (not a P/D decode leg): chosen by cached prefix and load, counted as its uncached tokens. `role`
+    "prefill": the whole request is served by a prefill instance instead (a prompt-scoring request,
+    pdserve.api.pd.scores_prompt), with the same retries."""
     cfg = state.config
     rid = headers["X-Request-Id"]
     tried: list[Instance] = []
@@ -284,7 +289,7 @@ async def send_decode(
     last_reason = ""
     last_retry_after: float | None = None
     for attempt in range(1 + cfg.decode_retries):
-        inst = await state.choose(state.decode, tried, wait=attempt == 0, prefix=prefix, record=not kv_claimed)
+        inst = await state.choose(state.pool(role), tried, wait=attempt == 0, prefix=prefix, record=not kv_claimed)
         if inst is None:
             break
         if attempt:
@@ -327,7 +332,7 @@ async def send_decode(
             if not handed_over:
                 inst.release(work)
     if last_kind is None:
-        return no_instance_response(state, "decode", rid)
+        return no_instance_response(state, role, rid)
     if last_retry_after is not None:
         return error_response(
             503,

@@ -16,7 +16,7 @@ from pdserve.proxy.pool import Pool
 if TYPE_CHECKING:
     from pdserve.proxy.kv_fleet import KVFleet
 
-PATHS = ("disagg", "disagg_split", "conditional_local", "collocated", "decode_local_fallback")
+PATHS = ("disagg", "disagg_split", "conditional_local", "prefill_local", "collocated", "decode_local_fallback")
 LEGS = ("prefill", "decode")
 ERROR_KINDS = (
     "bad_request",

@@ -30,10 +30,15 @@ from pdserve.render.protocol import (
     GenerateChoice,
     GenerateTokensResponse,
 )
-from pdserve.render.render import chat_prompt_text, check_chat_request, check_completion_request
+from pdserve.render.render import (
+    chat_prompt_text,
+    check_chat_request,
+    check_completion_request,
+    refuse_prompt_logprobs,
+)
 from pdserve.server.errors import bad_request
 from pdserve.server.http_utils import parse_model
-from pdserve.server.params import stop_list
+from pdserve.server.params import completion_prompt_logprobs, stop_list
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.server.serving_chat import chat_role
 from pdserve.text.chat import message_text
@@ -293,6 +298,7 @@ def _completion_request(body: CompletionDerenderRequest) -> CompletionRequest:
         return CompletionRequest.model_construct()
     req = parse_model(CompletionRequest, body.completion_request)
     check_completion_request(req)
+    refuse_prompt_logprobs(completion_prompt_logprobs(req))
     return req
 
 

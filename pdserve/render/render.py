@@ -15,13 +15,15 @@ from typing import Any
 from pdserve.api.pd import PROMPT_TOKEN_IDS
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.render.context import RenderContext
-from pdserve.server.errors import APIError, bad_request
+from pdserve.server.errors import APIError, bad_request, not_supported
 from pdserve.server.http_utils import parse_model
 from pdserve.server.params import (
     build_sampling_params,
     check_chat_fields,
     check_completion_request,
     completion_prompt_items,
+    completion_prompt_logprobs,
+    forced_tool_of,
     resolve_max_tokens,
     truncate_prompt,
     validate_token_ids,
@@ -51,9 +53,22 @@ def _hoisted_kv(req: _SamplingFields) -> dict[str, Any] | None:
     return kv
 
 
+def refuse_prompt_logprobs(wanted: int | None) -> None:
+    """Prompt logprobs (`prompt_logprobs`, completions `echo` with `logprobs`) are computed by `pdserve serve`
+    but do not travel through `/inference/v1/generate` yet: a 400 rather than a response without them."""
+    if wanted is not None:
+        raise not_supported("prompt_logprobs", " through the render tier (send the request to `pdserve serve` or "
+                            "the proxy; completions echo with logprobs needs them too)")
+
+
 def check_chat_request(ctx: RenderContext, req: ChatCompletionRequest) -> bool:
     """Validations shared by render and derender; returns whether the output is parsed for tool calls."""
-    return check_chat_fields(ctx.parsers, req)
+    refuse_prompt_logprobs(req.prompt_logprobs)
+    use_tools = check_chat_fields(ctx.parsers, req)
+    if forced_tool_of(req) is not None:  # derender would show the forced call's JSON as content
+        raise not_supported("tool_choice", " (\"required\" or a named function) through the render tier; send "
+                            "the request to `pdserve serve` or the proxy")
+    return use_tools
 
 
 def chat_prompt_text(ctx: RenderContext, req: ChatCompletionRequest) -> str:
@@ -134,6 +149,7 @@ def render_completion(ctx: RenderContext, body: Any, header_request_id: str | No
     req = parse_model(CompletionRequest, body)
     model = ctx.check_model(req.model)
     check_completion_request(req)
+    refuse_prompt_logprobs(completion_prompt_logprobs(req))
     prompts = completion_prompts(ctx, req)
     base = f"cmpl-{base_id(header_request_id, req.request_id)}"
     kv = _hoisted_kv(req)

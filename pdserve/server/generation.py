@@ -38,6 +38,8 @@ class Choice:
     # The producer refused the lease the kv_transfer_params name (why): the error is the client's, not ours.
     kv_rejection: str | None = None
     finished: bool = False
+    # params.prompt_logprobs: per prompt position (the first None), from the engine's first output
+    prompt_logprobs: list[Any] | None = None
     first_output: RequestOutput | None = field(default=None, repr=False)
 
     @property
@@ -99,6 +101,8 @@ class Generation:
     def _handle(self, choice: Choice, out: RequestOutput) -> TextDelta:
         delta = choice.processor.process(out)
         choice.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            choice.prompt_logprobs = out.prompt_logprobs
         if out.remote_cached_tokens is not None:
             choice.remote_cached_tokens = out.remote_cached_tokens
         if delta.finished:

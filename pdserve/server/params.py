@@ -13,6 +13,7 @@ from pdserve.engine.sampling_params import MAX_N, ParamError, SamplingParams, ch
 from pdserve.server.errors import APIError, bad_request, not_supported
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from pdserve.structured.params import LEGACY_FIELDS, StructuredOutputsParams, from_openai_request
+from pdserve.text.forced_tools import ForcedTool, ForcedToolError, forced_tool
 from pdserve.text.output_parsers import ToolChoiceError, parses_tool_calls
 
 log = logging.getLogger("pdserve.server")
@@ -68,7 +69,12 @@ def check_unsupported(req: _SamplingFields) -> None:
     if req.use_beam_search:
         raise not_supported("use_beam_search")
     if req.prompt_logprobs is not None:
-        raise not_supported("prompt_logprobs")
+        if not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"Requested prompt logprobs of {req.prompt_logprobs}, which is greater than max "
+                              f"allowed: {MAX_LOGPROBS}" if req.prompt_logprobs > MAX_LOGPROBS
+                              else "`prompt_logprobs` must be a non-negative value.", "prompt_logprobs")
+        if req.stream and req.prompt_logprobs > 0:  # vLLM's rule: stream chunks have no prompt_logprobs field
+            raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
     if req.stream_options is not None and not req.stream:
         raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
     if req.n < 1:
@@ -80,6 +86,9 @@ def check_unsupported(req: _SamplingFields) -> None:
 def check_completion_request(req: CompletionRequest) -> None:
     """`check_unsupported` plus the completions-only fields this server refuses."""
     check_unsupported(req)
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens must be at least 1, got 0 (0 is allowed with echo: the prompt alone).",
+                          "max_tokens")
     if req.suffix is not None:
         raise not_supported("suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -99,6 +108,21 @@ def check_chat_fields(parsers: Any, req: ChatCompletionRequest) -> bool:
         return parses_tool_calls(parsers, req.tools, req.tool_choice)
     except ToolChoiceError as e:
         raise APIError(str(e), 400, e.param) from e
+
+
+def completion_prompt_logprobs(req: CompletionRequest) -> int | None:
+    """The prompt logprobs a completions request needs: `prompt_logprobs`, else with `echo` its `logprobs`
+    (the echoed prompt tokens carry theirs, as in vLLM's CompletionRequest.to_sampling_params). None for a
+    streamed `prompt_logprobs: 0` without echo (stream chunks have no field for them: not computed)."""
+    if req.prompt_logprobs is not None and not (req.stream and not req.echo):
+        return req.prompt_logprobs
+    return req.logprobs if req.echo else None
+
+
+def echo_only(req: CompletionRequest) -> bool:
+    """`echo` with `max_tokens` 0 (OpenAI's way to score a prompt): the engine samples one token, which the
+    response leaves out."""
+    return bool(req.echo) and req.max_tokens == 0
 
 
 def completion_prompt_items(req: CompletionRequest) -> list[Any]:
@@ -153,7 +177,8 @@ def sampling_param_name(param: str | None, prefix: str) -> str | None:
 
 
 def build_sampling_params(fields: Any, *, max_tokens: int, logprobs: int | None, defaults: GenerationDefaults,
-                          seed: int | None, param_prefix: str = "") -> SamplingParams:
+                          seed: int | None, param_prefix: str = "",
+                          prompt_logprobs: int | None = None) -> SamplingParams:
     """Engine parameters from a request's sampling fields (an OpenAI request, or a GenerateRequest's
     `sampling_params`: the same names); omitted fields get the model's generation defaults."""
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
@@ -176,6 +201,7 @@ def build_sampling_params(fields: Any, *, max_tokens: int, logprobs: int | None,
             ignore_eos=fields.ignore_eos,
             min_tokens=fields.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=fields.skip_special_tokens,
             include_stop_str_in_output=fields.include_stop_str_in_output,
             presence_penalty=0.0 if fields.presence_penalty is None else fields.presence_penalty,
@@ -193,9 +219,23 @@ def build_sampling_params(fields: Any, *, max_tokens: int, logprobs: int | None,
 def structured_outputs_of(fields: Any) -> StructuredOutputsParams | None:
     """`structured_outputs`, `response_format` and the legacy `guided_*` fields (those a request has) as one
     spec (ParamError for a malformed one; the grammar itself is checked by the engine)."""
+    forced = forced_tool_of(fields)
+    if forced is not None:
+        # as vLLM's ChatCompletionRequest.to_sampling_params: the tool call's schema is the constraint
+        return StructuredOutputsParams(json=forced.schema(fields.tools,
+                                                          getattr(fields, "parallel_tool_calls", None) is not False))
     legacy = {k: getattr(fields, k) for k in LEGACY_FIELDS if getattr(fields, k, None) is not None}
     return from_openai_request(getattr(fields, "structured_outputs", None), getattr(fields, "response_format", None),
                                legacy)
+
+
+def forced_tool_of(fields: Any) -> ForcedTool | None:
+    """A chat request's tool_choice "required" or named function (checked by check_chat_fields), else None."""
+    tools = getattr(fields, "tools", None)
+    try:
+        return forced_tool(tools, getattr(fields, "tool_choice", None)) if tools else None
+    except ForcedToolError as e:
+        raise APIError(str(e), 400, e.param) from e
 
 
 def logit_bias_by_id(bias: dict[str, float] | None, param: str) -> dict[int, float] | None:

@@ -53,7 +53,8 @@ async def encode(state: ServerState, text: str, add_special_tokens: bool) -> lis
 
 def make_choices(state: ServerState, fields: Any, base_id: str, prompts: Sequence[list[int]],
                  max_tokens: Sequence[int], logprobs: int | None, kv_transfer_params: dict[str, Any] | None, *,
-                 per_prompt_suffix: bool, param_prefix: str = "", detokenize: bool = True) -> list[Choice]:
+                 per_prompt_suffix: bool, param_prefix: str = "", detokenize: bool = True,
+                 prompt_logprobs: int | None = None) -> list[Choice]:
     """One engine request per prompt per choice (`fields.n`), each with its own sampling parameters (a
     fixed seed gives every choice its own) and output processor. `fields` holds the sampling fields: an
     OpenAI request, or a GenerateRequest's `sampling_params` (then `param_prefix="sampling_params."`)."""
@@ -80,7 +81,7 @@ def make_choices(state: ServerState, fields: Any, base_id: str, prompts: Sequenc
         for j in range(n):
             params = build_sampling_params(fields, max_tokens=max_tokens[i], logprobs=logprobs,
                                            defaults=state.defaults, seed=child_seed(fields.seed, j),
-                                           param_prefix=param_prefix)
+                                           param_prefix=param_prefix, prompt_logprobs=prompt_logprobs)
             engine_id = state.engine_request_id(stem if j == 0 else f"{j}_{stem}")
             processor = OutputProcessor.from_params(state.tokenizer, ids, params, detokenize=detokenize)
             forked = fork and j > 0

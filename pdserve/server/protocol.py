@@ -35,6 +35,10 @@ class StreamOptions(OpenAIBaseModel):
 class ResponseFormat(OpenAIBaseModel):
     type: str
     json_schema: dict[str, Any] | None = None
+    # type "structural_tag" (vLLM's): {"structures": [{"begin", "schema", "end"}], "triggers": [...]}
+    structures: list[Any] | None = None
+    triggers: list[Any] | None = None
+    format: Any = None
 
 
 class _SamplingFields(OpenAIBaseModel):

@@ -13,7 +13,13 @@ from pdserve.api.pd import PROMPT_TOKEN_IDS, chat_prompt_ids_allowed
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.generation import Generation
 from pdserve.server.http_utils import base_request_id, sse
-from pdserve.server.params import check_chat_fields, resolve_max_tokens, truncate_prompt, validate_token_ids
+from pdserve.server.params import (
+    check_chat_fields,
+    forced_tool_of,
+    resolve_max_tokens,
+    truncate_prompt,
+    validate_token_ids,
+)
 from pdserve.server.pipeline import Recorders, encode, make_choices, now, outputs, respond, usage
 from pdserve.server.protocol import ChatCompletionRequest
 from pdserve.server.state import ServerState
@@ -24,6 +30,7 @@ from pdserve.text.output_parsers import (
     ChatOutputParser,
     prompt_tail_text,
 )
+from pdserve.text.tool_parsers import make_tool_call_id
 
 PROMPT_IDS_PARAM = f"kv_transfer_params.{PROMPT_TOKEN_IDS}"
 
@@ -85,7 +92,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     max_tokens = resolve_max_tokens(requested, len(ids), state.max_model_len, state.defaults, param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     request_id = f"chatcmpl-{base_request_id(raw, req.request_id)}"
-    choices = make_choices(state, req, request_id, [ids], [max_tokens], logprobs, kv, per_prompt_suffix=False)
+    choices = make_choices(state, req, request_id, [ids], [max_tokens], logprobs, kv, per_prompt_suffix=False,
+                           prompt_logprobs=None if req.stream else req.prompt_logprobs)  # streams carry none
     role = chat_role(req)
     echo = ""
     if req.echo and req.messages and isinstance(req.messages[-1], dict) and req.messages[-1].get("role") == role:
@@ -109,7 +117,11 @@ class _ChatView:
         self.top = req.top_logprobs or 0
         # Reasoning / tool-call parsers (the render tier's derender uses the same ones): one per choice.
         self.parsers: dict[int, ChatOutputParser] = {}
-        if state.parsers.any:
+        # tool_choice "required" / named: the grammar forces the call's JSON; no parser reads it
+        self.forced = forced_tool_of(req)
+        self.forced_text: dict[int, str] = {}  # streaming: each choice's text so far
+        self.forced_ids: dict[int, str] = {}  # streaming, named: each choice's tool call id
+        if state.parsers.any and self.forced is None:
             tail = prompt_tail_text(state.tokenizer, prompt_ids)
             self.parsers = {j: ChatOutputParser.new(state.parsers, use_tools=use_tools, prompt_tail=tail,
                                                     include_reasoning=req.include_reasoning) for j in range(req.n)}
@@ -128,6 +140,11 @@ class _ChatView:
                                        "annotations": None, "audio": None, "function_call": None, "tool_calls": [],
                                        "reasoning": None}
             finish_reason = proc.finish_reason
+            calls = self.forced.calls(proc.text) if self.forced is not None else None
+            if calls is not None:  # vLLM's message for a forced call: empty content, the calls
+                message.update(content=self.echo, tool_calls=[t.to_message() for t in calls])
+                if self.forced is not None and self.forced.required and finish_reason == "stop":
+                    finish_reason = "tool_calls"
             parser = self.parsers.get(c.index)
             if parser is not None:
                 parsed = parser.parse(proc.text)
@@ -153,10 +170,35 @@ class _ChatView:
             "service_tier": None,
             "system_fingerprint": None,
             "usage": usage(gen.choices, [self.prompt_ids], req.n, self.kv),
-            "prompt_logprobs": None,
+            "prompt_logprobs": (None if gen.choices[0].prompt_logprobs is None
+                                else self.fmt.prompt(gen.choices[0].prompt_logprobs)),
             "prompt_token_ids": self.prompt_ids if req.return_token_ids else None,
             "kv_transfer_params": gen.choices[0].kv_transfer_result,
         }
+
+    def _forced_delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """A streamed delta of a forced tool call. Named: the arguments as they come (the first delta names the
+        call, as vLLM streams it). Required: the calls once the array is complete (at the end; a cut-off array
+        is sent as content)."""
+        assert self.forced is not None
+        so_far = self.forced_text.get(index, "") + text
+        self.forced_text[index] = so_far
+        if self.forced.name is not None:
+            if not text:
+                return {}, finish_reason
+            if index not in self.forced_ids:
+                self.forced_ids[index] = make_tool_call_id()
+                call = {"index": 0, "id": self.forced_ids[index], "type": "function",
+                        "function": {"name": self.forced.name, "arguments": text}}
+            else:
+                call = {"index": 0, "function": {"arguments": text}}
+            return {"tool_calls": [call]}, finish_reason
+        if finish_reason is None:
+            return {}, None
+        calls = self.forced.calls(so_far)
+        if calls is None:
+            return ({"content": so_far} if so_far else {}), finish_reason
+        return {"tool_calls": [t.to_delta() for t in calls]}, "tool_calls" if finish_reason == "stop" else finish_reason
 
     def _chunk(self, choices: list[dict[str, Any]], extra: str = "") -> str:
         return (f'data: {{"id": {json.dumps(self.id)}, "object": "chat.completion.chunk", '
@@ -180,7 +222,11 @@ class _ChatView:
             message: dict[str, Any] = {"content": delta.text}
             finish_reason = delta.finish_reason if delta.finished else None
             parser = self.parsers.get(c.index)
-            if parser is not None:
+            if self.forced is not None:
+                message, finish_reason = self._forced_delta(c.index, delta.text, finish_reason)
+                if not (message or delta.finished or delta.logprobs or req.return_token_ids):
+                    continue
+            elif parser is not None:
                 parsed = parser.feed(delta.text)
                 if delta.finished:
                     parsed += parser.finish()

@@ -15,6 +15,8 @@ from pdserve.server.http_utils import base_request_id, sse
 from pdserve.server.params import (
     check_completion_request,
     completion_prompt_items,
+    completion_prompt_logprobs,
+    echo_only,
     resolve_max_tokens,
     truncate_prompt,
     validate_token_ids,
@@ -48,11 +50,12 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     state.check_accepting()
     check_completion_request(req)
     prompts, texts = await _prompts(state, req)
-    max_tokens = [resolve_max_tokens(req.max_tokens, len(p), state.max_model_len, state.defaults, "max_tokens")
+    requested = 1 if echo_only(req) else req.max_tokens
+    max_tokens = [resolve_max_tokens(requested, len(p), state.max_model_len, state.defaults, "max_tokens")
                   for p in prompts]
     request_id = f"cmpl-{base_request_id(raw, req.request_id)}"
     choices = make_choices(state, req, request_id, prompts, max_tokens, req.logprobs, req.kv_transfer_params,
-                           per_prompt_suffix=True)
+                           per_prompt_suffix=True, prompt_logprobs=completion_prompt_logprobs(req))
     echo_texts: list[str] = []
     if req.echo:
         echo_texts = [t if t is not None else state.tokenizer.decode(p, skip_special_tokens=False)
@@ -72,15 +75,21 @@ class _CompletionView:
         self.prompts = prompts
         self.echo_texts = echo_texts
         self.fmt = LogprobFormatter(state.tokenizer.token_text, bool(req.return_tokens_as_token_ids))
+        self.echo_only = echo_only(req)  # max_tokens 0: the engine's one token is left out of the response
 
     def _logprobs(self, choice: Choice, ids: list[int], lps: list[Any] | None, echo: bool,
                   offset: int) -> dict[str, Any] | None:
         if self.req.logprobs is None or lps is None:
             return None
-        if echo:
+        if echo:  # the prompt's tokens first, with their logprobs (the first has none)
             prompt = choice.prompt_token_ids
-            return self.fmt.completion([*prompt, *ids], [None] * len(prompt) + list(lps), self.req.logprobs, offset)
+            prompt_lps = choice.prompt_logprobs or [None] * len(prompt)
+            return self.fmt.completion([*prompt, *ids], [*prompt_lps, *lps], self.req.logprobs, offset)
         return self.fmt.completion(ids, lps, self.req.logprobs, offset)
+
+    def _generated(self, ids: list[int], lps: list[Any] | None, text: str) -> tuple[list[int], list[Any] | None, str]:
+        """What of the engine's output the response shows: nothing for echo with max_tokens 0."""
+        return ([], [] if lps is not None else None, "") if self.echo_only else (ids, lps, text)
 
     # ---- whole response --------------------------------------------------------------------------
     def body(self, gen: Generation) -> dict[str, Any]:
@@ -89,14 +98,15 @@ class _CompletionView:
         for c in gen.choices:
             proc = c.processor
             echo = self.echo_texts[c.prompt_index] if req.echo else ""
+            ids, lps, text = self._generated(proc.token_ids, proc.logprobs if req.logprobs is not None else None,
+                                             proc.text)
             out_choices.append({
                 "index": c.index,
-                "text": echo + proc.text,
-                "logprobs": self._logprobs(c, proc.token_ids, proc.logprobs if req.logprobs is not None else None,
-                                           req.echo or False, 0),
+                "text": echo + text,
+                "logprobs": self._logprobs(c, ids, lps, req.echo or False, 0),
                 "finish_reason": proc.finish_reason,
                 "stop_reason": proc.stop_reason,
-                "prompt_logprobs": None,
+                "prompt_logprobs": None if c.prompt_logprobs is None else self.fmt.prompt(c.prompt_logprobs),
                 "token_ids": list(proc.token_ids) if req.return_token_ids else None,
                 "prompt_token_ids": c.prompt_token_ids if req.return_token_ids else None,
             })
@@ -123,7 +133,7 @@ class _CompletionView:
         head = f'{{"id": {json.dumps(self.id)}, "object": "text_completion", "created": {self.created}, ' \
                f'"model": {json.dumps(self.model)}, '
         async for c, delta in outputs(gen, recorders):
-            text = delta.text
+            token_ids, lps, text = self._generated(delta.token_ids, delta.logprobs, delta.text)
             first = c.index not in first_sent
             if first:
                 first_sent.add(c.index)
@@ -134,7 +144,7 @@ class _CompletionView:
             choice: dict[str, Any] = {
                 "index": c.index,
                 "text": text,
-                "logprobs": self._logprobs(c, delta.token_ids, delta.logprobs, bool(req.echo) and first, offset),
+                "logprobs": self._logprobs(c, token_ids, lps, bool(req.echo) and first, offset),
                 "finish_reason": delta.finish_reason if delta.finished else None,
                 "stop_reason": delta.stop_reason if delta.finished else None,
             }

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from pdserve.engine.sampling_params import ParamError
-from pdserve.structured.params import StructuredOutputsParams
+from pdserve.structured.params import StructuredOutputsParams, structural_tags
 
 CACHE_SIZE = 256
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -110,6 +110,14 @@ class GrammarCompiler:
                 if self.disable_additional_properties or spec.disable_additional_properties:
                     schema = close_objects(schema)
                 return llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+            if spec.structural_tag is not None:
+                # free text until a trigger, then begin + JSON of the schema + end (llguidance's StructTag,
+                # as vLLM's guidance backend builds it)
+                closed = self.disable_additional_properties or spec.disable_additional_properties
+                tags = [llg.StructTag(trigger=t, begin=b, end=e, grammar={
+                    **(close_objects(schema) if closed else schema), "x-guidance": options})
+                    for t, b, schema, e in structural_tags(spec.structural_tag)]
+                return llg.StructTag.to_grammar(tags)
             if spec.regex is not None:
                 return llg.grammar_from("regex", spec.regex)
             if spec.choice is not None:

@@ -28,7 +28,9 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
-    structural_tag: str | None = field(default=None, repr=False)  # accepted by the schema, refused below
+    # vLLM's legacy structural tag, as JSON text: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}
+    # (free text until a trigger; then begin + JSON matching the schema + end; see structural_tags())
+    structural_tag: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         given = [c for c in CONSTRAINTS if getattr(self, c) is not None]
@@ -39,8 +41,7 @@ class StructuredOutputsParams:
             raise ParamError("You must use one kind of structured outputs constraint but none are specified "
                              f"(one of {', '.join(CONSTRAINTS[:-1])}).", "structured_outputs")
         if self.structural_tag is not None:
-            raise ParamError("structured_outputs.structural_tag is not supported by this server.",
-                             "structured_outputs")
+            structural_tags(self.structural_tag)  # well-formed, or a ParamError
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise ParamError("structured_outputs.json must be a JSON schema (an object or its JSON text).",
                              "structured_outputs")
@@ -100,6 +101,8 @@ def from_openai_request(structured_outputs: Any, response_format: Any,
             spec.pop(c, None)
         if rf_type == "json_object":
             spec["json_object"] = True
+        elif rf_type == "structural_tag":
+            spec["structural_tag"] = json.dumps(_as_dict(response_format))  # as vLLM passes it on
         elif rf_type == "json_schema":
             js = _get(response_format, "json_schema")
             if js is None:
@@ -114,7 +117,7 @@ def from_openai_request(structured_outputs: Any, response_format: Any,
             spec["json"] = schema
         else:
             raise ParamError(f"response_format type {rf_type!r} is not supported (text, json_object, "
-                             "json_schema).", "response_format")
+                             "json_schema, structural_tag).", "response_format")
     if not spec:
         return None
     return StructuredOutputsParams.from_dict(spec, "response_format" if rf_type not in (None, "text")
@@ -127,3 +130,48 @@ def _get(obj: Any, name: str) -> Any:
     if isinstance(obj, dict):
         return obj.get(name)
     return getattr(obj, name, None)
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    if isinstance(obj, dict):
+        return obj
+    dump = getattr(obj, "model_dump", None)
+    return dump(exclude_none=True) if dump is not None else dict(vars(obj))
+
+
+def structural_tags(text: str) -> list[tuple[str, str, dict[str, Any], str]]:
+    """(trigger, begin, schema, end) of each structure of a structural tag (vLLM's legacy
+    `{"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}`, the form
+    vLLM's guidance backend serves); each structure's trigger is the trigger its `begin` starts with.
+    ParamError for anything else, including xgrammar's newer `{"format": ...}` form."""
+    param = "structured_outputs"
+    try:
+        tag = json.loads(text)
+    except (TypeError, ValueError) as e:
+        raise ParamError(f"structural_tag must be JSON: {e}", param) from None
+    if not isinstance(tag, dict):
+        raise ParamError("structural_tag must be a JSON object.", param)
+    if "format" in tag and "structures" not in tag:
+        raise ParamError("structural_tag: only the structures/triggers form is supported by this server "
+                         "(vLLM's guidance backend serves the same), not xgrammar's \"format\" form.", param)
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if (not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not triggers
+            or not all(isinstance(t, str) and t for t in triggers)):
+        raise ParamError("structural_tag needs a non-empty `structures` list and a non-empty `triggers` list "
+                         "of strings.", param)
+    out = []
+    for s in structures:
+        if not isinstance(s, dict) or not isinstance(s.get("begin"), str) or not isinstance(s.get("end"), str):
+            raise ParamError("each structural_tag structure is {\"begin\": str, \"schema\": {...}, \"end\": str}.",
+                             param)
+        schema = s.get("schema")
+        if schema is None:
+            schema = {}
+        if not isinstance(schema, dict):
+            raise ParamError("a structural_tag structure's schema must be a JSON schema object.", param)
+        trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
+        if trigger is None:
+            raise ParamError(f"structural_tag: the begin {s['begin']!r} starts with none of the triggers "
+                             f"{triggers}.", param)
+        out.append((trigger, s["begin"], schema, s["end"]))
+    return out

@@ -73,6 +73,24 @@ class LogprobFormatter:
             "top_logprobs": top_logprobs,
         }
 
+    # ---- prompt logprobs (vLLM's `prompt_logprobs` field) -------------------------------------
+    def prompt(self, logprobs: Sequence[TokenLogprobLike | None]) -> list[dict[str, dict[str, Any]] | None]:
+        """Per prompt position: None (the first), or {token id as a string: {"logprob", "rank",
+        "decoded_token"}} for the prompt token, then the top n (best first), as vLLM serialises them."""
+        out: list[dict[str, dict[str, Any]] | None] = []
+        for lp in logprobs:
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(lp.token_id): self._prompt_entry(lp.token_id, lp.logprob, lp.rank)}
+            for rank, (tid, value) in enumerate(lp.top, start=1):
+                entry.setdefault(str(tid), self._prompt_entry(tid, value, rank))
+            out.append(entry)
+        return out
+
+    def _prompt_entry(self, token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        return {"logprob": clamp(logprob), "rank": rank, "decoded_token": self.text(token_id)}
+
     # ---- chat --------------------------------------------------------------------------------
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self.text(token_id)

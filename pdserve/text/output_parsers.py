@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.text.forced_tools import ForcedToolError, forced_tool
 from pdserve.text.reasoning import ReasoningParser, ReasoningStream, get_reasoning_parser
 from pdserve.text.tool_parsers import (
     HermesToolStream,
@@ -77,8 +78,9 @@ def effective_tool_choice(tools: Any, tool_choice: Any) -> Any:
 
 def parses_tool_calls(config: ParserConfig, tools: Any, tool_choice: Any) -> bool:
     """Whether a request's output goes through the tool parser. Raises ToolChoiceError (400) for tool
-    settings the server cannot honour: "auto" without `--enable-auto-tool-choice`, and "required" or a
-    named function, which need structured outputs (constrained decoding) that the engine does not do."""
+    settings the server cannot honour: "auto" without `--enable-auto-tool-choice`, a malformed or unknown
+    named function. "required" and a named function are forced by structured outputs
+    (pdserve.text.forced_tools) and need no parser: False."""
     choice = effective_tool_choice(tools, tool_choice)
     if choice == "none":
         return False
@@ -93,10 +95,11 @@ def parses_tool_calls(config: ParserConfig, tools: Any, tool_choice: Any) -> boo
             )
         return True
     if choice == "required" or isinstance(choice, dict):
-        raise ToolChoiceError(
-            'tool_choice "required" and named functions need structured outputs, which this server does '
-            'not support; use "auto" or "none"'
-        )
+        try:
+            forced_tool(tools, choice)
+        except ForcedToolError as e:
+            raise ToolChoiceError(str(e), e.param) from e
+        return False
     raise ToolChoiceError(f"invalid tool_choice {choice!r}")
 
 
