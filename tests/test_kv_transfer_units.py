@@ -18,7 +18,16 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from pdserve.api.pd import build_producer_params, parse_remote_prefill_params
 from pdserve.kv_transfer import side_channel
-from pdserve.kv_transfer.auth import REPLY, REQUEST, AuthRefused, MessageAuth, ReplayGuard, new_nonce
+from pdserve.kv_transfer.auth import (
+    AEAD_NONCE_BYTES,
+    REPLY,
+    REQUEST,
+    SEAL_OVERHEAD,
+    AuthRefused,
+    MessageAuth,
+    ReplayGuard,
+    new_nonce,
+)
 from pdserve.kv_transfer.compat import PROTOCOL_VERSION, compat_differences, make_compat
 from pdserve.kv_transfer.config import KVTransferConfig
 from pdserve.kv_transfer.errors import (
@@ -608,13 +617,35 @@ def test_consumer_with_a_secret_refuses_unsigned_and_misdirected_replies(server:
         side_channel._open_reply(envelope, "heartbeat", new_nonce(), "test", auth)
 
 
-def test_concealed_metadata_needs_the_secret_nonce_and_generation() -> None:
+def test_sealed_metadata_needs_the_secret_nonce_generation_and_rank() -> None:
     auth, data, nonce = MessageAuth(SECRET), bytes(range(256)) * 9 + b"\x00tail", new_nonce()
     sealed = auth.conceal(data, nonce, 17)
-    assert len(sealed) == len(data) and sealed != data and auth.reveal(sealed, nonce, 17) == data
-    assert auth.reveal(sealed, nonce, 18) != data and auth.reveal(sealed, new_nonce(), 17) != data
-    assert MessageAuth("another-secret-" + "q" * 16).reveal(sealed, nonce, 17) != data
-    assert auth.conceal(b"", nonce, 1) == b""
+    assert len(sealed) == len(data) + SEAL_OVERHEAD and data not in sealed
+    assert auth.reveal(sealed, nonce, 17) == data
+    # Sealing twice never repeats an AEAD nonce, so the two ciphertexts differ.
+    assert auth.conceal(data, nonce, 17) != sealed
+    # Opened for another request, another producer incarnation, or with another secret: refused, never garbage.
+    for opener, n, gen in ((auth, nonce, 18), (auth, new_nonce(), 17),
+                           (MessageAuth("another-secret-" + "q" * 16), nonce, 17)):
+        with pytest.raises(AuthRefused, match="fails authentication"):
+            opener.reveal(sealed, n, gen)
+    # Any flipped bit (AEAD nonce, ciphertext or tag), a truncation, or an appended byte is refused.
+    for at in (0, AEAD_NONCE_BYTES, len(sealed) // 2, len(sealed) - 1):
+        tampered = bytearray(sealed)
+        tampered[at] ^= 0x01
+        with pytest.raises(AuthRefused, match="fails authentication"):
+            auth.reveal(bytes(tampered), nonce, 17)
+    for bad in (sealed[:-1], sealed + b"\x00"):
+        with pytest.raises(AuthRefused, match="fails authentication"):
+            auth.reveal(bad, nonce, 17)
+    with pytest.raises(AuthRefused, match="too short"):
+        auth.reveal(sealed[: SEAL_OVERHEAD - 1], nonce, 17)
+    # Ranks' parts are bound to their index: swapping two ranks' sealed metadata is refused.
+    parts = auth.seal_parts([b"rank0-metadata", b"rank1-metadata"], nonce, 3)
+    assert auth.open_parts(parts, nonce, 3) == [b"rank0-metadata", b"rank1-metadata"]
+    with pytest.raises(AuthRefused, match="sealed part 0"):
+        auth.open_parts(parts[::-1], nonce, 3)
+    assert auth.reveal(auth.conceal(b"", nonce, 1), nonce, 1) == b""
 
 
 def test_replay_guard_window_memory_and_restart_floor() -> None:

@@ -33,7 +33,7 @@ from typing import Any
 
 from pdserve.api.pd import LEASE_REJECTION_STATUS, RemotePrefillParams, parse_remote_kv_params
 from pdserve.kv_transfer import side_channel
-from pdserve.kv_transfer.auth import MessageAuth
+from pdserve.kv_transfer.auth import AuthRefused, MessageAuth
 from pdserve.kv_transfer.compat import check_compat
 from pdserve.kv_transfer.config import KVTransferConfig
 from pdserve.kv_transfer.errors import (
@@ -597,18 +597,15 @@ class KVConsumer:
                 f"producer {where} restarted (generation {reply['generation']}) since it issued these params "
                 f"(generation {p.generation}); their KV is gone"
             )
-        # Every rank's agent metadata, in rank order; with a secret they are one concealed stream (the
-        # producer conceals their concatenation once, so no keystream byte serves two ranks).
+        # Every rank's agent metadata, in rank order; with a secret each is sealed (AEAD) by the producer.
         entries = reply.get("ranks") or [{"agent_name": reply["agent_name"], "agent_metadata": reply["agent_metadata"]}]
-        blob = b"".join(e["agent_metadata"] for e in entries)
+        blobs = [e["agent_metadata"] for e in entries]
         if self._auth is not None:  # the reply is signed, so it came from a producer with the secret
-            blob = self._auth.reveal(blob, reply["re"], reply["generation"])
-        metadata: dict[str, bytes] = {}
-        offset = 0
-        for e in entries:
-            n = len(e["agent_metadata"])
-            metadata[e["agent_name"]] = blob[offset : offset + n]
-            offset += n
+            try:
+                blobs = self._auth.open_parts(blobs, reply["re"], reply["generation"])
+            except AuthRefused as exc:
+                raise _LoadFailed(f"producer {where}: {exc}", abort=True) from None
+        metadata = {e["agent_name"]: blob for e, blob in zip(entries, blobs, strict=True)}
         loaded: list[list[str]] = [[] for _ in self._ranks]
         try:
             for d, (agent, _) in enumerate(self._ranks):
