@@ -1,0 +1,141 @@
+"""pdserve across hosts: 2 prefill + 2 decode instances on four network-namespace hosts, a proxy on a fifth, a
+collocated reference on a sixth, requests from a seventh (pdserve.testing.netns, pdserve.testing.pd_cluster).
+
+KV moves over NIXL/UCX TCP between the hosts' addresses; side channels listen on and advertise each host's
+own address. Answers through the proxy are token-exact with the collocated instance; faults (a host's link cut,
+a slow link) end requests cleanly within a bound and leave no KV held. One bed per module (about 40 s to start
+on 2 cores). Needs root for namespaces: skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import msgpack
+import pytest
+from server_utils import make_model_dir
+
+from pdserve.testing import netns
+from pdserve.testing.pd_cluster import (
+    SIDE_CHANNEL_PORT,
+    PDCluster,
+    answer_token_ids,
+    completion_body,
+    hosts_needed,
+)
+
+pytest.importorskip("nixl_cu12", reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
+_REASON = netns.unavailable_reason()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"no network namespaces: {_REASON}")
+
+LEASE_S = 3.0
+
+
+def prompt_of(n_words: int, seed: int) -> str:
+    words = ["alpha", "river", "stone", "cloud", "seven", "orange", "signal", "quiet", "market", "engine"]
+    return " ".join(words[(i * 7 + seed) % len(words)] + str(i % 11) for i in range(n_words))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[PDCluster]:
+    model_dir = make_model_dir(tmp_path_factory.mktemp("netns-model"))
+    logs = tmp_path_factory.mktemp("netns-logs")
+    with netns.Testbed(hosts_needed(2, 2)) as bed:
+        pd = PDCluster(bed, model_dir, logs, kv_extra={"kv_lease_duration": LEASE_S},
+                       serve_args=("--max-model-len", "512", "--num-gpu-blocks-override", "128"),
+                       proxy_args=("--health-interval", "1", "--eject-after", "2"))
+        try:
+            yield pd.start()
+        finally:
+            pd.stop()
+
+
+def ask(url: str, prompt: str, max_tokens: int, stream: bool, timeout: float = 60.0) -> list[int] | str:
+    body = completion_body(prompt, max_tokens, stream)
+    with httpx.Client(timeout=timeout) as http:
+        r = http.post(f"{url}/v1/completions", json=body)
+        return answer_token_ids(r.status_code, r.content, stream)
+
+
+def test_side_channels_listen_on_and_advertise_their_host(cluster: PDCluster) -> None:
+    with cluster.client():
+        for node in cluster.prefill:
+            info = httpx.get(f"{node.url}/pdserve/info", timeout=5).json()
+            assert info["side_channel_host"] == node.host.addr, info
+            # a prefill leg's params name the host's address, which the decode hosts dial
+            body = {**completion_body("hello there", 1, False), "kv_transfer_params": {"do_remote_decode": True}}
+            r = httpx.post(f"{node.url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            params = r.json()["kv_transfer_params"]
+            assert params["remote_host"] == node.host.addr and params["remote_port"] == SIDE_CHANNEL_PORT
+            # nothing listens on its loopback for the side channel (no 127.0.0.1 anywhere in the path)
+            assert "127.0.0.1" not in r.text
+    assert not cluster.idle_problems(cluster.prefill, timeout=LEASE_S * 4)  # the unused leases expired
+
+
+def test_2p2d_across_hosts_is_token_exact_with_collocated(cluster: PDCluster) -> None:
+    cases = [(prompt_of(n, seed), m, stream) for seed, (n, m) in enumerate([(3, 8), (40, 12), (150, 16), (70, 6)])
+             for stream in (False, True)]
+    with cluster.client():
+        before = [_decode_count(node.url) for node in cluster.decode]
+        for prompt, max_tokens, stream in cases:
+            expected = ask(cluster.collocated.url, prompt, max_tokens, stream)
+            assert isinstance(expected, list) and len(expected) == max_tokens, expected
+            got = ask(cluster.proxy.url, prompt, max_tokens, stream)
+            assert got == expected, (prompt[:40], stream)
+        served = [_decode_count(node.url) - b for node, b in zip(cluster.decode, before, strict=True)]
+    assert sum(served) == len(cases) and all(served), served  # both decode hosts took part
+    assert not cluster.idle_problems()
+
+
+def _decode_count(url: str) -> float:
+
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{"))
+
+
+def _exchange(host: str, port: int, frame: bytes) -> dict:
+    """One raw frame to a side channel; the reply's inner message."""
+    from pdserve.kv_transfer import side_channel
+
+    with socket.create_connection((host, port), timeout=5.0) as sock:
+        sock.sendall(frame)
+        decoder = side_channel.FrameDecoder()
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            messages = decoder.feed(sock.recv(65536))
+            if messages:
+                return msgpack.unpackb(messages[0]["msg"])
+    raise AssertionError("no reply")
+
+
+def test_replayed_and_tampered_side_channel_frames_from_another_host_are_refused(cluster: PDCluster) -> None:
+    """A signed frame sent again from another host is refused as a replay; one with a flipped byte as
+    unauthenticated; neither is acted on."""
+    from pdserve.kv_transfer import side_channel
+    from pdserve.kv_transfer.auth import REQUEST, MessageAuth, new_nonce
+
+    prefill = cluster.prefill[0]
+    auth = MessageAuth(prefill.env["PDSERVE_KV_SECRET"])
+    with cluster.client():
+        engine_id = httpx.get(f"{prefill.url}/pdserve/info", timeout=5).json()["engine_id"]
+        request = {"op": "heartbeat", "to": engine_id, "ts": time.time(), "nonce": new_nonce(),
+                   "request_ids": ["nobody"], "lease_tokens": ["x" * 32]}
+        payload = msgpack.packb(request, use_bin_type=True)
+        frame = side_channel.encode_frame({"v": side_channel.PROTOCOL_VERSION, "msg": payload,
+                                           "mac": auth.sign(REQUEST, payload)})
+        first = _exchange(prefill.host.addr, SIDE_CHANNEL_PORT, frame)
+        assert first["ok"] is True and first["unknown"] == ["nobody"], first
+        replay = _exchange(prefill.host.addr, SIDE_CHANNEL_PORT, frame)
+        assert replay["ok"] is False and replay["reason"] == "replay", replay
+        fresh = msgpack.packb({**request, "nonce": new_nonce()}, use_bin_type=True)
+        tampered = bytearray(fresh)
+        tampered[-5] ^= 0x01
+        forged = side_channel.encode_frame({"v": side_channel.PROTOCOL_VERSION, "msg": bytes(tampered),
+                                            "mac": auth.sign(REQUEST, fresh)})
+        refused = _exchange(prefill.host.addr, SIDE_CHANNEL_PORT, forged)
+        assert refused["ok"] is False and refused["reason"] == "unauthenticated", refused
