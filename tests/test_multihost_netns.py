@@ -45,8 +45,7 @@ def cluster(tmp_path_factory) -> Iterator[PDCluster]:
     logs = tmp_path_factory.mktemp("netns-logs")
     with netns.Testbed(hosts_needed(2, 2)) as bed:
         pd = PDCluster(bed, model_dir, logs, kv_extra={"kv_lease_duration": LEASE_S},
-                       serve_args=("--max-model-len", "512", "--num-gpu-blocks-override", "128"),
-                       proxy_args=("--health-interval", "1", "--eject-after", "2"))
+                       serve_args=("--max-model-len", "512", "--num-gpu-blocks-override", "128"))
         try:
             yield pd.start()
         finally:
@@ -139,3 +138,57 @@ def test_replayed_and_tampered_side_channel_frames_from_another_host_are_refused
                                             "mac": auth.sign(REQUEST, fresh)})
         refused = _exchange(prefill.host.addr, SIDE_CHANNEL_PORT, forged)
         assert refused["ok"] is False and refused["reason"] == "unauthenticated", refused
+
+
+# The documented bound (README "Faults across hosts"): at the proxy's defaults a decode instance that stops
+# answering is ejected after its first failed probe (<= --health-interval 5 s + --health-timeout 2 s) and two
+# more at the fast 1 s pace (2 x 3 s), about 13 s; its streams then end with an SSE error frame.
+FAULT_TO_ERROR_BOUND_S = 30.0
+
+
+def proxy_view(cluster: PDCluster) -> dict[str, dict]:
+    listing = httpx.get(f"{cluster.proxy.url}/pdserve/instances", timeout=5).json()
+    return {inst["url"]: inst for role in listing.values() for inst in role}
+
+
+def test_decode_host_cut_mid_stream_ends_with_an_error_and_is_routed_around(cluster: PDCluster) -> None:
+    bed = cluster.bed
+    prompt = prompt_of(20, 7)
+    with cluster.client():
+        expected = ask(cluster.collocated.url, prompt, 8, False)
+        # Both decode hosts' answers trickle out (a 20 kbit/s uplink), so the stream is surely mid-way when cut.
+        for node in cluster.decode:
+            bed.shape(node.host, "20kbit", burst="2kb", direction="out")
+        try:
+            body = completion_body(prompt, 400, True)
+            with httpx.Client(timeout=httpx.Timeout(60.0, read=FAULT_TO_ERROR_BOUND_S + 15)) as http, \
+                    http.stream("POST", f"{cluster.proxy.url}/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                lines = resp.iter_lines()
+                assert next(line for line in lines if line.startswith("data: "))
+                serving = [n for n in cluster.decode if proxy_view(cluster)[n.url]["in_flight"] == 1]
+                assert len(serving) == 1, proxy_view(cluster)
+                victim = serving[0]
+                bed.partition(victim.host)
+                cut_at = time.monotonic()
+                rest = list(lines)  # bounded by the read timeout above
+                took = time.monotonic() - cut_at
+            errors = [line for line in rest if line.startswith("data: {") and '"error"' in line]
+            assert errors and "ejected" in errors[0], rest[-3:]
+            assert took <= FAULT_TO_ERROR_BOUND_S, took
+        finally:
+            for node in cluster.decode:
+                bed.unshape(node.host, direction="out")
+        try:
+            # The proxy stays up and sends nothing to the cut host; every answer is still exact.
+            assert httpx.get(f"{cluster.proxy.url}/health", timeout=5).status_code == 200
+            assert proxy_view(cluster)[victim.url]["state"] == "ejected"
+            before = proxy_view(cluster)[victim.url]["requests_total"]
+            for _ in range(3):
+                assert ask(cluster.proxy.url, prompt, 8, False) == expected
+            assert proxy_view(cluster)[victim.url]["requests_total"] == before
+        finally:
+            bed.heal(victim.host)
+        # Answering again, it is admitted again (the next probe round), and nothing stays held anywhere.
+        assert netns.wait_until(lambda: proxy_view(cluster)[victim.url]["state"] == "healthy", 20)
+        assert not cluster.idle_problems(timeout=60)

@@ -377,6 +377,15 @@ async def _relay_response(
     ctype = resp.headers.get("Content-Type", "application/json")
     retry_after = _backoff(inst, status, resp.headers)
     finished = False
+    ejected: list[str] = []
+
+    def on_ejection(reason: str) -> None:
+        # Closing the upstream response makes the pending read fail now; the failure paths below answer the
+        # client (an error status, or an SSE error frame) naming the ejection.
+        ejected.append(reason)
+        resp.close()
+
+    stop_watching = inst.watch_ejection(on_ejection)
     try:
         if status >= 400 or not ctype.startswith("text/event-stream"):
             try:
@@ -384,10 +393,12 @@ async def _relay_response(
             except (TimeoutError, aiohttp.ClientError) as exc:
                 kind = "decode_timeout" if isinstance(exc, asyncio.TimeoutError) else "decode_io"
                 metrics.error(kind)
-                inst.record_failure(_describe(exc), state.config.eject_after)
+                reason = ejected[0] if ejected else _describe(exc)
+                if not ejected:
+                    inst.record_failure(reason, state.config.eject_after)
                 return error_response(
                     504 if kind == "decode_timeout" else 502,
-                    f"decode leg failed while reading its response: {_describe(exc)}",
+                    f"decode leg failed while reading its response: {reason}",
                     "BadGatewayError",
                     request_id=rid,
                 )
@@ -417,9 +428,10 @@ async def _relay_response(
                 out_headers["Retry-After"] = resp.headers["Retry-After"]
             return web.Response(status=status, body=data, headers=out_headers)
         scanner = _EventScanner(on_kv_params) if on_kv_params is not None and status == 200 else None
-        out, finished = await _relay_stream(state, request, inst, resp, started, rid, ctype, scanner)
+        out, finished = await _relay_stream(state, request, inst, resp, started, rid, ctype, scanner, ejected)
         return out
     finally:
+        stop_watching()
         if finished:
             resp.release()
         else:
@@ -435,6 +447,7 @@ async def _relay_stream(
     rid: str,
     ctype: str,
     scanner: _EventScanner | None = None,
+    ejected: list[str] | None = None,
 ) -> tuple[web.StreamResponse, bool]:
     """Relays SSE bytes as they come; returns the response and whether the upstream body was read
     to its end (so its connection can go back to the pool)."""
@@ -464,13 +477,16 @@ async def _relay_stream(
     except ConnectionResetError:
         metrics.error("client_disconnect")
         return out, False
-    if failure is None and not tail.rstrip().endswith(b"[DONE]"):
+    if ejected:  # the read ended (raised, or found the closed body's end) because the instance was ejected
+        failure = ejected[0]
+    elif failure is None and not tail.rstrip().endswith(b"[DONE]"):
         failure = "stream ended without [DONE]"
     if failure is None:
         inst.record_success()
     else:
         metrics.error("decode_stream")
-        inst.record_failure(failure, state.config.eject_after)
+        if not ejected:
+            inst.record_failure(failure, state.config.eject_after)
         logger.warning("decode stream of request %s from %s broke: %s", rid, inst.url, failure)
         separator = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
         try:

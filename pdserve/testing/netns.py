@@ -230,14 +230,24 @@ class Testbed:
     def heal(self, host: Host) -> None:
         _ip("-n", self.switch_ns, "link", "set", host.port_dev, "up")
 
-    def shape(self, host: Host, rate: str = "10mbit", burst: str = "64kb", latency: str = "200ms") -> None:
-        """Token bucket on both directions of `host`'s link (its veth out, its switch port out)."""
-        for ns, dev in ((host.ns, HOST_DEV), (self.switch_ns, host.port_dev)):
+    def _link_ends(self, host: Host, direction: str) -> list[tuple[str, str]]:
+        """(namespace, device) whose egress carries `host`'s traffic: "out" of the host, "in" to it, or both."""
+        ends = {"out": [(host.ns, HOST_DEV)], "in": [(self.switch_ns, host.port_dev)]}
+        if direction == "both":
+            return ends["out"] + ends["in"]
+        if direction not in ends:
+            raise ValueError(f"direction must be out, in or both, got {direction!r}")
+        return ends[direction]
+
+    def shape(self, host: Host, rate: str = "10mbit", *, burst: str = "32kb", latency: str = "400ms",
+              direction: str = "both") -> None:
+        """A token bucket (`tc qdisc tbf`; rates and sizes in tc's units) on `host`'s link."""
+        for ns, dev in self._link_ends(host, direction):
             subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
                             "burst", burst, "latency", latency], check=True, capture_output=True, timeout=30)
 
-    def unshape(self, host: Host) -> None:
-        for ns, dev in ((host.ns, HOST_DEV), (self.switch_ns, host.port_dev)):
+    def unshape(self, host: Host, direction: str = "both") -> None:
+        for ns, dev in self._link_ends(host, direction):
             subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False,
                            capture_output=True, timeout=30)
 
