@@ -7,7 +7,9 @@ mid-read, so the load fails (and the engine applies its failure policy).
 A producer that refuses the lease the params name (unknown, expired, already claimed, wrong token: forged,
 replayed or duplicated params), or params that do not fit the request (`mismatch`), are not a failed
 transfer: the result says `rejected=<reason>`, it is counted in `pdserve:kv_lease_rejected_total`, and the
-engine answers the client's mistake as such.
+engine answers the client's mistake as such. One exception: under `kv_load_failure_policy: recompute` a lease
+that `expired` (refused so only to the holder of its token: the leg is late, not forged) is counted the same
+but recomputed.
 
 All network and NIXL work runs on a small worker pool; the engine thread only queues work and polls results.
 Every step has a deadline: side-channel calls time out, READs time out (a frozen producer never completes), and
@@ -295,6 +297,11 @@ class KVConsumer:
             if exc.rejected is not None:
                 self._metrics.record_lease_rejected(exc.rejected)
                 status = LEASE_REJECTION_STATUS[exc.rejected]
+                if exc.rejected == "expired" and self._config.kv_load_failure_policy == "recompute":
+                    # The producer answers `expired` only to the lease's own token (a wrong one is `bad_token`,
+                    # a lease already read or never held `unknown`): an honest leg that came late (a slow link,
+                    # a long queue). Nothing was read; under `recompute` it computes the prompt, not a 410.
+                    exc.rejected = None
             else:
                 self._metrics.record_failed_transfer()
                 status = 409 if exc.incompatible else 500
