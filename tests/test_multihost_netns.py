@@ -192,3 +192,59 @@ def test_decode_host_cut_mid_stream_ends_with_an_error_and_is_routed_around(clus
         # Answering again, it is admitted again (the next probe round), and nothing stays held anywhere.
         assert netns.wait_until(lambda: proxy_view(cluster)[victim.url]["state"] == "healthy", 20)
         assert not cluster.idle_problems(timeout=60)
+
+
+def test_prefill_host_cut_between_its_answer_and_the_pull(cluster: PDCluster) -> None:
+    """The decode's pull from a cut prefill host fails within its transfer timeout (policy `fail`: a clean 5xx,
+    its blocks freed); the prefill's lease expires and frees its blocks; after the heal all serves again."""
+    prefill, decode = cluster.prefill[1], cluster.decode[0]
+    prompt = prompt_of(60, 11)
+    with cluster.client():
+        body = {**completion_body(prompt, 1, False), "kv_transfer_params": {"do_remote_decode": True}}
+        r = httpx.post(f"{prefill.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        params = r.json()["kv_transfer_params"]
+        cluster.bed.partition(prefill.host)
+        try:
+            started = time.monotonic()
+            leg = httpx.post(f"{decode.url}/v1/completions", timeout=60,
+                             json={**completion_body(prompt, 8, False), "kv_transfer_params": params})
+            took = time.monotonic() - started
+            assert leg.status_code >= 500 and "error" in leg.json(), leg.text
+            assert took <= FAULT_TO_ERROR_BOUND_S, took
+            assert not cluster.idle_problems([decode])  # the decode freed what it had allocated for the pull
+        finally:
+            cluster.bed.heal(prefill.host)
+        assert not cluster.idle_problems([prefill], timeout=LEASE_S * 4)  # the lease expired, blocks free
+        expected = ask(cluster.collocated.url, prompt, 8, False)
+        assert ask(cluster.proxy.url, prompt, 8, False) == expected
+
+
+def test_slow_prefill_links_under_load_stay_exact(cluster: PDCluster) -> None:
+    """Both prefill hosts behind 10 Mbit/s links (tbf) while 8 requests run at once: every answer exact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = [(prompt_of(30 + 17 * i, 20 + i), 6 + i % 3, bool(i % 2)) for i in range(8)]
+    with cluster.client():
+        expected = [ask(cluster.collocated.url, p, m, False) for p, m, _ in cases]
+    for node in cluster.prefill:
+        cluster.bed.shape(node.host, "10mbit")
+    try:
+        def run(case: tuple[str, int, bool]) -> list[int] | str:
+            with cluster.client():
+                return ask(cluster.proxy.url, *case)
+
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(run, cases))
+    finally:
+        for node in cluster.prefill:
+            cluster.bed.unshape(node.host)
+    assert got == expected
+    assert not cluster.idle_problems()
+
+
+def test_proxy_restart(cluster: PDCluster) -> None:
+    prompt = prompt_of(25, 3)
+    cluster.restart(cluster.proxy)
+    with cluster.client():
+        assert ask(cluster.proxy.url, prompt, 8, True) == ask(cluster.collocated.url, prompt, 8, True)
