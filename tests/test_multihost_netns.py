@@ -248,3 +248,19 @@ def test_proxy_restart(cluster: PDCluster) -> None:
     cluster.restart(cluster.proxy)
     with cluster.client():
         assert ask(cluster.proxy.url, prompt, 8, True) == ask(cluster.collocated.url, prompt, 8, True)
+
+
+def test_chaos_soak_ci_sized(cluster: PDCluster) -> None:
+    """benchmarks/chaos_soak.py in small: 50 requests at 5/s over the bed while links are cut and slowed; every
+    answer exact or a clean error, none hung, nothing held afterwards (the benchmark runs >= 2,000 with kills and
+    proxy restarts too: BENCHMARKS.md)."""
+    from pdserve.testing.chaos import SoakConfig, run_soak
+
+    cfg = SoakConfig(requests=50, rate=5.0, fault_every_s=1.5, fault_hold_s=2.0,
+                     faults=("cut-decode", "slow-link", "cut-prefill"), max_tokens=(4, 12), num_prompts=6,
+                     hung_s=FAULT_TO_ERROR_BOUND_S)
+    result = run_soak(cluster, cfg)
+    assert result.corrupted == 0, result.corrupted_examples
+    assert result.hung == 0 and result.leaked == 0, result.to_json()
+    assert result.faults_injected >= 2 and result.completed + result.clean_errors == cfg.requests
+    assert result.completed >= cfg.requests // 2, result.to_json()

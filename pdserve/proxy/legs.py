@@ -7,9 +7,9 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -28,6 +28,8 @@ from pdserve.proxy.pool import Instance
 from pdserve.proxy.readiness import retry_after_s
 from pdserve.proxy.retry import parse_retry_after, retry_after_header
 from pdserve.proxy.state import ProxyState
+
+T = TypeVar("T")
 
 logger = logging.getLogger("pdserve.proxy")
 
@@ -76,6 +78,37 @@ def _backoff(inst: Instance, status: int, headers: Any) -> float | None:
     return seconds
 
 
+class InstanceEjected(aiohttp.ClientError):
+    """The instance was ejected (its health probes failed) while a leg waited on it."""
+
+
+async def unless_ejected(inst: Instance, aw: Awaitable[T]) -> T:
+    """`aw`, cancelled with `InstanceEjected` if `inst` is ejected meanwhile: a leg to a host that stopped
+    answering (a cut link, a frozen machine) ends after the probes' bound, not the leg's long read timeout."""
+    task = asyncio.ensure_future(aw)
+    reasons: list[str] = []
+
+    def on_ejection(reason: str) -> None:
+        reasons.append(reason)
+        task.cancel()
+
+    stop_watching = inst.watch_ejection(on_ejection)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if reasons and not _cancelling():
+            raise InstanceEjected(reasons[0]) from None
+        raise
+    finally:
+        stop_watching()
+
+
+def _cancelling() -> bool:
+    """Whether the running task itself is being cancelled (not only the leg it awaited)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 async def _prefill_once(
     state: ProxyState, inst: Instance, api_path: str, payload: bytes, headers: dict[str, str], tokens: int
 ) -> PrefillResult:
@@ -87,14 +120,16 @@ async def _prefill_once(
     ctype = "application/json"
     retry_after: float | None = None
     inst.acquire(tokens)
-    try:
+
+    async def exchange() -> tuple[int, str, float | None, bytes]:
         async with state.http().post(
             inst.endpoint(api_path), data=payload, headers=headers, timeout=state.prefill_timeout
         ) as resp:
-            status = resp.status
-            ctype = resp.headers.get("Content-Type", ctype)
-            retry_after = _backoff(inst, status, resp.headers)
-            data = await resp.read()
+            return (resp.status, resp.headers.get("Content-Type", ctype), _backoff(inst, resp.status, resp.headers),
+                    await resp.read())
+
+    try:
+        status, ctype, retry_after, data = await unless_ejected(inst, exchange())
     except _CONNECT_ERRORS as exc:
         kind, reason = "prefill_connect", _describe(exc)
     except TimeoutError as exc:
@@ -300,9 +335,9 @@ async def send_decode(
         try:
             started = time.perf_counter()
             try:
-                resp = await state.http().post(
+                resp = await unless_ejected(inst, state.http().post(
                     inst.endpoint(api_path), data=payload, headers=headers, timeout=state.decode_timeout
-                )
+                ))
             except _CONNECT_ERRORS as exc:
                 last_kind, last_reason = "decode_connect", _describe(exc)
             except TimeoutError as exc:
