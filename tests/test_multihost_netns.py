@@ -259,7 +259,8 @@ def test_chaos_soak_ci_sized(cluster: PDCluster) -> None:
     cfg = SoakConfig(requests=50, rate=5.0, fault_every_s=1.5, fault_hold_s=2.0,
                      faults=("cut-decode", "slow-link", "cut-prefill"), max_tokens=(4, 12), num_prompts=6,
                      hung_s=FAULT_TO_ERROR_BOUND_S)
-    result = run_soak(cluster, cfg)
+    result = run_soak(cluster, cfg, log=print)
+    print(result.to_json())
     assert result.corrupted == 0, result.corrupted_examples
     assert result.hung == 0 and result.leaked == 0, result.to_json()
     assert result.faults_injected >= 2 and result.completed + result.clean_errors == cfg.requests
