@@ -5,6 +5,7 @@ No NIXL here: these run everywhere and fast. Time-dependent logic uses an inject
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
@@ -837,3 +838,22 @@ def test_connector_implements_the_engines_protocol():
                 return [p for p in inspect.signature(f).parameters if p != "self"]  # validate is static
 
             assert params(got) == params(want), name
+
+
+def test_side_channel_host_defaults_to_the_servers_own_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pdserve serve --host ADDR` advertises ADDR for its side channel (another host cannot dial loopback);
+    an explicit --side-channel-host or VLLM_NIXL_SIDE_CHANNEL_HOST wins; a wildcard --host keeps the default."""
+    from pdserve.server.kv import parse_kv_transfer_config
+
+    raw = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_producer"})
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_HOST", raising=False)
+    monkeypatch.setenv("PDSERVE_KV_SECRET", "s" * 32)
+
+    def host(http_host: str | None, explicit: str | None = None) -> str:
+        return parse_kv_transfer_config(raw, explicit, None, False, http_host).side_channel_host
+
+    assert host("10.1.2.3") == "10.1.2.3"
+    assert host("10.1.2.3", "10.9.9.9") == "10.9.9.9"
+    assert host("0.0.0.0") == host(None) == host("localhost") == "127.0.0.1"
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "10.7.7.7")
+    assert host("10.1.2.3") == "10.7.7.7"

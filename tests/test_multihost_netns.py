@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import httpx
 import msgpack
 import pytest
+from launch_helpers import wait_until
 from server_utils import make_model_dir
 
 from pdserve.testing import netns
@@ -190,7 +191,7 @@ def test_decode_host_cut_mid_stream_ends_with_an_error_and_is_routed_around(clus
         finally:
             bed.heal(victim.host)
         # Answering again, it is admitted again (the next probe round), and nothing stays held anywhere.
-        assert netns.wait_until(lambda: proxy_view(cluster)[victim.url]["state"] == "healthy", 20)
+        assert wait_until(lambda: proxy_view(cluster)[victim.url]["state"] == "healthy", 20)
         assert not cluster.idle_problems(timeout=60)
 
 

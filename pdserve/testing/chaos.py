@@ -190,15 +190,17 @@ def run_soak(cluster: PDCluster, cfg: SoakConfig, log: Callable[[str], None] = l
     plan = [(rng.randrange(len(prompts)), rng.randint(*cfg.max_tokens), rng.random() < cfg.stream_share)
             for _ in range(cfg.requests)]
     log(f"reference answers for {len(prompts)} prompts from the collocated instance")
-    expected: dict[tuple[int, int], list[int]] = {}
+    # Greedy with ignore_eos: the answer of m tokens is the first m of the longest one.
+    longest = cfg.max_tokens[1]
+    references: list[list[int]] = []
     with cluster.client(), httpx.Client(timeout=120) as http:
-        for p, m, _ in plan:
-            if (p, m) not in expected:
-                r = http.post(f"{cluster.collocated.url}/v1/completions", json=completion_body(prompts[p], m, False))
-                got = answer_token_ids(r.status_code, r.content, False)
-                if isinstance(got, str):
-                    raise RuntimeError(f"the collocated reference failed: {got}")
-                expected[(p, m)] = got
+        for prompt in prompts:
+            r = http.post(f"{cluster.collocated.url}/v1/completions", json=completion_body(prompt, longest, False))
+            got = answer_token_ids(r.status_code, r.content, False)
+            if isinstance(got, str):
+                raise RuntimeError(f"the collocated reference failed: {got}")
+            references.append(got)
+    expected = {(p, m): references[p][:m] for p, m, _ in plan}
     ledger = _Ledger()
     injector = _Injector(cluster, cfg, ledger, random.Random(cfg.seed + 1))
     faults = threading.Thread(target=injector.run, name="chaos-injector", daemon=True)

@@ -38,11 +38,12 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
+
+from pdserve.launch.procs import pid_alive
 
 logger = logging.getLogger("pdserve.testing.netns")
 
@@ -72,16 +73,6 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def clean_stale() -> list[str]:
     """Deletes `pdnet-<pid>-*` namespaces whose owner process is gone; returns their names."""
     listing = _ip("netns", "list", check=False).stdout
@@ -89,7 +80,7 @@ def clean_stale() -> list[str]:
     for line in listing.splitlines():
         name = line.split()[0] if line.split() else ""
         m = _STALE.match(name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             _kill_namespace_processes(name)
             _ip("netns", "del", name, check=False)
             removed.append(name)
@@ -266,13 +257,3 @@ class Testbed:
             _ip("netns", "del", ns, check=False)
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)
-
-
-def wait_until(cond, timeout: float, step: float = 0.2) -> bool:  # type: ignore[no-untyped-def]
-    """Polls `cond()` until true or `timeout` seconds pass (bounded)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(step)
-    return bool(cond())
