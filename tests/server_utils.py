@@ -24,6 +24,8 @@ from typing import Self
 
 import httpx
 
+from pdserve.testing.pd_cluster import metric_value  # noqa: F401 - the tests' import of it
+
 MODEL = "tiny"  # the --served-model-name of a ServerProcess
 
 
@@ -112,14 +114,6 @@ def all_ready(servers: Mapping[str, PdserveProcess]) -> Iterator[None]:
     finally:
         for srv in servers.values():
             srv.stop()
-
-
-def metric_value(text: str, name: str) -> float:
-    """The value of the first sample whose line starts with `name` (a metric name or a name plus labels)."""
-    for line in text.splitlines():
-        if line.startswith(name) and len(line) > len(name) and line[len(name)] in "{ ,}":
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
 
 
 def wait_idle(url: str, timeout: float = 30.0) -> str:

@@ -5,6 +5,7 @@ No NIXL here: these run everywhere and fast. Time-dependent logic uses an inject
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
@@ -18,7 +19,16 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from pdserve.api.pd import build_producer_params, parse_remote_prefill_params
 from pdserve.kv_transfer import side_channel
-from pdserve.kv_transfer.auth import REPLY, REQUEST, AuthRefused, MessageAuth, ReplayGuard, new_nonce
+from pdserve.kv_transfer.auth import (
+    AEAD_NONCE_BYTES,
+    REPLY,
+    REQUEST,
+    SEAL_OVERHEAD,
+    AuthRefused,
+    MessageAuth,
+    ReplayGuard,
+    new_nonce,
+)
 from pdserve.kv_transfer.compat import PROTOCOL_VERSION, compat_differences, make_compat
 from pdserve.kv_transfer.config import KVTransferConfig
 from pdserve.kv_transfer.errors import (
@@ -608,13 +618,35 @@ def test_consumer_with_a_secret_refuses_unsigned_and_misdirected_replies(server:
         side_channel._open_reply(envelope, "heartbeat", new_nonce(), "test", auth)
 
 
-def test_concealed_metadata_needs_the_secret_nonce_and_generation() -> None:
+def test_sealed_metadata_needs_the_secret_nonce_generation_and_rank() -> None:
     auth, data, nonce = MessageAuth(SECRET), bytes(range(256)) * 9 + b"\x00tail", new_nonce()
     sealed = auth.conceal(data, nonce, 17)
-    assert len(sealed) == len(data) and sealed != data and auth.reveal(sealed, nonce, 17) == data
-    assert auth.reveal(sealed, nonce, 18) != data and auth.reveal(sealed, new_nonce(), 17) != data
-    assert MessageAuth("another-secret-" + "q" * 16).reveal(sealed, nonce, 17) != data
-    assert auth.conceal(b"", nonce, 1) == b""
+    assert len(sealed) == len(data) + SEAL_OVERHEAD and data not in sealed
+    assert auth.reveal(sealed, nonce, 17) == data
+    # Sealing twice never repeats an AEAD nonce, so the two ciphertexts differ.
+    assert auth.conceal(data, nonce, 17) != sealed
+    # Opened for another request, another producer incarnation, or with another secret: refused, never garbage.
+    for opener, n, gen in ((auth, nonce, 18), (auth, new_nonce(), 17),
+                           (MessageAuth("another-secret-" + "q" * 16), nonce, 17)):
+        with pytest.raises(AuthRefused, match="fails authentication"):
+            opener.reveal(sealed, n, gen)
+    # Any flipped bit (AEAD nonce, ciphertext or tag), a truncation, or an appended byte is refused.
+    for at in (0, AEAD_NONCE_BYTES, len(sealed) // 2, len(sealed) - 1):
+        tampered = bytearray(sealed)
+        tampered[at] ^= 0x01
+        with pytest.raises(AuthRefused, match="fails authentication"):
+            auth.reveal(bytes(tampered), nonce, 17)
+    for bad in (sealed[:-1], sealed + b"\x00"):
+        with pytest.raises(AuthRefused, match="fails authentication"):
+            auth.reveal(bad, nonce, 17)
+    with pytest.raises(AuthRefused, match="too short"):
+        auth.reveal(sealed[: SEAL_OVERHEAD - 1], nonce, 17)
+    # Ranks' parts are bound to their index: swapping two ranks' sealed metadata is refused.
+    parts = auth.seal_parts([b"rank0-metadata", b"rank1-metadata"], nonce, 3)
+    assert auth.open_parts(parts, nonce, 3) == [b"rank0-metadata", b"rank1-metadata"]
+    with pytest.raises(AuthRefused, match="sealed part 0"):
+        auth.open_parts(parts[::-1], nonce, 3)
+    assert auth.reveal(auth.conceal(b"", nonce, 1), nonce, 1) == b""
 
 
 def test_replay_guard_window_memory_and_restart_floor() -> None:
@@ -806,3 +838,22 @@ def test_connector_implements_the_engines_protocol():
                 return [p for p in inspect.signature(f).parameters if p != "self"]  # validate is static
 
             assert params(got) == params(want), name
+
+
+def test_side_channel_host_defaults_to_the_servers_own_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pdserve serve --host ADDR` advertises ADDR for its side channel (another host cannot dial loopback);
+    an explicit --side-channel-host or VLLM_NIXL_SIDE_CHANNEL_HOST wins; a wildcard --host keeps the default."""
+    from pdserve.server.kv import parse_kv_transfer_config
+
+    raw = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_producer"})
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_HOST", raising=False)
+    monkeypatch.setenv("PDSERVE_KV_SECRET", "s" * 32)
+
+    def host(http_host: str | None, explicit: str | None = None) -> str:
+        return parse_kv_transfer_config(raw, explicit, None, False, http_host).side_channel_host
+
+    assert host("10.1.2.3") == "10.1.2.3"
+    assert host("10.1.2.3", "10.9.9.9") == "10.9.9.9"
+    assert host("0.0.0.0") == host(None) == host("localhost") == "127.0.0.1"
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "10.7.7.7")
+    assert host("10.1.2.3") == "10.7.7.7"

@@ -182,7 +182,7 @@ def _expired_count(url: str) -> float:
     return metric_value(httpx.get(f"{url}/metrics").text, "vllm:nixl_num_kv_expired_reqs_total")
 
 
-def test_lease_expiry_frees_blocks_and_a_late_pull_is_a_client_error(cluster):
+def test_lease_expiry_frees_blocks_and_a_late_pull_is_refused_or_recomputed_by_policy(cluster):
     prefill = cluster["prefill"]
     body = {"model": "tiny", "prompt": long_prompt(40, 9), "max_tokens": 8, "temperature": 0}
     before = _expired_count(prefill.url)
@@ -193,15 +193,26 @@ def test_lease_expiry_frees_blocks_and_a_late_pull_is_a_client_error(cluster):
         time.sleep(0.2)
     assert _expired_count(prefill.url) == before + 2  # nobody pulled: both leases expired, counted
     wait_idle(prefill.url)  # and their blocks are free
-    # An expired lease is the client's late (or replayed) params, whatever the failure policy: 410, not a
-    # failed transfer; kv_load_failure_policy is for transport failures.
-    for name, params in (("decode", p_fail), ("decode_recompute", p_recompute)):
-        before = _failed_transfers(cluster[name].url)
-        late = decode_leg(cluster[name], "completions", body, params, f"late-{name}")
-        assert late.status_code == 410, late.text
-        err = late.json()["error"]
-        assert err["param"] == "kv_transfer_params" and "expired" in err["message"], err
-        assert _failed_transfers(cluster[name].url) == before
+    # An expired lease under `fail` is the client's late params: 410, not a failed transfer. Under `recompute`
+    # the leg is honest but late (the producer says `expired` only to the lease's own token): it computes the
+    # prompt and answers exactly what the collocated instance does.
+    late = decode_leg(cluster["decode"], "completions", body, p_fail, "late-decode")
+    assert late.status_code == 410, late.text
+    err = late.json()["error"]
+    assert err["param"] == "kv_transfer_params" and "expired" in err["message"], err
+    rec = cluster["decode_recompute"]
+    failed, rejected = _failed_transfers(rec.url), _labelled(rec.url, "pdserve:kv_lease_rejected_total")
+    late = decode_leg(rec, "completions", body, p_recompute, "late-decode_recompute")
+    ref = httpx.post(f"{cluster['collocated'].url}/v1/completions", json=body, timeout=60)
+    assert late.status_code == 200, late.text
+    assert text_of("completions", late, False) == text_of("completions", ref, False)
+    assert _failed_transfers(rec.url) == failed  # counted as what it is: an expired lease, not a failed READ
+    after = _labelled(rec.url, "pdserve:kv_lease_rejected_total")
+    assert after.get("expired", 0) == rejected.get("expired", 0) + 1
+    # ... while forged params (a wrong token) for the same expired lease are still the client's error
+    forged = decode_leg(rec, "completions", body, {**p_recompute, "remote_lease_token": "forged-" + "y" * 24},
+                        "late-forged")
+    assert forged.status_code == 400 and "(bad_token)" in forged.json()["error"]["message"], forged.text
     for name in ("decode", "decode_recompute", "prefill"):
         wait_idle(cluster[name].url)
 

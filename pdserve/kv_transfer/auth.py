@@ -7,13 +7,16 @@ A request carries a wall-clock timestamp and a random nonce inside the signed by
 timestamps outside a bounded skew and nonces it has already seen within that window (`ReplayGuard`), and a
 reply names the nonce of the request it answers. The secret itself never travels.
 
-The handshake reply's NIXL agent metadata is also concealed (`MessageAuth.conceal`): whoever holds it can READ
+The handshake reply's NIXL agent metadata is also sealed (`MessageAuth.seal_parts`): whoever holds it can READ
 the producer's registered memory, and a signed request can be obtained without the secret by making a decode
 instance dial an address of one's choosing (forged `kv_transfer_params`) and relaying its handshake to the
-producer. Concealed, the relayed reply is useless without the secret. The cipher is a keystream of
-HMAC-SHA256 blocks over (request nonce, producer generation, counter), XORed with the metadata (a PRF in
-counter mode, the construction of HKDF-Expand); the reply's MAC covers the result. Nonces never repeat for a
-producer incarnation (replays are refused), so no keystream is ever used twice.
+producer. Sealed, the relayed reply is useless without the secret. Sealing is ChaCha20-Poly1305 (an AEAD from
+the `cryptography` package, not a construction of our own): a fresh random 96-bit nonce per sealed part, the
+associated data binds the part to the request nonce, the producer generation and the part's index, so a part
+cannot be moved to another reply, another rank, or another incarnation of the producer without failing its tag.
+
+Both keys (the MAC's and the AEAD's) are derived from the secret with HKDF-SHA256, one `info` label each: the
+secret itself keys nothing directly.
 
 The secret comes from `kv_connector_extra_config.side_channel_secret` or the environment variable
 `PDSERVE_KV_SECRET` (what `pdserve up` uses: the environment of a process is not visible to other users,
@@ -29,7 +32,12 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 SECRET_ENV = "PDSERVE_KV_SECRET"
 SECRET_KEY = "side_channel_secret"  # in kv_connector_extra_config
@@ -38,9 +46,13 @@ DEFAULT_MAX_SKEW_S = 30.0
 
 REQUEST = b"pdserve-kv-request\x00"
 REPLY = b"pdserve-kv-reply\x00"
-_MAC_KEY_LABEL = b"pdserve kv side channel v2 mac"
-_ENC_KEY_LABEL = b"pdserve kv side channel v2 conceal"
-_BLOCK = hashlib.sha256().digest_size
+_MAC_KEY_LABEL = b"pdserve kv side channel v3 mac"
+_SEAL_KEY_LABEL = b"pdserve kv side channel v3 seal (chacha20-poly1305)"
+_SEAL_AAD_LABEL = b"pdserve-kv-sealed-metadata\x00"
+_HKDF_SALT = b"pdserve kv side channel"
+AEAD_NONCE_BYTES = 12
+AEAD_TAG_BYTES = 16
+SEAL_OVERHEAD = AEAD_NONCE_BYTES + AEAD_TAG_BYTES  # bytes a sealed part carries beyond its plaintext
 NONCE_BYTES = 16
 # Nonces remembered at most; beyond it (only authenticated peers get this far) messages are refused.
 _MAX_NONCES = 1_000_000
@@ -77,14 +89,18 @@ def new_nonce() -> bytes:
     return secrets.token_bytes(NONCE_BYTES)
 
 
+def _derive_key(secret: bytes, label: bytes) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=_HKDF_SALT, info=label).derive(secret)
+
+
 class MessageAuth:
-    """Signs and verifies side-channel messages with the deployment secret."""
+    """Signs and verifies side-channel messages with the deployment secret, and seals what only holders of the
+    secret may read."""
 
     def __init__(self, secret: str) -> None:
-        # Derived keys, one per purpose: the secret itself keys nothing directly.
         raw = secret.encode("utf-8")
-        self._mac_key = hmac.new(raw, _MAC_KEY_LABEL, hashlib.sha256).digest()
-        self._enc_key = hmac.new(raw, _ENC_KEY_LABEL, hashlib.sha256).digest()
+        self._mac_key = _derive_key(raw, _MAC_KEY_LABEL)
+        self._aead = ChaCha20Poly1305(_derive_key(raw, _SEAL_KEY_LABEL))
 
     def sign(self, direction: bytes, payload: bytes) -> bytes:
         return hmac.new(self._mac_key, direction + payload, hashlib.sha256).digest()
@@ -92,16 +108,44 @@ class MessageAuth:
     def verify(self, direction: bytes, payload: bytes, mac: object) -> bool:
         return isinstance(mac, bytes) and hmac.compare_digest(self.sign(direction, payload), mac)
 
-    def conceal(self, data: bytes, nonce: bytes, generation: int) -> bytes:
-        """XOR `data` with the keystream of (request nonce, producer generation); its own inverse."""
-        context = nonce + generation.to_bytes(8, "big", signed=True)
-        stream = bytearray()
-        for counter in range(-(-len(data) // _BLOCK)):
-            stream += hmac.new(self._enc_key, context + counter.to_bytes(4, "big"), hashlib.sha256).digest()
-        n = len(data)
-        return (int.from_bytes(data, "big") ^ int.from_bytes(stream[:n], "big")).to_bytes(n, "big")
+    @staticmethod
+    def _aad(nonce: bytes, generation: int, index: int) -> bytes:
+        return _SEAL_AAD_LABEL + nonce + generation.to_bytes(8, "big", signed=True) + index.to_bytes(4, "big")
 
-    reveal = conceal
+    def seal_parts(self, parts: Sequence[bytes], nonce: bytes, generation: int) -> list[bytes]:
+        """Each part encrypted and authenticated, bound to (request nonce, producer generation, its index);
+        every part is `SEAL_OVERHEAD` bytes longer (its AEAD nonce in front, its tag behind)."""
+        sealed = []
+        for index, part in enumerate(parts):
+            aead_nonce = secrets.token_bytes(AEAD_NONCE_BYTES)  # random 96 bits: no reuse in any realistic count
+            sealed.append(aead_nonce + self._aead.encrypt(aead_nonce, part, self._aad(nonce, generation, index)))
+        return sealed
+
+    def open_parts(self, parts: Sequence[bytes], nonce: bytes, generation: int) -> list[bytes]:
+        """The inverse of `seal_parts`; `AuthRefused("bad_seal")` if any part was altered, moved or truncated."""
+        opened = []
+        for index, part in enumerate(parts):
+            if not isinstance(part, bytes) or len(part) < SEAL_OVERHEAD:
+                raise AuthRefused("bad_seal", f"sealed part {index} is too short to be sealed")
+            try:
+                opened.append(
+                    self._aead.decrypt(
+                        part[:AEAD_NONCE_BYTES], part[AEAD_NONCE_BYTES:], self._aad(nonce, generation, index)
+                    )
+                )
+            except InvalidTag:
+                raise AuthRefused(
+                    "bad_seal", f"sealed part {index} fails authentication (altered, or sealed for another reply)"
+                ) from None
+        return opened
+
+    def conceal(self, data: bytes, nonce: bytes, generation: int) -> bytes:
+        """One blob sealed (`seal_parts` of one part)."""
+        return self.seal_parts([data], nonce, generation)[0]
+
+    def reveal(self, data: bytes, nonce: bytes, generation: int) -> bytes:
+        """The inverse of `conceal`; `AuthRefused("bad_seal")` if the blob is not one this reply's sealing made."""
+        return self.open_parts([data], nonce, generation)[0]
 
 
 class ReplayGuard:

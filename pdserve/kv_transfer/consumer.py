@@ -7,7 +7,9 @@ mid-read, so the load fails (and the engine applies its failure policy).
 A producer that refuses the lease the params name (unknown, expired, already claimed, wrong token: forged,
 replayed or duplicated params), or params that do not fit the request (`mismatch`), are not a failed
 transfer: the result says `rejected=<reason>`, it is counted in `pdserve:kv_lease_rejected_total`, and the
-engine answers the client's mistake as such.
+engine answers the client's mistake as such. One exception: under `kv_load_failure_policy: recompute` a lease
+that `expired` (refused so only to the holder of its token: the leg is late, not forged) is counted the same
+but recomputed.
 
 All network and NIXL work runs on a small worker pool; the engine thread only queues work and polls results.
 Every step has a deadline: side-channel calls time out, READs time out (a frozen producer never completes), and
@@ -33,7 +35,7 @@ from typing import Any
 
 from pdserve.api.pd import LEASE_REJECTION_STATUS, RemotePrefillParams, parse_remote_kv_params
 from pdserve.kv_transfer import side_channel
-from pdserve.kv_transfer.auth import MessageAuth
+from pdserve.kv_transfer.auth import AuthRefused, MessageAuth
 from pdserve.kv_transfer.compat import check_compat
 from pdserve.kv_transfer.config import KVTransferConfig
 from pdserve.kv_transfer.errors import (
@@ -295,6 +297,11 @@ class KVConsumer:
             if exc.rejected is not None:
                 self._metrics.record_lease_rejected(exc.rejected)
                 status = LEASE_REJECTION_STATUS[exc.rejected]
+                if exc.rejected == "expired" and self._config.kv_load_failure_policy == "recompute":
+                    # The producer answers `expired` only to the lease's own token (a wrong one is `bad_token`,
+                    # a lease already read or never held `unknown`): an honest leg that came late (a slow link,
+                    # a long queue). Nothing was read; under `recompute` it computes the prompt, not a 410.
+                    exc.rejected = None
             else:
                 self._metrics.record_failed_transfer()
                 status = 409 if exc.incompatible else 500
@@ -597,18 +604,15 @@ class KVConsumer:
                 f"producer {where} restarted (generation {reply['generation']}) since it issued these params "
                 f"(generation {p.generation}); their KV is gone"
             )
-        # Every rank's agent metadata, in rank order; with a secret they are one concealed stream (the
-        # producer conceals their concatenation once, so no keystream byte serves two ranks).
+        # Every rank's agent metadata, in rank order; with a secret each is sealed (AEAD) by the producer.
         entries = reply.get("ranks") or [{"agent_name": reply["agent_name"], "agent_metadata": reply["agent_metadata"]}]
-        blob = b"".join(e["agent_metadata"] for e in entries)
+        blobs = [e["agent_metadata"] for e in entries]
         if self._auth is not None:  # the reply is signed, so it came from a producer with the secret
-            blob = self._auth.reveal(blob, reply["re"], reply["generation"])
-        metadata: dict[str, bytes] = {}
-        offset = 0
-        for e in entries:
-            n = len(e["agent_metadata"])
-            metadata[e["agent_name"]] = blob[offset : offset + n]
-            offset += n
+            try:
+                blobs = self._auth.open_parts(blobs, reply["re"], reply["generation"])
+            except AuthRefused as exc:
+                raise _LoadFailed(f"producer {where}: {exc}", abort=True) from None
+        metadata = {e["agent_name"]: blob for e, blob in zip(entries, blobs, strict=True)}
         loaded: list[list[str]] = [[] for _ in self._ranks]
         try:
             for d, (agent, _) in enumerate(self._ranks):

@@ -205,14 +205,9 @@ class KVProducer:
         self._wake.set()
         metadatas = [r["agent_metadata"] for r in self._ranks]  # rank 0's is self._agent_metadata
         if self._auth is not None:
-            # Readable only with the secret, even if the (signed) request was relayed by someone without it.
-            # Every rank's metadata is one concealed stream: their concatenation, then cut back into ranks,
-            # so no keystream byte is used for two of them.
-            blob = self._auth.conceal(b"".join(metadatas), msg["nonce"], self.generation)
-            cut, metadatas = 0, []
-            for r in self._ranks:
-                metadatas.append(blob[cut : cut + len(r["agent_metadata"])])
-                cut += len(r["agent_metadata"])
+            # Readable only with the secret, even if the (signed) request was relayed by someone without it;
+            # each rank's part is bound to this request, this generation and its rank index.
+            metadatas = self._auth.seal_parts(metadatas, msg["nonce"], self.generation)
         return {
             "engine_id": self._config.engine_id,
             "agent_name": self._agent.name,

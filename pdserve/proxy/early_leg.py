@@ -25,7 +25,7 @@ from aiohttp import web
 
 from pdserve.api.pd import KV_PARAMS_PATH, build_decode_body, early_decode_params, params_delivery
 from pdserve.proxy.errors import error_response, is_openai_error_body
-from pdserve.proxy.legs import DecodeLeg
+from pdserve.proxy.legs import DecodeLeg, unless_ejected
 from pdserve.proxy.pool import Instance
 from pdserve.proxy.state import ProxyState
 
@@ -54,8 +54,8 @@ class EarlyDecodeLeg:
         async def post() -> aiohttp.ClientResponse:
             # serialised in the task, so that a prefill leg started just before goes out first
             payload = json.dumps(build_decode_body(body, early_decode_params(key))).encode()
-            return await state.http().post(inst.endpoint(api_path), data=payload, headers=headers,
-                                           timeout=state.decode_timeout)
+            return await unless_ejected(inst, state.http().post(inst.endpoint(api_path), data=payload,
+                                                                 headers=headers, timeout=state.decode_timeout))
 
         inst.acquire(tokens)
         return cls(state, inst, key, headers, tokens, asyncio.ensure_future(post()), time.perf_counter())
@@ -78,12 +78,15 @@ class EarlyDecodeLeg:
         client's error response, or None when the leg never got to its instance (the lease is unclaimed:
         the caller sends the ordinary decode leg instead)."""
         state, inst = self.state, self.inst
-        try:
+        async def deliver() -> tuple[int, bytes]:
             async with state.http().post(
                 inst.endpoint(KV_PARAMS_PATH), data=json.dumps(params_delivery(self.key, kv_params)).encode(),
                 headers=self.headers, timeout=state.decode_timeout,
             ) as resp:
-                status, data = resp.status, await resp.read()
+                return resp.status, await resp.read()
+
+        try:
+            status, data = await unless_ejected(inst, deliver())
         except _CONNECT_ERRORS as exc:
             # never reached the instance, so nothing claimed the lease: the ordinary leg (maybe elsewhere) can
             logger.warning("request %s: kv_transfer_params not delivered to %s: %s", self.rid, inst.url, exc)

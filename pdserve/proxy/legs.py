@@ -7,9 +7,9 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -28,6 +28,8 @@ from pdserve.proxy.pool import Instance
 from pdserve.proxy.readiness import retry_after_s
 from pdserve.proxy.retry import parse_retry_after, retry_after_header
 from pdserve.proxy.state import ProxyState
+
+T = TypeVar("T")
 
 logger = logging.getLogger("pdserve.proxy")
 
@@ -76,6 +78,37 @@ def _backoff(inst: Instance, status: int, headers: Any) -> float | None:
     return seconds
 
 
+class InstanceEjected(aiohttp.ClientError):
+    """The instance was ejected (its health probes failed) while a leg waited on it."""
+
+
+async def unless_ejected(inst: Instance, aw: Awaitable[T]) -> T:
+    """`aw`, cancelled with `InstanceEjected` if `inst` is ejected meanwhile: a leg to a host that stopped
+    answering (a cut link, a frozen machine) ends after the probes' bound, not the leg's long read timeout."""
+    task = asyncio.ensure_future(aw)
+    reasons: list[str] = []
+
+    def on_ejection(reason: str) -> None:
+        reasons.append(reason)
+        task.cancel()
+
+    stop_watching = inst.watch_ejection(on_ejection)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if reasons and not _cancelling():
+            raise InstanceEjected(reasons[0]) from None
+        raise
+    finally:
+        stop_watching()
+
+
+def _cancelling() -> bool:
+    """Whether the running task itself is being cancelled (not only the leg it awaited)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 async def _prefill_once(
     state: ProxyState, inst: Instance, api_path: str, payload: bytes, headers: dict[str, str], tokens: int
 ) -> PrefillResult:
@@ -87,14 +120,16 @@ async def _prefill_once(
     ctype = "application/json"
     retry_after: float | None = None
     inst.acquire(tokens)
-    try:
+
+    async def exchange() -> tuple[int, str, float | None, bytes]:
         async with state.http().post(
             inst.endpoint(api_path), data=payload, headers=headers, timeout=state.prefill_timeout
         ) as resp:
-            status = resp.status
-            ctype = resp.headers.get("Content-Type", ctype)
-            retry_after = _backoff(inst, status, resp.headers)
-            data = await resp.read()
+            return (resp.status, resp.headers.get("Content-Type", ctype), _backoff(inst, resp.status, resp.headers),
+                    await resp.read())
+
+    try:
+        status, ctype, retry_after, data = await unless_ejected(inst, exchange())
     except _CONNECT_ERRORS as exc:
         kind, reason = "prefill_connect", _describe(exc)
     except TimeoutError as exc:
@@ -305,9 +340,9 @@ async def send_decode(
         try:
             started = time.perf_counter()
             try:
-                resp = await state.http().post(
+                resp = await unless_ejected(inst, state.http().post(
                     inst.endpoint(api_path), data=payload, headers=headers, timeout=state.decode_timeout
-                )
+                ))
             except _CONNECT_ERRORS as exc:
                 last_kind, last_reason = "decode_connect", _describe(exc)
             except TimeoutError as exc:
@@ -382,6 +417,15 @@ async def _relay_response(
     ctype = resp.headers.get("Content-Type", "application/json")
     retry_after = _backoff(inst, status, resp.headers)
     finished = False
+    ejected: list[str] = []
+
+    def on_ejection(reason: str) -> None:
+        # Closing the upstream response makes the pending read fail now; the failure paths below answer the
+        # client (an error status, or an SSE error frame) naming the ejection.
+        ejected.append(reason)
+        resp.close()
+
+    stop_watching = inst.watch_ejection(on_ejection)
     try:
         if status >= 400 or not ctype.startswith("text/event-stream"):
             try:
@@ -389,10 +433,12 @@ async def _relay_response(
             except (TimeoutError, aiohttp.ClientError) as exc:
                 kind = "decode_timeout" if isinstance(exc, asyncio.TimeoutError) else "decode_io"
                 metrics.error(kind)
-                inst.record_failure(_describe(exc), state.config.eject_after)
+                reason = ejected[0] if ejected else _describe(exc)
+                if not ejected:
+                    inst.record_failure(reason, state.config.eject_after)
                 return error_response(
                     504 if kind == "decode_timeout" else 502,
-                    f"decode leg failed while reading its response: {_describe(exc)}",
+                    f"decode leg failed while reading its response: {reason}",
                     "BadGatewayError",
                     request_id=rid,
                 )
@@ -422,9 +468,10 @@ async def _relay_response(
                 out_headers["Retry-After"] = resp.headers["Retry-After"]
             return web.Response(status=status, body=data, headers=out_headers)
         scanner = _EventScanner(on_kv_params) if on_kv_params is not None and status == 200 else None
-        out, finished = await _relay_stream(state, request, inst, resp, started, rid, ctype, scanner)
+        out, finished = await _relay_stream(state, request, inst, resp, started, rid, ctype, scanner, ejected)
         return out
     finally:
+        stop_watching()
         if finished:
             resp.release()
         else:
@@ -440,6 +487,7 @@ async def _relay_stream(
     rid: str,
     ctype: str,
     scanner: _EventScanner | None = None,
+    ejected: list[str] | None = None,
 ) -> tuple[web.StreamResponse, bool]:
     """Relays SSE bytes as they come; returns the response and whether the upstream body was read
     to its end (so its connection can go back to the pool)."""
@@ -469,13 +517,16 @@ async def _relay_stream(
     except ConnectionResetError:
         metrics.error("client_disconnect")
         return out, False
-    if failure is None and not tail.rstrip().endswith(b"[DONE]"):
+    if ejected:  # the read ended (raised, or found the closed body's end) because the instance was ejected
+        failure = ejected[0]
+    elif failure is None and not tail.rstrip().endswith(b"[DONE]"):
         failure = "stream ended without [DONE]"
     if failure is None:
         inst.record_success()
     else:
         metrics.error("decode_stream")
-        inst.record_failure(failure, state.config.eject_after)
+        if not ejected:
+            inst.record_failure(failure, state.config.eject_after)
         logger.warning("decode stream of request %s from %s broke: %s", rid, inst.url, failure)
         separator = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
         try:

@@ -60,6 +60,10 @@ class Instance:
     params_later: bool | None = None
     host: str = field(init=False)
     _endpoints: dict[str, URL] = field(init=False, default_factory=dict, repr=False)
+    # Relays reading a response from this instance: told when it is ejected, so that a peer that stopped
+    # answering (a cut link, a frozen host) ends its streams with an error instead of holding them until the
+    # read timeout.
+    _eject_watchers: set[Callable[[str], None]] = field(init=False, default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         self.host = URL(self.url).host or ""
@@ -124,8 +128,15 @@ class Instance:
                 self.consecutive_failures,
                 reason,
             )
+            for watcher in list(self._eject_watchers):
+                watcher(f"instance ejected after {self.consecutive_failures} consecutive failures (last: {reason})")
             return True
         return False
+
+    def watch_ejection(self, watcher: Callable[[str], None]) -> Callable[[], None]:
+        """Calls `watcher(reason)` if this instance is ejected; returns the function that stops watching."""
+        self._eject_watchers.add(watcher)
+        return lambda: self._eject_watchers.discard(watcher)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -253,7 +253,7 @@ def build_state(args: argparse.Namespace) -> Any:
     model_arg = config.model
     names = args.served_model_name or [model_arg or DEFAULT_MODEL]
     kv_cfg = parse_kv_transfer_config(args.kv_transfer_config, args.side_channel_host, args.side_channel_port,
-                                      args.insecure_side_channel)
+                                      args.insecure_side_channel, args.host)
     registry = CollectorRegistry()
     factory = connector_factory(kv_cfg, registry, names[0]) if kv_cfg is not None else None
     engine = AsyncEngine(config, factory)
@@ -336,7 +336,7 @@ def _check_ports(args: argparse.Namespace) -> str | None:
         return f"--port: {problem}"
     try:
         kv_cfg = parse_kv_transfer_config(args.kv_transfer_config, args.side_channel_host, args.side_channel_port,
-                                          args.insecure_side_channel)
+                                          args.insecure_side_channel, args.host)
     except ValueError as e:
         return f"--kv-transfer-config: {e}"
     if kv_cfg is not None and kv_cfg.is_producer:

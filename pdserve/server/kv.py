@@ -10,12 +10,21 @@ from prometheus_client import CollectorRegistry
 
 
 def parse_kv_transfer_config(raw: str | None, side_channel_host: str | None, side_channel_port: int | None,
-                             insecure_side_channel: bool = False) -> Any:
-    """KVTransferConfig or None; raises ValueError with a readable message for a bad config."""
+                             insecure_side_channel: bool = False, http_host: str | None = None) -> Any:
+    """KVTransferConfig or None; raises ValueError with a readable message for a bad config.
+
+    Without --side-channel-host or VLLM_NIXL_SIDE_CHANNEL_HOST, a server given a specific `--host` (not a
+    wildcard) binds and advertises its side channel on that address: it is the one this host is reached at, and
+    a decode instance on another host could never dial the loopback default."""
     if raw is None:
         return None
-    from pdserve.kv_transfer.config import KVTransferConfig
+    import os
 
+    from pdserve.kv_transfer.config import ENV_HOST, KVTransferConfig
+
+    if side_channel_host is None and not os.environ.get(ENV_HOST) and http_host not in (None, "", "0.0.0.0", "::",
+                                                                                          "*", "localhost"):
+        side_channel_host = http_host
     return KVTransferConfig.from_json(raw, side_channel_host=side_channel_host, side_channel_port=side_channel_port,
                                       insecure_side_channel=insecure_side_channel)
 

@@ -1,0 +1,68 @@
+"""Chaos soak: 2P2D + proxy on network-namespace hosts, bounded load, faults on a schedule, every answer
+checked token-exact against a collocated reference (pdserve.testing.chaos). Needs root (namespaces).
+
+    sudo python benchmarks/chaos_soak.py --requests 2000 --rate 8 --fault-every 10 --fault-hold 5 \\
+        --out benchmarks/results/chaos_soak.json
+
+Without --model it builds the tests' tiny random-weight Llama (SmolLM2's tokenizer) in a temporary folder.
+Prints progress, then the counts as JSON (also written to --out); exits 1 unless corrupted, hung and leaked
+are all 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pdserve.testing import netns
+from pdserve.testing.chaos import FAULTS, SoakConfig, run_soak
+from pdserve.testing.pd_cluster import PDCluster, hosts_needed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model folder (default: a tiny random Llama built here)")
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--rate", type=float, default=8.0, help="requests started per second")
+    ap.add_argument("--fault-every", type=float, default=10.0, help="seconds between fault starts")
+    ap.add_argument("--fault-hold", type=float, default=5.0, help="seconds a cut or slow link lasts")
+    ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, round-robin ({', '.join(FAULTS)})")
+    ap.add_argument("--policy", default="fail", choices=("fail", "recompute"), help="kv_load_failure_policy")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write the counts as JSON here")
+    args = ap.parse_args()
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        print(f"chaos_soak: {reason}", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="chaos-soak-"))
+    if args.model is None:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from server_utils import make_model_dir  # the tests' tiny random Llama: no download
+
+        model_dir = make_model_dir(work)
+    else:
+        model_dir = Path(args.model)
+    cfg = SoakConfig(requests=args.requests, rate=args.rate, fault_every_s=args.fault_every,
+                     fault_hold_s=args.fault_hold, faults=tuple(args.faults.split(",")), seed=args.seed)
+    started = time.monotonic()
+    with netns.Testbed(hosts_needed(2, 2), tag="soak") as bed:
+        cluster = PDCluster(bed, model_dir, work, policy=args.policy)
+        try:
+            cluster.start()
+            print(f"2P2D up on {bed.switch_ns} in {time.monotonic() - started:.0f}s; logs in {work}", flush=True)
+            result = run_soak(cluster, cfg, log=lambda line: print(line, flush=True))
+        finally:
+            cluster.stop()
+    text = result.to_json()
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0 if result.corrupted == result.hung == result.leaked == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
