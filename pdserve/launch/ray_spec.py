@@ -168,7 +168,7 @@ def _instance_spec(cfg: LaunchConfig, opts: RayOptions, role: str, model: str, n
     words = ["-m", "pdserve", "serve", model]
     if role in ("prefill", "decode"):
         words += ["--kv-transfer-config", kv_transfer_config(role, cfg.kv_load_failure_policy, cfg.kv_history)]
-    if cfg.kv_events and not has_flag(cfg.serve_args + pool.serve_args, "--kv-events-config"):
+    if cfg.kv_events_in(role) and not has_flag(cfg.serve_args + pool.serve_args, "--kv-events-config"):
         words += ["--kv-events-config", kv_events_config("*")]  # advertised with the node's HTTP host
     words += cfg.serve_args + pool.serve_args
     if (pool.tp or 1) > 1 and tp_in_args(words) is None:  # --prefill-tp / --decode-tp
