@@ -1,0 +1,186 @@
+"""Fleet features at the product defaults, as a user types them: no block-size, pool or topic flags (the CPU
+default block of 128 tokens, the default 1 GiB pool), everything on 127.0.0.1.
+
+- `test_events_and_routing_through_proxy`: two `pdserve serve` instances with vLLM's documented
+  `--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:PORT"}'`,
+  one tensor-parallel (TP=2), one with an fp8 KV cache and a host-memory tier (`--kv-offloading-size`),
+  behind `pdserve proxy` with no routing flags. A plain ZMQ SUB socket per instance (subscribed to
+  everything, as vLLM's example subscriber) receives the batches and decodes them with current vLLM's
+  msgspec declarations; the second request of each shared ~700-token prefix lands on the instance holding
+  it (cached_tokens > 0), the proxy counting routing hits.
+- `test_up_collocated_2_routes_without_flags`: `pdserve up MODEL --topology collocated:2` with no flag routes
+  the second request of a shared prefix to the instance holding it.
+
+The multi-turn history handback at the defaults is tested in test_launch_e2e.py / test_pd_multiturn_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import zmq
+from launch_helpers import Up, kill_leftovers
+from server_utils import MODEL, PdserveProcess, free_port, make_model_dir, metric_value
+from test_kv_events import VLLM_DECODER, VBlockStored
+
+from pdserve.kv_events.block_hash import external_block_hashes
+
+BLOCK = 128  # the CPU default block size: the prompts below are sized in it
+PREFIX_TOKENS = 5 * BLOCK  # ~700-token prompts sharing 640 tokens
+SUFFIX_TOKENS = 60
+STARTUP_S = 240.0
+http = httpx.Client(timeout=180.0)
+
+
+def _documented_events_config(port: int) -> str:
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}"})
+
+
+def _prompts(seed: int) -> tuple[list[int], list[int]]:
+    """Two prompts sharing a PREFIX_TOKENS prefix, with different suffixes."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(100, 49_000) for _ in range(PREFIX_TOKENS)]
+    return ([*prefix, *(rng.randrange(100, 49_000) for _ in range(SUFFIX_TOKENS))],
+            [*prefix, *(rng.randrange(100, 49_000) for _ in range(SUFFIX_TOKENS))])
+
+
+def _complete(url: str, prompt: list[int], model: str = MODEL) -> dict[str, Any]:
+    resp = http.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 2,
+                                                      "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _cached(resp: dict[str, Any]) -> int:
+    return resp["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _wait_indexed(proxy: str, blocks: int, timeout: float = 30.0) -> None:
+    """Until the proxy's index holds at least `blocks` blocks (the events arrive asynchronously)."""
+    deadline = time.monotonic() + timeout
+    have = 0.0
+    while time.monotonic() < deadline:
+        have = metric_value(http.get(f"{proxy}/metrics").text, "pdserve_proxy_kv_index_blocks")
+        if have >= blocks:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the proxy's KV index holds {have} blocks, expected {blocks}")
+
+
+def _routes_shared_prefixes(proxy: str, firsts: dict[int, str], model: str = MODEL) -> None:
+    """For each seed, the first prompt sent to the given URL (an instance or the proxy), then the second
+    through the proxy: it is served from the cache of the instance holding the shared prefix."""
+    indexed = 0
+    for seed, where in firsts.items():
+        first, second = _prompts(seed)
+        _complete(where, first, model)
+        indexed += (len(first) - 1) // BLOCK
+        _wait_indexed(proxy, indexed)
+        cached = _cached(_complete(proxy, second, model))
+        assert cached == PREFIX_TOKENS, f"prefix {seed}: {cached} cached tokens, expected {PREFIX_TOKENS}"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("fleet-defaults"), max_position_embeddings=1024)
+
+
+def _serve(root: Path, name: str, model: Path, events_port: int, *args: str) -> PdserveProcess:
+    port = free_port()
+    return PdserveProcess(root / f"{name}.log", port, [
+        "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL,
+        "--disable-uvicorn-access-log", "--kv-events-config", _documented_events_config(events_port), *args])
+
+
+@pytest.fixture(scope="module")
+def fleet(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("fleet")
+    events = {"tp": free_port(), "fp8": free_port()}
+    procs = {"tp": _serve(root, "tp", model, events["tp"], "--tensor-parallel-size", "2"),
+             "fp8": _serve(root, "fp8", model, events["fp8"], "--kv-cache-dtype", "fp8",
+                           "--kv-offloading-size", "0.25")}
+    ctx = zmq.Context()
+    subs: dict[str, zmq.Socket] = {}
+    try:
+        for p in procs.values():
+            p.wait_ready(STARTUP_S)
+        for name, proc in procs.items():
+            info = http.get(f"{proc.url}/pdserve/info").json()
+            assert info["block_size"] == BLOCK
+            assert info["kv_events"]["endpoint"] == f"tcp://127.0.0.1:{events[name]}", info["kv_events"]
+            sub = subs[name] = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")  # everything, whatever the topic
+            sub.connect(info["kv_events"]["endpoint"])
+        port = free_port()
+        procs["proxy"] = PdserveProcess(root / "proxy.log", port, [
+            "proxy", "--host", "127.0.0.1", "--port", str(port), "--decode", procs["tp"].url, procs["fp8"].url])
+        procs["proxy"].wait_ready(STARTUP_S)
+        yield {"procs": procs, "subs": subs}
+    finally:
+        for s in subs.values():
+            s.close(linger=0)
+        ctx.term()
+        for p in reversed(list(procs.values())):
+            p.stop()
+
+
+def _drain(sub: zmq.Socket) -> list[Any]:
+    batches = []
+    while sub.poll(200):
+        topic, seq, payload = sub.recv_multipart()
+        assert topic == b"" and len(seq) == 8
+        batches.append(VLLM_DECODER.decode(payload))
+    return batches
+
+
+def test_events_and_routing_through_proxy(fleet: dict[str, Any]) -> None:
+    procs, proxy = fleet["procs"], fleet["procs"]["proxy"].url
+    deadline = time.monotonic() + 30
+    while http.get(f"{proxy}/metrics").text.count("pdserve_proxy_kv_publishers 2") == 0:
+        assert time.monotonic() < deadline, "the proxy did not subscribe to both instances"
+        time.sleep(0.2)
+    # a prefix first computed on each instance directly, then one first routed by the proxy
+    firsts = {0: procs["tp"].url, 1: procs["fp8"].url, 2: proxy}
+    _routes_shared_prefixes(proxy, firsts)
+    metrics = http.get(f"{proxy}/metrics").text
+    assert metric_value(metrics, 'pdserve_proxy_kv_routed_requests_total{outcome="hit"}') == len(firsts), metrics
+    seeds = list(firsts)
+    # a plain vLLM-format subscriber saw every full block each instance stored, in blocks of 128
+    stored: set[int] = set()
+    for name, sub in fleet["subs"].items():
+        batches = _drain(sub)
+        events = [e for b in batches for e in b.events]
+        assert batches and all(b.data_parallel_rank == 0 for b in batches), name
+        assert all(e.block_size == BLOCK and e.medium == "GPU" and len(e.token_ids) == BLOCK * len(e.block_hashes)
+                   for e in events if isinstance(e, VBlockStored)), name
+        stored |= {h for e in events if isinstance(e, VBlockStored) for h in e.block_hashes}
+    for seed in seeds:
+        for prompt in _prompts(seed):
+            assert set(external_block_hashes(prompt, BLOCK)) <= stored, seed
+
+
+def test_up_collocated_2_routes_without_flags(model: Path, tmp_path: Path) -> None:
+    up = Up([str(model), "--topology", "collocated:2", "--port", "0", "--log-dir", str(tmp_path / "logs")],
+            cwd=tmp_path)
+    pids: list[int] = []
+    try:
+        info = up.ready(STARTUP_S)
+        pids = [int(p) for p in info["pids"].split(",")]
+        proxy = info["proxy"]
+        listing = http.get(f"{proxy}/pdserve/instances").json()
+        assert len(listing["decode"]) == 2, listing
+        deadline = time.monotonic() + 30
+        while not all(i["kv_events"]["subscribed"] for i in http.get(f"{proxy}/pdserve/instances").json()["decode"]):
+            assert time.monotonic() < deadline, "the proxy did not subscribe to both instances"
+            time.sleep(0.2)
+        _routes_shared_prefixes(proxy, {10: proxy, 11: proxy}, model=str(model))
+    finally:
+        up.kill()
+        kill_leftovers(pids)
