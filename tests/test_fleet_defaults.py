@@ -10,6 +10,8 @@ default block of 128 tokens, the default 1 GiB pool), everything on 127.0.0.1.
   it (cached_tokens > 0), the proxy counting routing hits.
 - `test_up_collocated_2_routes_without_flags`: `pdserve up MODEL --topology collocated:2` with no flag routes
   the second request of a shared prefix to the instance holding it.
+- `test_up_ray_local_serves_on_loopback_only`: the same under `pdserve up --ray local --port X`, which
+  answers on 127.0.0.1:X while no process of the deployment, Ray's included, listens on another address.
 
 The multi-turn history handback at the defaults is tested in test_launch_e2e.py / test_pd_multiturn_e2e.py.
 """
@@ -17,7 +19,9 @@ The multi-turn history handback at the defaults is tested in test_launch_e2e.py 
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,11 +30,12 @@ from typing import Any
 import httpx
 import pytest
 import zmq
-from launch_helpers import Up, kill_leftovers
+from launch_helpers import Up, descendants, kill_leftovers, listening_addresses
 from server_utils import MODEL, PdserveProcess, free_port, make_model_dir, metric_value
 from test_kv_events import VLLM_DECODER, VBlockStored
 
 from pdserve.kv_events.block_hash import external_block_hashes
+from pdserve.launch.ray_cli import RAY_LOOPBACK_ENV
 
 BLOCK = 128  # the CPU default block size: the prompts below are sized in it
 PREFIX_TOKENS = 5 * BLOCK  # ~700-token prompts sharing 640 tokens
@@ -181,6 +186,36 @@ def test_up_collocated_2_routes_without_flags(model: Path, tmp_path: Path) -> No
             assert time.monotonic() < deadline, "the proxy did not subscribe to both instances"
             time.sleep(0.2)
         _routes_shared_prefixes(proxy, {10: proxy, 11: proxy}, model=str(model))
+    finally:
+        up.kill()
+        kill_leftovers(pids)
+
+
+def test_up_ray_local_serves_on_loopback_only(model: Path, tmp_path: Path) -> None:
+    """`pdserve up --ray local --port X`: the proxy answers on 127.0.0.1:X, and no process of the deployment
+    (Ray's GCS, raylet and workers, the actors, the instances, their KV events sockets, the proxy) listens
+    on any other address. collocated:2 with no flag also routes by cached prefix under Ray."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'pdserve[ray]')")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != RAY_LOOPBACK_ENV}  # as a user's shell has it
+    up = Up([str(model), "--ray", "local", "--topology", "collocated:2", "--port", str(port), "--cpus-per-instance",
+             "0.5", "--log-dir", str(tmp_path / "logs")], cwd=tmp_path, env=env)
+    pids: list[int] = []
+    try:
+        info = up.ready(STARTUP_S)
+        pids = descendants(up.proc.pid)
+        proxy = f"http://127.0.0.1:{port}"
+        assert info["proxy"] == proxy, info
+        deadline = time.monotonic() + 60
+        while not all(i["kv_events"]["subscribed"] for i in http.get(f"{proxy}/pdserve/instances").json()["decode"]):
+            assert time.monotonic() < deadline, "the proxy did not subscribe to both instances"
+            time.sleep(0.2)
+        _routes_shared_prefixes(proxy, {20: proxy}, model=str(model))
+        bound = listening_addresses(descendants(up.proc.pid))
+        everything = {a for addrs in bound.values() for a in addrs}
+        assert (("127.0.0.1", port) in everything) and len(everything) > 5, bound
+        assert {addr for addr, _ in everything} == {"127.0.0.1"}, {p: a for p, a in bound.items() if a}
+        assert up.stop(signal.SIGTERM, timeout=120) == 0, up.output
     finally:
         up.kill()
         kill_leftovers(pids)
