@@ -12,8 +12,9 @@ default block of 128 tokens, the default 1 GiB pool), everything on 127.0.0.1.
   the second request of a shared prefix to the instance holding it.
 - `test_up_ray_local_serves_on_loopback_only`: the same under `pdserve up --ray local --port X`, which
   answers on 127.0.0.1:X while no process of the deployment, Ray's included, listens on another address.
-
-The multi-turn history handback at the defaults is tested in test_launch_e2e.py / test_pd_multiturn_e2e.py.
+- `test_up_1p1d_kv_history_reads_back_and_says_so`: `pdserve up MODEL --topology 1p1d --kv-history`, a
+  two-turn conversation: turn 2's prefill reads turn 1's prompt and answer back from the decode instance,
+  and the answer says what was decided (`kv_transfer_params.kv_history`, `X-PDServe-KV-History`).
 """
 
 from __future__ import annotations
@@ -216,6 +217,38 @@ def test_up_ray_local_serves_on_loopback_only(model: Path, tmp_path: Path) -> No
         assert (("127.0.0.1", port) in everything) and len(everything) > 5, bound
         assert {addr for addr, _ in everything} == {"127.0.0.1"}, {p: a for p, a in bound.items() if a}
         assert up.stop(signal.SIGTERM, timeout=120) == 0, up.output
+    finally:
+        up.kill()
+        kill_leftovers(pids)
+
+
+def test_up_1p1d_kv_history_reads_back_and_says_so(model: Path, tmp_path: Path) -> None:
+    up = Up([str(model), "--topology", "1p1d", "--kv-history", "--port", "0", "--log-dir", str(tmp_path / "logs")],
+            cwd=tmp_path)
+    pids: list[int] = []
+    try:
+        info = up.ready(STARTUP_S)
+        pids = [int(p) for p in info["pids"].split(",")]
+        proxy = info["proxy"]
+        rng = random.Random(7)
+        prompt = [rng.randrange(100, 49_000) for _ in range(300)]
+        body = {"model": str(model), "max_tokens": 130, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        first = http.post(f"{proxy}/v1/completions", json={**body, "prompt": prompt})
+        assert first.status_code == 200, first.text
+        assert first.headers["X-PDServe-KV-History"] == "decision=none; reason=no_history"
+        assert first.json()["kv_transfer_params"]["kv_history"] == {"decision": "none", "reason": "no_history"}
+        history = prompt + first.json()["choices"][0]["token_ids"]
+        second = http.post(f"{proxy}/v1/completions", json={**body, "prompt": history + [101] * 40})
+        assert second.status_code == 200, second.text
+        decision = second.json()["kv_transfer_params"]["kv_history"]
+        # the prefill instance cached turn 1's 2 full blocks of 128; the decode instance holds 3 (430 tokens)
+        assert decision["decision"] == "pull" and decision["reason"] == "cost_model", decision
+        assert decision["held_tokens"] in (len(history) - 1, len(history))
+        assert decision["tokens"] == decision["held_tokens"] - 2 * BLOCK
+        assert decision["pull_ms"] < decision["recompute_ms"]
+        assert decision["prefill_cached_tokens"] == 3 * BLOCK
+        assert second.headers["X-PDServe-KV-History"].startswith("decision=pull; reason=cost_model; ")
+        assert _cached(second.json()) == 3 * BLOCK
     finally:
         up.kill()
         kill_leftovers(pids)
