@@ -350,8 +350,12 @@ class ProxyHandlers:
             return None, HistoryDecision("none", "no_history")
         # what the prefill instances already hold of this prompt: the fleet index's answer when instances
         # publish KV events, else the previous turn's prompt (its prefill cached it)
-        p_cached = prefix.best_cached(self.state.prefill.instances) if prefix is not None else held.prompt_tokens
-        decision = self._pull_choice(held, p_cached or 0)
+        if prefix is not None:
+            p_cached = prefix.best_cached(self.state.prefill.instances)
+        else:  # a prefix cache holds whole blocks only: the previous prompt's, in the holder's block size
+            block = held.block_size
+            p_cached = (held.prompt_tokens or 0) // block * block if block else (held.prompt_tokens or 0)
+        decision = self._pull_choice(held, p_cached)
         self.metrics.kv_history[decision.decision].inc()
         logger.info("request %s: held history of %d tokens on %s: %s (%s)", rid, held.num_tokens, held.decode_url,
                     decision.decision, decision.header())

@@ -56,7 +56,9 @@ class ProxyConfig:
     kv_history_max_entries: int = 4096
     kv_history_bandwidth: str = "cpu-dram"  # a `pdserve plan --bandwidth` value or preset
     kv_history_prefill_tps: float = 2000.0  # prefill tokens/s of one instance
-    kv_history_overhead_s: float = 0.002  # fixed cost of one read: side-channel claim, transfer setup, release
+    # fixed cost of one read: side-channel claim, transfer setup, release (measured 6-8 ms on the 2-core CPU box,
+    # BENCHMARKS.md "Multi-turn over P/D: the choice per turn"; the per-token wire time is small beside it)
+    kv_history_overhead_s: float = 0.007
     # Pulling a prefix from a peer (issue 18 part 4): when the fleet index says another instance that pins on
     # demand (`kv_peer_pin` in its /pdserve/info) caches at least this many more prompt tokens than the chosen
     # prefill, that peer pins them and the prefill leg reads them (same arithmetic as above decides).

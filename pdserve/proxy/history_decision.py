@@ -30,8 +30,8 @@ HEADER = "X-PDServe-KV-History"
 class HistoryDecision:
     decision: str  # pull | recompute | p_cache | none
     reason: str  # cost_model | size_unknown | prefill_cache | no_history
-    held_tokens: int = 0  # tokens the decode instance holds (previous turn's prompt and answer)
-    tokens: int = 0  # of those, what the prefill instances lack: the tokens the choice is about
+    held_tokens: int | None = None  # tokens the decode instance holds (previous turn's prompt and answer)
+    tokens: int | None = None  # of those, what the prefill instances lack: the tokens the choice is about
     pull_ms: float | None = None  # predicted: their KV over the link plus the per-read overhead
     recompute_ms: float | None = None  # predicted: computing them at the prefill rate
     prefill_cached_tokens: int | None = None  # measured: prompt tokens the prefill leg did not compute
