@@ -7,7 +7,8 @@ default block of 128 tokens, the default 1 GiB pool), everything on 127.0.0.1.
   behind `pdserve proxy` with no routing flags. A plain ZMQ SUB socket per instance (subscribed to
   everything, as vLLM's example subscriber) receives the batches and decodes them with current vLLM's
   msgspec declarations; the second request of each shared ~700-token prefix lands on the instance holding
-  it (cached_tokens > 0), the proxy counting routing hits.
+  it (cached_tokens > 0), the proxy counting routing hits, also for a prefix computed before the proxy
+  started (learnt from the replay socket a bound endpoint gets by default).
 - `test_up_collocated_2_routes_without_flags`: `pdserve up MODEL --topology collocated:2` with no flag routes
   the second request of a shared prefix to the instance holding it.
 - `test_up_ray_local_serves_on_loopback_only`: the same under `pdserve up --ray local --port X`, which
@@ -80,13 +81,14 @@ def _wait_indexed(proxy: str, blocks: int, timeout: float = 30.0) -> None:
     raise AssertionError(f"the proxy's KV index holds {have} blocks, expected {blocks}")
 
 
-def _routes_shared_prefixes(proxy: str, firsts: dict[int, str], model: str = MODEL) -> None:
+def _routes_shared_prefixes(proxy: str, firsts: dict[int, str | None], model: str = MODEL) -> None:
     """For each seed, the first prompt sent to the given URL (an instance or the proxy), then the second
     through the proxy: it is served from the cache of the instance holding the shared prefix."""
     indexed = 0
     for seed, where in firsts.items():
         first, second = _prompts(seed)
-        _complete(where, first, model)
+        if where is not None:  # None: sent before the proxy started (it learns those blocks by replay)
+            _complete(where, first, model)
         indexed += (len(first) - 1) // BLOCK
         _wait_indexed(proxy, indexed)
         cached = _cached(_complete(proxy, second, model))
@@ -124,6 +126,8 @@ def fleet(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dic
             sub = subs[name] = ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.SUBSCRIBE, b"")  # everything, whatever the topic
             sub.connect(info["kv_events"]["endpoint"])
+        # a prefix computed before any router subscribed: the proxy learns it from the replay socket
+        _complete(procs["tp"].url, _prompts(3)[0])
         port = free_port()
         procs["proxy"] = PdserveProcess(root / "proxy.log", port, [
             "proxy", "--host", "127.0.0.1", "--port", str(port), "--decode", procs["tp"].url, procs["fp8"].url])
@@ -152,8 +156,9 @@ def test_events_and_routing_through_proxy(fleet: dict[str, Any]) -> None:
     while http.get(f"{proxy}/metrics").text.count("pdserve_proxy_kv_publishers 2") == 0:
         assert time.monotonic() < deadline, "the proxy did not subscribe to both instances"
         time.sleep(0.2)
-    # a prefix first computed on each instance directly, then one first routed by the proxy
-    firsts = {0: procs["tp"].url, 1: procs["fp8"].url, 2: proxy}
+    # a prefix computed before the proxy started, one first computed on each instance directly, then one
+    # first routed by the proxy
+    firsts = {3: None, 0: procs["tp"].url, 1: procs["fp8"].url, 2: proxy}
     _routes_shared_prefixes(proxy, firsts)
     metrics = http.get(f"{proxy}/metrics").text
     assert metric_value(metrics, 'pdserve_proxy_kv_routed_requests_total{outcome="hit"}') == len(firsts), metrics

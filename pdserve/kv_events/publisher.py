@@ -56,6 +56,16 @@ def _open_pub(pub: Any, endpoint: str, zmq: Any) -> str:
     return "connect"
 
 
+def _default_replay(endpoint: str, mode: str) -> str | None:
+    """Without a `replay_endpoint` (vLLM's default) a subscriber that starts after blocks were stored never
+    learns of them: a router put in front of running instances sees none of their cache. A bound tcp:// PUB
+    therefore also gets a replay socket on a free port of the same address (pdserve's addition, advertised
+    in /pdserve/info; vLLM's subscribers, which do not ask, are unaffected)."""
+    if mode != "bind" or not endpoint.startswith("tcp://"):
+        return None
+    return f"{endpoint.rpartition(':')[0]}:*"
+
+
 class ZmqEventPublisher:
     def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0):
         import zmq  # only instances that publish need pyzmq loaded
@@ -77,9 +87,10 @@ class ZmqEventPublisher:
             self.mode = _open_pub(self._pub, config.endpoint, zmq)
             self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) or config.endpoint
             self.replay_endpoint: str | None = None
-            if config.replay_endpoint is not None:
+            replay = config.replay_endpoint or _default_replay(config.endpoint, self.mode)
+            if replay is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.bind(config.replay_endpoint)
+                self._replay.bind(replay)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as e:
             self._close_sockets()
