@@ -258,7 +258,8 @@ def main() -> int:
             results.append(run_mode(args, routing, docs, Path(tmp), tokenizer))
             print(json.dumps(results[-1]), flush=True)
     print(f"\n{args.docs} documents of ~{args.doc_tokens} tokens, {args.num_requests} requests at concurrency "
-          f"{args.concurrency}, {args.output_len} output tokens, pools of {args.num_gpu_blocks} blocks; "
+          f"{args.concurrency}, {args.output_len} output tokens, "
+          f"{'default pools and blocks' if args.defaults else f'pools of {args.num_gpu_blocks} blocks of 16'}; "
           f"load average {os.getloadavg()[0]:.1f}\n")
     print("| mode | routing hit rate | prompt tokens found cached | computed prefill tokens / request | "
           "TTFT p50 | TTFT p99 | requests per instance |")
