@@ -4,7 +4,8 @@ over P/D, `bidirectional_kv_xfer`), told to the client with the answer instead o
 - in the response header `X-PDServe-KV-History` (streamed or not), e.g.
   `decision=pull; reason=cost_model; held_tokens=368; tokens=82; pull_ms=2.8; recompute_ms=41`;
 - in a whole (non-streamed) JSON answer as `kv_transfer_params.kv_history` (the same fields), beside the
-  params vLLM's decode instances return there;
+  params vLLM's decode instances return there, when a held history was found (an answer without one keeps
+  vLLM's body unchanged: `kv_transfer_params` null or the decode instance's own);
 - in the proxy's log (one line per turn) and `pdserve_proxy_kv_history_total{choice}`.
 
 decision / reason:

@@ -430,7 +430,7 @@ async def _relay_response(
                     params = _kv_params_of(data)
                     if params is not None:
                         on_kv_params(params)
-                if history is not None and status == 200:
+                if history is not None and history.decision != "none" and status == 200:
                     data = _with_history_decision(data, history)
             out_headers = {"Content-Type": ctype, "X-Request-Id": rid}
             if history is not None:
