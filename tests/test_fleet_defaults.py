@@ -26,6 +26,7 @@ import random
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -177,24 +178,35 @@ def test_events_and_routing_through_proxy(fleet: dict[str, Any]) -> None:
             assert set(external_block_hashes(prompt, BLOCK)) <= stored, seed
 
 
-def test_up_collocated_2_routes_without_flags(model: Path, tmp_path: Path) -> None:
-    up = Up([str(model), "--topology", "collocated:2", "--port", "0", "--log-dir", str(tmp_path / "logs")],
-            cwd=tmp_path)
+@contextmanager
+def _up(model: Path, tmp_path: Path, *args: str) -> Iterator[str]:
+    """`pdserve up MODEL ARGS` until the block ends; yields its proxy's URL."""
+    up = Up([str(model), *args, "--port", "0", "--log-dir", str(tmp_path / "logs")], cwd=tmp_path)
     pids: list[int] = []
     try:
         info = up.ready(STARTUP_S)
         pids = [int(p) for p in info["pids"].split(",")]
-        proxy = info["proxy"]
-        listing = http.get(f"{proxy}/pdserve/instances").json()
-        assert len(listing["decode"]) == 2, listing
-        deadline = time.monotonic() + 30
-        while not all(i["kv_events"]["subscribed"] for i in http.get(f"{proxy}/pdserve/instances").json()["decode"]):
-            assert time.monotonic() < deadline, "the proxy did not subscribe to both instances"
-            time.sleep(0.2)
-        _routes_shared_prefixes(proxy, {10: proxy, 11: proxy}, model=str(model))
+        yield info["proxy"]
     finally:
         up.kill()
         kill_leftovers(pids)
+
+
+def _wait_subscribed(proxy: str, count: int = 2, timeout: float = 60.0) -> None:
+    """Until the proxy subscribes to the KV events of `count` instances of its decode pool."""
+    deadline = time.monotonic() + timeout
+    while True:
+        listing = http.get(f"{proxy}/pdserve/instances").json()["decode"]
+        if len(listing) == count and all(i["kv_events"]["subscribed"] for i in listing):
+            return
+        assert time.monotonic() < deadline, f"the proxy did not subscribe to {count} instances: {listing}"
+        time.sleep(0.2)
+
+
+def test_up_collocated_2_routes_without_flags(model: Path, tmp_path: Path) -> None:
+    with _up(model, tmp_path, "--topology", "collocated:2") as proxy:
+        _wait_subscribed(proxy)
+        _routes_shared_prefixes(proxy, {10: proxy, 11: proxy}, model=str(model))
 
 
 def test_up_ray_local_serves_on_loopback_only(model: Path, tmp_path: Path) -> None:
@@ -212,10 +224,7 @@ def test_up_ray_local_serves_on_loopback_only(model: Path, tmp_path: Path) -> No
         pids = descendants(up.proc.pid)
         proxy = f"http://127.0.0.1:{port}"
         assert info["proxy"] == proxy, info
-        deadline = time.monotonic() + 60
-        while not all(i["kv_events"]["subscribed"] for i in http.get(f"{proxy}/pdserve/instances").json()["decode"]):
-            assert time.monotonic() < deadline, "the proxy did not subscribe to both instances"
-            time.sleep(0.2)
+        _wait_subscribed(proxy)
         _routes_shared_prefixes(proxy, {20: proxy}, model=str(model))
         bound = listening_addresses(descendants(up.proc.pid))
         everything = {a for addrs in bound.values() for a in addrs}
@@ -228,13 +237,7 @@ def test_up_ray_local_serves_on_loopback_only(model: Path, tmp_path: Path) -> No
 
 
 def test_up_1p1d_kv_history_reads_back_and_says_so(model: Path, tmp_path: Path) -> None:
-    up = Up([str(model), "--topology", "1p1d", "--kv-history", "--port", "0", "--log-dir", str(tmp_path / "logs")],
-            cwd=tmp_path)
-    pids: list[int] = []
-    try:
-        info = up.ready(STARTUP_S)
-        pids = [int(p) for p in info["pids"].split(",")]
-        proxy = info["proxy"]
+    with _up(model, tmp_path, "--topology", "1p1d", "--kv-history") as proxy:
         rng = random.Random(7)
         prompt = [rng.randrange(100, 49_000) for _ in range(300)]
         body = {"model": str(model), "max_tokens": 130, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
@@ -254,6 +257,3 @@ def test_up_1p1d_kv_history_reads_back_and_says_so(model: Path, tmp_path: Path) 
         assert decision["prefill_cached_tokens"] == 3 * BLOCK
         assert second.headers["X-PDServe-KV-History"].startswith("decision=pull; reason=cost_model; ")
         assert _cached(second.json()) == 3 * BLOCK
-    finally:
-        up.kill()
-        kill_leftovers(pids)
