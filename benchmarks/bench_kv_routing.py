@@ -12,8 +12,14 @@ held >= 90% of the longest prefix cached anywhere; only with the index on), the 
 the instances found cached (`vllm:prefix_cache_hits / queries`, summed over both instances, over the
 measured requests), prefill tokens computed per request, TTFT p50/p99 (streamed, first content chunk).
 
+With `--defaults` the instances run as a user types them (issue 32): vLLM's documented
+`--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:PORT"}'`
+and nothing else (the CPU default block of 128 tokens and 1 GiB pool, no replay socket, no topic). The pool
+then holds every document, so least-loaded routing loses only each document's first visit to an instance.
+
     python benchmarks/bench_kv_routing.py                  # SmolLM2-135M, the embedded default model
     python benchmarks/bench_kv_routing.py --json out.json  # and the numbers as JSON
+    python benchmarks/bench_kv_routing.py --defaults --num-requests 32
 """
 
 from __future__ import annotations
@@ -69,11 +75,16 @@ class Proc:
 
 def start_instance(name: str, args: argparse.Namespace, logdir: Path) -> Proc:
     port = free_port()
-    events = {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}
     cmd = [sys.executable, "-m", "pdserve", "serve", *([args.model] if args.model else []), "--host", "127.0.0.1",
-           "--port", str(port), "--served-model-name", "bench", "--disable-uvicorn-access-log",
-           "--max-model-len", str(args.doc_tokens + 256), "--block-size", "16",
-           "--num-gpu-blocks-override", str(args.num_gpu_blocks), "--kv-events-config", json.dumps(events)]
+           "--port", str(port), "--served-model-name", "bench", "--disable-uvicorn-access-log"]
+    if args.defaults:
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{free_port()}"}
+    else:
+        events = {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*",
+                  "replay_endpoint": "tcp://127.0.0.1:*"}
+        cmd += ["--max-model-len", str(args.doc_tokens + 256), "--block-size", "16",
+                "--num-gpu-blocks-override", str(args.num_gpu_blocks)]
+    cmd += ["--kv-events-config", json.dumps(events)]
     return Proc(name, cmd, logdir, f"http://127.0.0.1:{port}")
 
 
@@ -218,6 +229,8 @@ def main() -> int:
     parser.add_argument("--docs", type=int, default=2)
     parser.add_argument("--doc-tokens", type=int, default=1024, help="about this many tokens per document")
     parser.add_argument("--num-gpu-blocks", type=int, default=100, help="KV pool of each instance (blocks of 16)")
+    parser.add_argument("--defaults", action="store_true",
+                        help="instances at the product defaults: only vLLM's documented --kv-events-config")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--output-len", type=int, default=8)
@@ -245,7 +258,8 @@ def main() -> int:
             results.append(run_mode(args, routing, docs, Path(tmp), tokenizer))
             print(json.dumps(results[-1]), flush=True)
     print(f"\n{args.docs} documents of ~{args.doc_tokens} tokens, {args.num_requests} requests at concurrency "
-          f"{args.concurrency}, {args.output_len} output tokens, pools of {args.num_gpu_blocks} blocks; "
+          f"{args.concurrency}, {args.output_len} output tokens, "
+          f"{'default pools and blocks' if args.defaults else f'pools of {args.num_gpu_blocks} blocks of 16'}; "
           f"load average {os.getloadavg()[0]:.1f}\n")
     print("| mode | routing hit rate | prompt tokens found cached | computed prefill tokens / request | "
           "TTFT p50 | TTFT p99 | requests per instance |")

@@ -14,6 +14,13 @@ One prefill and one decode instance (`pdserve serve`, NIXL over DRAM) behind `pd
 Per mode it reports the bench's per-turn table (TTFT, prompt, new, cached and computed prefill tokens) and
 writes one JSON per mode plus a TTFT-by-turn plot of all modes.
 
+Mode `on` also checks the proxy's pull-or-recompute choice per turn (`--no-cost-check` to skip): the proxy's
+log gives each turn's decision and prediction (`X-PDServe-KV-History`: tokens, pull_ms, recompute_ms), the
+prefill instance's log the measured read-back time of that turn ("read N held prompt tokens back in X ms"),
+and once the conversations are done the same prefill instance is timed recomputing that many tokens (fresh
+random prompts of N + 1 and of 1 token, `max_tokens` 1, the difference, median of 3). A turn whose choice
+was slower than the other, as measured, is flagged WRONG.
+
     python benchmarks/bench_multiturn.py --out-dir benchmarks/results/multiturn-cpu
     python benchmarks/bench_multiturn.py --system-len 4096 --out-dir ...    # a long shared history
     python benchmarks/bench_multiturn.py --model Llama-3.1-8B --serve-arg=--load-format --serve-arg=dummy \
@@ -25,7 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import re
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -83,7 +93,8 @@ def run_mode(mode: str, args: argparse.Namespace, out_dir: Path, logdir: Path) -
             wait_healthy(p.proc, p.url, 900, p.name)
         port = free_port()
         proxy = Proc(f"proxy-{mode}", [sys.executable, "-m", "pdserve", "proxy", "--host", "127.0.0.1", "--port",
-                                       str(port), "--prefill", procs[0].url, "--decode", procs[1].url],
+                                       str(port), "--prefill", procs[0].url, "--decode", procs[1].url,
+                                       *args.proxy_arg],
                      logdir, f"http://127.0.0.1:{port}", {})
         procs.append(proxy)
         wait_healthy(proxy.proc, proxy.url, 120, proxy.name)
@@ -100,10 +111,63 @@ def run_mode(mode: str, args: argparse.Namespace, out_dir: Path, logdir: Path) -
         t0 = time.monotonic()
         subprocess.run(cmd, check=True)
         print(f"mode {mode}: {time.monotonic() - t0:.1f} s")
-        return json.loads((out_dir / f"multiturn-{mode}.json").read_text())
+        result = json.loads((out_dir / f"multiturn-{mode}.json").read_text())
+        if mode == "on" and args.cost_check:
+            result["cost_check"] = check_costs(procs[0], logdir / f"proxy-{mode}.log", logdir / f"prefill-{mode}.log")
+            (out_dir / f"multiturn-{mode}.json").write_text(json.dumps(result, indent=1))
+        return result
     finally:
         for p in reversed(procs):
             p.close()
+
+
+_DECISION = re.compile(r"request (\S+): held history of (\d+) tokens on \S+: (\w+) \((.*)\)$")
+_READ = re.compile(r"request (\S+): read (\d+) held prompt tokens back in ([\d.]+) ms")
+
+
+def _recompute_ms(url: str, tokens: int, repeats: int = 3) -> float:
+    """Time the prefill instance computing `tokens` more prompt tokens: fresh random prompts (nothing cached)
+    of tokens + 1 and of 1 token, max_tokens 1; the median difference."""
+    import httpx
+
+    def once(n: int) -> float:
+        prompt = [random.randrange(1000, 40_000) for _ in range(n)]
+        t0 = time.perf_counter()
+        r = httpx.post(f"{url}/v1/completions", json={"model": "bench", "prompt": prompt, "max_tokens": 1},
+                       timeout=300)
+        r.raise_for_status()
+        return time.perf_counter() - t0
+
+    return statistics.median(once(tokens + 1) - once(1) for _ in range(repeats)) * 1e3
+
+
+def check_costs(prefill: Proc, proxy_log: Path, prefill_log: Path) -> list[dict]:
+    """Per turn that had a held history: the proxy's choice and prediction beside the measured costs."""
+    reads = {m.group(1): float(m.group(3)) for m in _READ.finditer(prefill_log.read_text(errors="replace"))}
+    rows = []
+    for line in proxy_log.read_text(errors="replace").splitlines():
+        m = _DECISION.search(line)
+        if m is None:
+            continue
+        fields = dict(kv.split("=", 1) for kv in m.group(4).split("; ") if "=" in kv)
+        tokens = int(fields.get("tokens", 0))
+        row = {"request": m.group(1), "decision": m.group(3), "held": int(m.group(2)), "tokens": tokens,
+               "predicted_pull_ms": float(fields.get("pull_ms", "nan")),
+               "predicted_recompute_ms": float(fields.get("recompute_ms", "nan")),
+               "measured_pull_ms": next((ms for rid, ms in reads.items() if m.group(1) in rid), None)}
+        row["measured_recompute_ms"] = _recompute_ms(prefill.url, tokens) if tokens > 0 else 0.0
+        pull, recompute = row["measured_pull_ms"], row["measured_recompute_ms"]
+        if pull is not None and tokens > 0:
+            row["right"] = (pull <= recompute) == (row["decision"] == "pull")
+        rows.append(row)
+    print(f"{'turn':>4} {'decision':>9} {'tokens':>6} {'pred pull':>10} {'pred recomp':>11} {'meas pull':>10} "
+          f"{'meas recomp':>11}")
+    for i, r in enumerate(rows, 1):
+        pull = f"{r['measured_pull_ms']:.1f}" if r["measured_pull_ms"] is not None else "-"
+        print(f"{i:>4} {r['decision']:>9} {r['tokens']:>6} {r['predicted_pull_ms']:>10.1f} "
+              f"{r['predicted_recompute_ms']:>11.1f} {pull:>10} {r['measured_recompute_ms']:>11.1f}"
+              + ("" if r.get("right", True) else "  WRONG"))
+    return rows
 
 
 def main() -> int:
@@ -127,6 +191,11 @@ def main() -> int:
                     help="one more `pdserve serve` argument for both instances (repeat; e.g. "
                          "--serve-arg=--load-format --serve-arg=dummy)")
     ap.add_argument("--modes", default="on,off", help=f"comma list of {', '.join(MODES)}")
+    ap.add_argument("--no-cost-check", dest="cost_check", action="store_false",
+                    help="mode on: skip checking the proxy's per-turn pull-or-recompute choice against measured costs")
+    ap.add_argument("--proxy-arg", action="append", default=[],
+                    help="one more `pdserve proxy` argument (repeat; e.g. --proxy-arg=--kv-history-prefill-tps "
+                         "--proxy-arg=500)")
     ap.add_argument("--out-dir", required=True)
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]

@@ -50,6 +50,49 @@ def _tcp_states(port: int) -> list[str] | None:
     return states if found else None
 
 
+def _hex_address(field: str) -> str:
+    """/proc/net/tcp's "0100007F:1F90" (or the tcp6 form) as an address string without the port; an
+    IPv4-mapped IPv6 address (a dual-stack socket bound to ::ffff:127.0.0.1) as its IPv4 address."""
+    import ipaddress
+
+    raw = bytes.fromhex(field.rsplit(":", 1)[0])
+    # the kernel writes each 32-bit word in host (little-endian) order
+    addr = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+    return str(getattr(addr, "ipv4_mapped", None) or addr)
+
+
+def listening_addresses(pids: list[int]) -> dict[int, set[tuple[str, int]]]:
+    """The TCP (address, port) pairs each of `pids` listens on, from /proc (Linux only)."""
+    listeners: dict[str, tuple[str, int]] = {}  # socket inode -> (address, port)
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if len(fields) > 9 and fields[3] == _TCP_LISTEN:
+                    listeners[fields[9]] = (_hex_address(fields[1]), int(fields[1].rsplit(":", 1)[1], 16))
+    out: dict[int, set[tuple[str, int]]] = {}
+    for pid in pids:
+        found: set[tuple[str, int]] = set()
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:[") and link[8:-1] in listeners:
+                        found.add(listeners[link[8:-1]])
+        out[pid] = found
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every live process below it (from /proc)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children_of(p))
+    return out
+
+
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
     """Nothing listens on the port. Connections the killed servers leave to the kernel (TIME_WAIT, and
     FIN_WAIT while a client of the test still holds its end) do not count: they are no process's, and a

@@ -45,7 +45,7 @@ def make_model_dir(root: Path, **overrides) -> Path:
     src = Path(resolve_model("smollm2-135m"))
     out = root / "tiny-smol"
     out.mkdir(parents=True, exist_ok=True)
-    make_tiny_model(out, "llama", vocab_size=49152, max_position_embeddings=512, **overrides)
+    make_tiny_model(out, "llama", **{"vocab_size": 49152, "max_position_embeddings": 512, **overrides})
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(src / name, out / name)
     return out

@@ -35,15 +35,15 @@ from pdserve.kv_events.events import (
 )
 
 
-# ---- vLLM's declarations (vllm/distributed/kv_events.py), to decode our payloads the way vLLM's
-# subscribers do: msgspec array_like structs, tagged events ---------------------------------------------
+# ---- vLLM's declarations (vllm/distributed/kv_events.py after vllm#42892), to decode our payloads the way
+# vLLM's subscribers do: a positional batch of tagged map events ------------------------------------------
 class VEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
     data_parallel_rank: int | None = None
 
 
-class VKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class VKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
@@ -57,6 +57,8 @@ class VBlockStored(VKVCacheEvent, tag="BlockStored"):
     lora_name: str | None
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class VBlockRemoved(VKVCacheEvent, tag="BlockRemoved"):
@@ -74,6 +76,34 @@ class VKVEventBatch(VEventBatch):
 
 
 VLLM_DECODER = msgspec.msgpack.Decoder(type=VKVEventBatch)
+
+
+# vLLM before #42892: the events positional too (what older subscribers decode, and what we still read)
+class LegacyEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class LegacyBlockStored(LegacyEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class LegacyBlockRemoved(LegacyEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class LegacyAllBlocksCleared(LegacyEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class LegacyBatch(VEventBatch):
+    events: list[LegacyBlockStored | LegacyBlockRemoved | LegacyAllBlocksCleared]
 
 
 def test_block_hash_is_vllm_sha256_cbor():
@@ -164,6 +194,7 @@ def test_wire_form_decodes_with_vllm_structs():
     s0, s1, r, c = v.events
     assert isinstance(s0, VBlockStored) and s0.block_hashes == [2**64 - 1, 5] and s0.parent_block_hash is None
     assert s0.token_ids == list(range(8)) and s0.block_size == 4 and s0.medium == "GPU" and s0.lora_id is None
+    assert s0.extra_keys == [None, None] and s0.group_idx == 0 and s0.kv_cache_spec_kind == "full_attention"
     assert s1.parent_block_hash == 5 and s1.medium == "CPU"
     assert isinstance(r, VBlockRemoved) and r.block_hashes == [2**64 - 1, 5] and r.medium == "GPU"
     assert isinstance(c, VAllBlocksCleared)
@@ -171,9 +202,15 @@ def test_wire_form_decodes_with_vllm_structs():
     vllm_payload = msgspec.msgpack.encode(VKVEventBatch(ts=1.0, events=[
         VBlockStored([3], None, [1, 2], 2, None, "GPU", None), VBlockRemoved([3], "GPU"), VAllBlocksCleared()],
         data_parallel_rank=0))
-    ours = decode_batch(vllm_payload)
-    assert [type(e) for e in ours.events] == [BlockStored, BlockRemoved, AllBlocksCleared]
-    assert ours.events[0].block_hashes == [3] and ours.events[1].medium == "GPU"
+    legacy_payload = msgspec.msgpack.encode(LegacyBatch(ts=1.0, events=[
+        LegacyBlockStored([3], None, [1, 2], 2, None, "GPU", None), LegacyBlockRemoved([3], "GPU"),
+        LegacyAllBlocksCleared()], data_parallel_rank=0))
+    map_envelope = msgspec.msgpack.encode({"ts": 1.0, "events": msgspec.msgpack.decode(vllm_payload)[1]})
+    for theirs in (vllm_payload, legacy_payload, map_envelope):
+        ours = decode_batch(theirs)
+        assert [type(e) for e in ours.events] == [BlockStored, BlockRemoved, AllBlocksCleared]
+        assert ours.events[0].block_hashes == [3] and ours.events[0].token_ids == [1, 2]
+        assert ours.events[1].medium == "GPU"
     assert decode_batch(payload) == KVEventBatch(ts=1234.5, events=[
         BlockStored([2**64 - 1, 5], None, list(range(8)), 4, medium="GPU"),
         BlockStored([7], 5, [1, 2, 3, 4], 4, medium="CPU"),
@@ -277,3 +314,45 @@ def test_server_refuses_bad_events_config(served_model, tmp_path):
         assert "--kv-events-config" in srv.log()
     finally:
         srv.stop()
+
+
+def _receive_one(sub: zmq.Socket, pub, timeout_s: float = 10.0) -> list[bytes] | None:
+    """Publishes until `sub` receives a batch (PUB/SUB drops whatever precedes the subscription)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pub.publish(KVEventBatch(ts=1.0, events=[AllBlocksCleared()]))
+        if sub.poll(100):
+            return sub.recv_multipart()
+    return None
+
+
+def test_publisher_binds_an_address_of_this_machine_and_connects_to_a_bound_collector():
+    from server_utils import free_port
+
+    from pdserve.kv_events.publisher import ZmqEventPublisher
+
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint))
+    try:  # vLLM's documented single-host form: a plain subscriber connects to it
+        assert pub.mode == "bind" and pub.endpoint == endpoint
+        sub.connect(endpoint)
+        frames = _receive_one(sub, pub)
+        assert frames is not None and frames[0] == b"" and decode_batch(frames[2]).events == [AllBlocksCleared()]
+    finally:
+        pub.shutdown()
+        sub.close(linger=0)
+    collector = ctx.socket(zmq.SUB)  # llm-d's convention: the collector binds, publishers connect to it
+    collector.setsockopt(zmq.SUBSCRIBE, b"")
+    port = free_port()
+    collector.bind(f"tcp://127.0.0.1:{port}")
+    pub = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{port}"))
+    try:
+        assert pub.mode == "connect"
+        assert _receive_one(collector, pub) is not None
+    finally:
+        pub.shutdown()
+        collector.close(linger=0)
+        ctx.term()

@@ -220,7 +220,9 @@ def test_subscriber_follows_a_real_publisher(with_replay: bool) -> None:
         # published before anyone subscribed: only a replay can tell
         pub.publish(KVEventBatch(ts=time.time(), events=[stored([1, 2])]))
         await _until(lambda: pub.num_published == 1)
-        sub = EventSubscriber(A, EventEndpoints(pub.endpoint, pub.replay_endpoint, "kv", BS), feed,
+        # (a bound publisher has a replay socket even unasked: the subscriber without one is told none)
+        sub = EventSubscriber(A, EventEndpoints(pub.endpoint, pub.replay_endpoint if with_replay else None, "kv", BS),
+                              feed,
                               on_disconnect=lambda: disconnects.append(1))
         sub.start()
         try:

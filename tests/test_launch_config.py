@@ -90,6 +90,16 @@ def test_kv_history_events_and_offloading_flags() -> None:
     assert all(s.argv.count("--kv-events-config") == 1 for s in build_deployment(own, cpus=[0, 1], env={}).instances)
     plain = build_deployment(config_from_args(parser.parse_args(["m", "--gpus", "none"])), cpus=[0, 1], env={})
     assert not any("--kv-events-config" in s.argv or "bidirectional" in " ".join(s.argv) for s in plain.instances)
+    # by default, events (and so routing by cached prefix) wherever a role has a choice of instances
+
+    def publishing(*words: str) -> list[str]:
+        dep = build_deployment(config_from_args(parser.parse_args(["m", "--gpus", "none", *words])), cpus=[0, 1],
+                               env={})
+        return [s.name for s in dep.instances if "--kv-events-config" in s.argv]
+
+    assert publishing("--topology", "collocated:2") == ["collocated-0", "collocated-1"]
+    assert publishing("--topology", "2p1d") == ["prefill-0", "prefill-1"]
+    assert publishing("--topology", "collocated:2", "--no-kv-events") == []
     with pytest.raises(ValueError, match="kv-history"):
         config_from_args(parser.parse_args(["m", "--topology", "collocated:1", "--kv-history"]))
     with pytest.raises(ValueError, match="kv-offloading-size"):

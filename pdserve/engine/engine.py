@@ -739,7 +739,11 @@ class LLMEngine:
         prefix_gone = False
         if req.kv.prefix_tokens is not None and not req.kv.abort_requested:
             if ok:
-                self.connector.record_prefix_pull("loaded", req.kv.prefix_tokens - req.num_computed_tokens)
+                read = req.kv.prefix_tokens - req.num_computed_tokens
+                self.connector.record_prefix_pull("loaded", read)
+                started = req.metrics.kv_load_start_time
+                log.info("request %s: read %d held prompt tokens back in %.1f ms (not recomputed)", req.request_id,
+                         read, (req.metrics.kv_load_done_time - started) * 1e3 if started is not None else -1.0)
             else:
                 if rejected is not None:
                     # a held prefix that is gone (expired, evicted, its holder restarted): not the client's

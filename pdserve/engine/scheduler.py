@@ -9,11 +9,14 @@ P/D state is `req.kv` (see kv_handoff.py); `loading` holds exactly the requests 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, Status
+
+log = logging.getLogger("pdserve.engine")
 
 
 @dataclass
@@ -118,6 +121,10 @@ class Scheduler:
                 # from kv_recompute_threshold tokens on (vLLM's rule); else it is computed here.
                 left = req.kv.prefix_tokens - len(cached) * self.blocks.block_size
                 if left < max(1, req.kv.prefix_min_tokens):
+                    log.info("request %s: a held prefix of %d tokens not read back: the local prefix cache has "
+                             "%d of them, %d left %s; computing them here", req.request_id,
+                             req.kv.prefix_tokens, len(cached) * self.blocks.block_size, left,
+                             "to read" if left < 1 else f"< kv_recompute_threshold {req.kv.prefix_min_tokens}")
                     req.kv.drop_load()
                     out.dropped_loads.append(req)
             if req.kv.needs_load:

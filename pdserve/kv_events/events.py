@@ -1,15 +1,21 @@
-"""KV cache events and their wire form, as vLLM publishes them (vllm/distributed/kv_events.py).
+"""KV cache events and their wire form, as current vLLM publishes them (vllm/distributed/kv_events.py after
+vllm#42892, "[KV Events] Switch event structs from array to map encoding").
 
-vLLM declares the batch and the events as msgspec Structs with `array_like=True, omit_defaults=True` and
-the events `tag=True`, so msgpack carries positional arrays, each event led by its class name:
+vLLM declares the events as msgspec Structs with `omit_defaults=True, tag=True` and, since #42892, without
+`array_like`: each event is a msgpack map keyed by field name, its class name under "type". The batch
+envelope stays positional, as vLLM 0.26 publishes it and as Dynamo's and llm-d's decoders require:
 
-    KVEventBatch     = [ts: float, events: [event, ...], data_parallel_rank: int]
-    BlockStored      = ["BlockStored", block_hashes: [u64...], parent_block_hash: u64 | nil,
-                        token_ids: [int...], block_size: int, lora_id: nil, medium: str, lora_name: nil]
-    BlockRemoved     = ["BlockRemoved", block_hashes: [u64...], medium: str]
-    AllBlocksCleared = ["AllBlocksCleared"]
+    KVEventBatch     = [ts: float, [event, ...], data_parallel_rank: int]
+    BlockStored      = {"type": "BlockStored", "block_hashes": [u64...], "parent_block_hash": u64 | nil,
+                        "token_ids": [int...], "block_size": int, "lora_id": nil, "medium": str,
+                        "lora_name": nil, "extra_keys": [nil per block], "group_idx": 0,
+                        "kv_cache_spec_kind": "full_attention"}
+    BlockRemoved     = {"type": "BlockRemoved", "block_hashes": [u64...], "medium": str, "group_idx": 0}
+    AllBlocksCleared = {"type": "AllBlocksCleared"}
 
-(Trailing fields equal to their defaults — extra_keys, group_idx, ... — are omitted, as msgspec does.)
+Consumers select fields by name and ignore unknown ones (llm-d-kv-cache#661, Dynamo's zmq_wire decoder).
+`decode_batch` reads this form, the positional form of vLLM before #42892 (`["BlockStored", hashes,
+parent, tokens, block_size, lora_id, medium, lora_name, ...]`), and a map-form envelope.
 Block hashes are `block_hash.external_block_hash` values. `medium` names where the blocks live: "GPU" for
 the engine's own KV pool (vLLM's name for it, also on a CPU-only instance), "CPU" for the host-memory
 offload tier and "DISK" for the disk tier. Torch-free and zmq-free: the proxy decodes with this module.
@@ -25,6 +31,8 @@ import msgpack
 MEDIUM_DEVICE = "GPU"  # the engine's KV pool (vLLM's MEDIUM_GPU)
 MEDIUM_HOST = "CPU"  # the host-memory offload tier (vLLM's CPULoadStoreSpec.medium())
 MEDIUM_DISK = "DISK"  # the disk tier
+KV_GROUP = 0  # vLLM's KV cache group index: pdserve's models have one group, of full attention
+KV_SPEC_KIND = "full_attention"
 
 
 @dataclass
@@ -37,9 +45,12 @@ class BlockStored:
     lora_id: int | None = None
     lora_name: str | None = None
 
-    def to_wire(self) -> list[Any]:
-        return ["BlockStored", self.block_hashes, self.parent_block_hash, self.token_ids, self.block_size,
-                self.lora_id, self.medium, self.lora_name]
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": "BlockStored", "block_hashes": self.block_hashes, "parent_block_hash": self.parent_block_hash,
+                "token_ids": self.token_ids, "block_size": self.block_size, "lora_id": self.lora_id,
+                "medium": self.medium, "lora_name": self.lora_name,
+                # no multimodal, LoRA or salt keys in any block (vLLM lists one entry per block)
+                "extra_keys": [None] * len(self.block_hashes), "group_idx": KV_GROUP, "kv_cache_spec_kind": KV_SPEC_KIND}
 
 
 @dataclass
@@ -47,16 +58,16 @@ class BlockRemoved:
     block_hashes: list[int]
     medium: str | None = MEDIUM_DEVICE
 
-    def to_wire(self) -> list[Any]:
-        return ["BlockRemoved", self.block_hashes, self.medium]
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": "BlockRemoved", "block_hashes": self.block_hashes, "medium": self.medium, "group_idx": KV_GROUP}
 
 
 @dataclass
 class AllBlocksCleared:
     medium: str | None = None  # not on the wire (vLLM's event has no fields); kept for local bookkeeping
 
-    def to_wire(self) -> list[Any]:
-        return ["AllBlocksCleared"]
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": "AllBlocksCleared"}
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
@@ -87,9 +98,9 @@ def _field(obj: list | dict, i: int, name: str, default: Any = None) -> Any:
 
 
 def _decode_event(raw: Any) -> KVCacheEvent:
-    if isinstance(raw, dict):  # a map-form producer (msgspec without array_like): tag under "type"
+    if isinstance(raw, dict):  # current vLLM (#42892): a map, the tag under "type"
         tag = raw.get("type")
-    elif isinstance(raw, list) and raw:
+    elif isinstance(raw, list) and raw:  # vLLM before #42892: a tagged positional array
         tag = raw[0]
     else:
         raise EventDecodeError(f"not an event: {raw!r:.80}")
@@ -106,8 +117,8 @@ def _decode_event(raw: Any) -> KVCacheEvent:
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
-    """Decodes a batch from vLLM or pdserve (array form; map form tolerated; unknown trailing fields
-    ignored). Raises EventDecodeError for anything else."""
+    """Decodes a batch from vLLM (either event form, either envelope) or pdserve; unknown fields are
+    ignored. Raises EventDecodeError for anything else."""
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as e:  # noqa: BLE001 - msgpack raises several types for malformed input

@@ -6,16 +6,26 @@
 - Optional ROUTER replay socket: a DEALER/REQ client sends `(b"", start_seq as 8 bytes big-endian)` and gets
   `(b"", seq, payload)` for every buffered batch with seq >= start_seq, then `(b"", -1 as 8 signed bytes, b"")`.
 - One background thread owns both sockets (ZMQ sockets are not thread-safe); `publish` only enqueues.
+
+Bind or connect: vLLM binds a wildcard address (`tcp://*:5557`) and connects to any other, expecting a
+collector that binds there (llm-d's convention). pdserve follows it for a wildcard and for an address that
+is not this machine's, but binds an address of this machine (`tcp://127.0.0.1:5557`, the node's own IP):
+connecting there left the documented single-host setup with two connecting ends and no listener, so no
+subscriber, our proxy included, ever received a batch. When that bind fails because the port is taken (a
+collector on this host bound it first, vLLM's convention), the publisher connects to it as vLLM would.
+`mode` says which happened; /pdserve/info advertises it, and a router subscribes only to a bound endpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import queue
 import threading
 from collections import deque
 from itertools import count
+from typing import Any
 
 from pdserve.kv_events.config import KVEventsConfig
 from pdserve.kv_events.events import KVEventBatch, encode_batch
@@ -28,6 +38,32 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 def _binds(endpoint: str) -> bool:
     """vLLM's heuristic: a wildcard, IPv6 any, ipc:// or inproc:// address is bound, anything else connected."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def _open_pub(pub: Any, endpoint: str, zmq: Any) -> str:
+    """Binds or connects the PUB socket (see the module's doc); returns "bind" or "connect"."""
+    if _binds(endpoint):
+        pub.bind(endpoint)
+        return "bind"
+    try:
+        pub.bind(endpoint)  # an address of this machine: subscribers connect here
+        return "bind"
+    except zmq.ZMQError as e:
+        if e.errno not in (errno.EADDRNOTAVAIL, errno.EADDRINUSE, errno.ENODEV):
+            raise
+        # EADDRNOTAVAIL / ENODEV: another machine's address; EADDRINUSE: a local collector bound it first
+    pub.connect(endpoint)
+    return "connect"
+
+
+def _default_replay(endpoint: str, mode: str) -> str | None:
+    """Without a `replay_endpoint` (vLLM's default) a subscriber that starts after blocks were stored never
+    learns of them: a router put in front of running instances sees none of their cache. A bound tcp:// PUB
+    therefore also gets a replay socket on a free port of the same address (pdserve's addition, advertised
+    in /pdserve/info; vLLM's subscribers, which do not ask, are unaffected)."""
+    if mode != "bind" or not endpoint.startswith("tcp://"):
+        return None
+    return f"{endpoint.rpartition(':')[0]}:*"
 
 
 class ZmqEventPublisher:
@@ -48,20 +84,21 @@ class ZmqEventPublisher:
         self._pub.set_hwm(config.hwm)
         self._replay = None
         try:
-            if _binds(config.endpoint):
-                self._pub.bind(config.endpoint)
-            else:
-                self._pub.connect(config.endpoint)
+            self.mode = _open_pub(self._pub, config.endpoint, zmq)
             self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) or config.endpoint
             self.replay_endpoint: str | None = None
-            if config.replay_endpoint is not None:
+            replay = config.replay_endpoint or _default_replay(config.endpoint, self.mode)
+            if replay is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.bind(config.replay_endpoint)
+                self._replay.bind(replay)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as e:
             self._close_sockets()
             raise ValueError(f"--kv-events-config: cannot open {config.endpoint} / {config.replay_endpoint}: "
                              f"{e}") from None
+        log.info("kv events: publishing on %s (%s)%s", self.endpoint, "bound: subscribers connect here"
+                 if self.mode == "bind" else "connected out to a subscriber that binds there",
+                 f", replay on {self.replay_endpoint}" if self.replay_endpoint else "")
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kv-events-publisher", daemon=True)
         self._thread.start()

@@ -102,9 +102,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-history", action="store_true", default=None,
                         help="multi-turn over P/D: decode instances keep each conversation's KV for the next turn, "
                              "whose prefill reads it back (vLLM's bidirectional_kv_xfer)")
-    parser.add_argument("--kv-events", action="store_true", default=None,
-                        help="every instance publishes KV events (vLLM's ZMQ format) and the proxy routes each "
-                             "request to the instance holding most of its prefix")
+    parser.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=None,
+                        help="instances publish KV events (vLLM's ZMQ format) and the proxy routes each request to "
+                             "the instance holding most of its prefix. Default: on in every role with more than one "
+                             "instance (where there is a choice to make); --kv-events: in every role; "
+                             "--no-kv-events: nowhere")
     parser.add_argument("--kv-offloading-size", type=float, default=None, metavar="GiB",
                         help="a host-memory KV tier of this size in every instance (vLLM's flag; backend native)")
     parser.add_argument("--dry-run", action="store_true", help="print the equivalent shell commands and exit")
@@ -174,8 +176,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         cfg.serve_args += ["--attention-backend", args.attention_backend]
     if args.kv_history:
         cfg.kv_history = True
-    if args.kv_events:
-        cfg.kv_events = True
+    if args.kv_events is not None:
+        cfg.kv_events = args.kv_events
     if args.kv_offloading_size is not None:
         if args.kv_offloading_size <= 0:
             raise ValueError("--kv-offloading-size must be > 0 GiB")

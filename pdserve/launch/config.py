@@ -100,9 +100,18 @@ class LaunchConfig:
     # multi-turn over P/D: decode instances keep each finished conversation for the next turn's prefill
     # (vLLM's kv_connector_extra_config.bidirectional_kv_xfer, set on both pools)
     kv_history: bool = False
-    # every instance publishes vLLM-format KV events on a port of its own: the proxy routes by cached prefix
-    kv_events: bool = False
+    # instances publish vLLM-format KV events on ports of their own, and the proxy routes by cached prefix:
+    # True in every role, False nowhere, None (default) in each role of more than one instance
+    kv_events: bool | None = None
     python: str = ""  # interpreter for `python -m pdserve ...`; "" = this one
+
+    def kv_events_in(self, role: str) -> bool:
+        """Whether `role`'s instances publish KV events: as asked, else where the proxy has a choice."""
+        if self.kv_events is not None:
+            return self.kv_events
+        topo = self.topology
+        count = {"prefill": topo.num_prefill, "decode": topo.num_decode, "collocated": topo.num_collocated}[role]
+        return count > 1
 
     def validate(self) -> LaunchConfig:
         if self.engine not in ENGINES:
@@ -247,7 +256,7 @@ def apply_file(cfg: LaunchConfig, data: dict[str, Any], where: str = "config fil
         if key in data:
             setattr(cfg, key, float(data[key]))
     for key in ("cpu_pinning", "kv_history", "kv_events"):
-        if key in data:
+        if key in data and not (key == "kv_events" and data[key] is None):
             if not isinstance(data[key], bool):
                 raise ValueError(f"{where}: {key} must be true or false")
             setattr(cfg, key, data[key])

@@ -176,6 +176,19 @@ def _proxy_settings(cfg: LaunchConfig, host: str) -> dict[str, Any]:
     return values
 
 
+# Ray reads it once, when imported: 0 keeps a one-node cluster on 127.0.0.1 (node IP, GCS, raylet, workers),
+# where by default Ray takes the machine's network address and listens on every interface.
+RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def loopback_ray() -> None:
+    """`--ray local`: the cluster this process starts (and every process it spawns, which inherit the
+    environment) stays on loopback, so the instances, their KV events and the proxy bind 127.0.0.1 too."""
+    if "ray" in sys.modules and os.environ.get(RAY_LOOPBACK_ENV) != "0":
+        raise RuntimeError("Ray was imported before --ray local could keep it on 127.0.0.1")
+    os.environ[RAY_LOOPBACK_ENV] = "0"
+
+
 def _connect(opts: RayOptions) -> None:
     import ray
 
@@ -276,6 +289,12 @@ def main(args: argparse.Namespace, cfg: LaunchConfig) -> int:
     except (ValueError, OSError) as e:
         print(f"pdserve up: {e}", file=sys.stderr)
         return 2
+    if opts.address == "local":
+        try:
+            loopback_ray()
+        except RuntimeError as e:
+            print(f"pdserve up: {e}", file=sys.stderr)
+            return 2
     try:
         import ray
     except ImportError:

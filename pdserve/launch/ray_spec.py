@@ -99,6 +99,9 @@ def parse_resources(text: str, where: str) -> dict[str, float]:
     return out
 
 
+NODE_HOST = "NODE_HOST"  # in a spec's --kv-events-config: the address the instance binds, known on its node
+
+
 @dataclass
 class InstanceSpec:
     """One instance as the Ray actor starts it. `base_argv` lacks --host/--port/side channel (node-local)."""
@@ -130,6 +133,9 @@ class InstanceSpec:
         """The full command line on the node: interpreter, host, port, and for P/D roles the side channel
         on the node's reachable address (port 0: the server picks one and reports it in /pdserve/info)."""
         argv = [self.python or python, *self.base_argv, "--host", host, "--port", str(port)]
+        # the KV events sockets bind the address the server binds (127.0.0.1 on a local cluster)
+        argv = [w.replace(f"tcp://{NODE_HOST}:", f"tcp://{host}:") if argv[i - 1] == "--kv-events-config" else w
+                for i, w in enumerate(argv)]
         if self.disaggregated:
             argv += ["--side-channel-host", side_channel_host, "--side-channel-port", "0"]
         return argv
@@ -168,8 +174,8 @@ def _instance_spec(cfg: LaunchConfig, opts: RayOptions, role: str, model: str, n
     words = ["-m", "pdserve", "serve", model]
     if role in ("prefill", "decode"):
         words += ["--kv-transfer-config", kv_transfer_config(role, cfg.kv_load_failure_policy, cfg.kv_history)]
-    if cfg.kv_events and not has_flag(cfg.serve_args + pool.serve_args, "--kv-events-config"):
-        words += ["--kv-events-config", kv_events_config("*")]  # advertised with the node's HTTP host
+    if cfg.kv_events_in(role) and not has_flag(cfg.serve_args + pool.serve_args, "--kv-events-config"):
+        words += ["--kv-events-config", kv_events_config(NODE_HOST)]  # the node's address, filled in there
     words += cfg.serve_args + pool.serve_args
     if (pool.tp or 1) > 1 and tp_in_args(words) is None:  # --prefill-tp / --decode-tp
         words += ["--tensor-parallel-size", str(pool.tp)]

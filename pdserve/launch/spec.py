@@ -306,7 +306,7 @@ def build_deployment(
                     "--kv-transfer-config", kv_transfer_config(role, cfg.kv_load_failure_policy, cfg.kv_history),
                     "--side-channel-host", cfg.host, "--side-channel-port", str(sc),
                 ]
-        if cfg.kv_events and not has_flag(cfg.serve_args + pool.serve_args, "--kv-events-config"):
+        if cfg.kv_events_in(role) and not has_flag(cfg.serve_args + pool.serve_args, "--kv-events-config"):
             argv += ["--kv-events-config", kv_events_config(cfg.host)]
         argv += cfg.serve_args + pool.serve_args
         if tps[k] > 1 and not (has_flag(argv, "--tensor-parallel-size") or has_flag(argv, "-tp")):

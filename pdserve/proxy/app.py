@@ -24,12 +24,13 @@ from pdserve.api.pd import (
     prefill_prompt_token_ids,
     scores_prompt,
 )
-from pdserve.preflight.plan import PullChoice, parse_bandwidth, pull_or_recompute
+from pdserve.preflight.plan import parse_bandwidth, pull_or_recompute
 from pdserve.proxy.config import ProxyConfig
 from pdserve.proxy.conversations import HeldHistory
 from pdserve.proxy.early_leg import EarlyDecodeLeg
 from pdserve.proxy.errors import error_response
 from pdserve.proxy.health import HealthChecker, probe
+from pdserve.proxy.history_decision import HistoryDecision
 from pdserve.proxy.kv_routing import CachedPrefix, lookup
 from pdserve.proxy.legs import (
     DecodeLeg,
@@ -242,7 +243,7 @@ class ProxyHandlers:
         early_inst = await self._early_decode_instance(body)
         token_ids = (early_inst is None and cfg.chat_token_ids and api_path == CHAT_COMPLETIONS
                      and chat_prompt_ids_allowed(body.get("messages"), body.get("echo")))
-        history = self._history_for(api_path, body, rid, prefix)
+        history, decision = self._history_for(api_path, body, rid, prefix)
         prefill_payload = json.dumps(build_prefill_body(body, chat_token_ids=token_ids,
                                                         history_params=history)).encode()
         affinity = affinity_key(body, cfg.prefix_affinity_chars) if cfg.prefix_affinity else None
@@ -264,7 +265,7 @@ class ProxyHandlers:
                     self.metrics.path["disagg"].inc()
                 leg = await early.finish(result.kv_params)
                 if leg is not None:
-                    return self._keep_history(leg, api_path, body, result.response)
+                    return self._keep_history(leg, api_path, body, result.response, decision)
                 # the early leg never reached its instance: the ordinary decode leg (the lease is unclaimed)
                 early = None
             else:
@@ -316,15 +317,20 @@ class ProxyHandlers:
         leg = await send_decode(
             state, api_path, json.dumps(decode_body).encode(), headers, tokens=decode_tokens, kv_claimed=True
         )
-        return self._keep_history(leg, api_path, body, result.response)
+        return self._keep_history(leg, api_path, body, result.response, decision)
 
     # -- multi-turn: a conversation's history held by a decode instance ----------------------------
 
     def _keep_history(self, leg: DecodeLeg | web.Response, api_path: str, body: dict[str, Any],
-                      prefill_response: dict[str, Any] | None) -> DecodeLeg | web.Response:
-        """Have the decode leg's response tell the conversation map what the decode instance holds."""
+                      prefill_response: dict[str, Any] | None,
+                      decision: HistoryDecision | None = None) -> DecodeLeg | web.Response:
+        """Have the decode leg's response tell the conversation map what the decode instance holds, and the
+        client what was decided for this turn's history (`history_decision.py`)."""
         if not isinstance(leg, DecodeLeg) or not self.config.kv_history:
             return leg
+        if decision is not None:
+            decision.note_prefill(prefill_response)
+            leg.history_decision = decision
         usage = (prefill_response or {}).get("usage")
         prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         decode_url = leg.instance.url
@@ -338,39 +344,45 @@ class ProxyHandlers:
         return leg
 
     def _history_for(self, api_path: str, body: dict[str, Any], rid: str,
-                     prefix: CachedPrefix | None = None) -> dict[str, Any] | None:
-        """The held-history params the prefill leg should read back, or None (none held, or recomputing is
-        cheaper by `pdserve plan`'s arithmetic, or the prefill's own prefix cache should hold it)."""
+                     prefix: CachedPrefix | None = None) -> tuple[dict[str, Any] | None, HistoryDecision | None]:
+        """The held-history params the prefill leg should read back (None: none held, or recomputing is
+        cheaper by `pdserve plan`'s arithmetic, or the prefill's own prefix cache should hold it), and the
+        decision as the client is told it (None without --kv-history)."""
         if not self.config.kv_history:
-            return None
+            return None, None
         held = self.state.history.take(api_path, body)
         if held is None:
             self.metrics.kv_history["none"].inc()
-            return None
+            return None, HistoryDecision("none", "no_history")
         # what the prefill instances already hold of this prompt: the fleet index's answer when instances
         # publish KV events, else the previous turn's prompt (its prefill cached it)
-        p_cached = prefix.best_cached(self.state.prefill.instances) if prefix is not None else held.prompt_tokens
-        choice, what = self._pull_choice(held, p_cached or 0)
-        self.metrics.kv_history[what].inc()
-        logger.info("request %s: held history of %d tokens on %s: %s (%s)", rid, held.num_tokens,
-                    held.decode_url, what, choice.describe() if choice is not None else "no size given")
-        return held.params if what == "pull" else None
+        if prefix is not None:
+            p_cached = prefix.best_cached(self.state.prefill.instances)
+        else:  # a prefix cache holds whole blocks only: the previous prompt's, in the holder's block size
+            block = held.block_size
+            p_cached = (held.prompt_tokens or 0) // block * block if block else (held.prompt_tokens or 0)
+        decision = self._pull_choice(held, p_cached)
+        self.metrics.kv_history[decision.decision].inc()
+        logger.info("request %s: held history of %d tokens on %s: %s (%s)", rid, held.num_tokens, held.decode_url,
+                    decision.decision, decision.header())
+        return (held.params if decision.decision == "pull" else None), decision
 
-    def _pull_choice(self, held: HeldHistory, p_cached: int) -> tuple[PullChoice | None, str]:
+    def _pull_choice(self, held: HeldHistory, p_cached: int) -> HistoryDecision:
         """pull / p_cache / recompute. The tokens in question are the held ones a prefill instance lacks
         (`p_cached`: what it holds; it reads only blocks it lacks). A holder that does not say its block size
         in bytes is read from (vLLM's decode instances)."""
         tokens = held.num_tokens - p_cached
         if tokens <= 0:
-            return None, "p_cache"
+            return HistoryDecision("p_cache", "prefill_cache", held.num_tokens, 0)
         blocks = held.params.get("remote_block_ids") or [[]]
         nblocks = len(blocks[0]) if isinstance(blocks[0], list) else len(blocks)
         if held.block_bytes is None or nblocks == 0 or held.num_tokens == 0:
-            return None, "pull"
+            return HistoryDecision("pull", "size_unknown", held.num_tokens, tokens)
         choice = pull_or_recompute(tokens, held.block_bytes * nblocks / held.num_tokens,
                                    parse_bandwidth(self.config.kv_history_bandwidth),
-                                   self.config.kv_history_prefill_tps)
-        return choice, "pull" if choice.pull else "recompute"
+                                   self.config.kv_history_prefill_tps, self.config.kv_history_overhead_s)
+        return HistoryDecision("pull" if choice.pull else "recompute", "cost_model", held.num_tokens, tokens,
+                               choice.wire_s * 1e3, choice.recompute_s * 1e3)
 
     async def _early_decode_instance(self, body: dict[str, Any]) -> Instance | None:
         """The decode instance to send the decode leg to together with the prefill leg: one available now

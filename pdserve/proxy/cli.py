@@ -200,6 +200,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"prefill tokens/s of one instance for the same arithmetic (default {_D.kv_history_prefill_tps:g})",
     )
     parser.add_argument(
+        "--kv-history-overhead-s",
+        type=float,
+        default=s,
+        help="fixed cost in seconds of one read back for the same arithmetic: side-channel claim, transfer setup "
+             f"and release (default {_D.kv_history_overhead_s:g})",
+    )
+    parser.add_argument(
         "--no-kv-peer-pull",
         dest="kv_peer_pull",
         action="store_false",

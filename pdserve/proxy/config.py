@@ -56,6 +56,9 @@ class ProxyConfig:
     kv_history_max_entries: int = 4096
     kv_history_bandwidth: str = "cpu-dram"  # a `pdserve plan --bandwidth` value or preset
     kv_history_prefill_tps: float = 2000.0  # prefill tokens/s of one instance
+    # fixed cost of one read: side-channel claim, transfer setup, release (measured 6-8 ms on the 2-core CPU box,
+    # BENCHMARKS.md "Multi-turn over P/D: the choice per turn"; the per-token wire time is small beside it)
+    kv_history_overhead_s: float = 0.007
     # Pulling a prefix from a peer (issue 18 part 4): when the fleet index says another instance that pins on
     # demand (`kv_peer_pin` in its /pdserve/info) caches at least this many more prompt tokens than the chosen
     # prefill, that peer pins them and the prefill leg reads them (same arithmetic as above decides).
@@ -97,6 +100,8 @@ class ProxyConfig:
         parse_bandwidth(self.kv_history_bandwidth)  # ValueError names what is wrong
         if self.kv_history_prefill_tps <= 0:
             raise ValueError("kv_history_prefill_tps must be > 0")
+        if self.kv_history_overhead_s < 0:
+            raise ValueError("kv_history_overhead_s must be >= 0")
         for name in ("prefix_affinity_chars", "max_inflight", "eject_after", "kv_history_max_entries",
                      "kv_peer_pull_min_tokens"):
             if getattr(self, name) < 1:

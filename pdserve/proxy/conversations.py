@@ -46,6 +46,13 @@ class HeldHistory:
         return n if isinstance(n, int) and n > 0 else 0
 
     @property
+    def block_size(self) -> int | None:
+        """Tokens per held block (the holder's block size), when the params say."""
+        blocks = self.params.get("remote_block_ids") or [[]]
+        n = len(blocks[0]) if isinstance(blocks[0], list) else len(blocks)
+        return self.num_tokens // n if n and self.num_tokens % n == 0 else None
+
+    @property
     def block_bytes(self) -> int | None:
         """Bytes of one held block on the wire (all ranks), when the holder says."""
         n = self.params.get("remote_block_bytes")

@@ -49,6 +49,10 @@ def endpoints_from_info(info: Any) -> EventEndpoints | None:
     scheme = ev.get("block_hash")
     if not isinstance(endpoint, str) or not endpoint or type(block_size) is not int or block_size < 1:
         return None
+    if ev.get("endpoint_mode", "bind") != "bind":
+        logger.warning("kv events: the instance connects out to %s (a collector binds there), the proxy cannot "
+                       "subscribe; give it an endpoint of its own machine (tcp://HOST:PORT) or a wildcard", endpoint)
+        return None
     if scheme not in KNOWN_HASH_SCHEMES:
         logger.warning("kv events: block hash scheme %r is not one the proxy computes %s", scheme, KNOWN_HASH_SCHEMES)
         return None

@@ -22,6 +22,8 @@ from pdserve.proxy.errors import (
     is_openai_error_body,
     sse_error_event,
 )
+from pdserve.proxy.history_decision import HEADER as HISTORY_HEADER
+from pdserve.proxy.history_decision import HistoryDecision
 from pdserve.proxy.kv_routing import CachedPrefix
 from pdserve.proxy.peer_pull import with_peer_prefix
 from pdserve.proxy.pool import Instance
@@ -227,6 +229,7 @@ class DecodeLeg:
     started: float
     tokens: int
     on_kv_params: KVParamsSink | None = None  # gets the response's kv_transfer_params (multi-turn history)
+    history_decision: HistoryDecision | None = None  # told to the client with the answer (history_decision.py)
 
     def done(self) -> None:
         self.instance.release(self.tokens)
@@ -260,7 +263,8 @@ async def relay_leg(state: ProxyState, request: web.Request, leg: DecodeLeg, rid
     """A decode leg's response relayed to the client as it comes (whole or SSE); `on_kv_params` gets the
     response's kv_transfer_params (the final chunk's, when streamed), as vLLM's decode instances return them."""
     sink = on_kv_params if on_kv_params is not None else leg.on_kv_params
-    return await _relay_response(state, request, leg.instance, leg.resp, leg.started, rid, sink)
+    return await _relay_response(state, request, leg.instance, leg.resp, leg.started, rid, sink,
+                                 leg.history_decision)
 
 
 def _kv_params_of(data: bytes) -> dict[str, Any] | None:
@@ -403,6 +407,19 @@ async def _read_quietly(resp: aiohttp.ClientResponse) -> bytes:
         resp.release()
 
 
+def _with_history_decision(data: bytes, history: HistoryDecision) -> bytes:
+    """A whole JSON answer with `kv_transfer_params.kv_history` set (anything else: unchanged)."""
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        return data
+    if not isinstance(parsed, dict):
+        return data
+    params = parsed.get("kv_transfer_params")
+    parsed["kv_transfer_params"] = {**(params if isinstance(params, dict) else {}), "kv_history": history.as_dict()}
+    return json.dumps(parsed).encode()
+
+
 async def _relay_response(
     state: ProxyState,
     request: web.Request,
@@ -411,6 +428,7 @@ async def _relay_response(
     started: float,
     rid: str,
     on_kv_params: KVParamsSink | None = None,
+    history: HistoryDecision | None = None,
 ) -> web.StreamResponse:
     metrics = state.metrics
     status = resp.status
@@ -463,12 +481,17 @@ async def _relay_response(
                     params = _kv_params_of(data)
                     if params is not None:
                         on_kv_params(params)
+                if history is not None and history.decision != "none" and status == 200:
+                    data = _with_history_decision(data, history)
             out_headers = {"Content-Type": ctype, "X-Request-Id": rid}
+            if history is not None:
+                out_headers[HISTORY_HEADER] = history.header()
             if "Retry-After" in resp.headers:
                 out_headers["Retry-After"] = resp.headers["Retry-After"]
             return web.Response(status=status, body=data, headers=out_headers)
         scanner = _EventScanner(on_kv_params) if on_kv_params is not None and status == 200 else None
-        out, finished = await _relay_stream(state, request, inst, resp, started, rid, ctype, scanner, ejected)
+        extra = {HISTORY_HEADER: history.header()} if history is not None else {}
+        out, finished = await _relay_stream(state, request, inst, resp, started, rid, ctype, scanner, ejected, extra)
         return out
     finally:
         stop_watching()
@@ -488,13 +511,14 @@ async def _relay_stream(
     ctype: str,
     scanner: _EventScanner | None = None,
     ejected: list[str] | None = None,
+    extra_headers: dict[str, str] | None = None,
 ) -> tuple[web.StreamResponse, bool]:
     """Relays SSE bytes as they come; returns the response and whether the upstream body was read
     to its end (so its connection can go back to the pool)."""
     metrics = state.metrics
     out = web.StreamResponse(
         status=resp.status,
-        headers={"Content-Type": ctype, "Cache-Control": "no-cache", "X-Request-Id": rid},
+        headers={"Content-Type": ctype, "Cache-Control": "no-cache", "X-Request-Id": rid, **(extra_headers or {})},
     )
     await out.prepare(request)
     tail = b""

@@ -68,7 +68,7 @@ async def with_peer_prefix(state: ProxyState, chosen: Instance, payload: bytes, 
         if type(block_bytes) is int and nblocks and tokens > 0:
             choice = pull_or_recompute(tokens, block_bytes * nblocks / int(params["remote_num_tokens"]),
                                        parse_bandwidth(state.config.kv_history_bandwidth),
-                                       state.config.kv_history_prefill_tps)
+                                       state.config.kv_history_prefill_tps, state.config.kv_history_overhead_s)
             outcome, detail = ("pull" if choice.pull else "recompute"), choice.describe()
         elif tokens <= 0:
             outcome = "uncached"

@@ -226,6 +226,9 @@ def kv_events_info(publisher: Any, http_host: str, block_size: int) -> dict[str,
 
     return {
         "endpoint": reachable(publisher.endpoint),
+        # "bind": subscribers connect to endpoint; "connect": this instance connects out to a collector
+        # bound there (vLLM's convention for another machine's address), which routers cannot subscribe to
+        "endpoint_mode": publisher.mode,
         "replay_endpoint": reachable(publisher.replay_endpoint),
         "topic": publisher.config.topic,
         "block_size": block_size,
