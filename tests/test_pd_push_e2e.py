@@ -21,7 +21,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_utils import ServerProcess, all_ready, make_model_dir, metric_value, wait_idle
+from server_utils import (
+    PdserveProcess,
+    ServerProcess,
+    all_ready,
+    free_port,
+    make_model_dir,
+    metric_value,
+    wait_idle,
+)
 
 pytest.importorskip("nixl_cu12", reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
 
@@ -61,9 +69,19 @@ def cluster(model_dir: Path, tmp_path_factory) -> Iterator[dict[str, ServerProce
                         push_config("kv_consumer", push_registration_timeout=4.0)),
         "decode_recompute": start(model_dir, logs, "decode_recompute", "--kv-transfer-config",
                                   push_config("kv_consumer", "recompute", push_registration_timeout=4.0)),
+        "pull_prefill": start(model_dir, logs, "pull_prefill", "--kv-transfer-config", pull_config("kv_producer"),
+                              "--side-channel-port", "0"),
     }
     with all_ready(servers):
-        yield servers
+        port = free_port()
+        proxy = PdserveProcess(logs / "proxy.log", port, [
+            "proxy", "--host", "127.0.0.1", "--port", str(port), "--prefill", servers["prefill"].url,
+            "--decode", servers["decode"].url, "--kv-transfer-mode", "push"])
+        try:
+            proxy.wait_ready()
+            yield {**servers, "proxy": proxy}  # type: ignore[dict-item]
+        finally:
+            proxy.stop()
 
 
 def info(srv: ServerProcess) -> dict:
@@ -103,8 +121,13 @@ def push_pair(prefill: ServerProcess, decode: ServerProcess, body: dict, route: 
     return d, p, key
 
 
+def prompt(seed: int, words: int) -> str:
+    """A prompt no other test's shares a prefix with (long_prompt repeats for seeds equal mod 10)."""
+    return f"case {seed}: " + long_prompt(words, seed)
+
+
 def body(seed: int, words: int = 120, **kw) -> dict:
-    return {"model": "tiny", "prompt": long_prompt(words, seed), "max_tokens": 10, "temperature": 0,
+    return {"model": "tiny", "prompt": prompt(seed, words), "max_tokens": 10, "temperature": 0,
             "return_token_ids": True, **kw}
 
 
@@ -130,3 +153,161 @@ def test_push_matches_collocated(cluster, prefill, stream):
         assert out.json()["choices"][0]["token_ids"] == ref.json()["choices"][0]["token_ids"]
     wait_idle(cluster["decode"].url)
     wait_idle(cluster[prefill].url)  # the push ended its lease: the prefill's blocks are free again
+
+
+def metrics_of(url: str) -> str:
+    return httpx.get(f"{url}/metrics", timeout=10).text
+
+
+def labelled(text: str, name: str, label: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and label in line)
+
+
+PROXY_CASES = [
+    ("completions", {"prompt": prompt(21, 150), "max_tokens": 8}),
+    # two prompts sharing a 100-word prefix: the second's decode registers only the blocks its cache lacks
+    ("completions", {"prompt": prompt(22, 100) + " and then more words follow here", "max_tokens": 8}),
+    ("completions", {"prompt": prompt(22, 100) + " but a different ending comes", "max_tokens": 8}),
+    ("completions", {"prompt": prompt(23, 60), "max_tokens": 6, "n": 2, "temperature": 0}),
+    ("chat/completions", {"messages": [{"role": "user", "content": prompt(24, 50)}], "max_tokens": 8}),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_proxy_push_matches_collocated(cluster, stream):
+    """`pdserve proxy --kv-transfer-mode push`: both legs at once, token-exact with collocated."""
+    proxy = cluster["proxy"].url  # type: ignore[attr-defined]
+    before = metrics_of(cluster["prefill"].url)
+    for route, case in PROXY_CASES:
+        b = {"model": "tiny", "temperature": 0, **case, "stream": stream}
+        ref = httpx.post(f"{cluster['collocated'].url}/v1/{route}", json=b, timeout=60)
+        out = httpx.post(f"{proxy}/v1/{route}", json=b, timeout=90, headers=HEADERS)
+        assert out.status_code == 200, out.text
+        if stream:
+            assert [ln for ln in out.text.splitlines() if '"content"' in ln or '"text"' in ln]
+            assert _stream_text(out) == _stream_text(ref), (route, case)
+        else:
+            assert [c.get("text") or c["message"]["content"] for c in out.json()["choices"]] == \
+                [c.get("text") or c["message"]["content"] for c in ref.json()["choices"]], (route, case)
+    after = metrics_of(cluster["prefill"].url)
+    # the KV went by push, and (layer-pipelined) mostly while the prefill was still computing
+    during = labelled(after, "pdserve:kv_push_written_bytes_total", "during_prefill") - \
+        labelled(before, "pdserve:kv_push_written_bytes_total", "during_prefill")
+    assert during > 0
+    # every job ended well: done, or cancelled by a decode whose own prefix cache held the whole prompt (the
+    # streamed pass repeats the prompts)
+    ended = sum(labelled(after, "pdserve:kv_push_jobs_ended_total", f'"{o}"')
+                - labelled(before, "pdserve:kv_push_jobs_ended_total", f'"{o}"') for o in ("done", "cancelled"))
+    assert ended == len(PROXY_CASES)
+    wait_idle(cluster["decode"].url)
+    wait_idle(cluster["prefill"].url)
+
+
+def _stream_text(resp: httpx.Response) -> list[str]:
+    out: dict[int, str] = {}
+    for line in resp.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            for ch in json.loads(line[6:]).get("choices", []):
+                piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
+                out[ch["index"]] = out.get(ch["index"], "") + (piece or "")
+    return [out[k] for k in sorted(out)]
+
+
+def test_decode_prefix_hit_registers_only_missing_blocks_and_stays_exact(cluster):
+    """A partial prefix hit on the decode (vLLM#48633 C3): the decode registers only the blocks it lacks and
+    each lands in its own slot: exact tokens, and far fewer bytes the second time."""
+    shared = prompt(31, 150)
+    sent = []
+    for i, tail in enumerate([" first tail of words", " second, other tail of words"]):
+        b = body(0, prompt=shared + tail, max_tokens=8)
+        ref = httpx.post(f"{cluster['collocated'].url}/v1/completions", json=b, timeout=60).json()
+        before = pushed_bytes(cluster["decode"].url)
+        d, p, _ = push_pair(cluster["prefill"], cluster["decode"], b)
+        assert p is not None and p.result().status_code == 200
+        out = d.result()
+        assert out.status_code == 200, out.text
+        assert out.json()["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"], i
+        sent.append(pushed_bytes(cluster["decode"].url) - before)
+    assert sent[0] > 0 and 0 < sent[1] < sent[0] / 4
+    wait_idle(cluster["decode"].url)
+    wait_idle(cluster["prefill"].url)
+
+
+def test_mismatched_pairs_are_refused_naming_the_mode(cluster):
+    b = body(41, words=40)
+    # pull params to a push decode instance, push params to a pull one... a 400 naming the transfer mode
+    pull_like = {"do_remote_prefill": True, "remote_engine_id": "x", "remote_block_ids": [1], "remote_host": "h",
+                 "remote_port": 1, "remote_request_id": "r", "remote_lease_token": "t"}
+    r = httpx.post(f"{cluster['decode'].url}/v1/completions", json={**b, "kv_transfer_params": pull_like},
+                   timeout=30, headers=HEADERS)
+    assert r.status_code == 400 and "NixlPushConnector" in r.text and "transfer_mode" in r.text, r.text
+    # a push decode registering with a pull prefill: refused at the handshake, the field named
+    d, _, _ = push_pair(cluster["pull_prefill"], cluster["decode"], b, send_prefill=False)
+    out = d.result()
+    assert out.status_code == 409 and "kv_transfer_mode" in out.text, out.text
+    wait_idle(cluster["decode"].url)
+
+
+def test_decode_abort_stops_the_prefill_and_nothing_lands(cluster):
+    """The decode leg is dropped after registering, before the prefill ran (vLLM#48633 C1): the prefill's
+    job is cancelled, its prefill then computes and WRITEs nothing, and the decode's freed blocks serve the
+    next request exactly."""
+    b = body(51)
+    key = uuid.uuid4().hex
+    i = info(cluster["prefill"])
+    dparams = pd.push_decode_params(key, engine_id=i["engine_id"], host=i["side_channel_host"],
+                                    port=i["side_channel_port"])
+    before = metrics_of(cluster["prefill"].url)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up: the connection closes, the leg is aborted
+        httpx.post(f"{cluster['decode'].url}/v1/completions", json=pd.build_decode_body(b, dparams), timeout=1.5,
+                   headers=HEADERS)
+    wait_idle(cluster["decode"].url)  # blocks back only once the prefill said nothing is in flight
+    p = httpx.post(f"{cluster['prefill'].url}/v1/completions", json=pd.build_prefill_body(b, push_key=key),
+                   timeout=60, headers=HEADERS)
+    assert p.status_code == 200
+    wait_idle(cluster["prefill"].url)
+    after = metrics_of(cluster["prefill"].url)
+    assert labelled(after, "pdserve:kv_push_jobs_ended_total", "cancelled") == \
+        labelled(before, "pdserve:kv_push_jobs_ended_total", "cancelled") + 1
+    assert labelled(after, "pdserve:kv_push_written_bytes_total", "phase") == \
+        labelled(before, "pdserve:kv_push_written_bytes_total", "phase")  # not one byte written
+    test_push_matches_collocated(cluster, "prefill", False)
+
+
+@pytest.mark.parametrize("decode,expect", [("decode", 500), ("decode_recompute", 200)])
+def test_push_that_never_comes_frees_the_blocks(cluster, decode, expect):
+    """Registered, but the prefill leg never comes: at push_registration_timeout (4 s here) the prefill
+    gives the registration up, the decode learns it and fails (or recomputes, exactly); its blocks are freed."""
+    b = body(61, words=60)
+    ref = httpx.post(f"{cluster['collocated'].url}/v1/completions", json=b, timeout=60).json()
+    t0 = time.monotonic()
+    d, _, _ = push_pair(cluster["prefill"], cluster[decode], b, send_prefill=False)
+    out = d.result()
+    assert out.status_code == expect, out.text
+    assert time.monotonic() - t0 < 4.0 + 10.0 + 5.0  # the timeout plus the WRITE release bound, never a hang
+    if expect == 200:
+        assert out.json()["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+    wait_idle(cluster[decode].url)
+
+
+@pytest.mark.parametrize("decode,expect", [("decode", 500), ("decode_recompute", 200)])
+def test_prefill_killed_mid_push_fails_or_recomputes_fast(cluster, model_dir, tmp_path, decode, expect):
+    victim = start(model_dir, tmp_path, f"victim-{decode}", "--kv-transfer-config", push_config("kv_producer"),
+                   "--side-channel-port", "0")
+    try:
+        victim.wait_ready()
+        b = body(71, words=60)
+        ref = httpx.post(f"{cluster['collocated'].url}/v1/completions", json=b, timeout=60).json()
+        d, _, _ = push_pair(victim, cluster[decode], b, send_prefill=False)
+        time.sleep(1.0)  # admitted and registered (the prefill's job waits for its prefill leg)
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        out = d.result()
+        assert time.monotonic() - t0 < 3.0  # refused connections: learnt within a few status polls
+        assert out.status_code == expect, out.text
+        if expect == 200:
+            assert out.json()["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+        wait_idle(cluster[decode].url)
+    finally:
+        victim.stop()

@@ -37,6 +37,7 @@ import numpy as np
 from pdserve.api.pd import PUSH_KEY, is_push
 from pdserve.kv_transfer.auth import MessageAuth
 from pdserve.kv_transfer.errors import KVTransferError, SideChannelRefused
+from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.nixl_agent import NixlAgent
 from pdserve.kv_transfer.pool import (
     PoolRegion,
@@ -84,8 +85,8 @@ class _Job:
 
 class PushSender:
     def __init__(self, *, agent: NixlAgent, region: PoolRegion, num_layers: int, block_size: int,
-                 layerwise: bool, transfer_timeout_s: float, lease_duration_s: float, release_lease: Callable[[str, str], None],
-                 auth: MessageAuth | None) -> None:
+                 layerwise: bool, transfer_timeout_s: float, lease_duration_s: float,
+                 release_lease: Callable[[str, str], None], auth: MessageAuth | None, metrics: TransferMetrics | None = None) -> None:
         self._agent = agent
         self._region = region
         self._num_layers = num_layers
@@ -98,6 +99,7 @@ class PushSender:
         self._lease_duration_s = lease_duration_s
         self._release_lease = release_lease
         self._auth = auth
+        self._metrics = metrics
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
         self._by_request: dict[str, str] = {}
@@ -272,6 +274,8 @@ class PushSender:
         if job.ended_at is None:
             job.state, job.error = state, error
             job.ended_at = time.monotonic()
+            if self._metrics is not None:
+                self._metrics.record_push_job(state)
             if state == "failed":
                 logger.warning("KV push %s (request %s) failed: %s", job.key[:8], job.request_id, error)
         if job.lease is not None and not job.inflight and job.queued == 0:
@@ -318,9 +322,13 @@ class PushSender:
             with self._lock:
                 self._end_locked(job, "failed", str(exc))
             return
+        nbytes = int(local_descs[:, 1].sum())
         with self._lock:
             job.inflight.append((handle, time.monotonic()))
-            job.bytes += int(local_descs[:, 1].sum())
+            job.bytes += nbytes
+            during = not job.final
+        if self._metrics is not None:
+            self._metrics.record_push_write(nbytes, during)
 
     def _descs(self, local: list[int], remote: list[int], pool: RemotePool, layer: int) -> tuple[np.ndarray, ...]:
         if self._num_layers == 1:
