@@ -33,7 +33,7 @@ from server_utils import (
 
 pytest.importorskip("nixl_cu12", reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
 
-from test_pd_e2e import long_prompt, start  # noqa: E402 - after the skip
+from test_pd_e2e import SECRET_ENV, long_prompt, start  # noqa: E402 - after the skip
 from test_pd_first_token_e2e import sse_tokens  # noqa: E402
 
 from pdserve.api import pd  # noqa: E402
@@ -311,3 +311,67 @@ def test_prefill_killed_mid_push_fails_or_recomputes_fast(cluster, model_dir, tm
         wait_idle(cluster[decode].url)
     finally:
         victim.stop()
+
+
+def test_a_write_that_fails_to_post_is_learnt_at_once(cluster, model_dir):
+    """vLLM#48633 C2: the prefill's WRITE cannot be posted (the registered pool names memory the decode's agent
+    never registered); the decode side learns it from push_status at once, long before its deadline. The decode
+    half is the real PushReceiver on a real NIXL agent in this process (only its pool description is wrong)."""
+    import dataclasses
+
+    import numpy as np
+    from prometheus_client import CollectorRegistry
+
+    from pdserve.kv_transfer import side_channel
+    from pdserve.kv_transfer.auth import MessageAuth
+    from pdserve.kv_transfer.compat import make_compat
+    from pdserve.kv_transfer.config import KVTransferConfig
+    from pdserve.kv_transfer.metrics import TransferMetrics
+    from pdserve.kv_transfer.nixl_agent import NixlAgent
+    from pdserve.kv_transfer.pool import region_of
+    from pdserve.kv_transfer.push_receiver import PushReceiver
+    from pdserve.server.kv import model_identity
+
+    secret = SECRET_ENV["PDSERVE_KV_SECRET"]
+    i = info(cluster["prefill"])
+    compat = make_compat(model=model_identity(model_dir), dtype=i["dtype"], block_size=i["block_size"],
+                         num_layers=i["num_layers"], num_kv_heads=i["num_kv_heads"], head_dim=i["head_dim"],
+                         kv_layout=i["kv_layout"], kv_cache_dtype=i["kv_cache_dtype"])
+    compat["kv_transfer_mode"] = "push"
+    hello = side_channel.call(i["side_channel_host"], i["side_channel_port"], "handshake",
+                              {"engine_id": "probe", "compat": compat}, 10.0, to=i["engine_id"],
+                              auth=MessageAuth(secret))
+    pool_info = hello["pool"]
+    config = KVTransferConfig.from_json(push_config("kv_consumer", push_registration_timeout=30.0),
+                                        env={"PDSERVE_KV_SECRET": secret})
+    pool = np.zeros((pool_info["num_blocks"], 1, 2, pool_info["block_bytes"] // 2, 1, 1), dtype=np.uint8)
+    real = region_of(pool)
+    agent = NixlAgent(config.engine_id, config.backends)
+    agent.register(real)
+    wrong = dataclasses.replace(real, base_addr=real.base_addr + 2 * real.length)  # not registered memory
+    results: list = []
+    receiver = PushReceiver(config, agent=agent, region=wrong, compat=hello["compat"],
+                            metrics=TransferMetrics(model_name="tiny", registry=CollectorRegistry()),
+                            auth=MessageAuth(secret), report=results.append)
+    try:
+        b = body(81, words=60)
+        key = uuid.uuid4().hex
+        params = pd.push_decode_params(key, engine_id=i["engine_id"], host=i["side_channel_host"],
+                                       port=i["side_channel_port"])
+        tokens = len(httpx.post(f"{cluster['prefill'].url}/tokenize", json={"model": "tiny", "prompt": b["prompt"]},
+                                timeout=10).json()["tokens"]) - 1
+        receiver.start("probe-1", params, list(range(-(-tokens // 16))), 0, tokens)
+        time.sleep(0.5)  # registered
+        p = httpx.post(f"{cluster['prefill'].url}/v1/completions", json=pd.build_prefill_body(b, push_key=key),
+                       timeout=60, headers=HEADERS)
+        assert p.status_code == 200
+        t0 = time.monotonic()
+        while not results and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        assert results and not results[0].ok, results
+        assert time.monotonic() - t0 < 2.0  # at once, not at the 30 s deadline
+        assert "WRITE" in (results[0].error or ""), results[0].error
+        wait_idle(cluster["prefill"].url)  # the failed job gave the prefill's blocks back
+    finally:
+        receiver.shutdown()
+        agent.close()
