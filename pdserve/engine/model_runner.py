@@ -390,6 +390,9 @@ class ModelRunner:
     def execute(self, batch: list[tuple[Request, int]]) -> tuple[list[Request], list[int], list[TokenLogprob | None]]:
         """Runs the step; returns the requests that reached their frontier, their sampled tokens and
         logprobs. Requests mid-way through a chunked prefill sample nothing."""
+        # push transfer: the step's push jobs are linked to their requests here on either path; the per-layer
+        # callback is the CPU path's only (the GPU path pushes whole-request)
+        on_layer = self.layer_hook(batch) if self.layer_hook is not None else None
         if self.gpu is not None:
             return self.gpu.execute(batch)
         num_tokens = sum(n for _, n in batch)
@@ -407,7 +410,6 @@ class ModelRunner:
                 sampling.append(req)
         if self.step_sink is not None:
             self.step_sink(("cpu", input_ids, positions, meta, rows))
-        on_layer = self.layer_hook(batch) if self.layer_hook is not None else None
         logits = self._forward_cpu(input_ids, positions, meta, rows, on_layer)
         if logits is None:
             return [], [], []
