@@ -275,40 +275,48 @@ def test_decode_abort_stops_the_prefill_and_nothing_lands(cluster):
     test_push_matches_collocated(cluster, "prefill", False)
 
 
-@pytest.mark.parametrize("decode,expect", [("decode", 500), ("decode_recompute", 200)])
-def test_push_that_never_comes_frees_the_blocks(cluster, decode, expect):
+FAIL_OR_RECOMPUTE = (("decode", 500), ("decode_recompute", 200))
+
+
+def _both_policies(cluster, prefill: ServerProcess, seed: int) -> tuple[list[Leg], list]:
+    """A decode leg registered with `prefill` on each policy's decode instance, its prefill leg never sent."""
+    b = body(seed, words=60)
+    ref = httpx.post(f"{cluster['collocated'].url}/v1/completions", json=b, timeout=60).json()
+    return [push_pair(prefill, cluster[name], b, send_prefill=False)[0] for name, _ in FAIL_OR_RECOMPUTE], \
+        ref["choices"][0]["token_ids"]
+
+
+def _check_policies(cluster, legs: list[Leg], ref: list) -> None:
+    for leg, (name, status) in zip(legs, FAIL_OR_RECOMPUTE, strict=True):
+        out = leg.result()
+        assert out.status_code == status, (name, out.text)
+        if status == 200:
+            assert out.json()["choices"][0]["token_ids"] == ref  # recomputed into the quiesced blocks
+        wait_idle(cluster[name].url)  # the registered blocks were freed
+
+
+def test_push_that_never_comes_frees_the_blocks(cluster):
     """Registered, but the prefill leg never comes: at push_registration_timeout (4 s here) the prefill
     gives the registration up, the decode learns it and fails (or recomputes, exactly); its blocks are freed."""
-    b = body(61, words=60)
-    ref = httpx.post(f"{cluster['collocated'].url}/v1/completions", json=b, timeout=60).json()
     t0 = time.monotonic()
-    d, _, _ = push_pair(cluster["prefill"], cluster[decode], b, send_prefill=False)
-    out = d.result()
-    assert out.status_code == expect, out.text
+    legs, ref = _both_policies(cluster, cluster["prefill"], 61)
+    _check_policies(cluster, legs, ref)
     assert time.monotonic() - t0 < 4.0 + 10.0 + 5.0  # the timeout plus the WRITE release bound, never a hang
-    if expect == 200:
-        assert out.json()["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
-    wait_idle(cluster[decode].url)
 
 
-@pytest.mark.parametrize("decode,expect", [("decode", 500), ("decode_recompute", 200)])
-def test_prefill_killed_mid_push_fails_or_recomputes_fast(cluster, model_dir, tmp_path, decode, expect):
-    victim = start(model_dir, tmp_path, f"victim-{decode}", "--kv-transfer-config", push_config("kv_producer"),
+def test_prefill_killed_mid_push_fails_or_recomputes_fast(cluster, model_dir, tmp_path):
+    victim = start(model_dir, tmp_path, "victim", "--kv-transfer-config", push_config("kv_producer"),
                    "--side-channel-port", "0")
     try:
         victim.wait_ready()
-        b = body(71, words=60)
-        ref = httpx.post(f"{cluster['collocated'].url}/v1/completions", json=b, timeout=60).json()
-        d, _, _ = push_pair(victim, cluster[decode], b, send_prefill=False)
-        time.sleep(1.0)  # admitted and registered (the prefill's job waits for its prefill leg)
+        legs, ref = _both_policies(cluster, victim, 71)
+        time.sleep(1.0)  # admitted and registered (the prefill's jobs wait for their prefill legs)
         os.kill(victim.proc.pid, signal.SIGKILL)
         t0 = time.monotonic()
-        out = d.result()
+        for leg in legs:
+            leg.join(30)
         assert time.monotonic() - t0 < 3.0  # refused connections: learnt within a few status polls
-        assert out.status_code == expect, out.text
-        if expect == 200:
-            assert out.json()["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
-        wait_idle(cluster[decode].url)
+        _check_policies(cluster, legs, ref)
     finally:
         victim.stop()
 

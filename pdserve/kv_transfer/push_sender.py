@@ -124,8 +124,8 @@ class PushSender:
         if not entries:
             return None
         with self._lock:
-            for key, rid, _, _, _ in entries:
-                self._job_locked(key, rid)
+            for key, rid, blocks, _, _ in entries:
+                self._check_blocks_locked(self._job_locked(key, rid), blocks)
         if not self.layerwise:
             return None
 
@@ -146,6 +146,7 @@ class PushSender:
         key = params[PUSH_KEY]
         with self._lock:
             job = self._job_locked(key, request_id)
+            self._check_blocks_locked(job, [int(b) for b in block_ids])
             job.local_blocks = [int(b) for b in block_ids]
             job.final = True
             job.lease = lease
@@ -248,6 +249,14 @@ class PushSender:
             job.request_id = request_id
             self._by_request[request_id] = key
         return job
+
+    def _check_blocks_locked(self, job: _Job, blocks: list[int]) -> None:
+        """The request's blocks already written must be the same: a prefill preempted and recomputed into
+        other blocks may have had WRITEs in flight from blocks now reused, so its push fails (the decode
+        then applies its policy)."""
+        sent = min(max(job.sent), len(job.local_blocks), len(blocks))
+        if job.state == "pending" and job.local_blocks[:sent] != blocks[:sent]:
+            self._end_locked(job, "failed", "the prefill request was preempted during its push")
 
     def _state_locked(self, job: _Job | None) -> str:
         if job is None:
