@@ -383,3 +383,34 @@ def test_a_write_that_fails_to_post_is_learnt_at_once(cluster, model_dir):
     finally:
         receiver.shutdown()
         agent.close()
+
+
+def test_fp8_pools_push_exactly(tmp_path, tmp_path_factory):
+    """FP8 KV pools (scales inline in each (block, layer) slab): layer-pipelined push is token-exact with an fp8
+    collocated instance (float32 compute, as tests/test_pd_fp8_e2e.py, so P/D and collocated agree exactly)."""
+    from test_pd_fp8_e2e import COMMON as FP8_COMMON
+    from test_pd_fp8_e2e import model_dir as fp8_model_dir
+
+    model = fp8_model_dir.__wrapped__(tmp_path_factory)  # the fp8 suite's head_dim-64 tiny model
+
+    def fp8(name: str, *args: str) -> ServerProcess:
+        return ServerProcess(model, tmp_path / f"{name}.log", *FP8_COMMON, "--dtype", "float32",
+                             "--kv-cache-dtype", "fp8", *args, env=SECRET_ENV)
+
+    servers = {"collocated": fp8("collocated"),
+               "prefill": fp8("prefill", "--kv-transfer-config", push_config("kv_producer"), "--side-channel-port", "0"),
+               "decode": fp8("decode", "--kv-transfer-config", push_config("kv_consumer"))}
+    with all_ready(servers):
+        for stream in (False, True):
+            b = body(91 + stream, words=100, stream=stream)
+            ref = httpx.post(f"{servers['collocated'].url}/v1/completions", json=b, timeout=60)
+            d, p, _ = push_pair(servers["prefill"], servers["decode"], b)
+            assert p is not None and p.result().status_code == 200
+            out = d.result()
+            assert out.status_code == 200, out.text
+            if stream:
+                assert sse_tokens(out) == sse_tokens(ref) and len(sse_tokens(out)) == 10
+            else:
+                assert out.json()["choices"][0]["token_ids"] == ref.json()["choices"][0]["token_ids"]
+        assert pushed_bytes(servers["decode"].url) > 0
+        wait_idle(servers["prefill"].url)
