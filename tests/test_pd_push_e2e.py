@@ -414,3 +414,28 @@ def test_fp8_pools_push_exactly(tmp_path, tmp_path_factory):
                 assert out.json()["choices"][0]["token_ids"] == ref.json()["choices"][0]["token_ids"]
         assert pushed_bytes(servers["decode"].url) > 0
         wait_idle(servers["prefill"].url)
+
+
+def test_proxy_push_without_a_prefill_serves_on_the_decode_under_decode_local(cluster, tmp_path):
+    """`--on-prefill-failure decode-local` (what `pdserve up` sets): with no prefill instance up, a push-mode
+    proxy sends the request whole to a decode instance, which computes it exactly."""
+    port = free_port()
+    proxy = PdserveProcess(tmp_path / "proxy-local.log", port, [
+        "proxy", "--host", "127.0.0.1", "--port", str(port), "--prefill", f"http://127.0.0.1:{free_port()}",
+        "--decode", cluster["decode"].url, "--kv-transfer-mode", "push", "--on-prefill-failure", "decode-local"])
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # listening (its /health may say 503: no prefill instance is up)
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        time.sleep(1.0)  # the decode instance admitted by the first health probe
+        b = body(101, words=40)
+        ref = httpx.post(f"{cluster['collocated'].url}/v1/completions", json=b, timeout=60).json()
+        out = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=b, timeout=60, headers=HEADERS)
+        assert out.status_code == 200, out.text
+        assert out.json()["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+    finally:
+        proxy.stop()

@@ -236,7 +236,7 @@ class ProxyHandlers:
         if cfg.kv_transfer_mode == "push":
             if count_path:
                 self.metrics.path["disagg"].inc()
-            return await start_push_pair(state, api_path, body, headers, tokens, decode_tokens)
+            return await start_push_pair(state, api_path, body, raw, headers, tokens, decode_tokens)
         rid = headers["X-Request-Id"]
         early_inst = await self._early_decode_instance(body)
         token_ids = (early_inst is None and cfg.chat_token_ids and api_path == CHAT_COMPLETIONS

@@ -6,7 +6,8 @@ Both legs go out at once: the decode leg names the chosen prefill instance's sid
 lacks on admission and registers them with the prefill, which WRITEs the KV as it computes it; the decode
 starts when the push completes. So the prefill leg is one attempt (no retry elsewhere: the decode registered
 with that instance); when it fails, the decode leg is dropped (closing its connection aborts it, which cancels
-the push) and the prefill's error is answered.
+the push) and the prefill's error is answered, or, under `--on-prefill-failure decode-local` (which `pdserve up`
+sets), the request goes to a decode instance whole, as in pull mode.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from aiohttp import web
 
 from pdserve.api.pd import PUSH, build_decode_body, build_prefill_body, push_decode_params
 from pdserve.proxy.errors import error_response
-from pdserve.proxy.legs import DecodeLeg, _prefill_once, no_instance_response
+from pdserve.proxy.legs import DecodeLeg, _prefill_once, no_instance_response, send_decode
 from pdserve.proxy.pool import Instance
 from pdserve.proxy.state import ProxyState
 
@@ -54,12 +55,19 @@ async def push_coordinates(state: ProxyState, inst: Instance) -> dict[str, Any] 
     return inst.push_info
 
 
-async def start_push_pair(state: ProxyState, api_path: str, body: dict[str, Any], headers: dict[str, str],
-                          tokens: int, decode_tokens: int) -> DecodeLeg | web.Response:
+async def start_push_pair(state: ProxyState, api_path: str, body: dict[str, Any], raw: bytes,
+                          headers: dict[str, str], tokens: int, decode_tokens: int) -> DecodeLeg | web.Response:
     rid = headers["X-Request-Id"]
-    prefill = await state.choose(state.prefill, [], wait=True, record=True)
+    local = state.config.on_prefill_failure == "decode-local"
+
+    async def decode_locally(why: str) -> DecodeLeg | web.Response:
+        logger.warning("request %s: %s; decode instance prefills locally (--on-prefill-failure decode-local)",
+                       rid, why)
+        return await send_decode(state, api_path, raw, headers, tokens=decode_tokens, kv_claimed=False)
+
+    prefill = await state.choose(state.prefill, [], wait=not local, record=True)
     if prefill is None:
-        return no_instance_response(state, "prefill", rid)
+        return await decode_locally("no prefill instance") if local else no_instance_response(state, "prefill", rid)
     coords = await push_coordinates(state, prefill)
     if isinstance(coords, str):
         state.metrics.error("prefill_failed")
@@ -92,6 +100,8 @@ async def start_push_pair(state: ProxyState, api_path: str, body: dict[str, Any]
         prefill.push_info = None  # it may have restarted (a new engine id or port): read it again next time
         if result.passthrough is not None:
             return result.passthrough
+        if local and (not result.reached or state.spend_retry()):
+            return await decode_locally(f"prefill failed ({result.error})")
         state.metrics.error("prefill_failed")
         return error_response(502, f"prefill leg failed: {result.error}", "BadGatewayError", request_id=rid)
     try:
