@@ -32,7 +32,9 @@ from prometheus_client import CollectorRegistry
 from pdserve.api.pd import (
     PUSH,
     TRANSFER_MODE,
+    InvalidKVTransferParams,
     is_push,
+    is_remote_prefix,
     parse_push_prefill_params,
     parse_remote_kv_params,
     refuse_push_params,
@@ -373,7 +375,11 @@ class KVConnector:
         return self.consumer
 
     def validate(self, params: Any) -> Any:
-        if self.push_receiver is not None and not (isinstance(params, dict) and "remote_block_hashes" in params):
+        if self.push_receiver is not None:
+            if is_remote_prefix(params):
+                raise InvalidKVTransferParams("invalid kv_transfer_params: reading a held prefix back "
+                                              "(bidirectional_kv_xfer) needs kv_connector NixlConnector; this "
+                                              "instance uses NixlPushConnector")
             return self.push_receiver.validate(params)
         refuse_push_params(params)
         return parse_remote_kv_params(params)
