@@ -311,15 +311,23 @@ class PushSender:
                 logger.exception("KV push writer failed")
 
     def _post(self, job: _Job, layer: int, lo: int, hi: int) -> None:
+        # The task stays counted in `queued` until its WRITE is in `inflight` (or not posted): a cancel that
+        # comes meanwhile reads "ending", never "cancelled" with this WRITE about to be posted.
         with self._lock:
-            job.queued -= 1
             reg = job.reg
+            stop = ""
             if job.state != "pending" or reg is None:
-                self._end_locked(job, job.state, job.error)
+                stop = job.state
+            elif time.monotonic() > reg.cutoff:
+                stop = "expired"
+            if stop:
+                job.queued -= 1
+                if stop == "expired":
+                    self._end_locked(job, "failed", "the decode's registration expired before the KV was written")
+                else:
+                    self._end_locked(job, job.state, job.error)
                 return
-            if time.monotonic() > reg.cutoff:
-                self._end_locked(job, "failed", "the decode's registration expired before the KV was written")
-                return
+            assert reg is not None
             local = job.local_blocks[lo:hi]
             remote = reg.block_ids[lo - reg.first_block:hi - reg.first_block]
         local_descs, remote_descs = self._descs(local, remote, reg.pool, layer)
@@ -329,11 +337,13 @@ class PushSender:
                                             remote_name=reg.agent_name)
         except KVTransferError as exc:
             with self._lock:
+                job.queued -= 1
                 self._end_locked(job, "failed", str(exc))
             return
         nbytes = int(local_descs[:, 1].sum())
         with self._lock:
             job.inflight.append((handle, time.monotonic()))
+            job.queued -= 1
             job.bytes += nbytes
             during = not job.final
         if self._metrics is not None:
@@ -372,6 +382,11 @@ class PushSender:
                                         else f"NIXL WRITE not complete after {self._transfer_timeout_s:g}s")
                 self._agent.release_handle(handle)
                 done.append(handle)
+                if state == "PROC" and job.reg is not None:
+                    # stuck: disconnecting from that decode cancels whatever is still in flight to it (a
+                    # later registration loads its metadata again)
+                    self._agent.remove_remote(job.reg.agent_name)
+                    self.forget_agent(job.reg.agent_name)
             notify = None
             with self._lock:
                 job.inflight = [(h, t) for h, t in job.inflight if h not in done]
