@@ -186,7 +186,8 @@ class KVConnector:
                         agent=self._agent, region=self.region, num_layers=int(self.compat["num_layers"]),
                         block_size=block_size, layerwise=config.push_pipeline == "layer",
                         transfer_timeout_s=config.transfer_timeout_s, lease_duration_s=config.kv_lease_duration,
-                        release_lease=lambda rid, token: producer.leases.abort(rid, token), auth=auth,
+                        release_lease=lambda rid, token: producer.leases.abort(rid, token),
+                        extend_lease=lambda rid, token: producer.leases.heartbeat([(rid, token)]), auth=auth,
                         metrics=self.metrics)
                     producer.push_handler = self.push_sender.handle
                 self._server.start()

@@ -86,7 +86,8 @@ class _Job:
 class PushSender:
     def __init__(self, *, agent: NixlAgent, region: PoolRegion, num_layers: int, block_size: int,
                  layerwise: bool, transfer_timeout_s: float, lease_duration_s: float,
-                 release_lease: Callable[[str, str], None], auth: MessageAuth | None, metrics: TransferMetrics | None = None) -> None:
+                 release_lease: Callable[[str, str], None],
+                 extend_lease: Callable[[str, str], None] | None = None, auth: MessageAuth | None, metrics: TransferMetrics | None = None) -> None:
         self._agent = agent
         self._region = region
         self._num_layers = num_layers
@@ -98,6 +99,8 @@ class PushSender:
         self._transfer_timeout_s = transfer_timeout_s
         self._lease_duration_s = lease_duration_s
         self._release_lease = release_lease
+        self._extend_lease = extend_lease
+        self._next_extend = 0.0
         self._auth = auth
         self._metrics = metrics
         self._lock = threading.Lock()
@@ -395,7 +398,7 @@ class PushSender:
                 reg = job.reg
                 if job.state == "pending" and reg is not None and now > reg.cutoff:
                     self._end_locked(job, "failed", "the decode's registration expired before the KV was written")
-                elif job.state == "pending" and now > job.lease_cutoff:
+                elif job.state == "pending" and now > job.lease_cutoff and reg is None:
                     self._end_locked(job, "failed", "no decode instance registered blocks within the lease")
                 elif (job.state == "pending" and job.final and reg is not None and job.queued == 0
                       and not job.inflight and all(s >= min(reg.first_block + len(reg.block_ids),
@@ -411,6 +414,15 @@ class PushSender:
                     outcome, error = "failed", str(exc)
                 with self._lock:
                     self._end_locked(job, outcome, error)
+        if self._extend_lease is not None and now >= self._next_extend:
+            # a registered push still writing keeps its prefill blocks (their lease) for as long as its
+            # registration allows (a slow link may need longer than one lease)
+            self._next_extend = now + 1.0
+            with self._lock:
+                writing = [j.lease for j in self._jobs.values()
+                           if j.state == "pending" and j.reg is not None and j.lease is not None]
+            for rid, token in writing:
+                self._extend_lease(rid, token)
         with self._lock:
             for key in [k for k, j in self._jobs.items() if j.ended_at is not None and j.lease is None
                         and now - j.ended_at > _KEEP_ENDED_S]:
