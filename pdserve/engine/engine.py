@@ -172,8 +172,9 @@ class LLMEngine:
             if self.tiers is not None:
                 self.tiers.shutdown()
             raise
-        # layer-pipelined push (NixlPushConnector): the model reports each finished layer of a step
-        self.runner.layer_hook = getattr(self.connector, "step_hook", None)
+        # push transfer (NixlPushConnector) on a prefill: the model reports each finished layer of a step
+        if getattr(self.connector, "push_sender", None) is not None:
+            self.runner.layer_hook = self.connector.step_hook
         if publish:
             from pdserve.kv_events.publisher import ZmqEventPublisher  # pyzmq only where events are on
 

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pdserve.api.pd import PushParams, parse_push_decode_params
@@ -65,7 +65,6 @@ class _Pending:
     cancel_sent: bool = False
     unreachable: int = 0
     registered: bool = False  # the prefill accepted the registration (before: only cancel is sent)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class PushReceiver:
@@ -210,9 +209,8 @@ class PushReceiver:
             return
         with self._lock:
             item.registered = True
-        if reply["state"] == "failed":
-            self._wake.set()  # the status poll reports why
-        self._wake.set()
+        self._wake.set()  # poll its status now (a job that already failed says why)
+        logger.debug("KV push %s registered: %s", p.push_key[:8], reply["state"])
 
     def _cancel_remote(self, p: PushParams) -> str | None:
         try:
