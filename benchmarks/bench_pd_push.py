@@ -17,7 +17,7 @@ long on the wire as its prefill (measured on the collocated instance first). UCX
     # CPU (SmolLM2 default; prefill on core 0, decode on core 1, collocated on core 0)
     sudo python benchmarks/bench_pd_push.py --netns --rate-mbit auto --prompt-len 1024 --output-len 32
     # H200, one GPU shared (NIXL over CUDA IPC), 8B shape, dummy weights
-    python benchmarks/bench_pd_push.py --gpu --model pdserve/data/configs/llama-3.1-8b --load-format dummy \
+    python benchmarks/bench_pd_push.py --gpu --model Llama-3.1-8B --load-format dummy \
         --prompt-len 8192 --output-len 64 --num-requests 5
     # H200 with UCX on TCP (no GPUDirect): add --ucx-tls tcp,cuda_copy,self
 """
