@@ -135,22 +135,26 @@ def pushed_bytes(url: str) -> float:
     return metric_value(httpx.get(f"{url}/metrics", timeout=10).text, "vllm:nixl_bytes_transferred_sum") or 0.0
 
 
-@pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("prefill", ["prefill", "prefill_whole"])
-def test_push_matches_collocated(cluster, prefill, stream):
-    b = body(1 + stream, stream=stream)
-    ref = httpx.post(f"{cluster['collocated'].url}/v1/completions", json=b, timeout=60)
-    d, p, _ = push_pair(cluster[prefill], cluster["decode"], b)
+def check_pushed_exactly(collocated: ServerProcess, prefill: ServerProcess, decode: ServerProcess, b: dict) -> None:
+    """Both legs at once; the decode's answer is the collocated one, token for token (10 tokens)."""
+    ref = httpx.post(f"{collocated.url}/v1/completions", json=b, timeout=60)
+    d, p, _ = push_pair(prefill, decode, b)
     assert p is not None
     pout = p.result()
     assert pout.status_code == 200, pout.text
     assert pout.json()["kv_transfer_params"]["transfer_mode"] == "push"
     out = d.result()
     assert out.status_code == 200, out.text
-    if stream:
+    if b.get("stream"):
         assert sse_tokens(out) == sse_tokens(ref) and len(sse_tokens(out)) == 10
     else:
         assert out.json()["choices"][0]["token_ids"] == ref.json()["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("prefill", ["prefill", "prefill_whole"])
+def test_push_matches_collocated(cluster, prefill, stream):
+    check_pushed_exactly(cluster["collocated"], cluster[prefill], cluster["decode"], body(1 + stream, stream=stream))
     wait_idle(cluster["decode"].url)
     wait_idle(cluster[prefill].url)  # the push ended its lease: the prefill's blocks are free again
 
@@ -402,16 +406,8 @@ def test_fp8_pools_push_exactly(tmp_path, tmp_path_factory):
                "decode": fp8("decode", "--kv-transfer-config", push_config("kv_consumer"))}
     with all_ready(servers):
         for stream in (False, True):
-            b = body(91 + stream, words=100, stream=stream)
-            ref = httpx.post(f"{servers['collocated'].url}/v1/completions", json=b, timeout=60)
-            d, p, _ = push_pair(servers["prefill"], servers["decode"], b)
-            assert p is not None and p.result().status_code == 200
-            out = d.result()
-            assert out.status_code == 200, out.text
-            if stream:
-                assert sse_tokens(out) == sse_tokens(ref) and len(sse_tokens(out)) == 10
-            else:
-                assert out.json()["choices"][0]["token_ids"] == ref.json()["choices"][0]["token_ids"]
+            check_pushed_exactly(servers["collocated"], servers["prefill"], servers["decode"],
+                                 body(91 + stream, words=100, stream=stream))
         assert pushed_bytes(servers["decode"].url) > 0
         wait_idle(servers["prefill"].url)
 
