@@ -68,14 +68,18 @@ def is_remote_prefill(params: Any) -> bool:
 
 
 def build_prefill_body(body: dict[str, Any], *, chat_token_ids: bool = False,
-                       history_params: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                       history_params: Mapping[str, Any] | None = None, push_key: str | None = None
+                       ) -> dict[str, Any]:
     """The prefill leg of an OpenAI completions/chat request (a new dict; `body` is not modified).
     `chat_token_ids` also asks for `return_token_ids`, so the decode leg can skip templating.
     `history_params`: a decode instance's held history of this conversation (`build_history_params`): the
-    prefill reads that prefix back instead of computing it (vLLM's bidirectional_kv_xfer turn 2)."""
+    prefill reads that prefix back instead of computing it (vLLM's bidirectional_kv_xfer turn 2).
+    `push_key`: push mode, the KV goes to the decode that registers under that key (`push_prefill_params`)."""
     prefill = dict(body)
     prefill["kv_transfer_params"] = (prefill_leg_params() if history_params is None
                                      else {**history_params, "do_remote_decode": True, "do_remote_prefill": False})
+    if push_key is not None:
+        prefill["kv_transfer_params"] = push_prefill_params(push_key)
     prefill["stream"] = False
     prefill["max_tokens"] = 1
     if "n" in prefill:
@@ -609,3 +613,97 @@ def parse_remote_prefix_params(params: Any) -> RemotePrefillParams:
 def parse_remote_kv_params(params: Any) -> RemotePrefillParams:
     """A decode leg's params (`do_remote_prefill`) or a held prefix's (`is_remote_prefix`), validated."""
     return parse_remote_prefix_params(params) if is_remote_prefix(params) else parse_remote_prefill_params(params)
+
+
+# ---- push transfer (NixlPushConnector) -----------------------------------------------------------------
+# vLLM's push connector (vllm/distributed/kv_transfer/kv_connector/v1/nixl/push_scheduler.py) marks its params
+# with `transfer_mode: "push"`; the decode instance allocates the blocks it lacks and registers them with the
+# prefill, which WRITEs the KV into them. vLLM sends the decode leg after the prefill answered, with the
+# prefill's coordinates from its response; pdserve's proxy sends both legs at once, so the decode leg names the
+# prefill instance up front (its /pdserve/info coordinates) and both legs carry one random `push_key` that
+# pairs the prefill request with the decode's registration (a capability, like the lease token: only the two
+# legs carry it).
+TRANSFER_MODE = "transfer_mode"
+PUSH = "push"
+PULL = "pull"
+PUSH_KEY = "push_key"
+_PUSH_KEY_CHARS = (16, 128)
+
+
+def is_push(params: Any) -> bool:
+    return isinstance(params, Mapping) and params.get(TRANSFER_MODE) == PUSH
+
+
+def push_prefill_params(key: str) -> dict[str, Any]:
+    """The prefill leg's kv_transfer_params in push mode: compute the prompt, WRITE its KV to whichever
+    decode instance registers blocks under `key`."""
+    return {"do_remote_decode": True, "do_remote_prefill": False, TRANSFER_MODE: PUSH, PUSH_KEY: key}
+
+
+def push_decode_params(key: str, *, engine_id: str, host: str, port: int, tp_size: int = 1) -> dict[str, Any]:
+    """The decode leg's kv_transfer_params in push mode, sent together with the prefill leg: the prefill
+    instance's side channel (from its /pdserve/info) and the pairing key."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, TRANSFER_MODE: PUSH, PUSH_KEY: key,
+            "remote_engine_id": engine_id, "remote_host": host, "remote_port": port, "tp_size": tp_size}
+
+
+@dataclass(frozen=True)
+class PushParams:
+    """A push-mode leg's validated params: the pairing key, and (decode leg) the prefill's side channel."""
+
+    push_key: str = field(repr=False)
+    remote_engine_id: str = ""
+    remote_host: str = ""
+    remote_port: int = 0
+    tp_size: int = 1
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self.remote_host, self.remote_port)
+
+
+def _push_key(params: Mapping[str, Any]) -> str:
+    key = params.get(PUSH_KEY)
+    lo, hi = _PUSH_KEY_CHARS
+    if not isinstance(key, str) or not lo <= len(key) <= hi:
+        raise _bad(f"{PUSH_KEY} must be a string of {lo} to {hi} characters in push mode")
+    return key
+
+
+def parse_push_prefill_params(params: Any) -> PushParams:
+    """A push-mode prefill leg's params (`do_remote_decode`, `transfer_mode: push`, `push_key`)."""
+    if not is_push(params) or not params.get("do_remote_decode"):
+        raise _bad("not a push-mode prefill leg (do_remote_decode with transfer_mode 'push')")
+    return PushParams(_push_key(params))
+
+
+def parse_push_decode_params(params: Any) -> PushParams:
+    """A push-mode decode leg's params; InvalidKVTransferParams (400) names what is wrong. Params of the other
+    mode are refused with the mode named: a pull decode leg (a lease to read) cannot be served by push."""
+    if not isinstance(params, Mapping) or not params.get("do_remote_prefill"):
+        raise _bad("a decode leg needs do_remote_prefill")
+    if params.get(TRANSFER_MODE, PULL) != PUSH:
+        raise _bad(f"this decode instance uses kv_connector NixlPushConnector (transfer_mode 'push'); the params "
+                   f"are for transfer_mode {params.get(TRANSFER_MODE, PULL)!r} (NixlConnector/NixlPullConnector)")
+    key = _push_key(params)
+    engine_id, host, port, tp = (params.get(k) for k in ("remote_engine_id", "remote_host", "remote_port",
+                                                          "tp_size"))
+    if not isinstance(engine_id, str) or not engine_id:
+        raise _bad("remote_engine_id must be a non-empty string")
+    if not isinstance(host, str) or not host:
+        raise _bad("remote_host must be a non-empty string")
+    if not _is_int(port) or not 0 < port < 65536:
+        raise _bad("remote_port must be an integer port")
+    tp = 1 if tp is None else tp
+    if not _is_int(tp) or not 1 <= tp <= MAX_TP_SIZE:
+        raise _bad("tp_size must be a positive integer")
+    if tp != 1:
+        raise _bad("push transfer from a tensor-parallel prefill instance is not supported (tp_size must be 1)")
+    return PushParams(key, engine_id, host, port, tp)
+
+
+def refuse_push_params(params: Any) -> None:
+    """A pull-mode decode instance given push params: a 400 naming the mode (the pairing check)."""
+    if is_push(params):
+        raise _bad("this decode instance uses kv_connector NixlConnector (transfer_mode 'pull'); the params are "
+                   "for transfer_mode 'push' (NixlPushConnector)")

@@ -172,6 +172,9 @@ class LLMEngine:
             if self.tiers is not None:
                 self.tiers.shutdown()
             raise
+        # push transfer (NixlPushConnector) on a prefill: the model reports each finished layer of a step
+        if getattr(self.connector, "push_sender", None) is not None:
+            self.runner.layer_hook = self.connector.step_hook
         if publish:
             from pdserve.kv_events.publisher import ZmqEventPublisher  # pyzmq only where events are on
 
@@ -420,6 +423,8 @@ class LLMEngine:
             # The NIXL read may still be writing into these blocks: free them only when it ends.
             req.kv.request_abort()
             req.finish_reason = "abort"
+            if self.connector is not None:
+                self.connector.cancel_load(request_id)  # a pending push stops; its blocks come back quiesced
             return None
         if req.kv.needs_load and self.connector is not None:
             self.connector.remove_waiting(request_id)  # the producer frees its lease early
@@ -601,7 +606,8 @@ class LLMEngine:
             self._hold_history(req)
         elif hold and req.finish_reason in ("length", "stop") and req.block_ids and self.connector is not None:
             params = self.connector.hold(
-                req.request_id, list(req.block_ids), req.num_computed_tokens, max(req.num_cached_tokens, 0)
+                req.request_id, list(req.block_ids), req.num_computed_tokens, max(req.num_cached_tokens, 0),
+                params=req.kv.params,
             )
             if len(req.output_token_ids) == 1 and req.num_computed_tokens == req.num_prompt_tokens:
                 # a prefill leg (max_tokens 1): its token travels to the decode instance, which starts from it
@@ -612,6 +618,8 @@ class LLMEngine:
             req.result_kv_transfer_params = params
             self.held[req.request_id] = req
         else:
+            if req.kv.send and self.connector is not None:
+                self.connector.send_ended(req.request_id)  # a push job for it stops before the blocks go
             self.blocks.release(req)
         return self._emit(req, finished=True)
 

@@ -72,8 +72,17 @@ class KVConnectorProtocol(Protocol):
 
     # ---- producer ----
     def hold(self, request_id: str, block_ids: Sequence[int], num_tokens: int,
-             num_cached_tokens: int = 0) -> dict[str, Any]:
-        """Lease the blocks; returns the response's kv_transfer_params."""
+             num_cached_tokens: int = 0, params: Any = None) -> dict[str, Any]:
+        """Lease the blocks; returns the response's kv_transfer_params (`params`: the request's own, which
+        say whether the KV is pushed)."""
+        ...
+
+    def send_ended(self, request_id: str) -> None:
+        """A prefill leg ended without holding its KV (aborted, failed)."""
+        ...
+
+    def cancel_load(self, request_id: str) -> None:
+        """The request was aborted while its load runs."""
         ...
 
     def poll_released(self) -> list[str]:

@@ -139,6 +139,9 @@ class ModelRunner:
         # ranks 1..N-1 when this is rank 0 of a TP group (set by pdserve.parallel.executor)
         self.workers: TPWorkers | None = None
         self.step_sink: Callable[[tuple], None] | None = None
+        # layer-pipelined push: for a CPU step's batch, a per-layer callback (KVConnector.step_hook; the GPU
+        # step runner has none: push there is whole-request)
+        self.layer_hook: Callable[[list], Callable[[int], None] | None] | None = None
         self.device = resolve_device(config.device) if tp is None else tp.device
         if self.device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
             # The host only stages inputs here; a full-width OpenMP pool per server process makes
@@ -388,6 +391,9 @@ class ModelRunner:
     def execute(self, batch: list[tuple[Request, int]]) -> tuple[list[Request], list[int], list[TokenLogprob | None]]:
         """Runs the step; returns the requests that reached their frontier, their sampled tokens and
         logprobs. Requests mid-way through a chunked prefill sample nothing."""
+        # push transfer: the step's push jobs are linked to their requests here on either path; the per-layer
+        # callback is the CPU path's only (the GPU path pushes whole-request)
+        on_layer = self.layer_hook(batch) if self.layer_hook is not None else None
         if self.gpu is not None:
             return self.gpu.execute(batch)
         num_tokens = sum(n for _, n in batch)
@@ -407,7 +413,7 @@ class ModelRunner:
                 sampling.append(req)
         if self.step_sink is not None:
             self.step_sink(("cpu", input_ids, positions, meta, rows))
-        logits = self._forward_cpu(input_ids, positions, meta, rows)
+        logits = self._forward_cpu(input_ids, positions, meta, rows, on_layer)
         if logits is None:
             return [], [], []
         if spans:
@@ -421,9 +427,9 @@ class ModelRunner:
         return sampling, tokens, logprobs
 
     def _forward_cpu(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                     rows: list[int]) -> torch.Tensor | None:
+                     rows: list[int], on_layer: Callable[[int], None] | None = None) -> torch.Tensor | None:
         """The model over one step's flattened batch; logits of `rows` (None when no row samples)."""
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend, on_layer)
         if not rows:
             return None
         return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])

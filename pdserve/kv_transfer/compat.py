@@ -68,6 +68,8 @@ def normalize_compat(compat: Mapping[str, Any]) -> dict[str, Any]:
     out.setdefault("kv_layout", POOL_LAYOUT)
     out.setdefault("kv_cache_dtype", out["dtype"])
     out.setdefault("kv_scales", "none")
+    # push (NixlPushConnector) or pull: a pair must agree (the KVConnector sets its own; absent means pull)
+    out.setdefault("kv_transfer_mode", "pull")
     out["pdserve_version"] = __version__
     out["protocol_version"] = PROTOCOL_VERSION
     for key in ("block_size", "num_layers", "num_kv_heads", "head_dim"):

@@ -19,7 +19,11 @@ from pdserve.kv_transfer.auth import DEFAULT_MAX_SKEW_S, SECRET_ENV, SECRET_KEY,
 
 logger = logging.getLogger("pdserve.kv_transfer")
 
-SUPPORTED_CONNECTORS = ("NixlConnector", "NixlPullConnector")
+SUPPORTED_CONNECTORS = ("NixlConnector", "NixlPullConnector", "NixlPushConnector")
+# vLLM's names (vllm/distributed/kv_transfer/kv_connector/v1/nixl/push_connector.py, pull_connector.py): the
+# decode READs (pull, NixlConnector's default) or the prefill WRITEs into blocks the decode registered (push).
+PUSH_CONNECTOR = "NixlPushConnector"
+PUSH_PIPELINES = ("layer", "request")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 FAILURE_POLICIES = ("fail", "recompute")
 BUFFER_DEVICES = ("cuda", "cpu")
@@ -71,7 +75,12 @@ _KNOWN_EXTRA_KEYS = frozenset(
         # pdserve: a peer's prefill may ask this instance to pin cached prefix blocks for a short lease
         "peer_pin_ttl_s",
         "peer_pin_max_leases",
-        # vLLM keys that have no meaning here (single engine, pull mode only).
+        # push mode (NixlPushConnector): a decode's registration not fulfilled within this many seconds fails
+        # and frees its blocks (vLLM's name); `push_pipeline`: "layer" WRITEs each layer's KV of each chunk as
+        # it is computed, "request" the whole request after the prefill (vLLM's #35264 behaviour)
+        "push_registration_timeout",
+        "push_pipeline",
+        # vLLM keys that have no meaning here (single engine).
         "num_threads",
         "engine_ttl",
         "enforce_handshake_compat",
@@ -140,6 +149,13 @@ class KVTransferConfig:
     # prefill to read; at most peer_pin_max_leases at once (0: refused).
     peer_pin_ttl_s: float = 10.0
     peer_pin_max_leases: int = 8
+    push_registration_timeout: float = 60.0
+    push_pipeline: str = "layer"
+
+    @property
+    def transfer_mode(self) -> str:
+        """"push" for NixlPushConnector, "pull" for NixlConnector / NixlPullConnector."""
+        return "push" if self.kv_connector == PUSH_CONNECTOR else "pull"
 
     @property
     def is_producer(self) -> bool:
@@ -189,8 +205,6 @@ class KVTransferConfig:
             logger.warning("ignoring unknown --kv-transfer-config keys: %s", ", ".join(sorted(unknown)))
 
         connector = data.get("kv_connector")
-        if connector == "NixlPushConnector":
-            raise ValueError("kv_connector NixlPushConnector (push mode) is not supported; use NixlConnector")
         if connector not in SUPPORTED_CONNECTORS:
             raise ValueError(
                 f"kv_connector must be one of {', '.join(SUPPORTED_CONNECTORS)}, got {connector!r}"
@@ -277,6 +291,15 @@ class KVTransferConfig:
             raise ValueError(f"kv_connector_extra_config.kv_recompute_threshold must be an integer >= 0, got "
                              f"{threshold!r}")
 
+        pipeline = extra.get("push_pipeline", "layer")
+        if pipeline not in PUSH_PIPELINES:
+            raise ValueError(f"kv_connector_extra_config.push_pipeline must be one of {', '.join(PUSH_PIPELINES)}, "
+                             f"got {pipeline!r}")
+        if connector == PUSH_CONNECTOR and bidirectional:
+            # as vLLM's NixlPushConnectorScheduler: the held conversation is read back by pull only
+            raise ValueError("kv_connector NixlPushConnector does not support bidirectional_kv_xfer (multi-turn "
+                             "history handback is pull-only); use NixlConnector for it")
+
         secret = resolve_secret(extra, env)
         if SECRET_KEY in extra:
             logger.warning(
@@ -325,4 +348,6 @@ class KVTransferConfig:
             kv_recompute_threshold=threshold,
             peer_pin_ttl_s=_number(extra, "peer_pin_ttl_s", 10.0),
             peer_pin_max_leases=int(_number(extra, "peer_pin_max_leases", 8)),
+            push_registration_timeout=_number(extra, "push_registration_timeout", 60.0),
+            push_pipeline=pipeline,
         )

@@ -29,7 +29,16 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from pdserve.api.pd import RemotePrefillParams, parse_remote_kv_params
+from pdserve.api.pd import (
+    PUSH,
+    TRANSFER_MODE,
+    InvalidKVTransferParams,
+    is_push,
+    is_remote_prefix,
+    parse_push_prefill_params,
+    parse_remote_kv_params,
+    refuse_push_params,
+)
 from pdserve.kv_transfer.auth import SECRET_ENV, MessageAuth, ReplayGuard
 from pdserve.kv_transfer.compat import HEAD_MAJOR_LAYOUT, POOL_LAYOUT, normalize_compat
 from pdserve.kv_transfer.config import KVTransferConfig, is_loopback_host
@@ -38,6 +47,8 @@ from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.nixl_agent import NixlAgent, apply_env_defaults, load_nixl
 from pdserve.kv_transfer.pool import pretouch, region_of
 from pdserve.kv_transfer.producer import KVProducer
+from pdserve.kv_transfer.push_receiver import PushReceiver
+from pdserve.kv_transfer.push_sender import PushSender
 from pdserve.kv_transfer.side_channel import SideChannelServer
 from pdserve.parallel.layout import kv_heads_per_rank
 
@@ -92,7 +103,8 @@ class KVConnector:
         rank_agents: RankAgentsFactory | None = None,
     ) -> None:
         self.config = config
-        self.compat = normalize_compat(compat)
+        # push vs pull is part of the pairing: the handshake refuses a pair that differs, naming the field
+        self.compat = normalize_compat({**compat, "kv_transfer_mode": config.transfer_mode})
         self.region = region_of(pool)
         self.tp_size = tp_size
         if (tp_size > 1) != (rank_agents is not None):
@@ -123,6 +135,9 @@ class KVConnector:
         self._rank_agents: list[Any] = []  # ranks 1..N-1
         self.producer: KVProducer | None = None
         self.consumer: KVConsumer | None = None
+        self.push_sender: PushSender | None = None
+        self.push_receiver: PushReceiver | None = None
+        self._push_waiting: dict[str, Any] = {}  # push decode legs admitted, blocks not yet allocated
         auth = MessageAuth(config.side_channel_secret) if config.side_channel_secret is not None else None
         try:
             if config.is_producer:
@@ -149,6 +164,10 @@ class KVConnector:
                         raise ValueError(f"rank {r} has {agent.region.num_blocks} KV blocks, rank 0 "
                                          f"{self.region.num_blocks}")
             ranks = [(self._agent, self.region), *((a, a.region) for a in self._rank_agents)]
+            push = config.transfer_mode == PUSH
+            if push and tp_size > 1:
+                raise ValueError("kv_connector NixlPushConnector does not support tensor parallelism yet (each "
+                                 "rank would WRITE its own heads); use NixlConnector with --tensor-parallel-size")
             if config.is_producer:
                 assert self._server is not None
                 self.producer = KVProducer(
@@ -161,6 +180,16 @@ class KVConnector:
                     auth=auth,
                     ranks=ranks,
                 )
+                if push:
+                    producer = self.producer
+                    self.push_sender = PushSender(
+                        agent=self._agent, region=self.region, num_layers=int(self.compat["num_layers"]),
+                        block_size=block_size, layerwise=config.push_pipeline == "layer",
+                        transfer_timeout_s=config.transfer_timeout_s, lease_duration_s=config.kv_lease_duration,
+                        release_lease=lambda rid, token: producer.leases.abort(rid, token),
+                        extend_lease=lambda rid, token: producer.leases.heartbeat([(rid, token)]), auth=auth,
+                        metrics=self.metrics)
+                    producer.push_handler = self.push_sender.handle
                 self._server.start()
             if config.is_consumer:
                 self.consumer = KVConsumer(
@@ -172,6 +201,12 @@ class KVConnector:
                     auth=auth,
                     ranks=ranks,
                 )
+                if push:
+                    self.push_receiver = PushReceiver(
+                        config, agent=self._agent, region=self.region, compat=self.compat, metrics=self.metrics,
+                        auth=auth, report=self.consumer.report_result)
+                    if self.producer is not None:
+                        self.producer.push_notif = self.push_receiver.on_notif
         except BaseException:
             self.shutdown()
             raise
@@ -230,6 +265,12 @@ class KVConnector:
         return self._server.port if self._server is not None else None
 
     def shutdown(self) -> None:
+        if self.push_receiver is not None:
+            self.push_receiver.shutdown()
+            self.push_receiver = None
+        if self.push_sender is not None:
+            self.push_sender.shutdown()
+            self.push_sender = None
         if self.consumer is not None:
             self.consumer.shutdown()
             self.consumer = None
@@ -262,10 +303,30 @@ class KVConnector:
         return self.producer
 
     def hold(
-        self, request_id: str, block_ids: Sequence[int], num_tokens: int, num_cached_tokens: int = 0
+        self, request_id: str, block_ids: Sequence[int], num_tokens: int, num_cached_tokens: int = 0,
+        params: Any = None,
     ) -> dict[str, Any]:
-        """Keep `block_ids` under a lease and return the response's `kv_transfer_params`."""
-        return self._need_producer().hold(request_id, block_ids, num_tokens, num_cached_tokens)
+        """Keep `block_ids` under a lease and return the response's `kv_transfer_params`. A push-mode prefill
+        leg (`params`) is WRITTEN to the decode that registered under its push key; its lease ends when the
+        push does."""
+        producer = self._need_producer()
+        out = producer.hold(request_id, block_ids, num_tokens, num_cached_tokens)
+        if self.push_sender is not None and is_push(params):
+            parse_push_prefill_params(params)
+            self.push_sender.finish(request_id, params, block_ids, num_tokens, (request_id, out["remote_lease_token"]))
+            # vLLM's push response shape (push_scheduler.request_finished); no lease token: nothing to claim
+            out = {k: v for k, v in out.items() if k != "remote_lease_token"}
+            out[TRANSFER_MODE] = PUSH
+        return out
+
+    def send_ended(self, request_id: str) -> None:
+        """A prefill leg ended without its KV (aborted, failed): a push job for it stops."""
+        if self.push_sender is not None:
+            self.push_sender.abandon(request_id)
+
+    def step_hook(self, batch: Sequence[tuple[Any, int]]) -> Callable[[int], None] | None:
+        """Layer-pipelined push: the callback the model calls after each layer of this step (None: none)."""
+        return self.push_sender.step_hook(batch) if self.push_sender is not None else None
 
     def hold_history(
         self, lease_id: str, block_ids: Sequence[int], num_tokens: int, block_hashes: Sequence[str],
@@ -314,15 +375,35 @@ class KVConnector:
             raise RuntimeError(f"this instance's kv_role is {self.config.kv_role}: it cannot load remote KV")
         return self.consumer
 
-    @staticmethod
-    def validate(params: Any) -> RemotePrefillParams:
+    def validate(self, params: Any) -> Any:
+        if self.push_receiver is not None:
+            if is_remote_prefix(params):
+                raise InvalidKVTransferParams("invalid kv_transfer_params: reading a held prefix back "
+                                              "(bidirectional_kv_xfer) needs kv_connector NixlConnector; this "
+                                              "instance uses NixlPushConnector")
+            return self.push_receiver.validate(params)
+        refuse_push_params(params)
         return parse_remote_kv_params(params)
 
     def add_waiting(self, request_id: str, params: Any) -> None:
+        if self.push_receiver is not None:
+            self._push_waiting[request_id] = params  # nothing to keep alive: the prefill has no lease yet
+            return
         self._need_consumer().add_waiting(request_id, params)
 
     def remove_waiting(self, request_id: str) -> None:
+        if self.push_receiver is not None:
+            params = self._push_waiting.pop(request_id, None)
+            if params is not None:
+                self.push_receiver.discard(params)
+            return
         self._need_consumer().remove_waiting(request_id)
+
+    def cancel_load(self, request_id: str) -> None:
+        """The request was aborted while its load runs: a pending push is cancelled (its result follows once
+        nothing can land in its blocks); a READ just finishes."""
+        if self.push_receiver is not None:
+            self.push_receiver.cancel(request_id)
 
     def decline(self, params: Any) -> None:
         """A peer's lease this instance will not read (nothing of it matches): let the peer free it now."""
@@ -336,7 +417,14 @@ class KVConnector:
         first_block: int = 0,
         num_tokens: int | None = None,
     ) -> None:
-        """Read the remote blocks into local_block_ids[first_block:n] (see KVConsumer.start_load for n)."""
+        """Read the remote blocks into local_block_ids[first_block:n] (see KVConsumer.start_load for n); in push
+        mode, register those blocks with the prefill, which WRITEs them."""
+        if self.push_receiver is not None:
+            self._push_waiting.pop(request_id, None)
+            if num_tokens is None:
+                raise ValueError("a push load needs its number of tokens")
+            self.push_receiver.start(request_id, params, local_block_ids, first_block, num_tokens)
+            return
         self._need_consumer().start_load(request_id, params, local_block_ids, first_block, num_tokens)
 
     def poll_loads(self) -> list[LoadResult]:

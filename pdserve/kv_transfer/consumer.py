@@ -247,6 +247,14 @@ class KVConsumer:
             self._update_stages()
         return out
 
+    def report_result(self, result: LoadResult) -> None:
+        """A load's outcome produced elsewhere (push mode: pdserve/kv_transfer/push_receiver.py)."""
+        with self._lock:
+            self._inflight.discard(result.request_id)
+            self._results.append(result)
+        self._notify_engine()
+        self._update_stages()
+
     def poll_claimed(self) -> list[str]:
         """Request ids whose lease the producer granted since the last call (their READ may still run): from
         here on the params can no longer be refused, only the transfer can fail."""

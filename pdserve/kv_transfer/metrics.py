@@ -234,8 +234,28 @@ class TransferMetrics:
             labels,
             registry=reg,
         ).labels(*values)
+        self._push_bytes = Counter(
+            "pdserve:kv_push_written_bytes",
+            "Push mode (NixlPushConnector), prefill side: KV bytes WRITTEN into decode instances' blocks, by "
+            "phase: during_prefill (layer-pipelined, posted before the prefill finished) or after_prefill.",
+            [*labels, "phase"],
+            registry=reg,
+        )
+        self._push_jobs = Counter(
+            "pdserve:kv_push_jobs_ended",
+            "Push mode, prefill side: push jobs by how they ended: done, failed or cancelled (by the decode).",
+            [*labels, "outcome"],
+            registry=reg,
+        )
 
     # ---- recording ---------------------------------------------------------------------------------
+
+    def record_push_write(self, nbytes: int, during_prefill: bool) -> None:
+        self._push_bytes.labels(*self._label_values, "during_prefill" if during_prefill else "after_prefill"
+                                ).inc(nbytes)
+
+    def record_push_job(self, outcome: str) -> None:
+        self._push_jobs.labels(*self._label_values, outcome).inc()
 
     def record_transfer(self, *, xfer_s: float, post_s: float, nbytes: int, num_descriptors: int) -> None:
         self._xfer.observe(xfer_s)

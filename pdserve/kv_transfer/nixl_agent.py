@@ -255,6 +255,48 @@ class NixlAgent:
         except Exception as exc:
             logger.debug("releasing a NIXL transfer handle failed: %s", exc)
 
+    # ---- push: WRITEs posted without waiting (pdserve/kv_transfer/push_sender.py polls them) -------------
+
+    def post_write(self, *, local_descs: np.ndarray, local_mem: str, remote_descs: np.ndarray, remote_mem: str,
+                   remote_name: str) -> Any:
+        """Post a WRITE local -> remote and return its handle (poll with `xfer_state`, then `release_handle`);
+        raises TransferFailed when NIXL cannot prepare or post it."""
+        agent = self._agent
+        try:
+            handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local_descs, local_mem),
+                                           agent.get_xfer_descs(remote_descs, remote_mem), remote_name, b"")
+        except Exception as exc:
+            raise TransferFailed(f"NIXL could not prepare the WRITE: {nixl_error_name(exc)}: {exc}") from exc
+        try:
+            state = agent.transfer(handle)
+        except Exception as exc:
+            self._release_handle(handle)
+            raise TransferFailed(f"NIXL WRITE to {remote_name!r} failed to post: {nixl_error_name(exc)}: {exc}") \
+                from exc
+        if state not in ("PROC", "DONE"):
+            self._release_handle(handle)
+            raise TransferFailed(f"NIXL WRITE to {remote_name!r} failed to post (state {state})")
+        return handle
+
+    def xfer_state(self, handle: Any) -> str:
+        """"PROC", "DONE" or an error state (a raised NIXL error reads as "ERR")."""
+        try:
+            return self._agent.check_xfer_state(handle)
+        except Exception as exc:  # noqa: BLE001 - any NIXL error ends the transfer as failed
+            logger.debug("check_xfer_state failed: %s", exc)
+            return "ERR"
+
+    def release_handle(self, handle: Any) -> None:
+        self._release_handle(handle)
+
+    def send_notif(self, remote_name: str, message: bytes) -> None:
+        """A notification to a peer agent (ordered after the WRITEs to it that completed before it)."""
+        try:
+            self._agent.send_notif(remote_name, message)
+        except Exception as exc:
+            raise TransferFailed(f"NIXL notification to {remote_name!r} failed: {nixl_error_name(exc)}: {exc}") \
+                from exc
+
     def get_notifs(self) -> dict[str, list[bytes]]:
         """New notifications by sender; calling it is also what progresses this agent as a READ target."""
         return self._agent.get_new_notifs()

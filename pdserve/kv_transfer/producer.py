@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pdserve.api.pd import build_history_params, build_producer_params
@@ -76,6 +76,10 @@ class KVProducer:
         self._ranks = [{"agent_name": a.name, "agent_metadata": a.metadata(), "pool": r.describe()}
                        for a, r in ranks]
         self._boost_until = 0.0
+        # push mode: its side-channel ops (push_sender.PushSender.handle), and where push completions a
+        # co-located push receiver waits for go (kv_both: this loop reads the agent's notifications)
+        self.push_handler: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None
+        self.push_notif: Callable[[bytes], bool] | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._progress = threading.Thread(target=self._progress_loop, name="pdserve-kv-progress", daemon=True)
@@ -160,6 +164,16 @@ class KVProducer:
     def _handle(self, op: str, msg: dict[str, Any]) -> dict[str, Any]:
         if op == "handshake":
             return self._handshake(msg)
+        if op.startswith("push_"):
+            if self.push_handler is None:
+                raise SideChannelRefused("incompatible", "this prefill instance uses transfer_mode 'pull' "
+                                         "(NixlConnector); push requests need NixlPushConnector on both sides")
+            if op == "push_register" and msg["generation"] != self.generation:
+                raise SideChannelRefused("stale_generation", f"registration for generation {msg['generation']}, "
+                                         f"this producer is generation {self.generation}")
+            self._boost_until = time.monotonic() + _HANDSHAKE_BOOST_S  # the decode connects for the WRITEs
+            self._wake.set()
+            return self.push_handler(op, msg)
         try:
             if op == "heartbeat":
                 return self._heartbeat(msg["request_ids"], msg["lease_tokens"], msg.get(PEER_KEY, "?"))
@@ -247,6 +261,8 @@ class KVProducer:
                 self._wake.clear()
 
     def _on_notif(self, message: bytes) -> None:
+        if self.push_notif is not None and self.push_notif(message):
+            return
         if not message.startswith(NOTIF_PREFIX):
             logger.debug("ignoring foreign NIXL notification %r", message[:64])
             return

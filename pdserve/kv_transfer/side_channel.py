@@ -62,6 +62,12 @@ REQUEST_FIELDS: dict[str, dict[str, Any]] = {
     "release": {"request_id": str, "lease_token": str, "claim_token": str},
     "abort": {"request_id": str, "lease_token": str},
     "heartbeat": {"request_ids": (list, str), "lease_tokens": (list, str)},
+    # push mode (pdserve/kv_transfer/push_*.py): the decode registers the blocks it lacks, polls, cancels
+    "push_register": {"push_key": str, "generation": int, "engine_id": str, "agent_name": str,
+                      "agent_metadata": bytes, "seal_nonce": bytes, "pool": dict, "block_ids": (list, int),
+                      "first_block": int, "num_tokens": int, "timeout_s": _Number},
+    "push_status": {"push_keys": (list, str)},
+    "push_cancel": {"push_key": str},
 }
 REPLY_FIELDS: dict[str, dict[str, Any]] = {
     "handshake": {
@@ -77,6 +83,9 @@ REPLY_FIELDS: dict[str, dict[str, Any]] = {
     "release": {"held_throughout": bool},
     "abort": {"freed": bool},
     "heartbeat": {"unknown": (list, str)},
+    "push_register": {"state": str},
+    "push_status": {"states": (list, str), "errors": (list, str)},
+    "push_cancel": {"state": str},
 }
 POOL_FIELDS: dict[str, Any] = {
     "base_addr": int,

@@ -102,6 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-history", action="store_true", default=None,
                         help="multi-turn over P/D: decode instances keep each conversation's KV for the next turn, "
                              "whose prefill reads it back (vLLM's bidirectional_kv_xfer)")
+    parser.add_argument("--kv-transfer-mode", choices=("pull", "push"), default=None,
+                        help="pull (default): decode instances READ the KV after the prefill (NixlConnector); push: "
+                             "the proxy sends both legs at once, decode instances register the blocks they lack "
+                             "and the prefill WRITEs each layer's KV as it computes it (NixlPushConnector)")
     parser.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=None,
                         help="instances publish KV events (vLLM's ZMQ format) and the proxy routes each request to "
                              "the instance holding most of its prefix. Default: on in every role with more than one "
@@ -176,6 +180,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         cfg.serve_args += ["--attention-backend", args.attention_backend]
     if args.kv_history:
         cfg.kv_history = True
+    if args.kv_transfer_mode is not None:
+        cfg.kv_transfer_mode = args.kv_transfer_mode
     if args.kv_events is not None:
         cfg.kv_events = args.kv_events
     if args.kv_offloading_size is not None:

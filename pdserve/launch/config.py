@@ -103,6 +103,9 @@ class LaunchConfig:
     # instances publish vLLM-format KV events on ports of their own, and the proxy routes by cached prefix:
     # True in every role, False nowhere, None (default) in each role of more than one instance
     kv_events: bool | None = None
+    # "push": NixlPushConnector on both pools and `pdserve proxy --kv-transfer-mode push` (the prefill WRITEs
+    # each layer's KV into blocks the decode registered); "pull" (default): NixlConnector, the decode READs
+    kv_transfer_mode: str = "pull"
     python: str = ""  # interpreter for `python -m pdserve ...`; "" = this one
 
     def kv_events_in(self, role: str) -> bool:
@@ -128,6 +131,15 @@ class LaunchConfig:
             raise ValueError(f"kv_load_failure_policy must be fail or recompute, got {self.kv_load_failure_policy!r}")
         if self.kv_history and not self.topology.disaggregated:
             raise ValueError(f"kv_history (--kv-history) needs prefill and decode instances, not {self.topology}")
+        if self.kv_transfer_mode not in ("pull", "push"):
+            raise ValueError(f"kv_transfer_mode must be pull or push, got {self.kv_transfer_mode!r}")
+        if self.kv_transfer_mode == "push":
+            if self.engine != "pdserve":
+                raise ValueError("kv_transfer_mode push needs pdserve instances (the proxy sends both legs at once, "
+                                 "which vLLM's NixlPushConnector does not take)")
+            if self.kv_history:
+                raise ValueError("kv_transfer_mode push does not support kv_history (multi-turn handback is "
+                                 "pull-only, as in vLLM's NixlPushConnector)")
         counts = {"prefill": self.topology.num_prefill, "decode": self.topology.num_decode,
                   "collocated": self.topology.num_collocated}
         for role, pool in self.pools.items():
@@ -234,6 +246,7 @@ _TOP_KEYS = {
     "model", "topology", "engine", "host", "port", "base_port", "gpus", "cpu_pinning", "log_dir",
     "startup_timeout", "stop_timeout", "serve_args", "prefill", "decode", "collocated", "proxy",
     "kv_load_failure_policy", "python", "max_restarts", "restart_window", "kv_history", "kv_events",
+    "kv_transfer_mode",
 }
 
 
@@ -246,7 +259,7 @@ def apply_file(cfg: LaunchConfig, data: dict[str, Any], where: str = "config fil
         cfg.model = None if data["model"] is None else str(data["model"])
     if "topology" in data:
         cfg.topology = parse_topology(str(data["topology"]))
-    for key in ("engine", "host", "gpus", "python", "kv_load_failure_policy"):
+    for key in ("engine", "host", "gpus", "python", "kv_load_failure_policy", "kv_transfer_mode"):
         if key in data:
             setattr(cfg, key, str(data[key]))
     for key in ("port", "base_port", "max_restarts"):

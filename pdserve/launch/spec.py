@@ -172,11 +172,12 @@ class PortAllocator:
         self._held.clear()
 
 
-def kv_transfer_config(role: str, policy: str, history: bool = False) -> str:
+def kv_transfer_config(role: str, policy: str, history: bool = False, mode: str = "pull") -> str:
     """An instance's --kv-transfer-config; `history`: vLLM's bidirectional transfer for multi-turn (the decode
-    instance keeps a finished conversation's blocks, the next turn's prefill reads them back)."""
+    instance keeps a finished conversation's blocks, the next turn's prefill reads them back); `mode` "push":
+    NixlPushConnector."""
     cfg: dict[str, object] = {
-        "kv_connector": "NixlConnector", "kv_role": f"kv_{'producer' if role == 'prefill' else 'consumer'}",
+        "kv_connector": "NixlPushConnector" if mode == "push" else "NixlConnector", "kv_role": f"kv_{'producer' if role == 'prefill' else 'consumer'}",
         "kv_load_failure_policy": policy}
     if history:
         cfg["kv_connector_extra_config"] = {"bidirectional_kv_xfer": True}
@@ -303,7 +304,8 @@ def build_deployment(
             argv = [python, "-m", "pdserve", "serve", model_arg, "--host", cfg.host, "--port", str(port)]
             if sc is not None:
                 argv += [
-                    "--kv-transfer-config", kv_transfer_config(role, cfg.kv_load_failure_policy, cfg.kv_history),
+                    "--kv-transfer-config", kv_transfer_config(role, cfg.kv_load_failure_policy, cfg.kv_history,
+                                                               cfg.kv_transfer_mode),
                     "--side-channel-host", cfg.host, "--side-channel-port", str(sc),
                 ]
         if cfg.kv_events_in(role) and not has_flag(cfg.serve_args + pool.serve_args, "--kv-events-config"):
@@ -330,6 +332,8 @@ def build_deployment(
         # While a prefill instance is down (restarting), decode instances prefill locally: the deployment
         # keeps answering, and the proxy's retry budget bounds the extra work.
         proxy_argv += ["--on-prefill-failure", "decode-local"]
+    if prefill and cfg.kv_transfer_mode == "push" and not has_flag(cfg.proxy_args, "--kv-transfer-mode"):
+        proxy_argv += ["--kv-transfer-mode", "push"]
     proxy_argv += cfg.proxy_args
     proxy = ProcSpec("proxy", "proxy", proxy_argv, {}, cfg.host, proxy_port, cfg.log_dir / "proxy.log")
     user_key = has_flag(cfg.proxy_args, "--admin-key") or bool(env.get(ADMIN_KEY_ENV))

@@ -13,6 +13,7 @@ lookup summed over ranks; logits gathered).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -203,21 +204,26 @@ class DecoderLM(nn.Module):
         kv_pool: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Returns the final hidden states [num_tokens, hidden]. kv_pool is the block-contiguous pool
-        [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]."""
+        [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]. `on_layer(i)` runs once layer i's KV
+        of this step is in the pool (layer-pipelined push transfer)."""
         x = self._embed(input_ids)
         if self.rope_table_len and positions.is_cuda:
             cos, sin = self.rotary.cos_sin_rows(positions, x.dtype, self.rope_table_len)
         else:
             cos, sin = self.rotary.cos_sin(positions, x.dtype)
         if self.fused_ops is not None:
-            return self._forward_fused(x, cos, sin, kv_pool, meta, backend, self.fused_ops)
+            return self._forward_fused(x, cos, sin, kv_pool, meta, backend, self.fused_ops, on_layer)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_pool[:, i, 0], kv_pool[:, i, 1], meta, backend)
+            if on_layer is not None:
+                on_layer(i)
         return self.norm(x)
 
-    def _forward_fused(self, x, cos, sin, kv_pool, meta, backend, ops: FusedOps) -> torch.Tensor:
+    def _forward_fused(self, x, cos, sin, kv_pool, meta, backend, ops: FusedOps,
+                       on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         # `residual` carries the stream x_i; each fused_add_rms_norm adds the last block's output to it
         # in place and normalises, so the adds round exactly where DecoderLayer.forward's adds round.
         # With one token on one rank, o_proj and down_proj may do that add and norm in their last program
@@ -234,6 +240,8 @@ class DecoderLM(nn.Module):
             norm_next = self.layers[i + 1].input_layernorm.weight if i + 1 < n else self.norm.weight
             h, residual = self._project_add_norm(ops, mlp.activated(h, ops), mlp.down_proj, mlp.down, residual,
                                                  norm_next, eps)
+            if on_layer is not None:
+                on_layer(i)
         return h
 
     def _project_add_norm(self, ops: FusedOps, x: torch.Tensor, proj: nn.Linear, project, residual: torch.Tensor,

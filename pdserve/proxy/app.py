@@ -43,6 +43,7 @@ from pdserve.proxy.legs import (
 from pdserve.proxy.pool import ROLES, Instance
 from pdserve.proxy.prompt_tokens import given_token_ids
 from pdserve.proxy.protocol import affinity_key, estimate_prompt_tokens, max_output_tokens
+from pdserve.proxy.push_pair import start_push_pair
 from pdserve.proxy.retry import retry_after_header
 from pdserve.proxy.split import serve_batch
 from pdserve.proxy.state import ProxyState
@@ -239,6 +240,10 @@ class ProxyHandlers:
         prefill leg, its failure policy, then the decode leg with the prefill's kv_transfer_params."""
         cfg = self.config
         state = self.state
+        if cfg.kv_transfer_mode == "push":
+            if count_path:
+                self.metrics.path["disagg"].inc()
+            return await start_push_pair(state, api_path, body, raw, headers, tokens, decode_tokens)
         rid = headers["X-Request-Id"]
         early_inst = await self._early_decode_instance(body)
         token_ids = (early_inst is None and cfg.chat_token_ids and api_path == CHAT_COMPLETIONS

@@ -174,6 +174,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "prefill)",
     )
     parser.add_argument(
+        "--kv-transfer-mode",
+        choices=("pull", "push"),
+        default=argparse.SUPPRESS,
+        help="pull (default): the decode instance READs the KV after the prefill; push: both legs at once, the "
+             "prefill WRITEs the KV into blocks the decode registered (instances run kv_connector "
+             "NixlPushConnector)",
+    )
+    parser.add_argument(
         "--no-kv-history",
         dest="kv_history",
         action="store_false",

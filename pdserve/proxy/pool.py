@@ -58,6 +58,8 @@ class Instance:
     # A decode instance that takes its leg before the prefill's params (/pdserve/info `kv_params_later`: a
     # pdserve decode instance); None until its info was read (after each admission), False for vLLM's.
     params_later: bool | None = None
+    # push mode: a prefill instance's side channel from its /pdserve/info (proxy/push_pair.py); None: unread
+    push_info: dict[str, Any] | None = None
     host: str = field(init=False)
     _endpoints: dict[str, URL] = field(init=False, default_factory=dict, repr=False)
     # Relays reading a response from this instance: told when it is ejected, so that a peer that stopped

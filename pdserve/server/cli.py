@@ -283,6 +283,8 @@ def build_state(args: argparse.Namespace) -> Any:
         "max_model_len": inner.max_model_len,
         "device": str(runner.device),
         "kv_role": kv_cfg.kv_role if kv_cfg is not None else None,
+        # "push" (NixlPushConnector) or "pull": `pdserve proxy --kv-transfer-mode push` checks its prefills'
+        "kv_transfer_mode": kv_cfg.transfer_mode if kv_cfg is not None else None,
         # decode legs may come before their params (pdserve.api.pd.early_decode_params, POST KV_PARAMS_PATH)
         "kv_params_later": bool(connector is not None and connector.can_load),
         # POST /pdserve/kv/pin pins a cached prefix for a peer's prefill (None: this instance pins none)

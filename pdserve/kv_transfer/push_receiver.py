@@ -1,0 +1,303 @@
+"""Push mode, decode side (`kv_connector: NixlPushConnector`): register the blocks a request lacks with its
+prefill instance, then wait for the prefill to WRITE them (pdserve/kv_transfer/push_sender.py).
+
+The engine's load state machine is the pull path's (`KVHandoff`: WAITING -> LOADING -> LOADED/FAILED):
+`start` is called once the scheduler allocated the request's blocks after the local prefix-cache hit, with
+`first_block` = the blocks that hit; only `[first_block, n)` are registered (vLLM's
+NixlPushConnectorScheduler.update_state_after_alloc registers the unhashed blocks alike). The outcome is one
+`LoadResult`, reported through the consumer's queue as a READ's is.
+
+One watcher thread serves every pending push: it progresses the NIXL agent (a TCP transport needs the target
+to progress for WRITEs to land) and reads the prefill's completion notification; every `_STATUS_EVERY_S` it
+asks each prefill for the state of its pushes (`push_status`), which is how a failed WRITE, a prefill
+request that ended without its KV, or a dead prefill (refused connections: a dead process writes nothing)
+is learnt at once instead of at the deadline. Blocks are handed back to the engine (freed, or recomputed
+into) only when nothing can still land in them: the push is done, quiesced after a failure or cancel, the
+prefill is gone, or the registration's deadline (`push_registration_timeout`, after which the prefill posts
+nothing) has passed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.api.pd import PushParams, parse_push_decode_params
+from pdserve.kv_transfer import side_channel
+from pdserve.kv_transfer.auth import MessageAuth, new_nonce
+from pdserve.kv_transfer.compat import check_compat
+from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.kv_transfer.consumer import LoadResult
+from pdserve.kv_transfer.errors import (
+    CompatibilityError,
+    SideChannelError,
+    SideChannelRefused,
+    SideChannelTimeout,
+)
+from pdserve.kv_transfer.metrics import TransferMetrics
+from pdserve.kv_transfer.nixl_agent import NixlAgent
+from pdserve.kv_transfer.pool import PoolRegion, check_block_ids
+from pdserve.kv_transfer.push_sender import PUSH_NOTIF_PREFIX
+
+logger = logging.getLogger("pdserve.kv_transfer")
+
+_STATUS_EVERY_S = 0.02
+_FAST_POLL_S = 0.0002
+_IDLE_POLL_S = 0.05
+_DEAD_AFTER = 2  # consecutive refused/reset status calls: the prefill process is gone
+_DEADLINE_MARGIN_S = 1.0  # the registration reaches the prefill a little after we sent it
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    params: PushParams
+    started: float
+    deadline: float  # monotonic: give the blocks back (the prefill posts nothing after its own cutoff)
+    nbytes: int
+    cancel: bool = False  # the engine aborted the request: cancel, then wait until quiesced
+    cancel_sent: bool = False
+    unreachable: int = 0
+    registered: bool = False  # the prefill accepted the registration (before: only cancel is sent)
+
+
+class PushReceiver:
+    def __init__(self, config: KVTransferConfig, *, agent: NixlAgent, region: PoolRegion,
+                 compat: Mapping[str, Any], metrics: TransferMetrics, auth: MessageAuth | None,
+                 report: Callable[[LoadResult], None]) -> None:
+        self._config = config
+        self._agent = agent
+        self._region = region
+        self._compat = dict(compat)
+        self._block_size = int(compat["block_size"])
+        self._metrics = metrics
+        self._auth = auth
+        self._report = report
+        self._lock = threading.Lock()
+        self._pending: dict[str, _Pending] = {}  # by push key
+        self._by_request: dict[str, str] = {}
+        self._generations: dict[tuple[str, str, int], int] = {}  # producer -> generation (handshake done)
+        self._executor = ThreadPoolExecutor(config.num_load_workers, thread_name_prefix="pdserve-kv-push-reg")
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch_loop, name="pdserve-kv-push-watch", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def validate(params: Any) -> PushParams:
+        return parse_push_decode_params(params)
+
+    # ---- the engine's side ---------------------------------------------------------------------------------
+
+    def start(self, request_id: str, params: Any, local_block_ids: Sequence[int], first_block: int,
+              num_tokens: int) -> None:
+        p = parse_push_decode_params(params)
+        needed = -(-num_tokens // self._block_size)
+        local = [int(b) for b in local_block_ids][:needed]
+        if needed > len(local_block_ids) or not 0 <= first_block <= needed:
+            raise ValueError(f"{num_tokens} tokens from block {first_block} do not fit {len(local_block_ids)} blocks")
+        check_block_ids(local[first_block:], self._region.num_blocks, "local")
+        now = time.monotonic()
+        item = _Pending(request_id, p, time.perf_counter(),
+                        # the prefill posts nothing after timeout_s and releases a WRITE after transfer_timeout_s
+                        now + self._config.push_registration_timeout + self._config.transfer_timeout_s
+                        + _DEADLINE_MARGIN_S,
+                        (needed - first_block) * self._region.block_bytes)
+        with self._lock:
+            if p.push_key in self._pending:
+                raise ValueError("a push under this push_key is already registered here")
+            self._pending[p.push_key] = item
+            self._by_request[request_id] = p.push_key
+        if first_block == needed:  # the local prefix cache holds every block the prompt needs from the prefill
+            self._executor.submit(self._cancel_remote, p)  # the prefill's job ends now, not at its lease
+            self._end(item, LoadResult(request_id, True))
+            return
+        self._executor.submit(self._register, item, local[first_block:], first_block, num_tokens)
+
+    def cancel(self, request_id: str) -> None:
+        """The request was aborted while its push was pending: cancel; its result comes once quiesced."""
+        with self._lock:
+            key = self._by_request.get(request_id)
+            item = self._pending.get(key) if key is not None else None
+            if item is not None:
+                item.cancel = True
+        self._wake.set()
+
+    def discard(self, params: Any) -> None:
+        """A request gone before its blocks were allocated: tell the prefill to stop (best effort)."""
+        with contextlib.suppress(ValueError, RuntimeError):
+            self._executor.submit(self._cancel_remote, parse_push_decode_params(params))
+
+    def on_notif(self, message: bytes) -> bool:
+        """A NIXL notification; True when it was a push completion (consumed)."""
+        if not message.startswith(PUSH_NOTIF_PREFIX):
+            return False
+        key = message[len(PUSH_NOTIF_PREFIX):].decode("utf-8", "replace")
+        with self._lock:
+            item = self._pending.get(key)
+        if item is not None and item.registered:
+            self._end(item, LoadResult(item.request_id, True, bytes=item.nbytes,
+                                       seconds=time.perf_counter() - item.started))
+        return True
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5.0)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- registration --------------------------------------------------------------------------------------
+
+    def _call(self, p: PushParams, op: str, fields: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
+        return side_channel.call(p.remote_host, p.remote_port, op, fields, timeout_s, to=p.remote_engine_id,
+                                 auth=self._auth)
+
+    def _generation(self, p: PushParams, *, force: bool = False) -> int:
+        """The prefill's generation, after a handshake that checked compatibility (the transfer mode too)."""
+        where = (p.remote_engine_id, p.remote_host, p.remote_port)
+        with self._lock:
+            known = self._generations.get(where)
+        if known is not None and not force:
+            return known
+        reply = self._call(p, "handshake", {"engine_id": self._config.engine_id, "compat": self._compat},
+                           self._config.handshake_timeout_s)
+        if reply["engine_id"] != p.remote_engine_id:
+            raise CompatibilityError(f"side channel {p.remote_host}:{p.remote_port} belongs to engine "
+                                     f"{reply['engine_id']!r}, the params name {p.remote_engine_id!r}")
+        check_compat(self._compat, reply["compat"], peer=f"prefill {p.remote_host}:{p.remote_port}",
+                     labels=("decode", "prefill"))
+        with self._lock:
+            self._generations[where] = reply["generation"]
+        return reply["generation"]
+
+    def _register(self, item: _Pending, blocks: list[int], first_block: int, num_tokens: int) -> None:
+        p = item.params
+        try:
+            for attempt in range(2):
+                generation = self._generation(p, force=attempt > 0)
+                seal = new_nonce()
+                metadata = self._agent.metadata()
+                if self._auth is not None:
+                    metadata = self._auth.conceal(metadata, seal, generation)
+                fields = {"push_key": p.push_key, "generation": generation, "engine_id": self._config.engine_id,
+                          "agent_name": self._agent.name, "agent_metadata": metadata, "seal_nonce": seal,
+                          "pool": self._region.describe(), "block_ids": blocks, "first_block": first_block,
+                          "num_tokens": num_tokens, "timeout_s": self._config.push_registration_timeout}
+                try:
+                    reply = self._call(p, "push_register", fields, self._config.handshake_timeout_s)
+                    break
+                except SideChannelRefused as exc:
+                    if exc.reason != "stale_generation" or attempt:
+                        raise
+        except CompatibilityError as exc:
+            self._end(item, LoadResult(item.request_id, False, str(exc), error_status=409), failed=True)
+            return
+        except SideChannelRefused as exc:
+            status = 409 if exc.reason == "incompatible" else 500
+            self._end(item, LoadResult(item.request_id, False, f"push registration refused ({exc.reason}): {exc}",
+                                       error_status=status), failed=True)
+            return
+        except SideChannelError as exc:
+            # nothing registered (or a prefill that cannot answer): no WRITE can target these blocks
+            self._end(item, LoadResult(item.request_id, False, f"push registration failed: {exc}"), failed=True)
+            return
+        with self._lock:
+            item.registered = True
+        self._wake.set()  # poll its status now (a job that already failed says why)
+        logger.debug("KV push %s registered: %s", p.push_key[:8], reply["state"])
+
+    def _cancel_remote(self, p: PushParams) -> str | None:
+        try:
+            return self._call(p, "push_cancel", {"push_key": p.push_key}, 1.0)["state"]
+        except SideChannelError as exc:
+            logger.info("KV push cancel of %s not delivered: %s", p.push_key[:8], exc)
+            return None
+
+    # ---- the watcher ---------------------------------------------------------------------------------------
+
+    def _end(self, item: _Pending, result: LoadResult, *, failed: bool = False) -> None:
+        with self._lock:
+            if self._pending.get(item.params.push_key) is not item:
+                return  # ended already
+            del self._pending[item.params.push_key]
+            self._by_request.pop(item.request_id, None)
+        if failed:
+            self._metrics.record_failed_transfer()
+        elif result.ok and result.bytes:
+            self._metrics.record_transfer(xfer_s=result.seconds, post_s=0.0, nbytes=result.bytes, num_descriptors=0)
+        if not result.ok:
+            logger.warning("KV push into request %s ended: %s", item.request_id, result.error)
+        self._report(result)
+
+    def _watch_loop(self) -> None:
+        next_status = 0.0
+        while not self._stop.is_set():
+            with self._lock:
+                busy = bool(self._pending)
+            if not busy:
+                self._wake.wait(_IDLE_POLL_S)
+                self._wake.clear()
+                continue
+            try:
+                for messages in self._agent.get_notifs().values():
+                    for message in messages:
+                        self.on_notif(message)
+                now = time.monotonic()
+                if now >= next_status or self._wake.is_set():
+                    self._wake.clear()
+                    next_status = now + _STATUS_EVERY_S
+                    self._poll_status(now)
+            except Exception:  # noqa: BLE001 - the watcher must survive anything one push does
+                logger.exception("KV push watcher failed")
+            time.sleep(_FAST_POLL_S)
+
+    def _poll_status(self, now: float) -> None:
+        with self._lock:
+            items = [i for i in self._pending.values() if i.registered or i.cancel]
+        by_prefill: dict[tuple[str, str, int], list[_Pending]] = {}
+        for item in items:
+            p = item.params
+            by_prefill.setdefault((p.remote_engine_id, p.remote_host, p.remote_port), []).append(item)
+        for group in by_prefill.values():
+            p = group[0].params
+            for item in group:
+                if item.cancel and not item.cancel_sent:
+                    item.cancel_sent = True
+                    if self._cancel_remote(item.params) is None and not item.registered:
+                        self._end(item, LoadResult(item.request_id, False, "aborted"))
+            try:
+                reply = self._call(p, "push_status", {"push_keys": [i.params.push_key for i in group]}, 1.0)
+            except SideChannelTimeout:
+                states = errors = None  # frozen or slow: wait (it may still write) until the deadline
+            except SideChannelError as exc:
+                for item in group:
+                    item.unreachable += 1
+                    if item.unreachable >= _DEAD_AFTER:
+                        self._end(item, LoadResult(item.request_id, False, f"prefill instance unreachable during "
+                                                   f"the push (gone: nothing more can land): {exc}"), failed=True)
+                continue
+            else:
+                states, errors = reply["states"], reply["errors"]
+            for k, item in enumerate(group):
+                state = states[k] if states is not None and k < len(states) else None
+                if state is not None:
+                    item.unreachable = 0
+                if state == "done":
+                    self._end(item, LoadResult(item.request_id, True, bytes=item.nbytes,
+                                               seconds=time.perf_counter() - item.started))
+                elif state in ("failed", "cancelled", "unknown") and (item.registered or item.cancel):
+                    if item.cancel:
+                        self._end(item, LoadResult(item.request_id, False, "aborted"))
+                    else:
+                        why = errors[k] if state == "failed" and errors else (
+                            "the prefill instance no longer knows this push (restarted?)")
+                        self._end(item, LoadResult(item.request_id, False, f"KV push failed: {why}"), failed=True)
+                elif now > item.deadline:
+                    self._end(item, LoadResult(item.request_id, False, f"KV push not completed within "
+                                               f"{self._config.push_registration_timeout:g}s"), failed=True)

@@ -1,0 +1,436 @@
+"""Push mode, prefill side (`kv_connector: NixlPushConnector`): WRITE the KV into blocks a decode registered.
+
+vLLM's push connector (vllm/distributed/kv_transfer/kv_connector/v1/nixl/push_scheduler.py, push_worker.py;
+vllm-project/vllm#35264) WRITEs the whole request from a writer thread after the prefill; the open per-layer
+PR (vllm-project/vllm#56874) WRITEs each layer as it is computed. Both are here (`push_pipeline`: "request" or
+"layer", the default), with the reliability rows of vllm-project/vllm#48633 designed out:
+
+- C1 (writes after the decode aborted): a cancel stops the job at once (nothing more is posted); the decode
+  frees its blocks only once `push_status` says the job is quiesced (no WRITE of it in flight), the prefill
+  is gone (a dead process writes nothing), or its own deadline passed (no WRITE is posted after the
+  registration's `timeout_s`, and one in flight is released after `transfer_timeout_s`: the decode waits
+  for both).
+- C2 (a WRITE that fails to post leaves the decode waiting to lease expiry): the job fails with the error at
+  once and `push_status`, which the decode polls every few tens of ms, says so.
+- C3 (a partial prefix hit sends blocks into the wrong slots): the decode registers exactly the blocks it
+  lacks, `[first_block, n)` of the request's block table, and block i of the request goes to the decode's
+  i-th registered block: prefix hits on either side only change which blocks exist, never the pairing.
+
+The forward thread only appends to a queue (`step_hook`'s per-layer callback); a writer thread builds the
+descriptors, posts the WRITEs without waiting, polls them, and sends the completion notification (NIXL,
+ordered after the WRITEs completed) once every block of every layer has landed. A job's prefill blocks stay
+under the request's lease until the job ended and nothing of it is in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pdserve.api.pd import PUSH_KEY, is_push
+from pdserve.kv_transfer.auth import MessageAuth
+from pdserve.kv_transfer.errors import KVTransferError, SideChannelRefused
+from pdserve.kv_transfer.metrics import TransferMetrics
+from pdserve.kv_transfer.nixl_agent import NixlAgent
+from pdserve.kv_transfer.pool import (
+    PoolRegion,
+    RemotePool,
+    check_block_ids,
+    coalesce_block_runs,
+    descriptor_arrays,
+)
+
+logger = logging.getLogger("pdserve.kv_transfer")
+
+PUSH_NOTIF_PREFIX = b"pdserve-push:"
+_KEEP_ENDED_S = 120.0  # ended jobs answer push_status this long (then "unknown")
+_IDLE_WAIT_S = 0.02
+
+
+@dataclass
+class _Registration:
+    agent_name: str
+    pool: RemotePool
+    block_ids: list[int]  # the decode's blocks for request blocks [first_block, first_block + len)
+    first_block: int
+    num_tokens: int  # tokens the decode needs (blocks covering them are written)
+    cutoff: float  # monotonic: nothing is posted after this
+
+
+@dataclass
+class _Job:
+    key: str
+    request_id: str | None = None
+    state: str = "pending"  # pending | done | failed | cancelled
+    error: str = ""
+    reg: _Registration | None = None
+    local_blocks: list[int] = field(default_factory=list)
+    progress: list[int] = field(default_factory=list)  # per layer: tokens whose KV is in the pool
+    sent: list[int] = field(default_factory=list)  # per layer: request blocks [.., sent) enqueued
+    final: bool = False  # the prefill finished: its blocks are held under `lease`
+    lease: tuple[str, str] | None = None  # (request id, lease token) to end once nothing is in flight
+    lease_cutoff: float = float("inf")  # monotonic: the lease ends soon after; no decode registered by then
+    queued: int = 0
+    inflight: list[tuple[Any, float]] = field(default_factory=list)  # (handle, posted at)
+    ended_at: float | None = None
+    bytes: int = 0
+
+
+class PushSender:
+    def __init__(self, *, agent: NixlAgent, region: PoolRegion, num_layers: int, block_size: int,
+                 layerwise: bool, transfer_timeout_s: float, lease_duration_s: float,
+                 release_lease: Callable[[str, str], None],
+                 extend_lease: Callable[[str, str], None] | None = None, auth: MessageAuth | None, metrics: TransferMetrics | None = None) -> None:
+        self._agent = agent
+        self._region = region
+        self._num_layers = num_layers
+        self._block_size = block_size
+        self._layer_bytes = region.block_bytes // num_layers
+        if self._layer_bytes * num_layers != region.block_bytes:
+            raise ValueError("a KV block is not a whole number of per-layer slabs")
+        self.layerwise = layerwise
+        self._transfer_timeout_s = transfer_timeout_s
+        self._lease_duration_s = lease_duration_s
+        self._release_lease = release_lease
+        self._extend_lease = extend_lease
+        self._next_extend = 0.0
+        self._auth = auth
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._jobs: dict[str, _Job] = {}
+        self._by_request: dict[str, str] = {}
+        self._remote_agents: set[str] = set()
+        self._tasks: queue.SimpleQueue[tuple[_Job, int | None, int, int] | None] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._writer_loop, name="pdserve-kv-push-writer", daemon=True)
+        self._thread.start()
+
+    # ---- the engine's side ---------------------------------------------------------------------------------
+
+    def step_hook(self, batch: Sequence[tuple[Any, int]]) -> Callable[[int], None] | None:
+        """For a step about to run: a callback the model calls after each layer (None: no push job in it).
+        It only records progress and queues WRITEs; the writer thread does the rest."""
+        entries = []
+        for req, n in batch:
+            params = req.kv.params
+            if req.kv.send and is_push(params) and isinstance(params.get(PUSH_KEY), str):
+                end = req.num_computed_tokens + n
+                entries.append((params[PUSH_KEY], req.request_id, list(req.block_ids), end,
+                                end >= req.num_prompt_tokens))
+        if not entries:
+            return None
+        with self._lock:
+            for key, rid, blocks, _, _ in entries:
+                self._check_blocks_locked(self._job_locked(key, rid), blocks)
+        if not self.layerwise:
+            return None
+
+        def on_layer(layer: int) -> None:
+            with self._lock:
+                for key, rid, blocks, end, last in entries:
+                    job = self._jobs.get(key)
+                    if job is None or job.state != "pending" or job.request_id != rid:
+                        continue
+                    job.local_blocks = blocks
+                    job.progress[layer] = max(job.progress[layer], end)
+                    self._enqueue_locked(job, layer, end, last)
+        return on_layer
+
+    def finish(self, request_id: str, params: Any, block_ids: Sequence[int], num_tokens: int,
+               lease: tuple[str, str]) -> None:
+        """The prefill finished; its blocks are held under `lease` (ended by this sender)."""
+        key = params[PUSH_KEY]
+        with self._lock:
+            job = self._job_locked(key, request_id)
+            self._check_blocks_locked(job, [int(b) for b in block_ids])
+            job.local_blocks = [int(b) for b in block_ids]
+            job.final = True
+            job.lease = lease
+            job.lease_cutoff = time.monotonic() + max(0.0, self._lease_duration_s - self._transfer_timeout_s)
+            if job.state != "pending":
+                self._end_locked(job, job.state, job.error)
+                return
+            for layer in range(self._num_layers):
+                job.progress[layer] = max(job.progress[layer], num_tokens)
+            if job.reg is not None:
+                self._enqueue_locked(job, None, num_tokens, True)
+        self._tasks.put(None)  # wake the writer (a job with nothing left to write completes now)
+
+    def abandon(self, request_id: str) -> None:
+        """The prefill request ended without its KV (aborted, failed): its job fails, nothing more is posted."""
+        with self._lock:
+            key = self._by_request.get(request_id)
+            job = self._jobs.get(key) if key is not None else None
+            if job is not None and job.state == "pending":
+                self._end_locked(job, "failed", "the prefill request ended before its KV was computed")
+
+    # ---- the side channel's side ---------------------------------------------------------------------------
+
+    def handle(self, op: str, msg: dict[str, Any]) -> dict[str, Any]:
+        if op == "push_register":
+            return {"state": self._register(msg)}
+        if op == "push_status":
+            with self._lock:
+                jobs = [self._jobs.get(k) for k in msg["push_keys"]]
+                return {"states": [self._state_locked(j) for j in jobs],
+                        "errors": [j.error if j is not None else "" for j in jobs]}
+        if op == "push_cancel":
+            with self._lock:
+                # a cancel before the registration leaves a tombstone, so a registration still on its way
+                # (sent before the cancel) finds the job ended and nothing is ever written for it
+                job = self._job_locked(msg["push_key"], None)
+                if job.state == "pending":
+                    self._end_locked(job, "cancelled", "cancelled by the decode instance")
+                return {"state": self._state_locked(job)}
+        raise SideChannelRefused("bad_request", f"unsupported op {op!r}")
+
+    def _register(self, msg: dict[str, Any]) -> str:
+        try:
+            pool = RemotePool.from_handshake(msg["pool"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SideChannelRefused("bad_request", f"push_register: bad pool: {exc}") from None
+        if pool.block_bytes != self._region.block_bytes:
+            raise SideChannelRefused("incompatible", f"push_register: decode blocks of {pool.block_bytes} bytes, "
+                                                     f"this pool's are {self._region.block_bytes}")
+        block_ids = [int(b) for b in msg["block_ids"]]
+        try:
+            check_block_ids(block_ids, pool.num_blocks, "decode")
+        except ValueError as exc:
+            raise SideChannelRefused("bad_request", f"push_register: {exc}") from None
+        first, num_tokens = msg["first_block"], msg["num_tokens"]
+        if first < 0 or num_tokens < 0 or first + len(block_ids) != -(-num_tokens // self._block_size):
+            raise SideChannelRefused("bad_request", f"push_register: {len(block_ids)} blocks from block {first} do "
+                                                    f"not cover {num_tokens} tokens")
+        metadata = msg["agent_metadata"]
+        if self._auth is not None:  # sealed: whoever holds it can WRITE into the decode's pool
+            metadata = self._auth.reveal(metadata, msg["seal_nonce"], msg["generation"])
+        name = msg["agent_name"]
+        with self._lock:
+            job = self._jobs.get(msg["push_key"])
+            if job is not None and job.reg is not None:
+                raise SideChannelRefused("already_claimed", "push_register: this push key is already registered")
+            known = name in self._remote_agents
+        if not known:
+            try:
+                self._agent.add_remote(metadata, name)
+            except KVTransferError as exc:
+                raise SideChannelRefused("bad_request", f"push_register: {exc}") from None
+            with self._lock:
+                self._remote_agents.add(name)
+        cutoff = time.monotonic() + float(msg["timeout_s"])
+        with self._lock:
+            job = self._job_locked(msg["push_key"], None)
+            if job.reg is not None:
+                raise SideChannelRefused("already_claimed", "push_register: this push key is already registered")
+            job.reg = _Registration(name, pool, block_ids, first, num_tokens, cutoff)
+            if job.state == "pending":
+                # catch up: what is computed already (all of it once the prefill finished)
+                for layer in range(self._num_layers):
+                    self._enqueue_locked(job, layer, job.progress[layer], job.final)
+            state = self._state_locked(job)
+        self._tasks.put(None)
+        return state
+
+    def forget_agent(self, name: str) -> None:
+        with self._lock:
+            self._remote_agents.discard(name)
+
+    # ---- bookkeeping (under the lock) ----------------------------------------------------------------------
+
+    def _job_locked(self, key: str, request_id: str | None) -> _Job:
+        job = self._jobs.get(key)
+        if job is None:
+            job = self._jobs[key] = _Job(key, progress=[0] * self._num_layers, sent=[0] * self._num_layers)
+        if request_id is not None and job.request_id is None:
+            job.request_id = request_id
+            self._by_request[request_id] = key
+        return job
+
+    def _check_blocks_locked(self, job: _Job, blocks: list[int]) -> None:
+        """The request's blocks already written must be the same: a prefill preempted and recomputed into
+        other blocks may have had WRITEs in flight from blocks now reused, so its push fails (the decode
+        then applies its policy)."""
+        sent = min(max(job.sent), len(job.local_blocks), len(blocks))
+        if job.state == "pending" and job.local_blocks[:sent] != blocks[:sent]:
+            self._end_locked(job, "failed", "the prefill request was preempted during its push")
+
+    def _state_locked(self, job: _Job | None) -> str:
+        if job is None:
+            return "unknown"
+        if job.state == "pending":
+            return "registered" if job.reg is not None else "pending"
+        return job.state if not job.inflight and job.queued == 0 else "ending"
+
+    def _enqueue_locked(self, job: _Job, layer: int | None, tokens: int, last: bool) -> None:
+        """Queue the request blocks of `layer` (None: every layer) that `tokens` completed and the decode lacks."""
+        reg = job.reg
+        if reg is None or job.state != "pending":
+            return
+        upto = -(-tokens // self._block_size) if last else tokens // self._block_size
+        upto = min(upto, reg.first_block + len(reg.block_ids), len(job.local_blocks))
+        for lay in range(self._num_layers) if layer is None else (layer,):
+            lo = max(job.sent[lay], reg.first_block)
+            if upto > lo:
+                job.sent[lay] = upto
+                job.queued += 1
+                self._tasks.put((job, lay, lo, upto))
+
+    def _end_locked(self, job: _Job, state: str, error: str = "") -> None:
+        if job.ended_at is None:
+            job.state, job.error = state, error
+            job.ended_at = time.monotonic()
+            if self._metrics is not None:
+                self._metrics.record_push_job(state)
+            if state == "failed":
+                logger.warning("KV push %s (request %s) failed: %s", job.key[:8], job.request_id, error)
+        if job.lease is not None and not job.inflight and job.queued == 0:
+            rid, token = job.lease
+            job.lease = None
+            self._release_lease(rid, token)
+
+    # ---- writer thread -------------------------------------------------------------------------------------
+
+    def _writer_loop(self) -> None:
+        while not self._stop.is_set():
+            busy = False
+            with self._lock:
+                busy = any(j.inflight for j in self._jobs.values())
+            try:
+                task = self._tasks.get(timeout=0.0002 if busy else _IDLE_WAIT_S)
+            except queue.Empty:
+                task = None
+            try:
+                if task is not None:
+                    self._post(*task)
+                self._poll()
+            except Exception:  # noqa: BLE001 - the writer must survive anything one job does
+                logger.exception("KV push writer failed")
+
+    def _post(self, job: _Job, layer: int, lo: int, hi: int) -> None:
+        # The task stays counted in `queued` until its WRITE is in `inflight` (or not posted): a cancel that
+        # comes meanwhile reads "ending", never "cancelled" with this WRITE about to be posted.
+        with self._lock:
+            reg = job.reg
+            stop = ""
+            if job.state != "pending" or reg is None:
+                stop = job.state
+            elif time.monotonic() > reg.cutoff:
+                stop = "expired"
+            if stop:
+                job.queued -= 1
+                if stop == "expired":
+                    self._end_locked(job, "failed", "the decode's registration expired before the KV was written")
+                else:
+                    self._end_locked(job, job.state, job.error)
+                return
+            assert reg is not None
+            local = job.local_blocks[lo:hi]
+            remote = reg.block_ids[lo - reg.first_block:hi - reg.first_block]
+        local_descs, remote_descs = self._descs(local, remote, reg.pool, layer)
+        try:
+            handle = self._agent.post_write(local_descs=local_descs, local_mem=self._region.mem_type,
+                                            remote_descs=remote_descs, remote_mem=reg.pool.mem_type,
+                                            remote_name=reg.agent_name)
+        except KVTransferError as exc:
+            with self._lock:
+                job.queued -= 1
+                self._end_locked(job, "failed", str(exc))
+            return
+        nbytes = int(local_descs[:, 1].sum())
+        with self._lock:
+            job.inflight.append((handle, time.monotonic()))
+            job.queued -= 1
+            job.bytes += nbytes
+            during = not job.final
+        if self._metrics is not None:
+            self._metrics.record_push_write(nbytes, during)
+
+    def _descs(self, local: list[int], remote: list[int], pool: RemotePool, layer: int) -> tuple[np.ndarray, ...]:
+        if self._num_layers == 1:
+            return descriptor_arrays(coalesce_block_runs(local, remote), self._region, pool)
+        lb = np.uint64(self._layer_bytes)
+        off = np.uint64(layer) * lb
+        bb = np.uint64(self._region.block_bytes)
+        out = []
+        for base, dev, ids in ((self._region.base_addr, self._region.device_id, local),
+                               (pool.base_addr, pool.device_id, remote)):
+            d = np.empty((len(ids), 3), dtype=np.uint64)
+            d[:, 0] = np.uint64(base) + np.asarray(ids, dtype=np.uint64) * bb + off
+            d[:, 1] = lb
+            d[:, 2] = np.uint64(dev)
+            out.append(d)
+        return tuple(out)
+
+    def _poll(self) -> None:
+        """Check in-flight WRITEs; complete jobs whose every block landed; end what outlived its deadline."""
+        now = time.monotonic()
+        with self._lock:
+            jobs = [j for j in self._jobs.values() if j.inflight or j.state == "pending" or j.lease is not None]
+        for job in jobs:
+            done: list[Any] = []
+            failed = ""
+            for handle, posted in list(job.inflight):
+                state = self._agent.xfer_state(handle)
+                if state == "PROC" and now - posted < self._transfer_timeout_s:
+                    continue
+                if state != "DONE":
+                    failed = failed or (f"NIXL WRITE ended in state {state}" if state != "PROC"
+                                        else f"NIXL WRITE not complete after {self._transfer_timeout_s:g}s")
+                self._agent.release_handle(handle)
+                done.append(handle)
+                if state == "PROC" and job.reg is not None:
+                    # stuck: disconnecting from that decode cancels whatever is still in flight to it (a
+                    # later registration loads its metadata again)
+                    self._agent.remove_remote(job.reg.agent_name)
+                    self.forget_agent(job.reg.agent_name)
+            notify = None
+            with self._lock:
+                job.inflight = [(h, t) for h, t in job.inflight if h not in done]
+                if failed and job.state == "pending":
+                    self._end_locked(job, "failed", failed)
+                reg = job.reg
+                if job.state == "pending" and reg is not None and now > reg.cutoff:
+                    self._end_locked(job, "failed", "the decode's registration expired before the KV was written")
+                elif job.state == "pending" and now > job.lease_cutoff and reg is None:
+                    self._end_locked(job, "failed", "no decode instance registered blocks within the lease")
+                elif (job.state == "pending" and job.final and reg is not None and job.queued == 0
+                      and not job.inflight and all(s >= min(reg.first_block + len(reg.block_ids),
+                                                            len(job.local_blocks)) for s in job.sent)):
+                    notify = reg.agent_name
+                elif job.state != "pending":
+                    self._end_locked(job, job.state, job.error)
+            if notify is not None:
+                try:
+                    self._agent.send_notif(notify, PUSH_NOTIF_PREFIX + job.key.encode())
+                    outcome, error = "done", ""
+                except KVTransferError as exc:
+                    outcome, error = "failed", str(exc)
+                with self._lock:
+                    self._end_locked(job, outcome, error)
+        if self._extend_lease is not None and now >= self._next_extend:
+            # a registered push still writing keeps its prefill blocks (their lease) for as long as its
+            # registration allows (a slow link may need longer than one lease)
+            self._next_extend = now + 1.0
+            with self._lock:
+                writing = [j.lease for j in self._jobs.values()
+                           if j.state == "pending" and j.reg is not None and j.lease is not None]
+            for rid, token in writing:
+                self._extend_lease(rid, token)
+        with self._lock:
+            for key in [k for k, j in self._jobs.items() if j.ended_at is not None and j.lease is None
+                        and now - j.ended_at > _KEEP_ENDED_S]:
+                job = self._jobs.pop(key)
+                if job.request_id is not None:
+                    self._by_request.pop(job.request_id, None)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._tasks.put(None)
+        self._thread.join(timeout=5.0)

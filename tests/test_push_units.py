@@ -1,0 +1,67 @@
+"""Push transfer's contract and configuration (fast, no processes): the params of each leg, the pairing
+refusals that name the mode, `pdserve up --kv-transfer-mode push`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve.api import pd
+from pdserve.launch.config import LaunchConfig, parse_topology
+from pdserve.launch.spec import build_deployment
+
+KEY = "k" * 32
+
+
+def test_push_legs_params() -> None:
+    prefill = pd.build_prefill_body({"prompt": "x", "max_tokens": 9, "n": 2}, push_key=KEY)
+    assert prefill["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
+                                             "transfer_mode": "push", "push_key": KEY}
+    assert prefill["max_tokens"] == 1 and prefill["n"] == 1
+    assert pd.parse_push_prefill_params(prefill["kv_transfer_params"]).push_key == KEY
+    decode = pd.push_decode_params(KEY, engine_id="e", host="10.0.0.1", port=5600)
+    p = pd.parse_push_decode_params(decode)
+    assert (p.remote_engine_id, p.address, p.tp_size, p.push_key) == ("e", ("10.0.0.1", 5600), 1, KEY)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"transfer_mode": None}, "NixlPushConnector"),  # pull params: the mode is named
+    ({"push_key": "short"}, "push_key must be a string"),
+    ({"remote_port": 0}, "remote_port"),
+    ({"remote_engine_id": ""}, "remote_engine_id"),
+    ({"tp_size": 2}, "tensor-parallel prefill instance is not supported"),
+])
+def test_push_decode_params_refusals_name_the_problem(change: dict, message: str) -> None:
+    params = {**pd.push_decode_params(KEY, engine_id="e", host="h", port=1), **change}
+    params = {k: v for k, v in params.items() if v is not None}
+    with pytest.raises(pd.InvalidKVTransferParams, match=message):
+        pd.parse_push_decode_params(params)
+
+
+def test_a_pull_decode_refuses_push_params_naming_the_mode() -> None:
+    with pytest.raises(pd.InvalidKVTransferParams, match="NixlConnector.*'push'"):
+        pd.refuse_push_params(pd.push_decode_params(KEY, engine_id="e", host="h", port=1))
+    pd.refuse_push_params({"do_remote_prefill": True})  # pull params pass
+
+
+def test_up_push_mode_configures_both_pools_and_the_proxy() -> None:
+    cfg = LaunchConfig(model="m", gpus="none", log_dir=Path("logs"), kv_transfer_mode="push").validate()
+    dep = build_deployment(cfg, cpus=[0, 1], env={})
+    for inst in dep.instances:
+        kv = json.loads(inst.argv[inst.argv.index("--kv-transfer-config") + 1])
+        assert kv["kv_connector"] == "NixlPushConnector"
+    assert dep.proxy.argv[dep.proxy.argv.index("--kv-transfer-mode") + 1] == "push"
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"engine": "vllm"}, "needs pdserve instances"),
+    ({"kv_history": True}, "does not support kv_history"),
+    ({"kv_transfer_mode": "both"}, "must be pull or push"),
+])
+def test_up_push_mode_refuses_what_it_cannot_do(kw: dict, message: str) -> None:
+    cfg = LaunchConfig(model="m", gpus="none", topology=parse_topology("1p1d"), log_dir=Path("logs"),
+                       **{"kv_transfer_mode": "push", **kw})
+    with pytest.raises(ValueError, match=message):
+        cfg.validate()
