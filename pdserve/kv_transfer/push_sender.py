@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.api.pd import PUSH_KEY, is_push
-from pdserve.kv_transfer.auth import MessageAuth
+from pdserve.kv_transfer.auth import AuthRefused, MessageAuth
 from pdserve.kv_transfer.errors import KVTransferError, SideChannelRefused
 from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.nixl_agent import NixlAgent
@@ -210,7 +210,10 @@ class PushSender:
                                                     f"not cover {num_tokens} tokens")
         metadata = msg["agent_metadata"]
         if self._auth is not None:  # sealed: whoever holds it can WRITE into the decode's pool
-            metadata = self._auth.reveal(metadata, msg["seal_nonce"], msg["generation"])
+            try:
+                metadata = self._auth.reveal(metadata, msg["seal_nonce"], msg["generation"])
+            except AuthRefused as exc:  # altered or moved from another registration: the sender's fault
+                raise SideChannelRefused(exc.reason, f"push_register: {exc}") from None
         name = msg["agent_name"]
         with self._lock:
             job = self._jobs.get(msg["push_key"])
