@@ -20,6 +20,7 @@ from pdserve.config import DEFAULT_GPU_BUDGET, EngineConfig
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
+from pdserve.engine.spec_decode.rows import logit_rows
 from pdserve.gpu.step_timing import StepTiming
 from pdserve.kv_transfer.compat import HEAD_MAJOR_LAYOUT, POOL_LAYOUT
 from pdserve.model.config import ModelConfig
@@ -389,28 +390,38 @@ class ModelRunner:
         logprobs. Requests mid-way through a chunked prefill sample nothing."""
         if self.gpu is not None:
             return self.gpu.execute(batch)
-        num_tokens = sum(n for _, n in batch)
-        if self.cpu_threads is not None:
-            self.last_step_threads = self.cpu_threads.apply(num_tokens)
         started = time.perf_counter()
-        input_ids, positions, meta = self._prepare(batch)
-        rows: list[int] = []
-        sampling: list[Request] = []
-        end = 0
-        for req, n in batch:
-            end += n
-            if req.num_computed_tokens + n == req.num_tokens:
-                rows.append(end - 1)
-                sampling.append(req)
-        if self.step_sink is not None:
-            self.step_sink(("cpu", input_ids, positions, meta, rows))
-        logits = self._forward_cpu(input_ids, positions, meta, rows)
+        sampling, logits = self._run_cpu(batch)
         if logits is None:
             return [], [], []
         tokens, logprobs = self.sampler.sample(logits, sampling)
-        if self.cpu_threads is not None and self.last_step_threads is not None:
-            self.cpu_threads.record(num_tokens, self.last_step_threads, time.perf_counter() - started)
+        self._record_cpu_step(batch, started)
         return sampling, tokens, logprobs
+
+    @torch.inference_mode()
+    def execute_logits(self, batch: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor | None]:
+        """Runs the step without sampling: the requests at their frontier and the raw logits of their rows
+        (spec_decode.rows: k + 1 rows for a request verifying k drafts), for the speculative decoding
+        rejection sampler. On the GPU an eager step (no CUDA graph takes several rows per request yet)."""
+        if self.gpu is not None:
+            return self.gpu.execute_logits(batch)
+        started = time.perf_counter()
+        out = self._run_cpu(batch)
+        self._record_cpu_step(batch, started)
+        return out
+
+    def _run_cpu(self, batch: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor | None]:
+        if self.cpu_threads is not None:
+            self.last_step_threads = self.cpu_threads.apply(sum(n for _, n in batch))
+        input_ids, positions, meta = self._prepare(batch)
+        rows, sampling = logit_rows(batch)
+        if self.step_sink is not None:
+            self.step_sink(("cpu", input_ids, positions, meta, rows))
+        return sampling, self._forward_cpu(input_ids, positions, meta, rows)
+
+    def _record_cpu_step(self, batch: list[tuple[Request, int]], started: float) -> None:
+        if self.cpu_threads is not None and self.last_step_threads is not None:
+            self.cpu_threads.record(sum(n for _, n in batch), self.last_step_threads, time.perf_counter() - started)
 
     def _forward_cpu(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                      rows: list[int]) -> torch.Tensor | None:

@@ -34,6 +34,7 @@ from pdserve.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
+from pdserve.engine.spec_decode.rows import logit_rows
 from pdserve.gpu.decode_fusions import decode_fusions_from_env
 from pdserve.gpu.step_timing import StepTiming
 from pdserve.model.decoder import DecoderLM
@@ -159,14 +160,7 @@ class HostBatch:
         self.width = w = max((r.num_computed_tokens + n + bs - 1) // bs for r, n in batch)
         self.query_lens = [n for _, n in batch]
         self.seq_lens = [r.num_computed_tokens + n for r, n in batch]
-        self.sampling: list[Request] = []
-        rows: list[int] = []
-        end = 0
-        for (req, n), seq_len in zip(batch, self.seq_lens, strict=True):
-            end += n
-            if seq_len == req.num_tokens:
-                rows.append(end - 1)
-                self.sampling.append(req)
+        rows, self.sampling = logit_rows(batch)
         self.num_rows = r = len(rows)
         self.offsets: dict[str, tuple[int, int]] = {}
         o = 0
@@ -191,7 +185,7 @@ class HostBatch:
             elif stop <= len(prompt):
                 ids[off : off + n] = prompt[start:stop]
             else:
-                ids[off : off + n] = req.token_ids()[start:stop]
+                ids[off : off + n] = (req.token_ids() + req.spec_token_ids)[start:stop]
             nb = (stop + bs - 1) // bs
             if tables_cache is None:
                 table = np.asarray(req.block_ids[:nb], dtype=np.int64)
@@ -576,6 +570,15 @@ class GpuStepRunner:
             torch.cuda.current_stream().synchronize()
 
     # ---- one step ------------------------------------------------------------------------------
+    def execute_logits(self, batch: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor | None]:
+        """An eager step returning the raw logits of its rows unsampled (ModelRunner.execute_logits)."""
+        t0 = time.perf_counter()
+        hb, logits = self._run_eager(batch)
+        self.tables.end_step()
+        self.timing.steps += 1
+        self.timing.total_s += time.perf_counter() - t0
+        return hb.sampling, logits
+
     def execute(self, batch: list[tuple[Request, int]]) -> tuple[list[Request], list[int], list[TokenLogprob | None]]:
         t0 = time.perf_counter()
         size = None
