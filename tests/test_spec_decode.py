@@ -42,9 +42,11 @@ def test_config_takes_vllms_json_and_refuses_the_rest():
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
     assert SpeculativeConfig.parse({"model": "ngram", "num_speculative_tokens": 2}).method == "ngram"
     assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse({}) is None
+    c = SpeculativeConfig.parse({"model": "/some/draft", "num_speculative_tokens": 2})
+    assert (c.method, c.model) == ("draft_model", "/some/draft")
     for bad, words in (({"method": "ngram"}, "num_speculative_tokens"),
                        ({"method": "eagle", "num_speculative_tokens": 2}, "not available"),
-                       ({"model": "/some/draft", "num_speculative_tokens": 2}, "draft models"),
+                       ({"method": "draft_model", "num_speculative_tokens": 2}, "draft's folder"),
                        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
                          "prompt_lookup_max": 2}, "prompt_lookup_min"),
                        ({"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}, "bogus"),
@@ -241,3 +243,34 @@ def test_seeded_sampling_repeats_and_keeps_its_distribution(tiny_llama, plain, s
         df = len(ca) - 1
         limit = df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3 if df > 0 else 0.0
         assert chi2 <= limit, (pos, chi2, limit)
+
+
+# ---- a draft model ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_draft(tiny_model_factory):
+    return tiny_model_factory("llama", seed=7, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+
+
+def test_draft_model_greedy_exact_and_its_kv_kept_in_step(tiny_llama, small_draft, plain):
+    """The target as its own draft must have every draft accepted: that holds only if the draft's KV (its
+    prompt prefill, then the accepted tokens it catches up on) is right at every step, through preemptions
+    in a tiny pool too. A different small draft is mostly rejected, with the same tokens."""
+    prompts = mixed_prompts(320, lengths=(3, 17, 40)) + repetitive_prompts(320)[:2]
+    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    want = run_engine(plain, prompts, sp)
+    for blocks in (128, 12):
+        same = make_engine(tiny_llama, speculative_config={"model": str(tiny_llama), "num_speculative_tokens": 3},
+                           num_gpu_blocks_override=blocks, max_num_seqs=8)
+        assert run_engine(same, prompts, sp) == want
+        s = same.stats().spec_decode
+        assert s.num_draft_tokens > 60 and s.num_accepted_tokens == s.num_draft_tokens
+        assert blocks == 128 or same.stats().num_preemptions > 0
+    other = make_engine(tiny_llama, speculative_config={"model": str(small_draft), "num_speculative_tokens": 3})
+    assert run_engine(other, prompts, sp) == want
+    assert other.stats().spec_decode.num_draft_tokens > 60
+
+
+def test_draft_model_must_share_the_vocabulary(tiny_llama, tiny_model_factory):
+    wrong = tiny_model_factory("llama", vocab_size=256)
+    with pytest.raises(ValueError, match="vocabulary"):
+        make_engine(tiny_llama, speculative_config={"model": str(wrong), "num_speculative_tokens": 2})

@@ -119,17 +119,34 @@ class LLMEngine:
         self.max_model_len = verify_max_model_len(config.max_model_len, derived_max_model_len(
             self.model_cfg.max_position_embeddings, self.model_cfg.rope_scaling))  # before loading weights
         self.eos_token_ids = read_eos_ids(self.model_dir, self.model_cfg)
+        self.spec_config = SpeculativeConfig.parse(config.speculative_config)
         if config.tensor_parallel_size > 1:
+            if self.spec_config is not None and self.spec_config.method == "draft_model":
+                raise ValueError("speculative_config: a draft model is not built for tensor parallelism yet "
+                                 "(tensor_parallel_size must be 1; ngram works)")
             from pdserve.parallel.executor import start_tensor_parallel  # workers only when they exist
 
             self.runner = start_tensor_parallel(config, self.model_cfg, self.model_dir)
         else:
-            self.runner = ModelRunner(config, self.model_cfg, self.model_dir)
+            self.runner = ModelRunner(config, self.model_cfg, self.model_dir,
+                                      extra_block_bytes=self._draft_block_bytes(config))
         try:
             self._init_rest(config, connector_factory)
         except BaseException:
             self.runner.shutdown()  # tensor-parallel workers must not outlive a failed start
             raise
+
+    def _draft_block_bytes(self, config: EngineConfig) -> int:
+        """A draft model's KV bytes per block (its pool has the target's block count), else 0."""
+        spec = self.spec_config
+        if spec is None or spec.model is None:
+            return 0
+        from pdserve.engine.model_runner import resolve_device, resolve_dtype
+        from pdserve.engine.spec_decode.draft import draft_block_bytes, load_draft_config
+
+        _, draft_cfg = load_draft_config(spec.model, config)
+        dtype = resolve_dtype(config.dtype, draft_cfg, resolve_device(config.device))
+        return draft_block_bytes(draft_cfg, config.block_size, dtype)
 
     def _init_rest(self, config: EngineConfig, connector_factory: ConnectorFactory | None) -> None:
         self.connector: KVConnectorProtocol | None = None
@@ -146,9 +163,15 @@ class LLMEngine:
             budget = max(budget, self.max_model_len)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, budget, config.enable_chunked_prefill,
                                    config.prefill_only_chunk(self.runner.device.type))
-        spec = SpeculativeConfig.parse(config.speculative_config)
+        spec = self.spec_config
+        draft = None
+        if spec is not None and spec.model is not None:
+            from pdserve.engine.spec_decode.draft import DraftModelProposer
+
+            draft = DraftModelProposer(spec.model, config, self.model_cfg, self.runner.num_blocks, self.blocks,
+                                       budget)
         # speculative decoding (pdserve.engine.spec_decode): drafts verified in one step; None: off
-        self.spec = SpecDecoder(spec) if spec is not None else None
+        self.spec = SpecDecoder(spec, draft) if spec is not None else None
         # async scheduling (pdserve.engine.async_decode): decode steps launched ahead; None: every step waits.
         # Not with speculation: a step's inputs (its drafts) depend on the previous step's accepted tokens.
         self.pipeline = DecodePipeline(self.scheduler, self.blocks, self.runner) \

@@ -129,11 +129,13 @@ def _kernel_backend(device: torch.device, name: str = "auto", kv_format: fp8_kv.
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model_dir: Path | None,
-                 tp: TPGroup | None = None):
+                 tp: TPGroup | None = None, extra_block_bytes: int = 0):
         """tp: this rank's tensor-parallel group (None: one process, no collectives). Every rank builds a
         ModelRunner over its shard; rank 0's runs in the engine process and forwards each step's inputs to
-        the others (`step_sink`), which replay them (`replay`)."""
+        the others (`step_sink`), which replay them (`replay`). extra_block_bytes: memory another pool
+        indexed by the same block ids takes per block (a speculative draft model's KV), sized in with it."""
         self.config = config
+        self.extra_block_bytes = extra_block_bytes
         self.model_cfg = model_cfg
         self.tp = tp
         # ranks 1..N-1 when this is rank 0 of a TP group (set by pdserve.parallel.executor)
@@ -300,7 +302,7 @@ class ModelRunner:
             budget -= self._extra_activation_bytes()
         else:
             budget = self.config.cpu_kv_cache_gb * 1024**3
-        blocks = int(budget // self.block_bytes)
+        blocks = int(budget // (self.block_bytes + self.extra_block_bytes))
         if self.tp is not None:
             blocks = self.tp.min_int(blocks)  # one block table drives every rank: the tightest one decides
         if blocks < 1:

@@ -51,6 +51,7 @@ class Request:
     # speculative decoding: draft tokens after its last token that this step verifies (engine.spec_decode);
     # they sit past num_tokens (token_at reads them) and become output only once accepted
     spec_token_ids: list[int] = field(default_factory=list)
+    draft_computed_tokens: int = 0  # a draft model's KV: its leading positions computed (spec_decode.draft)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)

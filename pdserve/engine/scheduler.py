@@ -77,6 +77,7 @@ class Scheduler:
         self.blocks.release(req)
         req.num_computed_tokens = 0
         req.spec_token_ids = []
+        req.draft_computed_tokens = 0  # its blocks, the draft's KV among them, are gone
         req.status = Status.WAITING
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1

@@ -23,6 +23,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
     # speculation pauses while more requests than this are running (vLLM's disable_by_batch_size); None: never
     disable_by_batch_size: int | None = None
+    model: str | None = None  # draft_model: the draft's folder or embedded name (same tokenizer as the target)
 
     @classmethod
     def parse(cls, value: dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -51,9 +52,11 @@ class SpeculativeConfig:
             method = "ngram"
         if method is None and model is not None:
             method = "draft_model"
-        if method != "ngram":
+        if method not in ("ngram", "draft_model"):
             raise ValueError(f"speculative_config: method {method!r} is not available: pdserve implements "
-                             "\"ngram\" (prompt lookup); draft models are not built yet")
+                             "\"ngram\" (prompt lookup) and \"draft_model\" (a smaller model given as model)")
+        if method == "draft_model" and (not isinstance(model, str) or not model):
+            raise ValueError("speculative_config.model: a draft_model needs the draft's folder (or name)")
         k = value.get("num_speculative_tokens")
         if type(k) is not int or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in "
@@ -73,4 +76,4 @@ class SpeculativeConfig:
         off = value.get("disable_by_batch_size")
         if off is not None and (type(off) is not int or off < 1):
             raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 1, got {off!r}")
-        return cls("ngram", k, lo, hi, off)
+        return cls(method, k, lo, hi, off, model if method == "draft_model" else None)

@@ -19,30 +19,38 @@ import numpy as np
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.spec_decode.config import SpeculativeConfig
+from pdserve.engine.spec_decode.draft import DraftModelProposer
 from pdserve.engine.spec_decode.metrics import SpecDecodeStats
 from pdserve.engine.spec_decode.ngram import propose_ngram
 from pdserve.engine.spec_decode.rejection import Verified, verify
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, draft: DraftModelProposer | None = None):
         self.config = config
+        self.draft = draft  # None: ngram
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
 
     def propose(self, running: list[Request]) -> None:
         """Sets every running request's `spec_token_ids` for the coming step ([] where it gets none)."""
         cfg = self.config
         off = cfg.disable_by_batch_size is not None and len(running) > cfg.disable_by_batch_size
-        for req in running:
-            req.spec_token_ids = [] if off else self._draft(req)
+        ks = [0 if off else self._num_drafts(req) for req in running]
+        if self.draft is not None:
+            for req in running:
+                req.spec_token_ids = []
+            self.draft.propose([r for r, k in zip(running, ks, strict=True) if k > 0], [k for k in ks if k > 0])
+            return
+        for req, k in zip(running, ks, strict=True):
+            req.spec_token_ids = self._ngram(req, k) if k > 0 else []
 
-    def _draft(self, req: Request) -> list[int]:
+    def _num_drafts(self, req: Request) -> int:
         if req.grammar is not None or req.num_computed_tokens != req.num_tokens - 1 or not req.output_token_ids:
-            return []
+            return 0
         # the verify step emits up to k + 1 tokens: drafting past max_tokens (which max_model_len caps) is waste
-        k = min(self.config.num_speculative_tokens, req.max_tokens - len(req.output_token_ids) - 1)
-        if k <= 0:
-            return []
+        return max(0, min(self.config.num_speculative_tokens, req.max_tokens - len(req.output_token_ids) - 1))
+
+    def _ngram(self, req: Request, k: int) -> list[int]:
         tokens = np.array(req.token_ids(), dtype=np.int64)
         return propose_ngram(tokens, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
 
@@ -51,4 +59,6 @@ class SpecDecoder:
         for v in out:
             if v.num_draft_tokens:
                 self.stats.observe_draft(v.num_draft_tokens, v.num_accepted)
+                if self.draft is not None:
+                    self.draft.on_verified(v.req, v.num_draft_tokens, v.num_accepted)
         return out
