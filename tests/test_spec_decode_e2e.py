@@ -32,6 +32,10 @@ def servers(tmp_path_factory) -> Iterator[dict[str, ServerProcess]]:
         "plain": start("plain"),
         "prefill": start("prefill", "--kv-transfer-config", kv_config("kv_producer"), "--side-channel-port", "0"),
         "spec": start("spec", "--speculative-config", SPEC, "--kv-transfer-config", kv_config("kv_consumer")),
+        # the target as its own draft: every draft is accepted only if the draft's prompt KV is right
+        "draft": start("draft", "--speculative-config", json.dumps({"model": str(model_dir),
+                                                                     "num_speculative_tokens": 3}),
+                       "--kv-transfer-config", kv_config("kv_consumer")),
     }
     with all_ready(procs):
         yield procs
@@ -68,14 +72,24 @@ def test_structured_output_as_without(servers):
     assert complete(servers["spec"], **body)["text"] == complete(servers["plain"], **body)["text"]
 
 
-def test_decode_instance_behind_a_prefill_gives_the_collocated_tokens(servers):
-    body = {"model": MODEL, "temperature": 0, "prompt": PROMPT, "max_tokens": 40, "ignore_eos": True}
+@pytest.mark.parametrize("decode", ["spec", "draft"])
+def test_decode_instance_behind_a_prefill_gives_the_collocated_tokens(servers, decode):
+    """ngram, and a draft model whose prompt KV the decode instance computes itself (a draft prefill): the
+    prefill instance has no draft model and sends only the target's KV."""
+    body = {"model": MODEL, "temperature": 0, "prompt": PROMPT + " " + decode, "max_tokens": 40, "ignore_eos": True}
     ref = complete(servers["plain"], **{k: v for k, v in body.items() if k != "model"})["text"]
-    params = prefill_leg(servers["prefill"], "completions", body, "spec-pd-1")
-    out = decode_leg(servers["spec"], "completions", body, params, "spec-pd-1")
+    before = httpx.get(f"{servers[decode].url}/metrics", timeout=10).text
+    params = prefill_leg(servers["prefill"], "completions", body, f"spec-pd-{decode}")
+    out = decode_leg(servers[decode], "completions", body, params, f"spec-pd-{decode}")
     assert out.status_code == 200, out.text
     assert out.json()["choices"][0]["text"] == ref
     wait_idle(servers["prefill"].url)
+    after = httpx.get(f"{servers[decode].url}/metrics", timeout=10).text
+    drafted, accepted = (metric_value(after, name) - metric_value(before, name) for name in (
+        "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"))
+    assert drafted > 0
+    if decode == "draft":
+        assert accepted == drafted  # the draft's KV of the transferred prompt was computed on the decode
 
 
 def test_metrics_have_vllms_spec_decode_counters(servers):
