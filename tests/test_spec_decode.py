@@ -274,3 +274,39 @@ def test_draft_model_must_share_the_vocabulary(tiny_llama, tiny_model_factory):
     wrong = tiny_model_factory("llama", vocab_size=256)
     with pytest.raises(ValueError, match="vocabulary"):
         make_engine(tiny_llama, speculative_config={"model": str(wrong), "num_speculative_tokens": 2})
+
+
+def test_llm_takes_speculative_config(tiny_llama, plain):
+    from pdserve.llm import LLM
+
+    llm = LLM(str(tiny_llama), skip_tokenizer_init=True, device="cpu", block_size=16, num_gpu_blocks_override=64,
+              speculative_config=NGRAM)
+    prompts = repetitive_prompts(320)[:2]
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    assert [g.outputs[0].token_ids for g in got] == run_engine(plain, prompts, sp)
+    assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+
+
+def test_bench_reads_the_acceptance_from_metrics():
+    from pdserve.bench.spec_decode import format_spec_block, parse_spec_counters
+
+    def text(drafts, tokens, accepted, per_pos):
+        lines = [f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {drafts}',
+                 f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="m"}} {tokens}',
+                 f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} {accepted}']
+        lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="{i}"}} {n}'
+                  for i, n in enumerate(per_pos)]
+        return "\n".join(["# HELP x y", *lines, "vllm:num_requests_running 1"])
+
+    assert parse_spec_counters("vllm:num_requests_running 1") is None
+    before = parse_spec_counters(text(10, 40, 20, [8, 6, 4, 2]))
+    after = parse_spec_counters(text(30, 120, 80, [28, 22, 18, 12]))
+    keys = (after - before).result_keys()
+    assert keys["spec_decode_acceptance_rate"] == pytest.approx(75.0)
+    assert keys["spec_decode_acceptance_length"] == pytest.approx(4.0)
+    assert keys["spec_decode_per_position_acceptance_rates"] == pytest.approx([1.0, 0.8, 0.7, 0.5])
+    assert (keys["spec_decode_num_drafts"], keys["spec_decode_draft_tokens"], keys["spec_decode_accepted_tokens"]) \
+        == (20, 80, 60)
+    assert "Acceptance rate (%):" in format_spec_block(keys)
+    assert (before - before).result_keys() == {}
