@@ -63,7 +63,7 @@ WORKLOADS = {
                        "mentions a year.",
     "plain chat": "Write a short story about a dragon who learns to cook.",
 }
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5, "prompt_lookup_min": 3}
 
 
 def chat_ids(tok, text: str) -> list[int]:
@@ -114,7 +114,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--batch", type=int, default=0, help="also measure throughput at this batch size")
     ap.add_argument("--draft-prefill", action="store_true")
+    ap.add_argument("--k", type=int, default=NGRAM["num_speculative_tokens"])
+    ap.add_argument("--lookup", default="3,5", help="prompt_lookup_min,prompt_lookup_max")
     args = ap.parse_args()
+    lo, hi = (int(x) for x in args.lookup.split(","))
+    NGRAM.update(num_speculative_tokens=args.k, prompt_lookup_min=lo, prompt_lookup_max=hi)
 
     from transformers import AutoTokenizer
 
@@ -175,7 +179,7 @@ def draft_prefill(tok) -> None:
     proposer = eng.spec.draft
     cfg = proposer.runner.model_cfg
     kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
-    for n in (256, 1024, 2048):
+    for n in (256, 1024):
         prompt = (chat_ids(tok, DOCUMENT * 20) * 10)[:n]
         eng.add_request(f"dp-{n}", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         eng.step()  # the target's prefill: the first token
