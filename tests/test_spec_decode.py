@@ -310,3 +310,26 @@ def test_bench_reads_the_acceptance_from_metrics():
         == (20, 80, 60)
     assert "Acceptance rate (%):" in format_spec_block(keys)
     assert (before - before).result_keys() == {}
+
+
+def test_serve_flags_are_checked_before_loading():
+    import argparse
+
+    from pdserve.server.cli import _check_args, add_arguments, engine_config
+
+    def check(*argv):
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        return p.parse_args(list(argv))
+
+    args = check("--speculative-config", json_ngram := '{"method": "ngram", "num_speculative_tokens": 3}',
+                 "--speculative-disable-by-batch-size", "4")
+    assert _check_args(args) is None
+    assert engine_config(args).speculative_config == {"method": "ngram", "num_speculative_tokens": 3,
+                                                      "disable_by_batch_size": 4}
+    assert "not valid JSON" in _check_args(check("--speculative-config", "{nope"))
+    assert "--speculative-config.num_speculative_tokens" in _check_args(
+        check("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'))
+    assert "needs --speculative-config" in _check_args(check("--speculative-disable-by-batch-size", "4"))
+    assert "disable_by_batch_size" in _check_args(check("--speculative-config", json_ngram,
+                                                        "--speculative-disable-by-batch-size", "0"))

@@ -76,8 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         '"disable_additional_properties": bool}')
     p.add_argument("--speculative-config", default=None,
                    help='vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, '
-                        '"prompt_lookup_min": M}: draft K tokens by prompt lookup and verify them in one step '
-                        '(same tokens under greedy, same distribution under sampling)')
+                        '"prompt_lookup_min": M} drafts K tokens by prompt lookup, {"model": DIR, '
+                        '"num_speculative_tokens": K} by a smaller model with the same tokenizer; one step verifies '
+                        'them (same tokens under greedy, same distribution under sampling)')
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="B",
                    help="speculation pauses while more than B requests run (the speculative config's "
                         "disable_by_batch_size)")
