@@ -333,3 +333,23 @@ def test_serve_flags_are_checked_before_loading():
     assert "needs --speculative-config" in _check_args(check("--speculative-disable-by-batch-size", "4"))
     assert "disable_by_batch_size" in _check_args(check("--speculative-config", json_ngram,
                                                         "--speculative-disable-by-batch-size", "0"))
+
+
+def test_up_gives_the_speculative_config_to_decode_and_collocated_instances():
+    import argparse
+
+    from pdserve.launch.cli import add_arguments, config_from_args
+    from pdserve.launch.config import parse_topology
+    from pdserve.launch.spec import build_deployment
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+    for topology, roles in (("1p1d", {"prefill": False, "decode": True}), ("collocated:1", {"collocated": True})):
+        cfg = config_from_args(parser.parse_args(["m", "--gpus", "none", "--speculative-config", spec]))
+        cfg.topology = parse_topology(topology)
+        for inst in build_deployment(cfg, cpus=[0, 1], env={}).instances:
+            has = "--speculative-config" in inst.argv
+            assert has == roles[inst.role], inst.name
+            if has:
+                assert inst.argv[inst.argv.index("--speculative-config") + 1] == spec
