@@ -59,8 +59,8 @@ DOCUMENT = (
 WORKLOADS = {
     "code edit": "Rename the function total_revenue to compute_revenue in this code and add nothing else. "
                  "Reply with the full code only.\n\n" + CODE,
-    "document quotes": "Document:\n" + DOCUMENT + "\n\nQuote, word for word, every sentence of the document that "
-                       "mentions a year.",
+    "document quotes": "Document:\n" + DOCUMENT + "\n\nWhere did the library move in 1958, and what happened to "
+                       "it in 1987 and in 1990? Answer by quoting the document word for word.",
     "plain chat": "Write a short story about a dragon who learns to cook.",
 }
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5, "prompt_lookup_min": 3}
@@ -78,21 +78,24 @@ def make_engine(spec: dict | None, max_num_seqs: int = 8):
     return LLMEngine(EngineConfig(device="cpu", max_num_seqs=max_num_seqs, speculative_config=spec))
 
 
-def run_one(engine, rid: str, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
-    """Greedy; returns the tokens and TPOT in ms."""
+def run_one(engine, rid: str, prompt: list[int], max_tokens: int) -> tuple[list[int], float, float]:
+    """Greedy; returns the tokens, TPOT in ms, and this process's CPU ms per output token after the first
+    (less sensitive than wall time to the other processes on a shared box)."""
     from pdserve.engine.sampling_params import SamplingParams
 
     engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
     out: list[int] = []
-    first = last = None
+    first = last = cpu_first = None
+    cpu_last = 0.0
     while engine.has_unfinished():
         for o in engine.step():
             if o.new_token_ids:
-                last = time.perf_counter()
-                first = first or last
+                last, cpu_last = time.perf_counter(), time.process_time()
+                if first is None:
+                    first, cpu_first = last, cpu_last
                 out.extend(o.new_token_ids)
-    assert first is not None and last is not None and len(out) > 1
-    return out, (last - first) / (len(out) - 1) * 1e3
+    assert first is not None and cpu_first is not None and len(out) > 1
+    return out, (last - first) / (len(out) - 1) * 1e3, (cpu_last - cpu_first) / (len(out) - 1) * 1e3
 
 
 def batch_run(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> float:
@@ -129,7 +132,7 @@ def main() -> None:
     print(f"speculative_config: {NGRAM}")
     for name, text in WORKLOADS.items():
         prompt = chat_ids(tok, text)
-        ratios, tp, ts = [], [], []
+        ratios, tp, ts, cpu_ratios = [], [], [], []
         acc0 = spec.stats().spec_decode
         for r in range(args.rounds):
             load = os.getloadavg()[0]
@@ -141,14 +144,17 @@ def main() -> None:
             tp.append(got["plain"][1])
             ts.append(got["ngram"][1])
             ratios.append(got["plain"][1] / got["ngram"][1])
+            cpu_ratios.append(got["plain"][2] / got["ngram"][2])
             print(f"  {name:16s} round {r}: load {load:5.1f}  plain {got['plain'][1]:6.1f} ms/token  "
-                  f"ngram {got['ngram'][1]:6.1f} ms/token  speedup {ratios[-1]:.2f}x  ({len(got['plain'][0])} tokens)")
+                  f"ngram {got['ngram'][1]:6.1f} ms/token  speedup {ratios[-1]:.2f}x  (CPU ms/token "
+                  f"{got['plain'][2]:.1f} vs {got['ngram'][2]:.1f}: {cpu_ratios[-1]:.2f}x; {len(got['plain'][0])} tokens)")
         acc1 = spec.stats().spec_decode
         drafted = acc1.num_draft_tokens - acc0.num_draft_tokens
         accepted = acc1.num_accepted_tokens - acc0.num_accepted_tokens
         drafts = acc1.num_drafts - acc0.num_drafts
         print(f"{name:16s}: median TPOT plain {statistics.median(tp):.1f} ms, ngram {statistics.median(ts):.1f} ms; "
-              f"speedup median {statistics.median(ratios):.2f}x (rounds {', '.join(f'{x:.2f}' for x in ratios)}); "
+              f"speedup median {statistics.median(ratios):.2f}x (rounds {', '.join(f'{x:.2f}' for x in ratios)}), "
+              f"in CPU time {statistics.median(cpu_ratios):.2f}x; "
               f"acceptance {100 * accepted / max(drafted, 1):.0f} %, {1 + accepted / max(drafts, 1):.2f} tokens "
               f"per verify step")
     if args.batch:
@@ -160,7 +166,7 @@ def main() -> None:
         rows = {"plain": [], "ngram": [], f"ngram, disable_by_batch_size={max(1, args.batch // 2)}": []}
         for r in range(2):
             for (tag, eng) in zip(rows, (plain, spec, capped), strict=True):
-                rows[tag].append(batch_run(eng, prompts, 96, f"b{r}-{tag}"))
+                rows[tag].append(batch_run(eng, prompts, 64, f"b{r}-{tag}"))
         for tag, vals in rows.items():
             print(f"batch {args.batch}: {tag:36s} {statistics.mean(vals):7.1f} output tokens/s "
                   f"(runs {', '.join(f'{v:.1f}' for v in vals)})")
