@@ -353,3 +353,18 @@ def test_up_gives_the_speculative_config_to_decode_and_collocated_instances():
             assert has == roles[inst.role], inst.name
             if has:
                 assert inst.argv[inst.argv.index("--speculative-config") + 1] == spec
+
+
+def test_a_seeded_request_without_drafts_draws_as_a_plain_step():
+    """In verify steps, a seeded request that has no drafts takes the tokens the plain sampler would give it,
+    step after step, so batching it with drafting requests does not change its output."""
+    torch.manual_seed(3)
+    reqs = [_request(0, [], temperature=0.9, top_p=0.8, seed=11), _request(1, [5, 7], temperature=0.7),
+            _request(2, [], temperature=1.0, seed=12)]
+    twins = [_request(0, [], temperature=0.9, top_p=0.8, seed=11), _request(2, [], temperature=1.0, seed=12)]
+    spec, plain = Sampler(seed=0), Sampler(seed=0)
+    for _ in range(3):
+        logits = torch.randn(5, 40)  # rows: 1 + 3 + 1
+        out = verify(spec, logits, reqs)
+        want, _ = plain.sample(logits[[0, 4]], twins)
+        assert [out[0].token_ids[0], out[2].token_ids[0]] == want

@@ -116,7 +116,8 @@ def _random_draws(sampler: Sampler, adjusted: torch.Tensor, reqs: list[Request],
         if req.params.seed is not None and not req.params.greedy:
             gen = sampler._generator(req, dev)
             noise[row : row + n].exponential_(generator=gen)
-            uniform[row : row + n] = torch.rand(n, device=dev, generator=gen)
+            if n > 1:  # none for a row without drafts: it then draws exactly what a plain step draws
+                uniform[row : row + n - 1] = torch.rand(n - 1, device=dev, generator=gen)
         row += n
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
     resampled = (residual / noise).argmax(dim=-1)
