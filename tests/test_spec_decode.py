@@ -368,3 +368,18 @@ def test_a_seeded_request_without_drafts_draws_as_a_plain_step():
         out = verify(spec, logits, reqs)
         want, _ = plain.sample(logits[[0, 4]], twins)
         assert [out[0].token_ids[0], out[2].token_ids[0]] == want
+
+
+def test_ngram_with_tensor_parallelism(tiny_llama, plain):
+    """Rank 0 drafts and verifies; the other ranks replay the verify step's inputs like any other step."""
+    prompts = repetitive_prompts(320)[:2]
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    eng = make_engine(tiny_llama, tensor_parallel_size=2, speculative_config=NGRAM)
+    try:
+        assert run_engine(eng, prompts, sp) == run_engine(plain, prompts, sp)
+        assert eng.stats().spec_decode.num_accepted_tokens > 0
+    finally:
+        eng.shutdown()
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        make_engine(tiny_llama, tensor_parallel_size=2,
+                    speculative_config={"model": str(tiny_llama), "num_speculative_tokens": 2})
