@@ -383,3 +383,16 @@ def test_ngram_with_tensor_parallelism(tiny_llama, plain):
     with pytest.raises(ValueError, match="tensor parallelism"):
         make_engine(tiny_llama, tensor_parallel_size=2,
                     speculative_config={"model": str(tiny_llama), "num_speculative_tokens": 2})
+
+
+def test_gpu_step_path_verifies_eagerly_between_graph_steps(tiny_llama, plain):
+    """The GPU step runner (its decode graphs simulated on the CPU): steps without drafts replay graphs, verify
+    steps run eagerly with the drafts as query tokens; tokens as without speculation."""
+    from test_async_scheduling import simulate_gpu_path
+
+    eng = simulate_gpu_path(make_engine(tiny_llama, speculative_config=NGRAM, max_num_seqs=4))
+    assert eng.pipeline is None  # no async scheduling with speculation
+    prompts = repetitive_prompts(320)[:2] + mixed_prompts(320, lengths=(20,))
+    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    assert run_engine(eng, prompts, sp) == run_engine(plain, prompts, sp)
+    assert eng.stats().spec_decode.num_accepted_tokens > 0 and eng.runner.step_timing.graph_steps > 0
