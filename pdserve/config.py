@@ -82,6 +82,9 @@ class EngineConfig:
     # vLLM's --structured-outputs-config JSON: backend (auto | guidance), disable_any_whitespace,
     # disable_additional_properties
     structured_outputs_config: dict[str, Any] | None = None
+    # vLLM's --speculative-config JSON: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N,
+    # "prompt_lookup_min": M, "disable_by_batch_size": B} (pdserve.engine.spec_decode.config)
+    speculative_config: dict[str, Any] | None = None
     tensor_parallel_size: int = 1  # ranks; > 1 starts one worker process per extra rank (pdserve.parallel)
     distributed_timeout_s: float = 120.0  # bound on every tensor-parallel collective while serving
     distributed_setup_timeout_s: float = 900.0  # bound on starting the ranks and loading their weights
@@ -141,6 +144,9 @@ class EngineConfig:
 
         KVEventsConfig.from_json(self.kv_events_config)  # ValueError naming the bad key or value
         self._check_offloading()
+        from pdserve.engine.spec_decode.config import SpeculativeConfig
+
+        SpeculativeConfig.parse(self.speculative_config)  # ValueError naming the bad key or value
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")

@@ -27,6 +27,7 @@ from pdserve.bench.metrics import (
 from pdserve.bench.options import MULTITURN_DATASETS, BenchSpec
 from pdserve.bench.progress import ProgressBar
 from pdserve.bench.result import build_result, format_block
+from pdserve.bench.spec_decode import format_spec_block, read_spec_counters
 from pdserve.bench.tokenizer import TokenizerError, load_tokenizer, token_counter
 from pdserve.bench.types import RequestInput, RequestOutput, SampleRequest
 
@@ -419,7 +420,14 @@ async def run_serve(spec: BenchSpec) -> dict[str, Any]:
         print(
             "WARNING: no temperature is sent (the server's default applies); pass --temperature 0 for greedy."
         )
+    spec_before = await read_spec_counters(target.root_url)
     bench_result = await benchmark(spec, target, requests)
+    spec_after = await read_spec_counters(target.root_url) if spec_before is not None else None
+    if spec_before is not None and spec_after is not None:
+        spec_keys = (spec_after - spec_before).result_keys()
+        if spec_keys:
+            print(format_spec_block(spec_keys))
+            bench_result.update(spec_keys)
     date = time.strftime("%Y%m%d-%H%M%S")
     result = finalize_result(spec, target, bench_result, date)
     if spec.save_result:

@@ -25,6 +25,9 @@ from pdserve.engine.params_mailbox import PARAMS_WAIT_S, ParamsMailbox
 from pdserve.engine.request import Request, Status
 from pdserve.engine.sampling_params import ParamError, SamplingParams
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.spec_decode.config import SpeculativeConfig
+from pdserve.engine.spec_decode.decoder import SpecDecoder
+from pdserve.engine.spec_decode.metrics import SpecDecodeStats
 from pdserve.engine.step_log import StepLog
 from pdserve.kv_events.config import KVEventsConfig
 from pdserve.kv_events.events import KVEventBatch
@@ -79,6 +82,7 @@ class EngineStats:
     external_prefix_cache_queries: int = 0  # tokens looked up in the offload tiers (vLLM's connector counters)
     external_prefix_cache_hits: int = 0
     kv_tiers: dict | None = None  # medium -> counters and usage of the offload tiers (None: no tiers)
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters (None: speculation off)
 
 
 def resolve_model_dir(model: str | None, load_format: str = "auto") -> Path:
@@ -115,17 +119,34 @@ class LLMEngine:
         self.max_model_len = verify_max_model_len(config.max_model_len, derived_max_model_len(
             self.model_cfg.max_position_embeddings, self.model_cfg.rope_scaling))  # before loading weights
         self.eos_token_ids = read_eos_ids(self.model_dir, self.model_cfg)
+        self.spec_config = SpeculativeConfig.parse(config.speculative_config)
         if config.tensor_parallel_size > 1:
+            if self.spec_config is not None and self.spec_config.method == "draft_model":
+                raise ValueError("speculative_config: a draft model is not built for tensor parallelism yet "
+                                 "(tensor_parallel_size must be 1; ngram works)")
             from pdserve.parallel.executor import start_tensor_parallel  # workers only when they exist
 
             self.runner = start_tensor_parallel(config, self.model_cfg, self.model_dir)
         else:
-            self.runner = ModelRunner(config, self.model_cfg, self.model_dir)
+            self.runner = ModelRunner(config, self.model_cfg, self.model_dir,
+                                      extra_block_bytes=self._draft_block_bytes(config))
         try:
             self._init_rest(config, connector_factory)
         except BaseException:
             self.runner.shutdown()  # tensor-parallel workers must not outlive a failed start
             raise
+
+    def _draft_block_bytes(self, config: EngineConfig) -> int:
+        """A draft model's KV bytes per block (its pool has the target's block count), else 0."""
+        spec = self.spec_config
+        if spec is None or spec.model is None:
+            return 0
+        from pdserve.engine.model_runner import resolve_device, resolve_dtype
+        from pdserve.engine.spec_decode.draft import draft_block_bytes, load_draft_config
+
+        _, draft_cfg = load_draft_config(spec.model, config)
+        dtype = resolve_dtype(config.dtype, draft_cfg, resolve_device(config.device))
+        return draft_block_bytes(draft_cfg, config.block_size, dtype)
 
     def _init_rest(self, config: EngineConfig, connector_factory: ConnectorFactory | None) -> None:
         self.connector: KVConnectorProtocol | None = None
@@ -142,9 +163,20 @@ class LLMEngine:
             budget = max(budget, self.max_model_len)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, budget, config.enable_chunked_prefill,
                                    config.prefill_only_chunk(self.runner.device.type))
-        # async scheduling (pdserve.engine.async_decode): decode steps launched ahead; None: every step waits
+        spec = self.spec_config
+        draft = None
+        if spec is not None and spec.model is not None:
+            from pdserve.engine.spec_decode.draft import DraftModelProposer
+
+            draft = DraftModelProposer(spec.model, config, self.model_cfg, self.runner.num_blocks, self.blocks,
+                                       budget)
+        # speculative decoding (pdserve.engine.spec_decode): drafts verified in one step; None: off
+        self.spec = SpecDecoder(spec, draft) if spec is not None else None
+        # async scheduling (pdserve.engine.async_decode): decode steps launched ahead; None: every step waits.
+        # Not with speculation: a step's inputs (its drafts) depend on the previous step's accepted tokens.
         self.pipeline = DecodePipeline(self.scheduler, self.blocks, self.runner) \
-            if async_scheduling_enabled(config.async_scheduling, self.runner.device.type) else None
+            if async_scheduling_enabled(config.async_scheduling, self.runner.device.type) and self.spec is None \
+            else None
         self._inflight: InflightDecode | None = None  # a decode step launched and not yet taken in
         self.tiers = None  # the KV offload tiers (host memory, disk) behind the pool, when configured
         self.tier_loader = None
@@ -239,6 +271,8 @@ class LLMEngine:
         if self.tiers is not None:
             self.tiers.counters.clear()
         self.runner.step_timing.reset()
+        if self.spec is not None:
+            self.spec.stats = SpecDecodeStats(self.spec.config.num_speculative_tokens)
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -481,6 +515,8 @@ class LLMEngine:
             self._evict_history_for_room()
         if self.tier_loader is not None:
             self.tier_loader.before_schedule()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         for req in sched.dropped_loads:
             assert self.connector is not None
@@ -506,14 +542,17 @@ class LLMEngine:
         t_sched = time.perf_counter()
         timing = self.runner.step_timing
         graphs0, wait0 = timing.graph_steps, timing.wait_s
-        reqs, tokens, logprobs = self.runner.execute(sched.scheduled)
-        t_exec = time.perf_counter()
-        for req, n in sched.scheduled:
-            req.num_computed_tokens += n
-            self.blocks.cache_full_blocks(req)
-        now = time.monotonic()
-        for req, tok, lp in zip(reqs, tokens, logprobs, strict=True):
-            self._take_token(req, tok, lp, now, outputs)
+        if self.spec is not None and any(req.spec_token_ids for req, _ in sched.scheduled):
+            t_exec = self._verify_step(sched.scheduled, outputs)
+        else:
+            reqs, tokens, logprobs = self.runner.execute(sched.scheduled)
+            t_exec = time.perf_counter()
+            for req, n in sched.scheduled:
+                req.num_computed_tokens += n
+                self.blocks.cache_full_blocks(req)
+            now = time.monotonic()
+            for req, tok, lp in zip(reqs, tokens, logprobs, strict=True):
+                self._take_token(req, tok, lp, now, outputs)
         if self.step_log is not None:
             self.step_log.record(
                 t_start, t_sched, t_exec, time.perf_counter(), seqs=len(sched.scheduled),
@@ -522,9 +561,42 @@ class LLMEngine:
                 start_counters=counters0, threads=getattr(self.runner, "last_step_threads", None))
         return outputs
 
+    def _verify_step(self, scheduled: list[tuple[Request, int]], outputs: list[RequestOutput]) -> float:
+        """A step with drafts to verify (engine.spec_decode): the logits of every draft position, the
+        rejection sampler's tokens, then each request takes its tokens one by one, as if they came from
+        that many plain steps: each may end it (a stop token, max_tokens, the grammar), and whatever follows
+        is dropped. Only accepted drafts' positions count as computed. Returns when the model run ended."""
+        assert self.spec is not None
+        reqs, logits = self.runner.execute_logits(scheduled)
+        verified = self.spec.verify(self.runner.sampler, logits, reqs) if logits is not None else []
+        t_exec = time.perf_counter()
+        for req, n in scheduled:
+            req.num_computed_tokens += n - len(req.spec_token_ids)  # through the last token before the drafts
+            self.blocks.cache_full_blocks(req)
+            req.spec_token_ids = []
+        now = time.monotonic()
+        for v in verified:
+            req = v.req
+            for i, (tok, lp) in enumerate(zip(v.token_ids, v.logprobs, strict=True)):
+                if i:  # token i - 1 was an accepted draft: its K/V, written in this step, is now valid
+                    req.num_computed_tokens += 1
+                    self.blocks.cache_full_blocks(req)
+                if self._append_token(req, tok, lp, now, outputs):
+                    break
+            else:
+                outputs.append(self._emit(req))  # one output with all of this step's tokens
+        return t_exec
+
     def _take_token(self, req: Request, tok: int, lp: TokenLogprob | None, now: float,
                     outputs: list[RequestOutput]) -> None:
         """A sampled token into its request: emitted, or the request finished by it."""
+        if not self._append_token(req, tok, lp, now, outputs):
+            outputs.append(self._emit(req))
+
+    def _append_token(self, req: Request, tok: int, lp: TokenLogprob | None, now: float,
+                      outputs: list[RequestOutput]) -> bool:
+        """A sampled token into its request, not yet emitted; True when it ended the request (finished, its
+        output with every token not yet emitted in `outputs`)."""
         req.output_token_ids.append(tok)
         if lp is not None:
             req.output_logprobs.append(lp)
@@ -534,8 +606,8 @@ class LLMEngine:
         if req.check_stop(tok) or (req.grammar is not None and self.grammars.advance(req, tok)):
             self.scheduler.remove(req)
             outputs.append(self._finish(req, hold=req.kv.send or req.kv.keep_history))
-        else:
-            outputs.append(self._emit(req))
+            return True
+        return False
 
     def _advance(self, t_start: float, counters0: tuple[int, int, int] | None) -> list[RequestOutput]:
         """Async scheduling: launch the step after the one in flight when it qualifies (pipeline.launch_next),
@@ -820,6 +892,7 @@ class LLMEngine:
             external_prefix_cache_queries=self.blocks.external_queries,
             external_prefix_cache_hits=self.blocks.external_hits,
             kv_tiers=self.tiers.stats() if self.tiers is not None else None,
+            spec_decode=self.spec.stats.snapshot() if self.spec is not None else None,
         )
 
     def shutdown(self) -> None:

@@ -21,6 +21,7 @@ from pdserve.engine import prompt_logprobs
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
+from pdserve.engine.spec_decode.rows import logit_rows
 from pdserve.gpu.step_timing import StepTiming
 from pdserve.kv_transfer.compat import HEAD_MAJOR_LAYOUT, POOL_LAYOUT
 from pdserve.model.config import ModelConfig
@@ -129,11 +130,13 @@ def _kernel_backend(device: torch.device, name: str = "auto", kv_format: fp8_kv.
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model_dir: Path | None,
-                 tp: TPGroup | None = None):
+                 tp: TPGroup | None = None, extra_block_bytes: int = 0):
         """tp: this rank's tensor-parallel group (None: one process, no collectives). Every rank builds a
         ModelRunner over its shard; rank 0's runs in the engine process and forwards each step's inputs to
-        the others (`step_sink`), which replay them (`replay`)."""
+        the others (`step_sink`), which replay them (`replay`). extra_block_bytes: memory another pool
+        indexed by the same block ids takes per block (a speculative draft model's KV), sized in with it."""
         self.config = config
+        self.extra_block_bytes = extra_block_bytes
         self.model_cfg = model_cfg
         self.tp = tp
         # ranks 1..N-1 when this is rank 0 of a TP group (set by pdserve.parallel.executor)
@@ -303,7 +306,7 @@ class ModelRunner:
             budget -= self._extra_activation_bytes()
         else:
             budget = self.config.cpu_kv_cache_gb * 1024**3
-        blocks = int(budget // self.block_bytes)
+        blocks = int(budget // (self.block_bytes + self.extra_block_bytes))
         if self.tp is not None:
             blocks = self.tp.min_int(blocks)  # one block table drives every rank: the tightest one decides
         if blocks < 1:
@@ -396,35 +399,49 @@ class ModelRunner:
         on_layer = self.layer_hook(batch) if self.layer_hook is not None else None
         if self.gpu is not None:
             return self.gpu.execute(batch)
-        num_tokens = sum(n for _, n in batch)
-        if self.cpu_threads is not None:
-            self.last_step_threads = self.cpu_threads.apply(num_tokens)
         started = time.perf_counter()
+        sampling, logits = self._run_cpu(batch, on_layer)
+        if logits is None:
+            return [], [], []
+        tokens, logprobs = self.sampler.sample(logits, sampling)
+        self._record_cpu_step(batch, started)
+        return sampling, tokens, logprobs
+
+    @torch.inference_mode()
+    def execute_logits(self, batch: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor | None]:
+        """Runs the step without sampling: the requests at their frontier and the raw logits of their rows
+        (spec_decode.rows: k + 1 rows for a request verifying k drafts), for the speculative decoding
+        rejection sampler. On the GPU an eager step (no CUDA graph takes several rows per request yet)."""
+        if self.gpu is not None:
+            return self.gpu.execute_logits(batch)
+        started = time.perf_counter()
+        out = self._run_cpu(batch)
+        self._record_cpu_step(batch, started)
+        return out
+
+    def _run_cpu(self, batch: list[tuple[Request, int]], on_layer: Callable[[int], None] | None = None,
+                 ) -> tuple[list[Request], torch.Tensor | None]:
+        """The step's forward: (requests at their frontier, logits of their rows), None when none samples.
+        Rows that give prompt logprobs come first in the forward (every TP rank gathers the same rows); their
+        logprobs are recorded on their requests here, so callers see only the sampling rows."""
+        if self.cpu_threads is not None:
+            self.last_step_threads = self.cpu_threads.apply(sum(n for _, n in batch))
         input_ids, positions, meta = self._prepare(batch)
         spans = prompt_logprobs.prompt_spans(batch)
-        rows: list[int] = prompt_logprobs.span_rows(spans)  # prompt-logprob rows first, then the sampling rows
-        num_prompt_rows = len(rows)
-        sampling: list[Request] = []
-        end = 0
-        for req, n in batch:
-            end += n
-            if req.num_computed_tokens + n == req.num_tokens:
-                rows.append(end - 1)
-                sampling.append(req)
+        prompt_rows = prompt_logprobs.span_rows(spans)
+        sample_rows, sampling = logit_rows(batch)
+        rows = prompt_rows + sample_rows
         if self.step_sink is not None:
             self.step_sink(("cpu", input_ids, positions, meta, rows))
         logits = self._forward_cpu(input_ids, positions, meta, rows, on_layer)
-        if logits is None:
-            return [], [], []
-        if spans:
-            prompt_logprobs.record(spans, logits[:num_prompt_rows])
-            logits = logits[num_prompt_rows:]
-        if not sampling:
-            return [], [], []
-        tokens, logprobs = self.sampler.sample(logits, sampling)
+        if logits is not None and spans:
+            prompt_logprobs.record(spans, logits[: len(prompt_rows)])
+            logits = logits[len(prompt_rows) :]
+        return sampling, (logits if sampling else None)
+
+    def _record_cpu_step(self, batch: list[tuple[Request, int]], started: float) -> None:
         if self.cpu_threads is not None and self.last_step_threads is not None:
-            self.cpu_threads.record(num_tokens, self.last_step_threads, time.perf_counter() - started)
-        return sampling, tokens, logprobs
+            self.cpu_threads.record(sum(n for _, n in batch), self.last_step_threads, time.perf_counter() - started)
 
     def _forward_cpu(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                      rows: list[int], on_layer: Callable[[int], None] | None = None) -> torch.Tensor | None:

@@ -50,6 +50,10 @@ class Request:
     metrics: RequestMetrics = field(init=False)
     result_kv_transfer_params: dict[str, Any] | None = None  # producer: what a consumer needs to read
     grammar: Any = None  # structured outputs: the request's matcher (pdserve.structured.grammar.Grammar)
+    # speculative decoding: draft tokens after its last token that this step verifies (engine.spec_decode);
+    # they sit past num_tokens (token_at reads them) and become output only once accepted
+    spec_token_ids: list[int] = field(default_factory=list)
+    draft_computed_tokens: int = 0  # a draft model's KV: its leading positions computed (spec_decode.draft)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
@@ -66,8 +70,13 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_at(self, i: int) -> int:
+        """Token i of prompt + output, then of the drafts being verified."""
         p = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+        if i < p:
+            return self.prompt_token_ids[i]
+        i -= p
+        out = self.output_token_ids
+        return out[i] if i < len(out) else self.spec_token_ids[i - len(out)]
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of the prompt then the output: token_at over a range, without a call per token."""

@@ -218,7 +218,11 @@ class Sampler:
             dead = torch.isneginf(x[idx]).all(dim=-1, keepdim=True)
             x[idx] = torch.where(dead, raw[idx] + bias[idx], x[idx])
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    @staticmethod
+    def probs(logits: torch.Tensor, reqs: list) -> torch.Tensor:
+        """The distribution each row samples from: the (adjusted) logits under the row's temperature, top-k,
+        min-p and top-p (greedy rows at temperature 1; their argmax is taken elsewhere). The speculative
+        decoding rejection sampler (pdserve.engine.spec_decode.rejection) accepts drafts against these."""
         dev = logits.device
         params = [r.params for r in reqs]
         greedy = [p.greedy for p in params]
@@ -243,6 +247,13 @@ class Sampler:
             drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p[:, None]
             drop[:, 0] = False
             probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
+        return probs
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        dev = logits.device
+        params = [r.params for r in reqs]
+        greedy = [p.greedy for p in params]
+        probs = self.probs(logits, reqs)
         noise = torch.empty_like(probs)
         seeded = [i for i, p in enumerate(params) if p.seed is not None and not greedy[i]]
         noise.exponential_(generator=self._default_generator(dev))

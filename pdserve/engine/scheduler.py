@@ -65,12 +65,22 @@ class Scheduler:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(req)
 
+    def _fit_drafts(self, req: Request, left: int, budget: int) -> None:
+        """Drafts are optional work: trimmed to the token budget, and dropped rather than take blocks the pool
+        does not have free (they never preempt anyone)."""
+        drafts = req.spec_token_ids[: max(0, budget - left)]
+        if drafts and not self.blocks.can_allocate(req, req.num_computed_tokens + left + len(drafts)):
+            drafts = []
+        req.spec_token_ids = drafts
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Back to the front of the queue, to be recomputed (the prefix cache may still hold its blocks).
         Only running requests are victims: a loading one's blocks belong to its transfer."""
         self.running.remove(req)
         self.blocks.release(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.draft_computed_tokens = 0  # its blocks, the draft's KV among them, are gone
         req.status = Status.WAITING
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -94,6 +104,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             left = req.num_tokens - req.num_computed_tokens
+            if req.spec_token_ids:
+                self._fit_drafts(req, left, budget)
+            left += len(req.spec_token_ids)  # drafts to verify (engine.spec_decode) run as more query tokens
             num_new = min(left, cap(left))
             if num_new <= 0:
                 i += 1

@@ -35,6 +35,7 @@ from pdserve.engine import prompt_logprobs
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
+from pdserve.engine.spec_decode.rows import logit_rows
 from pdserve.gpu.decode_fusions import decode_fusions_from_env
 from pdserve.gpu.step_timing import StepTiming
 from pdserve.model.decoder import DecoderLM
@@ -160,17 +161,12 @@ class HostBatch:
         self.width = w = max((r.num_computed_tokens + n + bs - 1) // bs for r, n in batch)
         self.query_lens = [n for _, n in batch]
         self.seq_lens = [r.num_computed_tokens + n for r, n in batch]
-        self.sampling: list[Request] = []
-        # prompt logprobs' rows first (pdserve.engine.prompt_logprobs), then one sampling row per frontier
+        # prompt logprobs' rows first (pdserve.engine.prompt_logprobs), then the sampling rows (logit_rows)
         self.prompt_spans = prompt_logprobs.prompt_spans(batch)
-        rows: list[int] = prompt_logprobs.span_rows(self.prompt_spans)
-        self.num_prompt_rows = len(rows)
-        end = 0
-        for (req, n), seq_len in zip(batch, self.seq_lens, strict=True):
-            end += n
-            if seq_len == req.num_tokens:
-                rows.append(end - 1)
-                self.sampling.append(req)
+        prompt_rows = prompt_logprobs.span_rows(self.prompt_spans)
+        self.num_prompt_rows = len(prompt_rows)
+        frontier_rows, self.sampling = logit_rows(batch)
+        rows = prompt_rows + frontier_rows
         self.num_rows = r = len(rows)
         self.offsets: dict[str, tuple[int, int]] = {}
         o = 0
@@ -195,7 +191,7 @@ class HostBatch:
             elif stop <= len(prompt):
                 ids[off : off + n] = prompt[start:stop]
             else:
-                ids[off : off + n] = req.token_ids()[start:stop]
+                ids[off : off + n] = (req.token_ids() + req.spec_token_ids)[start:stop]
             nb = (stop + bs - 1) // bs
             if tables_cache is None:
                 table = np.asarray(req.block_ids[:nb], dtype=np.int64)
@@ -580,6 +576,24 @@ class GpuStepRunner:
             torch.cuda.current_stream().synchronize()
 
     # ---- one step ------------------------------------------------------------------------------
+    def execute_logits(self, batch: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor | None]:
+        """An eager step returning the raw logits of its rows unsampled (ModelRunner.execute_logits)."""
+        t0 = time.perf_counter()
+        hb, logits = self._run_eager_sampling_rows(batch)
+        self.tables.end_step()
+        self.timing.steps += 1
+        self.timing.total_s += time.perf_counter() - t0
+        return hb.sampling, logits
+
+    def _run_eager_sampling_rows(self, batch: list[tuple[Request, int]]) -> tuple[HostBatch, torch.Tensor | None]:
+        """An eager step's logits of its sampling rows: the prompt-logprob rows it also computed are
+        recorded on their requests and cut off."""
+        hb, logits = self._run_eager(batch)
+        if hb.prompt_spans and logits is not None:
+            prompt_logprobs.record(hb.prompt_spans, logits[: hb.num_prompt_rows])
+            logits = logits[hb.num_prompt_rows :]
+        return hb, (logits if hb.sampling else None)
+
     def execute(self, batch: list[tuple[Request, int]]) -> tuple[list[Request], list[int], list[TokenLogprob | None]]:
         t0 = time.perf_counter()
         size = None
@@ -597,11 +611,8 @@ class GpuStepRunner:
                 logits, tokens = logits[idx], tokens[idx]
             self.timing.graph_steps += 1
         else:
-            hb, logits = self._run_eager(batch)
+            hb, logits = self._run_eager_sampling_rows(batch)
             sampling = hb.sampling
-            if hb.prompt_spans and logits is not None:
-                prompt_logprobs.record(hb.prompt_spans, logits[: hb.num_prompt_rows])
-                logits = logits[hb.num_prompt_rows :]
             tokens = None if logits is None else logits.argmax(dim=-1)
         result: tuple[list[Request], list[int], list[TokenLogprob | None]] = ([], [], [])
         if logits is not None and sampling:

@@ -113,6 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--no-kv-events: nowhere")
     parser.add_argument("--kv-offloading-size", type=float, default=None, metavar="GiB",
                         help="a host-memory KV tier of this size in every instance (vLLM's flag; backend native)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="speculative decoding on the decode and collocated instances (`pdserve serve "
+                             "--speculative-config`; prefill legs make one token and never speculate)")
     parser.add_argument("--dry-run", action="store_true", help="print the equivalent shell commands and exit")
     parser.add_argument("--demo", action="store_true",
                         help="once ready, send one request through the proxy; print answer, TTFT, KV transfer line")
@@ -188,6 +191,9 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         if args.kv_offloading_size <= 0:
             raise ValueError("--kv-offloading-size must be > 0 GiB")
         cfg.serve_args += ["--kv-offloading-size", f"{args.kv_offloading_size:g}", "--kv-offloading-backend", "native"]
+    if args.speculative_config is not None:
+        for role in ("decode", "collocated"):
+            cfg.pools[role].serve_args += ["--speculative-config", args.speculative_config]
     for role in ("prefill", "decode", "collocated"):
         cfg.pools[role].serve_args += [w for a in getattr(args, f"{role}_arg") for w in shlex.split(a)]
         if getattr(args, f"{role}_tp") is not None:

@@ -74,6 +74,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--structured-outputs-config", default=None,
                    help='vLLM\'s JSON: {"backend": "auto"|"guidance", "disable_any_whitespace": bool, '
                         '"disable_additional_properties": bool}')
+    p.add_argument("--speculative-config", default=None,
+                   help='vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, '
+                        '"prompt_lookup_min": M} drafts K tokens by prompt lookup, {"model": DIR, '
+                        '"num_speculative_tokens": K} by a smaller model with the same tokenizer; one step verifies '
+                        'them (same tokens under greedy, same distribution under sampling)')
+    p.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="B",
+                   help="speculation pauses while more than B requests run (the speculative config's "
+                        "disable_by_batch_size)")
     p.add_argument("--side-channel-host", default=None,
                    help="KV side-channel host (env VLLM_NIXL_SIDE_CHANNEL_HOST as fallback)")
     p.add_argument("--side-channel-port", type=int, default=None,
@@ -145,9 +153,20 @@ def engine_config(args: argparse.Namespace) -> Any:
         kv_offloading_disk_size=args.kv_offloading_disk_size,
         structured_outputs_config=json.loads(args.structured_outputs_config) if args.structured_outputs_config
         else None,
+        speculative_config=speculative_config(args),
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_timeout_s=args.distributed_timeout,
     )
+
+
+def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    """--speculative-config's JSON, with --speculative-disable-by-batch-size folded in."""
+    spec = json.loads(args.speculative_config) if args.speculative_config else None
+    if args.speculative_disable_by_batch_size is not None:
+        if not spec:
+            raise ValueError("--speculative-disable-by-batch-size needs --speculative-config")
+        spec = {**spec, "disable_by_batch_size": args.speculative_disable_by_batch_size}
+    return spec
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
@@ -189,6 +208,15 @@ def _check_args(args: argparse.Namespace) -> str | None:
             KVEventsConfig.from_json(args.kv_events_config)
         except (ValueError, TypeError) as e:
             return str(e) if str(e).startswith("--kv-events-config") else f"--kv-events-config: {e}"
+    if args.speculative_config is not None or args.speculative_disable_by_batch_size is not None:
+        from pdserve.engine.spec_decode.config import SpeculativeConfig
+
+        try:
+            SpeculativeConfig.parse(speculative_config(args))
+        except json.JSONDecodeError as e:
+            return f"--speculative-config is not valid JSON: {e}"
+        except ValueError as e:  # the message names the key: speculative_config.KEY
+            return str(e).replace("speculative_config", "--speculative-config", 1)
     if args.kv_transfer_config is not None:
         try:
             if not isinstance(json.loads(args.kv_transfer_config), dict):

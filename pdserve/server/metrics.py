@@ -76,8 +76,27 @@ class _EngineStatsCollector(Collector):
                           "External prefix cache hits, in terms of number of cached tokens.",
                           s.external_prefix_cache_hits)
             yield from _tier_metrics(tiers, names, values)
+        spec = getattr(s, "spec_decode", None)
+        if spec is not None:  # only with speculation on, as vLLM registers them
+            yield from _spec_decode_metrics(spec, names, values)
         yield gauge("pdserve:num_requests_held", "Finished prefill legs whose KV blocks are held for a consumer.",
                     getattr(s, "num_held", 0))
+
+
+def _spec_decode_metrics(spec: Any, names: list[str], values: list[str]) -> Iterator[Metric]:
+    """vLLM's speculative decoding counters (vllm/v1/spec_decode/metrics.py, SpecDecodingProm); acceptance
+    rate = accepted / draft tokens, mean acceptance length = 1 + accepted / drafts."""
+    for key, doc in (("num_drafts", "Number of spec decoding drafts."),
+                     ("num_draft_tokens", "Number of draft tokens."),
+                     ("num_accepted_tokens", "Number of accepted tokens.")):
+        c = CounterMetricFamily(f"vllm:spec_decode_{key}", doc, labels=names)
+        c.add_metric(values, getattr(spec, key))
+        yield c
+    c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                            labels=[*names, "position"])
+    for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+        c.add_metric([*values, str(pos)], n)
+    yield c
 
 
 _TIER_COUNTERS = (
