@@ -138,8 +138,10 @@ def children_of(pid: int) -> list[int]:
 class Up:
     """`python -m pdserve up ARGS` with its output collected by a reader thread."""
 
-    def __init__(self, args: list[str], cwd: Path, env: dict[str, str] | None = None) -> None:
-        self.argv = [sys.executable, "-m", "pdserve", "up", *args]
+    def __init__(self, args: list[str], cwd: Path, env: dict[str, str] | None = None,
+                 prefix: tuple[str, ...] = ()) -> None:
+        # prefix: a launcher that execs the command, e.g. `ip netns exec NS` (the PID stays pdserve up's)
+        self.argv = [*prefix, sys.executable, "-m", "pdserve", "up", *args]
         self.proc = subprocess.Popen(
             self.argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env=env, start_new_session=True,

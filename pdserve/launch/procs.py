@@ -55,6 +55,30 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def descendants(roots: set[int]) -> set[int]:
+    """`roots` and every live process below them (from /proc; Linux only): what a tree's owner must stop when
+    the processes it started may have started others (daemons, workers) in other process groups."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                data = f.read().decode("ascii", "replace")
+        except OSError:
+            continue
+        fields = data[data.rindex(")") + 2 :].split()
+        if fields[0] not in ("Z", "X"):
+            parent[int(entry)] = int(fields[1])
+    found = {p for p in roots if p in parent}
+    grew = True
+    while grew:
+        new = {pid for pid, ppid in parent.items() if ppid in found and pid not in found}
+        found |= new
+        grew = bool(new)
+    return found
+
+
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes in process group `pgid`. Without /proc: [pgid] while killpg(pgid, 0) works."""
     if not os.path.isdir("/proc/self"):
