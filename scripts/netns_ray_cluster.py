@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.testing import netns
-from pdserve.testing.pd_cluster import answer_token_ids
+from pdserve.testing.pd_cluster import answer_token_ids, completion_body
 from pdserve.testing.ray_netns import RayNetnsCluster
 
 PROMPTS = ("The quick brown fox", "one two three four five six seven eight nine ten " * 6, "Hello")
@@ -56,8 +56,7 @@ def check(bed: netns.Testbed, client: netns.Host, info: dict[str, str], model: s
     for prompt in PROMPTS:
         want: list[int] = []
         for stream in (False, True):  # the plain answer first: it names the prompt's token ids
-            body = {"model": info["model"], "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                    "ignore_eos": True, "return_token_ids": True, "stream": stream}
+            body = completion_body(prompt, MAX_TOKENS, stream, model=info["model"])
             with bed.entered(client):
                 r = httpx.post(f"{info['proxy']}/v1/completions", json=body, timeout=120)
             got = answer_token_ids(r.status_code, r.content, stream)

@@ -35,7 +35,7 @@ from server_utils import make_model_dir
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.launch.procs import descendants, pid_alive
 from pdserve.testing import netns
-from pdserve.testing.pd_cluster import answer_token_ids
+from pdserve.testing.pd_cluster import answer_token_ids, completion_body
 
 pytest.importorskip("nixl_cu12", reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
 _REASON = netns.unavailable_reason()
@@ -82,8 +82,7 @@ def reference(model_dir: Path) -> Reference:
 
 def ask(proxy: str, model: str, prompt: str, stream: bool) -> tuple[list[int] | str, list[int]]:
     """(generated ids or an error line, prompt ids) of one greedy completion; the caller is on a bed host."""
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, "stream": stream}
+    body = completion_body(prompt, MAX_TOKENS, stream, model=model)
     with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:
         r = http.post(f"{proxy}/v1/completions", json=body)
     prompt_ids: list[int] = []

@@ -203,9 +203,9 @@ class PDCluster:
                 time.sleep(0.5)
 
 
-def completion_body(prompt: str, max_tokens: int, stream: bool) -> dict[str, object]:
+def completion_body(prompt: str, max_tokens: int, stream: bool, model: str = MODEL_NAME) -> dict[str, object]:
     """A greedy completion that returns its token ids (vLLM's `return_token_ids`): what answers are compared by."""
-    body: dict[str, object] = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    body: dict[str, object] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                                "stream": stream, "return_token_ids": True, "ignore_eos": True}
     return body
 
