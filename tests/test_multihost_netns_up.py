@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 from engine_utils import make_engine, run_engine
-from launch_helpers import Up, kill_leftovers, wait_until
+from launch_helpers import Up, kill_leftovers, listening_addresses, wait_until
 from server_utils import make_model_dir
 
 from pdserve.engine.sampling_params import SamplingParams
@@ -214,6 +214,16 @@ def test_ray_two_nodes_across_hosts_prefill_and_decode_apart(bed: netns.Testbed,
         bed_namespaces = {net_namespace(p.pid) for p in ray_cluster.nodes}
         assert len(bed_namespaces) == 2 and net_namespace(os.getpid()) not in bed_namespaces
         assert {net_namespace(p) for p in seen} - {""} == bed_namespaces
+        # what they listen on: their host's address or the wildcard (which in a namespace is that host's own
+        # interfaces); nothing only on loopback, which a peer on the other host could not reach; the pdserve
+        # servers (HTTP, KV side channel, NIXL) on their host's address alone
+        host_of = {net_namespace(p.pid): p.host.addr for p in ray_cluster.nodes}
+        listening = listening_addresses(sorted(seen))
+        for pid, addrs in listening.items():
+            assert {a for a, _ in addrs} <= {host_of.get(net_namespace(pid)), "0.0.0.0", "::"}, (pid, addrs)
+        for inst in app_status()["instances"]:
+            addrs = listening[inst["server_pid"]]
+            assert addrs and {a for a, _ in addrs} == {urlsplit(inst["url"]).hostname}, (inst, addrs)
 
         # SIGKILL of the decode instance's server under load: Ray restarts it on the same node; no hang
         load = Load(bed, client, info["proxy"], info["model"], expected)
