@@ -5,7 +5,7 @@
   token authentication on. `pdserve up --ray HEAD:6379`, run on host 0, places the prefill on host 0 and the
   decode on host 1; answers through the proxy, asked from the client host, are token-exact with a collocated
   engine and the KV crossed the bridge over NIXL. Every process of the cluster and the app lives in the bed's
-  namespaces. The decode's server is SIGKILLed mid-load: Ray restarts it, no request hangs, answers are exact
+  namespaces and listens on its host's address or that namespace's wildcard, never on loopback only. The decode's server is SIGKILLed mid-load: Ray restarts it, no request hangs, answers are exact
   again. Ray is stopped by PID (never `ray stop`) and nothing of it is left.
 - Plain `pdserve up` (no Ray) cannot place processes on several hosts: the whole deployment (proxy, 1P1D) runs
   on host 2 with `--host` its address; its decode instance is SIGKILLed under load, `pdserve up` restarts it,
