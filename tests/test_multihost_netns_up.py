@@ -40,7 +40,7 @@ from pdserve.testing.pd_cluster import answer_token_ids, completion_body
 pytest.importorskip("nixl_cu12", reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
 _REASON = netns.unavailable_reason()
 pytestmark = [pytest.mark.skipif(_REASON is not None, reason=f"no network namespaces: {_REASON}"),
-              pytest.mark.timeout(900)]
+              pytest.mark.timeout(600)]
 
 STARTUP_S = 300  # bounds only: a loaded 2-core box imports torch in several processes at once
 REQUEST_TIMEOUT_S = 60.0  # a request with no answer by then counts as hung
