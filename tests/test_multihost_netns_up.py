@@ -9,7 +9,7 @@
   again. Ray is stopped by PID (never `ray stop`) and nothing of it is left.
 - Plain `pdserve up` (no Ray) cannot place processes on several hosts: the whole deployment (proxy, 1P1D) runs
   on host 2 with `--host` its address; its decode instance is SIGKILLed under load, `pdserve up` restarts it,
-  no request hangs, and the answers afterwards are token-exact.
+  no request hangs, the answers afterwards are token-exact and no KV stays held.
 
 Requests come from host 3. The reference is the engine in this process (collocated, greedy). Needs root for
 namespaces and Ray (the `ray` extra): skipped with the reason otherwise.
@@ -35,7 +35,7 @@ from server_utils import make_model_dir
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.launch.procs import descendants, pid_alive
 from pdserve.testing import netns
-from pdserve.testing.pd_cluster import answer_token_ids, completion_body
+from pdserve.testing.pd_cluster import answer_token_ids, completion_body, idle_problems
 
 pytest.importorskip("nixl_cu12", reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
 _REASON = netns.unavailable_reason()
@@ -45,6 +45,7 @@ pytestmark = [pytest.mark.skipif(_REASON is not None, reason=f"no network namesp
 STARTUP_S = 300  # bounds only: a loaded 2-core box imports torch in several processes at once
 REQUEST_TIMEOUT_S = 60.0  # a request with no answer by then counts as hung
 MAX_TOKENS = 12
+KV_SETTLE_S = 60.0  # bound for KV to be free again: a lease held for a killed decode expires after 30 s
 PROMPTS = ["Hi", "alpha river stone cloud seven orange signal quiet market engine " * 3,
            " ".join(f"word{i % 17}" for i in range(90))]
 
@@ -289,6 +290,10 @@ def test_sigkill_under_pdserve_up_on_a_namespace_host(bed: netns.Testbed, model_
             load.stop()
         assert not load.wrong and not load.hung, (load.wrong[:3], load.hung[:3])
         assert "was killed by SIGKILL; restarting it" in up.output and "crash loop" not in up.output
+        # nothing held after the kill: the prefill frees what it leased to the killed decode when the lease
+        # expires (kv_lease_duration, 30 s by default), the restarted decode starts empty
+        with bed.entered(client):
+            assert not idle_problems({"prefill": info["prefill"], "decode": info["decode"]}, timeout=KV_SETTLE_S)
         print(json.dumps({"exact": len(load.ok), "clean_errors": len(load.errors)}))
         pids += list(descendants({up.proc.pid}))
         assert up.stop(signal.SIGTERM) == 0, up.output[-3000:]
