@@ -62,16 +62,17 @@ def _hex_address(field: str) -> str:
 
 
 def listening_addresses(pids: list[int]) -> dict[int, set[tuple[str, int]]]:
-    """The TCP (address, port) pairs each of `pids` listens on, from /proc (Linux only)."""
-    listeners: dict[str, tuple[str, int]] = {}  # socket inode -> (address, port)
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                fields = line.split()
-                if len(fields) > 9 and fields[3] == _TCP_LISTEN:
-                    listeners[fields[9]] = (_hex_address(fields[1]), int(fields[1].rsplit(":", 1)[1], 16))
+    """The TCP (address, port) pairs each of `pids` listens on, from /proc (Linux only), each read in the
+    process's own network namespace (/proc/PID/net is its namespace's view)."""
     out: dict[int, set[tuple[str, int]]] = {}
     for pid in pids:
+        listeners: dict[str, tuple[str, int]] = {}  # socket inode -> (address, port)
+        for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):
+            with contextlib.suppress(OSError):
+                for line in Path(table).read_text().splitlines()[1:]:
+                    fields = line.split()
+                    if len(fields) > 9 and fields[3] == _TCP_LISTEN:
+                        listeners[fields[9]] = (_hex_address(fields[1]), int(fields[1].rsplit(":", 1)[1], 16))
         found: set[tuple[str, int]] = set()
         with contextlib.suppress(OSError):
             for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -138,8 +139,10 @@ def children_of(pid: int) -> list[int]:
 class Up:
     """`python -m pdserve up ARGS` with its output collected by a reader thread."""
 
-    def __init__(self, args: list[str], cwd: Path, env: dict[str, str] | None = None) -> None:
-        self.argv = [sys.executable, "-m", "pdserve", "up", *args]
+    def __init__(self, args: list[str], cwd: Path, env: dict[str, str] | None = None,
+                 prefix: tuple[str, ...] = ()) -> None:
+        # prefix: a launcher that execs the command, e.g. `ip netns exec NS` (the PID stays pdserve up's)
+        self.argv = [*prefix, sys.executable, "-m", "pdserve", "up", *args]
         self.proc = subprocess.Popen(
             self.argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env=env, start_new_session=True,

@@ -35,7 +35,7 @@ from launch_helpers import Up, kill_leftovers, wait_until
 from server_utils import make_model_dir, metric_value
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.launch.procs import pid_alive
+from pdserve.launch.procs import descendants, pid_alive
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install 'pdserve[ray]')")
 pytest.importorskip("nixl_cu12", reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
@@ -46,28 +46,6 @@ STARTUP_S = 300  # bounds only: a loaded 2-core box imports torch in several pro
 STEP_S = 180  # bound of each wait for the app to change (scale-up, restart, scale-down)
 MAX_TOKENS = 48
 OBJECT_STORE = 100 * 1024**2
-
-
-def _descendants(roots: set[int]) -> set[int]:
-    """Every live process below `roots` (from /proc), roots included."""
-    parent: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    data = f.read().decode("ascii", "replace")
-            except OSError:
-                continue
-            fields = data[data.rindex(")") + 2 :].split()
-            if fields[0] not in ("Z", "X"):
-                parent[int(entry)] = int(fields[1])
-    found = {p for p in roots if p in parent}
-    grew = True
-    while grew:
-        new = {pid for pid, ppid in parent.items() if ppid in found and pid not in found}
-        found |= new
-        grew = bool(new)
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +67,7 @@ def cluster() -> Iterator[Any]:
         yield c
     finally:
         roots = {proc.pid for node in c.list_all_nodes() for _, proc in node.live_processes()}
-        everything = _descendants(roots)
+        everything = descendants(roots)
         c.shutdown()
         for k, v in saved.items():
             if v is None:

@@ -28,15 +28,20 @@ POLL_S = 0.25
 KILL_WAIT_S = 5.0
 
 
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state, process group) of a pid from /proc, or None if it is gone."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat after "pid (comm) " (state, ppid, pgrp, ...), or None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read().decode("ascii", "replace")
     except OSError:
         return None
-    fields = data[data.rindex(")") + 2 :].split()  # after "pid (comm) "
-    return fields[0], int(fields[2])
+    return data[data.rindex(")") + 2 :].split()
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, process group) of a pid from /proc, or None if it is gone."""
+    fields = _stat_fields(pid)
+    return None if fields is None else (fields[0], int(fields[2]))
 
 
 def pid_alive(pid: int) -> bool:
@@ -53,6 +58,23 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def descendants(roots: set[int]) -> set[int]:
+    """`roots` and every live process below them (from /proc; Linux only): what a tree's owner must stop when
+    the processes it started may have started others (daemons, workers) in other process groups."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        fields = _stat_fields(int(entry)) if entry.isdigit() else None
+        if fields is not None and fields[0] not in ("Z", "X"):
+            parent[int(entry)] = int(fields[1])
+    found = {p for p in roots if p in parent}
+    grew = True
+    while grew:
+        new = {pid for pid, ppid in parent.items() if ppid in found and pid not in found}
+        found |= new
+        grew = bool(new)
+    return found
 
 
 def group_members(pgid: int) -> list[int]:

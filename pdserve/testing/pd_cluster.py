@@ -180,32 +180,38 @@ class PDCluster:
     # ---- checks ---------------------------------------------------------------------------------------
     def idle_problems(self, nodes: list[Node] | None = None, timeout: float = 30.0) -> list[str]:
         """Waits (bounded) for every instance to be back at its idle values; returns what is not."""
-        deadline = time.monotonic() + timeout
-        problems: list[str] = []
-        with self.client(), httpx.Client(timeout=5.0) as http:
-            while True:
-                problems = []
-                for node in nodes or self.instances:
+        with self.client():
+            return idle_problems({f"{n.role}@{n.host.addr}": n.url for n in nodes or self.instances}, timeout)
+
+
+def idle_problems(urls: dict[str, str], timeout: float = 30.0) -> list[str]:
+    """Waits (bounded) for every instance ({label: base URL}) to be back at its idle values (`IDLE_METRICS`, read
+    from /metrics); returns what is not. The calling thread must be where the URLs are reachable."""
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=5.0) as http:
+        while True:
+            problems: list[str] = []
+            for label, url in urls.items():
+                try:
+                    text = http.get(f"{url}/metrics").text
+                except httpx.HTTPError as exc:
+                    problems.append(f"{label}: /metrics: {exc}")
+                    continue
+                for name, idle in IDLE_METRICS:
                     try:
-                        text = http.get(f"{node.url}/metrics").text
-                    except httpx.HTTPError as exc:
-                        problems.append(f"{node.role}@{node.host.addr}: /metrics: {exc}")
-                        continue
-                    for name, idle in IDLE_METRICS:
-                        try:
-                            value = metric_value(text, name)
-                        except KeyError:
-                            continue  # a role without that metric
-                        if value != idle:
-                            problems.append(f"{node.role}@{node.host.addr}: {name}={value:g} (idle {idle:g})")
-                if not problems or time.monotonic() > deadline:
-                    return problems
-                time.sleep(0.5)
+                        value = metric_value(text, name)
+                    except KeyError:
+                        continue  # a role without that metric
+                    if value != idle:
+                        problems.append(f"{label}: {name}={value:g} (idle {idle:g})")
+            if not problems or time.monotonic() > deadline:
+                return problems
+            time.sleep(0.5)
 
 
-def completion_body(prompt: str, max_tokens: int, stream: bool) -> dict[str, object]:
+def completion_body(prompt: str, max_tokens: int, stream: bool, model: str = MODEL_NAME) -> dict[str, object]:
     """A greedy completion that returns its token ids (vLLM's `return_token_ids`): what answers are compared by."""
-    body: dict[str, object] = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    body: dict[str, object] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                                "stream": stream, "return_token_ids": True, "ignore_eos": True}
     return body
 
