@@ -65,3 +65,36 @@ def test_up_push_mode_refuses_what_it_cannot_do(kw: dict, message: str) -> None:
                        **{"kv_transfer_mode": "push", **kw})
     with pytest.raises(ValueError, match=message):
         cfg.validate()
+
+
+def test_a_registration_whose_sealed_metadata_fails_its_tag_is_refused_as_bad_seal() -> None:
+    """The decode's agent metadata arrives sealed (ChaCha20-Poly1305): one altered byte, or metadata sealed for
+    another registration, is the sender's fault (`bad_seal`), and no remote agent is added for it."""
+    from pdserve.kv_transfer.auth import MessageAuth
+    from pdserve.kv_transfer.errors import SideChannelRefused
+    from pdserve.kv_transfer.pool import PoolRegion
+    from pdserve.kv_transfer.push_sender import PushSender
+
+    auth = MessageAuth("deployment-secret")
+    region = PoolRegion(base_addr=4096, length=8 * 512, num_blocks=8, block_bytes=512, mem_type="DRAM",
+                        device_id=0, shape=(8, 2, 256), dtype="float32")
+
+    class NoAgent:  # an agent the refusal must never reach
+        def add_remote(self, metadata: bytes, name: str) -> None:
+            raise AssertionError("a remote agent was added from metadata that failed its tag")
+
+    sender = PushSender(agent=NoAgent(), region=region, num_layers=2, block_size=16, layerwise=True,  # type: ignore[arg-type]
+                        transfer_timeout_s=5.0, lease_duration_s=30.0, release_lease=lambda *_: None, auth=auth)
+    nonce = b"n" * 16
+    sealed = auth.conceal(b"agent metadata", nonce, 3)
+    msg = {"pool": region.describe(), "block_ids": [0, 1], "first_block": 0, "num_tokens": 20,
+           "agent_name": "decode-agent", "push_key": KEY, "timeout_s": 5.0, "seal_nonce": nonce, "generation": 3}
+    try:
+        for bad in ({"agent_metadata": sealed[:-1] + bytes([sealed[-1] ^ 1])},  # altered
+                    {"agent_metadata": sealed, "generation": 4},  # sealed for another registration
+                    {"agent_metadata": sealed, "seal_nonce": b"m" * 16}):
+            with pytest.raises(SideChannelRefused) as err:
+                sender.handle("push_register", {**msg, **bad})
+            assert err.value.reason == "bad_seal"
+    finally:
+        sender.shutdown()
