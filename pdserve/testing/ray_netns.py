@@ -10,7 +10,7 @@ it SIGTERM, then SIGKILLs whatever is left of the processes below it (raylet, GC
 
 Ray's daemons listen on their host's address or on the wildcard, which inside a namespace means that host's
 own interfaces (its veth and loopback) and nothing else; nodes reach each other over the bed's bridge.
-Session files go to a temporary directory of the cluster's own (`--temp-dir`), not `/tmp/ray`.
+Session files go to a temporary directory of the cluster's own (`--temp-dir`), not Ray's shared default one.
 """
 
 from __future__ import annotations
