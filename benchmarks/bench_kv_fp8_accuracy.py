@@ -69,7 +69,7 @@ CALIBRATION_TEMPLATE = "Tell me a short story about {}."  # not one of TEMPLATES
 
 def pool_blocks(device: str) -> int:
     """Blocks of the device's default size for 32k tokens: every prompt's KV at once."""
-    from pdserve.config import default_block_size
+    from pdserve.types.engine_config import default_block_size
 
     return 32768 // default_block_size(device)
 
@@ -77,8 +77,8 @@ def pool_blocks(device: str) -> int:
 def run(kv_cache_dtype: str, texts: list[str], max_tokens: int, device: str = "cpu",
         dtype: str = "auto", model: str | None = None) -> tuple[list[list[tuple[int, float]]], str]:
     """[(token, logprob)] per prompt, greedy; and the greedy answer to CAPITAL_QUESTION."""
-    from pdserve.engine.sampling_params import SamplingParams
     from pdserve.llm import LLM
+    from pdserve.types.sampling_params import SamplingParams
 
     # a small pool: 50 prompts x ~100 tokens need ~400 blocks of 16
     llm = LLM(model, kv_cache_dtype=kv_cache_dtype, device=device, dtype=dtype,
@@ -97,8 +97,8 @@ def calibrate_kv_scales(max_tokens: int, device: str = "cpu", dtype: str = "auto
                         model: str | None = None) -> list[tuple[float, float]]:
     """Per layer (k_scale, v_scale) = amax / 448 of the K and V a reference run (KV in the model's dtype)
     stores for the calibration prompts: what a max-calibrating quantization tool writes."""
-    from pdserve.engine.sampling_params import SamplingParams
     from pdserve.llm import LLM
+    from pdserve.types.sampling_params import SamplingParams
 
     llm = LLM(model, device=device, dtype=dtype, num_gpu_blocks_override=pool_blocks(device),
               enable_prefix_caching=False)

@@ -28,9 +28,9 @@ def make_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def make_pdserve(model_dir: str, args):
-    from pdserve.config import EngineConfig
     from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.types.engine_config import EngineConfig
+    from pdserve.types.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=model_dir, device="cpu", max_num_seqs=args.max_num_seqs,
                                     enable_prefix_caching=False))
@@ -41,7 +41,7 @@ def make_pdserve(model_dir: str, args):
 
 
 def bench_pdserve(engine, prompts, output_len: int, rnd: int) -> tuple[float, float, int]:
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.types.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     t0, c0 = time.perf_counter(), time.process_time()

@@ -74,7 +74,7 @@ def make_prompts(model_dir: Path, n: int, length: int, seed: int) -> list[list[i
 def num_blocks(args: argparse.Namespace) -> int:
     """A KV pool (of the device's default block size) that fits every concurrent sequence (no preemption on
     either side), plus slack."""
-    from pdserve.config import default_block_size
+    from pdserve.types.engine_config import default_block_size
 
     bs = default_block_size(args.device)
     per_seq = -(-(args.input_len + args.output_len) // bs) + 1
@@ -85,8 +85,8 @@ class Offline:
     """The engine in this process, kept loaded across rounds (idle while the server is measured)."""
 
     def __init__(self, args: argparse.Namespace, prompts: list[list[int]]):
-        from pdserve.engine.sampling_params import SamplingParams
         from pdserve.llm import LLM
+        from pdserve.types.sampling_params import SamplingParams
 
         self.llm = LLM(args.model, max_num_seqs=args.concurrency, device=args.device, dtype=args.dtype,
                        max_model_len=args.max_model_len, num_gpu_blocks_override=num_blocks(args),

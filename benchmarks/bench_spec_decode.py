@@ -72,8 +72,8 @@ def chat_ids(tok, text: str) -> list[int]:
 
 
 def make_engine(spec: dict | None, max_num_seqs: int = 8):
-    from pdserve.config import EngineConfig
     from pdserve.engine.engine import LLMEngine
+    from pdserve.types.engine_config import EngineConfig
 
     return LLMEngine(EngineConfig(device="cpu", max_num_seqs=max_num_seqs, speculative_config=spec))
 
@@ -81,7 +81,7 @@ def make_engine(spec: dict | None, max_num_seqs: int = 8):
 def run_one(engine, rid: str, prompt: list[int], max_tokens: int) -> tuple[list[int], float, float]:
     """Greedy; returns the tokens, TPOT in ms, and this process's CPU ms per output token after the first
     (less sensitive than wall time to the other processes on a shared box)."""
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.types.sampling_params import SamplingParams
 
     engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
     out: list[int] = []
@@ -100,7 +100,7 @@ def run_one(engine, rid: str, prompt: list[int], max_tokens: int) -> tuple[list[
 
 def batch_run(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> float:
     """Output tokens/s of a batch run to completion."""
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.types.sampling_params import SamplingParams
 
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
@@ -178,8 +178,8 @@ def draft_prefill(tok) -> None:
     """A decode instance with a draft model computes the draft's prompt KV itself (spec_decode.draft): its
     first proposal for a request runs the draft over the prompt. Timed here for the embedded model as the
     draft (itself as the target too), against moving the same KV at the NIXL rate measured on this box."""
-    from pdserve.engine.sampling_params import SamplingParams
     from pdserve.model.default_model import resolve_model
+    from pdserve.types.sampling_params import SamplingParams
 
     eng = make_engine({"model": str(resolve_model(None)), "num_speculative_tokens": 3})
     proposer = eng.spec.draft

@@ -23,11 +23,11 @@ from typing import Any
 import torch
 
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import Sampler, grammar_bias
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.runner.sampler import Sampler, grammar_bias
 from pdserve.structured.grammar import GrammarCompiler
-from pdserve.structured.params import StructuredOutputsParams
 from pdserve.testing.json_schemas import SCHEMAS
+from pdserve.types.sampling_params import SamplingParams
+from pdserve.types.structured_params import StructuredOutputsParams
 
 
 def ms(values: list[float]) -> str:

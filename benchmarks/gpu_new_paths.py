@@ -26,10 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from pdserve.config import EngineConfig  # noqa: E402
 from pdserve.engine.engine import LLMEngine  # noqa: E402
-from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
 from pdserve.testing.gpu_correctness import _run_engine  # noqa: E402
+from pdserve.types.engine_config import EngineConfig  # noqa: E402
+from pdserve.types.sampling_params import SamplingParams  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 PROMPT_LOGPROB_TOL = 1e-4  # float32 on both devices

@@ -50,8 +50,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     args = ap.parse_args()
 
-    from pdserve.config import EngineConfig
     from pdserve.engine.engine import LLMEngine
+    from pdserve.types.engine_config import EngineConfig
 
     batches = [int(b) for b in args.batch.split(",")]
     engine = LLMEngine(EngineConfig(model=args.model, load_format=args.load_format, device=args.device,
@@ -69,8 +69,8 @@ def main() -> None:
 
 def measure(engine, b: int, args: argparse.Namespace, g: torch.Generator) -> tuple[float, float, float]:
     """(plain graph, plain eager, verify) ms for b requests at args.context tokens."""
-    from pdserve.engine.sampling_params import SamplingParams
     from pdserve.engine.spec_decode.rejection import verify
+    from pdserve.types.sampling_params import SamplingParams
 
     runner, vocab = engine.runner, engine.model_cfg.vocab_size
     ids = [f"b{b}-{i}" for i in range(b)]

@@ -605,9 +605,9 @@ def decode_flashinfer_vs_triton() -> dict[str, Any]:
 class EngineBench:
     def __init__(self, max_model_len: int = 131072, max_num_seqs: int = 256, kv_cache_dtype: str = "auto",
                  attention_backend: str = "auto"):
-        from pdserve.config import EngineConfig
         from pdserve.engine.engine import LLMEngine
-        from pdserve.gpu.model_configs import dummy_model_dir
+        from pdserve.engine.runner.model_configs import dummy_model_dir
+        from pdserve.types.engine_config import EngineConfig
 
         self.model_name = "Llama-3.1-8B"
         t0 = time.perf_counter()
@@ -662,7 +662,7 @@ class EngineBench:
         return torch.randint(0, self.cfg.vocab_size, (n, length), generator=self.gen).tolist()
 
     def add(self, prompts: list[list[int]], max_tokens: int) -> list[str]:
-        from pdserve.engine.sampling_params import SamplingParams
+        from pdserve.types.sampling_params import SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         ids = []
@@ -809,7 +809,7 @@ class EngineBench:
         recaptured, then recaptured back): all off = separate RoPE + K/V store, SiLU-and-mul, add + RMSNorm,
         argmax kernels and RoPE cos/sin computed per step (PDSERVE_DECODE_FUSIONS=0; on by default); merge =
         the split merge inside the decode kernel (off by default). Before/after in one run."""
-        from pdserve.gpu import gemv
+        from pdserve.engine.runner import gemv
 
         backend = self.engine.runner.backend
         model = self.engine.runner.model
@@ -831,9 +831,9 @@ class EngineBench:
     def decode_async(self, on: bool, batch: int = 1, prompt_len: int = 128, steps: int | None = None,
                      ) -> dict[str, Any]:
         """A decode run with async scheduling on (decode steps launched before the previous step's tokens are
-        read: pdserve.engine.async_decode) or off (every step waits for its tokens), in the same engine: the
+        read: pdserve.engine.runner.async_decode) or off (every step waits for its tokens), in the same engine: the
         pipeline swapped in or out between runs. Before/after in one run."""
-        from pdserve.engine.async_decode import DecodePipeline
+        from pdserve.engine.runner.async_decode import DecodePipeline
 
         eng = self.engine
         self.drain()
@@ -889,7 +889,7 @@ class EngineBench:
     def gemv_epilogue_costs(self) -> dict[str, Any]:
         """Graph-timed us of each batch-1 GEMV of layer 0 (and the LM head) plain vs with its epilogue
         (issue 21): what the epilogue adds to the kernel it rides on."""
-        from pdserve.gpu import gemv as gv
+        from pdserve.engine.runner import gemv as gv
 
         model = self.engine.runner.model
         layer = model.layers[0]
@@ -991,7 +991,7 @@ class EngineBench:
             ops = model.fused_ops
             linear = ops.linear
             ops.linear = lambda x, layer: layer(x)  # the fused path with cuBLAS GEMVs
-            from pdserve.gpu import gemv
+            from pdserve.engine.runner import gemv
 
             gemv.EPILOGUE_FUSIONS = False  # (the epilogue GEMVs are Triton's)
             try:

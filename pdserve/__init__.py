@@ -5,9 +5,9 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from pdserve.engine.sampling_params import SamplingParams
     from pdserve.llm import LLM
-    from pdserve.structured.params import StructuredOutputsParams
+    from pdserve.types.sampling_params import SamplingParams
+    from pdserve.types.structured_params import StructuredOutputsParams
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
@@ -19,11 +19,11 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from pdserve.engine.sampling_params import SamplingParams
+        from pdserve.types.sampling_params import SamplingParams
 
         return SamplingParams
     if name == "StructuredOutputsParams":
-        from pdserve.structured.params import StructuredOutputsParams
+        from pdserve.types.structured_params import StructuredOutputsParams
 
         return StructuredOutputsParams
     raise AttributeError(name)

@@ -22,8 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pdserve.engine.sampling_params import SamplingParams
     from pdserve.llm import LLM
+    from pdserve.types.sampling_params import SamplingParams
 
     # Bad input is one line and exit code 2, checked before the (slow) model load where possible.
     try:

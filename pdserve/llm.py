@@ -14,11 +14,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.outputs import TokenLogprob
-from pdserve.engine.sampling_params import SamplingParams, child_seed
 from pdserve.inputs import ParsedPrompt, is_conversation_list, parse_prompts
+from pdserve.types.engine_config import EngineConfig
+from pdserve.types.outputs import TokenLogprob
+from pdserve.types.sampling_params import SamplingParams, child_seed
 
 
 @dataclass
@@ -79,7 +79,7 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `sampling_params=None` means: the model's generation_config.json defaults, as in vLLM."""
-        from pdserve.server.params import GenerationDefaults
+        from pdserve.api.openai.params import GenerationDefaults
 
         d = GenerationDefaults.from_model_dir(self.engine.model_dir)
         return SamplingParams(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k, min_p=d.min_p,

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.engine_config import EngineConfig
+from pdserve.types.sampling_params import SamplingParams
 
 
 def run_engine(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],

@@ -1,4 +1,4 @@
-"""Async scheduling (pdserve.engine.async_decode): decode steps launched before the previous step's tokens are
+"""Async scheduling (pdserve.engine.runner.async_decode): decode steps launched before the previous step's tokens are
 read, their input ids taken on the device from that step's argmax.
 
 On the CPU the GPU step path runs with its decode graphs simulated (GpuStepRunner simulate_graphs) over the
@@ -14,10 +14,10 @@ import pytest
 from engine_utils import hf_greedy, make_engine, mixed_prompts, run_engine
 
 from pdserve.attention.torch_ref import TorchAttention
-from pdserve.config import EngineConfig
-from pdserve.engine.async_decode import ASYNC_SCHEDULING_ENV, DEFAULT_ON_CUDA, async_scheduling_enabled
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.runner.async_decode import ASYNC_SCHEDULING_ENV, DEFAULT_ON_CUDA, async_scheduling_enabled
+from pdserve.types.engine_config import EngineConfig
+from pdserve.types.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

@@ -73,7 +73,7 @@ def test_engine_uses_the_kernels_and_matches_the_torch_path(tiny_llama, ops, mon
 
     from pdserve.cpu.ops import CpuOps
     from pdserve.cpu.packed_linear import PackedLinear
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.types.sampling_params import SamplingParams
 
     fast = make_engine(tiny_llama)
     assert isinstance(fast.runner.model.fused_ops, CpuOps) and fast.runner.backend.lib is not None

@@ -6,7 +6,7 @@ import pytest
 from engine_utils import hf_greedy, make_engine, mixed_prompts, run_engine
 from tiny_models import VOCAB
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
@@ -115,7 +115,7 @@ def test_prompt_too_long_fails_alone(tiny_llama):
 
 
 def test_out_of_vocab_token_rejected(tiny_llama):
-    from pdserve.engine.sampling_params import ParamError
+    from pdserve.types.sampling_params import ParamError
 
     engine = make_engine(tiny_llama)
     with pytest.raises(ParamError, match="out of vocabulary"):

@@ -18,7 +18,7 @@ from test_input_hardening import one_error_line, pdserve
 from pdserve.attention import flashinfer_support as fis
 from pdserve.attention.fp8_kv import fp8_format
 from pdserve.attention.long_prefill import LongPrefillConfig, plan_chunks
-from pdserve.engine.model_runner import check_attention_backend, select_attention_backend
+from pdserve.engine.runner.model_runner import check_attention_backend, select_attention_backend
 from pdserve.testing.gpu_correctness import make_paged_case
 
 flashinfer_missing = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is not None,

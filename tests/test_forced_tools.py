@@ -120,8 +120,8 @@ def test_structural_tag_grammar_token_by_token(tmp_path) -> None:
     """The matcher itself: text, then a tagged JSON, then text again; a tag with JSON off the schema is refused."""
     from pdserve.model.default_model import resolve_model
     from pdserve.structured.grammar import load_compiler
-    from pdserve.structured.params import StructuredOutputsParams
     from pdserve.text.tokenizer import load_tokenizer
+    from pdserve.types.structured_params import StructuredOutputsParams
 
     path = resolve_model("smollm2-135m")
     tok = load_tokenizer(path)

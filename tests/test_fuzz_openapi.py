@@ -2,7 +2,7 @@
 
 Each server runs as a real process on 127.0.0.1 (a tiny random model; a tokenizer-only folder for render).
 Schemathesis reads `/openapi.json` (request bodies are the pydantic models the routes validate with, see
-pdserve/server/openapi.py) and generates, for every operation, bodies that follow the schema and bodies
+pdserve/api/openapi.py) and generates, for every operation, bodies that follow the schema and bodies
 that break it. Every answer must be below 500 (client mistakes are 4xx with an OpenAI error body), no
 request may hang past its timeout, and the server must be healthy and serving afterwards. Bounded:
 EXAMPLES per operation and mode, a fixed seed in CI. (The proxy has no OpenAPI document; see

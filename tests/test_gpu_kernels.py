@@ -125,7 +125,7 @@ def test_gpu_step_runner_is_token_exact_with_the_cpu_engine(tiny_llama):
     from engine_utils import make_engine, run_engine
 
     from pdserve.attention.triton_backend import TritonAttention
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.types.sampling_params import SamplingParams
 
     gen = torch.Generator().manual_seed(1)
     shared = torch.randint(3, 320, (50,), generator=gen).tolist()
@@ -154,8 +154,9 @@ def test_batch1_decode_epilogues_are_token_exact(tiny_model_factory, arch, monke
 
     from pdserve.attention import triton_backend as tb
     from pdserve.cpu import packed_linear
-    from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.gpu import gemv, ops
+    from pdserve.engine.runner import gemv
+    from pdserve.engine.runner import gpu_ops as ops
+    from pdserve.types.sampling_params import SamplingParams
 
     model = tiny_model_factory(arch)
     monkeypatch.setattr(gemv, "EPILOGUE_FUSIONS", True)  # (whatever PDSERVE_DECODE_FUSIONS says)
@@ -198,7 +199,7 @@ def test_gpu_step_runner_with_long_prefill_partials_is_token_exact(tiny_llama, m
 
     from pdserve.attention import long_prefill as lp
     from pdserve.attention import triton_backend as tb
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.types.sampling_params import SamplingParams
 
     monkeypatch.setattr(tb, "PREFILL_CONFIG_SHORT", (16, 16, 4, 1))
     monkeypatch.setattr(tb, "PREFILL_CONFIG_LONG", (16, 16, 4, 1))
@@ -337,7 +338,7 @@ def test_gpu_step_runner_with_fp8_kv_is_token_exact_with_the_cpu_fp8_engine(tiny
 
     from pdserve.attention import fp8_kv
     from pdserve.attention.triton_backend import TritonAttention
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.types.sampling_params import SamplingParams
 
     gen = torch.Generator().manual_seed(3)
     shared = torch.randint(3, 320, (40,), generator=gen).tolist()
@@ -368,7 +369,7 @@ def test_gpu_step_runner_with_checkpoint_kv_scales_is_token_exact_with_the_cpu_f
 
     from pdserve.attention import fp8_kv
     from pdserve.attention.triton_backend import TritonAttention
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.types.sampling_params import SamplingParams
 
     model_dir = with_tensors(tiny_llama, tmp_path / "tiny-llama", scale_tensors([(0.02, 0.015), (0.03, 0.01)], "vllm"))
     gen = torch.Generator().manual_seed(4)

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.gpu.model_configs import available, config_path, dummy_model_dir
-from pdserve.gpu.step_runner import HostBatch, graph_sizes_for, greedy_on_device, pick_graph_size
+from pdserve.engine.runner.model_configs import available, config_path, dummy_model_dir
+from pdserve.engine.runner.step_runner import HostBatch, graph_sizes_for, greedy_on_device, pick_graph_size
 from pdserve.model.config import load_model_config
+from pdserve.types.sampling_params import SamplingParams
 
 
 def test_graph_sizes_cover_max_num_seqs():
@@ -104,7 +104,7 @@ def test_unknown_packaged_config_is_a_clear_error():
 
 
 def test_block_table_cache_follows_appends_and_replacements():
-    from pdserve.gpu.step_runner import BlockTableCache
+    from pdserve.engine.runner.step_runner import BlockTableCache
 
     cache = BlockTableCache()
     r = _req("a", [1, 2, 3], 0, [4, 5])
@@ -125,7 +125,7 @@ def _bare_step_runner(max_num_seqs: int = 4, max_model_len: int = 64):
     """A GpuStepRunner without a model: only the host-side bookkeeping is exercised."""
     import torch
 
-    from pdserve.gpu.step_runner import GpuStepRunner
+    from pdserve.engine.runner.step_runner import GpuStepRunner
 
     return GpuStepRunner(None, torch.zeros(1), None, None, block_size=4,  # type: ignore[arg-type]
                          max_num_seqs=max_num_seqs, max_model_len=max_model_len, simulate_graphs=True)

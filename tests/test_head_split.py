@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.kv_transfer.head_split import BlockGeometry, block_geometry, plan_rank_reads, source_ranks
 from pdserve.kv_transfer.pool import PoolRegion, RemotePool, coalesce_block_runs
-from pdserve.parallel.layout import kv_head_start, kv_heads_per_rank
+from pdserve.types.tp_layout import kv_head_start, kv_heads_per_rank
 
 LAYERS, BS, HD = 2, 4, 3  # small rows: 2 layers x K/V x 4 tokens, heads of 3 float32 values
 GEOM = BlockGeometry(LAYERS * 2 * BS, (HD * 4,))  # a unit per token row, one field of HD float32 per head

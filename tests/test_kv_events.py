@@ -17,7 +17,6 @@ from server_utils import MODEL, ServerProcess, make_model_dir
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_events.block_hash import (
     NONE_HASH,
     block_hashes,
@@ -33,6 +32,7 @@ from pdserve.kv_events.events import (
     decode_batch,
     encode_batch,
 )
+from pdserve.types.sampling_params import SamplingParams
 
 
 # ---- vLLM's declarations (vllm/distributed/kv_events.py after vllm#42892), to decode our payloads the way

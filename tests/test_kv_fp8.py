@@ -15,11 +15,11 @@ from pdserve.attention import fp8_kv
 from pdserve.attention.cpu_paged import CpuPagedAttention
 from pdserve.attention.fp8_gather import Fp8GatherAttention
 from pdserve.attention.torch_ref import TorchAttention
-from pdserve.config import EngineConfig, canonical_kv_cache_dtype
 from pdserve.cpu import native
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.compat import check_compat, make_compat
 from pdserve.kv_transfer.errors import CompatibilityError
+from pdserve.types.engine_config import EngineConfig, canonical_kv_cache_dtype
+from pdserve.types.sampling_params import SamplingParams
 
 E4M3 = fp8_kv.fp8_format("fp8")
 E5M2 = fp8_kv.fp8_format("fp8_e5m2")

@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 from tiny_models import VOCAB
 
 from pdserve.attention import fp8_kv
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.kv_scales import CheckpointKvScales, kv_scale_name
+from pdserve.types.sampling_params import SamplingParams
 
 E4M3 = fp8_kv.fp8_format("fp8")
 NUM_LAYERS = 2  # tiny_models' default

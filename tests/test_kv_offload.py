@@ -11,8 +11,8 @@ import pytest
 import torch
 from engine_utils import hf_greedy, make_engine, run_engine
 
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_events.block_hash import block_hashes
+from pdserve.types.sampling_params import SamplingParams
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -145,7 +145,7 @@ def test_full_host_tier_evicts_lru_and_keeps_serving(tiny_llama):
 
 
 def test_offloading_config_is_checked(tiny_llama, tmp_path):
-    from pdserve.config import EngineConfig
+    from pdserve.types.engine_config import EngineConfig
 
     for kw in ({"kv_offloading_backend": "lmcache", "kv_offloading_size": 1.0},
                {"kv_offloading_size": -1.0}, {"kv_offloading_backend": "native"},

@@ -826,7 +826,7 @@ def test_connector_implements_the_engines_protocol():
     """Every member the engine calls exists on KVConnector, with the same parameters."""
     import inspect
 
-    from pdserve.engine.kv_connector_protocol import KVConnectorProtocol
+    from pdserve.engine.pd.connector_protocol import KVConnectorProtocol
     from pdserve.kv_transfer import KVConnector
 
     members = [n for n in vars(KVConnectorProtocol) if not n.startswith("_")]

@@ -83,7 +83,7 @@ def test_whole_fresh_prompt_is_one_causal_call():
 def test_attention_backend_names_are_checked():
     import pytest
 
-    from pdserve.engine.model_runner import select_attention_backend
+    from pdserve.engine.runner.model_runner import select_attention_backend
 
     with pytest.raises(ValueError, match="needs a CUDA device"):
         select_attention_backend(torch.device("cpu"), None, "triton-cudnn")

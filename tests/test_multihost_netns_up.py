@@ -32,10 +32,10 @@ from engine_utils import make_engine, run_engine
 from launch_helpers import Up, kill_leftovers, listening_addresses, wait_until
 from server_utils import make_model_dir
 
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.launch.procs import descendants, pid_alive
 from pdserve.testing import netns
 from pdserve.testing.pd_cluster import answer_token_ids, completion_body, idle_problems
+from pdserve.types.sampling_params import SamplingParams
 
 pytest.importorskip("nixl_cu12", reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
 _REASON = netns.unavailable_reason()

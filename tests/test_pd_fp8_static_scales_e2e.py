@@ -51,7 +51,7 @@ def calibrate(model_dir: Path) -> list[tuple[float, float]]:
     """Per-layer K/V amax / 448 of a float32-KV run over random prompts (what a calibration tool stores)."""
     from engine_utils import make_engine, mixed_prompts, run_engine
 
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.types.sampling_params import SamplingParams
 
     engine = make_engine(model_dir, enable_prefix_caching=False, max_model_len=512)
     run_engine(engine, mixed_prompts(49152, seed=11, lengths=(50, 120, 30)),

@@ -7,7 +7,7 @@ import pytest
 import torch
 from engine_utils import make_engine, mixed_prompts
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.sampling_params import SamplingParams
 
 TOP = 3
 

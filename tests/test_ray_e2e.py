@@ -35,8 +35,8 @@ from engine_utils import make_engine, run_engine
 from launch_helpers import Up, kill_leftovers, wait_until
 from server_utils import make_model_dir, metric_value
 
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.launch.procs import descendants, pid_alive
+from pdserve.types.sampling_params import SamplingParams
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install 'pdserve[ray]')")
 pytest.importorskip("nixl_cu12", reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")

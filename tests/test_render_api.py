@@ -14,9 +14,9 @@ import httpx
 import pytest
 from test_render_support import SCRIPT_TEXT, Proc, make_tokenizer_dir
 
+from pdserve.api.openai.errors import APIError
 from pdserve.render.context import RenderConfig, RenderContext
 from pdserve.render.derender import derender_chat
-from pdserve.server.errors import APIError
 
 MAX_MODEL_LEN = 256
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]

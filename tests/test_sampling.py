@@ -8,8 +8,8 @@ import torch
 from engine_utils import make_engine, run_engine
 
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import Sampler
-from pdserve.engine.sampling_params import ParamError, SamplingParams
+from pdserve.engine.runner.sampler import Sampler
+from pdserve.types.sampling_params import ParamError, SamplingParams
 
 
 def _req(params: SamplingParams, rid: str = "r") -> Request:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.kv_handoff import HandoffStateError, KVHandoff, LoadState
+from pdserve.engine.pd.kv_handoff import HandoffStateError, KVHandoff, LoadState
 from pdserve.engine.request import Request, Status
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.types.sampling_params import SamplingParams
 
 BS = 4
 REMOTE = {"do_remote_prefill": True, "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "p",

@@ -18,7 +18,7 @@ import openai
 import pytest
 from server_utils import MODEL, ServerProcess, make_model_dir, metric_value, wait_idle
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 128
 NUM_BLOCKS = 256

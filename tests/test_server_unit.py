@@ -12,15 +12,15 @@ from typing import Any
 import httpx
 import pytest
 
+from pdserve.api.openai.params import GenerationDefaults
 from pdserve.engine.async_engine import QueueFullError
 from pdserve.engine.engine import EngineStats
-from pdserve.engine.outputs import RequestMetrics, RequestOutput
-from pdserve.engine.sampling_params import ParamError, SamplingParams
 from pdserve.server.app import build_app
 from pdserve.server.metrics import ServerMetrics
-from pdserve.server.params import GenerationDefaults
 from pdserve.server.state import ServerState
 from pdserve.text.tokenizer import Tokenizer, load_tokenizer
+from pdserve.types.outputs import RequestMetrics, RequestOutput
+from pdserve.types.sampling_params import ParamError, SamplingParams
 
 Script = Callable[[str, list[int], SamplingParams, dict | None], list[RequestOutput]]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from engine_utils import make_engine, run_engine
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,8 +20,8 @@ import torch
 from engine_utils import hf_greedy, make_engine, mixed_prompts, run_engine
 from server_utils import PdserveProcess, free_port, make_model_dir
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.parallel.layout import (
+from pdserve.types.sampling_params import SamplingParams
+from pdserve.types.tp_layout import (
     HeadSegment,
     TensorParallelError,
     TPShard,
@@ -86,7 +86,7 @@ def test_head_sources_between_tp_sizes():
 
 
 def test_more_ranks_than_gpus_is_refused():
-    from pdserve.parallel.executor import rank_devices
+    from pdserve.engine.runner.tp_executor import rank_devices
 
     with pytest.raises(TensorParallelError, match=r"needs 2 GPUs, but \d+ (is|are) visible"):
         rank_devices(torch.device("cuda"), 2 + torch.cuda.device_count())
@@ -169,7 +169,7 @@ def test_offline_llm_with_tensor_parallel_size(tiny_model_factory):
 
 
 def test_a_killed_worker_stops_the_engine_without_hanging(tiny_llama):
-    from pdserve.parallel.executor import WorkerDiedError
+    from pdserve.engine.runner.tp_executor import WorkerDiedError
 
     engine = make_engine(tiny_llama, tensor_parallel_size=2)
     try:
@@ -201,7 +201,7 @@ def _tp_workers_of(pid: int) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"pdserve.parallel.worker" in cmdline:
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"pdserve.engine.runner.tp_worker" in cmdline:
             out.append(int(entry.name))
     return out
 

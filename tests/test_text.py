@@ -45,7 +45,7 @@ def test_loading_does_not_import_torch(smol_dir: Path) -> None:
         f"t = load_tokenizer({str(smol_dir)!r})\n"
         "t.encode_chat([{'role': 'user', 'content': 'hi'}])\n"
         "from pdserve.text import output, detokenizer, stop, logprobs, chat\n"
-        "import pdserve.server.protocol\n"
+        "import pdserve.api.openai.protocol\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

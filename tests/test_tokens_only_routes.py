@@ -16,11 +16,11 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
-from pdserve.engine.outputs import RequestOutput, TokenLogprob
+from pdserve.api.openai.params import GenerationDefaults
 from pdserve.server.app import build_app
 from pdserve.server.metrics import ServerMetrics
-from pdserve.server.params import GenerationDefaults
 from pdserve.server.state import ServerState
+from pdserve.types.outputs import RequestOutput, TokenLogprob
 
 
 class FakeEngine:

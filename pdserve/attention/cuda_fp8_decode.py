@@ -244,7 +244,7 @@ def _launch(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     from pdserve.attention import triton_kernels as tk  # the merge kernel; triton is there when CUDA is
 
     assert stages in STAGES, stages
-    # int64 metadata, as the engine's GPU path builds it (pdserve.gpu.step_runner)
+    # int64 metadata, as the engine's GPU path builds it (pdserve.engine.runner.step_runner)
     block_tables, seq_lens = block_tables.to(torch.int64), seq_lens.to(torch.int64).contiguous()
     assert block_tables.stride(1) == 1
     assert k_cache.stride(0) == v_cache.stride(0) and k_cache[0].is_contiguous() and v_cache[0].is_contiguous()

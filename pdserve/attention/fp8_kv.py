@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.config import KV_FP8_SCALE_BYTES, canonical_kv_cache_dtype
+from pdserve.types.engine_config import KV_FP8_SCALE_BYTES, canonical_kv_cache_dtype
 
 SCALE_BYTES = KV_FP8_SCALE_BYTES  # one bfloat16 per (token, kv head) row
 # what the handshake's compat dict calls this layout; the earlier layouts were "per-token-head-bf16-inline" and

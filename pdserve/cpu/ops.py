@@ -1,4 +1,4 @@
-"""DecoderLM's fused-op interface (the one `pdserve.gpu.ops` implements with Triton) on the CPU kernels.
+"""DecoderLM's fused-op interface (the one `pdserve.engine.runner.gpu_ops` implements with Triton) on the CPU kernels.
 
 Each op replaces 5-10 torch ops, and as many Python dispatches, per layer: RMSNorm with the residual
 add, RoPE on q and k with the K/V store, SiLU-and-mul. Element-wise arithmetic rounds as the torch path
@@ -8,10 +8,12 @@ does; the RMS sum and SiLU's exp differ in the last bit (as the GPU kernels do).
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.attention.cpu_paged import CpuPagedAttention
+if TYPE_CHECKING:  # the backend is handed in; importing attention here would close a package loop
+    from pdserve.attention.cpu_paged import CpuPagedAttention
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -13,10 +13,10 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from pdserve.config import EngineConfig
 from pdserve.engine.engine import DeliveryRefused, EngineStats, LLMEngine
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.engine_config import EngineConfig
+from pdserve.types.outputs import RequestOutput
+from pdserve.types.sampling_params import SamplingParams
 
 log = logging.getLogger("pdserve.engine")
 

@@ -13,17 +13,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.api import pd
-from pdserve.config import DEFAULT_GPU_BUDGET, EngineConfig
-from pdserve.engine.async_decode import DecodePipeline, InflightDecode, async_scheduling_enabled
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.grammars import Grammars
-from pdserve.engine.kv_connector_protocol import KVConnectorProtocol
-from pdserve.engine.kv_handoff import KVHandoff
-from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import RequestOutput, TokenLogprob
-from pdserve.engine.params_mailbox import PARAMS_WAIT_S, ParamsMailbox
+from pdserve.engine.pd.connector_protocol import KVConnectorProtocol
+from pdserve.engine.pd.kv_handoff import KVHandoff
+from pdserve.engine.pd.params_mailbox import PARAMS_WAIT_S, ParamsMailbox
 from pdserve.engine.request import Request, Status
-from pdserve.engine.sampling_params import ParamError, SamplingParams
+from pdserve.engine.runner.async_decode import DecodePipeline, InflightDecode, async_scheduling_enabled
+from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.spec_decode.config import SpeculativeConfig
 from pdserve.engine.spec_decode.decoder import SpecDecoder
@@ -32,6 +29,9 @@ from pdserve.engine.step_log import StepLog
 from pdserve.kv_events.config import KVEventsConfig
 from pdserve.kv_events.events import KVEventBatch
 from pdserve.model.config import ModelConfig, derived_max_model_len, load_model_config, verify_max_model_len
+from pdserve.types.engine_config import DEFAULT_GPU_BUDGET, EngineConfig
+from pdserve.types.outputs import RequestOutput, TokenLogprob
+from pdserve.types.sampling_params import ParamError, SamplingParams
 
 if TYPE_CHECKING:
     ConnectorFactory = Callable[["LLMEngine"], KVConnectorProtocol]
@@ -90,7 +90,7 @@ def resolve_model_dir(model: str | None, load_format: str = "auto") -> Path:
         return Path(model)
     if model is not None and load_format == "dummy":
         # Real models' shapes ship as package data (e.g. Llama-3.1-8B): random weights, no download.
-        from pdserve.gpu.model_configs import available, dummy_model_dir
+        from pdserve.engine.runner.model_configs import available, dummy_model_dir
 
         if model in available():
             return dummy_model_dir(model)
@@ -124,7 +124,9 @@ class LLMEngine:
             if self.spec_config is not None and self.spec_config.method == "draft_model":
                 raise ValueError("speculative_config: a draft model is not built for tensor parallelism yet "
                                  "(tensor_parallel_size must be 1; ngram works)")
-            from pdserve.parallel.executor import start_tensor_parallel  # workers only when they exist
+            from pdserve.engine.runner.tp_executor import (
+                start_tensor_parallel,  # workers only when they exist
+            )
 
             self.runner = start_tensor_parallel(config, self.model_cfg, self.model_dir)
         else:
@@ -141,7 +143,7 @@ class LLMEngine:
         spec = self.spec_config
         if spec is None or spec.model is None:
             return 0
-        from pdserve.engine.model_runner import resolve_device, resolve_dtype
+        from pdserve.engine.runner.model_runner import resolve_device, resolve_dtype
         from pdserve.engine.spec_decode.draft import draft_block_bytes, load_draft_config
 
         _, draft_cfg = load_draft_config(spec.model, config)
@@ -172,7 +174,7 @@ class LLMEngine:
                                        budget)
         # speculative decoding (pdserve.engine.spec_decode): drafts verified in one step; None: off
         self.spec = SpecDecoder(spec, draft) if spec is not None else None
-        # async scheduling (pdserve.engine.async_decode): decode steps launched ahead; None: every step waits.
+        # async scheduling (pdserve.engine.runner.async_decode): decode steps launched ahead; None: every step waits.
         # Not with speculation: a step's inputs (its drafts) depend on the previous step's accepted tokens.
         self.pipeline = DecodePipeline(self.scheduler, self.blocks, self.runner) \
             if async_scheduling_enabled(config.async_scheduling, self.runner.device.type) and self.spec is None \

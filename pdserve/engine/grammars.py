@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import ParamError
+from pdserve.types.sampling_params import ParamError
 
 log = logging.getLogger("pdserve.engine")
 

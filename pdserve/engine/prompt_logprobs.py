@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import token_logprobs
+from pdserve.engine.runner.sampler import token_logprobs
 
 # log_softmax over the vocabulary this many rows at a time: a long chunk's float32 copy stays bounded
 _SLICE_ROWS = 512

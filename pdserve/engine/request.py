@@ -7,9 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.kv_handoff import KVHandoff
-from pdserve.engine.outputs import RequestMetrics, TokenLogprob
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.pd.kv_handoff import KVHandoff
+from pdserve.types.outputs import RequestMetrics, TokenLogprob
+from pdserve.types.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

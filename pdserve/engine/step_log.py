@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from pdserve.engine.outputs import RequestMetrics
+from pdserve.types.outputs import RequestMetrics
 
 
 class ThreadClock:

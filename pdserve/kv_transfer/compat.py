@@ -18,7 +18,7 @@ PROTOCOL_VERSION = 2  # 2: signed envelopes, lease tokens (issue 15)
 
 # A GPU pool is [num_blocks, num_layers, 2 (K,V), block_size, num_kv_heads, head_dim] (token-major
 # regions, vLLM's NHD); a CPU float pool [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
-# (head-major regions, vLLM's CPU backend's HND: see pdserve.engine.model_runner).
+# (head-major regions, vLLM's CPU backend's HND: see pdserve.engine.runner.model_runner).
 POOL_LAYOUT = "block,layer,kv,token,head,dim"
 HEAD_MAJOR_LAYOUT = "block,layer,kv,head,token,dim"
 

@@ -1,5 +1,5 @@
 """`KVConnector`: the one object the engine talks to (see ARCHITECTURE.md, "KV connector"); it implements
-`pdserve.engine.kv_connector_protocol.KVConnectorProtocol`.
+`pdserve.engine.pd.connector_protocol.KVConnectorProtocol`.
 
     connector = KVConnector(config, pool, compat, block_size, registry=metrics_registry, model_name=name)
     # producer (P leg finished by length/stop): keep the blocks, then
@@ -50,7 +50,7 @@ from pdserve.kv_transfer.producer import KVProducer
 from pdserve.kv_transfer.push_receiver import PushReceiver
 from pdserve.kv_transfer.push_sender import PushSender
 from pdserve.kv_transfer.side_channel import SideChannelServer
-from pdserve.parallel.layout import kv_heads_per_rank
+from pdserve.types.tp_layout import kv_heads_per_rank
 
 # rank_agents(name prefix, backends, backend params, loopback, gpu) -> the agents of ranks 1..N-1
 RankAgentsFactory = Callable[[str, tuple[str, ...], dict, bool, bool], Sequence[Any]]

@@ -58,7 +58,7 @@ from pdserve.kv_transfer.pool import (
 )
 from pdserve.kv_transfer.producer import NOTIF_PREFIX
 from pdserve.kv_transfer.side_channel import POOL_FIELDS, ProtocolError, check_fields
-from pdserve.parallel.layout import kv_heads_per_rank
+from pdserve.types.tp_layout import kv_heads_per_rank
 
 logger = logging.getLogger("pdserve.kv_transfer")
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from pdserve.kv_transfer.compat import HEAD_MAJOR_LAYOUT, POOL_LAYOUT
 from pdserve.kv_transfer.pool import PoolRegion, RemotePool, descriptor_arrays
-from pdserve.parallel.layout import HeadSegment, head_sources, kv_heads_per_rank
+from pdserve.types.tp_layout import HeadSegment, head_sources, kv_heads_per_rank
 
 
 @dataclass(frozen=True)

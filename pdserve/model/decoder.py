@@ -1,12 +1,12 @@
 """One decoder family for Llama, Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm): they differ only by flags.
 
 Two forward paths over the same weights: plain torch ops (CPU, and the GPU reference), and on CUDA the
-fused path (`DecoderLM.fused_ops` set to `pdserve.gpu.ops` on CUDA, to `pdserve.cpu.ops.CpuOps` on CPU): one
+fused path (`DecoderLM.fused_ops` set to `pdserve.engine.runner.gpu_ops` on CUDA, to `pdserve.cpu.ops.CpuOps` on CPU): one
 kernel each for residual-add + RMSNorm, RoPE + K/V store and SiLU-and-mul, rounding where the torch path
 rounds; and its linear layers through `ops.linear` (on CUDA a GEMV kernel for one-token steps).
 
 Tensor parallelism (`tp`, a `pdserve.parallel.comm.TPGroup`; None = one rank, and then no collective runs):
-the modules hold this rank's shard (`pdserve.parallel.layout.TPShard`): qkv and gate_up column-parallel,
+the modules hold this rank's shard (`pdserve.types.tp_layout.TPShard`): qkv and gate_up column-parallel,
 o_proj and down_proj row-parallel followed by an all-reduce, embedding and LM head vocab-parallel (a masked
 lookup summed over ranks; logits gathered).
 """
@@ -23,7 +23,7 @@ from torch import nn
 from pdserve.attention.base import AttentionBackend, AttentionMetadata, KvScale
 from pdserve.model.config import ModelConfig
 from pdserve.model.rope import RotaryEmbedding, apply_rotary
-from pdserve.parallel.layout import TPShard
+from pdserve.types.tp_layout import TPShard
 
 if TYPE_CHECKING:
     from pdserve.parallel.comm import TPGroup
@@ -35,7 +35,7 @@ def shard_of(cfg: ModelConfig, tp: TPGroup | None) -> TPShard:
 
 
 class FusedOps(Protocol):
-    """What the fused path calls (the module pdserve.gpu.ops, or a pdserve.cpu.ops.CpuOps)."""
+    """What the fused path calls (the module pdserve.engine.runner.gpu_ops, or a pdserve.cpu.ops.CpuOps)."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
@@ -189,7 +189,7 @@ class DecoderLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # pdserve.gpu.ops on CUDA (set by the GPU step runner), CpuOps on CPU (the model runner); None = the
+        # pdserve.engine.runner.gpu_ops on CUDA (set by the GPU step runner), CpuOps on CPU (the model runner); None = the
         # plain torch path
         self.fused_ops: FusedOps | None = None
         self._scratch: torch.Tensor | None = None  # the fused ops' epilogue counters, made on first use

@@ -1,7 +1,7 @@
 """Builds the decoder and fills it from *.safetensors (or random weights for `--load-format dummy`).
 
 With tensor parallelism each rank reads only its slices (`safe_open(...).get_slice`): column-parallel
-weights by rows, row-parallel ones by columns, the vocabulary by rows (see `pdserve.parallel.layout`).
+weights by rows, row-parallel ones by columns, the vocabulary by rows (see `pdserve.types.tp_layout`).
 A row-parallel bias (o_proj with attention_bias, down_proj with mlp_bias) is added once, by rank 0: the
 other ranks hold zeros, since the all-reduce sums the ranks' outputs.
 fp8 KV cache scales in the checkpoint (`k_scale`/`v_scale` under their several names) are collected by
@@ -23,7 +23,7 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.decoder import DecoderLM
 from pdserve.model.kv_scales import CheckpointKvScales
 from pdserve.model.rope import inverse_frequencies
-from pdserve.parallel.layout import TPShard
+from pdserve.types.tp_layout import TPShard
 
 if TYPE_CHECKING:
     from pdserve.parallel.comm import TPGroup

@@ -1,2 +1,3 @@
-"""Tensor parallelism: how a model splits over ranks (`layout`, torch-free), the collectives (`comm`), the
-worker processes of ranks 1..N-1 (`worker`) and the engine-side handle on them (`executor`)."""
+"""Tensor-parallel communication only: the collectives between ranks (`comm`) and the RPC the engine uses to
+drive ranks 1..N-1 (`rank_rpc`). The layout (how a model splits) is `pdserve.types.tp_layout`; the executor
+and worker processes are `pdserve.engine.runner`."""

@@ -49,7 +49,7 @@ ROWS = ("instances", "versions/configs", "gpu p2p", "ucx transport", "short requ
 
 
 def _gpu_of(target: Target, role: str, explicit: str | None) -> list[list[str] | None]:
-    """Physical GPU ids of each instance of `role`, one per tensor-parallel rank: --prefill-gpu/--decode-gpu
+    """Physical GPU ids of each instance of `role`, one per tensor-parallel rank: --prefill-engine/runner/--decode-gpu
     (comma list, one GPU per instance, by position), else what the instance reports (`cuda_visible_devices`
     and its TP size in /pdserve/info: rank r on the r-th visible GPU), else unknown (None)."""
     insts = target.role(role)
@@ -75,7 +75,7 @@ def _gpu_of(target: Target, role: str, explicit: str | None) -> list[list[str] |
 def _pairs(target: Target, opts: Options) -> tuple[list[tuple[str, str]], str | None]:
     """Distinct (prefill GPU, decode GPU) pairs that KV moves over (with tensor parallelism: each decode
     rank's GPU and the GPUs of the prefill ranks it reads from), or why they are unknown."""
-    from pdserve.parallel.layout import head_sources
+    from pdserve.types.tp_layout import head_sources
 
     p_gpus, d_gpus = _gpu_of(target, "prefill", opts.prefill_gpu), _gpu_of(target, "decode", opts.decode_gpu)
     if None in p_gpus or None in d_gpus:

@@ -1,6 +1,6 @@
 """`pdserve plan --prefill-tp P --decode-tp D`: what a P/D handoff between tensor-parallel instances moves.
 
-Each decode rank reads its own KV heads (pdserve/parallel/layout.py's `head_sources`, the mapping vLLM's
+Each decode rank reads its own KV heads (pdserve/types/tp_layout.py's `head_sources`, the mapping vLLM's
 NIXL connector uses) from the prefill ranks that hold them, over its own link, in parallel with the other
 decode ranks. So the wire time is the largest rank's bytes over one link, and a decode TP above the
 number of KV heads moves the replicated heads once per rank that stores them. Torch-free.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pdserve.parallel.layout import head_sources, kv_head_start, kv_heads_per_rank
+from pdserve.types.tp_layout import head_sources, kv_head_start, kv_heads_per_rank
 
 
 @dataclass(frozen=True)

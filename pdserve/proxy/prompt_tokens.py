@@ -1,6 +1,6 @@
 """The prompt token ids of a client request, as the instances will see them (for routing by cached prefix).
 
-Two sources, with the server's defaults for every field (`pdserve/server/protocol.py`):
+Two sources, with the server's defaults for every field (`pdserve/api/openai/protocol.py`):
 - a local tokenizer (`pdserve proxy --tokenizer DIR`, torch-free `pdserve.text`): the chat template and
   `encode` exactly as `pdserve serve` applies them (`Tokenizer.encode_chat` for chat);
 - otherwise an instance's `POST /tokenize`, which renders `messages` through the same chat template.

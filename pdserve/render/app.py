@@ -15,13 +15,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
 from pdserve import __version__
-from pdserve.render.orchestrator import Orchestrator
-from pdserve.render.protocol import ChatDerenderRequest, CompletionDerenderRequest
-from pdserve.render.workers import RenderWorkers
-from pdserve.server.errors import add_error_handlers, error_body
-from pdserve.server.http_utils import ClientGone, RequestIdAuthMiddleware, read_json
-from pdserve.server.openapi import document_json_bodies
-from pdserve.server.protocol import (
+from pdserve.api.generate import ChatDerenderRequest, CompletionDerenderRequest
+from pdserve.api.http import ClientGone, RequestIdAuthMiddleware, read_json
+from pdserve.api.openai.errors import add_error_handlers, error_body
+from pdserve.api.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -30,6 +27,9 @@ from pdserve.server.protocol import (
     ModelPermission,
     TokenizeRequest,
 )
+from pdserve.api.openapi import document_json_bodies
+from pdserve.render.orchestrator import Orchestrator
+from pdserve.render.workers import RenderWorkers
 
 log = logging.getLogger("pdserve.render")
 

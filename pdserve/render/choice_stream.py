@@ -19,12 +19,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.outputs import TokenLogprob
-from pdserve.render.protocol import MAX_STATE_TOKENS, ChoiceStreamState, TokenLogprobEntry
+from pdserve.api.generate import MAX_STATE_TOKENS, ChoiceStreamState, TokenLogprobEntry
 from pdserve.text.detokenizer import IncrementalDetokenizer
 from pdserve.text.output_parsers import ChatDelta, ChatOutputParser, ParserConfig
 from pdserve.text.stop import StopStringMatcher
 from pdserve.text.tool_parsers import make_tool_call_id
+from pdserve.types.outputs import TokenLogprob
 
 
 class ResumableDetokenizer(IncrementalDetokenizer):

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve.api.openai.errors import check_served_model
+from pdserve.api.openai.params import GenerationDefaults
 from pdserve.model.config import derived_max_model_len, verify_max_model_len
-from pdserve.server.errors import check_served_model
-from pdserve.server.params import GenerationDefaults
 from pdserve.text.output_parsers import ParserConfig
 from pdserve.text.tokenizer import Tokenizer, load_tokenizer
 

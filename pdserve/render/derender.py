@@ -20,9 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.render.choice_stream import ChoiceStream, TextOptions, to_engine_logprobs
-from pdserve.render.context import RenderContext
-from pdserve.render.protocol import (
+from pdserve.api.generate import (
     ChatDerenderRequest,
     ChoiceStreamState,
     CompletionDerenderRequest,
@@ -30,17 +28,18 @@ from pdserve.render.protocol import (
     GenerateChoice,
     GenerateTokensResponse,
 )
+from pdserve.api.http import parse_model
+from pdserve.api.openai.errors import bad_request
+from pdserve.api.openai.params import completion_prompt_logprobs, stop_list
+from pdserve.api.openai.protocol import ChatCompletionRequest, CompletionRequest, chat_role
+from pdserve.render.choice_stream import ChoiceStream, TextOptions, to_engine_logprobs
+from pdserve.render.context import RenderContext
 from pdserve.render.render import (
     chat_prompt_text,
     check_chat_request,
     check_completion_request,
     refuse_prompt_logprobs,
 )
-from pdserve.server.errors import bad_request
-from pdserve.server.http_utils import parse_model
-from pdserve.server.params import completion_prompt_logprobs, stop_list
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.server.serving_chat import chat_role
 from pdserve.text.chat import message_text
 from pdserve.text.logprobs import LogprobFormatter
 from pdserve.text.output_parsers import ChatOutputParser, ParserStateError, prompt_tail_text

@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 
-from pdserve.server.errors import APIError
+from pdserve.api.openai.errors import APIError
 
 log = logging.getLogger("pdserve.render")
 

@@ -31,11 +31,11 @@ import aiohttp
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
+from pdserve.api.http import SSE_DONE, sse, until_disconnect
+from pdserve.api.openai.errors import APIError, error_body
 from pdserve.api.pd import build_prefill_generate_body, prefill_kv_params
 from pdserve.render.engine_client import EnginePool
 from pdserve.render.workers import RenderWorkers
-from pdserve.server.errors import APIError, error_body
-from pdserve.server.http_utils import SSE_DONE, sse, until_disconnect
 from pdserve.text.output_parsers import PROMPT_TAIL_TOKENS
 
 log = logging.getLogger("pdserve.render")

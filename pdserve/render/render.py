@@ -1,7 +1,7 @@
 """Render: an OpenAI chat/completions request -> `GenerateRequest`(s) for `/inference/v1/generate`.
 
 The prompt and the sampling parameters are computed with the in-process server's own functions
-(`pdserve.server.params`, the tokenizer's chat template), so the engine sees exactly the token ids and
+(`pdserve.api.openai.params`, the tokenizer's chat template), so the engine sees exactly the token ids and
 parameters it would see behind `pdserve serve`. `kv_transfer_params` are hoisted to the top level;
 `parse_context` carries what derender needs to know about tools and reasoning.
 """
@@ -12,12 +12,9 @@ import dataclasses
 import uuid
 from typing import Any
 
-from pdserve.api.pd import PROMPT_TOKEN_IDS
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.render.context import RenderContext
-from pdserve.server.errors import APIError, bad_request, not_supported
-from pdserve.server.http_utils import parse_model
-from pdserve.server.params import (
+from pdserve.api.http import parse_model
+from pdserve.api.openai.errors import APIError, bad_request, not_supported
+from pdserve.api.openai.params import (
     build_sampling_params,
     check_chat_fields,
     check_completion_request,
@@ -28,11 +25,14 @@ from pdserve.server.params import (
     truncate_prompt,
     validate_token_ids,
 )
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
-from pdserve.server.tokenization import check_prompt_chars
+from pdserve.api.openai.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from pdserve.api.openai.tokenization import check_prompt_chars
+from pdserve.api.pd import PROMPT_TOKEN_IDS
+from pdserve.render.context import RenderContext
 from pdserve.text.chat import ChatTemplateError
 from pdserve.text.output_parsers import prompt_tail_text
 from pdserve.text.reasoning import prompt_opens_reasoning
+from pdserve.types.sampling_params import SamplingParams
 
 
 def base_id(header_request_id: str | None, body_request_id: str | None) -> str:

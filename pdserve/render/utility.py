@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdserve.api.http import parse_model
+from pdserve.api.openai.protocol import DetokenizeRequest, TokenizeRequest
+from pdserve.api.openai.tokenization import detokenize_body, tokenize_body
 from pdserve.render.context import RenderContext
-from pdserve.server.http_utils import parse_model
-from pdserve.server.protocol import DetokenizeRequest, TokenizeRequest
-from pdserve.server.tokenization import detokenize_body, tokenize_body
 
 
 def tokenize(ctx: RenderContext, body: Any) -> dict[str, Any]:

@@ -25,11 +25,11 @@ from collections.abc import Callable
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
+from pdserve.api.openai.errors import APIError
 from pdserve.render.context import RenderConfig, RenderContext
 from pdserve.render.derender import derender_chat, derender_completion
 from pdserve.render.render import render_chat, render_completion
 from pdserve.render.utility import detokenize, tokenize
-from pdserve.server.errors import APIError
 
 log = logging.getLogger("pdserve.render")
 

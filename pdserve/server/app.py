@@ -14,13 +14,10 @@ from starlette.requests import Request
 
 from pdserve import __version__
 from pdserve.api import pd
-from pdserve.render.protocol import AbortRequestsBody, GenerateRequest
-from pdserve.server.errors import add_error_handlers, error_body
-from pdserve.server.http_utils import ClientGone, RequestIdAuthMiddleware, parse_model, read_json
-from pdserve.server.kv_params import deliver_kv_params
-from pdserve.server.kv_pin import PIN_PATH, pin_prefix
-from pdserve.server.openapi import document_json_bodies
-from pdserve.server.protocol import (
+from pdserve.api.generate import AbortRequestsBody, GenerateRequest
+from pdserve.api.http import ClientGone, RequestIdAuthMiddleware, parse_model, read_json
+from pdserve.api.openai.errors import add_error_handlers, error_body
+from pdserve.api.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -29,10 +26,13 @@ from pdserve.server.protocol import (
     ModelPermission,
     TokenizeRequest,
 )
+from pdserve.api.openai.tokenization import detokenize_body, tokenize_body
+from pdserve.api.openapi import document_json_bodies
+from pdserve.server.kv_params import deliver_kv_params
+from pdserve.server.kv_pin import PIN_PATH, pin_prefix
 from pdserve.server.serving_chat import create_chat_completion
 from pdserve.server.serving_completion import create_completion
 from pdserve.server.state import ServerState
-from pdserve.server.tokenization import detokenize_body, tokenize_body
 from pdserve.server.tokens_only import ABORT_PATH, GENERATE_PATH, TokenizerlessGuard, build_router
 
 log = logging.getLogger("pdserve.server")

@@ -119,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> Any:
-    from pdserve.config import EngineConfig
+    from pdserve.types.engine_config import EngineConfig
 
     kv = json.loads(args.kv_transfer_config) if args.kv_transfer_config else None
     return EngineConfig(
@@ -190,7 +190,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
             return f"--structured-outputs-config is not valid JSON: {e}"
     if any(v is not None for v in (args.kv_offloading_size, args.kv_offloading_backend,
                                    args.kv_offloading_disk_path, args.kv_offloading_disk_size)):
-        from pdserve.config import EngineConfig
+        from pdserve.types.engine_config import EngineConfig
 
         try:
             EngineConfig(kv_offloading_size=args.kv_offloading_size, kv_offloading_backend=args.kv_offloading_backend,
@@ -271,11 +271,11 @@ def build_state(args: argparse.Namespace) -> Any:
     from prometheus_client import CollectorRegistry
 
     from pdserve import __version__
+    from pdserve.api.openai.params import GenerationDefaults
     from pdserve.engine.async_engine import AsyncEngine
     from pdserve.model.default_model import DEFAULT_MODEL
     from pdserve.server.kv import connector_factory, parse_kv_transfer_config
     from pdserve.server.metrics import ServerMetrics
-    from pdserve.server.params import GenerationDefaults
     from pdserve.server.state import ServerState
     from pdserve.text.output_parsers import ParserConfig
     from pdserve.text.tokenizer import load_tokenizer
@@ -397,8 +397,8 @@ def main(args: argparse.Namespace) -> int:
         log.warning(warning)
     import uvicorn
 
+    from pdserve.engine.runner.tp_executor import WorkerDiedError
     from pdserve.kv_transfer.errors import KVTransferError
-    from pdserve.parallel.executor import WorkerDiedError
     from pdserve.server.app import build_app
 
     try:

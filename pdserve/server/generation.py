@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.text.output import OutputProcessor, TextDelta
+from pdserve.types.outputs import RequestOutput
+from pdserve.types.sampling_params import SamplingParams
 
 
 @dataclass

@@ -1,13 +1,13 @@
 """`POST /pdserve/v1/kv_params`: the prefill's kv_transfer_params for a decode leg sent before them
-(pdserve/api/pd.py `early_decode_params`; the engine side is pdserve/engine/params_mailbox.py)."""
+(pdserve/api/pd.py `early_decode_params`; the engine side is pdserve/engine/pd/params_mailbox.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from pdserve.api import pd
-from pdserve.engine.sampling_params import ParamError
-from pdserve.server.errors import APIError
+from pdserve.api.openai.errors import APIError
+from pdserve.types.sampling_params import ParamError
 
 
 async def deliver_kv_params(engine: Any, body: Any, can_load: bool) -> dict[str, str]:

@@ -19,8 +19,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from pdserve.api.openai.errors import error_body
 from pdserve.engine.engine import PinRefused
-from pdserve.server.errors import error_body
 
 PIN_PATH = "/pdserve/kv/pin"
 

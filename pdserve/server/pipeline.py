@@ -21,6 +21,10 @@ from typing import Any, Protocol
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.api.http import SSE_DONE, until_disconnect
+from pdserve.api.openai.errors import APIError, sse_error_frame
+from pdserve.api.openai.params import build_sampling_params, sampling_param_name
+from pdserve.api.openai.tokenization import check_prompt_chars
 from pdserve.api.pd import (
     PARAMS_LATER,
     is_remote_prefill,
@@ -28,15 +32,11 @@ from pdserve.api.pd import (
     one_lease_violation,
     without_first_token,
 )
-from pdserve.engine.sampling_params import ParamError, child_seed
-from pdserve.server.errors import APIError, sse_error_frame
 from pdserve.server.generation import Choice, Generation
-from pdserve.server.http_utils import SSE_DONE, until_disconnect
 from pdserve.server.metrics import RequestRecorder
-from pdserve.server.params import build_sampling_params, sampling_param_name
 from pdserve.server.state import ServerState
-from pdserve.server.tokenization import check_prompt_chars
 from pdserve.text.output import OutputProcessor, TextDelta
+from pdserve.types.sampling_params import ParamError, child_seed
 
 log = logging.getLogger("pdserve.server")
 

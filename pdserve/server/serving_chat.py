@@ -9,19 +9,19 @@ from typing import Any
 
 from starlette.requests import Request
 
-from pdserve.api.pd import PROMPT_TOKEN_IDS, chat_prompt_ids_allowed
-from pdserve.server.errors import APIError, bad_request
-from pdserve.server.generation import Generation
-from pdserve.server.http_utils import base_request_id, sse
-from pdserve.server.params import (
+from pdserve.api.http import base_request_id, sse
+from pdserve.api.openai.errors import APIError, bad_request
+from pdserve.api.openai.params import (
     check_chat_fields,
     forced_tool_of,
     resolve_max_tokens,
     truncate_prompt,
     validate_token_ids,
 )
+from pdserve.api.openai.protocol import ChatCompletionRequest, chat_role
+from pdserve.api.pd import PROMPT_TOKEN_IDS, chat_prompt_ids_allowed
+from pdserve.server.generation import Generation
 from pdserve.server.pipeline import Recorders, encode, make_choices, now, outputs, respond, usage
-from pdserve.server.protocol import ChatCompletionRequest
 from pdserve.server.state import ServerState
 from pdserve.text.chat import ChatTemplateError, message_text
 from pdserve.text.logprobs import LogprobFormatter
@@ -45,14 +45,6 @@ def parsed_delta(parsed: ChatDelta) -> dict[str, Any]:
     if parsed.tool_calls:
         message["tool_calls"] = [t.to_delta() for t in parsed.tool_calls]
     return message
-
-
-def chat_role(req: ChatCompletionRequest) -> str:
-    if req.add_generation_prompt:
-        return "assistant"
-    last = req.messages[-1] if req.messages else {}
-    role = last.get("role") if isinstance(last, dict) else None
-    return role if isinstance(role, str) else "assistant"
 
 
 async def _prompt_ids(state: ServerState, req: ChatCompletionRequest,

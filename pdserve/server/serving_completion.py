@@ -9,10 +9,9 @@ from typing import Any
 
 from starlette.requests import Request
 
-from pdserve.server.errors import bad_request
-from pdserve.server.generation import Choice, Generation
-from pdserve.server.http_utils import base_request_id, sse
-from pdserve.server.params import (
+from pdserve.api.http import base_request_id, sse
+from pdserve.api.openai.errors import bad_request
+from pdserve.api.openai.params import (
     check_completion_request,
     completion_prompt_items,
     completion_prompt_logprobs,
@@ -21,8 +20,9 @@ from pdserve.server.params import (
     truncate_prompt,
     validate_token_ids,
 )
+from pdserve.api.openai.protocol import CompletionRequest
+from pdserve.server.generation import Choice, Generation
 from pdserve.server.pipeline import Recorders, encode, make_choices, now, outputs, respond, usage
-from pdserve.server.protocol import CompletionRequest
 from pdserve.server.state import ServerState
 from pdserve.text.logprobs import LogprobFormatter
 

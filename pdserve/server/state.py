@@ -8,9 +8,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.server.errors import APIError, check_served_model
+from pdserve.api.openai.errors import APIError, check_served_model
+from pdserve.api.openai.params import GenerationDefaults
 from pdserve.server.metrics import ServerMetrics
-from pdserve.server.params import GenerationDefaults
 from pdserve.text.output_parsers import ParserConfig
 from pdserve.text.tokenizer import Tokenizer
 

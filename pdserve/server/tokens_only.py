@@ -32,12 +32,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pdserve.api.generate import AbortRequestsBody, GenerateRequest, GenerateSamplingParams
+from pdserve.api.http import ClientGone, parse_model, read_json, sse
+from pdserve.api.openai.errors import APIError, bad_request, error_body, error_response, not_supported
+from pdserve.api.openai.params import MAX_N, resolve_max_tokens, stop_list, truncate_prompt
 from pdserve.api.pd import is_prefill_leg
-from pdserve.render.protocol import AbortRequestsBody, GenerateRequest, GenerateSamplingParams
-from pdserve.server.errors import APIError, bad_request, error_body, error_response, not_supported
 from pdserve.server.generation import Choice, Generation
-from pdserve.server.http_utils import ClientGone, parse_model, read_json, sse
-from pdserve.server.params import MAX_N, resolve_max_tokens, stop_list, truncate_prompt
 from pdserve.server.pipeline import Recorders, make_choices, now, outputs, respond, usage
 from pdserve.server.state import ServerState
 from pdserve.text.logprobs import clamp

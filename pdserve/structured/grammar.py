@@ -19,8 +19,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
-from pdserve.engine.sampling_params import ParamError
-from pdserve.structured.params import StructuredOutputsParams, structural_tags
+from pdserve.types.sampling_params import ParamError
+from pdserve.types.structured_params import StructuredOutputsParams, structural_tags
 
 CACHE_SIZE = 256
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")

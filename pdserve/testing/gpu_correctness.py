@@ -210,7 +210,7 @@ def check_kernels(dtype: torch.dtype = torch.bfloat16, device: str = "cuda", tol
 
 def check_ops(dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> list[dict[str, Any]]:
     """Fused elementwise kernels vs the decoder's torch ops (same rounding points)."""
-    from pdserve.gpu import ops
+    from pdserve.engine.runner import gpu_ops as ops
     from pdserve.model.decoder import RMSNorm
     from pdserve.model.rope import apply_rotary
 
@@ -267,10 +267,10 @@ def check_ops(dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> list
 
 
 def _check_gemv_epilogues(ops, dtype: torch.dtype, device: str, gen: torch.Generator) -> list[dict[str, Any]]:
-    """The batch-1 GEMVs with fused epilogues (pdserve.gpu.gemv) vs the unfused ops they replace."""
+    """The batch-1 GEMVs with fused epilogues (pdserve.engine.runner.gemv) vs the unfused ops they replace."""
     from torch import nn
 
-    from pdserve.gpu import gemv as gv
+    from pdserve.engine.runner import gemv as gv
 
     def linear(k_in: int, n_out: int, bias: bool) -> nn.Linear:
         layer = nn.Linear(k_in, n_out, bias=bias)
@@ -410,7 +410,7 @@ def check_fp8_kernels(dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
     float pool (the fused RoPE's own rounding is check_ops' business), padding slots skipped."""
     from pdserve.attention import fp8_kv
     from pdserve.attention import triton_kernels as tk
-    from pdserve.gpu import ops
+    from pdserve.engine.runner import gpu_ops as ops
 
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # 16-bit queries: the products run in 16 bits
     ref = SdpaReference(torch.float32)
@@ -532,9 +532,9 @@ def _hf_greedy(model_dir: Path, prompts: list[list[int]], n: int) -> list[list[i
 
 def check_engines_tiny(archs: tuple[str, ...] = ("llama", "qwen2", "qwen3"), max_tokens: int = 24,
                        device: str = "cuda") -> list[dict[str, Any]]:
-    from pdserve.config import EngineConfig
     from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.types.engine_config import EngineConfig
+    from pdserve.types.sampling_params import SamplingParams
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
     from tiny_models import make_tiny_model  # the tests' builder: save_pretrained, no download
@@ -592,7 +592,7 @@ def _check_async_stops(eng, ref: list[list[int]], prompts: list[list[int]]) -> d
     """Async scheduling's stops on the device: per prompt a stop token (taken from its reference tokens),
     EOS, max_tokens or nothing, in one batch; each must end at the same token as the reference, with no
     output after its last, and the pool must be whole again afterwards."""
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.types.sampling_params import SamplingParams
 
     plist = []
     want = []
@@ -667,8 +667,8 @@ def check_8b_logits(config_name: str = "Llama-3.1-8B", decode_steps: int = 4, nu
     torch-ops + SDPA path in float32 on the same weights. Pass: the Triton path's error is within
     1.5x the bf16 reference's own error (+1e-3)."""
     from pdserve.attention.triton_backend import TritonAttention
-    from pdserve.gpu import ops
-    from pdserve.gpu.model_configs import config_path
+    from pdserve.engine.runner import gpu_ops as ops
+    from pdserve.engine.runner.model_configs import config_path
     from pdserve.model.config import parse_model_config
     from pdserve.model.loader import build_model
 

@@ -22,7 +22,7 @@ from pdserve.text.stop import StopStringMatcher
 
 
 class EngineOutput(Protocol):
-    """The fields of `pdserve.engine.outputs.RequestOutput` read here (no import: no torch in text/)."""
+    """The fields of `pdserve.types.outputs.RequestOutput` read here (no import: no torch in text/)."""
 
     new_token_ids: list[int]
     new_logprobs: list[Any] | None

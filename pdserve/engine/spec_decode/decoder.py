@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.runner.sampler import Sampler
 from pdserve.engine.spec_decode.config import SpeculativeConfig
 from pdserve.engine.spec_decode.draft import DraftModelProposer
 from pdserve.engine.spec_decode.metrics import SpecDecodeStats

@@ -23,10 +23,10 @@ import torch
 from pdserve.engine.request import Request
 
 if TYPE_CHECKING:
-    from pdserve.config import EngineConfig
     from pdserve.engine.block_manager import BlockManager
-    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.runner.model_runner import ModelRunner
     from pdserve.model.config import ModelConfig
+    from pdserve.types.engine_config import EngineConfig
 
 
 class _At:
@@ -57,7 +57,7 @@ def load_draft_config(model: str, config: EngineConfig) -> tuple[Path, ModelConf
 class DraftModelProposer:
     def __init__(self, model: str, config: EngineConfig, target_cfg: ModelConfig, num_blocks: int,
                  blocks: BlockManager, max_tokens_per_forward: int):
-        from pdserve.engine.model_runner import ModelRunner
+        from pdserve.engine.runner.model_runner import ModelRunner
 
         draft_dir, draft_cfg = load_draft_config(model, config)
         if draft_cfg.vocab_size != target_cfg.vocab_size:

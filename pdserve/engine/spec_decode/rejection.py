@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.runner.sampler import Sampler
+from pdserve.types.outputs import TokenLogprob
 
 
 class _Ahead:

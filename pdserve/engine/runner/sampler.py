@@ -28,8 +28,8 @@ from collections.abc import Iterable
 
 import torch
 
-from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
+from pdserve.types.outputs import TokenLogprob
 
 
 def _pairs(rows: Iterable[int], id_lists: Iterable[Iterable[int]],

@@ -12,7 +12,7 @@ ModelRunner delegates `execute` here on CUDA. What it does differently from the 
   batched sampler on the device.
 - No host sync inside the model: kernel grids come from host-known sizes, sequence lengths are read on
   the device.
-- Async scheduling (`launch_decode` / `collect_decode`, driven by pdserve.engine.async_decode): a decode graph
+- Async scheduling (`launch_decode` / `collect_decode`, driven by pdserve.engine.runner.async_decode): a decode graph
   step can be launched before the previous one's tokens reached the host, its input ids gathered on the device
   from the previous replay's argmax; the host reads a step's tokens from a pinned copy queued behind it.
 - Tensor parallelism: rank 0 hands each step's staged host inputs to `step_sink` before running it; the
@@ -32,13 +32,13 @@ import torch
 
 from pdserve.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.engine import prompt_logprobs
-from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.runner.decode_fusions import decode_fusions_from_env
+from pdserve.engine.runner.sampler import Sampler
+from pdserve.engine.runner.step_timing import StepTiming
 from pdserve.engine.spec_decode.rows import logit_rows
-from pdserve.gpu.decode_fusions import decode_fusions_from_env
-from pdserve.gpu.step_timing import StepTiming
 from pdserve.model.decoder import DecoderLM
+from pdserve.types.outputs import TokenLogprob
 
 log = logging.getLogger("pdserve.engine")
 
@@ -236,7 +236,7 @@ class GpuStepRunner:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         if getattr(self.backend, "name", "") in ("triton", "flashinfer"):  # both store K/V with Triton
-            from pdserve.gpu import ops  # triton kernels; only ever imported on CUDA
+            from pdserve.engine.runner import gpu_ops as ops  # triton kernels; only ever imported on CUDA
 
             kv_format = getattr(self.backend, "kv_format", None)  # an fp8 pool: the K/V store quantizes
             self.model.fused_ops = ops if kv_format is None else ops.Fp8KvOps(kv_format)

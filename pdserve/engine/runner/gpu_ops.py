@@ -1,5 +1,5 @@
 """Fused elementwise Triton kernels for the GPU decoder path: RMSNorm (with the residual add), RoPE fused
-with the K/V store, and SiLU-and-mul; and (from pdserve.gpu.gemv) the batch-1 GEMV every linear layer of a
+with the K/V store, and SiLU-and-mul; and (from pdserve.engine.runner.gemv) the batch-1 GEMV every linear layer of a
 batch-1 decode step uses, with its fused epilogues.
 
 Why fused: a decode step at batch 1 runs ~30 tiny torch kernels per layer for these ops (the float32
@@ -20,7 +20,7 @@ import triton.language as tl
 
 from pdserve.attention import fp8_kv
 from pdserve.attention import triton_fp8 as tf8
-from pdserve.gpu.gemv import (
+from pdserve.engine.runner.gemv import (
     gate_up_silu,
     gemv,
     linear,

@@ -66,7 +66,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False  # GPU: disable CUDA graphs
     # vLLM's --async-scheduling: launch the next decode step before this one's tokens are read (GPU graph
-    # steps; pdserve.engine.async_decode). None: PDSERVE_ASYNC_SCHEDULING, else async_decode.DEFAULT_ON_CUDA
+    # steps; pdserve.engine.runner.async_decode). None: PDSERVE_ASYNC_SCHEDULING, else async_decode.DEFAULT_ON_CUDA
     async_scheduling: bool | None = None
     attention_backend: str = "auto"  # auto | triton | triton-cudnn | flashinfer (GPU; engine.model_runner)
     warm_up: bool | None = None  # a prefill, a mixed step and decodes before serving (JIT); default: on for CUDA

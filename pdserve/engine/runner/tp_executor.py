@@ -28,14 +28,14 @@ from pathlib import Path
 
 import torch
 
-from pdserve.config import EngineConfig
-from pdserve.engine.model_runner import ModelRunner, resolve_device
+from pdserve.engine.runner.model_runner import ModelRunner, resolve_device
+from pdserve.engine.runner.tp_worker import WorkerInit, recv, send
+from pdserve.kv_transfer.kv_rank import RemoteRankAgent
 from pdserve.model.config import ModelConfig
 from pdserve.parallel.comm import TPGroup, create_store
-from pdserve.parallel.kv_rank import RemoteRankAgent
-from pdserve.parallel.layout import TensorParallelError, check_tensor_parallel
 from pdserve.parallel.rank_rpc import RankClient
-from pdserve.parallel.worker import WorkerInit, recv, send
+from pdserve.types.engine_config import EngineConfig
+from pdserve.types.tp_layout import TensorParallelError, check_tensor_parallel
 
 log = logging.getLogger("pdserve.parallel")
 
@@ -78,7 +78,7 @@ class TPWorkers:
     def spawn(self, init: WorkerInit) -> None:
         ours, theirs = socket.socketpair()
         rpc_ours, rpc_theirs = socket.socketpair()
-        cmd = [sys.executable, "-m", "pdserve.parallel.worker", "--fd", str(theirs.fileno()),
+        cmd = [sys.executable, "-m", "pdserve.engine.runner.tp_worker", "--fd", str(theirs.fileno()),
                "--rpc-fd", str(rpc_theirs.fileno()), "--parent", str(os.getpid())]
         try:
             proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), rpc_theirs.fileno()), stdin=subprocess.DEVNULL)

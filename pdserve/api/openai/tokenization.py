@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.server.errors import APIError
-from pdserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from pdserve.api.openai.errors import APIError
+from pdserve.api.openai.protocol import DetokenizeRequest, TokenizeRequest
 from pdserve.text.chat import ChatTemplateError
 
 

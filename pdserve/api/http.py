@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pdserve.server.errors import APIError, error_body
+from pdserve.api.openai.errors import APIError, error_body
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.gpu.decode_fusions import decode_fusions_from_env
+from pdserve.engine.runner.decode_fusions import decode_fusions_from_env
 
 EPILOGUE_FUSIONS = decode_fusions_from_env()  # on unless PDSERVE_DECODE_FUSIONS=0
 # the residual add + RMSNorm after o_proj and down_proj in the GEMV's last program (within EPILOGUE_FUSIONS)

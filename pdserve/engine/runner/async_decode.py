@@ -39,9 +39,9 @@ from pdserve.engine.request import Request
 
 if TYPE_CHECKING:
     from pdserve.engine.block_manager import BlockManager
-    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.runner.model_runner import ModelRunner
+    from pdserve.engine.runner.step_runner import LaunchedDecode
     from pdserve.engine.scheduler import Scheduler
-    from pdserve.gpu.step_runner import LaunchedDecode
 
 ASYNC_SCHEDULING_ENV = "PDSERVE_ASYNC_SCHEDULING"  # 0 / 1: overrides the default (EngineConfig.async_scheduling)
 

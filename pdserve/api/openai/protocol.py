@@ -169,3 +169,13 @@ class ModelCard(OpenAIBaseModel):
 class ModelList(OpenAIBaseModel):
     object: str = "list"
     data: list[ModelCard] = Field(default_factory=list)
+
+
+def chat_role(req: ChatCompletionRequest) -> str:
+    """The role of the message a chat answer writes: the assistant's, or with `add_generation_prompt` off
+    (continuing the last message) that message's role."""
+    if req.add_generation_prompt:
+        return "assistant"
+    last = req.messages[-1] if req.messages else {}
+    role = last.get("role") if isinstance(last, dict) else None
+    return role if isinstance(role, str) else "assistant"

@@ -1,5 +1,5 @@
 """A tensor-parallel worker: ranks 1..N-1 of an engine, each its own process (`python -m
-pdserve.parallel.worker --fd N`), started by `pdserve.parallel.executor`.
+pdserve.engine.runner.tp_worker --fd N`), started by `pdserve.engine.runner.tp_executor`.
 
 It builds a ModelRunner over its shard (weights, KV pool, attention backend, CUDA graphs), then replays the
 steps rank 0 sends over its pipe until told to stop, its pipe closes, or a collective fails. It never
@@ -77,10 +77,10 @@ def run(conn: Connection, rpc_conn: Connection) -> int:
                         format=f"%(asctime)s %(levelname)s %(name)s [tp rank {init.rank}]: %(message)s")
     import torch
 
-    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.runner.model_runner import ModelRunner
+    from pdserve.kv_transfer.kv_rank import RankKVService
     from pdserve.parallel import rank_rpc
     from pdserve.parallel.comm import TPGroup, connect_store
-    from pdserve.parallel.kv_rank import RankKVService
 
     if init.torch_threads:
         torch.set_num_threads(init.torch_threads)
@@ -116,7 +116,7 @@ def run(conn: Connection, rpc_conn: Connection) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdserve.parallel.worker")
+    p = argparse.ArgumentParser(prog="python -m pdserve.engine.runner.tp_worker")
     p.add_argument("--fd", type=int, required=True, help="the engine's end of the step pipe (inherited)")
     p.add_argument("--rpc-fd", type=int, required=True, help="the engine's end of the call pipe (inherited)")
     p.add_argument("--parent", type=int, required=True, help="the engine's pid")

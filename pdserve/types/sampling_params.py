@@ -43,7 +43,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     detokenize: bool = True  # False: token ids only (the offline API's skip_tokenizer_init)
-    # what the output must match (pdserve.structured.params.StructuredOutputsParams, or its dict form)
+    # what the output must match (pdserve.types.structured_params.StructuredOutputsParams, or its dict form)
     structured_outputs: Any = None
 
     def __post_init__(self) -> None:
@@ -56,7 +56,7 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
         if self.structured_outputs is not None:
-            from pdserve.structured.params import StructuredOutputsParams
+            from pdserve.types.structured_params import StructuredOutputsParams
 
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self.validate()

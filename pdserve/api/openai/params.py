@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.engine.sampling_params import MAX_N, ParamError, SamplingParams, child_seed  # noqa: F401 - re-exported
-from pdserve.server.errors import APIError, bad_request, not_supported
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
-from pdserve.structured.params import LEGACY_FIELDS, StructuredOutputsParams, from_openai_request
+from pdserve.api.openai.errors import APIError, bad_request, not_supported
+from pdserve.api.openai.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from pdserve.text.forced_tools import ForcedTool, ForcedToolError, forced_tool
 from pdserve.text.output_parsers import ToolChoiceError, parses_tool_calls
+from pdserve.types.sampling_params import MAX_N, ParamError, SamplingParams, child_seed  # noqa: F401 - re-exported
+from pdserve.types.structured_params import LEGACY_FIELDS, StructuredOutputsParams, from_openai_request
 
 log = logging.getLogger("pdserve.server")
 

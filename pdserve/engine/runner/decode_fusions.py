@@ -1,6 +1,6 @@
 """The switch for issue 21's batch-1 decode fusions (no triton import: the CPU side reads it too).
 
-What it covers: the GEMV epilogues (pdserve.gpu.gemv) and the RoPE cos/sin table (DecoderLM.rope_table_len).
+What it covers: the GEMV epilogues (pdserve.engine.runner.gemv) and the RoPE cos/sin table (DecoderLM.rope_table_len).
 On the H200 they took P1 from 76.4-77.1 % to 81.1-83.2 % of copy bandwidth, each pair in one run
 (BENCHMARKS.md, "Decode, batch 1 (P1)"); PDSERVE_DECODE_FUSIONS=0 turns them off (benchmarks/gpu_suite.py
 measures them on and off in one run). The split merge inside the decode kernel is a separate switch

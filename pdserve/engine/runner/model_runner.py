@@ -16,22 +16,22 @@ import torch
 
 from pdserve.attention import fp8_kv
 from pdserve.attention.base import AttentionMetadata
-from pdserve.config import DEFAULT_GPU_BUDGET, EngineConfig
 from pdserve.engine import prompt_logprobs
-from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.runner.sampler import Sampler
+from pdserve.engine.runner.step_timing import StepTiming
 from pdserve.engine.spec_decode.rows import logit_rows
-from pdserve.gpu.step_timing import StepTiming
 from pdserve.kv_transfer.compat import HEAD_MAJOR_LAYOUT, POOL_LAYOUT
 from pdserve.model.config import ModelConfig
 from pdserve.model.kv_scales import use_checkpoint_kv_scales
 from pdserve.model.loader import build_model
+from pdserve.types.engine_config import DEFAULT_GPU_BUDGET, EngineConfig
+from pdserve.types.outputs import TokenLogprob
 
 if TYPE_CHECKING:
-    from pdserve.gpu.step_runner import LaunchedDecode
+    from pdserve.engine.runner.step_runner import LaunchedDecode
+    from pdserve.engine.runner.tp_executor import TPWorkers
     from pdserve.parallel.comm import TPGroup
-    from pdserve.parallel.executor import TPWorkers
 
 log = logging.getLogger("pdserve.engine")
 
@@ -139,7 +139,7 @@ class ModelRunner:
         self.extra_block_bytes = extra_block_bytes
         self.model_cfg = model_cfg
         self.tp = tp
-        # ranks 1..N-1 when this is rank 0 of a TP group (set by pdserve.parallel.executor)
+        # ranks 1..N-1 when this is rank 0 of a TP group (set by pdserve.engine.runner.tp_executor)
         self.workers: TPWorkers | None = None
         self.step_sink: Callable[[tuple], None] | None = None
         # layer-pipelined push: for a CPU step's batch, a per-layer callback (KVConnector.step_hook; the GPU
@@ -207,7 +207,7 @@ class ModelRunner:
     def use_gpu_step_runner(self, simulate_graphs: bool = False) -> None:
         """Run steps through the CUDA path (on CPU too with simulate_graphs, for tests), built from this
         runner's model, pool, attention backend and sampler."""
-        from pdserve.gpu.step_runner import GpuStepRunner  # GPU-only, imported lazily
+        from pdserve.engine.runner.step_runner import GpuStepRunner  # GPU-only, imported lazily
 
         cfg = self.config
         if self.step_sink is not None:
@@ -372,7 +372,7 @@ class ModelRunner:
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
         return input_ids, positions, meta
 
-    # ---- async scheduling (pdserve.engine.async_decode) -----------------------------------------
+    # ---- async scheduling (pdserve.engine.runner.async_decode) -----------------------------------------
     @property
     def can_launch_async(self) -> bool:
         """Decode steps can be launched before the previous one's tokens are read (the GPU step path with

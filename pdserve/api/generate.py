@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, StrictBool, StrictInt
 
-from pdserve.server.protocol import INT64_MAX, INT64_MIN, OpenAIBaseModel, StreamOptions
+from pdserve.api.openai.protocol import INT64_MAX, INT64_MIN, OpenAIBaseModel, StreamOptions
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
