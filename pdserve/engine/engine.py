@@ -22,16 +22,16 @@ from pdserve.engine.request import Request, Status
 from pdserve.engine.runner.async_decode import DecodePipeline, InflightDecode, async_scheduling_enabled
 from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.spec_decode.config import SpeculativeConfig
 from pdserve.engine.spec_decode.decoder import SpecDecoder
 from pdserve.engine.spec_decode.metrics import SpecDecodeStats
 from pdserve.engine.step_log import StepLog
-from pdserve.kv_events.config import KVEventsConfig
 from pdserve.kv_events.events import KVEventBatch
 from pdserve.model.config import ModelConfig, derived_max_model_len, load_model_config, verify_max_model_len
 from pdserve.types.engine_config import DEFAULT_GPU_BUDGET, EngineConfig
+from pdserve.types.kv_events_config import KVEventsConfig
 from pdserve.types.outputs import RequestOutput, TokenLogprob
 from pdserve.types.sampling_params import ParamError, SamplingParams
+from pdserve.types.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     ConnectorFactory = Callable[["LLMEngine"], KVConnectorProtocol]

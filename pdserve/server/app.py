@@ -12,7 +12,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
-from pdserve import __version__
 from pdserve.api import pd
 from pdserve.api.generate import AbortRequestsBody, GenerateRequest
 from pdserve.api.http import ClientGone, RequestIdAuthMiddleware, parse_model, read_json
@@ -34,6 +33,7 @@ from pdserve.server.serving_chat import create_chat_completion
 from pdserve.server.serving_completion import create_completion
 from pdserve.server.state import ServerState
 from pdserve.server.tokens_only import ABORT_PATH, GENERATE_PATH, TokenizerlessGuard, build_router
+from pdserve.version import __version__
 
 log = logging.getLogger("pdserve.server")
 

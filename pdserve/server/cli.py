@@ -202,14 +202,14 @@ def _check_args(args: argparse.Namespace) -> str | None:
             return (str(e).replace("kv_offloading_", "--kv-offloading-").replace("prefix caching", "--enable-prefix-caching")
                     .replace("tensor_parallel_size", "--tensor-parallel-size"))
     if args.kv_events_config is not None:
-        from pdserve.kv_events.config import KVEventsConfig
+        from pdserve.types.kv_events_config import KVEventsConfig
 
         try:
             KVEventsConfig.from_json(args.kv_events_config)
         except (ValueError, TypeError) as e:
             return str(e) if str(e).startswith("--kv-events-config") else f"--kv-events-config: {e}"
     if args.speculative_config is not None or args.speculative_disable_by_batch_size is not None:
-        from pdserve.engine.spec_decode.config import SpeculativeConfig
+        from pdserve.types.speculative_config import SpeculativeConfig
 
         try:
             SpeculativeConfig.parse(speculative_config(args))
@@ -270,7 +270,6 @@ def build_state(args: argparse.Namespace) -> Any:
     """Loads the model and tokenizer and builds the engine (not started: the app's lifespan starts it)."""
     from prometheus_client import CollectorRegistry
 
-    from pdserve import __version__
     from pdserve.api.openai.params import GenerationDefaults
     from pdserve.engine.async_engine import AsyncEngine
     from pdserve.model.default_model import DEFAULT_MODEL
@@ -279,6 +278,7 @@ def build_state(args: argparse.Namespace) -> Any:
     from pdserve.server.state import ServerState
     from pdserve.text.output_parsers import ParserConfig
     from pdserve.text.tokenizer import load_tokenizer
+    from pdserve.version import __version__
 
     config = engine_config(args)
     model_arg = config.model
