@@ -199,8 +199,7 @@ async def run_prefill(
     tried: list[Instance] = []
     last = PrefillResult(error="no prefill instance available", unavailable=True)
     for attempt in range(attempts):
-        inst = await state.choose(state.prefill, tried, wait=wait and attempt == 0, affinity=affinity,
-                                  prefix=prefix, record=True)
+        inst = await state.pairing.prefill(tried, wait=wait and attempt == 0, affinity=affinity, prefix=prefix)
         if inst is None:
             break
         if attempt:
@@ -328,7 +327,8 @@ async def send_decode(
     last_reason = ""
     last_retry_after: float | None = None
     for attempt in range(1 + cfg.decode_retries):
-        inst = await state.choose(state.pool(role), tried, wait=attempt == 0, prefix=prefix, record=not kv_claimed)
+        inst = await state.pairing.decode(tried, wait=attempt == 0, prefix=prefix, computes_prompt=not kv_claimed,
+                                          role=role)
         if inst is None:
             break
         if attempt:
