@@ -34,7 +34,7 @@ from starlette.requests import Request
 from pdserve.api.http import SSE_DONE, sse, until_disconnect
 from pdserve.api.openai.errors import APIError, error_body
 from pdserve.api.pd import build_prefill_generate_body, prefill_kv_params
-from pdserve.render.engine_client import EnginePool
+from pdserve.render.engine_client import EngineLease, EnginePool
 from pdserve.render.workers import RenderWorkers
 from pdserve.text.output_parsers import PROMPT_TAIL_TOKENS
 
@@ -47,6 +47,7 @@ class _Leg:
     prompt_index: int
     gen: dict[str, Any]  # the rendered GenerateRequest
     url: str = ""
+    lease: EngineLease | None = None  # the decode (or collocated) engine's, held until the leg ends
     engine_id: str = ""  # the engine's request id (from its first answer)
     state: dict[str, Any] | None = None
     finished: bool = False  # derender says every choice is finished
@@ -57,6 +58,10 @@ class _Leg:
     @property
     def prompt_ids(self) -> list[int]:
         return self.gen["token_ids"]
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
 
 
 def _slim_chat_request(body: dict[str, Any]) -> dict[str, Any]:
@@ -95,7 +100,11 @@ class Orchestrator:
         choices fork the one load (pdserve.server.pipeline)."""
         if self.prefill is None:
             return
-        resp = await self.prefill.generate(self.prefill.pick(), build_prefill_generate_body(body))
+        lease = self.prefill.acquire(len(leg.prompt_ids))
+        try:
+            resp = await self.prefill.generate(lease.url, build_prefill_generate_body(body))
+        finally:
+            lease.release()
         kv = prefill_kv_params(resp)
         if kv is not None:
             body["kv_transfer_params"] = kv
@@ -145,7 +154,19 @@ class Orchestrator:
         derender watch for them, and aborts the engine at the first stop; the tokens so far are returned."""
         body = self._engine_body(leg.gen)
         await self._prefill(leg, body)
-        leg.url = self.engines.pick()
+        self._choose_engine(leg)
+        try:
+            return await self._collect_from_engine(kind, leg, body, client, n_prompts)
+        finally:
+            leg.release()
+
+    def _choose_engine(self, leg: _Leg) -> None:
+        """The decode (or collocated) engine of this leg, chosen by load (EnginePool.acquire) and held by it."""
+        leg.lease = self.engines.acquire(len(leg.prompt_ids))
+        leg.url = leg.lease.url
+
+    async def _collect_from_engine(self, kind: str, leg: _Leg, body: dict[str, Any], client: dict[str, Any],
+                                   n_prompts: int) -> dict[str, Any]:
         if not self._has_stops(leg):
             return await self.engines.generate(leg.url, body)
         body["stream_options"] = {"include_usage": False, "continuous_usage_stats": False}
@@ -216,12 +237,16 @@ class Orchestrator:
     async def _open(self, leg: _Leg) -> aiohttp.ClientResponse:
         body = self._engine_body(leg.gen)
         await self._prefill(leg, body)
-        leg.url = self.engines.pick()
+        self._choose_engine(leg)
         opts = dict(body.get("stream_options") or {})
         opts["continuous_usage_stats"] = False
         opts["include_usage"] = True  # the orchestrator builds the client's usage chunk itself
         body["stream_options"] = opts
-        return await self.engines.open_stream(leg.url, body)
+        try:
+            return await self.engines.open_stream(leg.url, body)
+        except BaseException:
+            leg.release()
+            raise
 
     async def _stream(self, raw: Request, kind: str, legs: list[_Leg], client: dict[str, Any]) -> StreamingResponse:
         # Open every engine stream first: an engine error then is still the client's HTTP status.
@@ -232,6 +257,8 @@ class Orchestrator:
         except BaseException:
             for resp in opened:
                 resp.close()
+            for leg in legs:
+                leg.release()
             raise
         return StreamingResponse(self._relay(kind, legs, opened, client), media_type="text/event-stream")
 
@@ -298,6 +325,8 @@ class Orchestrator:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for leg in legs:
+                leg.release()
 
 
 class _ChunkShape:
