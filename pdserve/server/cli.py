@@ -12,22 +12,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("pdserve.server")
+from pdserve.frontend_args import add_frontend_arguments, add_model_arguments, api_key, check_frontend_args
 
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+log = logging.getLogger("pdserve.server")
 _DEAD_EXIT_DELAY_S = 1.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="HF model folder or embedded model name (default: the embedded smollm2-135m)")
-    p.add_argument("--model", dest="model_flag", default=None, help="same as MODEL")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", nargs="+", default=None)
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
-    p.add_argument("--chat-template", default=None, help="a Jinja chat template, inline or a file path")
-    p.add_argument("--max-model-len", type=int, default=None)
+    add_model_arguments(p)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--prefill-only-chunk-tokens", type=int, default=None, metavar="N",
@@ -89,24 +81,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure-side-channel", action="store_true",
                    help="let a producer's KV side channel listen on a non-loopback address without a deployment "
                         "secret (PDSERVE_KV_SECRET): anyone who reaches it can read the KV cache")
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 (env VLLM_API_KEY)")
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="bound on the waiting queue; requests beyond it get 503")
-    p.add_argument("--max-request-body-bytes", type=int, default=64 * 1024 * 1024)
     p.add_argument("--tokens-only", action="store_true",
                    help="tokens-in/tokens-out engine for a render tier: /inference/v1/generate, no tokenizer")
     p.add_argument("--enable-scale-out", action="store_true",
                    help="also serve /inference/v1/generate and abort_requests on a normal server (else 403)")
-    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
-                   help="split <think> reasoning out of chat answers (reasoning_content)")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='parse tool calls when a chat request has tools and tool_choice "auto"')
-    p.add_argument("--tool-call-parser", default=None, choices=["hermes"])
+    add_frontend_arguments(p)
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS[:-1])
-    p.add_argument("--uvicorn-log-level", default="info", choices=LOG_LEVELS)
-    p.add_argument("--disable-uvicorn-access-log", action="store_true")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks (GPUs) for one instance; each rank beyond the first is a worker process")
     p.add_argument("--distributed-timeout", type=float, default=120.0,
@@ -170,16 +153,13 @@ def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        return "--enable-auto-tool-choice requires --tool-call-parser"
+    problem = check_frontend_args(args)
+    if problem:
+        return problem
     if args.tensor_parallel_size < 1:
         return f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}"
     if args.distributed_timeout <= 0:
         return "--distributed-timeout must be positive"
-    if not 0 < args.port < 65536:
-        return f"--port must be in 1..65535, got {args.port}"
-    if args.max_request_body_bytes < 1024:
-        return "--max-request-body-bytes must be at least 1024"
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         return "--max-waiting-requests must be at least 1"
     if args.structured_outputs_config is not None:
@@ -350,7 +330,7 @@ def build_state(args: argparse.Namespace) -> Any:
         defaults=GenerationDefaults.from_model_dir(inner.model_dir),
         metrics=metrics,
         info=info,
-        api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
+        api_key=api_key(args),
         max_request_body_bytes=args.max_request_body_bytes,
         parsers=ParserConfig(args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice),
         tokens_only=args.tokens_only,
@@ -392,7 +372,7 @@ def main(args: argparse.Namespace) -> int:
         return 1
     from pdserve.bindcheck import exposure_warning
 
-    warning = exposure_warning("pdserve serve", args.host, args.api_key or os.environ.get("VLLM_API_KEY"))
+    warning = exposure_warning("pdserve serve", args.host, api_key(args))
     if warning:
         log.warning(warning)
     import uvicorn
