@@ -8,7 +8,12 @@ proxy and bench import api/, never each other); standard library only, so `pdser
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import sys
+from collections.abc import Callable
+
+from pdserve.bindcheck import exposure_warning
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -54,3 +59,22 @@ def check_frontend_args(args: argparse.Namespace) -> str | None:
 def api_key(args: argparse.Namespace) -> str | None:
     """The key clients must send: --api-key, else the environment's VLLM_API_KEY (vLLM's), else none."""
     return args.api_key or os.environ.get("VLLM_API_KEY") or None
+
+
+def startup_problem(program: str, args: argparse.Namespace, check_args: Callable[[argparse.Namespace], str | None],
+                    check_ports: Callable[[argparse.Namespace], str | None], log: logging.Logger) -> int | None:
+    """The checks a server runs before anything slow (loading a model), each failure one line on stderr: the exit
+    status (2: bad flags, 1: a port it cannot bind), or None to go on. Warns when it would serve other machines
+    without an API key."""
+    problem = check_args(args)
+    if problem:
+        print(f"{program}: error: {problem}", file=sys.stderr)
+        return 2
+    problem = check_ports(args)
+    if problem:
+        print(f"{program}: error: {problem}", file=sys.stderr)
+        return 1
+    warning = exposure_warning(program, args.host, api_key(args))
+    if warning:
+        log.warning(warning)
+    return None

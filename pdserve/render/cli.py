@@ -15,7 +15,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pdserve.frontend_args import add_frontend_arguments, add_model_arguments, api_key, check_frontend_args
+from pdserve.frontend_args import (
+    add_frontend_arguments,
+    add_model_arguments,
+    api_key,
+    check_frontend_args,
+    startup_problem,
+)
 
 log = logging.getLogger("pdserve.render")
 
@@ -43,6 +49,13 @@ def _check_args(args: argparse.Namespace) -> str | None:
     if args.engine and args.decode:
         return "use either --engine (collocated) or --prefill/--decode (disaggregated)"
     return None
+
+
+def _check_port(args: argparse.Namespace) -> str | None:
+    from pdserve.bindcheck import port_taken
+
+    problem = port_taken(args.host, args.port)
+    return f"--port: {problem}" if problem else None
 
 
 def resolve_model_folder(model: str | None) -> Path:
@@ -86,19 +99,9 @@ def build(args: argparse.Namespace):
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    problem = _check_args(args)
-    if problem:
-        print(f"pdserve render: error: {problem}", file=sys.stderr)
-        return 2
-    from pdserve.bindcheck import exposure_warning, port_taken
-
-    problem = port_taken(args.host, args.port)
-    if problem:
-        print(f"pdserve render: error: --port: {problem}", file=sys.stderr)
-        return 1
-    warning = exposure_warning("pdserve render", args.host, api_key(args))
-    if warning:
-        log.warning(warning)
+    refused = startup_problem("pdserve render", args, _check_args, _check_port, log)
+    if refused is not None:
+        return refused
     import uvicorn
 
     try:

@@ -19,6 +19,7 @@ Beyond a plain relay:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import logging
@@ -141,6 +142,25 @@ class Orchestrator:
         leg.finished = bool(result["finished"])
         return result["chunk"]
 
+    async def _engine_chunks(self, leg: _Leg, resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+        """The engine's stream for `leg`, chunk by chunk, until the engine ends it or derender says the leg is
+        finished (a stop string) after the caller took a chunk: then the engine request is aborted. Close it
+        (contextlib.aclosing) so that a caller that stops early aborts the engine request at once."""
+        engine_done = False
+        try:
+            async for chunk in self.engines.events(resp):
+                leg.engine_id = chunk.get("request_id", leg.engine_id)
+                yield chunk
+                if leg.finished:
+                    break
+            else:
+                engine_done = True
+        finally:
+            if engine_done:
+                resp.close()
+            else:
+                self._stop_engine(leg, resp)
+
     def _stop_engine(self, leg: _Leg, resp: aiohttp.ClientResponse) -> None:
         resp.close()  # the engine sees the disconnect and aborts
         if leg.engine_id:
@@ -173,11 +193,9 @@ class Orchestrator:
         resp = await self.engines.open_stream(leg.url, body)
         slim = _slim_chat_request(client) if kind == "chat" else client
         first: dict[str, Any] | None = None
-        engine_done = False
-        try:
-            async for chunk in self.engines.events(resp):
+        async with contextlib.aclosing(self._engine_chunks(leg, resp)) as chunks:
+            async for chunk in chunks:
                 first = first or chunk
-                leg.engine_id = chunk.get("request_id", "")
                 for c in chunk.get("choices") or []:
                     j = c["index"]
                     leg.tokens.setdefault(j, []).extend(c.get("token_ids") or [])
@@ -186,15 +204,6 @@ class Orchestrator:
                     if c.get("finish_reason") is not None:
                         leg.finish[j] = (c["finish_reason"], c.get("stop_reason"))
                 await self._derender_chunk(kind, leg, chunk, slim, n_prompts)
-                if leg.finished:
-                    break
-            else:
-                engine_done = True
-        finally:
-            if engine_done:
-                resp.close()
-            else:
-                self._stop_engine(leg, resp)
         n = leg.gen["sampling_params"].get("n", 1)
         choices = [{"index": j, "token_ids": leg.tokens.get(j, []),
                     "logprobs": {"content": leg.logprobs[j]} if j in leg.logprobs else None,
@@ -264,22 +273,10 @@ class Orchestrator:
 
     async def _pump(self, kind: str, leg: _Leg, resp: aiohttp.ClientResponse, client: dict[str, Any],
                     n_prompts: int, out: asyncio.Queue) -> None:
-        engine_done = False
-        try:
-            async for chunk in self.engines.events(resp):
-                leg.engine_id = chunk.get("request_id", leg.engine_id)
-                if not chunk.get("choices"):  # the engine's usage chunk: usage is counted from the state
-                    continue
-                await out.put(await self._derender_chunk(kind, leg, chunk, client, n_prompts))
-                if leg.finished:
-                    break
-            else:
-                engine_done = True
-        finally:
-            if engine_done:
-                resp.close()
-            else:
-                self._stop_engine(leg, resp)
+        async with contextlib.aclosing(self._engine_chunks(leg, resp)) as chunks:
+            async for chunk in chunks:
+                if chunk.get("choices"):  # else the engine's usage chunk: usage is counted from the state
+                    await out.put(await self._derender_chunk(kind, leg, chunk, client, n_prompts))
 
     async def _relay(self, kind: str, legs: list[_Leg], opened: list[aiohttp.ClientResponse],
                      client: dict[str, Any]) -> AsyncIterator[str]:

@@ -12,7 +12,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from pdserve.frontend_args import add_frontend_arguments, add_model_arguments, api_key, check_frontend_args
+from pdserve.frontend_args import (
+    add_frontend_arguments,
+    add_model_arguments,
+    api_key,
+    check_frontend_args,
+    startup_problem,
+)
 
 log = logging.getLogger("pdserve.server")
 _DEAD_EXIT_DELAY_S = 1.0
@@ -362,19 +368,9 @@ def _check_ports(args: argparse.Namespace) -> str | None:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    problem = _check_args(args)
-    if problem:
-        print(f"pdserve serve: error: {problem}", file=sys.stderr)
-        return 2
-    problem = _check_ports(args)
-    if problem:
-        print(f"pdserve serve: error: {problem}", file=sys.stderr)
-        return 1
-    from pdserve.bindcheck import exposure_warning
-
-    warning = exposure_warning("pdserve serve", args.host, api_key(args))
-    if warning:
-        log.warning(warning)
+    refused = startup_problem("pdserve serve", args, _check_args, _check_ports, log)
+    if refused is not None:
+        return refused
     import uvicorn
 
     from pdserve.engine.runner.tp_executor import WorkerDiedError
