@@ -168,12 +168,9 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return "--distributed-timeout must be positive"
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         return "--max-waiting-requests must be at least 1"
-    if args.structured_outputs_config is not None:
-        try:
-            if not isinstance(json.loads(args.structured_outputs_config), dict):
-                return "--structured-outputs-config must be a JSON object"
-        except ValueError as e:
-            return f"--structured-outputs-config is not valid JSON: {e}"
+    problem = _json_object_problem("--structured-outputs-config", args.structured_outputs_config)
+    if problem:
+        return problem
     if any(v is not None for v in (args.kv_offloading_size, args.kv_offloading_backend,
                                    args.kv_offloading_disk_path, args.kv_offloading_disk_size)):
         from pdserve.types.engine_config import EngineConfig
@@ -203,12 +200,18 @@ def _check_args(args: argparse.Namespace) -> str | None:
             return f"--speculative-config is not valid JSON: {e}"
         except ValueError as e:  # the message names the key: speculative_config.KEY
             return str(e).replace("speculative_config", "--speculative-config", 1)
-    if args.kv_transfer_config is not None:
-        try:
-            if not isinstance(json.loads(args.kv_transfer_config), dict):
-                return "--kv-transfer-config must be a JSON object"
-        except ValueError as e:
-            return f"--kv-transfer-config is not valid JSON: {e}"
+    return _json_object_problem("--kv-transfer-config", args.kv_transfer_config)
+
+
+def _json_object_problem(flag: str, text: str | None) -> str | None:
+    """Why a flag's JSON value is not a JSON object (None when it is, or the flag is not given)."""
+    if text is None:
+        return None
+    try:
+        if not isinstance(json.loads(text), dict):
+            return f"{flag} must be a JSON object"
+    except ValueError as e:
+        return f"{flag} is not valid JSON: {e}"
     return None
 
 
