@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from pdserve.bindcheck import exposure_warning
 
@@ -78,3 +80,24 @@ def startup_problem(program: str, args: argparse.Namespace, check_args: Callable
     if warning:
         log.warning(warning)
     return None
+
+
+def uvicorn_server(app: Any, args: argparse.Namespace, log: logging.Logger, **config: Any) -> Any:
+    """The uvicorn server of `app` on --host/--port with the logging flags (`config`: more uvicorn settings).
+
+    uvicorn turns SIGINT/SIGTERM into a graceful shutdown (the app's lifespan stops what it started) and then
+    re-raises the signal under the handler installed before it: with the default one the process would die right
+    there, so that one is made a no-op and the server exits normally."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5, lifespan="on", **config,
+    ))
+
+    def after_shutdown(signum: int, frame: Any) -> None:
+        log.debug("signal %d after shutdown", signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, after_shutdown)
+    return server

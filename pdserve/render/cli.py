@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 from pathlib import Path
-from typing import Any
 
 from pdserve.frontend_args import (
     add_frontend_arguments,
@@ -21,6 +19,7 @@ from pdserve.frontend_args import (
     api_key,
     check_frontend_args,
     startup_problem,
+    uvicorn_server,
 )
 
 log = logging.getLogger("pdserve.render")
@@ -102,8 +101,6 @@ def main(args: argparse.Namespace) -> int:
     refused = startup_problem("pdserve render", args, _check_args, _check_port, log)
     if refused is not None:
         return refused
-    import uvicorn
-
     try:
         app, config = build(args)
     except (ValueError, FileNotFoundError, OSError) as e:
@@ -111,18 +108,6 @@ def main(args: argparse.Namespace) -> int:
         return 1
     log.info("render tier for %s on http://%s:%d (max_model_len=%d, workers=%d)", config.served_model_names[0],
              args.host, args.port, config.max_model_len, args.renderer_num_workers)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-        access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5, lifespan="on",
-    ))
-    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown (the lifespan stops the render workers) and then
-    # re-raises the signal under the handler installed before it: with the default one the process would
-    # die right there, so make it a no-op and exit normally.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _ignore_signal)
+    server = uvicorn_server(app, args, log)  # its lifespan stops the render workers
     server.run()
     return 0 if server.started else 1
-
-
-def _ignore_signal(signum: int, frame: Any) -> None:
-    log.debug("signal %d after shutdown", signum)

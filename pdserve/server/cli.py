@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 from pathlib import Path
@@ -18,6 +17,7 @@ from pdserve.frontend_args import (
     api_key,
     check_frontend_args,
     startup_problem,
+    uvicorn_server,
 )
 
 log = logging.getLogger("pdserve.server")
@@ -374,8 +374,6 @@ def main(args: argparse.Namespace) -> int:
     refused = startup_problem("pdserve serve", args, _check_args, _check_ports, log)
     if refused is not None:
         return refused
-    import uvicorn
-
     from pdserve.engine.runner.tp_executor import WorkerDiedError
     from pdserve.kv_transfer.errors import KVTransferError
     from pdserve.server.app import build_app
@@ -388,15 +386,7 @@ def main(args: argparse.Namespace) -> int:
     app = build_app(state)
     log.info("serving %s on http://%s:%d (max_model_len=%d)", state.model_name, args.host, args.port,
              state.max_model_len)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-        access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=args.shutdown_timeout,
-        timeout_keep_alive=5, loop="auto", http="auto", lifespan="on",
-    ))
-    # uvicorn handles SIGINT/SIGTERM (graceful shutdown) and then re-raises the signal under the handler
-    # that was installed before it: make that one a no-op so a requested shutdown exits with status 0.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _ignore_signal)
+    server = uvicorn_server(app, args, log, timeout_graceful_shutdown=args.shutdown_timeout)
 
     def engine_died(error: BaseException) -> None:
         # /health answers 503 for a moment (probes see why), then the server exits: a supervisor
@@ -414,6 +404,3 @@ def main(args: argparse.Namespace) -> int:
     sys.stderr.flush()
     os._exit(code)
 
-
-def _ignore_signal(signum: int, frame: Any) -> None:
-    log.debug("signal %d after shutdown", signum)
