@@ -32,7 +32,7 @@ import aiohttp
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from pdserve.api.http import SSE_DONE, sse, until_disconnect
+from pdserve.api.http import SSE_DONE, merged, sse, until_disconnect
 from pdserve.api.openai.errors import APIError, error_body
 from pdserve.api.pd import build_prefill_generate_body, prefill_kv_params
 from pdserve.render.engine_client import EngineLease, EnginePool
@@ -271,57 +271,36 @@ class Orchestrator:
             raise
         return StreamingResponse(self._relay(kind, legs, opened, client), media_type="text/event-stream")
 
-    async def _pump(self, kind: str, leg: _Leg, resp: aiohttp.ClientResponse, client: dict[str, Any],
-                    n_prompts: int, out: asyncio.Queue) -> None:
+    async def _derendered(self, kind: str, leg: _Leg, resp: aiohttp.ClientResponse, client: dict[str, Any],
+                          n_prompts: int) -> AsyncIterator[dict[str, Any]]:
         async with contextlib.aclosing(self._engine_chunks(leg, resp)) as chunks:
             async for chunk in chunks:
                 if chunk.get("choices"):  # else the engine's usage chunk: usage is counted from the state
-                    await out.put(await self._derender_chunk(kind, leg, chunk, client, n_prompts))
+                    yield await self._derender_chunk(kind, leg, chunk, client, n_prompts)
 
     async def _relay(self, kind: str, legs: list[_Leg], opened: list[aiohttp.ClientResponse],
                      client: dict[str, Any]) -> AsyncIterator[str]:
         slim = _slim_chat_request(client) if kind == "chat" else client
-        queue: asyncio.Queue = asyncio.Queue()
-        done = object()
-
-        async def pump(leg: _Leg, resp: aiohttp.ClientResponse) -> None:
-            try:
-                await self._pump(kind, leg, resp, slim, len(legs), queue)
-            except BaseException as e:  # noqa: BLE001 - handed to the relay loop
-                await queue.put(e)
-            finally:
-                await queue.put(done)
-
-        tasks = [asyncio.ensure_future(pump(leg, resp)) for leg, resp in zip(legs, opened, strict=True)]
+        streams = [self._derendered(kind, leg, resp, slim, len(legs)) for leg, resp in zip(legs, opened, strict=True)]
         first_id = legs[0].gen["request_id"]
         # One id for the whole answer, as in-process: completions with several prompts render "cmpl-x-0", ...
         shape = _ChunkShape(kind, client, first_id.removesuffix("-0") if len(legs) > 1 else first_id)
         try:
-            remaining = len(tasks)
-            while remaining:
-                item = await queue.get()
-                if item is done:
-                    remaining -= 1
-                    continue
-                if isinstance(item, APIError):
-                    yield sse(json.dumps(error_body(item.message, item.status, item.param)))
-                    yield SSE_DONE
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                for frame in shape.frames(item):
-                    yield frame
+            async with contextlib.aclosing(merged(streams)) as chunks:
+                async for chunk in chunks:
+                    for frame in shape.frames(chunk):
+                        yield frame
             if shape.include_usage:
                 yield shape.usage_frame(legs)
+            yield SSE_DONE
+        except APIError as e:  # an engine's or derender's error, in the stream after the 200
+            yield sse(json.dumps(error_body(e.message, e.status, e.param)))
             yield SSE_DONE
         except Exception as e:  # noqa: BLE001 - after the 200: the error goes in the stream
             log.exception("stream relay failed")
             yield sse(json.dumps(error_body(f"Internal server error: {e}", 500)))
             yield SSE_DONE
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
             for leg in legs:
                 leg.release()
 
