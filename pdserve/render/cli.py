@@ -13,20 +13,13 @@ import logging
 import sys
 from pathlib import Path
 
-from pdserve.frontend_args import (
-    add_frontend_arguments,
-    add_model_arguments,
-    api_key,
-    check_frontend_args,
-    startup_problem,
-    uvicorn_server,
-)
+from pdserve import frontend_args
 
 log = logging.getLogger("pdserve.render")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p)
+    frontend_args.add_model_arguments(p)
     p.add_argument("--renderer-num-workers", type=int, default=1,
                    help="CPU workers for templating/tokenisation/detokenisation: 1 = a thread, N > 1 = N processes")
     p.add_argument("--engine", nargs="+", default=None, metavar="URL",
@@ -34,11 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", nargs="+", default=None, metavar="URL", help="P/D: prefill engines (with --decode)")
     p.add_argument("--decode", nargs="+", default=None, metavar="URL", help="P/D: decode engines (with --prefill)")
     p.add_argument("--engine-api-key", default=None, help="bearer key the engines require")
-    add_frontend_arguments(p)
+    frontend_args.add_frontend_arguments(p)
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
-    problem = check_frontend_args(args)
+    problem = frontend_args.check_frontend_args(args)
     if problem:
         return problem
     if args.renderer_num_workers < 1:
@@ -91,14 +84,14 @@ def build(args: argparse.Namespace):
             prefill=EnginePool(args.prefill, key) if args.prefill else None,
             decode=EnginePool(args.decode, key) if args.decode else None,
         )
-    app = build_app(workers, orchestrator=orchestrator, api_key=api_key(args),
+    app = build_app(workers, orchestrator=orchestrator, api_key=frontend_args.api_key(args),
                     max_request_body_bytes=args.max_request_body_bytes)
     return app, config
 
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    refused = startup_problem("pdserve render", args, _check_args, _check_port, log)
+    refused = frontend_args.startup_problem("pdserve render", args, _check_args, _check_port, log)
     if refused is not None:
         return refused
     try:
@@ -108,6 +101,6 @@ def main(args: argparse.Namespace) -> int:
         return 1
     log.info("render tier for %s on http://%s:%d (max_model_len=%d, workers=%d)", config.served_model_names[0],
              args.host, args.port, config.max_model_len, args.renderer_num_workers)
-    server = uvicorn_server(app, args, log)  # its lifespan stops the render workers
+    server = frontend_args.uvicorn_server(app, args, log)  # its lifespan stops the render workers
     server.run()
     return 0 if server.started else 1

@@ -11,21 +11,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from pdserve.frontend_args import (
-    add_frontend_arguments,
-    add_model_arguments,
-    api_key,
-    check_frontend_args,
-    startup_problem,
-    uvicorn_server,
-)
+from pdserve import frontend_args
 
 log = logging.getLogger("pdserve.server")
 _DEAD_EXIT_DELAY_S = 1.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p)
+    frontend_args.add_model_arguments(p)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--prefill-only-chunk-tokens", type=int, default=None, metavar="N",
@@ -93,7 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens-in/tokens-out engine for a render tier: /inference/v1/generate, no tokenizer")
     p.add_argument("--enable-scale-out", action="store_true",
                    help="also serve /inference/v1/generate and abort_requests on a normal server (else 403)")
-    add_frontend_arguments(p)
+    frontend_args.add_frontend_arguments(p)
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -159,7 +152,7 @@ def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
-    problem = check_frontend_args(args)
+    problem = frontend_args.check_frontend_args(args)
     if problem:
         return problem
     if args.tensor_parallel_size < 1:
@@ -339,7 +332,7 @@ def build_state(args: argparse.Namespace) -> Any:
         defaults=GenerationDefaults.from_model_dir(inner.model_dir),
         metrics=metrics,
         info=info,
-        api_key=api_key(args),
+        api_key=frontend_args.api_key(args),
         max_request_body_bytes=args.max_request_body_bytes,
         parsers=ParserConfig(args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice),
         tokens_only=args.tokens_only,
@@ -371,7 +364,7 @@ def _check_ports(args: argparse.Namespace) -> str | None:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    refused = startup_problem("pdserve serve", args, _check_args, _check_ports, log)
+    refused = frontend_args.startup_problem("pdserve serve", args, _check_args, _check_ports, log)
     if refused is not None:
         return refused
     from pdserve.engine.runner.tp_executor import WorkerDiedError
@@ -386,7 +379,7 @@ def main(args: argparse.Namespace) -> int:
     app = build_app(state)
     log.info("serving %s on http://%s:%d (max_model_len=%d)", state.model_name, args.host, args.port,
              state.max_model_len)
-    server = uvicorn_server(app, args, log, timeout_graceful_shutdown=args.shutdown_timeout)
+    server = frontend_args.uvicorn_server(app, args, log, timeout_graceful_shutdown=args.shutdown_timeout)
 
     def engine_died(error: BaseException) -> None:
         # /health answers 503 for a moment (probes see why), then the server exits: a supervisor
