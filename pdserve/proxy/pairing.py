@@ -31,6 +31,8 @@ from pdserve.proxy.readiness import Readiness
 
 
 class PairChooser:
+    """Chooses every leg's instance from the proxy's two pools (held by ProxyState as `pairing`)."""
+
     def __init__(self, config: ProxyConfig, prefill: Pool, decode: Pool, metrics: ProxyMetrics,
                  readiness: Readiness, nudge: Callable[[], None], fleet: KVFleet | None) -> None:
         self._config = config
@@ -52,7 +54,7 @@ class PairChooser:
         """The instance of a decode leg (or, `role` "prefill", of a request served whole by a prefill instance).
         `computes_prompt`: not a P/D decode leg, the instance computes the prompt itself (its choice counts in the
         routing hit rate)."""
-        pool = self._decode if role == "decode" else self._prefill
+        pool = {"decode": self._decode, "prefill": self._prefill}[role]
         return await self._choose(pool, tried, wait=wait, prefix=prefix, record=computes_prompt)
 
     async def early_decode(self, body: dict[str, Any]) -> Instance | None:
