@@ -33,27 +33,12 @@ PIN_PATH = "/pdserve/kv/pin"  # pdserve.server.kv_pin.PIN_PATH (not imported: th
 PIN_TIMEOUT_S = 2.0
 
 
-def peer_to_ask(state: ProxyState, chosen: Instance, prefix: CachedPrefix) -> Instance | None:
-    """The healthy pinning instance, other than `chosen`, caching the most of the prompt, when that is at least
-    --kv-peer-pull-min-tokens more than `chosen` caches (and `chosen` can read it: it pins too)."""
-    fleet = state.fleet
-    if fleet is None or not prefix.token_ids or not fleet.pins(chosen.url):
-        return None
-    peers = [inst for pool in state.pools() for inst in pool.instances
-             if inst.url != chosen.url and inst.healthy and fleet.pins(inst.url)]
-    best = max(peers, key=prefix.cached_tokens, default=None)
-    if best is None:
-        return None
-    gain = prefix.cached_tokens(best) - prefix.cached_tokens(chosen)
-    return best if gain >= max(state.config.kv_peer_pull_min_tokens, 1) else None
-
-
 async def with_peer_prefix(state: ProxyState, chosen: Instance, payload: bytes, prefix: CachedPrefix | None,
                            headers: dict[str, str]) -> bytes:
     """The prefill leg's body, carrying a peer's pinned prefix when that is worth it; else `payload` as is."""
     if prefix is None or not state.config.kv_peer_pull:
         return payload
-    peer = peer_to_ask(state, chosen, prefix)
+    peer = state.pairing.peer(chosen, prefix)
     if peer is None:
         return payload
     have = prefix.cached_tokens(chosen)

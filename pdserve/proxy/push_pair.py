@@ -65,7 +65,7 @@ async def start_push_pair(state: ProxyState, api_path: str, body: dict[str, Any]
                        rid, why)
         return await send_decode(state, api_path, raw, headers, tokens=decode_tokens, kv_claimed=False)
 
-    prefill = await state.choose(state.prefill, [], wait=not local, record=True)
+    prefill = await state.pairing.prefill(wait=not local)
     if prefill is None:
         return await decode_locally("no prefill instance") if local else no_instance_response(state, "prefill", rid)
     coords = await push_coordinates(state, prefill)
@@ -73,7 +73,7 @@ async def start_push_pair(state: ProxyState, api_path: str, body: dict[str, Any]
         state.metrics.error("prefill_failed")
         return error_response(502, f"prefill instance {prefill.url} cannot take push legs: {coords}",
                               "BadGatewayError", request_id=rid)
-    decode = await state.choose(state.decode, [], wait=True)
+    decode = await state.pairing.decode(wait=True)
     if decode is None:
         return no_instance_response(state, "decode", rid)
     key = uuid.uuid4().hex

@@ -72,21 +72,21 @@ def build_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
             return Response(status_code=CLIENT_CLOSED)
 
     # ---- OpenAI routes -------------------------------------------------------------------------
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
+    async def generation(request: Request, protocol: Any, create: Callable[..., Awaitable[Any]]) -> Any:
+        """A generation route: the body read (bounded) and validated as `protocol`, then `create` (guarded)."""
         async def run() -> Any:
             body = await read_json(request, state.max_request_body_bytes)
-            return await create_completion(state, parse_model(CompletionRequest, body), request)
+            return await create(state, parse_model(protocol, body), request)
 
         return await guarded(request, run)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await generation(request, CompletionRequest, create_completion)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        async def run() -> Any:
-            body = await read_json(request, state.max_request_body_bytes)
-            return await create_chat_completion(state, parse_model(ChatCompletionRequest, body), request)
-
-        return await guarded(request, run)
+        return await generation(request, ChatCompletionRequest, create_chat_completion)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
