@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from pdserve.engine.request import Request
-from pdserve.engine.runner.model_configs import available, config_path, dummy_model_dir
 from pdserve.engine.runner.step_runner import HostBatch, graph_sizes_for, greedy_on_device, pick_graph_size
 from pdserve.model.config import load_model_config
+from pdserve.model.packaged_configs import available, config_path, dummy_model_dir
 from pdserve.types.sampling_params import SamplingParams
 
 
@@ -96,6 +96,17 @@ def test_packaged_configs_parse_in_their_real_shapes(name, tmp_path):
         assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
             3584, 18944, 28, 4, 128)
         assert cfg.vocab_size == 152064 and cfg.qkv_bias and cfg.rope_scaling is None
+
+
+def test_model_dir_resolves_packaged_names_only_for_dummy_weights(tmp_path):
+    from pdserve.model.default_model import ModelNotFoundError
+    from pdserve.model.model_dir import resolve_model_dir
+
+    folder = resolve_model_dir("Llama-3.1-8B", "dummy")
+    assert json.loads((folder / "config.json").read_text()) == json.loads(config_path("Llama-3.1-8B").read_text())
+    assert resolve_model_dir(str(tmp_path), "dummy") == tmp_path
+    with pytest.raises(ModelNotFoundError):  # real weights: a packaged config's name is no model folder
+        resolve_model_dir("Llama-3.1-8B")
 
 
 def test_unknown_packaged_config_is_a_clear_error():

@@ -668,9 +668,9 @@ def check_8b_logits(config_name: str = "Llama-3.1-8B", decode_steps: int = 4, nu
     1.5x the bf16 reference's own error (+1e-3)."""
     from pdserve.attention.triton_backend import TritonAttention
     from pdserve.engine.runner import gpu_ops as ops
-    from pdserve.engine.runner.model_configs import config_path
     from pdserve.model.config import parse_model_config
     from pdserve.model.loader import build_model
+    from pdserve.model.packaged_configs import config_path
 
     raw = json.loads(config_path(config_name).read_text())
     if num_layers is not None:

@@ -47,8 +47,8 @@ def draft_block_bytes(draft_cfg: ModelConfig, block_size: int, dtype: torch.dtyp
 
 
 def load_draft_config(model: str, config: EngineConfig) -> tuple[Path, ModelConfig]:
-    from pdserve.engine.engine import resolve_model_dir
     from pdserve.model.config import load_model_config
+    from pdserve.model.model_dir import resolve_model_dir
 
     draft_dir = resolve_model_dir(model, config.load_format)
     return draft_dir, load_model_config(draft_dir)
