@@ -20,6 +20,7 @@ from pdserve.engine import prompt_logprobs
 from pdserve.engine.request import Request
 from pdserve.engine.runner.sampler import Sampler
 from pdserve.engine.runner.step_timing import StepTiming
+from pdserve.engine.runner.tp_messages import CpuStep, StepMessage, UseGpuStepRunner
 from pdserve.engine.spec_decode.rows import logit_rows
 from pdserve.kv_transfer.compat import HEAD_MAJOR_LAYOUT, POOL_LAYOUT
 from pdserve.model.config import ModelConfig
@@ -141,7 +142,7 @@ class ModelRunner:
         self.tp = tp
         # ranks 1..N-1 when this is rank 0 of a TP group (set by pdserve.engine.runner.tp_executor)
         self.workers: TPWorkers | None = None
-        self.step_sink: Callable[[tuple], None] | None = None
+        self.step_sink: Callable[[StepMessage], None] | None = None
         # layer-pipelined push: for a CPU step's batch, a per-layer callback (KVConnector.step_hook; the GPU
         # step runner has none: push there is whole-request)
         self.layer_hook: Callable[[list], Callable[[int], None] | None] | None = None
@@ -212,7 +213,7 @@ class ModelRunner:
         cfg = self.config
         if self.step_sink is not None:
             # rank 0: the other ranks switch first; graph capture runs collectives, which every rank must join
-            self.step_sink(("use_gpu_step_runner", simulate_graphs))
+            self.step_sink(UseGpuStepRunner(simulate_graphs))
         self.gpu = GpuStepRunner(
             self.model, self.kv_cache, self.backend, self.sampler, block_size=self.block_size,
             max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len or self.model_cfg.max_position_embeddings,
@@ -220,25 +221,24 @@ class ModelRunner:
             simulate_graphs=simulate_graphs)
         self.gpu.step_sink = self.step_sink
 
-    def set_step_sink(self, sink: Callable[[tuple], None] | None) -> None:
+    def set_step_sink(self, sink: Callable[[StepMessage], None] | None) -> None:
         """Rank 0 of a TP group: `sink(message)` hands each step's inputs to the other ranks before this
         rank runs it."""
         self.step_sink = sink
         if self.gpu is not None:
             self.gpu.step_sink = sink
 
-    def replay(self, msg: tuple) -> None:
+    def replay(self, msg: StepMessage) -> None:
         """Ranks 1..N-1: run the step rank 0 described (their outputs are rank 0's through the collectives)."""
-        kind = msg[0]
-        if kind == "cpu":
+        if isinstance(msg, CpuStep):
             if self.cpu_threads is not None:
-                self.cpu_threads.apply(int(msg[1].shape[0]))
+                self.cpu_threads.apply(int(msg.input_ids.shape[0]))
             with torch.inference_mode():
-                self._forward_cpu(*msg[1:])
-        elif kind == "use_gpu_step_runner":
-            self.use_gpu_step_runner(simulate_graphs=msg[1])
+                self._forward_cpu(msg.input_ids, msg.positions, msg.meta, msg.rows)
+        elif isinstance(msg, UseGpuStepRunner):
+            self.use_gpu_step_runner(simulate_graphs=msg.simulate_graphs)
         else:
-            assert self.gpu is not None, f"step {kind!r} for a rank without the GPU step runner"
+            assert self.gpu is not None, f"{type(msg).__name__} for a rank without the GPU step runner"
             self.gpu.replay(msg)
 
     def observe_idle(self) -> None:
@@ -432,7 +432,7 @@ class ModelRunner:
         sample_rows, sampling = logit_rows(batch)
         rows = prompt_rows + sample_rows
         if self.step_sink is not None:
-            self.step_sink(("cpu", input_ids, positions, meta, rows))
+            self.step_sink(CpuStep(input_ids, positions, meta, rows))
         logits = self._forward_cpu(input_ids, positions, meta, rows, on_layer)
         if logits is not None and spans:
             prompt_logprobs.record(spans, logits[: len(prompt_rows)])

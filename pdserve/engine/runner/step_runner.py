@@ -36,6 +36,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.runner.decode_fusions import decode_fusions_from_env
 from pdserve.engine.runner.sampler import Sampler
 from pdserve.engine.runner.step_timing import StepTiming
+from pdserve.engine.runner.tp_messages import EagerStep, GraphStep, StepMessage
 from pdserve.engine.spec_decode.rows import logit_rows
 from pdserve.model.decoder import DecoderLM
 from pdserve.types.outputs import TokenLogprob
@@ -246,7 +247,7 @@ class GpuStepRunner:
         self.max_model_len = max_model_len
         self.timing = StepTiming()
         self.tables = BlockTableCache()
-        self.step_sink: Callable[[tuple], None] | None = None  # rank 0 of a TP group: the other ranks' inputs
+        self.step_sink: Callable[[StepMessage], None] | None = None  # rank 0 of a TP group: the other ranks' inputs
         # eager-step staging: grown on demand (a prefill step's size depends on the token budget)
         self._host = torch.empty(0, dtype=torch.int64)
         self._dev = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -401,7 +402,7 @@ class GpuStepRunner:
         self._wait_staged()
         self._stage_header(size, tok_l, pos_l, slot_l, rows)
         if self.step_sink is not None:
-            self.step_sink(("graph", size, self._g_host_np.copy(), updates))
+            self.step_sink(GraphStep(size, self._g_host_np.copy(), updates))
         logits, tokens = self._replay_graph(size, updates)
         keep = None
         if partial:
@@ -534,7 +535,7 @@ class GpuStepRunner:
         hb = HostBatch(batch, bs, host.numpy(), self.tables)
         shape = hb.shape()
         if self.step_sink is not None:
-            self.step_sink(("eager", shape, host.numpy()[: hb.size].copy()))
+            self.step_sink(EagerStep(shape, host.numpy()[: hb.size].copy()))
         return hb, self._eager_device(shape, host, dev)
 
     def _eager_device(self, hb: EagerShape, host: torch.Tensor, dev: torch.Tensor) -> torch.Tensor | None:
@@ -560,17 +561,15 @@ class GpuStepRunner:
 
     # ---- other tensor-parallel ranks -----------------------------------------------------------
     @torch.inference_mode()
-    def replay(self, msg: tuple) -> None:
+    def replay(self, msg: GraphStep | EagerStep) -> None:
         """Runs a step rank 0 staged (`step_sink`'s message) on this rank's shard; nothing is sampled."""
-        if msg[0] == "graph":
-            _, size, header, updates = msg
-            self._g_host_np[:] = header
-            self._replay_graph(size, updates)
+        if isinstance(msg, GraphStep):
+            self._g_host_np[:] = msg.header
+            self._replay_graph(msg.size, msg.updates)
         else:
-            _, shape, buf = msg
-            host, dev = self._staging(shape.size)
-            host.numpy()[: shape.size] = buf
-            self._eager_device(shape, host, dev)
+            host, dev = self._staging(msg.shape.size)
+            host.numpy()[: msg.shape.size] = msg.buf
+            self._eager_device(msg.shape, host, dev)
         if self.device.type == "cuda":
             # the pinned staging buffers are rewritten by the next message: the copies must be done
             torch.cuda.current_stream().synchronize()
