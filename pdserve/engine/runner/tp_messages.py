@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from pdserve.attention.base import AttentionMetadata
-    from pdserve.engine.runner.step_runner import EagerShape
+    from pdserve.engine.runner.host_batch import EagerShape
     from pdserve.model.config import ModelConfig
     from pdserve.types.engine_config import EngineConfig
 
