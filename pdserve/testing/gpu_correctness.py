@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from pdserve.attention.base import AttentionMetadata
 from pdserve.attention.paged_reference import PagedCase, SdpaReference, fp8_case, make_paged_case, rel_err
 
-
 # ---------------------------------------------------------------------------------------------------
 # 1. kernels
 # ---------------------------------------------------------------------------------------------------

@@ -100,7 +100,7 @@ class EagerShape:
 
 
 class HostBatch:
-    """Flattened inputs for one step, built with numpy into a slice of a pinned int64 buffer.
+    """Flattened inputs for one step, built with numpy into a slice of an int64 buffer (pinned on the GPU path).
 
     Segments, each starting on a 16-byte boundary: ids[T] | positions[T] | slots[T] | query_start_loc[S+1] |
     seq_lens[S] | sample_rows[R] | block_tables[S, W]. Triton specialises pointer arguments on 16-byte
@@ -119,7 +119,7 @@ class HostBatch:
         self.width = w = max((r.num_computed_tokens + n + bs - 1) // bs for r, n in batch)
         self.query_lens = [n for _, n in batch]
         self.seq_lens = [r.num_computed_tokens + n for r, n in batch]
-        self.prompt_spans: list = []
+        self.prompt_spans: list[prompt_logprobs.PromptSpan] = []
         self.num_prompt_rows = 0
         self.sampling: list[Request] = []
         if rows is None:
