@@ -27,6 +27,7 @@ from pdserve.engine.spec_decode.metrics import SpecDecodeStats
 from pdserve.engine.step_log import StepLog
 from pdserve.kv_events.events import KVEventBatch
 from pdserve.model.config import ModelConfig, derived_max_model_len, load_model_config, verify_max_model_len
+from pdserve.model.model_dir import resolve_model_dir
 from pdserve.types.engine_config import DEFAULT_GPU_BUDGET, EngineConfig
 from pdserve.types.kv_events_config import KVEventsConfig
 from pdserve.types.outputs import RequestOutput, TokenLogprob
@@ -83,20 +84,6 @@ class EngineStats:
     external_prefix_cache_hits: int = 0
     kv_tiers: dict | None = None  # medium -> counters and usage of the offload tiers (None: no tiers)
     spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters (None: speculation off)
-
-
-def resolve_model_dir(model: str | None, load_format: str = "auto") -> Path:
-    if model is not None and Path(model).is_dir():
-        return Path(model)
-    if model is not None and load_format == "dummy":
-        # Real models' shapes ship as package data (e.g. Llama-3.1-8B): random weights, no download.
-        from pdserve.engine.runner.model_configs import available, dummy_model_dir
-
-        if model in available():
-            return dummy_model_dir(model)
-    from pdserve.model.default_model import resolve_model  # converts the embedded default on first use
-
-    return resolve_model(model)
 
 
 def read_eos_ids(model_dir: Path | None, model_cfg: ModelConfig) -> frozenset[int]:
