@@ -38,4 +38,4 @@ async def pin_prefix(engine: Any, body: Any) -> JSONResponse:
     except PinRefused as e:
         status = 404 if e.reason == "disabled" else 503
         return JSONResponse(error_body(str(e), status), status)
-    return JSONResponse({"kv_transfer_params": params})
+    return JSONResponse({"kv_transfer_params": params.to_json() if params is not None else None})
