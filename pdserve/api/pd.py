@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,7 +76,7 @@ def build_prefill_body(body: dict[str, Any], *, chat_token_ids: bool = False,
     `push_key`: push mode, the KV goes to the decode that registers under that key (`push_prefill_params`)."""
     prefill = dict(body)
     prefill["kv_transfer_params"] = (prefill_leg_params() if history_params is None
-                                     else {**history_params, "do_remote_decode": True, "do_remote_prefill": False})
+                                     else prefix_prefill_params(history_params))
     if push_key is not None:
         prefill["kv_transfer_params"] = push_prefill_params(push_key)
     prefill["stream"] = False
@@ -548,6 +548,18 @@ def parse_remote_prefill_params(params: Any) -> RemotePrefillParams:
     )
 
 
+# ---- a cached prefix pinned for a peer's prefill (pdserve instances) -------------------------------------
+# A proxy asks the instance that caches the longest prefix of a prompt to pin it (`POST PIN_PATH`, body
+# `pin_body`); the answer's kv_transfer_params are a held history's (`HeldKVParams`), which the prefill leg
+# reads back (`prefix_prefill_params`).
+PIN_PATH = "/pdserve/kv/pin"
+PIN_MIN_TOKENS = "min_tokens"
+
+
+def pin_body(token_ids: Sequence[int], min_tokens: int) -> dict[str, Any]:
+    return {PROMPT_TOKEN_IDS: list(token_ids), PIN_MIN_TOKENS: min_tokens}
+
+
 # ---- multi-turn: a decode instance's held history (vLLM's bidirectional_kv_xfer, PR 32553) --------------
 # The block hashes of the held blocks, in order (ours): the reader compares them with its own prompt's and reads
 # only the blocks that match, so a conversation whose next prompt is not a token-exact extension of the held
@@ -573,6 +585,44 @@ def is_remote_prefix(params: Any) -> bool:
     `do_remote_decode` says (true on a prefill leg, which also holds its own blocks for its decode instance)."""
     return (isinstance(params, Mapping) and not params.get("do_remote_prefill")
             and bool(params.get("remote_block_ids")))
+
+
+def prefix_prefill_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """A prefill leg's params that read a held prefix back (a decode instance's history, a peer's pinned
+    prefix): the holder's params, verbatim, as a prefill leg's (`do_remote_decode`)."""
+    return {**params, "do_remote_decode": True, "do_remote_prefill": False}
+
+
+def names_held_history(params: Any) -> bool:
+    """A decode response's params naming a held history (vLLM's bidirectional shape: the decode instance is now
+    the producer, `do_remote_decode` true, with blocks; ours also list their hashes)."""
+    return (isinstance(params, dict) and not params.get("do_remote_prefill") and bool(params.get("do_remote_decode"))
+            and bool(params.get("remote_block_ids")) and bool(params.get(BLOCK_HASHES)))
+
+
+# What a proxy reads of held KV's params, untrusted (a value it cannot use reads as unknown: 0 or None).
+def held_num_tokens(params: Mapping[str, Any]) -> int:
+    """The tokens the held blocks cover (0: not said)."""
+    n = params.get("remote_num_tokens")
+    return n if isinstance(n, int) and n > 0 else 0
+
+
+def held_num_blocks(params: Mapping[str, Any]) -> int:
+    """The held blocks (of the one KV-cache group; vLLM < HMA sent a flat list)."""
+    blocks = params.get("remote_block_ids") or [[]]
+    return len(blocks[0]) if isinstance(blocks[0], list) else len(blocks)
+
+
+def held_block_bytes(params: Mapping[str, Any]) -> int | None:
+    """Bytes of one held block on the wire, all ranks together (`BLOCK_BYTES`), when the holder says."""
+    n = params.get(BLOCK_BYTES)
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def held_expires_at(params: Mapping[str, Any]) -> float | None:
+    """When a held history's lease ends (`remote_blocks_expiry_time`, wall clock), when the holder says."""
+    t = params.get("remote_blocks_expiry_time")
+    return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None
 
 
 def parse_remote_prefix_params(params: Any) -> RemotePrefillParams:
