@@ -747,7 +747,8 @@ class LLMEngine:
         for lease_id in list(self.history):
             if self.blocks.num_free_blocks >= need:
                 return
-            if self.connector.producer is not None and self.connector.producer.evict_history(lease_id):  # False while a prefill reads it: it stays
+            assert self.connector.producer is not None  # a held history needs the producer role
+            if self.connector.producer.evict_history(lease_id):  # False while a prefill reads it: it stays
                 self.blocks.release(self.history.pop(lease_id))
 
     # ---- a cached prefix pinned for a peer's prefill (issue 18 part 4) ------------------------
@@ -773,7 +774,7 @@ class LLMEngine:
         hashes = [pd.wire_block_hash(h) for h in self.blocks.block_hashes(req, len(hits) * bs)]
         assert conn.producer is not None  # peer pins need bidirectional_kv_xfer, which needs the producer role
         params = conn.producer.hold_history(lease_id, list(req.block_ids), len(hits) * bs, hashes,
-                                   duration_s=conn.peer_pin_ttl_s)
+                                            duration_s=conn.peer_pin_ttl_s)
         self.history[lease_id] = req
         return params
 
