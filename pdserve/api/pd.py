@@ -22,7 +22,12 @@ Ours on top (vLLM has it only as an open RFC, vllm-project/vllm#50913): the prod
 the first token it sampled (`first_token_fields`), so a decode instance can start from it instead of
 recomputing the last prompt token; a producer that sends none (vLLM) is served as before.
 
-No torch, no pydantic: plain functions over JSON-shaped dicts.
+Typed on this side of the wire: a request's params are read once where they come in (`KVTransferParams`), the
+role that acts on them parses them once into frozen objects (`RemotePrefillParams`, `PushParams`, `FirstToken`),
+and what a producer answers is one (`HeldKVParams`), serialised back by `to_json` exactly as the wire has it.
+Their field names are spelled here and in `pdserve/kv_transfer` only (tests/test_pd_field_names.py).
+
+No torch, no pydantic: functions over JSON-shaped dicts and the frozen dataclasses parsed from them.
 """
 
 from __future__ import annotations
