@@ -136,6 +136,9 @@ def _pull(params: LoadParams) -> RemotePrefillParams:
 
 
 class KVConsumer:
+    """The consumer role of a pull decode instance (`pdserve.engine.pd.connector_protocol.KVConsumerRole`):
+    claims a producer's lease, READs its blocks, releases it; heartbeats the leases of requests still queued."""
+
     def __init__(
         self,
         config: KVTransferConfig,
