@@ -36,6 +36,7 @@ import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 # ---- the prefill leg -----------------------------------------------------------------------------------
@@ -783,7 +784,8 @@ class KVTransferParams:
         cached = remote_prefill_cached_tokens(p)
         return cls(remote_decode=bool(p.get("do_remote_decode")), remote_prefill=bool(p.get("do_remote_prefill")),
                    prefix=is_remote_prefix(p), push=is_push(p),
-                   remote_cached_tokens=cached if type(cached) is int and cached >= 0 else None, wire=p)
+                   remote_cached_tokens=cached if type(cached) is int and cached >= 0 else None,
+                   wire=MappingProxyType(dict(p)))  # a read-only copy: what was read stays what is parsed
 
     def params_later_key(self) -> str | None:
         """A decode leg sent before its params (`early_decode_params`): their key (InvalidKVTransferParams
