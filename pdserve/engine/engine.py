@@ -8,7 +8,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -297,7 +297,8 @@ class LLMEngine:
             )
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs is not None else None
         conn = self.connector
-        kv = KVHandoff.from_params(kv_transfer_params, can_load=conn is not None and conn.can_load,
+        kvp = pd.KVTransferParams.read(kv_transfer_params)  # the edge: typed from here on
+        kv = KVHandoff.from_params(kvp, can_load=conn is not None and conn.can_load,
                                    can_send=conn is not None and conn.can_send,
                                    keeps_history=conn is not None and conn.keeps_history)
         later = None
@@ -306,17 +307,23 @@ class LLMEngine:
                              "reads its prompt's KV from another instance does not compute", "prompt_logprobs")
         if kv.needs_load:
             try:
-                later = pd.params_later_key(kv_transfer_params)
+                later = kvp.params_later_key()
             except ValueError as e:
                 raise ParamError(str(e), "kv_transfer_params") from e
             if later is not None:
                 early = self.params_mailbox.take_early(later)
                 if early is not None:  # the params came first: an ordinary decode leg
-                    kv_transfer_params, later = early, None
+                    kvp, later = early, None
                     assert conn is not None
                     kv = KVHandoff.from_params(early, can_load=True, can_send=conn.can_send,
                                                keeps_history=conn.keeps_history)
-        first = None if later is not None else self._check_remote_params(kv, kv_transfer_params)
+        if kv.send:
+            assert conn is not None and conn.producer is not None
+            try:
+                kv.push = conn.producer.parse_prefill_leg(kvp)
+            except ValueError as e:
+                raise ParamError(str(e), "kv_transfer_params") from e
+        first = None if later is not None else self._check_remote_params(kv, kvp)
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, self.max_model_len, kv)
         req.grammar = grammar
         if later is not None:
@@ -328,16 +335,17 @@ class LLMEngine:
             return
         self._admit(req, first)
 
-    def _check_remote_params(self, kv: KVHandoff, kv_transfer_params: dict | None) -> pd.FirstToken | None:
-        """A decode leg's params, checked: the first token they carry (None without one), or ParamError."""
+    def _check_remote_params(self, kv: KVHandoff, params: pd.KVTransferParams) -> pd.FirstToken | None:
+        """A decode leg's params, parsed once into `kv.remote`: the first token they carry (None without one),
+        or ParamError."""
         if not kv.needs_load:
             return None
-        assert self.connector is not None
+        assert self.connector is not None and self.connector.consumer is not None
         try:
-            self.connector.validate(kv_transfer_params)
-            first = None if kv.prefix else pd.parse_first_token(kv_transfer_params)
+            kv.remote = self.connector.consumer.parse(params)
         except ValueError as e:  # InvalidKVTransferParams: its message names the field
             raise ParamError(str(e), "kv_transfer_params") from e
+        first = None if kv.prefix else kv.remote.first_token
         vocab = self.model_cfg.vocab_size
         if first is not None and first.token_id >= vocab:
             raise ParamError(f"kv_transfer_params.{pd.FIRST_TOKEN_ID} {first.token_id} is out of vocabulary "
@@ -348,12 +356,12 @@ class LLMEngine:
         if first is not None:
             self._adopt_first_token(req, first)
         if req.kv.prefix:
-            assert self.connector is not None
-            self._match_prefix(req, self.connector.validate(req.kv.params))
+            assert isinstance(req.kv.remote, pd.RemotePrefillParams)
+            self._match_prefix(req, req.kv.remote)
         if req.kv.needs_load:
-            assert self.connector is not None
+            assert self.connector is not None and self.connector.consumer is not None and req.kv.remote is not None
             # last: nothing after it can refuse the request
-            self.connector.add_waiting(req.request_id, req.kv.params)
+            self.connector.consumer.add_waiting(req.request_id, req.kv.remote)
         self.requests[req.request_id] = req
         self.scheduler.add(req)
 
@@ -361,29 +369,30 @@ class LLMEngine:
         """The prefill's params for the decode leg waiting under `key` (`pd.early_decode_params`), or kept
         for a leg still to come. Raises ParamError for params this instance refuses; the waiting leg then
         ends with the same 400 (its response has not started: it waits for its first output)."""
+        params = pd.KVTransferParams.read(kv_transfer_params)  # the edge: typed from here on
         try:
-            rid = self.params_mailbox.deliver(key, kv_transfer_params)
+            rid = self.params_mailbox.deliver(key, params)
         except ValueError as e:
             raise ParamError(str(e), "kv_transfer_params") from e
         if rid is None:
             return []
         req = self.requests[rid]
         assert self.connector is not None
-        req.kv = KVHandoff.from_params(kv_transfer_params, can_load=True, can_send=self.connector.can_send,
+        req.kv = KVHandoff.from_params(params, can_load=True, can_send=self.connector.can_send,
                                        keeps_history=self.connector.keeps_history)
         try:
             if not req.kv.needs_load:
                 raise ParamError("kv_transfer_params: the delivered params are no decode leg's "
                                  "(do_remote_prefill missing)", "kv_transfer_params")
-            first = self._check_remote_params(req.kv, kv_transfer_params)
+            first = self._check_remote_params(req.kv, params)
         except ParamError as e:
             req.finish_reason, req.error, req.error_status = "error", str(e), 400
             req.kv.rejection = "invalid"
             out = self._finish(req, hold=False)
             raise DeliveryRefused(str(e), [out]) from e
-        remote = kv_transfer_params.get("remote_prefill_cached_tokens")
-        if type(remote) is int and remote >= 0:
-            req.remote_cached_tokens = remote  # the server's usage has only the leg's params_later marker
+        if params.remote_cached_tokens is not None:
+            # the server's usage has only the leg's params_later marker
+            req.remote_cached_tokens = params.remote_cached_tokens
         self._admit(req, first)
         return []
 
@@ -403,7 +412,8 @@ class LLMEngine:
             log.info("request %s: the held prefix %s matches none of this prompt's blocks; computing it",
                      req.request_id, remote.remote_request_id)
             req.kv.drop_load()
-            self.connector.decline(req.kv.params)
+            assert self.connector.consumer is not None
+            self.connector.consumer.decline(remote)
             self.connector.record_prefix_pull("declined")
             return
         req.kv.prefix_tokens = k * bs
@@ -446,11 +456,12 @@ class LLMEngine:
             # The NIXL read may still be writing into these blocks: free them only when it ends.
             req.kv.request_abort()
             req.finish_reason = "abort"
-            if self.connector is not None:
-                self.connector.cancel_load(request_id)  # a pending push stops; its blocks come back quiesced
+            if self.connector is not None and self.connector.consumer is not None:
+                # a pending push stops; its blocks come back quiesced
+                self.connector.consumer.cancel_load(request_id)
             return None
-        if req.kv.needs_load and self.connector is not None:
-            self.connector.remove_waiting(request_id)  # the producer frees its lease early
+        if req.kv.needs_load and self.connector is not None and self.connector.consumer is not None:
+            self.connector.consumer.remove_waiting(request_id)  # the producer frees its lease early
         if self.tier_loader is not None:
             self.tier_loader.forget(request_id)
         self.params_mailbox.forget(request_id)
@@ -508,8 +519,8 @@ class LLMEngine:
             self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         for req in sched.dropped_loads:
-            assert self.connector is not None
-            self.connector.remove_waiting(req.request_id)  # the holder frees its lease now
+            assert self.connector is not None and self.connector.consumer is not None
+            self.connector.consumer.remove_waiting(req.request_id)  # the holder frees its lease now
             self.connector.record_prefix_pull("declined")
         for req in sched.start_loads:
             self._start_load(req, outputs)
@@ -646,7 +657,8 @@ class LLMEngine:
             error_status=req.error_status,
             kv_rejection=req.kv.rejection if finished else None,
             num_cached_tokens=max(req.num_cached_tokens, 0),
-            kv_transfer_params=req.result_kv_transfer_params if finished else None,
+            kv_transfer_params=(req.result_kv_transfer_params.to_json()
+                                if finished and req.result_kv_transfer_params is not None else None),
             remote_cached_tokens=req.remote_cached_tokens,
             metrics=req.metrics,
             prompt_logprobs=prompt_lps,
@@ -665,22 +677,23 @@ class LLMEngine:
         self.num_finished += 1
         if hold and req.kv.keep_history and req.finish_reason in ("length", "stop") and req.block_ids:
             self._hold_history(req)
-        elif hold and req.finish_reason in ("length", "stop") and req.block_ids and self.connector is not None:
-            params = self.connector.hold(
+        elif (hold and req.finish_reason in ("length", "stop") and req.block_ids and self.connector is not None
+              and self.connector.producer is not None):
+            params = self.connector.producer.hold(
                 req.request_id, list(req.block_ids), req.num_computed_tokens, max(req.num_cached_tokens, 0),
-                params=req.kv.params,
+                push=req.kv.push,
             )
             if len(req.output_token_ids) == 1 and req.num_computed_tokens == req.num_prompt_tokens:
                 # a prefill leg (max_tokens 1): its token travels to the decode instance, which starts from it
                 lp = req.output_logprobs[0] if req.output_logprobs else None
-                params = {**params, **pd.first_token_fields(pd.FirstToken(
+                params = replace(params, first_token=pd.FirstToken(
                     req.output_token_ids[0], None if lp is None else lp.logprob, None if lp is None else lp.rank,
-                    tuple(lp.top) if lp is not None else ()))}
+                    tuple(lp.top) if lp is not None else ()))
             req.result_kv_transfer_params = params
             self.held[req.request_id] = req
         else:
-            if req.kv.send and self.connector is not None:
-                self.connector.send_ended(req.request_id)  # a push job for it stops before the blocks go
+            if req.kv.send and self.connector is not None and self.connector.producer is not None:
+                self.connector.producer.send_ended(req.request_id)  # a push job for it stops before the blocks go
             self.blocks.release(req)
         return self._emit(req, finished=True)
 
@@ -689,7 +702,7 @@ class LLMEngine:
         """Keep the full blocks of a finished decode leg (prompt and answer: every token whose KV is
         computed) under a history lease; the partial last block is freed now. Its params go back in the
         response for the next turn's prefill to read (vLLM's bidirectional_kv_xfer)."""
-        assert self.connector is not None
+        assert self.connector is not None and self.connector.producer is not None
         bs = self.config.block_size
         full = min(req.num_computed_tokens // bs, len(req.block_ids))
         lease_id = f"{req.request_id}-history"
@@ -700,7 +713,7 @@ class LLMEngine:
         self.blocks.free_blocks(req.block_ids[full:])
         req.block_ids = req.block_ids[:full]
         try:
-            params = self.connector.hold_history(lease_id, list(req.block_ids), full * bs, hashes)
+            params = self.connector.producer.hold_history(lease_id, list(req.block_ids), full * bs, hashes)
         except ValueError as e:  # e.g. an earlier request of the same id still holds its lease
             log.warning("request %s: its conversation's KV is not kept: %s", req.request_id, e)
             self.blocks.release(req)
@@ -721,11 +734,12 @@ class LLMEngine:
         for lease_id in list(self.history):
             if self.blocks.num_free_blocks >= need:
                 return
-            if self.connector.evict_history(lease_id):  # False while a prefill reads it: it stays
+            assert self.connector.producer is not None  # a held history needs the producer role
+            if self.connector.producer.evict_history(lease_id):  # False while a prefill reads it: it stays
                 self.blocks.release(self.history.pop(lease_id))
 
     # ---- a cached prefix pinned for a peer's prefill (issue 18 part 4) ------------------------
-    def pin_cached_prefix(self, token_ids: Sequence[int], min_tokens: int = 1) -> dict | None:
+    def pin_cached_prefix(self, token_ids: Sequence[int], min_tokens: int = 1) -> pd.HeldKVParams | None:
         """Hold the leading blocks of `token_ids` that this pool has cached under a short history lease
         (`peer_pin_ttl_s`), so that a peer's prefill can read them as it reads a held conversation; returns
         those params, or None when fewer than `min_tokens` tokens are cached. The pin is a history entry: it
@@ -745,31 +759,33 @@ class LLMEngine:
             return None
         self.blocks.allocate(req, len(hits) * bs, cached=hits)  # takes a reference: no longer evictable
         hashes = [pd.wire_block_hash(h) for h in self.blocks.block_hashes(req, len(hits) * bs)]
-        params = conn.hold_history(lease_id, list(req.block_ids), len(hits) * bs, hashes,
-                                   duration_s=conn.peer_pin_ttl_s)
+        assert conn.producer is not None  # peer pins need bidirectional_kv_xfer, which needs the producer role
+        params = conn.producer.hold_history(lease_id, list(req.block_ids), len(hits) * bs, hashes,
+                                            duration_s=conn.peer_pin_ttl_s)
         self.history[lease_id] = req
         return params
 
     # ---- P/D ---------------------------------------------------------------------------------
     def _start_load(self, req: Request, outputs: list[RequestOutput]) -> None:
-        assert self.connector is not None
+        assert self.connector is not None and self.connector.consumer is not None and req.kv.remote is not None
         first_block = req.num_computed_tokens // self.config.block_size
         req.metrics.kv_load_start_time = time.monotonic()
         try:
             # Tokens [0, len - 1) come from the producer and the last prompt token is recomputed here for the
             # first token's logits; with an adopted first token the whole prompt comes from the producer.
-            self.connector.start_load(req.request_id, req.kv.params, list(req.block_ids), first_block,
-                                      num_tokens=req.kv.remote_tokens(req.num_prompt_tokens))
+            self.connector.consumer.start_load(req.request_id, req.kv.remote, list(req.block_ids), first_block,
+                                               num_tokens=req.kv.remote_tokens(req.num_prompt_tokens))
         except Exception as e:  # noqa: BLE001 - any connector failure goes through the failure policy
             # Not a transfer outcome but a refusal to start: log where it came from.
             log.exception("request %s: the KV load could not start", req.request_id)
-            self.connector.remove_waiting(req.request_id)  # stop heartbeats; the producer frees early
+            self.connector.consumer.remove_waiting(req.request_id)  # stop heartbeats; the producer frees early
             self._load_ended(req, ok=False, error=f"KV load could not start: {e}", outputs=outputs)
 
     def _poll_connector(self) -> list[RequestOutput]:
         assert self.connector is not None
         outputs: list[RequestOutput] = []
-        for rid in self.connector.poll_released():
+        producer, consumer = self.connector.producer, self.connector.consumer
+        for rid in producer.poll_released() if producer is not None else ():
             req = self.held.pop(rid, None)
             if req is None:
                 req = self.history.pop(rid, None)
@@ -777,8 +793,8 @@ class LLMEngine:
                 self.blocks.release(req)
         # results first, then claims: a load's claim is queued before its result, so every result polled
         # here has its claim polled too, and a claim is seen before the result of the same load
-        results = self.connector.poll_loads()
-        for rid in self.connector.poll_claimed():
+        results = consumer.poll_loads() if consumer is not None else ()
+        for rid in consumer.poll_claimed() if consumer is not None else ():
             req = self.scheduler.loading.get(rid)
             if req is not None and req.kv.first_token is not None and req.num_emitted == 0 \
                     and not req.kv.abort_requested:

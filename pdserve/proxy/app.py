@@ -379,8 +379,7 @@ class ProxyHandlers:
         tokens = held.num_tokens - p_cached
         if tokens <= 0:
             return HistoryDecision("p_cache", "prefill_cache", held.num_tokens, 0)
-        blocks = held.params.get("remote_block_ids") or [[]]
-        nblocks = len(blocks[0]) if isinstance(blocks[0], list) else len(blocks)
+        nblocks = held.num_blocks
         if held.block_bytes is None or nblocks == 0 or held.num_tokens == 0:
             return HistoryDecision("pull", "size_unknown", held.num_tokens, tokens)
         choice = pull_or_recompute(tokens, held.block_bytes * nblocks / held.num_tokens,

@@ -50,8 +50,9 @@ async def push_coordinates(state: ProxyState, inst: Instance) -> dict[str, Any] 
     port = info.get("side_channel_port")
     if not isinstance(info.get("engine_id"), str) or not isinstance(port, int):
         return "its /pdserve/info names no KV side channel"
-    inst.push_info = {"engine_id": info["engine_id"], "host": info.get("side_channel_host") or inst.host,
-                      "port": port, "tp_size": int(info.get("tensor_parallel_size") or 1)}
+    # push_decode_params' arguments
+    inst.push_info = dict(engine_id=info["engine_id"], host=info.get("side_channel_host") or inst.host, port=port,
+                          tp_size=int(info.get("tensor_parallel_size") or 1))
     return inst.push_info
 
 

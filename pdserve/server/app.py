@@ -28,7 +28,7 @@ from pdserve.api.openai.protocol import (
 from pdserve.api.openai.tokenization import detokenize_body, tokenize_body
 from pdserve.api.openapi import document_json_bodies
 from pdserve.server.kv_params import deliver_kv_params
-from pdserve.server.kv_pin import PIN_PATH, pin_prefix
+from pdserve.server.kv_pin import pin_prefix
 from pdserve.server.serving_chat import create_chat_completion
 from pdserve.server.serving_completion import create_completion
 from pdserve.server.state import ServerState
@@ -113,7 +113,7 @@ def build_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
         body = await read_json(request, state.max_request_body_bytes)
         return JSONResponse(await deliver_kv_params(state.engine, body, bool(state.info.get("kv_params_later"))))
 
-    @app.post(PIN_PATH)
+    @app.post(pd.PIN_PATH)
     async def kv_pin(request: Request) -> Any:
         return await pin_prefix(state.engine, await read_json(request, state.max_request_body_bytes))
 

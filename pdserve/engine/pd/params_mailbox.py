@@ -13,8 +13,8 @@ Engine-thread only (no locking): the engine calls it from `add_request`, `delive
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from typing import Any
+
+from pdserve.api.pd import KVTransferParams
 
 # How long a decode leg waits for its params: longer than any prefill leg (a 128k-token prompt on a busy
 # prefill instance), short enough that a proxy gone without closing the leg does not pin the request for ever.
@@ -28,12 +28,12 @@ MAX_EARLY_PARAMS = 4096
 class ParamsMailbox:
     def __init__(self) -> None:
         self._awaiting: dict[str, tuple[str, float]] = {}  # key -> (request id, since)
-        self._early: dict[str, tuple[dict[str, Any], float]] = {}  # key -> (params, since)
+        self._early: dict[str, tuple[KVTransferParams, float]] = {}  # key -> (params, since)
 
     def __len__(self) -> int:
         return len(self._awaiting)
 
-    def take_early(self, key: str) -> dict[str, Any] | None:
+    def take_early(self, key: str) -> KVTransferParams | None:
         """The params already delivered under `key` (then the leg proceeds at once), else None."""
         item = self._early.pop(key, None)
         return None if item is None else item[0]
@@ -45,7 +45,7 @@ class ParamsMailbox:
             raise ValueError(f"another decode leg already waits for the params keyed {key!r}")
         self._awaiting[key] = (request_id, time.monotonic())
 
-    def deliver(self, key: str, params: Mapping[str, Any]) -> str | None:
+    def deliver(self, key: str, params: KVTransferParams) -> str | None:
         """The request id waiting under `key` (no longer waiting), or None: then the params are kept for a
         leg still to come (ValueError when too many are kept already, or params came twice for one key)."""
         item = self._awaiting.pop(key, None)
@@ -56,7 +56,7 @@ class ParamsMailbox:
             raise ValueError(f"params keyed {key!r} were already delivered")
         if len(self._early) >= MAX_EARLY_PARAMS:
             raise ValueError(f"{MAX_EARLY_PARAMS} params wait for their decode legs already")
-        self._early[key] = (dict(params), time.monotonic())
+        self._early[key] = (params, time.monotonic())
         return None
 
     def forget(self, request_id: str) -> None:
