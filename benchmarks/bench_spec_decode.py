@@ -196,7 +196,8 @@ def verify_cost(tok, rounds: int = 12) -> None:
     """The model step of one request verifying k drafts (1 + k query rows: the target's logits after its last
     token and after each draft), and the rejection sampler over those rows, against a plain decode step (one
     row, sampled), at two context lengths. The step sizes take turns within each round; one thread (so this
-    process's CPU time is the step's work, not a second thread's spinning); medians of CPU ms per step."""
+    process's CPU time is the step's work, not a second thread's spinning); medians of CPU ms per step.
+    Then the model's linears alone by rows (what decides the shape of the step's cost)."""
     from pdserve.cpu.threads import StepThreads
     from pdserve.types.sampling_params import SamplingParams
 
@@ -238,6 +239,33 @@ def verify_cost(tok, rounds: int = 12) -> None:
             m, smp = statistics.median(model[k]), statistics.median(sampler[k])
             print(f"  {1 + k:2d} rows (k = {k:2d}): model {m * 1e3:6.1f}  {'sampler' if k == 0 else 'verify '} "
                   f"{smp * 1e3:5.2f}  total {(m + smp) * 1e3:6.1f}  = {(m + smp) / base:.2f}x the plain step")
+    linear_cost(eng.runner.model, rounds)
+
+
+def linear_cost(model, rounds: int, rows: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 9, 16)) -> None:
+    """Every linear of one shape (the 30 layers' copies, so their weights stream from memory as in a step)
+    called once per round with `rows` input rows; CPU time against one row, medians."""
+    import torch
+
+    shapes: dict[tuple[int, int], list] = {}
+    for m in model.modules():
+        if hasattr(m, "in_features") and hasattr(m, "out_features") and not list(m.children()):
+            shapes.setdefault((m.in_features, m.out_features), []).append(m)
+    torch.set_num_threads(1)
+    print("linears, 1 thread: CPU time by input rows against 1 row (all copies of the shape per call)")
+    with torch.inference_mode():
+        for (n_in, n_out), mods in shapes.items():
+            times: dict[int, list[float]] = {r: [] for r in rows}
+            for _ in range(rounds):
+                for r in rows:
+                    x = torch.randn(r, n_in)
+                    t0 = time.process_time()
+                    for m in mods:
+                        m(x)
+                    times[r].append(time.process_time() - t0)
+            base = statistics.median(times[1])
+            print(f"  {n_in:5d} -> {n_out:5d} x{len(mods):2d}: 1 row {base * 1e3:6.2f} ms; "
+                  + "  ".join(f"{r}: {statistics.median(times[r]) / base:.2f}x" for r in rows[1:]))
 
 
 def draft_prefill(tok) -> None:
