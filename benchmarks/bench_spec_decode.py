@@ -17,8 +17,9 @@ comparable. Greedy outputs of the two engines are checked to be identical. Also 
 output token of each engine (the model runs speculation saves, whatever a step costs) and the acceptance.
 
 The default speculative config is the one that measured fastest on this CPU (BENCHMARKS.md, "Speculative
-decoding"): K = 5 because a step of 2-6 rows costs oneDNN's packed linears no more than a one-row step, and
-prompt_lookup_min 1 because an unaccepted draft then costs nothing either, so drafting from any match pays.
+decoding"): K = 5 because a step of 3-6 rows costs no more than a one-row step here (oneDNN's packed linears
+stream the weights faster at a few rows than at one), and prompt_lookup_min 1 because an unaccepted draft
+then costs nothing, so drafting from any match pays.
 """
 
 from __future__ import annotations
@@ -220,13 +221,11 @@ def verify_cost(tok, rounds: int = 12) -> None:
                 req.spec_token_ids = prompt[1 : 1 + k]  # any tokens: only the cost is looked at
                 batch = [(req, 1 + k)]
                 t0 = time.process_time()
+                reqs, logits = eng.runner.execute_logits(batch)
+                t1 = time.process_time()
                 if k == 0:
-                    reqs, logits = eng.runner.execute_logits(batch)
-                    t1 = time.process_time()
                     eng.runner.sampler.sample(logits, reqs)
                 else:
-                    reqs, logits = eng.runner.execute_logits(batch)
-                    t1 = time.process_time()
                     eng.spec.verify(eng.runner.sampler, logits, reqs)
                 t2 = time.process_time()
                 req.spec_token_ids = []
