@@ -20,7 +20,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from pdserve.api.openai.errors import error_body
-from pdserve.engine.engine import PinRefused
+from pdserve.engine.pd.holds import PinRefused
 
 PIN_PATH = "/pdserve/kv/pin"
 
