@@ -199,3 +199,38 @@ def test_a_step_without_decode_rows_gives_one_long_prompt_a_longer_chunk():
     off = Scheduler(BlockManager(512, BS, True), 8, max_num_batched_tokens=64, prefill_only_chunk_tokens=0)
     off.add(request("x", list(range(1, 601))))
     assert [n for _, n in step(off).scheduled] == [64]
+
+
+def test_handoff_after_finish_and_awaiting_params_states():
+    """The rest of `Request.kv`'s one state machine: a leg waiting for its params (indexed by the mailbox
+    under its key), and KV kept after a request (HELD, HISTORY) until the lease ends."""
+    from pdserve.engine.pd.params_mailbox import ParamsMailbox
+
+    leg = request("leg", list(range(10)), remote=True)
+    mailbox = ParamsMailbox()
+    mailbox.wait("k", leg)
+    assert leg.kv.state is KVState.AWAITING_PARAMS and leg.kv.params_key == "k" and len(mailbox) == 1
+    with pytest.raises(HandoffStateError):
+        leg.kv.begin_load()  # not scheduled before its params came
+    with pytest.raises(ValueError):
+        mailbox.wait("k", request("other", list(range(10)), remote=True))  # one leg per key
+    mailbox.forget(leg)  # aborted while waiting
+    assert len(mailbox) == 0 and mailbox.deliver("k", REMOTE) is None  # now kept for a leg still to come
+    assert mailbox.take_early("k") == REMOTE
+
+    kv = KVHandoff.from_params({"do_remote_decode": True}, can_load=True, can_send=True)
+    kv.hold()
+    assert kv.state is KVState.HELD
+    with pytest.raises(HandoffStateError):
+        kv.keep_as_history()
+    kv.release()
+    assert kv.state is KVState.RELEASED
+    with pytest.raises(HandoffStateError):
+        kv.release()  # freed once
+    loaded = KVHandoff.from_params(REMOTE, can_load=True, can_send=True)
+    with pytest.raises(HandoffStateError):
+        loaded.keep_as_history()  # a load not ended keeps nothing
+    loaded.begin_load()
+    loaded.end_load(ok=True)
+    loaded.keep_as_history()
+    assert loaded.state is KVState.HISTORY
