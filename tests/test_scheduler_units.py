@@ -215,7 +215,7 @@ def test_handoff_after_finish_and_awaiting_params_states():
     with pytest.raises(ValueError):
         mailbox.wait("k", request("other", list(range(10)), remote=True))  # one leg per key
     mailbox.forget(leg)  # aborted while waiting
-    assert len(mailbox) == 0 and mailbox.deliver("k", REMOTE) is None  # now kept for a leg still to come
+    assert leg.kv.state is KVState.NONE and len(mailbox) == 0 and mailbox.deliver("k", REMOTE) is None  # now kept for a leg still to come
     assert mailbox.take_early("k") == REMOTE
 
     kv = KVHandoff.from_params({"do_remote_decode": True}, can_load=True, can_send=True)

@@ -12,49 +12,48 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, slots=True)
-class Schedule:
+class _RequestEvent:
+    req: Request
+
+
+class Schedule(_RequestEvent):
     """Admitted: the request joins the scheduler's waiting queue (a remote load is allocated from there)."""
 
-    req: Request
+    __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True)
-class FirstTokenAdopted:
+class FirstTokenAdopted(_RequestEvent):
     """The producer's first token is the request's output 0: a seeded sampler skips the draw it replaces."""
 
-    req: Request
+    __slots__ = ()
+
+
+class Emit(_RequestEvent):
+    """The adopted first token goes out now (the producer granted the lease, or the load ended)."""
+
+    __slots__ = ()
+
+
+class Finish(_RequestEvent):
+    """The request ends here, its KV not kept (finish_reason, error and status already set on it)."""
+
+    __slots__ = ()
 
 
 @dataclass(frozen=True, slots=True)
-class LoadEnded:
+class LoadEnded(_RequestEvent):
     """The remote read ended, its blocks are the request's again (`Scheduler.end_load`). resume: it runs
     (loaded, or recomputing its prompt here); otherwise a `Finish` for it follows."""
 
-    req: Request
     ok: bool
     resume: bool
 
 
 @dataclass(frozen=True, slots=True)
-class Emit:
-    """The adopted first token goes out now (the producer granted the lease, or the load ended)."""
-
-    req: Request
-
-
-@dataclass(frozen=True, slots=True)
-class Finish:
-    """The request ends here, its KV not kept (finish_reason, error and status already set on it)."""
-
-    req: Request
-
-
-@dataclass(frozen=True, slots=True)
-class ParamsRefused:
+class ParamsRefused(_RequestEvent):
     """Params delivered for a waiting decode leg were refused: it ends (as `Finish`) and the delivery is
     answered with `error` (a 400), which the leg's own response repeats."""
 
-    req: Request
     error: ParamError
 
 

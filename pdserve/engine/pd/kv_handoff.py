@@ -8,7 +8,7 @@ Decode side (the request names a producer's KV in `kv_transfer_params.do_remote_
     NONE      no remote KV: a plain request (also: no connector, or an instance that cannot load)
     AWAITING_PARAMS  a decode leg sent before its prefill finished (`pdserve.api.pd.early_decode_params`):
               tracked by the engine, not scheduled, until its params are delivered under `params_key`
-              (then it starts again from the delivered params)
+              (then it starts again from the delivered params; ended without them: NONE)
     WAITING   admitted, no local blocks yet; the connector heartbeats the producer's lease
     LOADING   blocks allocated and the NIXL read in flight: the blocks belong to the transfer, so the
               request is never preempted, and an abort only marks it (freed when the read ends)
@@ -127,6 +127,11 @@ class KVHandoff:
         """A decode leg whose params come later: it waits for them under `key`."""
         self._move(KVState.WAITING, KVState.AWAITING_PARAMS)
         self.params_key = key
+
+    def stop_awaiting(self) -> None:
+        """A leg that waited for its params ended without them (aborted, or they never came)."""
+        self._move(KVState.AWAITING_PARAMS, KVState.NONE)
+        self.params_key = None
 
     def drop_load(self) -> None:
         """A prefix not worth reading (known at admission): the request computes its prompt as a plain one."""

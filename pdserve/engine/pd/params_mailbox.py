@@ -72,6 +72,7 @@ class ParamsMailbox:
         key = req.kv.params_key
         if req.kv.awaiting_params and key is not None and self._awaiting.get(key) is req:
             del self._awaiting[key]
+            req.kv.stop_awaiting()
 
     def expired(self) -> list[Request]:
         """Legs that waited longer than PARAMS_WAIT_S since they arrived (no longer indexed here); also drops
@@ -80,8 +81,10 @@ class ParamsMailbox:
         if not self._awaiting:
             return []
         cutoff = time.monotonic() - PARAMS_WAIT_S
-        gone = [key for key, req in self._awaiting.items() if req.arrival_time < cutoff]
-        return [self._awaiting.pop(key) for key in gone]
+        gone = [self._awaiting.pop(key) for key, req in list(self._awaiting.items()) if req.arrival_time < cutoff]
+        for req in gone:
+            req.kv.stop_awaiting()
+        return gone
 
     def _expire_early(self) -> None:
         if self._early:
