@@ -26,11 +26,12 @@ consumer instead of being freed: HELD, until the lease ends (RELEASED: the block
 
 Multi-turn (vLLM's `bidirectional_kv_xfer`): on such an instance a decode leg (`do_remote_prefill`) ends with
 `keep_history`: its full blocks (prompt and answer) are held for the next turn's prefill instead of being
-freed (HISTORY, until evicted or its lease ends: RELEASED; a cached prefix pinned for a peer is one too). That prefill's params name them (`pdserve.api.pd.is_remote_prefix`): the same load state machine
-reads only a PREFIX of its prompt (`prefix_tokens`, the leading blocks whose hashes match its own prompt's)
-and the rest is computed here as any prompt is. A prefix that is gone (expired, evicted, a dead holder
-refused) is recomputed, never the client's error; `drop_load` (WAITING -> NONE) is a prefix not worth reading
-once the local prefix cache is known (it covers it, or what is left is under `kv_recompute_threshold`).
+freed (HISTORY, until evicted or its lease ends: RELEASED; a cached prefix pinned for a peer is one too). That
+prefill's params name them (`pdserve.api.pd.is_remote_prefix`): the same load state machine reads only a
+PREFIX of its prompt (`prefix_tokens`, the leading blocks whose hashes match its own prompt's) and the rest is
+computed here as any prompt is. A prefix that is gone (expired, evicted, a dead holder refused) is recomputed,
+never the client's error; `drop_load` (WAITING -> NONE) is a prefix not worth reading once the local prefix
+cache is known (it covers it, or what is left is under `kv_recompute_threshold`).
 
 First token (pdserve producers, pdserve/api/pd.py `first_token_fields`): a decode request that adopted the
 producer's sampled first token (`first_token`) loads the KV of the whole prompt and starts from that token;
