@@ -370,13 +370,11 @@ class LLMEngine:
                 self.kv_events.publish(KVEventBatch(ts=time.time(), events=events))
 
     def _step(self) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        if self.connector is not None:
-            outputs.extend(self._apply(self.pd.poll()))
-            if any(o.new_token_ids for o in outputs):
-                # a load that ended gave an adopted first token: hand it out now rather than after this
-                # step's model run (~6 ms on an 8B model); the caller's next step runs the model
-                return outputs
+        outputs = self._apply(self.pd.poll())
+        if any(o.new_token_ids for o in outputs):
+            # a load that ended gave an adopted first token: hand it out now rather than after this
+            # step's model run (~6 ms on an 8B model); the caller's next step runs the model
+            return outputs
         t_start = time.perf_counter()
         counters0 = self.step_log.counters() if self.step_log is not None else None
         if self._inflight is not None:
@@ -470,7 +468,7 @@ class LLMEngine:
         req.metrics.last_token_time = now
         if req.check_stop(tok) or (req.grammar is not None and self.grammars.advance(req, tok)):
             self.scheduler.remove(req)
-            outputs.append(self._finish(req, hold=req.kv.send or req.kv.keep_history))
+            outputs.append(self._finish(req, hold=True))
             return True
         return False
 
@@ -529,6 +527,8 @@ class LLMEngine:
         )
 
     def _finish(self, req: Request, hold: bool) -> RequestOutput:
+        """The request ends (its output with what was not yet emitted). hold: it ended by a stop or its
+        length, so its KV is kept when its params ask for it (pd.holds), else freed now."""
         req.status = Status.FINISHED
         req.metrics.finished_time = time.monotonic()
         if self.step_log is not None:

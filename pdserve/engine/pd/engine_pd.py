@@ -48,9 +48,10 @@ class EnginePD:
 
     # ---- the step --------------------------------------------------------------------------------
     def poll(self) -> list[PDEvent]:
-        """Start of a step (with a connector): decode legs whose params never came, leases that ended, and
-        the reads' claims and outcomes."""
-        assert self.connector is not None and self.loads is not None
+        """Start of a step: decode legs whose params never came, leases that ended, and
+        the reads' claims and outcomes (nothing without a connector)."""
+        if self.connector is None or self.loads is None:
+            return []
         events = self.admission.expired()
         self.holds.released(self.connector.poll_released())
         return events + self.loads.poll()
@@ -67,7 +68,8 @@ class EnginePD:
         return self.loads.start(started)
 
     def finished(self, req: Request, hold: bool) -> None:
-        """A request ended: its blocks held for a peer (`hold`: it asked for it) or freed."""
+        """A request ended: its blocks held for a peer (`hold`: it ended by a stop or its length, and its
+        params ask for it) or freed."""
         self.holds.finished(req, hold)
 
     def pin_cached_prefix(self, token_ids: Sequence[int], min_tokens: int = 1) -> dict | None:

@@ -42,11 +42,12 @@ class Holds:
         self.history: OrderedDict[str, Request] = OrderedDict()
 
     def finished(self, req: Request, hold: bool) -> None:
-        """A request ended: its blocks are held for a consumer or as a conversation when `hold` (it ended
-        normally and its params ask for it), else freed."""
+        """A request ended: with `hold` (it ended by a stop or its length), its blocks are held for a
+        consumer (`kv.send`) or as a conversation (`kv.keep_history`); else freed now."""
         if hold and req.kv.keep_history and req.finish_reason in ("length", "stop") and req.block_ids:
             self._hold_history(req)
-        elif hold and req.finish_reason in ("length", "stop") and req.block_ids and self.connector is not None:
+        elif hold and req.kv.send and req.finish_reason in ("length", "stop") and req.block_ids \
+                and self.connector is not None:
             params = self.connector.hold(
                 req.request_id, list(req.block_ids), req.num_computed_tokens, max(req.num_cached_tokens, 0),
                 params=req.kv.params,
