@@ -26,6 +26,8 @@ import time
 import uuid
 from typing import Any
 
+from pdserve.api.pd import KVTransferParams
+
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "fp8_e4m3"}
 
 
@@ -88,12 +90,12 @@ def _producer(conn: Any, args: argparse.Namespace, num_blocks: int) -> None:
     try:
         while True:
             if not conn.poll(0.01):
-                connector.poll_released()
+                connector.producer.poll_released()
                 continue
             cmd, arg = conn.recv()
             if cmd == "hold":
                 rid, ids = arg
-                conn.send(connector.hold(rid, ids, len(ids) * args.block_size, 0))
+                conn.send(connector.producer.hold(rid, ids, len(ids) * args.block_size, 0).to_json())
             elif cmd == "checksum":
                 conn.send(_checksum(pool, arg))
             else:
@@ -212,11 +214,12 @@ def main() -> None:
         def load(tag: str, n: int) -> Any:
             parent.send(("hold", (f"bench-{tag}", remote_ids[:n])))
             params = parent.recv()
-            connector.start_load(f"d-{tag}", params, local_ids[:n], 0)
+            consumer = connector.consumer
+            consumer.start_load(f"d-{tag}", consumer.parse(KVTransferParams.read(params)), local_ids[:n], 0)
             deadline = time.monotonic() + 120
             results: list[Any] = []
             while not results and time.monotonic() < deadline:
-                results = connector.poll_loads()
+                results = consumer.poll_loads()
                 time.sleep(0.0005)
             if not results or not results[0].ok:
                 raise RuntimeError(f"load {tag} failed: {results}")

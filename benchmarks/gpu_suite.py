@@ -606,7 +606,7 @@ class EngineBench:
     def __init__(self, max_model_len: int = 131072, max_num_seqs: int = 256, kv_cache_dtype: str = "auto",
                  attention_backend: str = "auto"):
         from pdserve.engine.engine import LLMEngine
-        from pdserve.engine.runner.model_configs import dummy_model_dir
+        from pdserve.model.packaged_configs import dummy_model_dir
         from pdserve.types.engine_config import EngineConfig
 
         self.model_name = "Llama-3.1-8B"

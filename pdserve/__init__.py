@@ -2,7 +2,7 @@
 
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from pdserve.version import __version__
 
 if TYPE_CHECKING:
     from pdserve.llm import LLM

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args()
     if args.version:
-        from pdserve import __version__
+        from pdserve.version import __version__
 
         print(__version__)
         return 0

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from pdserve.engine.request import Request
-from pdserve.engine.runner.model_configs import available, config_path, dummy_model_dir
-from pdserve.engine.runner.step_runner import HostBatch, graph_sizes_for, greedy_on_device, pick_graph_size
+from pdserve.engine.runner.host_batch import BlockTableCache, HostBatch
+from pdserve.engine.runner.step_runner import graph_sizes_for, greedy_on_device, pick_graph_size
 from pdserve.model.config import load_model_config
+from pdserve.model.packaged_configs import available, config_path, dummy_model_dir
 from pdserve.types.sampling_params import SamplingParams
 
 
@@ -76,6 +77,23 @@ def test_host_batch_layout_matches_the_flattened_batch():
     assert tables[0].tolist() == [7, 3, 9] and tables[1, 0] == 5 and tables[2, :2].tolist() == [2, 6]
 
 
+def test_host_batch_fits_its_bound_with_a_row_per_token():
+    """Prompt logprobs ask for a row per prompt token: more logit rows than sequences, within max_size_of (the
+    CPU path allocates exactly that; the bound once counted one row per sequence)."""
+    a = _req("a", list(range(3, 40)), 0, list(range(10)), prompt_logprobs=1)
+    b = _req("b", [1, 2, 3], 3, [5], [42])  # a decode row, sampling
+    batch = [(a, 37), (b, 1)]
+    size = HostBatch.max_size_of(batch, 4)
+    buf = np.full(size, -99, dtype=np.int64)
+    hb = HostBatch(batch, 4, buf)
+    assert hb.num_rows == 36 + 2 and hb.size <= size
+    assert hb.view(buf, "sample_rows").tolist() == [*range(36), 36, 37]
+    # rows given (a draft model's step): those rows, no prompt logprobs, nothing sampled
+    hb = HostBatch(batch, 4, buf, rows=[36])
+    assert hb.rows == [36] and hb.view(buf, "sample_rows").tolist() == [36]
+    assert hb.sampling == [] and hb.prompt_spans == [] and hb.sampling_logits(None) is None
+
+
 def test_host_batch_mid_chunk_samples_nothing():
     a = _req("a", list(range(3, 40)), 0, list(range(10)))
     hb = HostBatch([(a, 16)], 4, np.zeros(200, dtype=np.int64))
@@ -98,14 +116,23 @@ def test_packaged_configs_parse_in_their_real_shapes(name, tmp_path):
         assert cfg.vocab_size == 152064 and cfg.qkv_bias and cfg.rope_scaling is None
 
 
+def test_model_dir_resolves_packaged_names_only_for_dummy_weights(tmp_path):
+    from pdserve.model.default_model import ModelNotFoundError
+    from pdserve.model.model_dir import resolve_model_dir
+
+    folder = resolve_model_dir("Llama-3.1-8B", "dummy")
+    assert json.loads((folder / "config.json").read_text()) == json.loads(config_path("Llama-3.1-8B").read_text())
+    assert resolve_model_dir(str(tmp_path), "dummy") == tmp_path
+    with pytest.raises(ModelNotFoundError):  # real weights: a packaged config's name is no model folder
+        resolve_model_dir("Llama-3.1-8B")
+
+
 def test_unknown_packaged_config_is_a_clear_error():
     with pytest.raises(FileNotFoundError, match="available"):
         config_path("nope")
 
 
 def test_block_table_cache_follows_appends_and_replacements():
-    from pdserve.engine.runner.step_runner import BlockTableCache
-
     cache = BlockTableCache()
     r = _req("a", [1, 2, 3], 0, [4, 5])
     assert cache.get(r).tolist() == [4, 5]

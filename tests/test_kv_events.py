@@ -23,7 +23,6 @@ from pdserve.kv_events.block_hash import (
     external_block_hashes,
     hash_block_tokens,
 )
-from pdserve.kv_events.config import KVEventsConfig
 from pdserve.kv_events.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -32,6 +31,7 @@ from pdserve.kv_events.events import (
     decode_batch,
     encode_batch,
 )
+from pdserve.types.kv_events_config import KVEventsConfig
 from pdserve.types.sampling_params import SamplingParams
 
 

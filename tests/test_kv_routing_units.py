@@ -205,9 +205,9 @@ async def _until(cond, timeout: float = 10.0) -> None:
 def test_subscriber_follows_a_real_publisher(with_replay: bool) -> None:
     zmq = pytest.importorskip("zmq")
     del zmq
-    from pdserve.kv_events.config import KVEventsConfig
     from pdserve.kv_events.publisher import ZmqEventPublisher
     from pdserve.proxy.kv_subscriber import EventEndpoints, EventSubscriber
+    from pdserve.types.kv_events_config import KVEventsConfig
 
     cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*",
                          replay_endpoint="tcp://127.0.0.1:*" if with_replay else None, topic="kv")
@@ -263,10 +263,10 @@ def test_fleet_follows_pools_ejections_and_unreachable_endpoints(monkeypatch: py
     from aiohttp import web
     from server_utils import free_port
 
-    from pdserve.kv_events.config import KVEventsConfig
     from pdserve.kv_events.publisher import ZmqEventPublisher
     from pdserve.proxy import kv_fleet
     from pdserve.proxy.kv_fleet import KVFleet
+    from pdserve.types.kv_events_config import KVEventsConfig
 
     monkeypatch.setattr(kv_fleet, "REDISCOVER_AFTER_S", 0.5)
     pub = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*",

@@ -38,6 +38,7 @@ except NixlUnavailableError as exc:
 
 from prometheus_client import generate_latest
 
+from pdserve.api import pd
 from pdserve.kv_transfer import KVConnector, KVTransferConfig, make_compat
 from pdserve.kv_transfer.auth import REQUEST, MessageAuth, new_nonce
 from pdserve.kv_transfer.compat import PROTOCOL_VERSION
@@ -81,11 +82,17 @@ def victim() -> Iterator[tuple[KVConnector, np.ndarray]]:
     conn.shutdown()
 
 
+def _hold(producer: KVConnector, *args: Any) -> dict[str, Any]:
+    """The params a prefill response carries, as they travel (the wire form a decode leg sends back)."""
+    return producer.producer.hold(*args).to_json()
+
+
 def _load(consumer: KVConnector, rid: str, params: dict[str, Any], local: list[int]) -> Any:
-    consumer.start_load(rid, params, local, 0)
+    role = consumer.consumer
+    role.start_load(rid, role.parse(pd.KVTransferParams.read(params)), local, 0)
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
-        for result in consumer.poll_loads():
+        for result in role.poll_loads():
             if result.request_id == rid:
                 return result
         time.sleep(0.005)
@@ -138,7 +145,7 @@ def test_without_the_secret_nothing_is_answered(producer, victim, caplog) -> Non
     prod, prod_pool = producer
     cons, cons_pool = victim
     engine, port = prod.engine_id, prod.side_channel_port
-    params = prod.hold("victim-1", [3, 4, 5], 11, 0)
+    params = _hold(prod, "victim-1", [3, 4, 5], 11, 0)
     lease = prod.producer.leases.get("victim-1")
     expires_at = lease.expires_at
     metadata = prod._agent.metadata()  # what an attacker would need for NIXL READs
@@ -173,7 +180,7 @@ def test_with_the_secret_but_not_the_lease_token_no_lease_can_be_touched(produce
     prod, prod_pool = producer
     cons, cons_pool = victim
     engine, port, auth = prod.engine_id, prod.side_channel_port, MessageAuth(SECRET)
-    params = prod.hold("victim-2", [6, 7], 7, 0)
+    params = _hold(prod, "victim-2", [6, 7], 7, 0)
     expires_at = prod.producer.leases.get("victim-2").expires_at
     before = _refused(prod).get("bad_token", 0.0)
     forged_token = "x" * len(params["remote_lease_token"])
@@ -266,7 +273,7 @@ def test_captured_messages_cannot_be_replayed_or_altered(producer) -> None:
     cons = _connector("kv_consumer", pool)
     relay = _Relay(port)
     try:
-        params = prod.hold("victim-3", [8, 9], 7, 0)
+        params = _hold(prod, "victim-3", [8, 9], 7, 0)
         result = _load(cons, "d-victim-3", {**params, "remote_port": relay.port}, [1, 2])
         assert result.ok, result.error
         assert np.array_equal(pool[[1, 2]], prod_pool[[8, 9]])
@@ -280,7 +287,7 @@ def test_captured_messages_cannot_be_replayed_or_altered(producer) -> None:
             assert metadata not in raw
         assert _refused(prod)["replay"] == before + 3
         # the captured claim, pointed at another lease with its own token: the signature no longer matches
-        other = prod.hold("victim-3b", [10], 3, 0)
+        other = _hold(prod, "victim-3b", [10], 3, 0)
         claim = msgpack.unpackb(FrameDecoder().feed(relay.captured[1])[0]["msg"])
         envelope = FrameDecoder().feed(relay.captured[1])[0]
         altered = msgpack.packb({**claim, "request_id": "victim-3b", "lease_token": other["remote_lease_token"],
@@ -322,7 +329,7 @@ def test_a_decode_instance_is_no_signing_oracle_for_the_metadata(producer, victi
     thread = threading.Thread(target=relay, daemon=True)
     thread.start()
     try:
-        forged = prod.hold("oracle", [22], 3, 0)
+        forged = _hold(prod, "oracle", [22], 3, 0)
         forged["remote_port"] = listener.getsockname()[1]  # the attacker's listener, the producer's identity
         result = _load(cons, "d-oracle", forged, [23])
         assert not result.ok and result.rejected is None
@@ -362,7 +369,7 @@ def test_whoever_holds_the_agent_metadata_can_read_registered_memory(producer) -
         agent.register(region)
         name = agent.add_remote(metadata, reply["agent_name"])
         remote = RemotePool.from_handshake(reply["pool"])
-        held = prod.hold("victim-4", [20, 21], 7, 0)
+        held = _hold(prod, "victim-4", [20, 21], 7, 0)
         assert held["remote_lease_token"]
         local_descs, remote_descs = descriptor_arrays(coalesce_block_runs([0, 1], [20, 21]), region, remote)
         agent.read(local_descs=local_descs, local_mem=region.mem_type, remote_descs=remote_descs,

@@ -109,33 +109,42 @@ def _peer_main(conn: Any, spec: dict[str, Any]) -> None:
         connector.shutdown()
 
 
+def _load_params(connector: Any, params: dict[str, Any]) -> Any:
+    """Params as a decode leg sends them, parsed once by the consumer (as the engine does)."""
+    from pdserve.api.pd import KVTransferParams
+
+    return connector.consumer.parse(KVTransferParams.read(params))
+
+
 def _peer_command(connector: Any, pool: Any, cmd: str, args: tuple, released: set, results: dict) -> Any:
-    if cmd == "hold":
-        return connector.hold(*args)
+    if cmd == "hold":  # the params as a prefill response carries them
+        return connector.producer.hold(*args).to_json()
     if cmd == "blocks":
         return _block_bytes(pool, list(args[0]))
     if cmd == "wait_released":
         rid, timeout = args
         deadline = time.monotonic() + timeout
         while rid not in released and time.monotonic() < deadline:
-            released.update(connector.poll_released())
+            released.update(connector.producer.poll_released())
             time.sleep(0.01)
         return rid in released
     if cmd == "num_leases":
         return connector.num_leases()
     if cmd == "load":
         rid, params, local_ids, first_block, timeout = args
-        connector.start_load(rid, params, local_ids, first_block)
+        connector.consumer.start_load(rid, _load_params(connector, params), local_ids, first_block)
         return _wait_load(connector, rid, timeout, results)
     if cmd == "start_load":
-        connector.start_load(*args)
+        rid, params, *rest = args
+        connector.consumer.start_load(rid, _load_params(connector, params), *rest)
         return None
     if cmd == "wait_load":
         return _wait_load(connector, args[0], args[1], results)
     if cmd == "add_waiting":
-        return connector.add_waiting(*args)
+        rid, params = args
+        return connector.consumer.add_waiting(rid, _load_params(connector, params))
     if cmd == "remove_waiting":
-        return connector.remove_waiting(*args)
+        return connector.consumer.remove_waiting(*args)
     if cmd == "metrics":
         out = connector.metrics.snapshot()
         if connector.producer is not None:
@@ -152,7 +161,7 @@ def _peer_command(connector: Any, pool: Any, cmd: str, args: tuple, released: se
 def _wait_load(connector: Any, rid: str, timeout: float, results: dict) -> dict[str, Any] | None:
     deadline = time.monotonic() + timeout
     while rid not in results and time.monotonic() < deadline:
-        for r in connector.poll_loads():
+        for r in connector.consumer.poll_loads():
             results[r.request_id] = r.__dict__
         time.sleep(0.002)
     return results.pop(rid, None)
@@ -556,8 +565,7 @@ def test_kv_both_instances_serve_each_other(peers: Peers) -> None:
         assert dst.call("blocks", [3, 4, 5]) == src.call("blocks", [1, 2, 9])
         assert src.call("wait_released", rid, 10.0)
     consumer_only = peers.local(consumer_spec())
-    with pytest.raises(RuntimeError, match="kv_consumer: it cannot serve KV"):
-        consumer_only.connector.hold("x", [1], 4)
+    assert consumer_only.connector.producer is None and not consumer_only.connector.can_send  # serves no KV
     assert consumer_only.port is None
 
 
@@ -586,12 +594,12 @@ def test_torch_bf16_pools_in_one_process() -> None:
         KVConnector(config("kv_producer"), src, compat, 4) as prod,
         KVConnector(config("kv_consumer"), dst, compat, 4) as cons,
     ):
-        params = prod.hold("t1", [7, 8, 3], 12, 0)
-        cons.start_load("d-t1", params, [1, 2, 3], 0)
+        params = prod.producer.hold("t1", [7, 8, 3], 12, 0).to_json()
+        cons.consumer.start_load("d-t1", _load_params(cons, params), [1, 2, 3], 0)
         results: list[Any] = []
         deadline = time.monotonic() + 20.0
         while not results and time.monotonic() < deadline:
-            results = cons.poll_loads()
+            results = cons.consumer.poll_loads()
             time.sleep(0.002)
         assert results and results[0].ok, results
         assert results[0].num_descriptors == 2 and results[0].bytes == 3 * src[0].numel() * 2
@@ -599,7 +607,7 @@ def test_torch_bf16_pools_in_one_process() -> None:
         assert not dst[0].any() and not dst[4:].any()
         released: list[str] = []
         while not released and time.monotonic() < deadline:
-            released = prod.poll_released()
+            released = prod.producer.poll_released()
             time.sleep(0.002)
         assert released == ["t1"] and prod.num_leases() == 0
         text = generate_latest(cons.metrics.registry).decode()

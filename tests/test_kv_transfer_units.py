@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from pdserve.api.pd import build_producer_params, parse_remote_prefill_params
+from pdserve.api import pd
+from pdserve.api.pd import HeldKVParams, parse_remote_prefill_params
 from pdserve.kv_transfer import side_channel
 from pdserve.kv_transfer.auth import (
     AEAD_NONCE_BYTES,
@@ -185,18 +186,18 @@ def test_side_channel_secret_and_insecure_binding(caplog: pytest.LogCaptureFixtu
 
 
 def _params(**overrides: Any) -> dict[str, Any]:
-    params = build_producer_params(
+    params = HeldKVParams(
         request_id="r1",
-        block_ids=[4, 5, 9],
+        block_ids=(4, 5, 9),
         num_tokens=10,
         num_cached_tokens=0,
         engine_id="eng",
         host="127.0.0.1",
         port=5600,
         generation=7,
-        lease_duration_s=30.0,
+        expires_at=time.time() + 30.0,
         lease_token="tok-" + "x" * 28,
-    )
+    ).to_json()
     params.update(overrides)
     return params
 
@@ -209,6 +210,32 @@ def test_producer_params_round_trip() -> None:
     assert parsed.tp_size == 1 and parse_remote_prefill_params(_params(tp_size=4)).tp_size == 4
     # vLLM schema v1 sent a flat list.
     assert parse_remote_prefill_params(_params(remote_block_ids=[1, 2])).remote_block_ids == (1, 2)
+
+
+def test_held_params_wire_form_is_vllms_byte_for_byte() -> None:
+    """The typed params serialise to exactly the JSON a prefill (vLLM 0.33 pull, or push) and a decode instance
+    keeping a conversation (bidirectional_kv_xfer) answer: every key, in this order, with these values."""
+    import dataclasses
+
+    held = HeldKVParams(request_id="r", block_ids=(1, 2), num_tokens=9, num_cached_tokens=3, engine_id="e",
+                        host="h", port=5, generation=7, expires_at=1030.0, lease_token="tok", tp_size=2)
+    common = ('"remote_block_ids": [[1, 2]], "remote_engine_id": "e", "remote_request_id": "r", "remote_host": "h", '
+              '"remote_port": 5, "remote_num_tokens": 9, "tp_size": 2, "dcp_size": 1, "pp_size": 1, ')
+    assert json.dumps(held.to_json()) == (
+        '{"do_remote_prefill": true, "do_remote_decode": false, ' + common + '"remote_blocks_expiry_time": null, '
+        '"remote_registration_generation": 7, "transfer_mode": "pull", "remote_prefill_cached_tokens": 3, '
+        '"lease_expires_at": 1030.0, "remote_lease_token": "tok"}')
+    pushed = dataclasses.replace(held, push=True, first_token=pd.FirstToken(4, -0.5, 1, ((4, -0.5),)))
+    assert json.dumps(pushed.to_json()) == (
+        '{"do_remote_prefill": true, "do_remote_decode": false, ' + common + '"remote_blocks_expiry_time": null, '
+        '"remote_registration_generation": 7, "transfer_mode": "push", "remote_prefill_cached_tokens": 3, '
+        '"lease_expires_at": 1030.0, "first_token_id": 4, '
+        '"first_token_logprob": {"logprob": -0.5, "rank": 1, "top": [[4, -0.5]]}}')
+    history = dataclasses.replace(held, history=True, block_hashes=("ab", "cd"), block_bytes=1024)
+    assert json.dumps(history.to_json()) == (
+        '{"do_remote_prefill": false, "do_remote_decode": true, ' + common + '"remote_blocks_expiry_time": 1030.0, '
+        '"remote_registration_generation": 7, "transfer_mode": "pull", "lease_expires_at": 1030.0, '
+        '"remote_lease_token": "tok", "remote_block_hashes": ["ab", "cd"], "remote_block_bytes": 1024}')
 
 
 @pytest.mark.parametrize(
@@ -823,24 +850,36 @@ def test_prometheus_names_labels_and_separate_registries() -> None:
 
 
 def test_connector_implements_the_engines_protocol():
-    """Every member the engine calls exists on KVConnector, with the same parameters."""
+    """Every member the engine calls exists on KVConnector and on each role it exposes (the pull and the push
+    consumer, the producer), with the same parameters."""
     import inspect
 
-    from pdserve.engine.pd.connector_protocol import KVConnectorProtocol
+    from pdserve.engine.pd.connector_protocol import KVConnectorProtocol, KVConsumerRole, KVProducerRole
     from pdserve.kv_transfer import KVConnector
+    from pdserve.kv_transfer.consumer import KVConsumer
+    from pdserve.kv_transfer.producer import KVProducer
+    from pdserve.kv_transfer.push_receiver import PushConsumer
 
-    members = [n for n in vars(KVConnectorProtocol) if not n.startswith("_")]
-    assert {"can_load", "can_send", "load_failure_policy", "start_load", "poll_loads", "hold"} <= set(members)
-    for name in members:
-        want, got = getattr(KVConnectorProtocol, name), getattr(KVConnector, name, None)
-        assert got is not None, name
-        if isinstance(want, property):
-            assert isinstance(got, property), name
-        else:
-            def params(f) -> list[str]:
-                return [p for p in inspect.signature(f).parameters if p != "self"]  # validate is static
+    def params(f) -> list[str]:
+        return [p for p in inspect.signature(f).parameters if p != "self"]
 
-            assert params(got) == params(want), name
+    def check(protocol: type, impl: type) -> list[str]:
+        members = [n for n in vars(protocol) if not n.startswith("_")]
+        for name in members:
+            want, got = getattr(protocol, name), getattr(impl, name, None)
+            assert got is not None, (impl, name)
+            if isinstance(want, property):
+                assert isinstance(got, property), (impl, name)
+            else:
+                assert params(got) == params(want), (impl, name)
+        return members
+
+    members = check(KVConnectorProtocol, KVConnector)
+    assert {"can_load", "can_send", "load_failure_policy", "keeps_history"} <= set(members)
+    assert set(KVConnectorProtocol.__annotations__) == {"consumer", "producer"}  # the roles, as attributes
+    for consumer in (KVConsumer, PushConsumer):
+        assert {"parse", "start_load", "poll_loads"} <= set(check(KVConsumerRole, consumer))
+    assert {"parse_prefill_leg", "hold", "hold_history"} <= set(check(KVProducerRole, KVProducer))
 
 
 def test_side_channel_host_defaults_to_the_servers_own_host(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,7 +20,8 @@ from launch_helpers import (
     tiny_model_with_tokenizer,
 )
 
-from pdserve.model.default_model import cache_dir, resolve_model
+from pdserve.cache_dir import cache_dir
+from pdserve.model.default_model import resolve_model
 
 STARTUP_S = 400  # bounds only: a loaded 2-core CI box can take minutes to import torch twice
 

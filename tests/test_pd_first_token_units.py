@@ -3,13 +3,15 @@ what a decode instance accepts."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pdserve.api import pd
 
-PARAMS = pd.build_producer_params(request_id="r1", block_ids=[3, 4], num_tokens=20, num_cached_tokens=0,
-                                  engine_id="e", host="127.0.0.1", port=5600, generation=1, lease_duration_s=30,
-                                  lease_token="t" * 32)
+PARAMS = pd.HeldKVParams(request_id="r1", block_ids=(3, 4), num_tokens=20, num_cached_tokens=0, engine_id="e",
+                         host="127.0.0.1", port=5600, generation=1, expires_at=time.time() + 30,
+                         lease_token="t" * 32).to_json()
 
 
 def test_round_trip_with_and_without_logprobs():

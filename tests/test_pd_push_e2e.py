@@ -372,7 +372,7 @@ def test_a_write_that_fails_to_post_is_learnt_at_once(cluster, model_dir):
                                        port=i["side_channel_port"])
         tokens = len(httpx.post(f"{cluster['prefill'].url}/tokenize", json={"model": "tiny", "prompt": b["prompt"]},
                                 timeout=10).json()["tokens"]) - 1
-        receiver.start("probe-1", params, list(range(-(-tokens // 16))), 0, tokens)
+        receiver.start("probe-1", pd.parse_push_decode_params(params), list(range(-(-tokens // 16))), 0, tokens)
         time.sleep(0.5)  # registered
         p = httpx.post(f"{cluster['prefill'].url}/v1/completions", json=pd.build_prefill_body(b, push_key=key),
                        timeout=60, headers=HEADERS)

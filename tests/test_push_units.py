@@ -46,6 +46,24 @@ def test_a_pull_decode_refuses_push_params_naming_the_mode() -> None:
     pd.refuse_push_params({"do_remote_prefill": True})  # pull params pass
 
 
+def test_a_decode_legs_params_are_parsed_once_for_the_instances_mode() -> None:
+    """`KVTransferParams.parse_load`, the one parse of a decode leg's params (a consumer role's `parse`): push
+    params give `PushParams` (with the first token they carry) to a push instance and a 400 naming the mode to a
+    pull one; a held prefix is a pull instance's only."""
+    push = pd.KVTransferParams.read({**pd.push_decode_params(KEY, engine_id="e", host="h", port=1),
+                                     **pd.first_token_fields(pd.FirstToken(7))})
+    assert push.remote_prefill and push.push and not push.prefix
+    parsed = push.parse_load(push=True)
+    assert isinstance(parsed, pd.PushParams) and parsed.first_token == pd.FirstToken(7)
+    with pytest.raises(pd.InvalidKVTransferParams, match="NixlConnector.*'push'"):
+        push.parse_load(push=False)
+    prefix = pd.KVTransferParams.read({"do_remote_decode": True, "remote_block_ids": [[1]]})
+    assert prefix.prefix and not prefix.remote_prefill
+    with pytest.raises(pd.InvalidKVTransferParams, match="held prefix.*NixlPushConnector"):
+        prefix.parse_load(push=True)
+    assert pd.KVTransferParams.read(None) == pd.KVTransferParams()
+
+
 def test_up_push_mode_configures_both_pools_and_the_proxy() -> None:
     cfg = LaunchConfig(model="m", gpus="none", log_dir=Path("logs"), kv_transfer_mode="push").validate()
     dep = build_deployment(cfg, cpus=[0, 1], env={})

@@ -8,6 +8,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import pytest
@@ -19,6 +20,37 @@ from pdserve.parallel.rank_rpc import RankCallError, RankClient, serve
 class Unpicklable(Exception):
     def __init__(self, a: int, b: int) -> None:  # pickle re-creates it with one argument: fails
         super().__init__(f"{a}/{b}")
+
+
+# the commands of these tests, one class each as the real ones (pdserve.kv_transfer.kv_rank)
+@dataclass(frozen=True)
+class Slow:
+    x: int
+
+
+@dataclass(frozen=True)
+class Fast:
+    x: int
+
+
+@dataclass(frozen=True)
+class Fail:
+    pass
+
+
+@dataclass(frozen=True)
+class Odd:
+    pass
+
+
+@dataclass(frozen=True)
+class Note:
+    value: float
+
+
+@dataclass(frozen=True)
+class Block:
+    pass
 
 
 def _pair(handlers: dict) -> tuple[RankClient, Connection, threading.Thread]:
@@ -34,37 +66,37 @@ def test_calls_results_exceptions_and_timeouts() -> None:
     gate = threading.Event()
     seen: list[float] = []
 
-    def slow(x: int) -> int:
+    def slow(cmd: Slow) -> int:
         gate.wait(5)
-        return x * 2
+        return cmd.x * 2
 
-    def fail() -> None:
+    def fail(_: Fail) -> None:
         raise TransferFailed("the peer is gone")
 
-    def odd() -> None:
+    def odd(_: Odd) -> None:
         raise Unpicklable(1, 2)
 
-    client, worker, thread = _pair({"slow": slow, "fast": lambda x: x + 1, "fail": fail, "odd": odd,
-                                    "note": seen.append})
+    client, worker, thread = _pair({Slow: slow, Fast: lambda cmd: cmd.x + 1, Fail: fail, Odd: odd,
+                                    Note: lambda cmd: seen.append(cmd.value)})
     try:
         results: list[int] = []
-        t = threading.Thread(target=lambda: results.append(client.call("slow", 21, timeout_s=10)))
+        t = threading.Thread(target=lambda: results.append(client.call(Slow(21), timeout_s=10)))
         t.start()
-        assert client.call("fast", 1, timeout_s=5) == 2  # answered while the slow call is still running
+        assert client.call(Fast(1), timeout_s=5) == 2  # answered while the slow call is still running
         gate.set()
         t.join(10)
         assert results == [42]
         with pytest.raises(TransferFailed, match="the peer is gone"):
-            client.call("fail", timeout_s=5)
+            client.call(Fail(), timeout_s=5)
         with pytest.raises(RankCallError, match="Unpicklable: 1/2"):
-            client.call("odd", timeout_s=5)
+            client.call(Odd(), timeout_s=5)
         with pytest.raises(RankCallError, match="unknown rank call"):
-            client.call("nope", timeout_s=5)
+            client.call(Block(), timeout_s=5)  # no handler for it here
         gate.clear()
-        with pytest.raises(TimeoutError, match="rank 3: no answer to slow within 0.2 s"):
-            client.call("slow", 1, timeout_s=0.2)
+        with pytest.raises(TimeoutError, match="rank 3: no answer to Slow within 0.2 s"):
+            client.call(Slow(1), timeout_s=0.2)
         gate.set()
-        client.notify("note", 1.5)
+        client.notify(Note(1.5))
         deadline = time.monotonic() + 5
         while not seen and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -80,12 +112,12 @@ def test_calls_results_exceptions_and_timeouts() -> None:
 
 def test_a_closed_pipe_fails_pending_and_later_calls() -> None:
     gate = threading.Event()
-    client, worker, thread = _pair({"block": lambda: gate.wait(30)})
+    client, worker, thread = _pair({Block: lambda _: gate.wait(30)})
     errors: list[BaseException] = []
 
     def call() -> None:
         try:
-            client.call("block", timeout_s=30)
+            client.call(Block(), timeout_s=30)
         except BaseException as e:  # noqa: BLE001 - collected for the assertion
             errors.append(e)
 
@@ -97,7 +129,7 @@ def test_a_closed_pipe_fails_pending_and_later_calls() -> None:
     gate.set()
     assert len(errors) == 1 and isinstance(errors[0], RankCallError)
     with pytest.raises(RankCallError):
-        client.call("block", timeout_s=1)
+        client.call(Block(), timeout_s=1)
     thread.join(5)
     client.close()
     worker.close()

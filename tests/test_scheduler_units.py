@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.api.pd import KVTransferParams
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.pd.kv_handoff import HandoffStateError, KVHandoff, KVState
 from pdserve.engine.request import Request, Status
@@ -12,8 +13,9 @@ from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.types.sampling_params import SamplingParams
 
 BS = 4
-REMOTE = {"do_remote_prefill": True, "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "p",
-          "remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": 1}
+REMOTE = KVTransferParams.read({"do_remote_prefill": True, "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "p",
+                                "remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": 1})
+PREFILL_LEG = KVTransferParams.read({"do_remote_decode": True})
 
 
 def make(num_blocks: int, prefix_caching: bool = True, max_num_seqs: int = 8) -> Scheduler:
@@ -58,8 +60,8 @@ def test_handoff_states_move_only_forward():
         kv.request_abort()  # only a loading request defers its abort
     # a role this instance cannot play is ignored: plain local prefill / plain finish
     assert KVHandoff.from_params(REMOTE, can_load=False, can_send=True).state is KVState.NONE
-    assert not KVHandoff.from_params({"do_remote_decode": True}, can_load=True, can_send=False).send
-    assert KVHandoff.from_params({"do_remote_decode": True}, can_load=True, can_send=True).send
+    assert not KVHandoff.from_params(PREFILL_LEG, can_load=True, can_send=False).send
+    assert KVHandoff.from_params(PREFILL_LEG, can_load=True, can_send=True).send
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -218,7 +220,7 @@ def test_handoff_after_finish_and_awaiting_params_states():
     assert leg.kv.state is KVState.NONE and len(mailbox) == 0 and mailbox.deliver("k", REMOTE) is None  # now kept for a leg still to come
     assert mailbox.take_early("k") == REMOTE
 
-    kv = KVHandoff.from_params({"do_remote_decode": True}, can_load=True, can_send=True)
+    kv = KVHandoff.from_params(PREFILL_LEG, can_load=True, can_send=True)
     kv.hold()
     assert kv.state is KVState.HELD
     with pytest.raises(HandoffStateError):

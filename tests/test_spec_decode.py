@@ -10,10 +10,10 @@ from engine_utils import hf_greedy, make_engine, mixed_prompts, run_engine
 
 from pdserve.engine.request import Request
 from pdserve.engine.runner.sampler import Sampler
-from pdserve.engine.spec_decode.config import SpeculativeConfig
 from pdserve.engine.spec_decode.ngram import propose_ngram
 from pdserve.engine.spec_decode.rejection import verify
 from pdserve.types.sampling_params import SamplingParams
+from pdserve.types.speculative_config import SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 

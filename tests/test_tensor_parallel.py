@@ -132,9 +132,11 @@ def _worker_procs(engine):
     return [] if workers is None else list(workers.procs)
 
 
-def test_tp2_through_the_gpu_step_runner_eager_path(tiny_llama, monkeypatch):
-    """The GPU step runner's messages (staged host buffers) replayed by the other rank, on CPU: eager steps
-    (no CUDA graphs here), the same code the CUDA path runs around its kernels. The C kernel takes the
+@pytest.mark.parametrize("simulate_graphs", [False, True])
+def test_tp2_through_the_gpu_step_runner(tiny_llama, monkeypatch, simulate_graphs):
+    """The GPU step runner's messages (staged host buffers) replayed by the other rank, on CPU: eager steps,
+    and with simulate_graphs the decode graph steps' headers and block-table updates run eagerly (no CUDA
+    graphs here), the same code the CUDA path runs around its kernels. The C kernel takes the
     CPU path's int32 tables only, so both ranks use the reference attention (rank 0 set here, the worker
     through the env: this process may have loaded the kernel already), one sequence per step (the GPU path
     leaves block-table padding unset, which only the reference reads)."""
@@ -147,9 +149,10 @@ def test_tp2_through_the_gpu_step_runner_eager_path(tiny_llama, monkeypatch):
                          max_num_seqs=1)
     try:
         engine.runner.backend = TorchAttention()
-        engine.runner.use_gpu_step_runner()
+        engine.runner.use_gpu_step_runner(simulate_graphs=simulate_graphs)
         assert run_engine(engine, prompts, GREEDY) == want
-        assert engine.runner.step_timing.steps > 0
+        timing = engine.runner.step_timing
+        assert timing.steps > timing.graph_steps and (timing.graph_steps > 0) == simulate_graphs
     finally:
         engine.shutdown()
 

@@ -1,11 +1,12 @@
-"""HTTP plumbing: bounded JSON bodies, pydantic errors as 400s, disconnect watching, SSE, ids and auth."""
+"""HTTP plumbing: bounded JSON bodies, pydantic errors as 400s, disconnect watching, SSE (and the merging of several
+streams into one), ids and auth."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import uuid
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -103,6 +104,39 @@ def base_request_id(request: Request, body_request_id: str | None) -> str:
     rid = request.headers.get("x-request-id") or body_request_id or uuid.uuid4().hex
     request.state.request_id = rid
     return rid
+
+
+async def merged(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """The items of `streams` in the order they come (several choices or prompts answered in one stream), until
+    every one has ended; the first error one raises is raised here. Close it (contextlib.aclosing) when stopping
+    early: closing cancels the streams still running."""
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    done = object()
+
+    async def pump(stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait(item)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(done)
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def sse(data: str) -> str:

@@ -5,7 +5,7 @@ A disaggregated request is two HTTP legs (see the protocol notes, sections 1-3):
 1. Prefill leg: the client's body with `max_tokens=1`, `stream=false` and the 6-key
    `kv_transfer_params` {do_remote_decode: true, ...} (`build_prefill_body`, or
    `build_prefill_generate_body` for `/inference/v1/generate`). The prefill instance answers with
-   `kv_transfer_params` pointing at blocks it holds under a lease (`build_producer_params`).
+   `kv_transfer_params` pointing at blocks it holds under a lease (`HeldKVParams`).
 2. Decode leg: the client's original body plus those params, verbatim (`build_decode_body`). The decode
    instance validates them as untrusted input (`parse_remote_prefill_params`), pulls the blocks, and
    generates.
@@ -22,16 +22,21 @@ Ours on top (vLLM has it only as an open RFC, vllm-project/vllm#50913): the prod
 the first token it sampled (`first_token_fields`), so a decode instance can start from it instead of
 recomputing the last prompt token; a producer that sends none (vLLM) is served as before.
 
-No torch, no pydantic: plain functions over JSON-shaped dicts.
+Typed on this side of the wire: a request's params are read once where they come in (`KVTransferParams`), the
+role that acts on them parses them once into frozen objects (`RemotePrefillParams`, `PushParams`, `FirstToken`),
+and what a producer answers is one (`HeldKVParams`), serialised back by `to_json` exactly as the wire has it.
+Their field names are spelled here and in `pdserve/kv_transfer` only (tests/test_pd_field_names.py).
+
+No torch, no pydantic: functions over JSON-shaped dicts and the frozen dataclasses parsed from them.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 # ---- the prefill leg -----------------------------------------------------------------------------------
@@ -72,12 +77,12 @@ def build_prefill_body(body: dict[str, Any], *, chat_token_ids: bool = False,
                        ) -> dict[str, Any]:
     """The prefill leg of an OpenAI completions/chat request (a new dict; `body` is not modified).
     `chat_token_ids` also asks for `return_token_ids`, so the decode leg can skip templating.
-    `history_params`: a decode instance's held history of this conversation (`build_history_params`): the
+    `history_params`: a decode instance's held history of this conversation (`HeldKVParams`): the
     prefill reads that prefix back instead of computing it (vLLM's bidirectional_kv_xfer turn 2).
     `push_key`: push mode, the KV goes to the decode that registers under that key (`push_prefill_params`)."""
     prefill = dict(body)
     prefill["kv_transfer_params"] = (prefill_leg_params() if history_params is None
-                                     else {**history_params, "do_remote_decode": True, "do_remote_prefill": False})
+                                     else prefix_prefill_params(history_params))
     if push_key is not None:
         prefill["kv_transfer_params"] = push_prefill_params(push_key)
     prefill["stream"] = False
@@ -245,47 +250,72 @@ def one_lease_violation(params: Any, num_prompts: int) -> str | None:
     return None
 
 
-# ---- the prefill instance's answer ---------------------------------------------------------------------
-def build_producer_params(
-    *,
-    request_id: str,
-    block_ids: Sequence[int],
-    num_tokens: int,
-    num_cached_tokens: int,
-    engine_id: str,
-    host: str,
-    port: int,
-    generation: int,
-    lease_duration_s: float,
-    lease_token: str,
-    tp_size: int = 1,
-) -> dict[str, Any]:
-    """The `kv_transfer_params` a prefill response carries (vLLM 0.33 pull mode, plus `lease_expires_at` and
-    `remote_lease_token`). `tp_size` is the producer's tensor-parallel size: its KV heads are split over that
-    many pools (the handshake describes each), and a consumer of another TP size maps heads between them."""
-    return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        # One KV-cache group (plain decoder): a list holding one list of block ids.
-        "remote_block_ids": [[int(b) for b in block_ids]],
-        "remote_engine_id": engine_id,
-        "remote_request_id": request_id,
-        "remote_host": host,
-        "remote_port": port,
-        "remote_num_tokens": int(num_tokens),
-        "tp_size": int(tp_size),
-        "dcp_size": 1,
-        "pp_size": 1,
-        "remote_blocks_expiry_time": None,
-        "remote_registration_generation": generation,
-        "transfer_mode": "pull",
-        "remote_prefill_cached_tokens": int(num_cached_tokens),
-        # Ours: wall-clock end of the lease as issued (heartbeats extend it on the producer).
-        "lease_expires_at": time.time() + lease_duration_s,
-        # Ours: the lease's own token; the producer acts on the lease (claim, heartbeat, abort, release) only
-        # for whoever presents it, so a request id alone does not let anyone touch another request's KV.
-        LEASE_TOKEN: lease_token,
-    }
+# ---- the held KV's params (a prefill leg's answer, a decode leg's held history, a pinned prefix) ------
+@dataclass(frozen=True)
+class HeldKVParams:
+    """Blocks an instance holds under a lease for another instance to read: its response's `kv_transfer_params`.
+
+    Two shapes of one thing, one serialiser (`to_json`, the wire form byte for byte):
+    - a prefill leg's answer (`history` false): vLLM 0.33 pull mode (the NixlConnector's `request_finished`),
+      plus `remote_prefill_cached_tokens`, `lease_expires_at`, the lease token and (pdserve producers) the first
+      token the leg sampled;
+    - a decode leg's conversation kept for the next turn, or a cached prefix pinned for a peer (`history`
+      true): vLLM's bidirectional shape (the holder is now the producer: `do_remote_decode` true), held until
+      `remote_blocks_expiry_time` (ours: wall-clock seconds; vLLM's is the decode instance's perf_counter plus a
+      handshake clock offset), plus the block hashes and bytes (`BLOCK_HASHES`, `BLOCK_BYTES`).
+
+    `tp_size` is the producer's tensor-parallel size: its KV heads are split over that many pools (the
+    handshake describes each), and a consumer of another TP size maps heads between them. `push`: the KV is
+    WRITTEN to a decode instance (vLLM's push response shape: no lease token, nothing to claim)."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    engine_id: str
+    host: str
+    port: int
+    generation: int
+    expires_at: float  # wall clock: the end of the lease as issued (heartbeats extend it on the producer)
+    # The lease's own token; the producer acts on the lease (claim, heartbeat, abort, release) only for whoever
+    # presents it, so a request id alone does not let anyone touch another request's KV. Never logged.
+    lease_token: str = field(repr=False, default="")
+    tp_size: int = 1
+    history: bool = False
+    num_cached_tokens: int = 0  # a prefill leg's prompt tokens its own prefix cache served
+    block_hashes: tuple[str, ...] = ()  # history: the held blocks' hashes, in order
+    block_bytes: int = 0  # history: bytes of one held block on the wire, all ranks together
+    push: bool = False
+    first_token: FirstToken | None = None  # a prefill leg's sampled token (pdserve producers)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "do_remote_prefill": not self.history,
+            "do_remote_decode": self.history,
+            # One KV-cache group (plain decoder): a list holding one list of block ids.
+            "remote_block_ids": [[int(b) for b in self.block_ids]],
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": self.request_id,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "remote_num_tokens": int(self.num_tokens),
+            "tp_size": int(self.tp_size),
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_blocks_expiry_time": self.expires_at if self.history else None,
+            "remote_registration_generation": self.generation,
+            TRANSFER_MODE: PUSH if self.push else PULL,
+        }
+        if not self.history:
+            out["remote_prefill_cached_tokens"] = int(self.num_cached_tokens)
+        out["lease_expires_at"] = self.expires_at
+        if not self.push:
+            out[LEASE_TOKEN] = self.lease_token
+        if self.history:
+            out[BLOCK_HASHES] = [str(h) for h in self.block_hashes]
+            out[BLOCK_BYTES] = int(self.block_bytes)
+        if self.first_token is not None:
+            out.update(first_token_fields(self.first_token))
+        return out
 
 
 # ---- the first token ------------------------------------------------------------------------------------
@@ -387,7 +417,7 @@ class InvalidKVTransferParams(ValueError):
     """`kv_transfer_params` of a request are missing, partial or malformed (the server answers 400)."""
 
 
-# The lease token a pdserve producer adds to its params (`build_producer_params`).
+# The lease token a pdserve producer adds to its params (`HeldKVParams`).
 LEASE_TOKEN = "remote_lease_token"
 _MAX_TOKEN_CHARS = 256
 
@@ -524,6 +554,18 @@ def parse_remote_prefill_params(params: Any) -> RemotePrefillParams:
     )
 
 
+# ---- a cached prefix pinned for a peer's prefill (pdserve instances) -------------------------------------
+# A proxy asks the instance that caches the longest prefix of a prompt to pin it (`POST PIN_PATH`, body
+# `pin_body`); the answer's kv_transfer_params are a held history's (`HeldKVParams`), which the prefill leg
+# reads back (`prefix_prefill_params`).
+PIN_PATH = "/pdserve/kv/pin"
+PIN_MIN_TOKENS = "min_tokens"
+
+
+def pin_body(token_ids: Sequence[int], min_tokens: int) -> dict[str, Any]:
+    return {PROMPT_TOKEN_IDS: list(token_ids), PIN_MIN_TOKENS: min_tokens}
+
+
 # ---- multi-turn: a decode instance's held history (vLLM's bidirectional_kv_xfer, PR 32553) --------------
 # The block hashes of the held blocks, in order (ours): the reader compares them with its own prompt's and reads
 # only the blocks that match, so a conversation whose next prompt is not a token-exact extension of the held
@@ -543,54 +585,50 @@ def wire_block_hash(h: int | bytes) -> str:
     return format(h & 0xFFFFFFFFFFFFFFFF, "016x")
 
 
-def build_history_params(
-    *,
-    request_id: str,
-    block_ids: Sequence[int],
-    num_tokens: int,
-    block_hashes: Sequence[str],
-    engine_id: str,
-    host: str,
-    port: int,
-    generation: int,
-    ttl_s: float,
-    lease_token: str,
-    block_bytes: int,
-    tp_size: int = 1,
-) -> dict[str, Any]:
-    """The `kv_transfer_params` a decode response carries when the instance keeps the conversation (vLLM's
-    bidirectional shape: it is now the producer, `do_remote_decode` true): its full blocks (prompt and answer),
-    `remote_num_tokens` tokens, held until `remote_blocks_expiry_time` (ours: wall-clock seconds; vLLM's is the
-    decode instance's perf_counter plus a handshake clock offset)."""
-    expires = time.time() + ttl_s
-    return {
-        "do_remote_prefill": False,
-        "do_remote_decode": True,
-        "remote_block_ids": [[int(b) for b in block_ids]],
-        "remote_engine_id": engine_id,
-        "remote_request_id": request_id,
-        "remote_host": host,
-        "remote_port": port,
-        "remote_num_tokens": int(num_tokens),
-        "tp_size": int(tp_size),
-        "dcp_size": 1,
-        "pp_size": 1,
-        "remote_blocks_expiry_time": expires,
-        "remote_registration_generation": generation,
-        "transfer_mode": "pull",
-        "lease_expires_at": expires,
-        LEASE_TOKEN: lease_token,
-        BLOCK_HASHES: [str(h) for h in block_hashes],
-        BLOCK_BYTES: int(block_bytes),
-    }
-
-
 def is_remote_prefix(params: Any) -> bool:
     """Params naming a peer's held blocks for a prefix of this request's prompt (a decode instance's held
     history, or any peer's): read them, compute the rest. Not a decode leg (`do_remote_prefill`), whatever
     `do_remote_decode` says (true on a prefill leg, which also holds its own blocks for its decode instance)."""
     return (isinstance(params, Mapping) and not params.get("do_remote_prefill")
             and bool(params.get("remote_block_ids")))
+
+
+def prefix_prefill_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """A prefill leg's params that read a held prefix back (a decode instance's history, a peer's pinned
+    prefix): the holder's params, verbatim, as a prefill leg's (`do_remote_decode`)."""
+    return {**params, "do_remote_decode": True, "do_remote_prefill": False}
+
+
+def names_held_history(params: Any) -> bool:
+    """A decode response's params naming a held history (vLLM's bidirectional shape: the decode instance is now
+    the producer, `do_remote_decode` true, with blocks; ours also list their hashes)."""
+    return (isinstance(params, dict) and not params.get("do_remote_prefill") and bool(params.get("do_remote_decode"))
+            and bool(params.get("remote_block_ids")) and bool(params.get(BLOCK_HASHES)))
+
+
+# What a proxy reads of held KV's params, untrusted (a value it cannot use reads as unknown: 0 or None).
+def held_num_tokens(params: Mapping[str, Any]) -> int:
+    """The tokens the held blocks cover (0: not said)."""
+    n = params.get("remote_num_tokens")
+    return n if isinstance(n, int) and n > 0 else 0
+
+
+def held_num_blocks(params: Mapping[str, Any]) -> int:
+    """The held blocks (of the one KV-cache group; vLLM < HMA sent a flat list)."""
+    blocks = params.get("remote_block_ids") or [[]]
+    return len(blocks[0]) if isinstance(blocks[0], list) else len(blocks)
+
+
+def held_block_bytes(params: Mapping[str, Any]) -> int | None:
+    """Bytes of one held block on the wire, all ranks together (`BLOCK_BYTES`), when the holder says."""
+    n = params.get(BLOCK_BYTES)
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def held_expires_at(params: Mapping[str, Any]) -> float | None:
+    """When a held history's lease ends (`remote_blocks_expiry_time`, wall clock), when the holder says."""
+    t = params.get("remote_blocks_expiry_time")
+    return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None
 
 
 def parse_remote_prefix_params(params: Any) -> RemotePrefillParams:
@@ -656,6 +694,7 @@ class PushParams:
     remote_host: str = ""
     remote_port: int = 0
     tp_size: int = 1
+    first_token: FirstToken | None = None  # a decode leg's, when its params carry one
 
     @property
     def address(self) -> tuple[str, int]:
@@ -699,7 +738,7 @@ def parse_push_decode_params(params: Any) -> PushParams:
         raise _bad("tp_size must be a positive integer")
     if tp != 1:
         raise _bad("push transfer from a tensor-parallel prefill instance is not supported (tp_size must be 1)")
-    return PushParams(key, engine_id, host, port, tp)
+    return PushParams(key, engine_id, host, port, tp, parse_first_token(params))
 
 
 def refuse_push_params(params: Any) -> None:
@@ -707,3 +746,63 @@ def refuse_push_params(params: Any) -> None:
     if is_push(params):
         raise _bad("this decode instance uses kv_connector NixlConnector (transfer_mode 'pull'); the params are "
                    "for transfer_mode 'push' (NixlPushConnector)")
+
+
+# ---- a request's params, read once where they come in ----------------------------------------------------
+# What a decode leg or a held prefix loads, fully parsed: a lease to READ (pull) or a push registration.
+LoadParams = RemotePrefillParams | PushParams
+
+
+def remote_prefill_cached_tokens(params: Any) -> Any:
+    """The prompt tokens the producer's own prefix cache served, as its params say (None when they do not):
+    a decode instance reports them as the request's cached tokens."""
+    return params.get("remote_prefill_cached_tokens") if isinstance(params, Mapping) else None
+
+
+@dataclass(frozen=True)
+class KVTransferParams:
+    """A request's `kv_transfer_params`, read once where they come in (the engine's `add_request` and
+    `deliver_params`): which P/D role they ask of this instance. Everything behind that edge (the engine's
+    `Request.kv`, the connector seam, kv_transfer) gets typed objects, never the dict.
+
+    The role's full parse (`LoadParams` for a decode leg or a held prefix, `PushParams` for a push prefill leg)
+    is done once, by the connector role that plays it (`KVConsumer.parse`, `KVProducer.parse_prefill_leg`): what a
+    valid decode leg is depends on the instance (pull or push), and an instance that cannot play a role ignores
+    its params, as vLLM does without a connector, so params it ignores are no client error. `wire` keeps the
+    params as sent for that one parse; nothing reads fields from it but this module."""
+
+    remote_decode: bool = False  # do_remote_decode: a prefill leg, whose KV is held for a decode instance
+    remote_prefill: bool = False  # do_remote_prefill: a decode leg, which reads its prompt's KV
+    prefix: bool = False  # they name a peer's held prefix of the prompt (`is_remote_prefix`)
+    push: bool = False  # transfer_mode push
+    remote_cached_tokens: int | None = None  # remote_prefill_cached_tokens, when a non-negative integer
+    wire: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def read(cls, params: Mapping[str, Any] | None) -> KVTransferParams:
+        p = params or {}
+        cached = remote_prefill_cached_tokens(p)
+        return cls(remote_decode=bool(p.get("do_remote_decode")), remote_prefill=bool(p.get("do_remote_prefill")),
+                   prefix=is_remote_prefix(p), push=is_push(p),
+                   remote_cached_tokens=cached if type(cached) is int and cached >= 0 else None,
+                   wire=MappingProxyType(dict(p)))  # a read-only copy: what was read stays what is parsed
+
+    def params_later_key(self) -> str | None:
+        """A decode leg sent before its params (`early_decode_params`): their key (InvalidKVTransferParams
+        when malformed), else None."""
+        return params_later_key(self.wire)
+
+    def parse_load(self, *, push: bool) -> LoadParams:
+        """A decode leg's or a held prefix's params for a pull (`push` false) or push decode instance; raises
+        InvalidKVTransferParams (a 400) naming what is wrong, or the mode the params are for."""
+        if push:
+            if self.prefix:
+                raise _bad("reading a held prefix back (bidirectional_kv_xfer) needs kv_connector NixlConnector; "
+                           "this instance uses NixlPushConnector")
+            return parse_push_decode_params(self.wire)
+        refuse_push_params(self.wire)
+        return parse_remote_kv_params(self.wire)
+
+    def parse_push_prefill(self) -> PushParams:
+        """A push-mode prefill leg's pairing key; InvalidKVTransferParams when malformed."""
+        return parse_push_prefill_params(self.wire)

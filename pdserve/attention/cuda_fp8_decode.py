@@ -207,7 +207,7 @@ def _checked_library(device: torch.device) -> tuple[ctypes.CDLL | None, str]:
 def self_check(device: torch.device, lib: ctypes.CDLL) -> float:
     """The worst relative error of the built kernel against float32 SDPA over the dequantized pool, on small
     random fp8 batches of both formats, unsplit and split (poisoned outputs: a row left unwritten fails)."""
-    from pdserve.testing.gpu_correctness import SdpaReference, fp8_case, make_paged_case, rel_err
+    from pdserve.attention.paged_reference import SdpaReference, fp8_case, make_paged_case, rel_err
 
     ref = SdpaReference(torch.float32)
     worst = 0.0

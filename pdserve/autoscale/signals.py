@@ -19,10 +19,11 @@ A counter that went down (the instance restarted) counts from zero, as Prometheu
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from pdserve.api.prometheus import histogram_quantile
 
 TTFT = "vllm:time_to_first_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
@@ -63,22 +64,8 @@ class Histogram:
         return Histogram(tuple(sorted(total.items())))
 
     def quantile(self, q: float) -> float | None:
-        """Prometheus' histogram_quantile: linear interpolation inside the bucket holding rank q x count;
-        the highest finite bound when the rank falls in +Inf; None without observations."""
-        n = self.count
-        if n <= 0:
-            return None
-        rank = q * n
-        prev_le, prev_c = 0.0, 0.0
-        for le, c in self.buckets:
-            if c >= rank:
-                if math.isinf(le):
-                    return prev_le
-                if c == prev_c:
-                    return le
-                return prev_le + (le - prev_le) * (rank - prev_c) / (c - prev_c)
-            prev_le, prev_c = le, c
-        return prev_le
+        """Prometheus' histogram_quantile (pdserve/api/prometheus.py); None without observations."""
+        return histogram_quantile(q, self.buckets)
 
 
 @dataclass

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from pdserve.api import prometheus
+
 XFER = "vllm:nixl_xfer_time_seconds"
 FAILED = "vllm:nixl_num_failed_transfers"
 EXPIRED = "vllm:nixl_num_kv_expired_reqs"
@@ -91,22 +93,9 @@ def parse_metrics(text: str) -> XferSnapshot:
 
 
 def histogram_quantile(q: float, buckets: dict[float, float]) -> float:
-    """Prometheus' `histogram_quantile` over cumulative buckets (linear within a bucket); NaN if empty."""
-    items = sorted(buckets.items())
-    if not items or items[-1][1] <= 0:
-        return math.nan
-    total = items[-1][1]
-    rank = q * total
-    prev_bound, prev_count = 0.0, 0.0
-    for bound, count in items:
-        if count >= rank:
-            if math.isinf(bound):
-                return prev_bound
-            if count == prev_count:
-                return bound
-            return prev_bound + (bound - prev_bound) * (rank - prev_count) / (count - prev_count)
-        prev_bound, prev_count = bound, count
-    return prev_bound
+    """Prometheus' `histogram_quantile` over cumulative buckets (pdserve/api/prometheus.py); NaN if empty."""
+    value = prometheus.histogram_quantile(q, buckets.items())
+    return math.nan if value is None else value
 
 
 @dataclass

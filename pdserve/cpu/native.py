@@ -94,7 +94,7 @@ def load() -> ctypes.CDLL | None:
     if cc is None:
         log.warning("no C compiler found (set CC): CPU kernels disabled, using the slower torch paths")
         return None
-    from pdserve.model.default_model import cache_dir  # torch-free; one home for the cache location
+    from pdserve.cache_dir import cache_dir  # torch-free; one home for the cache location
 
     source = SOURCE.read_bytes()
     lib = None

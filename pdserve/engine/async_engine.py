@@ -13,6 +13,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from pdserve.api.pd import HeldKVParams
 from pdserve.engine.engine import DeliveryRefused, EngineStats, LLMEngine
 from pdserve.types.engine_config import EngineConfig
 from pdserve.types.outputs import RequestOutput
@@ -46,9 +47,9 @@ class AsyncEngine:
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        if self.engine.connector is not None:
+        if self.engine.connector is not None and self.engine.connector.consumer is not None:
             # a claimed lease or an ended load wakes the engine thread at once (not at its next 1 ms poll)
-            self.engine.connector.set_notify(self._wake.set)
+            self.engine.connector.consumer.set_notify(self._wake.set)
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._thread.start()
 
@@ -112,7 +113,7 @@ class AsyncEngine:
         self._wake.set()
         await done
 
-    async def pin_cached_prefix(self, token_ids: list[int], min_tokens: int) -> dict | None:
+    async def pin_cached_prefix(self, token_ids: list[int], min_tokens: int) -> HeldKVParams | None:
         """`LLMEngine.pin_cached_prefix`, run on the engine thread (raises PinRefused)."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.dead_error}")

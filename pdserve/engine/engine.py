@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdserve.api.pd import HeldKVParams
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.grammars import Grammars
 from pdserve.engine.pd.connector_protocol import KVConnectorProtocol
@@ -27,16 +28,17 @@ from pdserve.engine.request import Request, Status
 from pdserve.engine.runner.async_decode import DecodePipeline, InflightDecode, async_scheduling_enabled
 from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.spec_decode.config import SpeculativeConfig
 from pdserve.engine.spec_decode.decoder import SpecDecoder
 from pdserve.engine.spec_decode.metrics import SpecDecodeStats
 from pdserve.engine.step_log import StepLog
-from pdserve.kv_events.config import KVEventsConfig
 from pdserve.kv_events.events import KVEventBatch
 from pdserve.model.config import ModelConfig, derived_max_model_len, load_model_config, verify_max_model_len
+from pdserve.model.model_dir import resolve_model_dir
 from pdserve.types.engine_config import DEFAULT_GPU_BUDGET, EngineConfig
+from pdserve.types.kv_events_config import KVEventsConfig
 from pdserve.types.outputs import RequestOutput, TokenLogprob
 from pdserve.types.sampling_params import ParamError, SamplingParams
+from pdserve.types.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     ConnectorFactory = Callable[["LLMEngine"], KVConnectorProtocol]
@@ -77,20 +79,6 @@ class EngineStats:
     external_prefix_cache_hits: int = 0
     kv_tiers: dict | None = None  # medium -> counters and usage of the offload tiers (None: no tiers)
     spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters (None: speculation off)
-
-
-def resolve_model_dir(model: str | None, load_format: str = "auto") -> Path:
-    if model is not None and Path(model).is_dir():
-        return Path(model)
-    if model is not None and load_format == "dummy":
-        # Real models' shapes ship as package data (e.g. Llama-3.1-8B): random weights, no download.
-        from pdserve.engine.runner.model_configs import available, dummy_model_dir
-
-        if model in available():
-            return dummy_model_dir(model)
-    from pdserve.model.default_model import resolve_model  # converts the embedded default on first use
-
-    return resolve_model(model)
 
 
 def read_eos_ids(model_dir: Path | None, model_cfg: ModelConfig) -> frozenset[int]:
@@ -520,7 +508,8 @@ class LLMEngine:
             error_status=req.error_status,
             kv_rejection=req.kv.rejection if finished else None,
             num_cached_tokens=max(req.num_cached_tokens, 0),
-            kv_transfer_params=req.result_kv_transfer_params if finished else None,
+            kv_transfer_params=(req.result_kv_transfer_params.to_json()
+                                if finished and req.result_kv_transfer_params is not None else None),
             remote_cached_tokens=req.remote_cached_tokens,
             metrics=req.metrics,
             prompt_logprobs=prompt_lps,
@@ -542,7 +531,7 @@ class LLMEngine:
         self.pd.finished(req, hold)
         return self._emit(req, finished=True)
 
-    def pin_cached_prefix(self, token_ids: Sequence[int], min_tokens: int = 1) -> dict | None:
+    def pin_cached_prefix(self, token_ids: Sequence[int], min_tokens: int = 1) -> HeldKVParams | None:
         """A cached prefix held for a peer's prefill (issue 18 part 4): pdserve.engine.pd.holds."""
         return self.pd.pin_cached_prefix(token_ids, min_tokens)
 

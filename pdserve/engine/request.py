@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.api.pd import HeldKVParams
 from pdserve.engine.pd.kv_handoff import KVHandoff
 from pdserve.types.outputs import RequestMetrics, TokenLogprob
 from pdserve.types.sampling_params import SamplingParams
@@ -48,7 +49,7 @@ class Request:
     num_emitted: int = 0  # output tokens already reported to the caller
     remote_cached_tokens: int | None = None  # delivered params' remote_prefill_cached_tokens (params_later legs)
     metrics: RequestMetrics = field(init=False)
-    result_kv_transfer_params: dict[str, Any] | None = None  # producer: what a consumer needs to read
+    result_kv_transfer_params: HeldKVParams | None = None  # producer: what a consumer needs to read
     grammar: Any = None  # structured outputs: the request's matcher (pdserve.structured.grammar.Grammar)
     # speculative decoding: draft tokens after its last token that this step verifies (engine.spec_decode);
     # they sit past num_tokens (token_at reads them) and become output only once accepted

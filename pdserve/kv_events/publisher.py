@@ -27,8 +27,8 @@ from collections import deque
 from itertools import count
 from typing import Any
 
-from pdserve.kv_events.config import KVEventsConfig
 from pdserve.kv_events.events import KVEventBatch, encode_batch
+from pdserve.types.kv_events_config import KVEventsConfig
 
 log = logging.getLogger("pdserve.kv_events")
 

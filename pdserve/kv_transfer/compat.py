@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pdserve import __version__
 from pdserve.kv_transfer.errors import CompatibilityError
+from pdserve.version import __version__
 
 # Bumped whenever the side-channel messages or the transfer semantics change incompatibly.
 PROTOCOL_VERSION = 2  # 2: signed envelopes, lease tokens (issue 15)

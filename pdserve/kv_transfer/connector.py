@@ -1,19 +1,24 @@
-"""`KVConnector`: the one object the engine talks to (see ARCHITECTURE.md, "KV connector"); it implements
+"""`KVConnector`: the one object the engine holds (see ARCHITECTURE.md, "KV connector"); it implements
 `pdserve.engine.pd.connector_protocol.KVConnectorProtocol`.
 
     connector = KVConnector(config, pool, compat, block_size, registry=metrics_registry, model_name=name)
     # producer (P leg finished by length/stop): keep the blocks, then
-    params = connector.hold(request_id, block_ids, num_tokens, num_cached_tokens)   # -> response's kv_transfer_params
-    for rid in connector.poll_released(): free the blocks of rid                   # every step
-    # consumer (D leg):
-    connector.validate(params)                      # InvalidKVTransferParams (a ValueError) -> HTTP 400
-    connector.add_waiting(request_id, params)       # heartbeats while queued
-    connector.remove_waiting(request_id)            # gave up before loading: producer frees early
-    connector.start_load(request_id, params, local_block_ids, first_block)
-    for r in connector.poll_loads(): r.ok -> num_computed_tokens = len(prompt) - 1; else failure policy
+    held = connector.producer.hold(request_id, block_ids, num_tokens, num_cached_tokens)  # -> HeldKVParams
+    for rid in connector.producer.poll_released(): free the blocks of rid            # every step
+    # consumer (D leg), its kv_transfer_params read once (pdserve.api.pd.KVTransferParams):
+    load = connector.consumer.parse(params)       # InvalidKVTransferParams (a ValueError) -> HTTP 400
+    connector.consumer.add_waiting(request_id, load)  # heartbeats while queued
+    connector.consumer.remove_waiting(request_id)     # gave up before loading: producer frees early
+    connector.consumer.start_load(request_id, load, local_block_ids, first_block)
+    for r in connector.consumer.poll_loads(): r.ok -> num_computed_tokens = len(prompt) - 1; else failure policy
     connector.shutdown()
 
 Roles: kv_producer runs the side channel and leases, kv_consumer loads, kv_both does both with one NIXL agent.
+The engine calls each role on its own object (`producer`: `KVProducer`; `consumer`: `KVConsumer`, or
+`PushConsumer` in push mode) rather than through this class: the roles already are the engine's API, and a
+connector that re-declared every role method would only pass each call through (and grow with every one). What
+is the connector's own stays here: building the roles over one NIXL agent and side channel, the policies and
+limits that span both roles, metrics, the layer-pipelined push hook, and shutdown.
 
 Tensor parallelism (`tp_size` > 1): `pool` is rank 0's shard and `rank_agents(name, backends, params, loopback,
 gpu)` starts the NIXL agents of ranks 1..N-1 over their own shards (in their processes), returning handles
@@ -29,25 +34,16 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from pdserve.api.pd import (
-    PUSH,
-    TRANSFER_MODE,
-    InvalidKVTransferParams,
-    is_push,
-    is_remote_prefix,
-    parse_push_prefill_params,
-    parse_remote_kv_params,
-    refuse_push_params,
-)
+from pdserve.api.pd import PUSH
 from pdserve.kv_transfer.auth import SECRET_ENV, MessageAuth, ReplayGuard
 from pdserve.kv_transfer.compat import HEAD_MAJOR_LAYOUT, POOL_LAYOUT, normalize_compat
 from pdserve.kv_transfer.config import KVTransferConfig, is_loopback_host
-from pdserve.kv_transfer.consumer import KVConsumer, LoadResult
+from pdserve.kv_transfer.consumer import KVConsumer
 from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.nixl_agent import NixlAgent, apply_env_defaults, load_nixl
 from pdserve.kv_transfer.pool import pretouch, region_of
 from pdserve.kv_transfer.producer import KVProducer
-from pdserve.kv_transfer.push_receiver import PushReceiver
+from pdserve.kv_transfer.push_receiver import PushConsumer
 from pdserve.kv_transfer.push_sender import PushSender
 from pdserve.kv_transfer.side_channel import SideChannelServer
 from pdserve.types.tp_layout import kv_heads_per_rank
@@ -136,8 +132,6 @@ class KVConnector:
         self.producer: KVProducer | None = None
         self.consumer: KVConsumer | None = None
         self.push_sender: PushSender | None = None
-        self.push_receiver: PushReceiver | None = None
-        self._push_waiting: dict[str, Any] = {}  # push decode legs admitted, blocks not yet allocated
         auth = MessageAuth(config.side_channel_secret) if config.side_channel_secret is not None else None
         try:
             if config.is_producer:
@@ -190,9 +184,10 @@ class KVConnector:
                         extend_lease=lambda rid, token: producer.leases.heartbeat([(rid, token)]), auth=auth,
                         metrics=self.metrics)
                     producer.push_handler = self.push_sender.handle
+                    producer.push_sender = self.push_sender
                 self._server.start()
             if config.is_consumer:
-                self.consumer = KVConsumer(
+                consumer = (PushConsumer if push else KVConsumer)(
                     config,
                     agent=self._agent,
                     region=self.region,
@@ -201,12 +196,9 @@ class KVConnector:
                     auth=auth,
                     ranks=ranks,
                 )
-                if push:
-                    self.push_receiver = PushReceiver(
-                        config, agent=self._agent, region=self.region, compat=self.compat, metrics=self.metrics,
-                        auth=auth, report=self.consumer.report_result)
-                    if self.producer is not None:
-                        self.producer.push_notif = self.push_receiver.on_notif
+                self.consumer = consumer
+                if isinstance(consumer, PushConsumer) and self.producer is not None:
+                    self.producer.push_notif = consumer.receiver.on_notif
         except BaseException:
             self.shutdown()
             raise
@@ -265,15 +257,12 @@ class KVConnector:
         return self._server.port if self._server is not None else None
 
     def shutdown(self) -> None:
-        if self.push_receiver is not None:
-            self.push_receiver.shutdown()
-            self.push_receiver = None
-        if self.push_sender is not None:
-            self.push_sender.shutdown()
-            self.push_sender = None
         if self.consumer is not None:
             self.consumer.shutdown()
             self.consumer = None
+        if self.push_sender is not None:
+            self.push_sender.shutdown()
+            self.push_sender = None
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -293,51 +282,11 @@ class KVConnector:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    # ---- producer ----------------------------------------------------------------------------------
-
-    def _need_producer(self) -> KVProducer:
-        if self.producer is None:
-            raise RuntimeError(
-                f"this instance's kv_role is {self.config.kv_role}: it cannot serve KV to a decode instance"
-            )
-        return self.producer
-
-    def hold(
-        self, request_id: str, block_ids: Sequence[int], num_tokens: int, num_cached_tokens: int = 0,
-        params: Any = None,
-    ) -> dict[str, Any]:
-        """Keep `block_ids` under a lease and return the response's `kv_transfer_params`. A push-mode prefill
-        leg (`params`) is WRITTEN to the decode that registered under its push key; its lease ends when the
-        push does."""
-        producer = self._need_producer()
-        out = producer.hold(request_id, block_ids, num_tokens, num_cached_tokens)
-        if self.push_sender is not None and is_push(params):
-            parse_push_prefill_params(params)
-            self.push_sender.finish(request_id, params, block_ids, num_tokens, (request_id, out["remote_lease_token"]))
-            # vLLM's push response shape (push_scheduler.request_finished); no lease token: nothing to claim
-            out = {k: v for k, v in out.items() if k != "remote_lease_token"}
-            out[TRANSFER_MODE] = PUSH
-        return out
-
-    def send_ended(self, request_id: str) -> None:
-        """A prefill leg ended without its KV (aborted, failed): a push job for it stops."""
-        if self.push_sender is not None:
-            self.push_sender.abandon(request_id)
+    # ---- both roles ---------------------------------------------------------------------------------
 
     def step_hook(self, batch: Sequence[tuple[Any, int]]) -> Callable[[int], None] | None:
         """Layer-pipelined push: the callback the model calls after each layer of this step (None: none)."""
         return self.push_sender.step_hook(batch) if self.push_sender is not None else None
-
-    def hold_history(
-        self, lease_id: str, block_ids: Sequence[int], num_tokens: int, block_hashes: Sequence[str],
-        duration_s: float | None = None,
-    ) -> dict[str, Any]:
-        """Keep a finished decode leg's blocks for the next turn's prefill (bidirectional_kv_xfer), or cached
-        prefix blocks pinned for a peer's prefill (`duration_s`: the pin's lease)."""
-        return self._need_producer().hold_history(lease_id, block_ids, num_tokens, block_hashes, duration_s)
-
-    def evict_history(self, lease_id: str) -> bool:
-        return self.producer.evict_history(lease_id) if self.producer is not None else False
 
     @property
     def keeps_history(self) -> bool:
@@ -361,78 +310,5 @@ class KVConnector:
     def record_prefix_pull(self, outcome: str, tokens: int = 0) -> None:
         self.metrics.record_prefix_pull(outcome, tokens)
 
-    def poll_released(self) -> list[str]:
-        """Request ids whose lease ended (read and released, aborted, or expired): free their blocks now."""
-        return self.producer.poll_released() if self.producer is not None else []
-
     def num_leases(self) -> int:
         return len(self.producer.leases) if self.producer is not None else 0
-
-    # ---- consumer ----------------------------------------------------------------------------------
-
-    def _need_consumer(self) -> KVConsumer:
-        if self.consumer is None:
-            raise RuntimeError(f"this instance's kv_role is {self.config.kv_role}: it cannot load remote KV")
-        return self.consumer
-
-    def validate(self, params: Any) -> Any:
-        if self.push_receiver is not None:
-            if is_remote_prefix(params):
-                raise InvalidKVTransferParams("invalid kv_transfer_params: reading a held prefix back "
-                                              "(bidirectional_kv_xfer) needs kv_connector NixlConnector; this "
-                                              "instance uses NixlPushConnector")
-            return self.push_receiver.validate(params)
-        refuse_push_params(params)
-        return parse_remote_kv_params(params)
-
-    def add_waiting(self, request_id: str, params: Any) -> None:
-        if self.push_receiver is not None:
-            self._push_waiting[request_id] = params  # nothing to keep alive: the prefill has no lease yet
-            return
-        self._need_consumer().add_waiting(request_id, params)
-
-    def remove_waiting(self, request_id: str) -> None:
-        if self.push_receiver is not None:
-            params = self._push_waiting.pop(request_id, None)
-            if params is not None:
-                self.push_receiver.discard(params)
-            return
-        self._need_consumer().remove_waiting(request_id)
-
-    def cancel_load(self, request_id: str) -> None:
-        """The request was aborted while its load runs: a pending push is cancelled (its result follows once
-        nothing can land in its blocks); a READ just finishes."""
-        if self.push_receiver is not None:
-            self.push_receiver.cancel(request_id)
-
-    def decline(self, params: Any) -> None:
-        """A peer's lease this instance will not read (nothing of it matches): let the peer free it now."""
-        self._need_consumer().decline(params)
-
-    def start_load(
-        self,
-        request_id: str,
-        params: Any,
-        local_block_ids: Sequence[int],
-        first_block: int = 0,
-        num_tokens: int | None = None,
-    ) -> None:
-        """Read the remote blocks into local_block_ids[first_block:n] (see KVConsumer.start_load for n); in push
-        mode, register those blocks with the prefill, which WRITEs them."""
-        if self.push_receiver is not None:
-            self._push_waiting.pop(request_id, None)
-            if num_tokens is None:
-                raise ValueError("a push load needs its number of tokens")
-            self.push_receiver.start(request_id, params, local_block_ids, first_block, num_tokens)
-            return
-        self._need_consumer().start_load(request_id, params, local_block_ids, first_block, num_tokens)
-
-    def poll_loads(self) -> list[LoadResult]:
-        return self.consumer.poll_loads() if self.consumer is not None else []
-
-    def poll_claimed(self) -> list[str]:
-        return self.consumer.poll_claimed() if self.consumer is not None else []
-
-    def set_notify(self, callback: Callable[[], None] | None) -> None:
-        if self.consumer is not None:
-            self.consumer.set_notify(callback)

@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.api.pd import LEASE_REJECTION_STATUS, RemotePrefillParams, parse_remote_kv_params
+from pdserve.api.pd import LEASE_REJECTION_STATUS, KVTransferParams, LoadParams, RemotePrefillParams
 from pdserve.kv_transfer import side_channel
 from pdserve.kv_transfer.auth import AuthRefused, MessageAuth
 from pdserve.kv_transfer.compat import check_compat
@@ -128,7 +128,17 @@ class _LoadFailed(Exception):
         self.rejected = rejected
 
 
+def _pull(params: LoadParams) -> RemotePrefillParams:
+    """The params of a READ; push registrations are `push_receiver.PushConsumer`'s."""
+    if not isinstance(params, RemotePrefillParams):
+        raise TypeError(f"a pull consumer loads from RemotePrefillParams, not {type(params).__name__}")
+    return params
+
+
 class KVConsumer:
+    """The consumer role of a pull decode instance (`pdserve.engine.pd.connector_protocol.KVConsumerRole`):
+    claims a producer's lease, READs its blocks, releases it; heartbeats the leases of requests still queued."""
+
     def __init__(
         self,
         config: KVTransferConfig,
@@ -177,13 +187,14 @@ class KVConsumer:
 
     # ---- engine API --------------------------------------------------------------------------------
 
-    @staticmethod
-    def validate(params: Any) -> RemotePrefillParams:
-        return parse_remote_kv_params(params)
+    def parse(self, params: KVTransferParams) -> LoadParams:
+        """A decode leg's or a held prefix's params, parsed once (InvalidKVTransferParams names what is wrong);
+        what the other calls take."""
+        return params.parse_load(push=False)
 
-    def add_waiting(self, request_id: str, params: Any) -> None:
+    def add_waiting(self, request_id: str, params: LoadParams) -> None:
         """The request waits for local blocks; heartbeats keep the producer's lease alive meanwhile."""
-        parsed = parse_remote_kv_params(params)
+        parsed = _pull(params)
         with self._lock:
             self._waiting[request_id] = parsed
         self._update_stages()
@@ -198,16 +209,19 @@ class KVConsumer:
             with contextlib.suppress(RuntimeError):
                 self._executor.submit(self._abort_remote, parsed)
 
-    def decline(self, params: Any) -> None:
+    def decline(self, params: LoadParams) -> None:
         """A lease this instance will not read: ask its producer to free it now (best effort)."""
-        parsed = parse_remote_kv_params(params)
+        parsed = _pull(params)
         with contextlib.suppress(RuntimeError):  # shutting down: the lease expires instead
             self._executor.submit(self._abort_remote, parsed)
+
+    def cancel_load(self, request_id: str) -> None:
+        """The request was aborted while its load runs: a READ just finishes (its result still comes)."""
 
     def start_load(
         self,
         request_id: str,
-        params: Any,
+        params: LoadParams,
         local_block_ids: Sequence[int],
         first_block: int = 0,
         num_tokens: int | None = None,
@@ -219,7 +233,7 @@ class KVConsumer:
         tokens still to be generated have no remote counterpart.
         Returns at once; the outcome comes from `poll_loads()`. The local blocks must stay allocated until then.
         """
-        parsed = parse_remote_kv_params(params)
+        parsed = _pull(params)
         local = [int(b) for b in local_block_ids]
         if num_tokens is not None:
             needed = -(-num_tokens // self._block_size)

@@ -5,9 +5,10 @@ registered by the engine process). The engine process keeps the side channel, th
 bookkeeping; for ranks 1..N-1 it reaches their agents through `RemoteRankAgent`, which has the methods of
 `pdserve.kv_transfer.nixl_agent.NixlAgent` that the connector uses, carried over `rank_rpc`.
 
-Worker side (`RankKVService`): `kv_init` creates the agent and registers the pool, then a progress thread
+The calls are the command classes below (`rank_rpc` runs a command's handler by its type). Worker side
+(`RankKVService`): `KvInit` creates the agent and registers the pool, then a progress thread
 polls the agent's notifications (that also progresses it as a READ target: connection setup, TCP
-transports), every 10 ms when idle and every ~50 us for a while after the engine's `boost` (a claim).
+transports), every 10 ms when idle and every ~50 us for a while after the engine's `Boost` (a claim).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,7 +24,7 @@ import numpy as np
 from pdserve.kv_transfer.errors import TransferFailed, TransferTimeout
 from pdserve.kv_transfer.nixl_agent import NixlAgent, ReadStats, apply_env_defaults, load_nixl
 from pdserve.kv_transfer.pool import PoolRegion, bind_cuda_device, pretouch, region_of
-from pdserve.parallel.rank_rpc import RankCallError, RankClient
+from pdserve.parallel.rank_rpc import Handlers, RankCallError, RankClient
 
 log = logging.getLogger("pdserve.parallel")
 
@@ -31,6 +33,56 @@ _IDLE_POLL_S = 0.01
 # Slack on top of a READ's own deadline before the engine gives up on the rank's answer.
 _CALL_SLACK_S = 5.0
 _SETUP_TIMEOUT_S = 60.0
+
+
+# ---- the calls into a rank (engine -> worker) ---------------------------------------------------------
+@dataclass(frozen=True)
+class KvInit:
+    """Create the rank's NIXL agent and register its pool; answers the agent's name, metadata and pool."""
+
+    name: str
+    backends: tuple[str, ...]
+    backend_params: dict
+    loopback: bool
+    gpu: bool
+
+
+@dataclass(frozen=True)
+class AddRemote:
+    """Load a producer's agent metadata; answers its agent name."""
+
+    metadata: bytes
+    expected_name: str
+
+
+@dataclass(frozen=True)
+class RemoveRemote:
+    name: str
+
+
+@dataclass(frozen=True)
+class Read:
+    """READ remote blocks into this rank's (NixlAgent.read); answers ReadStats."""
+
+    local_descs: np.ndarray
+    local_mem: str
+    remote_descs: np.ndarray
+    remote_mem: str
+    remote_name: str
+    notif: bytes
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Boost:
+    """Poll the agent fast for `seconds` (a claim is under way). Sent as a notification."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class KvClose:
+    """Stop the progress thread and close the agent."""
 
 
 class RankKVService:
@@ -45,20 +97,19 @@ class RankKVService:
         self._stop = threading.Event()
         self._progress: threading.Thread | None = None
 
-    def handlers(self) -> dict[str, Any]:
-        return {"kv_init": self.kv_init, "add_remote": self.add_remote, "remove_remote": self.remove_remote,
-                "read": self.read, "boost": self.boost, "kv_close": self.close}
+    def handlers(self) -> Handlers:
+        return {KvInit: self.kv_init, AddRemote: self.add_remote, RemoveRemote: self.remove_remote,
+                Read: self.read, Boost: self.boost, KvClose: lambda _: self.close()}
 
-    def kv_init(self, name: str, backends: tuple[str, ...], backend_params: dict, loopback: bool,
-                gpu: bool) -> dict[str, Any]:
+    def kv_init(self, cmd: KvInit) -> dict[str, Any]:
         if self.agent is not None:
             raise RuntimeError("this rank's KV agent already exists")
-        apply_env_defaults(loopback=loopback, gpu=gpu)
+        apply_env_defaults(loopback=cmd.loopback, gpu=cmd.gpu)
         load_nixl()
         region = region_of(self._pool)
         pretouch(region)
         bind_cuda_device(region)
-        agent = NixlAgent(name, tuple(backends), dict(backend_params))
+        agent = NixlAgent(cmd.name, tuple(cmd.backends), dict(cmd.backend_params))
         agent.register(region)
         self.region, self.agent = region, agent
         self._progress = threading.Thread(target=self._progress_loop, name="pdserve-kv-rank-progress",
@@ -72,22 +123,21 @@ class RankKVService:
             raise RuntimeError("this rank's KV agent is not initialised (kv_init)")
         return self.agent
 
-    def add_remote(self, metadata: bytes, expected_name: str) -> str:
-        return self._need().add_remote(metadata, expected_name)
+    def add_remote(self, cmd: AddRemote) -> str:
+        return self._need().add_remote(cmd.metadata, cmd.expected_name)
 
-    def remove_remote(self, name: str) -> None:
-        self._need().remove_remote(name)
+    def remove_remote(self, cmd: RemoveRemote) -> None:
+        self._need().remove_remote(cmd.name)
 
-    def read(self, local_descs: np.ndarray, local_mem: str, remote_descs: np.ndarray, remote_mem: str,
-             remote_name: str, notif: bytes, timeout_s: float) -> ReadStats:
+    def read(self, cmd: Read) -> ReadStats:
         assert self.region is not None
         bind_cuda_device(self.region)  # RPC threads are fresh threads without a CUDA context
-        return self._need().read(local_descs=local_descs, local_mem=local_mem, remote_descs=remote_descs,
-                                 remote_mem=remote_mem, remote_name=remote_name, notif=notif,
-                                 deadline=time.monotonic() + timeout_s)
+        return self._need().read(local_descs=cmd.local_descs, local_mem=cmd.local_mem, remote_descs=cmd.remote_descs,
+                                 remote_mem=cmd.remote_mem, remote_name=cmd.remote_name, notif=cmd.notif,
+                                 deadline=time.monotonic() + cmd.timeout_s)
 
-    def boost(self, seconds: float) -> None:
-        self._boost_until = max(self._boost_until, time.monotonic() + seconds)
+    def boost(self, cmd: Boost) -> None:
+        self._boost_until = max(self._boost_until, time.monotonic() + cmd.seconds)
         self._wake.set()
 
     def close(self) -> None:
@@ -132,7 +182,7 @@ class RemoteRankAgent:
     @classmethod
     def start(cls, client: RankClient, name: str, backends: tuple[str, ...], backend_params: dict,
               *, loopback: bool, gpu: bool) -> RemoteRankAgent:
-        info = client.call("kv_init", name, tuple(backends), dict(backend_params), loopback, gpu,
+        info = client.call(KvInit(name, tuple(backends), dict(backend_params), loopback, gpu),
                            timeout_s=_SETUP_TIMEOUT_S)
         return cls(client, info)
 
@@ -141,29 +191,29 @@ class RemoteRankAgent:
 
     def add_remote(self, metadata: bytes, expected_name: str) -> str:
         try:
-            return self.client.call("add_remote", metadata, expected_name, timeout_s=_SETUP_TIMEOUT_S)
+            return self.client.call(AddRemote(metadata, expected_name), timeout_s=_SETUP_TIMEOUT_S)
         except (TimeoutError, RankCallError) as e:
             raise TransferFailed(str(e)) from None
 
     def remove_remote(self, name: str) -> None:
-        self.client.call("remove_remote", name, timeout_s=_SETUP_TIMEOUT_S)
+        self.client.call(RemoveRemote(name), timeout_s=_SETUP_TIMEOUT_S)
 
     def read(self, *, local_descs: np.ndarray, local_mem: str, remote_descs: np.ndarray, remote_mem: str,
              remote_name: str, notif: bytes, deadline: float) -> ReadStats:
         timeout_s = max(0.0, deadline - time.monotonic())
         try:
-            return self.client.call("read", local_descs, local_mem, remote_descs, remote_mem, remote_name,
-                                    notif, timeout_s, timeout_s=timeout_s + _CALL_SLACK_S)
+            return self.client.call(Read(local_descs, local_mem, remote_descs, remote_mem, remote_name, notif, timeout_s),
+                                    timeout_s=timeout_s + _CALL_SLACK_S)
         except TimeoutError as e:
             raise TransferTimeout(str(e)) from None
         except RankCallError as e:
             raise TransferFailed(str(e)) from None
 
     def boost(self, seconds: float) -> None:
-        self.client.notify("boost", seconds)
+        self.client.notify(Boost(seconds))
 
     def close(self) -> None:
         try:
-            self.client.call("kv_close", timeout_s=10.0)
+            self.client.call(KvClose(), timeout_s=10.0)
         except Exception as e:  # noqa: BLE001 - the rank may be gone already
             log.debug("closing rank %d's KV agent: %s", self.rank, e)

@@ -19,8 +19,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -134,58 +135,28 @@ class TransferMetrics:
         labels = ["model_name", "engine"]
         values = (model_name, engine)
         reg = self.registry
-        self._xfer = Histogram(
-            "vllm:nixl_xfer_time_seconds",
-            "Histogram of transfer duration for NIXL KV Cache transfers.",
-            labels,
-            buckets=XFER_TIME_BUCKETS,
-            registry=reg,
-        ).labels(*values)
-        self._post = Histogram(
-            "vllm:nixl_post_time_seconds",
-            "Histogram of transfer post time for NIXL KV Cache transfers.",
-            labels,
-            buckets=POST_TIME_BUCKETS,
-            registry=reg,
-        ).labels(*values)
-        self._bytes = Histogram(
-            "vllm:nixl_bytes_transferred",
-            "Histogram of bytes transferred per NIXL KV Cache transfers.",
-            labels,
-            buckets=BYTES_BUCKETS,
-            registry=reg,
-        ).labels(*values)
-        self._descs = Histogram(
-            "vllm:nixl_num_descriptors",
-            "Histogram of number of descriptors per NIXL KV Cache transfers.",
-            labels,
-            buckets=DESCRIPTOR_BUCKETS,
-            registry=reg,
-        ).labels(*values)
-        self._failed = Counter(
-            "vllm:nixl_num_failed_transfers",
-            "Number of failed NIXL KV Cache transfers.",
-            labels,
-            registry=reg,
-        ).labels(*values)
-        self._failed_notifs = Counter(
-            "vllm:nixl_num_failed_notifications",
-            "Number of failed NIXL KV Cache notifications.",
-            labels,
-            registry=reg,
-        ).labels(*values)
-        self._expired = Counter(
-            "vllm:nixl_num_kv_expired_reqs",
-            "Number of requests that had their KV expire. NOTE: This metric is tracked on the P instance.",
-            labels,
-            registry=reg,
-        ).labels(*values)
-        self._after_expiry = Counter(
-            "vllm:nixl_num_notifications_after_expiry",
-            "Number of notifications that arrived after their KV lease expired (tracked on the P instance).",
-            labels,
-            registry=reg,
-        ).labels(*values)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(*values)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, labels, registry=reg).labels(*values)
+
+        self._xfer = histogram("vllm:nixl_xfer_time_seconds",
+                               "Histogram of transfer duration for NIXL KV Cache transfers.", XFER_TIME_BUCKETS)
+        self._post = histogram("vllm:nixl_post_time_seconds",
+                               "Histogram of transfer post time for NIXL KV Cache transfers.", POST_TIME_BUCKETS)
+        self._bytes = histogram("vllm:nixl_bytes_transferred",
+                                "Histogram of bytes transferred per NIXL KV Cache transfers.", BYTES_BUCKETS)
+        self._descs = histogram("vllm:nixl_num_descriptors",
+                                "Histogram of number of descriptors per NIXL KV Cache transfers.", DESCRIPTOR_BUCKETS)
+        self._failed = counter("vllm:nixl_num_failed_transfers", "Number of failed NIXL KV Cache transfers.")
+        self._failed_notifs = counter("vllm:nixl_num_failed_notifications",
+                                      "Number of failed NIXL KV Cache notifications.")
+        self._expired = counter("vllm:nixl_num_kv_expired_reqs",
+                                "Number of requests that had their KV expire. NOTE: This metric is tracked on the P instance.")
+        self._after_expiry = counter("vllm:nixl_num_notifications_after_expiry",
+                                     "Number of notifications that arrived after their KV lease expired (tracked on the P instance).")
         self._lease_rejected = Counter(
             "pdserve:kv_lease_rejected",
             "Decode requests whose kv_transfer_params named a lease the producer refused (client errors, by reason).",
@@ -228,12 +199,8 @@ class TransferMetrics:
             [*labels, "outcome"],
             registry=reg,
         )
-        self._prefix_tokens = Counter(
-            "pdserve:kv_prefix_pulled_tokens",
-            "Prompt tokens whose KV was read from a peer's held prefix instead of being computed.",
-            labels,
-            registry=reg,
-        ).labels(*values)
+        self._prefix_tokens = counter("pdserve:kv_prefix_pulled_tokens",
+                                      "Prompt tokens whose KV was read from a peer's held prefix instead of being computed.")
         self._push_bytes = Counter(
             "pdserve:kv_push_written_bytes",
             "Push mode (NixlPushConnector), prefill side: KV bytes WRITTEN into decode instances' blocks, by "

@@ -10,13 +10,14 @@ Threads:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pdserve.api.pd import build_history_params, build_producer_params
+from pdserve.api.pd import HeldKVParams, KVTransferParams, PushParams
 from pdserve.kv_transfer.auth import MessageAuth
 from pdserve.kv_transfer.compat import compat_differences
 from pdserve.kv_transfer.config import KVTransferConfig
@@ -26,6 +27,9 @@ from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.nixl_agent import NixlAgent
 from pdserve.kv_transfer.pool import PoolRegion, bind_cuda_device
 from pdserve.kv_transfer.side_channel import PEER_KEY, SideChannelServer
+
+if TYPE_CHECKING:
+    from pdserve.kv_transfer.push_sender import PushSender
 
 logger = logging.getLogger("pdserve.kv_transfer")
 
@@ -38,6 +42,10 @@ _HANDSHAKE_BOOST_S = 2.0
 
 
 class KVProducer:
+    """The producer role (`pdserve.engine.pd.connector_protocol.KVProducerRole`): holds finished requests'
+    blocks under leases for consumers to READ, or (push mode, `push_sender`) WRITEs them to the decode
+    instance that registered for them."""
+
     def __init__(
         self,
         config: KVTransferConfig,
@@ -79,6 +87,7 @@ class KVProducer:
         # push mode: its side-channel ops (push_sender.PushSender.handle), and where push completions a
         # co-located push receiver waits for go (kv_both: this loop reads the agent's notifications)
         self.push_handler: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None
+        self.push_sender: PushSender | None = None  # push mode: WRITEs held blocks to their decode instance
         self.push_notif: Callable[[bytes], bool] | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -88,50 +97,70 @@ class KVProducer:
 
     # ---- engine API --------------------------------------------------------------------------------
 
+    def parse_prefill_leg(self, params: KVTransferParams) -> PushParams | None:
+        """A prefill leg's pairing key when its KV is pushed (push mode, `transfer_mode: push`), else None (a
+        pull producer serves a push-mode leg as a pull one); InvalidKVTransferParams when malformed."""
+        return params.parse_push_prefill() if self.push_sender is not None and params.push else None
+
     def hold(
-        self, request_id: str, block_ids: Sequence[int], num_tokens: int, num_cached_tokens: int
-    ) -> dict[str, Any]:
+        self, request_id: str, block_ids: Sequence[int], num_tokens: int, num_cached_tokens: int = 0,
+        push: PushParams | None = None,
+    ) -> HeldKVParams:
+        """Keep `block_ids` under a lease; returns the response's `kv_transfer_params`. A push-mode prefill leg
+        (`push`, from `parse_prefill_leg`) is WRITTEN to the decode that registered under its push key; its
+        lease ends when the push does."""
         self._check_block_ids(block_ids)
         lease_token = self.leases.hold(request_id, block_ids, num_tokens)
-        return build_producer_params(
+        held = HeldKVParams(
             request_id=request_id,
-            block_ids=block_ids,
+            block_ids=tuple(int(b) for b in block_ids),
             num_tokens=num_tokens,
             num_cached_tokens=num_cached_tokens,
             engine_id=self._config.engine_id,
             host=self._config.side_channel_host,
             port=self._server.port,
             generation=self.generation,
-            lease_duration_s=self._config.kv_lease_duration,
+            expires_at=time.time() + self._config.kv_lease_duration,
             lease_token=lease_token,
             tp_size=len(self._ranks),
         )
+        if push is None or self.push_sender is None:
+            return held
+        self.push_sender.finish(request_id, push, block_ids, num_tokens, (request_id, lease_token))
+        # vLLM's push response shape (push_scheduler.request_finished); no lease token: nothing to claim
+        return dataclasses.replace(held, push=True)
+
+    def send_ended(self, request_id: str) -> None:
+        """A prefill leg ended without its KV (aborted, failed): a push job for it stops."""
+        if self.push_sender is not None:
+            self.push_sender.abandon(request_id)
 
     def hold_history(
         self, lease_id: str, block_ids: Sequence[int], num_tokens: int, block_hashes: Sequence[str],
         duration_s: float | None = None,
-    ) -> dict[str, Any]:
+    ) -> HeldKVParams:
         """A finished decode leg's conversation (its full blocks) held for decoder_kv_blocks_ttl seconds (or
-        `duration_s`: a cached prefix pinned for a peer) for the next prefill; returns the kv_transfer_params
-        it reads (vLLM's bidirectional shape)."""
+        `duration_s`: a cached prefix pinned for a peer) for the next prefill (bidirectional_kv_xfer); returns
+        the kv_transfer_params it reads (vLLM's bidirectional shape)."""
         self._check_block_ids(block_ids)
         ttl = self._config.decoder_kv_blocks_ttl if duration_s is None else duration_s
         lease_token = self.leases.hold(lease_id, block_ids, num_tokens, duration_s=ttl, history=True)
         self._history_ids.add(lease_id)
         self._metrics.set_history_held(len(self._history_ids))
-        return build_history_params(
+        return HeldKVParams(
             request_id=lease_id,
-            block_ids=block_ids,
+            block_ids=tuple(int(b) for b in block_ids),
             num_tokens=num_tokens,
-            block_hashes=block_hashes,
+            block_hashes=tuple(block_hashes),
             engine_id=self._config.engine_id,
             host=self._config.side_channel_host,
             port=self._server.port,
             generation=self.generation,
-            ttl_s=ttl,
+            expires_at=time.time() + ttl,
             lease_token=lease_token,
             block_bytes=self._region.block_bytes * len(self._ranks),
             tp_size=len(self._ranks),
+            history=True,
         )
 
     def evict_history(self, lease_id: str) -> bool:

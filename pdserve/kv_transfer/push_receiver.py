@@ -2,7 +2,7 @@
 prefill instance, then wait for the prefill to WRITE them (pdserve/kv_transfer/push_sender.py).
 
 The engine's load state machine is the pull path's (`KVHandoff`: WAITING -> LOADING -> LOADED/FAILED):
-`start` is called once the scheduler allocated the request's blocks after the local prefix-cache hit, with
+`start` (`PushConsumer.start_load`) is called once the scheduler allocated the request's blocks after the local prefix-cache hit, with
 `first_block` = the blocks that hit; only `[first_block, n)` are registered (vLLM's
 NixlPushConnectorScheduler.update_state_after_alloc registers the unhashed blocks alike). The outcome is one
 `LoadResult`, reported through the consumer's queue as a READ's is.
@@ -28,12 +28,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.api.pd import PushParams, parse_push_decode_params
+from pdserve.api.pd import KVTransferParams, LoadParams, PushParams
 from pdserve.kv_transfer import side_channel
 from pdserve.kv_transfer.auth import MessageAuth, new_nonce
 from pdserve.kv_transfer.compat import check_compat
 from pdserve.kv_transfer.config import KVTransferConfig
-from pdserve.kv_transfer.consumer import LoadResult
+from pdserve.kv_transfer.consumer import KVConsumer, LoadResult
 from pdserve.kv_transfer.errors import (
     CompatibilityError,
     SideChannelError,
@@ -89,15 +89,10 @@ class PushReceiver:
         self._thread = threading.Thread(target=self._watch_loop, name="pdserve-kv-push-watch", daemon=True)
         self._thread.start()
 
-    @staticmethod
-    def validate(params: Any) -> PushParams:
-        return parse_push_decode_params(params)
-
     # ---- the engine's side ---------------------------------------------------------------------------------
 
-    def start(self, request_id: str, params: Any, local_block_ids: Sequence[int], first_block: int,
+    def start(self, request_id: str, p: PushParams, local_block_ids: Sequence[int], first_block: int,
               num_tokens: int) -> None:
-        p = parse_push_decode_params(params)
         needed = -(-num_tokens // self._block_size)
         local = [int(b) for b in local_block_ids][:needed]
         if needed > len(local_block_ids) or not 0 <= first_block <= needed:
@@ -129,10 +124,10 @@ class PushReceiver:
                 item.cancel = True
         self._wake.set()
 
-    def discard(self, params: Any) -> None:
+    def discard(self, params: PushParams) -> None:
         """A request gone before its blocks were allocated: tell the prefill to stop (best effort)."""
-        with contextlib.suppress(ValueError, RuntimeError):
-            self._executor.submit(self._cancel_remote, parse_push_decode_params(params))
+        with contextlib.suppress(RuntimeError):
+            self._executor.submit(self._cancel_remote, params)
 
     def on_notif(self, message: bytes) -> bool:
         """A NIXL notification; True when it was a push completion (consumed)."""
@@ -301,3 +296,54 @@ class PushReceiver:
                 elif now > item.deadline:
                     self._end(item, LoadResult(item.request_id, False, f"KV push not completed within "
                                                f"{self._config.push_registration_timeout:g}s"), failed=True)
+
+
+def _push(params: LoadParams) -> PushParams:
+    if not isinstance(params, PushParams):
+        raise TypeError(f"a push consumer loads from PushParams, not {type(params).__name__}")
+    return params
+
+
+class PushConsumer(KVConsumer):
+    """The consumer role of a push decode instance (`kv_connector: NixlPushConnector`): a load registers the
+    request's blocks with its prefill, which WRITEs them (`PushReceiver`), instead of READing a lease. Outcomes,
+    claims and the engine's wake-ups are a pull consumer's (`KVConsumer`: the receiver reports through its
+    queue), so the engine sees one consumer role whatever the mode, and the connector passes nothing through."""
+
+    def __init__(self, config: KVTransferConfig, *, agent: NixlAgent, region: PoolRegion, compat: Mapping[str, Any],
+                 metrics: TransferMetrics, auth: MessageAuth | None = None,
+                 ranks: Sequence[tuple[Any, PoolRegion]] | None = None) -> None:
+        super().__init__(config, agent=agent, region=region, compat=compat, metrics=metrics, auth=auth, ranks=ranks)
+        self._push_waiting: dict[str, PushParams] = {}  # admitted, blocks not yet allocated
+        self.receiver = PushReceiver(config, agent=agent, region=region, compat=compat, metrics=metrics, auth=auth,
+                                     report=self.report_result)
+
+    def parse(self, params: KVTransferParams) -> LoadParams:
+        return params.parse_load(push=True)
+
+    def add_waiting(self, request_id: str, params: LoadParams) -> None:
+        self._push_waiting[request_id] = _push(params)  # nothing to keep alive: the prefill has no lease yet
+
+    def remove_waiting(self, request_id: str) -> None:
+        params = self._push_waiting.pop(request_id, None)
+        if params is not None:
+            self.receiver.discard(params)
+
+    def decline(self, params: LoadParams) -> None:
+        raise TypeError("a push decode instance reads no held prefix (its params are refused by `parse`)")
+
+    def cancel_load(self, request_id: str) -> None:
+        """A pending push is cancelled; its result follows once nothing can land in its blocks."""
+        self.receiver.cancel(request_id)
+
+    def start_load(self, request_id: str, params: LoadParams, local_block_ids: Sequence[int], first_block: int = 0,
+                   num_tokens: int | None = None) -> None:
+        """Register local_block_ids[first_block:n] with the prefill, which WRITEs them."""
+        self._push_waiting.pop(request_id, None)
+        if num_tokens is None:
+            raise ValueError("a push load needs its number of tokens")
+        self.receiver.start(request_id, _push(params), local_block_ids, first_block, num_tokens)
+
+    def shutdown(self) -> None:
+        self.receiver.shutdown()
+        super().shutdown()

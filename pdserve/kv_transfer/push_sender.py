@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.api.pd import PUSH_KEY, is_push
+from pdserve.api.pd import PushParams
 from pdserve.kv_transfer.auth import AuthRefused, MessageAuth
 from pdserve.kv_transfer.errors import KVTransferError, SideChannelRefused
 from pdserve.kv_transfer.metrics import TransferMetrics
@@ -119,10 +119,10 @@ class PushSender:
         It only records progress and queues WRITEs; the writer thread does the rest."""
         entries = []
         for req, n in batch:
-            params = req.kv.params
-            if req.kv.send and is_push(params) and isinstance(params.get(PUSH_KEY), str):
+            push = req.kv.push  # set for a push-mode prefill leg (KVProducer.parse_prefill_leg)
+            if req.kv.send and push is not None:
                 end = req.num_computed_tokens + n
-                entries.append((params[PUSH_KEY], req.request_id, list(req.block_ids), end,
+                entries.append((push.push_key, req.request_id, list(req.block_ids), end,
                                 end >= req.num_prompt_tokens))
         if not entries:
             return None
@@ -143,10 +143,10 @@ class PushSender:
                     self._enqueue_locked(job, layer, end, last)
         return on_layer
 
-    def finish(self, request_id: str, params: Any, block_ids: Sequence[int], num_tokens: int,
+    def finish(self, request_id: str, params: PushParams, block_ids: Sequence[int], num_tokens: int,
                lease: tuple[str, str]) -> None:
         """The prefill finished; its blocks are held under `lease` (ended by this sender)."""
-        key = params[PUSH_KEY]
+        key = params.push_key
         with self._lock:
             job = self._job_locked(key, request_id)
             self._check_blocks_locked(job, [int(b) for b in block_ids])

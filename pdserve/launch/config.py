@@ -191,7 +191,7 @@ def tp_in_args(argv: list[str]) -> int | None:
 def default_log_dir() -> Path:
     """A new folder per run under the user cache (`$PDSERVE_CACHE_DIR`, `$XDG_CACHE_HOME/pdserve` or
     `~/.cache/pdserve`): logs/up-YYYYmmdd-HHMMSS-PID. Never the current directory."""
-    from pdserve.model.default_model import cache_dir  # standard library only
+    from pdserve.cache_dir import cache_dir  # standard library only
 
     return cache_dir() / "logs" / f"up-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 

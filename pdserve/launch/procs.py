@@ -168,6 +168,13 @@ def start(spec: ProcSpec, env: dict[str, str] | None = None, *, restart: int = 0
     return Child(spec, proc, log, time.monotonic())
 
 
+def _wait_gone(children: Sequence[Child], seconds: float) -> None:
+    """Until no child's process group is alive, or `seconds` have passed."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(c.group_alive() for c in children):
+        time.sleep(0.05)
+
+
 def stop_all(children: Sequence[Child], timeout: float) -> list[str]:
     """SIGTERM every child's process group, wait up to `timeout` s, SIGKILL what remains.
 
@@ -177,16 +184,12 @@ def stop_all(children: Sequence[Child], timeout: float) -> list[str]:
     for child in children:
         if child.group_alive():
             child.signal_group(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(c.group_alive() for c in children):
-        time.sleep(0.05)
+    _wait_gone(children, timeout)
     for child in children:
         if child.group_alive():
             problems.append(f"{child.name} (pid {child.pid}) did not stop within {timeout:g}s: killed")
             child.signal_group(signal.SIGKILL)
-    deadline = time.monotonic() + KILL_WAIT_S
-    while time.monotonic() < deadline and any(c.group_alive() for c in children):
-        time.sleep(0.05)
+    _wait_gone(children, KILL_WAIT_S)
     for child in children:
         if child.group_alive():
             problems.append(f"{child.name} (pid {child.pid}): processes remain after SIGKILL")

@@ -413,7 +413,11 @@ class AppController:
 
     def _scale_up(self, role: str) -> Slot:
         (pg,) = self._reserve([self.spec.templates[role]])
-        slot = self._launch(self._new_index(), role, pg)
+        return self._launch_ready(role, pg)
+
+    def _launch_ready(self, role: str, pg: PlacementGroup, shape: str | None = None) -> Slot:
+        """A new replica of `role` on `pg`, once it serves (retired again when it never gets there)."""
+        slot = self._launch(self._new_index(), role, pg, shape=shape)
         try:
             self._await_ready(slot)
         except Exception:
@@ -464,13 +468,7 @@ class AppController:
         old = self._victim(from_role)
         self._drain(old)
         self._retire(old, keep_pg=True)
-        slot = self._launch(self._new_index(), to_role, old.pg, shape=old.shape)
-        try:
-            self._await_ready(slot)
-        except Exception:
-            self._retire(slot)
-            raise
-        return slot
+        return self._launch_ready(to_role, old.pg, shape=old.shape)
 
 
 def _resources(res: dict[str, float]) -> str:

@@ -88,7 +88,16 @@ class Attention(nn.Module):
         self.kv_scale: KvScale | None = None  # what the K/V stores quantize with (None: per-row scales)
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
-        qkv = self.qkv_proj(x)
+        q, k, v = self._split_heads(self.qkv_proj(x))
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        backend.write_kv(k_cache, v_cache, k, v, meta, kv_scale=self.kv_scale)
+        o = backend.forward(q, k_cache, v_cache, meta, self.scale)
+        return self._out(o)
+
+    def _split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused qkv projection's output -> q [T, H, D], k and v [T, KVH, D] (strided views), with Qwen3's
+        per-head q/k RMSNorm applied."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -96,11 +105,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        backend.write_kv(k_cache, v_cache, k, v, meta, kv_scale=self.kv_scale)
-        o = backend.forward(q, k_cache, v_cache, meta, self.scale)
-        return self._out(o)
+        return q, k, v
 
     def _out(self, o: torch.Tensor, ops: FusedOps | None = None) -> torch.Tensor:
         """o_proj (+ the all-reduce of a row-parallel shard); o: [T, H, D] or [T, H * D]."""
@@ -122,14 +127,7 @@ class Attention(nn.Module):
             q = fused_qkv(x, self.qkv_proj, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin, k_cache,
                           v_cache, meta.slot_mapping, meta.block_size)
         if q is None:
-            qkv = ops.linear(x, self.qkv_proj)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(-1, self.num_heads, self.head_dim)
-            k = k.view(-1, self.num_kv_heads, self.head_dim)
-            v = v.view(-1, self.num_kv_heads, self.head_dim)
-            if self.q_norm is not None:
-                q = self.q_norm(q)
-                k = self.k_norm(k)
+            q, k, v = self._split_heads(ops.linear(x, self.qkv_proj))
             # RoPE on q and k and the K/V store in one kernel; q comes back contiguous.
             q = ops.rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_size,
                                       kv_scale=self.kv_scale)

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.cache_dir import cache_dir
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -74,17 +76,6 @@ class ModelNotFoundError(FileNotFoundError, ValueError):
 
 # --------------------------------------------------------------------------------------------------
 # resolving
-
-
-def cache_dir() -> Path:
-    """`$PDSERVE_CACHE_DIR`, else `$XDG_CACHE_HOME/pdserve`, else `~/.cache/pdserve`."""
-    env = os.environ.get("PDSERVE_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "pdserve"
-    return Path.home() / ".cache" / "pdserve"
 
 
 def _known_names() -> str:
@@ -611,7 +602,6 @@ __all__ = [
     "INSTALL_HINT",
     "MODELS",
     "ModelNotFoundError",
-    "cache_dir",
     "convert_gguf_to_hf",
     "find_embedded_gguf",
     "is_converted",

@@ -1,9 +1,11 @@
 """Calls from the engine process into a worker rank, beside the step pipe (the KV transfer's per-rank NIXL
 work: registering a rank's pool, loading a producer's agent, READs into a rank's blocks).
 
-Messages are pickled tuples on their own socketpair: request (call id, op, args) -> reply (call id, ok,
-value or exception). Calls run concurrently on the worker (a small thread pool) and complete out of order;
-every call has a timeout on the engine side. A call id of None is a one-way notification.
+A call is a command, a picklable object (a frozen dataclass, one class per command: see
+`pdserve.kv_transfer.kv_rank`); the worker runs the handler registered for the command's type. On their own
+socketpair the frames are pickled RankCall -> RankReply (the result, or the exception). Calls run
+concurrently on the worker (a small thread pool) and complete out of order; every call has a timeout on the
+engine side. A call id of None is a one-way notification.
 """
 
 from __future__ import annotations
@@ -13,12 +15,32 @@ import itertools
 import logging
 import pickle
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 log = logging.getLogger("pdserve.parallel")
+
+Handlers = Mapping[type, Callable[[Any], Any]]  # command class -> what runs a command of that class
+
+
+@dataclass(frozen=True)
+class RankCall:
+    """engine -> worker: run `command`; answer with call_id (None: a notification, no answer)."""
+
+    call_id: int | None
+    command: Any
+
+
+@dataclass(frozen=True)
+class RankReply:
+    """worker -> engine: the handler's result (ok) or the exception it raised."""
+
+    call_id: int
+    ok: bool
+    value: Any
 
 
 class RankCallError(RuntimeError):
@@ -40,7 +62,7 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 class RankClient:
-    """The engine's end: `call(op, *args, timeout_s=...)` from any thread."""
+    """The engine's end: `call(command, timeout_s=...)` from any thread."""
 
     def __init__(self, conn: Connection, rank: int) -> None:
         self.rank = rank
@@ -53,7 +75,7 @@ class RankClient:
         self._reader = threading.Thread(target=self._read_loop, name=f"pdserve-rank{rank}-rpc", daemon=True)
         self._reader.start()
 
-    def call(self, op: str, *args: Any, timeout_s: float) -> Any:
+    def call(self, command: Any, *, timeout_s: float) -> Any:
         fut: Future = Future()
         with self._lock:
             if self._closed is not None:
@@ -62,7 +84,7 @@ class RankClient:
             self._pending[call_id] = fut
         try:
             with self._send_lock:
-                self._conn.send_bytes(_dumps((call_id, op, args)))
+                self._conn.send_bytes(_dumps(RankCall(call_id, command)))
         except OSError as e:
             with self._lock:
                 self._pending.pop(call_id, None)
@@ -72,26 +94,27 @@ class RankClient:
         except TimeoutError:
             with self._lock:
                 self._pending.pop(call_id, None)
-            raise TimeoutError(f"tensor-parallel rank {self.rank}: no answer to {op} within {timeout_s:g} s") from None
+            raise TimeoutError(f"tensor-parallel rank {self.rank}: no answer to {type(command).__name__} "
+                               f"within {timeout_s:g} s") from None
 
-    def notify(self, op: str, *args: Any) -> None:
+    def notify(self, command: Any) -> None:
         """Fire and forget (best effort: a gone rank is noticed elsewhere)."""
         with contextlib.suppress(OSError), self._send_lock:
-            self._conn.send_bytes(_dumps((None, op, args)))
+            self._conn.send_bytes(_dumps(RankCall(None, command)))
 
     def _read_loop(self) -> None:
         reason = f"tensor-parallel rank {self.rank} closed its control pipe"
         try:
             while True:
-                call_id, ok, value = pickle.loads(self._conn.recv_bytes())
+                reply: RankReply = pickle.loads(self._conn.recv_bytes())
                 with self._lock:
-                    fut = self._pending.pop(call_id, None)
+                    fut = self._pending.pop(reply.call_id, None)
                 if fut is None:
                     continue  # its caller timed out
-                if ok:
-                    fut.set_result(value)
+                if reply.ok:
+                    fut.set_result(reply.value)
                 else:
-                    fut.set_exception(value)
+                    fut.set_exception(reply.value)
         except (EOFError, OSError):
             pass
         except Exception as e:  # noqa: BLE001 - an undecodable reply ends the channel
@@ -109,30 +132,34 @@ class RankClient:
             self._conn.close()
 
 
-def serve(conn: Connection, handlers: dict[str, Callable[..., Any]], max_workers: int = 8) -> None:
-    """The worker's end: runs each call on a thread pool, until the pipe closes. Returns then."""
+def serve(conn: Connection, handlers: Handlers, max_workers: int = 8) -> None:
+    """The worker's end: runs each call's handler (by its command's type) on a thread pool, until the pipe
+    closes. Returns then."""
     send_lock = threading.Lock()
 
-    def run(call_id: int | None, op: str, args: tuple) -> None:
+    def run(call: RankCall) -> None:
+        call_id, command = call.call_id, call.command
         try:
-            handler = handlers.get(op)
+            handler = handlers.get(type(command))
             if handler is None:
-                raise RankCallError(f"unknown rank call {op!r}")
-            reply: tuple = (call_id, True, handler(*args))
+                raise RankCallError(f"unknown rank call {type(command).__name__}")
+            value = handler(command)
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
             if call_id is None:
-                log.warning("rank notification %s failed: %s", op, e)
+                log.warning("rank notification %s failed: %s", type(command).__name__, e)
                 return
-            reply = (call_id, False, _portable(e))
-        if call_id is None:
-            return
+            reply = RankReply(call_id, False, _portable(e))
+        else:
+            if call_id is None:
+                return
+            reply = RankReply(call_id, True, value)
         with contextlib.suppress(OSError), send_lock:
             conn.send_bytes(_dumps(reply))
 
     with ThreadPoolExecutor(max_workers, thread_name_prefix="pdserve-rank-rpc") as pool:
         while True:
             try:
-                call_id, op, args = pickle.loads(conn.recv_bytes())
+                call: RankCall = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
                 return
-            pool.submit(run, call_id, op, args)
+            pool.submit(run, call)

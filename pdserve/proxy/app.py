@@ -245,7 +245,7 @@ class ProxyHandlers:
                 self.metrics.path["disagg"].inc()
             return await start_push_pair(state, api_path, body, raw, headers, tokens, decode_tokens)
         rid = headers["X-Request-Id"]
-        early_inst = await self._early_decode_instance(body)
+        early_inst = await state.pairing.early_decode(body)
         token_ids = (early_inst is None and cfg.chat_token_ids and api_path == CHAT_COMPLETIONS
                      and chat_prompt_ids_allowed(body.get("messages"), body.get("echo")))
         history, decision = self._history_for(api_path, body, rid, prefix)
@@ -379,8 +379,7 @@ class ProxyHandlers:
         tokens = held.num_tokens - p_cached
         if tokens <= 0:
             return HistoryDecision("p_cache", "prefill_cache", held.num_tokens, 0)
-        blocks = held.params.get("remote_block_ids") or [[]]
-        nblocks = len(blocks[0]) if isinstance(blocks[0], list) else len(blocks)
+        nblocks = held.num_blocks
         if held.block_bytes is None or nblocks == 0 or held.num_tokens == 0:
             return HistoryDecision("pull", "size_unknown", held.num_tokens, tokens)
         choice = pull_or_recompute(tokens, held.block_bytes * nblocks / held.num_tokens,
@@ -388,18 +387,6 @@ class ProxyHandlers:
                                    self.config.kv_history_prefill_tps, self.config.kv_history_overhead_s)
         return HistoryDecision("pull" if choice.pull else "recompute", "cost_model", held.num_tokens, tokens,
                                choice.wire_s * 1e3, choice.recompute_s * 1e3)
-
-    async def _early_decode_instance(self, body: dict[str, Any]) -> Instance | None:
-        """The decode instance to send the decode leg to together with the prefill leg: one available now
-        that takes its params later (a pdserve one), for a request of one plain choice; else None (the
-        ordinary order: the decode leg once the prefill answered)."""
-        if not self.config.early_decode_leg or body.get("n") not in (None, 1):
-            return None
-        pool = self.state.decode
-        others = [inst for inst in pool.instances if not inst.params_later]
-        if len(others) == len(pool):
-            return None  # no choice made (choosing rotates ties: the ordinary leg's choice must be the one)
-        return await self.state.choose(pool, others, wait=False)
 
     # -- pass-through routes (served by a decode instance) ---------------------------------------
 
@@ -414,7 +401,7 @@ class ProxyHandlers:
         tried: list[Instance] = []
         last = "no decode instance available"
         for attempt in range(1 + self.config.decode_retries):
-            inst = await state.choose(state.decode, tried, wait=attempt == 0)
+            inst = await state.pairing.decode(tried, wait=attempt == 0)
             if inst is None:
                 break
             tried.append(inst)

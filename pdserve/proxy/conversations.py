@@ -29,6 +29,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.api.pd import (
+    held_block_bytes,
+    held_expires_at,
+    held_num_blocks,
+    held_num_tokens,
+    names_held_history,
+)
+
 _TEXT_CHUNK = 64  # characters of a completions prompt per key step
 _IDS_CHUNK = 16  # token ids of a completions prompt per key step (a common KV block)
 _MAX_KEYS_PER_BODY = 8192  # bounds the work of one lookup (longer prompts are keyed by their start)
@@ -42,36 +50,32 @@ class HeldHistory:
 
     @property
     def num_tokens(self) -> int:
-        n = self.params.get("remote_num_tokens")
-        return n if isinstance(n, int) and n > 0 else 0
+        return held_num_tokens(self.params)
+
+    @property
+    def num_blocks(self) -> int:
+        return held_num_blocks(self.params)
 
     @property
     def block_size(self) -> int | None:
         """Tokens per held block (the holder's block size), when the params say."""
-        blocks = self.params.get("remote_block_ids") or [[]]
-        n = len(blocks[0]) if isinstance(blocks[0], list) else len(blocks)
+        n = self.num_blocks
         return self.num_tokens // n if n and self.num_tokens % n == 0 else None
 
     @property
     def block_bytes(self) -> int | None:
         """Bytes of one held block on the wire (all ranks), when the holder says."""
-        n = self.params.get("remote_block_bytes")
-        return n if isinstance(n, int) and n > 0 else None
+        return held_block_bytes(self.params)
 
     @property
     def expires_at(self) -> float | None:
-        t = self.params.get("remote_blocks_expiry_time")
-        return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None
+        return held_expires_at(self.params)
 
 
 def held_history_params(params: Any) -> dict[str, Any] | None:
-    """The params of a decode response when they name a held history (vLLM's bidirectional shape: the
-    decode instance is now the producer, `do_remote_decode` true, with blocks), else None."""
-    if not isinstance(params, dict) or params.get("do_remote_prefill") or not params.get("do_remote_decode"):
-        return None
-    if not params.get("remote_block_ids") or not params.get("remote_block_hashes"):
-        return None
-    return params
+    """The params of a decode response when they name a held history (`pdserve.api.pd.names_held_history`),
+    else None."""
+    return params if names_held_history(params) else None
 
 
 def _digest(parent: bytes, part: Any) -> bytes:

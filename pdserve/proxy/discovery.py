@@ -21,11 +21,11 @@ A failing source (registry unreachable) changes nothing: the pools stay as they 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
+from pdserve.proxy.background import BackgroundTask
 from pdserve.proxy.pool import normalize_url
 from pdserve.proxy.state import ProxyState
 
@@ -106,7 +106,7 @@ class Discovery:
         self._interval = interval
         self.reconciler = Reconciler(state, unresponsive_after=unresponsive_after)
         self.rounds = 0
-        self._task: asyncio.Task[None] | None = None
+        self._background = BackgroundTask(self._run, "pdserve-proxy-discovery")
 
     async def sync_once(self) -> list[str]:
         loop = asyncio.get_running_loop()
@@ -129,15 +129,10 @@ class Discovery:
             await asyncio.sleep(self._interval)
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="pdserve-proxy-discovery")
+        self._background.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._background.stop()
 
     def cleanup_ctx(self) -> Callable[[object], AsyncIterator[None]]:
         """For `app.cleanup_ctx.append(...)` after create_app's own entry (which opens the HTTP session)."""

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import aiohttp
 
+from pdserve.proxy.background import BackgroundTask
 from pdserve.proxy.pool import Instance, Pool
 
 logger = logging.getLogger("pdserve.proxy")
@@ -70,7 +71,7 @@ class HealthChecker:
         self._timeout = timeout
         self._eject_after = eject_after
         self._on_admit = on_admit
-        self._task: asyncio.Task[None] | None = None
+        self._background = BackgroundTask(self._run, "pdserve-proxy-health")
         self._wake = asyncio.Event()
         self._last_round = 0.0
 
@@ -118,12 +119,7 @@ class HealthChecker:
                 await asyncio.sleep(gap)
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="pdserve-proxy-health")
+        self._background.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._background.stop()

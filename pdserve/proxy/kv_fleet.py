@@ -23,6 +23,7 @@ from typing import Any
 
 import aiohttp
 
+from pdserve.proxy.background import BackgroundTask
 from pdserve.proxy.kv_feed import RESYNC_KINDS, InstanceFeed
 from pdserve.proxy.kv_index import KVIndex
 from pdserve.proxy.kv_subscriber import EventEndpoints, EventSubscriber
@@ -87,7 +88,7 @@ class KVFleet:
         self._on_disconnect = on_disconnect
         self._publishers: dict[str, _Publisher] = {}
         self._silent: dict[str, int] = {}  # instances found without events -> their ejection count then
-        self._task: asyncio.Task[None] | None = None
+        self._background = BackgroundTask(self._run, "pdserve-proxy-kv-fleet")
         self._wake = asyncio.Event()
         # totals of feeds that are gone (instances that left), so that the counters never go back
         self._retired: Counter[str] = Counter()
@@ -187,15 +188,10 @@ class KVFleet:
                 await asyncio.wait_for(self._wake.wait(), SYNC_INTERVAL_S)
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="pdserve-proxy-kv-fleet")
+        self._background.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._background.stop()
         for url in list(self._publishers):
             await self._drop(url, "proxy stopping")
 

@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from pdserve.proxy.background import BackgroundTask
 from pdserve.proxy.kv_feed import InstanceFeed
 
 logger = logging.getLogger("pdserve.proxy")
@@ -68,7 +69,7 @@ class EventSubscriber:
         self.on_disconnect = on_disconnect
         self.connected = False
         self.disconnected_since: float | None = time.monotonic()  # None while connected
-        self._task: asyncio.Task[None] | None = None
+        self._background = BackgroundTask(self._run, f"pdserve-kv-events-{self.url}")
         self._ctx = zmq.asyncio.Context.instance()
 
     def unreachable_for(self) -> float:
@@ -76,15 +77,10 @@ class EventSubscriber:
         return 0.0 if self.disconnected_since is None else time.monotonic() - self.disconnected_since
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"pdserve-kv-events-{self.url}")
+        self._background.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._background.stop()
 
     async def _run(self) -> None:
         sub = self._ctx.socket(zmq.SUB)

@@ -51,6 +51,15 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def _leg_failure(leg: str, exc: BaseException) -> tuple[str, str]:
+    """(error kind, reason) of a leg's exchange that raised: it never connected, timed out, or broke."""
+    if isinstance(exc, _CONNECT_ERRORS):
+        return f"{leg}_connect", _describe(exc)
+    if isinstance(exc, TimeoutError):
+        return f"{leg}_timeout", _describe(exc) or "timeout"
+    return f"{leg}_io", _describe(exc)
+
+
 @dataclass
 class PrefillResult:
     """Outcome of the prefill leg: params (success), a client error to relay verbatim, or a failure.
@@ -132,12 +141,8 @@ async def _prefill_once(
 
     try:
         status, ctype, retry_after, data = await unless_ejected(inst, exchange())
-    except _CONNECT_ERRORS as exc:
-        kind, reason = "prefill_connect", _describe(exc)
-    except TimeoutError as exc:
-        kind, reason = "prefill_timeout", _describe(exc) or "timeout"
-    except aiohttp.ClientError as exc:
-        kind, reason = "prefill_io", _describe(exc)
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        kind, reason = _leg_failure("prefill", exc)
     finally:
         inst.release(tokens)
 
@@ -199,8 +204,7 @@ async def run_prefill(
     tried: list[Instance] = []
     last = PrefillResult(error="no prefill instance available", unavailable=True)
     for attempt in range(attempts):
-        inst = await state.choose(state.prefill, tried, wait=wait and attempt == 0, affinity=affinity,
-                                  prefix=prefix, record=True)
+        inst = await state.pairing.prefill(tried, wait=wait and attempt == 0, affinity=affinity, prefix=prefix)
         if inst is None:
             break
         if attempt:
@@ -328,7 +332,8 @@ async def send_decode(
     last_reason = ""
     last_retry_after: float | None = None
     for attempt in range(1 + cfg.decode_retries):
-        inst = await state.choose(state.pool(role), tried, wait=attempt == 0, prefix=prefix, record=not kv_claimed)
+        inst = await state.pairing.decode(tried, wait=attempt == 0, prefix=prefix, computes_prompt=not kv_claimed,
+                                          role=role)
         if inst is None:
             break
         if attempt:
@@ -347,12 +352,8 @@ async def send_decode(
                 resp = await unless_ejected(inst, state.http().post(
                     inst.endpoint(api_path), data=payload, headers=headers, timeout=state.decode_timeout
                 ))
-            except _CONNECT_ERRORS as exc:
-                last_kind, last_reason = "decode_connect", _describe(exc)
-            except TimeoutError as exc:
-                last_kind, last_reason = "decode_timeout", _describe(exc) or "timeout"
-            except aiohttp.ClientError as exc:
-                last_kind, last_reason = "decode_io", _describe(exc)
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                last_kind, last_reason = _leg_failure("decode", exc)
             else:
                 if resp.status >= 500 and not kv_claimed and may_retry:
                     last_retry_after = _backoff(inst, resp.status, resp.headers)

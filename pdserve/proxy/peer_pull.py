@@ -20,6 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from pdserve.api.pd import (
+    PIN_PATH,
+    held_block_bytes,
+    held_num_blocks,
+    held_num_tokens,
+    pin_body,
+    prefix_prefill_params,
+)
 from pdserve.preflight.plan import parse_bandwidth, pull_or_recompute
 from pdserve.proxy.kv_routing import CachedPrefix
 from pdserve.proxy.pool import Instance
@@ -29,23 +37,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pdserve.proxy")
 
-PIN_PATH = "/pdserve/kv/pin"  # pdserve.server.kv_pin.PIN_PATH (not imported: the proxy stays torch-free)
 PIN_TIMEOUT_S = 2.0
-
-
-def peer_to_ask(state: ProxyState, chosen: Instance, prefix: CachedPrefix) -> Instance | None:
-    """The healthy pinning instance, other than `chosen`, caching the most of the prompt, when that is at least
-    --kv-peer-pull-min-tokens more than `chosen` caches (and `chosen` can read it: it pins too)."""
-    fleet = state.fleet
-    if fleet is None or not prefix.token_ids or not fleet.pins(chosen.url):
-        return None
-    peers = [inst for pool in state.pools() for inst in pool.instances
-             if inst.url != chosen.url and inst.healthy and fleet.pins(inst.url)]
-    best = max(peers, key=prefix.cached_tokens, default=None)
-    if best is None:
-        return None
-    gain = prefix.cached_tokens(best) - prefix.cached_tokens(chosen)
-    return best if gain >= max(state.config.kv_peer_pull_min_tokens, 1) else None
 
 
 async def with_peer_prefix(state: ProxyState, chosen: Instance, payload: bytes, prefix: CachedPrefix | None,
@@ -53,7 +45,7 @@ async def with_peer_prefix(state: ProxyState, chosen: Instance, payload: bytes, 
     """The prefill leg's body, carrying a peer's pinned prefix when that is worth it; else `payload` as is."""
     if prefix is None or not state.config.kv_peer_pull:
         return payload
-    peer = peer_to_ask(state, chosen, prefix)
+    peer = state.pairing.peer(chosen, prefix)
     if peer is None:
         return payload
     have = prefix.cached_tokens(chosen)
@@ -62,11 +54,12 @@ async def with_peer_prefix(state: ProxyState, chosen: Instance, payload: bytes, 
     outcome, params = await _pin(state, peer, prefix, have + state.config.kv_peer_pull_min_tokens, auth)
     detail = ""
     if params is not None:
-        tokens = int(params.get("remote_num_tokens") or 0) - have
-        block_bytes = params.get("remote_block_bytes")
-        nblocks = len((params.get("remote_block_ids") or [[]])[0])
-        if type(block_bytes) is int and nblocks and tokens > 0:
-            choice = pull_or_recompute(tokens, block_bytes * nblocks / int(params["remote_num_tokens"]),
+        held_tokens = held_num_tokens(params)
+        tokens = held_tokens - have
+        block_bytes = held_block_bytes(params)
+        nblocks = held_num_blocks(params)
+        if block_bytes is not None and nblocks and tokens > 0:
+            choice = pull_or_recompute(tokens, block_bytes * nblocks / held_tokens,
                                        parse_bandwidth(state.config.kv_history_bandwidth),
                                        state.config.kv_history_prefill_tps, state.config.kv_history_overhead_s)
             outcome, detail = ("pull" if choice.pull else "recompute"), choice.describe()
@@ -78,7 +71,7 @@ async def with_peer_prefix(state: ProxyState, chosen: Instance, payload: bytes, 
     if outcome != "pull" or params is None:
         return payload
     body = json.loads(payload)
-    body["kv_transfer_params"] = {**params, "do_remote_decode": True, "do_remote_prefill": False}
+    body["kv_transfer_params"] = prefix_prefill_params(params)
     return json.dumps(body).encode()
 
 
@@ -87,7 +80,7 @@ async def _pin(state: ProxyState, peer: Instance, prefix: CachedPrefix,
     """(outcome, params): the peer's pinned prefix, or why there is none."""
     try:
         async with state.http().post(peer.endpoint(PIN_PATH),
-                                     json={"prompt_token_ids": list(prefix.token_ids), "min_tokens": min_tokens},
+                                     json=pin_body(prefix.token_ids, min_tokens),
                                      headers=headers,
                                      timeout=aiohttp.ClientTimeout(total=PIN_TIMEOUT_S)) as resp:
             if resp.status in (404, 503):

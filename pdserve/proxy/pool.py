@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -10,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from yarl import URL
+
+from pdserve.routing.choice import LoadBalancer
 
 logger = logging.getLogger("pdserve.proxy")
 
@@ -155,21 +156,16 @@ class Instance:
         }
 
 
-def _rendezvous_score(key_digest: bytes, url: str) -> bytes:
-    return hashlib.blake2b(key_digest + url.encode(), digest_size=8).digest()
-
-
 class Pool:
-    """The instances of one role. Choice: least outstanding requests, then least outstanding tokens,
-    ties rotated; or the least `cost` (routing by cached prefix, pdserve/proxy/kv_routing.py); or prefix
-    affinity by rendezvous hashing over the available instances."""
+    """The instances of one role, and the choice among its available ones (pdserve/routing/choice.py: least
+    loaded, ties rotated; or the least `cost`; or prefix affinity by rendezvous hashing)."""
 
     def __init__(self, role: str, urls: Iterable[str] = (), *, healthy: bool = False) -> None:
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}")
         self.role = role
         self._instances: list[Instance] = []
-        self._rotation = 0
+        self._balancer = LoadBalancer()
         for url in urls:
             self.add(url, healthy=healthy)
 
@@ -217,49 +213,10 @@ class Pool:
     ) -> Instance | None:
         """The instance for the next leg, or None when no instance outside `exclude` is available
         (admitted and not backing off). Callers wait for one (bounded) or answer 503: sending work to
-        an instance that failed its probes only turns a clean 503 into a slow 502. With `cost`, the
-        cheapest instance (then the fewest legs in flight, ties rotated); `affinity` is then unused."""
+        an instance that failed its probes only turns a clean 503 into a slow 502. The policy among the
+        available ones is pdserve/routing/choice.py's (`exclude` non-empty: a retry of the same request)."""
         excluded = set(exclude)
         now = time.monotonic()
         candidates = [inst for inst in self._instances if inst.available(now) and inst not in excluded]
-        if not candidates:
-            return None
-        if cost is not None:
-            best = self._least_cost(candidates, cost)
-            if not excluded:
-                self._rotation += 1
-            return best
-        least = self._least_loaded(candidates)
-        if not excluded:  # rotate ties once per request, not once per retry
-            self._rotation += 1
-        if affinity is None or len(candidates) == 1:
-            return least
-        digest = hashlib.blake2b(affinity.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-        target = max(candidates, key=lambda inst: _rendezvous_score(digest, inst.url))
-        if target.in_flight - least.in_flight <= affinity_slack:
-            return target
-        return least
-
-    def _least_cost(self, candidates: list[Instance], cost: Callable[[Instance], float]) -> Instance:
-        n = len(candidates)
-        start = self._rotation % n
-        best = candidates[start]
-        best_key = (cost(best), best.in_flight)
-        for i in range(1, n):
-            inst = candidates[(start + i) % n]
-            key = (cost(inst), inst.in_flight)
-            if key < best_key:
-                best, best_key = inst, key
-        return best
-
-    def _least_loaded(self, candidates: list[Instance]) -> Instance:
-        n = len(candidates)
-        start = self._rotation % n
-        best = candidates[start]
-        best_key = (best.in_flight, best.outstanding_tokens)
-        for i in range(1, n):
-            inst = candidates[(start + i) % n]
-            key = (inst.in_flight, inst.outstanding_tokens)
-            if key < best_key:
-                best, best_key = inst, key
-        return best
+        return self._balancer.choose(candidates, retry=bool(excluded), affinity=affinity,
+                                     affinity_slack=affinity_slack, cost=cost)

@@ -50,8 +50,9 @@ async def push_coordinates(state: ProxyState, inst: Instance) -> dict[str, Any] 
     port = info.get("side_channel_port")
     if not isinstance(info.get("engine_id"), str) or not isinstance(port, int):
         return "its /pdserve/info names no KV side channel"
-    inst.push_info = {"engine_id": info["engine_id"], "host": info.get("side_channel_host") or inst.host,
-                      "port": port, "tp_size": int(info.get("tensor_parallel_size") or 1)}
+    # push_decode_params' arguments
+    inst.push_info = dict(engine_id=info["engine_id"], host=info.get("side_channel_host") or inst.host, port=port,
+                          tp_size=int(info.get("tensor_parallel_size") or 1))
     return inst.push_info
 
 
@@ -65,7 +66,7 @@ async def start_push_pair(state: ProxyState, api_path: str, body: dict[str, Any]
                        rid, why)
         return await send_decode(state, api_path, raw, headers, tokens=decode_tokens, kv_claimed=False)
 
-    prefill = await state.choose(state.prefill, [], wait=not local, record=True)
+    prefill = await state.pairing.prefill(wait=not local)
     if prefill is None:
         return await decode_locally("no prefill instance") if local else no_instance_response(state, "prefill", rid)
     coords = await push_coordinates(state, prefill)
@@ -73,7 +74,7 @@ async def start_push_pair(state: ProxyState, api_path: str, body: dict[str, Any]
         state.metrics.error("prefill_failed")
         return error_response(502, f"prefill instance {prefill.url} cannot take push legs: {coords}",
                               "BadGatewayError", request_id=rid)
-    decode = await state.choose(state.decode, [], wait=True)
+    decode = await state.pairing.decode(wait=True)
     if decode is None:
         return no_instance_response(state, "decode", rid)
     key = uuid.uuid4().hex

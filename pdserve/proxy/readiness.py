@@ -4,16 +4,15 @@ A request that finds no available instance in a pool (all starting, ejected or b
 health checker for a probe round now and waits until an instance is admitted, a back-off ends, or
 `--instance-wait-timeout` passes; then the caller answers 503 with `Retry-After`. This is what lets a proxy
 started together with its instances (README's three commands, `pdserve up` restarting one) answer its
-first request instead of a 502.
+first request instead of a 502. The waiting chooser is pdserve/proxy/pairing.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterable
 
-from pdserve.proxy.pool import Instance, Pool
+from pdserve.proxy.pool import Pool
 
 
 class Readiness:
@@ -33,36 +32,6 @@ class Readiness:
         event = self._event
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), timeout)
-
-
-async def choose_ready(
-    pool: Pool,
-    readiness: Readiness,
-    nudge: Callable[[], None],
-    wait_s: float,
-    exclude: Iterable[Instance] = (),
-    *,
-    affinity: str | None = None,
-    affinity_slack: int = 0,
-    cost: Callable[[Instance], float] | None = None,
-) -> Instance | None:
-    """`pool.choose(...)`, waiting up to `wait_s` seconds for an instance to become available."""
-    excluded = list(exclude)
-    inst = pool.choose(excluded, affinity=affinity, affinity_slack=affinity_slack, cost=cost)
-    if inst is not None or wait_s <= 0 or len(pool) == 0:
-        return inst
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait_s
-    while True:
-        nudge()
-        remaining = deadline - loop.time()
-        if remaining <= 0:
-            return None
-        backoff = pool.backoff_left()
-        await readiness.wait(min(remaining, backoff + 0.01) if backoff is not None else remaining)
-        inst = pool.choose(excluded, affinity=affinity, affinity_slack=affinity_slack, cost=cost)
-        if inst is not None:
-            return inst
 
 
 def retry_after_s(pool: Pool, health_interval: float) -> float:

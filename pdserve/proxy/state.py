@@ -1,4 +1,5 @@
-"""What the request handlers share: configuration, pools, metrics and the one pooled HTTP session."""
+"""What the request handlers share: configuration, pools, the pair chooser, metrics and the one pooled HTTP
+session."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from pdserve.proxy.config import ProxyConfig
 from pdserve.proxy.conversations import ConversationHistory
 from pdserve.proxy.health import HealthChecker
 from pdserve.proxy.kv_fleet import KVFleet
-from pdserve.proxy.kv_routing import UNKNOWN, CachedPrefix
 from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.proxy.pool import Instance, Pool
+from pdserve.proxy.pairing import PairChooser
+from pdserve.proxy.pool import Pool
 from pdserve.proxy.prompt_tokens import PromptTokenizer
-from pdserve.proxy.readiness import Readiness, choose_ready
+from pdserve.proxy.readiness import Readiness
 from pdserve.proxy.retry import RetryBudget
 
 # Below uvicorn's (and so vLLM's) 5 s server keep-alive: the proxy drops an idle pooled connection
@@ -35,6 +36,7 @@ class ProxyState:
     fleet: KVFleet | None = None  # routing by cached prefix (None: --no-kv-routing)
     prompt_tokenizer: PromptTokenizer | None = None
     history: ConversationHistory = field(init=False)
+    pairing: PairChooser = field(init=False)  # every leg's instance is chosen there
     retry_budget: RetryBudget = field(init=False)
     prefill_timeout: aiohttp.ClientTimeout = field(init=False)
     decode_timeout: aiohttp.ClientTimeout = field(init=False)
@@ -56,6 +58,8 @@ class ProxyState:
                                  on_disconnect=self.nudge_health)
             self.prompt_tokenizer = PromptTokenizer(cfg.tokenizer, cfg.health_timeout)
             self.metrics.register_kv(self.fleet)
+        self.pairing = PairChooser(cfg, self.prefill, self.decode, self.metrics, self.readiness, self.nudge_health,
+                                   self.fleet)
 
     @classmethod
     def from_config(cls, config: ProxyConfig) -> ProxyState:
@@ -76,38 +80,6 @@ class ProxyState:
     def nudge_health(self) -> None:
         if self.checker is not None:
             self.checker.nudge()
-
-    async def choose(
-        self,
-        pool: Pool,
-        exclude: list[Instance],
-        *,
-        wait: bool,
-        affinity: str | None = None,
-        prefix: CachedPrefix | None = None,
-        record: bool = False,
-    ) -> Instance | None:
-        """An available instance of `pool`; with `wait`, up to --instance-wait-timeout for one to be admitted.
-
-        Routing by cached prefix (`prefix`) applies when an instance of the pool publishes KV events;
-        otherwise `affinity` (--prefix-affinity), else the least loaded. `record`: this leg computes the
-        prompt, so its choice counts in the routing hit rate (first attempts only)."""
-        wait_s = self.config.instance_wait_timeout if wait else 0.0
-        slack = self.config.prefix_affinity_slack
-        fleet = self.fleet
-        routed = fleet is not None and fleet.any_publishing(pool.instances)
-        cost = prefix.cost if prefix is not None and routed else None
-        inst = await choose_ready(
-            pool, self.readiness, self.nudge_health, wait_s, exclude, affinity=affinity, affinity_slack=slack,
-            cost=cost,
-        )
-        if record and routed and inst is not None and not exclude:
-            if prefix is None:
-                self.metrics.kv_routed(UNKNOWN, 0, 0)
-            else:
-                outcome = prefix.outcome(inst, pool.instances, self.config.kv_hit_fraction)
-                self.metrics.kv_routed(outcome, prefix.prompt_tokens, prefix.cached_tokens(inst))
-        return inst
 
     def spend_retry(self) -> bool:
         """Take one retry from the proxy's budget (counted as an error of kind retry_budget when refused)."""

@@ -14,7 +14,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
-from pdserve import __version__
 from pdserve.api.generate import ChatDerenderRequest, CompletionDerenderRequest
 from pdserve.api.http import ClientGone, RequestIdAuthMiddleware, read_json
 from pdserve.api.openai.errors import add_error_handlers, error_body
@@ -30,6 +29,7 @@ from pdserve.api.openai.protocol import (
 from pdserve.api.openapi import document_json_bodies
 from pdserve.render.orchestrator import Orchestrator
 from pdserve.render.workers import RenderWorkers
+from pdserve.version import __version__
 
 log = logging.getLogger("pdserve.render")
 

@@ -10,30 +10,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import signal
 import sys
 from pathlib import Path
-from typing import Any
+
+from pdserve import frontend_args
 
 log = logging.getLogger("pdserve.render")
 
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="HF model folder or embedded model name (default: the embedded smollm2-135m)")
-    p.add_argument("--model", dest="model_flag", default=None, help="same as MODEL")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", nargs="+", default=None)
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
-    p.add_argument("--chat-template", default=None, help="a Jinja chat template, inline or a file path")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"])
-    p.add_argument("--enable-auto-tool-choice", action="store_true")
-    p.add_argument("--tool-call-parser", default=None, choices=["hermes"])
+    frontend_args.add_model_arguments(p)
     p.add_argument("--renderer-num-workers", type=int, default=1,
                    help="CPU workers for templating/tokenisation/detokenisation: 1 = a thread, N > 1 = N processes")
     p.add_argument("--engine", nargs="+", default=None, metavar="URL",
@@ -41,27 +27,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", nargs="+", default=None, metavar="URL", help="P/D: prefill engines (with --decode)")
     p.add_argument("--decode", nargs="+", default=None, metavar="URL", help="P/D: decode engines (with --prefill)")
     p.add_argument("--engine-api-key", default=None, help="bearer key the engines require")
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 (env VLLM_API_KEY)")
-    p.add_argument("--max-request-body-bytes", type=int, default=64 * 1024 * 1024)
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS[:-1])
-    p.add_argument("--uvicorn-log-level", default="info", choices=LOG_LEVELS)
-    p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    frontend_args.add_frontend_arguments(p)
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
-    if not 0 < args.port < 65536:
-        return f"--port must be in 1..65535, got {args.port}"
+    problem = frontend_args.check_frontend_args(args)
+    if problem:
+        return problem
     if args.renderer_num_workers < 1:
         return "--renderer-num-workers must be at least 1"
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        return "--enable-auto-tool-choice requires --tool-call-parser"
     if bool(args.prefill) != bool(args.decode):
         return "--prefill and --decode go together"
     if args.engine and args.decode:
         return "use either --engine (collocated) or --prefill/--decode (disaggregated)"
-    if args.max_request_body_bytes < 1024:
-        return "--max-request-body-bytes must be at least 1024"
     return None
+
+
+def _check_port(args: argparse.Namespace) -> str | None:
+    from pdserve.bindcheck import port_taken
+
+    problem = port_taken(args.host, args.port)
+    return f"--port: {problem}" if problem else None
 
 
 def resolve_model_folder(model: str | None) -> Path:
@@ -98,29 +84,16 @@ def build(args: argparse.Namespace):
             prefill=EnginePool(args.prefill, key) if args.prefill else None,
             decode=EnginePool(args.decode, key) if args.decode else None,
         )
-    api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
-    app = build_app(workers, orchestrator=orchestrator, api_key=api_key,
+    app = build_app(workers, orchestrator=orchestrator, api_key=frontend_args.api_key(args),
                     max_request_body_bytes=args.max_request_body_bytes)
     return app, config
 
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    problem = _check_args(args)
-    if problem:
-        print(f"pdserve render: error: {problem}", file=sys.stderr)
-        return 2
-    from pdserve.bindcheck import exposure_warning, port_taken
-
-    problem = port_taken(args.host, args.port)
-    if problem:
-        print(f"pdserve render: error: --port: {problem}", file=sys.stderr)
-        return 1
-    warning = exposure_warning("pdserve render", args.host, args.api_key or os.environ.get("VLLM_API_KEY"))
-    if warning:
-        log.warning(warning)
-    import uvicorn
-
+    refused = frontend_args.startup_problem("pdserve render", args, _check_args, _check_port, log)
+    if refused is not None:
+        return refused
     try:
         app, config = build(args)
     except (ValueError, FileNotFoundError, OSError) as e:
@@ -128,18 +101,6 @@ def main(args: argparse.Namespace) -> int:
         return 1
     log.info("render tier for %s on http://%s:%d (max_model_len=%d, workers=%d)", config.served_model_names[0],
              args.host, args.port, config.max_model_len, args.renderer_num_workers)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-        access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5, lifespan="on",
-    ))
-    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown (the lifespan stops the render workers) and then
-    # re-raises the signal under the handler installed before it: with the default one the process would
-    # die right there, so make it a no-op and exit normally.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _ignore_signal)
+    server = frontend_args.uvicorn_server(app, args, log)  # its lifespan stops the render workers
     server.run()
     return 0 if server.started else 1
-
-
-def _ignore_signal(signum: int, frame: Any) -> None:
-    log.debug("signal %d after shutdown", signum)

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from pdserve.api.openai.errors import APIError
+from pdserve.routing.choice import LoadBalancer
 
 log = logging.getLogger("pdserve.render")
 
@@ -39,19 +40,54 @@ class EngineHTTPError(APIError):
         super().__init__(message, status, param, err_type)
 
 
+@dataclass(eq=False)
+class Engine:
+    """One engine and the legs the orchestrator has in flight there (what the choice weighs)."""
+
+    url: str
+    in_flight: int = 0
+    outstanding_tokens: int = 0
+
+
+class EngineLease:
+    """A leg's hold on its engine, counted in the engine's load until released (releasing twice is harmless)."""
+
+    def __init__(self, engine: Engine, tokens: int) -> None:
+        self.engine, self.tokens = engine, tokens
+        self.url = engine.url
+        engine.in_flight += 1
+        engine.outstanding_tokens += tokens
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.engine.in_flight -= 1
+            self.engine.outstanding_tokens -= self.tokens
+
+
 class EnginePool:
-    """Round-robin over engine base URLs, one long-lived aiohttp session for all."""
+    """Engines of one role behind one long-lived aiohttp session. Each leg's engine is chosen by the policy the
+    proxy chooses its instances by (pdserve/routing/choice.py): the least loaded by the legs this process has in
+    flight there, ties rotated (so round-robin while all are idle)."""
 
     def __init__(self, urls: list[str], api_key: str | None = None):
         if not urls:
             raise ValueError("an engine pool needs at least one URL")
-        self.urls = [normalize_url(u) for u in urls]
-        self._next = itertools.cycle(range(len(self.urls)))
+        self.engines = [Engine(normalize_url(u)) for u in urls]
+        self._balancer = LoadBalancer()
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
 
-    def pick(self) -> str:
-        return self.urls[next(self._next)]
+    @property
+    def urls(self) -> list[str]:
+        return [engine.url for engine in self.engines]
+
+    def acquire(self, tokens: int) -> EngineLease:
+        """The engine for a leg of `tokens` prompt tokens, held (counted busy) until the lease is released."""
+        engine = self._balancer.choose(self.engines)
+        assert engine is not None  # a pool has at least one engine
+        return EngineLease(engine, tokens)
 
     @property
     def session(self) -> aiohttp.ClientSession:

@@ -19,6 +19,7 @@ Beyond a plain relay:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import logging
@@ -31,10 +32,10 @@ import aiohttp
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from pdserve.api.http import SSE_DONE, sse, until_disconnect
+from pdserve.api.http import SSE_DONE, merged, sse, until_disconnect
 from pdserve.api.openai.errors import APIError, error_body
 from pdserve.api.pd import build_prefill_generate_body, prefill_kv_params
-from pdserve.render.engine_client import EnginePool
+from pdserve.render.engine_client import EngineLease, EnginePool
 from pdserve.render.workers import RenderWorkers
 from pdserve.text.output_parsers import PROMPT_TAIL_TOKENS
 
@@ -47,6 +48,7 @@ class _Leg:
     prompt_index: int
     gen: dict[str, Any]  # the rendered GenerateRequest
     url: str = ""
+    lease: EngineLease | None = None  # the decode (or collocated) engine's, held until the leg ends
     engine_id: str = ""  # the engine's request id (from its first answer)
     state: dict[str, Any] | None = None
     finished: bool = False  # derender says every choice is finished
@@ -57,6 +59,10 @@ class _Leg:
     @property
     def prompt_ids(self) -> list[int]:
         return self.gen["token_ids"]
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
 
 
 def _slim_chat_request(body: dict[str, Any]) -> dict[str, Any]:
@@ -95,7 +101,11 @@ class Orchestrator:
         choices fork the one load (pdserve.server.pipeline)."""
         if self.prefill is None:
             return
-        resp = await self.prefill.generate(self.prefill.pick(), build_prefill_generate_body(body))
+        lease = self.prefill.acquire(len(leg.prompt_ids))
+        try:
+            resp = await self.prefill.generate(lease.url, build_prefill_generate_body(body))
+        finally:
+            lease.release()
         kv = prefill_kv_params(resp)
         if kv is not None:
             body["kv_transfer_params"] = kv
@@ -132,6 +142,25 @@ class Orchestrator:
         leg.finished = bool(result["finished"])
         return result["chunk"]
 
+    async def _engine_chunks(self, leg: _Leg, resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+        """The engine's stream for `leg`, chunk by chunk, until the engine ends it or derender says the leg is
+        finished (a stop string) after the caller took a chunk: then the engine request is aborted. Close it
+        (contextlib.aclosing) so that a caller that stops early aborts the engine request at once."""
+        engine_done = False
+        try:
+            async for chunk in self.engines.events(resp):
+                leg.engine_id = chunk.get("request_id", leg.engine_id)
+                yield chunk
+                if leg.finished:
+                    break
+            else:
+                engine_done = True
+        finally:
+            if engine_done:
+                resp.close()
+            else:
+                self._stop_engine(leg, resp)
+
     def _stop_engine(self, leg: _Leg, resp: aiohttp.ClientResponse) -> None:
         resp.close()  # the engine sees the disconnect and aborts
         if leg.engine_id:
@@ -145,18 +174,28 @@ class Orchestrator:
         derender watch for them, and aborts the engine at the first stop; the tokens so far are returned."""
         body = self._engine_body(leg.gen)
         await self._prefill(leg, body)
-        leg.url = self.engines.pick()
+        self._choose_engine(leg)
+        try:
+            return await self._collect_from_engine(kind, leg, body, client, n_prompts)
+        finally:
+            leg.release()
+
+    def _choose_engine(self, leg: _Leg) -> None:
+        """The decode (or collocated) engine of this leg, chosen by load (EnginePool.acquire) and held by it."""
+        leg.lease = self.engines.acquire(len(leg.prompt_ids))
+        leg.url = leg.lease.url
+
+    async def _collect_from_engine(self, kind: str, leg: _Leg, body: dict[str, Any], client: dict[str, Any],
+                                   n_prompts: int) -> dict[str, Any]:
         if not self._has_stops(leg):
             return await self.engines.generate(leg.url, body)
         body["stream_options"] = {"include_usage": False, "continuous_usage_stats": False}
         resp = await self.engines.open_stream(leg.url, body)
         slim = _slim_chat_request(client) if kind == "chat" else client
         first: dict[str, Any] | None = None
-        engine_done = False
-        try:
-            async for chunk in self.engines.events(resp):
+        async with contextlib.aclosing(self._engine_chunks(leg, resp)) as chunks:
+            async for chunk in chunks:
                 first = first or chunk
-                leg.engine_id = chunk.get("request_id", "")
                 for c in chunk.get("choices") or []:
                     j = c["index"]
                     leg.tokens.setdefault(j, []).extend(c.get("token_ids") or [])
@@ -165,15 +204,6 @@ class Orchestrator:
                     if c.get("finish_reason") is not None:
                         leg.finish[j] = (c["finish_reason"], c.get("stop_reason"))
                 await self._derender_chunk(kind, leg, chunk, slim, n_prompts)
-                if leg.finished:
-                    break
-            else:
-                engine_done = True
-        finally:
-            if engine_done:
-                resp.close()
-            else:
-                self._stop_engine(leg, resp)
         n = leg.gen["sampling_params"].get("n", 1)
         choices = [{"index": j, "token_ids": leg.tokens.get(j, []),
                     "logprobs": {"content": leg.logprobs[j]} if j in leg.logprobs else None,
@@ -216,12 +246,16 @@ class Orchestrator:
     async def _open(self, leg: _Leg) -> aiohttp.ClientResponse:
         body = self._engine_body(leg.gen)
         await self._prefill(leg, body)
-        leg.url = self.engines.pick()
+        self._choose_engine(leg)
         opts = dict(body.get("stream_options") or {})
         opts["continuous_usage_stats"] = False
         opts["include_usage"] = True  # the orchestrator builds the client's usage chunk itself
         body["stream_options"] = opts
-        return await self.engines.open_stream(leg.url, body)
+        try:
+            return await self.engines.open_stream(leg.url, body)
+        except BaseException:
+            leg.release()
+            raise
 
     async def _stream(self, raw: Request, kind: str, legs: list[_Leg], client: dict[str, Any]) -> StreamingResponse:
         # Open every engine stream first: an engine error then is still the client's HTTP status.
@@ -232,72 +266,43 @@ class Orchestrator:
         except BaseException:
             for resp in opened:
                 resp.close()
+            for leg in legs:
+                leg.release()
             raise
         return StreamingResponse(self._relay(kind, legs, opened, client), media_type="text/event-stream")
 
-    async def _pump(self, kind: str, leg: _Leg, resp: aiohttp.ClientResponse, client: dict[str, Any],
-                    n_prompts: int, out: asyncio.Queue) -> None:
-        engine_done = False
-        try:
-            async for chunk in self.engines.events(resp):
-                leg.engine_id = chunk.get("request_id", leg.engine_id)
-                if not chunk.get("choices"):  # the engine's usage chunk: usage is counted from the state
-                    continue
-                await out.put(await self._derender_chunk(kind, leg, chunk, client, n_prompts))
-                if leg.finished:
-                    break
-            else:
-                engine_done = True
-        finally:
-            if engine_done:
-                resp.close()
-            else:
-                self._stop_engine(leg, resp)
+    async def _derendered(self, kind: str, leg: _Leg, resp: aiohttp.ClientResponse, client: dict[str, Any],
+                          n_prompts: int) -> AsyncIterator[dict[str, Any]]:
+        async with contextlib.aclosing(self._engine_chunks(leg, resp)) as chunks:
+            async for chunk in chunks:
+                if chunk.get("choices"):  # else the engine's usage chunk: usage is counted from the state
+                    yield await self._derender_chunk(kind, leg, chunk, client, n_prompts)
 
     async def _relay(self, kind: str, legs: list[_Leg], opened: list[aiohttp.ClientResponse],
                      client: dict[str, Any]) -> AsyncIterator[str]:
         slim = _slim_chat_request(client) if kind == "chat" else client
-        queue: asyncio.Queue = asyncio.Queue()
-        done = object()
-
-        async def pump(leg: _Leg, resp: aiohttp.ClientResponse) -> None:
-            try:
-                await self._pump(kind, leg, resp, slim, len(legs), queue)
-            except BaseException as e:  # noqa: BLE001 - handed to the relay loop
-                await queue.put(e)
-            finally:
-                await queue.put(done)
-
-        tasks = [asyncio.ensure_future(pump(leg, resp)) for leg, resp in zip(legs, opened, strict=True)]
+        streams = [self._derendered(kind, leg, resp, slim, len(legs)) for leg, resp in zip(legs, opened, strict=True)]
         first_id = legs[0].gen["request_id"]
         # One id for the whole answer, as in-process: completions with several prompts render "cmpl-x-0", ...
         shape = _ChunkShape(kind, client, first_id.removesuffix("-0") if len(legs) > 1 else first_id)
         try:
-            remaining = len(tasks)
-            while remaining:
-                item = await queue.get()
-                if item is done:
-                    remaining -= 1
-                    continue
-                if isinstance(item, APIError):
-                    yield sse(json.dumps(error_body(item.message, item.status, item.param)))
-                    yield SSE_DONE
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                for frame in shape.frames(item):
-                    yield frame
+            async with contextlib.aclosing(merged(streams)) as chunks:
+                async for chunk in chunks:
+                    for frame in shape.frames(chunk):
+                        yield frame
             if shape.include_usage:
                 yield shape.usage_frame(legs)
+            yield SSE_DONE
+        except APIError as e:  # an engine's or derender's error, in the stream after the 200
+            yield sse(json.dumps(error_body(e.message, e.status, e.param)))
             yield SSE_DONE
         except Exception as e:  # noqa: BLE001 - after the 200: the error goes in the stream
             log.exception("stream relay failed")
             yield sse(json.dumps(error_body(f"Internal server error: {e}", 500)))
             yield SSE_DONE
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            for leg in legs:
+                leg.release()
 
 
 class _ChunkShape:

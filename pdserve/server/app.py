@@ -12,7 +12,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
-from pdserve import __version__
 from pdserve.api import pd
 from pdserve.api.generate import AbortRequestsBody, GenerateRequest
 from pdserve.api.http import ClientGone, RequestIdAuthMiddleware, parse_model, read_json
@@ -29,11 +28,12 @@ from pdserve.api.openai.protocol import (
 from pdserve.api.openai.tokenization import detokenize_body, tokenize_body
 from pdserve.api.openapi import document_json_bodies
 from pdserve.server.kv_params import deliver_kv_params
-from pdserve.server.kv_pin import PIN_PATH, pin_prefix
+from pdserve.server.kv_pin import pin_prefix
 from pdserve.server.serving_chat import create_chat_completion
 from pdserve.server.serving_completion import create_completion
 from pdserve.server.state import ServerState
 from pdserve.server.tokens_only import ABORT_PATH, GENERATE_PATH, TokenizerlessGuard, build_router
+from pdserve.version import __version__
 
 log = logging.getLogger("pdserve.server")
 
@@ -72,21 +72,21 @@ def build_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
             return Response(status_code=CLIENT_CLOSED)
 
     # ---- OpenAI routes -------------------------------------------------------------------------
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
+    async def generation(request: Request, protocol: Any, create: Callable[..., Awaitable[Any]]) -> Any:
+        """A generation route: the body read (bounded) and validated as `protocol`, then `create` (guarded)."""
         async def run() -> Any:
             body = await read_json(request, state.max_request_body_bytes)
-            return await create_completion(state, parse_model(CompletionRequest, body), request)
+            return await create(state, parse_model(protocol, body), request)
 
         return await guarded(request, run)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await generation(request, CompletionRequest, create_completion)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        async def run() -> Any:
-            body = await read_json(request, state.max_request_body_bytes)
-            return await create_chat_completion(state, parse_model(ChatCompletionRequest, body), request)
-
-        return await guarded(request, run)
+        return await generation(request, ChatCompletionRequest, create_chat_completion)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -113,7 +113,7 @@ def build_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
         body = await read_json(request, state.max_request_body_bytes)
         return JSONResponse(await deliver_kv_params(state.engine, body, bool(state.info.get("kv_params_later"))))
 
-    @app.post(PIN_PATH)
+    @app.post(pd.PIN_PATH)
     async def kv_pin(request: Request) -> Any:
         return await pin_prefix(state.engine, await read_json(request, state.max_request_body_bytes))
 

@@ -6,28 +6,19 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("pdserve.server")
+from pdserve import frontend_args
 
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+log = logging.getLogger("pdserve.server")
 _DEAD_EXIT_DELAY_S = 1.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="HF model folder or embedded model name (default: the embedded smollm2-135m)")
-    p.add_argument("--model", dest="model_flag", default=None, help="same as MODEL")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", nargs="+", default=None)
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
-    p.add_argument("--chat-template", default=None, help="a Jinja chat template, inline or a file path")
-    p.add_argument("--max-model-len", type=int, default=None)
+    frontend_args.add_model_arguments(p)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--prefill-only-chunk-tokens", type=int, default=None, metavar="N",
@@ -89,24 +80,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure-side-channel", action="store_true",
                    help="let a producer's KV side channel listen on a non-loopback address without a deployment "
                         "secret (PDSERVE_KV_SECRET): anyone who reaches it can read the KV cache")
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 (env VLLM_API_KEY)")
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="bound on the waiting queue; requests beyond it get 503")
-    p.add_argument("--max-request-body-bytes", type=int, default=64 * 1024 * 1024)
     p.add_argument("--tokens-only", action="store_true",
                    help="tokens-in/tokens-out engine for a render tier: /inference/v1/generate, no tokenizer")
     p.add_argument("--enable-scale-out", action="store_true",
                    help="also serve /inference/v1/generate and abort_requests on a normal server (else 403)")
-    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
-                   help="split <think> reasoning out of chat answers (reasoning_content)")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='parse tool calls when a chat request has tools and tool_choice "auto"')
-    p.add_argument("--tool-call-parser", default=None, choices=["hermes"])
+    frontend_args.add_frontend_arguments(p)
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS[:-1])
-    p.add_argument("--uvicorn-log-level", default="info", choices=LOG_LEVELS)
-    p.add_argument("--disable-uvicorn-access-log", action="store_true")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks (GPUs) for one instance; each rank beyond the first is a worker process")
     p.add_argument("--distributed-timeout", type=float, default=120.0,
@@ -170,24 +152,18 @@ def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        return "--enable-auto-tool-choice requires --tool-call-parser"
+    problem = frontend_args.check_frontend_args(args)
+    if problem:
+        return problem
     if args.tensor_parallel_size < 1:
         return f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}"
     if args.distributed_timeout <= 0:
         return "--distributed-timeout must be positive"
-    if not 0 < args.port < 65536:
-        return f"--port must be in 1..65535, got {args.port}"
-    if args.max_request_body_bytes < 1024:
-        return "--max-request-body-bytes must be at least 1024"
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         return "--max-waiting-requests must be at least 1"
-    if args.structured_outputs_config is not None:
-        try:
-            if not isinstance(json.loads(args.structured_outputs_config), dict):
-                return "--structured-outputs-config must be a JSON object"
-        except ValueError as e:
-            return f"--structured-outputs-config is not valid JSON: {e}"
+    problem = _json_object_problem("--structured-outputs-config", args.structured_outputs_config)
+    if problem:
+        return problem
     if any(v is not None for v in (args.kv_offloading_size, args.kv_offloading_backend,
                                    args.kv_offloading_disk_path, args.kv_offloading_disk_size)):
         from pdserve.types.engine_config import EngineConfig
@@ -202,14 +178,14 @@ def _check_args(args: argparse.Namespace) -> str | None:
             return (str(e).replace("kv_offloading_", "--kv-offloading-").replace("prefix caching", "--enable-prefix-caching")
                     .replace("tensor_parallel_size", "--tensor-parallel-size"))
     if args.kv_events_config is not None:
-        from pdserve.kv_events.config import KVEventsConfig
+        from pdserve.types.kv_events_config import KVEventsConfig
 
         try:
             KVEventsConfig.from_json(args.kv_events_config)
         except (ValueError, TypeError) as e:
             return str(e) if str(e).startswith("--kv-events-config") else f"--kv-events-config: {e}"
     if args.speculative_config is not None or args.speculative_disable_by_batch_size is not None:
-        from pdserve.engine.spec_decode.config import SpeculativeConfig
+        from pdserve.types.speculative_config import SpeculativeConfig
 
         try:
             SpeculativeConfig.parse(speculative_config(args))
@@ -217,12 +193,18 @@ def _check_args(args: argparse.Namespace) -> str | None:
             return f"--speculative-config is not valid JSON: {e}"
         except ValueError as e:  # the message names the key: speculative_config.KEY
             return str(e).replace("speculative_config", "--speculative-config", 1)
-    if args.kv_transfer_config is not None:
-        try:
-            if not isinstance(json.loads(args.kv_transfer_config), dict):
-                return "--kv-transfer-config must be a JSON object"
-        except ValueError as e:
-            return f"--kv-transfer-config is not valid JSON: {e}"
+    return _json_object_problem("--kv-transfer-config", args.kv_transfer_config)
+
+
+def _json_object_problem(flag: str, text: str | None) -> str | None:
+    """Why a flag's JSON value is not a JSON object (None when it is, or the flag is not given)."""
+    if text is None:
+        return None
+    try:
+        if not isinstance(json.loads(text), dict):
+            return f"{flag} must be a JSON object"
+    except ValueError as e:
+        return f"{flag} is not valid JSON: {e}"
     return None
 
 
@@ -270,7 +252,6 @@ def build_state(args: argparse.Namespace) -> Any:
     """Loads the model and tokenizer and builds the engine (not started: the app's lifespan starts it)."""
     from prometheus_client import CollectorRegistry
 
-    from pdserve import __version__
     from pdserve.api.openai.params import GenerationDefaults
     from pdserve.engine.async_engine import AsyncEngine
     from pdserve.model.default_model import DEFAULT_MODEL
@@ -279,6 +260,7 @@ def build_state(args: argparse.Namespace) -> Any:
     from pdserve.server.state import ServerState
     from pdserve.text.output_parsers import ParserConfig
     from pdserve.text.tokenizer import load_tokenizer
+    from pdserve.version import __version__
 
     config = engine_config(args)
     model_arg = config.model
@@ -350,7 +332,7 @@ def build_state(args: argparse.Namespace) -> Any:
         defaults=GenerationDefaults.from_model_dir(inner.model_dir),
         metrics=metrics,
         info=info,
-        api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
+        api_key=frontend_args.api_key(args),
         max_request_body_bytes=args.max_request_body_bytes,
         parsers=ParserConfig(args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice),
         tokens_only=args.tokens_only,
@@ -382,21 +364,9 @@ def _check_ports(args: argparse.Namespace) -> str | None:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    problem = _check_args(args)
-    if problem:
-        print(f"pdserve serve: error: {problem}", file=sys.stderr)
-        return 2
-    problem = _check_ports(args)
-    if problem:
-        print(f"pdserve serve: error: {problem}", file=sys.stderr)
-        return 1
-    from pdserve.bindcheck import exposure_warning
-
-    warning = exposure_warning("pdserve serve", args.host, args.api_key or os.environ.get("VLLM_API_KEY"))
-    if warning:
-        log.warning(warning)
-    import uvicorn
-
+    refused = frontend_args.startup_problem("pdserve serve", args, _check_args, _check_ports, log)
+    if refused is not None:
+        return refused
     from pdserve.engine.runner.tp_executor import WorkerDiedError
     from pdserve.kv_transfer.errors import KVTransferError
     from pdserve.server.app import build_app
@@ -409,15 +379,7 @@ def main(args: argparse.Namespace) -> int:
     app = build_app(state)
     log.info("serving %s on http://%s:%d (max_model_len=%d)", state.model_name, args.host, args.port,
              state.max_model_len)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-        access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=args.shutdown_timeout,
-        timeout_keep_alive=5, loop="auto", http="auto", lifespan="on",
-    ))
-    # uvicorn handles SIGINT/SIGTERM (graceful shutdown) and then re-raises the signal under the handler
-    # that was installed before it: make that one a no-op so a requested shutdown exits with status 0.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _ignore_signal)
+    server = frontend_args.uvicorn_server(app, args, log, timeout_graceful_shutdown=args.shutdown_timeout)
 
     def engine_died(error: BaseException) -> None:
         # /health answers 503 for a moment (probes see why), then the server exits: a supervisor
@@ -435,6 +397,3 @@ def main(args: argparse.Namespace) -> int:
     sys.stderr.flush()
     os._exit(code)
 
-
-def _ignore_signal(signum: int, frame: Any) -> None:
-    log.debug("signal %d after shutdown", signum)

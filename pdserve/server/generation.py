@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.api.http import merged
 from pdserve.text.output import OutputProcessor, TextDelta
 from pdserve.types.outputs import RequestOutput
 from pdserve.types.sampling_params import SamplingParams
@@ -139,33 +140,9 @@ class Generation:
                 async for item in self._one(0):
                     yield item
                 return
-            queue: asyncio.Queue = asyncio.Queue()
-            done = object()
-
-            async def pump(i: int) -> None:
-                try:
-                    async for item in self._one(i):
-                        queue.put_nowait(item)
-                except BaseException as e:  # noqa: BLE001 - handed to the consumer
-                    queue.put_nowait(e)
-                finally:
-                    queue.put_nowait(done)
-
-            tasks = [asyncio.ensure_future(pump(i)) for i in range(len(self.choices))]
-            try:
-                remaining = len(tasks)
-                while remaining:
-                    item = await queue.get()
-                    if item is done:
-                        remaining -= 1
-                    elif isinstance(item, BaseException):
-                        raise item
-                    else:
-                        yield item
-            finally:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+            async with contextlib.aclosing(merged([self._one(i) for i in range(len(self.choices))])) as items:
+                async for item in items:
+                    yield item
         finally:
             await self.close()
 

@@ -20,22 +20,21 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from pdserve.api.openai.errors import error_body
+from pdserve.api.pd import PIN_MIN_TOKENS, PROMPT_TOKEN_IDS
 from pdserve.engine.pd.holds import PinRefused
-
-PIN_PATH = "/pdserve/kv/pin"
 
 
 async def pin_prefix(engine: Any, body: Any) -> JSONResponse:
-    ids = body.get("prompt_token_ids") if isinstance(body, dict) else None
+    ids = body.get(PROMPT_TOKEN_IDS) if isinstance(body, dict) else None
     if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
-        return JSONResponse(error_body("prompt_token_ids must be a non-empty list of token ids", 400,
-                                       "prompt_token_ids"), 400)
-    min_tokens = body.get("min_tokens", 1)
+        return JSONResponse(error_body(f"{PROMPT_TOKEN_IDS} must be a non-empty list of token ids", 400,
+                                       PROMPT_TOKEN_IDS), 400)
+    min_tokens = body.get(PIN_MIN_TOKENS, 1)
     if type(min_tokens) is not int or min_tokens < 0:
-        return JSONResponse(error_body("min_tokens must be an integer >= 0", 400, "min_tokens"), 400)
+        return JSONResponse(error_body(f"{PIN_MIN_TOKENS} must be an integer >= 0", 400, PIN_MIN_TOKENS), 400)
     try:
         params = await engine.pin_cached_prefix(ids, min_tokens)
     except PinRefused as e:
         status = 404 if e.reason == "disabled" else 503
         return JSONResponse(error_body(str(e), status), status)
-    return JSONResponse({"kv_transfer_params": params})
+    return JSONResponse({"kv_transfer_params": params.to_json() if params is not None else None})

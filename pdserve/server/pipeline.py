@@ -30,6 +30,7 @@ from pdserve.api.pd import (
     is_remote_prefill,
     is_remote_prefix,
     one_lease_violation,
+    remote_prefill_cached_tokens,
     without_first_token,
 )
 from pdserve.server.generation import Choice, Generation
@@ -164,7 +165,7 @@ def usage(choices: Sequence[Choice], prompts: Sequence[list[int]], n: int,
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(c.num_output_tokens for c in choices)
     cached = sum(c.num_cached_tokens for c in choices if c.index % n == 0)
-    remote = (kv_transfer_params or {}).get("remote_prefill_cached_tokens")
+    remote = remote_prefill_cached_tokens(kv_transfer_params)
     if remote is None and is_remote_prefill(kv_transfer_params):  # params delivered later: what the engine had
         remote = next((c.remote_cached_tokens for c in choices if c.remote_cached_tokens is not None), None)
     if is_remote_prefill(kv_transfer_params) and type(remote) is int and remote >= 0:

@@ -30,7 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve.api.pd import build_producer_params, is_prefill_leg
+from pdserve.api.pd import HeldKVParams, is_prefill_leg
 
 MAX_RECORDED = 10_000
 
@@ -206,12 +206,12 @@ class Standin:
             blocks = list(range(st.next_block, st.next_block + n_blocks))
             st.next_block += n_blocks
             # The shape a real prefill instance answers with; the blocks are only numbers here.
-            kv = build_producer_params(
+            kv = HeldKVParams(
                 request_id=f"{'chatcmpl' if chat else 'cmpl'}-{rid}-0-{uuid.uuid4().hex[:8]}",
-                block_ids=blocks, num_tokens=len(ids), num_cached_tokens=0, engine_id=st.engine_id,
-                host="localhost", port=5600, generation=0, lease_duration_s=30.0,
+                block_ids=tuple(blocks), num_tokens=len(ids), num_cached_tokens=0, engine_id=st.engine_id,
+                host="localhost", port=5600, generation=0, expires_at=time.time() + 30.0,
                 lease_token=uuid.uuid4().hex,
-            )
+            ).to_json()
         out = self._final(body, chat, rid, " tok0", 1, kv)
         if chat and body.get("return_token_ids"):
             out["prompt_token_ids"] = ids

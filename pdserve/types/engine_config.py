@@ -83,7 +83,7 @@ class EngineConfig:
     # disable_additional_properties
     structured_outputs_config: dict[str, Any] | None = None
     # vLLM's --speculative-config JSON: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N,
-    # "prompt_lookup_min": M, "disable_by_batch_size": B} (pdserve.engine.spec_decode.config)
+    # "prompt_lookup_min": M, "disable_by_batch_size": B} (pdserve.types.speculative_config)
     speculative_config: dict[str, Any] | None = None
     tensor_parallel_size: int = 1  # ranks; > 1 starts one worker process per extra rank (pdserve.parallel)
     distributed_timeout_s: float = 120.0  # bound on every tensor-parallel collective while serving
@@ -140,11 +140,11 @@ class EngineConfig:
         if so.get("backend", "auto") not in ("auto", "guidance"):
             raise ValueError(f"structured_outputs_config.backend {so['backend']!r} is not available: the built-in "
                              "grammar engine is llguidance ('guidance'; 'auto' picks it)")
-        from pdserve.kv_events.config import KVEventsConfig
+        from pdserve.types.kv_events_config import KVEventsConfig
 
         KVEventsConfig.from_json(self.kv_events_config)  # ValueError naming the bad key or value
         self._check_offloading()
-        from pdserve.engine.spec_decode.config import SpeculativeConfig
+        from pdserve.types.speculative_config import SpeculativeConfig
 
         SpeculativeConfig.parse(self.speculative_config)  # ValueError naming the bad key or value
         tp = self.tensor_parallel_size

@@ -6,14 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class ParamError(ValueError):
-    """A client mistake in the request parameters; `param` names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
+from pdserve.types.param_error import ParamError
+from pdserve.types.structured_params import StructuredOutputsParams
 
 MAX_N = 128  # choices per prompt; beyond it a request is refused
 
@@ -56,8 +50,6 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
         if self.structured_outputs is not None:
-            from pdserve.types.structured_params import StructuredOutputsParams
-
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self.validate()
         if self.logit_bias is not None:

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.types.sampling_params import ParamError
+from pdserve.types.param_error import ParamError
 
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")

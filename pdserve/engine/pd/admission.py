@@ -5,8 +5,6 @@ adopted, a peer's held prefix matched against the prompt, and the consumer told 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Any
 
 from pdserve.api import pd
 from pdserve.engine.block_manager import BlockManager
@@ -30,9 +28,9 @@ class Admission:
         self.eos_token_ids = eos_token_ids
         self.mailbox = ParamsMailbox()  # consumer: decode legs sent before their params, and vice versa
 
-    def _handoff(self, kv_transfer_params: Mapping[str, Any] | None, can_load: bool) -> KVHandoff:
+    def _handoff(self, params: pd.KVTransferParams, can_load: bool) -> KVHandoff:
         conn = self.connector
-        return KVHandoff.from_params(kv_transfer_params, can_load=can_load,
+        return KVHandoff.from_params(params, can_load=can_load,
                                      can_send=conn is not None and conn.can_send,
                                      keeps_history=conn is not None and conn.keeps_history)
 
@@ -40,22 +38,29 @@ class Admission:
         """A new request's P/D part into `req.kv`: its events (it is scheduled, or nothing while it awaits its
         params). Raises ParamError for a client mistake, before anything is registered."""
         conn = self.connector
-        kv = self._handoff(kv_transfer_params, can_load=conn is not None and conn.can_load)
+        params = pd.KVTransferParams.read(kv_transfer_params)  # the edge: typed from here on
+        kv = self._handoff(params, can_load=conn is not None and conn.can_load)
         later = None
         if kv.needs_load and req.params.prompt_logprobs is not None:
             raise ParamError("prompt_logprobs need the logits of every prompt position, which a request that "
                              "reads its prompt's KV from another instance does not compute", "prompt_logprobs")
         if kv.needs_load:
             try:
-                later = pd.params_later_key(kv_transfer_params)
+                later = params.params_later_key()
             except ValueError as e:
                 raise ParamError(str(e), "kv_transfer_params") from e
             if later is not None:
                 early = self.mailbox.take_early(later)
                 if early is not None:  # the params came first: an ordinary decode leg
-                    kv_transfer_params, later = early, None
+                    params, later = early, None
                     kv = self._handoff(early, can_load=True)
-        first = None if later is not None else self._check_remote_params(kv, kv_transfer_params)
+        if kv.send:
+            assert conn is not None and conn.producer is not None
+            try:
+                kv.push = conn.producer.parse_prefill_leg(params)
+            except ValueError as e:
+                raise ParamError(str(e), "kv_transfer_params") from e
+        first = None if later is not None else self._check_remote_params(kv, params)
         req.kv = kv
         if later is not None:
             try:
@@ -65,16 +70,17 @@ class Admission:
             return []  # admitted (blocks, load) once its params are delivered
         return self._admit(req, first)
 
-    def _check_remote_params(self, kv: KVHandoff, kv_transfer_params: dict | None) -> pd.FirstToken | None:
-        """A decode leg's params, checked: the first token they carry (None without one), or ParamError."""
+    def _check_remote_params(self, kv: KVHandoff, params: pd.KVTransferParams) -> pd.FirstToken | None:
+        """A decode leg's params, parsed once into `kv.remote`: the first token they carry (None without one),
+        or ParamError."""
         if not kv.needs_load:
             return None
-        assert self.connector is not None
+        assert self.connector is not None and self.connector.consumer is not None
         try:
-            self.connector.validate(kv_transfer_params)
-            first = None if kv.prefix else pd.parse_first_token(kv_transfer_params)
+            kv.remote = self.connector.consumer.parse(params)
         except ValueError as e:  # InvalidKVTransferParams: its message names the field
             raise ParamError(str(e), "kv_transfer_params") from e
+        first = None if kv.prefix else kv.remote.first_token
         vocab = self.vocab_size
         if first is not None and first.token_id >= vocab:
             raise ParamError(f"kv_transfer_params.{pd.FIRST_TOKEN_ID} {first.token_id} is out of vocabulary "
@@ -86,12 +92,12 @@ class Admission:
         if first is not None and self._adopt_first_token(req, first):
             events.append(FirstTokenAdopted(req))
         if req.kv.prefix:
-            assert self.connector is not None
-            self._match_prefix(req, self.connector.validate(req.kv.params))
+            assert isinstance(req.kv.remote, pd.RemotePrefillParams)
+            self._match_prefix(req, req.kv.remote)
         if req.kv.needs_load:
-            assert self.connector is not None
+            assert self.connector is not None and self.connector.consumer is not None and req.kv.remote is not None
             # last: nothing after it can refuse the request
-            self.connector.add_waiting(req.request_id, req.kv.params)
+            self.connector.consumer.add_waiting(req.request_id, req.kv.remote)
         events.append(Schedule(req))
         return events
 
@@ -99,26 +105,27 @@ class Admission:
         """The prefill's params for the decode leg waiting under `key` (`pd.early_decode_params`): its events,
         `ParamsRefused` for params this instance refuses; or kept for a leg still to come (no events). Raises
         ParamError when the delivery itself is refused (no leg is affected)."""
+        params = pd.KVTransferParams.read(kv_transfer_params)  # the edge: typed from here on
         try:
-            req = self.mailbox.deliver(key, kv_transfer_params)
+            req = self.mailbox.deliver(key, params)
         except ValueError as e:
             raise ParamError(str(e), "kv_transfer_params") from e
         if req is None:
             return []
         assert self.connector is not None
-        req.kv = self._handoff(kv_transfer_params, can_load=True)
+        req.kv = self._handoff(params, can_load=True)
         try:
             if not req.kv.needs_load:
                 raise ParamError("kv_transfer_params: the delivered params are no decode leg's "
                                  "(do_remote_prefill missing)", "kv_transfer_params")
-            first = self._check_remote_params(req.kv, kv_transfer_params)
+            first = self._check_remote_params(req.kv, params)
         except ParamError as e:
             req.finish_reason, req.error, req.error_status = "error", str(e), 400
             req.kv.rejection = "invalid"
             return [ParamsRefused(req, e)]
-        remote = kv_transfer_params.get("remote_prefill_cached_tokens")
-        if type(remote) is int and remote >= 0:
-            req.remote_cached_tokens = remote  # the server's usage has only the leg's params_later marker
+        if params.remote_cached_tokens is not None:
+            # the server's usage has only the leg's params_later marker
+            req.remote_cached_tokens = params.remote_cached_tokens
         return self._admit(req, first)
 
     def expired(self) -> list[PDEvent]:
@@ -146,7 +153,8 @@ class Admission:
             log.info("request %s: the held prefix %s matches none of this prompt's blocks; computing it",
                      req.request_id, remote.remote_request_id)
             req.kv.drop_load()
-            self.connector.decline(req.kv.params)
+            assert self.connector.consumer is not None
+            self.connector.consumer.decline(remote)
             self.connector.record_prefix_pull("declined")
             return
         req.kv.prefix_tokens = k * bs

@@ -2,12 +2,21 @@
 
 Typed here, on the engine's side, so that the engine never imports the transfer stack (NIXL, the side
 channel) and a test can check the real connector against it.
+
+Split by role: the connector exposes its `consumer` (decode legs and held prefixes: loads) and `producer`
+(prefill legs and held histories: leases) and the engine calls each role directly. One flat protocol would
+make the connector re-declare every role method only to pass it through; a role is already the engine's API.
+The params cross this seam typed (`pdserve.api.pd`), parsed once: the request's `KVTransferParams` go to a
+role's `parse`, and what it returns (`LoadParams`, `PushParams`) is what the other calls take; the producer
+answers `HeldKVParams`, serialised to the wire (`to_json`) where the response is built.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
+
+from pdserve.api.pd import HeldKVParams, KVTransferParams, LoadParams, PushParams
 
 
 class LoadOutcome(Protocol):
@@ -28,8 +37,78 @@ class LoadOutcome(Protocol):
         ...
 
 
+class KVConsumerRole(Protocol):
+    """Requests with `do_remote_prefill` (or naming a peer's held prefix) read their prompt's KV."""
+
+    def parse(self, params: KVTransferParams) -> LoadParams:
+        """The load the params name, parsed once; raises ValueError (InvalidKVTransferParams) naming what is
+        wrong (a 400)."""
+        ...
+
+    def add_waiting(self, request_id: str, params: LoadParams) -> None: ...
+
+    def remove_waiting(self, request_id: str) -> None: ...
+
+    def start_load(self, request_id: str, params: LoadParams, local_block_ids: Sequence[int], first_block: int = 0,
+                   num_tokens: int | None = None) -> None:
+        """Start reading into local_block_ids[first_block:]; the outcome comes from `poll_loads`."""
+        ...
+
+    def cancel_load(self, request_id: str) -> None:
+        """The request was aborted while its load runs."""
+        ...
+
+    def decline(self, params: LoadParams) -> None:
+        """A peer's lease this instance will not read: let the peer free it now."""
+        ...
+
+    def poll_loads(self) -> Sequence[LoadOutcome]: ...
+
+    def poll_claimed(self) -> Sequence[str]:
+        """Request ids whose lease the producer granted since the last call (their READ may still be running):
+        their params can no longer be refused, so an adopted first token can go out."""
+        ...
+
+    def set_notify(self, callback: Callable[[], None] | None) -> None:
+        """`callback` (any thread) whenever `poll_claimed` or `poll_loads` has something: the engine wakes."""
+        ...
+
+
+class KVProducerRole(Protocol):
+    """Requests with `do_remote_decode` keep their blocks for a consumer; decode legs keep their conversation."""
+
+    def parse_prefill_leg(self, params: KVTransferParams) -> PushParams | None:
+        """A push-mode prefill leg's pairing key (None: the KV is held for a READ); ValueError when malformed."""
+        ...
+
+    def hold(self, request_id: str, block_ids: Sequence[int], num_tokens: int, num_cached_tokens: int = 0,
+             push: PushParams | None = None) -> HeldKVParams:
+        """Lease the blocks (or push them: `push`); returns the response's kv_transfer_params."""
+        ...
+
+    def send_ended(self, request_id: str) -> None:
+        """A prefill leg ended without holding its KV (aborted, failed)."""
+        ...
+
+    def poll_released(self) -> list[str]:
+        """Request ids whose lease ended: their blocks can be freed now."""
+        ...
+
+    def hold_history(self, lease_id: str, block_ids: Sequence[int], num_tokens: int,
+                     block_hashes: Sequence[str], duration_s: float | None = None) -> HeldKVParams:
+        """Lease a finished decode leg's full blocks; returns the response's kv_transfer_params."""
+        ...
+
+    def evict_history(self, lease_id: str) -> bool:
+        """Free a held history now (the engine needs its blocks); False while it is being read."""
+        ...
+
+
 @runtime_checkable
 class KVConnectorProtocol(Protocol):
+    consumer: KVConsumerRole | None  # None: this instance loads no remote KV (kv_producer)
+    producer: KVProducerRole | None  # None: this instance holds no KV for others (kv_consumer)
+
     @property
     def can_load(self) -> bool:
         """Consumer role: requests with `do_remote_prefill` read their prompt's KV from a producer."""
@@ -45,51 +124,7 @@ class KVConnectorProtocol(Protocol):
         """'fail' (the request ends with an error) or 'recompute' (local prefill instead)."""
         ...
 
-    # ---- consumer ----
-    def validate(self, params: Any) -> object:
-        """Raise ValueError naming what is wrong with a decode request's kv_transfer_params."""
-        ...
-
-    def add_waiting(self, request_id: str, params: Any) -> None: ...
-
-    def remove_waiting(self, request_id: str) -> None: ...
-
-    def start_load(self, request_id: str, params: Any, local_block_ids: Sequence[int], first_block: int = 0,
-                   num_tokens: int | None = None) -> None:
-        """Start reading into local_block_ids[first_block:]; the outcome comes from `poll_loads`."""
-        ...
-
-    def poll_loads(self) -> Sequence[LoadOutcome]: ...
-
-    def poll_claimed(self) -> Sequence[str]:
-        """Request ids whose lease the producer granted since the last call (their READ may still be running):
-        their params can no longer be refused, so an adopted first token can go out."""
-        ...
-
-    def set_notify(self, callback: Callable[[], None] | None) -> None:
-        """`callback` (any thread) whenever `poll_claimed` or `poll_loads` has something: the engine wakes."""
-        ...
-
-    # ---- producer ----
-    def hold(self, request_id: str, block_ids: Sequence[int], num_tokens: int,
-             num_cached_tokens: int = 0, params: Any = None) -> dict[str, Any]:
-        """Lease the blocks; returns the response's kv_transfer_params (`params`: the request's own, which
-        say whether the KV is pushed)."""
-        ...
-
-    def send_ended(self, request_id: str) -> None:
-        """A prefill leg ended without holding its KV (aborted, failed)."""
-        ...
-
-    def cancel_load(self, request_id: str) -> None:
-        """The request was aborted while its load runs."""
-        ...
-
-    def poll_released(self) -> list[str]:
-        """Request ids whose lease ended: their blocks can be freed now."""
-        ...
-
-    # ---- multi-turn (bidirectional_kv_xfer) ----
+    # ---- multi-turn (bidirectional_kv_xfer) and peer pins: both roles ----
     @property
     def keeps_history(self) -> bool:
         """Decode legs keep their conversation's blocks for the next turn's prefill."""
@@ -100,19 +135,18 @@ class KVConnectorProtocol(Protocol):
         """A peer's prefix with fewer tokens left to read than this is recomputed instead."""
         ...
 
-    def hold_history(self, lease_id: str, block_ids: Sequence[int], num_tokens: int,
-                     block_hashes: Sequence[str], duration_s: float | None = None) -> dict[str, Any]:
-        """Lease a finished decode leg's full blocks; returns the response's kv_transfer_params."""
+    @property
+    def peer_pin_max_leases(self) -> int:
+        """Cached prefixes pinned for peers at once (0: none)."""
         ...
 
-    def evict_history(self, lease_id: str) -> bool:
-        """Free a held history now (the engine needs its blocks); False while it is being read."""
-        ...
-
-    def decline(self, params: Any) -> None:
-        """A peer's lease this instance will not read: let the peer free it now."""
-        ...
+    @property
+    def peer_pin_ttl_s(self) -> float: ...
 
     def record_prefix_pull(self, outcome: str, tokens: int = 0) -> None: ...
+
+    def step_hook(self, batch: Sequence[tuple[Any, int]]) -> Callable[[int], None] | None:
+        """Layer-pipelined push: the callback the model calls after each layer of a step (None: none)."""
+        ...
 
     def shutdown(self) -> None: ...

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
+from pdserve.api.pd import HeldKVParams
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.pd.admission import Admission
 from pdserve.engine.pd.connector_protocol import KVConnectorProtocol
@@ -22,7 +23,8 @@ class EnginePD:
                  *, vocab_size: int, eos_token_ids: frozenset[int], max_model_len: int) -> None:
         self.connector = connector
         self.admission = Admission(connector, blocks, vocab_size, eos_token_ids)
-        self.loads = Loads(connector, loading, blocks.block_size) if connector is not None else None
+        consumer = connector.consumer if connector is not None else None
+        self.loads = Loads(connector, consumer, loading, blocks.block_size) if consumer is not None else None
         self.holds = Holds(connector, blocks, eos_token_ids, max_model_len)
 
     # ---- requests in ---------------------------------------------------------------------------
@@ -41,8 +43,8 @@ class EnginePD:
             assert self.loads is not None
             self.loads.abort(req)
             return True
-        if req.kv.needs_load and self.connector is not None:
-            self.connector.remove_waiting(req.request_id)  # the producer frees its lease early
+        if req.kv.needs_load and self.loads is not None:
+            self.loads.consumer.remove_waiting(req.request_id)  # the producer frees its lease early
         self.admission.mailbox.forget(req)
         return False
 
@@ -50,11 +52,12 @@ class EnginePD:
     def poll(self) -> list[PDEvent]:
         """Start of a step: decode legs whose params never came, leases that ended, and
         the reads' claims and outcomes (nothing without a connector)."""
-        if self.connector is None or self.loads is None:
+        if self.connector is None:
             return []
         events = self.admission.expired()
-        self.holds.released(self.connector.poll_released())
-        return events + self.loads.poll()
+        if self.connector.producer is not None:
+            self.holds.released(self.connector.producer.poll_released())
+        return events + (self.loads.poll() if self.loads is not None else [])
 
     def make_room(self, running: Sequence[Request], waiting: Sequence[Request]) -> None:
         """Before scheduling: held histories give way to the running and next waiting requests' blocks."""
@@ -72,7 +75,7 @@ class EnginePD:
         params ask for it) or freed."""
         self.holds.finished(req, hold)
 
-    def pin_cached_prefix(self, token_ids: Sequence[int], min_tokens: int = 1) -> dict | None:
+    def pin_cached_prefix(self, token_ids: Sequence[int], min_tokens: int = 1) -> HeldKVParams | None:
         """A cached prefix held for a peer's prefill: its params, or None (raises holds.PinRefused)."""
         return self.holds.pin_cached_prefix(token_ids, min_tokens)
 

@@ -9,6 +9,7 @@ import logging
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 from pdserve.api import pd
 from pdserve.engine.block_manager import BlockManager
@@ -32,7 +33,8 @@ class PinRefused(RuntimeError):
 class Holds:
     def __init__(self, connector: KVConnectorProtocol | None, blocks: BlockManager, eos_token_ids: frozenset[int],
                  max_model_len: int) -> None:
-        self.connector = connector
+        self.connector = connector  # the peer-pin settings
+        self.producer = connector.producer if connector is not None else None  # the leases
         self.blocks = blocks
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -47,23 +49,23 @@ class Holds:
         if hold and req.kv.keep_history and req.finish_reason in ("length", "stop") and req.block_ids:
             self._hold_history(req)
         elif hold and req.kv.send and req.finish_reason in ("length", "stop") and req.block_ids \
-                and self.connector is not None:
-            params = self.connector.hold(
+                and self.producer is not None:
+            params = self.producer.hold(
                 req.request_id, list(req.block_ids), req.num_computed_tokens, max(req.num_cached_tokens, 0),
-                params=req.kv.params,
+                push=req.kv.push,
             )
             if len(req.output_token_ids) == 1 and req.num_computed_tokens == req.num_prompt_tokens:
                 # a prefill leg (max_tokens 1): its token travels to the decode instance, which starts from it
                 lp = req.output_logprobs[0] if req.output_logprobs else None
-                params = {**params, **pd.first_token_fields(pd.FirstToken(
+                params = replace(params, first_token=pd.FirstToken(
                     req.output_token_ids[0], None if lp is None else lp.logprob, None if lp is None else lp.rank,
-                    tuple(lp.top) if lp is not None else ()))}
+                    tuple(lp.top) if lp is not None else ()))
             req.result_kv_transfer_params = params
             req.kv.hold()
             self.held[req.request_id] = req
         else:
-            if req.kv.send and self.connector is not None:
-                self.connector.send_ended(req.request_id)  # a push job for it stops before the blocks go
+            if req.kv.send and self.producer is not None:
+                self.producer.send_ended(req.request_id)  # a push job for it stops before the blocks go
             self.blocks.release(req)
 
     def released(self, lease_ids: Iterable[str]) -> None:
@@ -87,7 +89,7 @@ class Holds:
         """Keep the full blocks of a finished decode leg (prompt and answer: every token whose KV is
         computed) under a history lease; the partial last block is freed now. Its params go back in the
         response for the next turn's prefill to read (vLLM's bidirectional_kv_xfer)."""
-        assert self.connector is not None
+        assert self.producer is not None  # keep_history needs the producer role
         bs = self.blocks.block_size
         full = min(req.num_computed_tokens // bs, len(req.block_ids))
         lease_id = f"{req.request_id}-history"
@@ -98,7 +100,7 @@ class Holds:
         self.blocks.free_blocks(req.block_ids[full:])
         req.block_ids = req.block_ids[:full]
         try:
-            params = self.connector.hold_history(lease_id, list(req.block_ids), full * bs, hashes)
+            params = self.producer.hold_history(lease_id, list(req.block_ids), full * bs, hashes)
         except ValueError as e:  # e.g. an earlier request of the same id still holds its lease
             log.warning("request %s: its conversation's KV is not kept: %s", req.request_id, e)
             self.blocks.release(req)
@@ -112,7 +114,7 @@ class Holds:
         and the next waiting prompt's blocks."""
         if not self.history:
             return
-        assert self.connector is not None
+        assert self.producer is not None  # a held history needs the producer role
         bm = self.blocks
         need = sum(max(bm.blocks_needed(r.num_tokens + 1) - len(r.block_ids), 0) for r in running)
         if waiting:
@@ -120,10 +122,10 @@ class Holds:
         for lease_id in list(self.history):
             if bm.num_free_blocks >= need:
                 return
-            if self.connector.evict_history(lease_id):  # False while a prefill reads it: it stays
+            if self.producer.evict_history(lease_id):  # False while a prefill reads it: it stays
                 self._release(self.history.pop(lease_id))
 
-    def pin_cached_prefix(self, token_ids: Sequence[int], min_tokens: int = 1) -> dict | None:
+    def pin_cached_prefix(self, token_ids: Sequence[int], min_tokens: int = 1) -> pd.HeldKVParams | None:
         """Hold the leading blocks of `token_ids` that this pool has cached under a short history lease
         (`peer_pin_ttl_s`), so that a peer's prefill can read them as it reads a held conversation; returns
         those params, or None when fewer than `min_tokens` tokens are cached. The pin is a history entry: it
@@ -143,7 +145,8 @@ class Holds:
             return None
         self.blocks.allocate(req, len(hits) * bs, cached=hits)  # takes a reference: no longer evictable
         hashes = [pd.wire_block_hash(h) for h in self.blocks.block_hashes(req, len(hits) * bs)]
-        params = conn.hold_history(lease_id, list(req.block_ids), len(hits) * bs, hashes,
-                                   duration_s=conn.peer_pin_ttl_s)
+        assert self.producer is not None  # peer pins need bidirectional_kv_xfer, which needs the producer role
+        params = self.producer.hold_history(lease_id, list(req.block_ids), len(hits) * bs, hashes,
+                                            duration_s=conn.peer_pin_ttl_s)
         self._keep_history(lease_id, req)
         return params

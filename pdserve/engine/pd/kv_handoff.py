@@ -27,7 +27,7 @@ consumer instead of being freed: HELD, until the lease ends (RELEASED: the block
 Multi-turn (vLLM's `bidirectional_kv_xfer`): on such an instance a decode leg (`do_remote_prefill`) ends with
 `keep_history`: its full blocks (prompt and answer) are held for the next turn's prefill instead of being
 freed (HISTORY, until evicted or its lease ends: RELEASED; a cached prefix pinned for a peer is one too). That
-prefill's params name them (`pdserve.api.pd.is_remote_prefix`): the same load state machine reads only a
+prefill's params name them (`pdserve.api.pd.KVTransferParams.prefix`): the same load state machine reads only a
 PREFIX of its prompt (`prefix_tokens`, the leading blocks whose hashes match its own prompt's) and the rest is
 computed here as any prompt is. A prefix that is gone (expired, evicted, a dead holder refused) is recomputed,
 never the client's error; `drop_load` (WAITING -> NONE) is a prefix not worth reading once the local prefix
@@ -42,11 +42,9 @@ recomputes that one for the first token's logits.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from pdserve.api.pd import FirstToken, is_remote_prefix
+from pdserve.api.pd import FirstToken, KVTransferParams, LoadParams, PushParams
 
 
 class KVState(enum.Enum):
@@ -71,7 +69,8 @@ class HandoffStateError(RuntimeError):
 
 @dataclass
 class KVHandoff:
-    params: Mapping[str, Any] | None = None  # the request's kv_transfer_params, as the client sent them
+    remote: LoadParams | None = None  # consumer: what the load reads, parsed once (set at admission)
+    push: PushParams | None = None  # producer, push mode: the prefill leg's pairing key (set at admission)
     state: KVState = KVState.NONE
     send: bool = False  # producer: on finishing, hold the blocks for a consumer instead of freeing them
     abort_requested: bool = False  # aborted while LOADING: finish once the read has ended
@@ -92,17 +91,17 @@ class KVHandoff:
         return num_prompt_tokens if self.first_token is not None else num_prompt_tokens - 1
 
     @classmethod
-    def from_params(cls, params: Mapping[str, Any] | None, *, can_load: bool, can_send: bool,
+    def from_params(cls, params: KVTransferParams | None, *, can_load: bool, can_send: bool,
                     keeps_history: bool = False) -> KVHandoff:
-        """Read `kv_transfer_params` once, when the request is added. A role this instance cannot play is
+        """What the request's params (read at the edge) ask of this instance. A role this instance cannot play is
         ignored (plain local prefill / plain finish), as vLLM does without a connector. `keeps_history`: the
-        instance keeps decode legs' conversations (bidirectional_kv_xfer)."""
-        p = params or {}
-        prefix = can_load and is_remote_prefix(p)
-        state = KVState.WAITING if can_load and (p.get("do_remote_prefill") or prefix) else KVState.NONE
-        keep = keeps_history and can_send and bool(p.get("do_remote_prefill"))
-        return cls(params=params, state=state, send=can_send and bool(p.get("do_remote_decode")),
-                   keep_history=keep, prefix=prefix)
+        instance keeps decode legs' conversations (bidirectional_kv_xfer). The params themselves are parsed
+        once admission knows the role applies (`remote`, `push`)."""
+        p = params or KVTransferParams()
+        prefix = can_load and p.prefix
+        state = KVState.WAITING if can_load and (p.remote_prefill or prefix) else KVState.NONE
+        keep = keeps_history and can_send and p.remote_prefill
+        return cls(state=state, send=can_send and p.remote_decode, keep_history=keep, prefix=prefix)
 
     @property
     def needs_load(self) -> bool:

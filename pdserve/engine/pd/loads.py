@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 
-from pdserve.engine.pd.connector_protocol import KVConnectorProtocol
+from pdserve.engine.pd.connector_protocol import KVConnectorProtocol, KVConsumerRole
 from pdserve.engine.pd.events import Emit, Finish, LoadEnded, PDEvent
 from pdserve.engine.request import Request
 
@@ -17,15 +17,17 @@ log = logging.getLogger("pdserve.engine")
 
 
 class Loads:
-    def __init__(self, connector: KVConnectorProtocol, loading: Mapping[str, Request], block_size: int) -> None:
-        self.connector = connector
+    def __init__(self, connector: KVConnectorProtocol, consumer: KVConsumerRole, loading: Mapping[str, Request],
+                 block_size: int) -> None:
+        self.connector = connector  # the failure policy and the prefix-pull counters
+        self.consumer = consumer  # the reads
         self.loading = loading  # the scheduler's: request id -> request whose blocks a read is filling
         self.block_size = block_size
 
     def drop(self, reqs: Iterable[Request]) -> None:
         """Prefix loads the scheduler found not worth reading: the holder frees its lease now."""
         for req in reqs:
-            self.connector.remove_waiting(req.request_id)
+            self.consumer.remove_waiting(req.request_id)
             self.connector.record_prefix_pull("declined")
 
     def start(self, reqs: Iterable[Request]) -> list[PDEvent]:
@@ -33,17 +35,18 @@ class Loads:
         at once (its events)."""
         events: list[PDEvent] = []
         for req in reqs:
+            assert req.kv.remote is not None  # parsed at admission
             first_block = req.num_computed_tokens // self.block_size
             req.metrics.kv_load_start_time = time.monotonic()
             try:
                 # Tokens [0, len - 1) come from the producer and the last prompt token is recomputed here for
                 # the first token's logits; with an adopted first token the whole prompt comes from the producer.
-                self.connector.start_load(req.request_id, req.kv.params, list(req.block_ids), first_block,
-                                          num_tokens=req.kv.remote_tokens(req.num_prompt_tokens))
+                self.consumer.start_load(req.request_id, req.kv.remote, list(req.block_ids), first_block,
+                                         num_tokens=req.kv.remote_tokens(req.num_prompt_tokens))
             except Exception as e:  # noqa: BLE001 - any connector failure goes through the failure policy
                 # Not a transfer outcome but a refusal to start: log where it came from.
                 log.exception("request %s: the KV load could not start", req.request_id)
-                self.connector.remove_waiting(req.request_id)  # stop heartbeats; the producer frees early
+                self.consumer.remove_waiting(req.request_id)  # stop heartbeats; the producer frees early
                 events += self._ended(req, ok=False, error=f"KV load could not start: {e}")
         return events
 
@@ -52,8 +55,8 @@ class Loads:
         events: list[PDEvent] = []
         # results first, then claims: a load's claim is queued before its result, so every result polled
         # here has its claim polled too, and a claim is seen before the result of the same load
-        results = self.connector.poll_loads()
-        for rid in self.connector.poll_claimed():
+        results = self.consumer.poll_loads()
+        for rid in self.consumer.poll_claimed():
             req = self.loading.get(rid)
             if req is not None and req.kv.first_token is not None and not req.kv.first_token_sent \
                     and not req.kv.abort_requested:
@@ -79,7 +82,7 @@ class Loads:
         """Aborted while its read runs: the read may still be writing into its blocks, so they are freed
         only when it ends (`_ended` finishes it then)."""
         req.kv.request_abort()
-        self.connector.cancel_load(req.request_id)  # a pending push stops; its blocks come back quiesced
+        self.consumer.cancel_load(req.request_id)  # a pending push stops; its blocks come back quiesced
 
     @staticmethod
     def _send_first_token(req: Request) -> list[PDEvent]:

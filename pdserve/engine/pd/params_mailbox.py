@@ -16,8 +16,9 @@ Engine-thread only (no locking): the engine's P/D half (`admission.py`) calls it
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from pdserve.api.pd import KVTransferParams
 
 if TYPE_CHECKING:
     from pdserve.engine.request import Request
@@ -34,12 +35,12 @@ MAX_EARLY_PARAMS = 4096
 class ParamsMailbox:
     def __init__(self) -> None:
         self._awaiting: dict[str, Request] = {}  # key -> the leg waiting under it (kv AWAITING_PARAMS)
-        self._early: dict[str, tuple[dict[str, Any], float]] = {}  # key -> (params, since)
+        self._early: dict[str, tuple[KVTransferParams, float]] = {}  # key -> (params, since)
 
     def __len__(self) -> int:
         return len(self._awaiting)
 
-    def take_early(self, key: str) -> dict[str, Any] | None:
+    def take_early(self, key: str) -> KVTransferParams | None:
         """The params already delivered under `key` (then the leg proceeds at once), else None."""
         item = self._early.pop(key, None)
         return None if item is None else item[0]
@@ -52,7 +53,7 @@ class ParamsMailbox:
         req.kv.await_params(key)
         self._awaiting[key] = req
 
-    def deliver(self, key: str, params: Mapping[str, Any]) -> Request | None:
+    def deliver(self, key: str, params: KVTransferParams) -> Request | None:
         """The leg waiting under `key` (no longer indexed here: the caller gives it its params), or None:
         then the params are kept for a leg still to come (ValueError when too many are kept already, or
         params came twice for one key)."""
@@ -64,7 +65,7 @@ class ParamsMailbox:
             raise ValueError(f"params keyed {key!r} were already delivered")
         if len(self._early) >= MAX_EARLY_PARAMS:
             raise ValueError(f"{MAX_EARLY_PARAMS} params wait for their decode legs already")
-        self._early[key] = (dict(params), time.monotonic())
+        self._early[key] = (params, time.monotonic())
         return None
 
     def forget(self, req: Request) -> None:

@@ -12,15 +12,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from pdserve.attention import fp8_kv
 from pdserve.attention.base import AttentionMetadata
-from pdserve.engine import prompt_logprobs
 from pdserve.engine.request import Request
+from pdserve.engine.runner.host_batch import HostBatch
 from pdserve.engine.runner.sampler import Sampler
 from pdserve.engine.runner.step_timing import StepTiming
-from pdserve.engine.spec_decode.rows import logit_rows
+from pdserve.engine.runner.tp_messages import CpuStep, StepMessage, UseGpuStepRunner
 from pdserve.kv_transfer.compat import HEAD_MAJOR_LAYOUT, POOL_LAYOUT
 from pdserve.model.config import ModelConfig
 from pdserve.model.kv_scales import use_checkpoint_kv_scales
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdserve.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# what the CPU attention kernels take as int32 (the rest of a step's inputs are int64)
+_INT32_SEGMENTS = ("query_start_loc", "seq_lens", "block_tables")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -141,7 +144,7 @@ class ModelRunner:
         self.tp = tp
         # ranks 1..N-1 when this is rank 0 of a TP group (set by pdserve.engine.runner.tp_executor)
         self.workers: TPWorkers | None = None
-        self.step_sink: Callable[[tuple], None] | None = None
+        self.step_sink: Callable[[StepMessage], None] | None = None
         # layer-pipelined push: for a CPU step's batch, a per-layer callback (KVConnector.step_hook; the GPU
         # step runner has none: push there is whole-request)
         self.layer_hook: Callable[[list], Callable[[int], None] | None] | None = None
@@ -212,7 +215,7 @@ class ModelRunner:
         cfg = self.config
         if self.step_sink is not None:
             # rank 0: the other ranks switch first; graph capture runs collectives, which every rank must join
-            self.step_sink(("use_gpu_step_runner", simulate_graphs))
+            self.step_sink(UseGpuStepRunner(simulate_graphs))
         self.gpu = GpuStepRunner(
             self.model, self.kv_cache, self.backend, self.sampler, block_size=self.block_size,
             max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len or self.model_cfg.max_position_embeddings,
@@ -220,25 +223,24 @@ class ModelRunner:
             simulate_graphs=simulate_graphs)
         self.gpu.step_sink = self.step_sink
 
-    def set_step_sink(self, sink: Callable[[tuple], None] | None) -> None:
+    def set_step_sink(self, sink: Callable[[StepMessage], None] | None) -> None:
         """Rank 0 of a TP group: `sink(message)` hands each step's inputs to the other ranks before this
         rank runs it."""
         self.step_sink = sink
         if self.gpu is not None:
             self.gpu.step_sink = sink
 
-    def replay(self, msg: tuple) -> None:
+    def replay(self, msg: StepMessage) -> None:
         """Ranks 1..N-1: run the step rank 0 described (their outputs are rank 0's through the collectives)."""
-        kind = msg[0]
-        if kind == "cpu":
+        if isinstance(msg, CpuStep):
             if self.cpu_threads is not None:
-                self.cpu_threads.apply(int(msg[1].shape[0]))
+                self.cpu_threads.apply(int(msg.input_ids.shape[0]))
             with torch.inference_mode():
-                self._forward_cpu(*msg[1:])
-        elif kind == "use_gpu_step_runner":
-            self.use_gpu_step_runner(simulate_graphs=msg[1])
+                self._forward_cpu(msg.input_ids, msg.positions, msg.meta, msg.rows)
+        elif isinstance(msg, UseGpuStepRunner):
+            self.use_gpu_step_runner(simulate_graphs=msg.simulate_graphs)
         else:
-            assert self.gpu is not None, f"step {kind!r} for a rank without the GPU step runner"
+            assert self.gpu is not None, f"{type(msg).__name__} for a rank without the GPU step runner"
             self.gpu.replay(msg)
 
     def observe_idle(self) -> None:
@@ -330,47 +332,20 @@ class ModelRunner:
         return self.kv_layout
 
     # ---- one step ----------------------------------------------------------------------------
-    def _prepare(self, batch: list[tuple[Request, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        qlens: list[int] = []
-        seqlens: list[int] = []
-        max_blocks = 0
-        for req, n in batch:
-            start = req.num_computed_tokens
-            end = start + n
-            ids.extend(req.token_at(j) for j in range(start, end))
-            pos.extend(range(start, end))
-            table = req.block_ids
-            slots.extend(table[j // bs] * bs + j % bs for j in range(start, end))
-            qlens.append(n)
-            seqlens.append(end)
-            max_blocks = max(max_blocks, (end + bs - 1) // bs)
-        tables = torch.zeros((len(batch), max_blocks), dtype=torch.int32)
-        for i, (req, _) in enumerate(batch):
-            nb = (seqlens[i] + bs - 1) // bs
-            tables[i, :nb] = torch.tensor(req.block_ids[:nb], dtype=torch.int32)
-        qsl = [0]
-        for q in qlens:
-            qsl.append(qsl[-1] + q)
-        dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seqlens, dtype=torch.int32, device=dev),
-            block_tables=tables.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_size=bs,
-            max_query_len=max(qlens),
-            max_seq_len=max(seqlens),
-            decode_only=all(q == 1 for q in qlens),
-            query_lens_host=qlens,
-            seq_lens_host=seqlens,
-        )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-        return input_ids, positions, meta
+    def _prepare(self, batch: list[tuple[Request, int]], rows: list[int] | None = None,
+                 ) -> tuple[HostBatch, torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's flattened batch (HostBatch, as the GPU step runner builds it; `rows` as there) and its input
+        ids, positions and attention metadata as the CPU kernels take them: block tables zero-padded, each
+        segment its own tensor (a tensor-parallel step message then carries the step's values, not the whole
+        buffer)."""
+        buf = np.zeros(HostBatch.max_size_of(batch, self.block_size), dtype=np.int64)
+        hb = HostBatch(batch, self.block_size, buf, rows=rows)
+
+        def segment(name: str) -> torch.Tensor:
+            dtype = torch.int32 if name in _INT32_SEGMENTS else torch.int64
+            return torch.from_numpy(hb.view(buf, name)).to(self.device, dtype, copy=True)
+
+        return hb, segment("ids"), segment("positions"), hb.shape().attention_metadata(segment, self.block_size)
 
     # ---- async scheduling (pdserve.engine.runner.async_decode) -----------------------------------------
     @property
@@ -426,18 +401,11 @@ class ModelRunner:
         logprobs are recorded on their requests here, so callers see only the sampling rows."""
         if self.cpu_threads is not None:
             self.last_step_threads = self.cpu_threads.apply(sum(n for _, n in batch))
-        input_ids, positions, meta = self._prepare(batch)
-        spans = prompt_logprobs.prompt_spans(batch)
-        prompt_rows = prompt_logprobs.span_rows(spans)
-        sample_rows, sampling = logit_rows(batch)
-        rows = prompt_rows + sample_rows
+        hb, input_ids, positions, meta = self._prepare(batch)
         if self.step_sink is not None:
-            self.step_sink(("cpu", input_ids, positions, meta, rows))
-        logits = self._forward_cpu(input_ids, positions, meta, rows, on_layer)
-        if logits is not None and spans:
-            prompt_logprobs.record(spans, logits[: len(prompt_rows)])
-            logits = logits[len(prompt_rows) :]
-        return sampling, (logits if sampling else None)
+            self.step_sink(CpuStep(input_ids, positions, meta, hb.rows))
+        logits = self._forward_cpu(input_ids, positions, meta, hb.rows, on_layer)
+        return hb.sampling, hb.sampling_logits(logits)
 
     def _record_cpu_step(self, batch: list[tuple[Request, int]], started: float) -> None:
         if self.cpu_threads is not None and self.last_step_threads is not None:

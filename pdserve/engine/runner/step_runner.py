@@ -1,8 +1,8 @@
 """The model runner's CUDA path: batched host->device inputs, CUDA graphs for decode, greedy on the GPU.
 
 ModelRunner delegates `execute` here on CUDA. What it does differently from the CPU path:
-- Inputs are built with numpy per request (never per token) into one pinned int64 staging buffer and move
-  in one host->device copy per step.
+- Inputs are built with numpy per request (never per token) into one pinned int64 staging buffer
+  (host_batch.HostBatch, the CPU path's builder too) and move in one host->device copy per step.
 - Pure decode steps of up to `max_num_seqs` (at most 256) sequences replay a CUDA graph captured for the
   next larger batch size; padding rows carry seq_len 0 (attention writes zeros) and slot -1 (no K/V
   store). The graph holds the whole model, the lm_head and the greedy argmax. Block tables live on the
@@ -27,16 +27,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from pdserve.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.engine import prompt_logprobs
 from pdserve.engine.request import Request
 from pdserve.engine.runner.decode_fusions import decode_fusions_from_env
+from pdserve.engine.runner.host_batch import BlockTableCache, EagerShape, HostBatch
 from pdserve.engine.runner.sampler import Sampler
 from pdserve.engine.runner.step_timing import StepTiming
-from pdserve.engine.spec_decode.rows import logit_rows
+from pdserve.engine.runner.tp_messages import EagerStep, GraphStep, StepMessage
 from pdserve.model.decoder import DecoderLM
 from pdserve.types.outputs import TokenLogprob
 
@@ -69,68 +69,6 @@ def greedy_on_device(reqs: list[Request]) -> bool:
     )
 
 
-class BlockTableCache:
-    """numpy copies of requests' block-id lists, extended as the lists grow.
-
-    Converting every running request's Python list of block ids to numpy each step costs ~15 us per
-    request at 1.5k context (~4 ms per step at batch 256, measured on the dev box), O(total blocks).
-    The block manager only ever appends to `req.block_ids`, and replaces the list on release (preemption,
-    finish), so a copy stays valid while the list object is the same: only its new tail is converted.
-    A cheap guard (length, last cached element) rebuilds on anything else.
-    """
-
-    def __init__(self) -> None:
-        self._entries: dict[str, tuple[list[int], np.ndarray, int, int]] = {}  # id -> (list, copy, n, seen)
-        self._step = 0
-
-    def get(self, req: Request) -> np.ndarray:
-        lst = req.block_ids
-        n = len(lst)
-        ent = self._entries.get(req.request_id)
-        if ent is not None and ent[0] is lst and ent[2] <= n and (ent[2] == 0 or ent[1][ent[2] - 1] == lst[ent[2] - 1]):
-            arr, m = ent[1], ent[2]
-            if m < n:
-                if arr.shape[0] < n:
-                    grown = np.empty(max(n, 2 * arr.shape[0]), dtype=np.int64)
-                    grown[:m] = arr[:m]
-                    arr = grown
-                arr[m:n] = lst[m:n]
-        else:
-            arr = np.empty(max(n, 16), dtype=np.int64)
-            arr[:n] = lst
-        self._entries[req.request_id] = (lst, arr, n, self._step)
-        return arr[:n]
-
-    def end_step(self) -> None:
-        """Forget requests not seen for a while (finished, aborted, or waiting after preemption)."""
-        self._step += 1
-        if self._step % 256 == 0:
-            stale = self._step - 64
-            for rid in [r for r, e in self._entries.items() if e[3] < stale]:
-                del self._entries[rid]
-
-
-def _align2(n: int) -> int:
-    return (n + 1) & ~1
-
-
-@dataclass(frozen=True)
-class EagerShape:
-    """What the device half of an eager step needs besides the staged buffer (also sent to other TP ranks)."""
-
-    offsets: dict[str, tuple[int, int]]
-    size: int
-    num_seqs: int
-    width: int
-    query_lens: list[int]
-    seq_lens: list[int]
-    num_rows: int
-
-    def view(self, buf, name: str):
-        lo, hi = self.offsets[name]
-        return buf[lo:hi]
-
-
 @dataclass
 class LaunchedDecode:
     """A decode graph step launched without waiting for it (async scheduling). The next step may take its input
@@ -141,81 +79,6 @@ class LaunchedDecode:
     host_tokens: torch.Tensor  # pinned host copy of tokens[:num_rows], filled by a copy queued behind the step
     ready: torch.cuda.Event | None  # recorded after that copy (None on CPU, where the copy is done at once)
     wait_s: float = 0.0  # host time spent waiting for it (collect_decode)
-
-
-class HostBatch:
-    """Flattened inputs for one step, built with numpy into a slice of a pinned int64 buffer.
-
-    Segments, each starting on a 16-byte boundary: ids[T] | positions[T] | slots[T] | query_start_loc[S+1] |
-    seq_lens[S] | sample_rows[R] | block_tables[S, W]. Triton specialises pointer arguments on 16-byte
-    alignment: segments at odd offsets would make each new parity mix of T, S and R compile another
-    kernel variant mid-serving (~2 s each, measured on the H200 as mixed steps of 2 s)."""
-
-    SEGMENTS = ("ids", "positions", "slots", "query_start_loc", "seq_lens", "sample_rows", "block_tables")
-
-    def __init__(self, batch: list[tuple[Request, int]], block_size: int, buf: np.ndarray,
-                 tables_cache: BlockTableCache | None = None):
-        bs = block_size
-        self.num_seqs = s = len(batch)
-        self.num_tokens = t = sum(n for _, n in batch)
-        self.width = w = max((r.num_computed_tokens + n + bs - 1) // bs for r, n in batch)
-        self.query_lens = [n for _, n in batch]
-        self.seq_lens = [r.num_computed_tokens + n for r, n in batch]
-        # prompt logprobs' rows first (pdserve.engine.prompt_logprobs), then the sampling rows (logit_rows)
-        self.prompt_spans = prompt_logprobs.prompt_spans(batch)
-        prompt_rows = prompt_logprobs.span_rows(self.prompt_spans)
-        self.num_prompt_rows = len(prompt_rows)
-        frontier_rows, self.sampling = logit_rows(batch)
-        rows = prompt_rows + frontier_rows
-        self.num_rows = r = len(rows)
-        self.offsets: dict[str, tuple[int, int]] = {}
-        o = 0
-        for name, length in zip(self.SEGMENTS, (t, t, t, s + 1, s, r, s * w), strict=True):
-            self.offsets[name] = (o, o + length)
-            o = _align2(o + length)
-        self.size = o
-        assert buf.shape[0] >= self.size
-        ids, pos, slots, qsl, seql, sample_rows, flat_tables = (self.view(buf, name) for name in self.SEGMENTS)
-        tables = flat_tables.reshape(s, w)
-        sample_rows[:] = rows
-        qsl[0] = 0
-        qsl[1:] = np.cumsum(self.query_lens)
-        seql[:] = self.seq_lens
-        off = 0
-        for i, (req, n) in enumerate(batch):
-            start = req.num_computed_tokens
-            stop = start + n
-            prompt = req.prompt_token_ids
-            if n == 1:
-                ids[off] = req.token_at(start)
-            elif stop <= len(prompt):
-                ids[off : off + n] = prompt[start:stop]
-            else:
-                ids[off : off + n] = (req.token_ids() + req.spec_token_ids)[start:stop]
-            nb = (stop + bs - 1) // bs
-            if tables_cache is None:
-                table = np.asarray(req.block_ids[:nb], dtype=np.int64)
-            else:
-                table = tables_cache.get(req)[:nb]
-            tables[i, :nb] = table
-            p = np.arange(start, stop, dtype=np.int64)
-            pos[off : off + n] = p
-            slots[off : off + n] = table[p // bs] * bs + p % bs
-            off += n
-
-    @staticmethod
-    def max_size(num_tokens: int, num_seqs: int, width: int) -> int:
-        """An upper bound on `size` (each of the seven segments pads at most one element)."""
-        return 3 * num_tokens + 3 * num_seqs + 1 + num_seqs * width + 7
-
-    def view(self, buf, name: str):
-        """The named segment of `buf` (the host buffer or its device copy)."""
-        lo, hi = self.offsets[name]
-        return buf[lo:hi]
-
-    def shape(self) -> EagerShape:
-        return EagerShape(self.offsets, self.size, self.num_seqs, self.width, self.query_lens, self.seq_lens,
-                          self.num_rows)
 
 
 class GpuStepRunner:
@@ -246,7 +109,7 @@ class GpuStepRunner:
         self.max_model_len = max_model_len
         self.timing = StepTiming()
         self.tables = BlockTableCache()
-        self.step_sink: Callable[[tuple], None] | None = None  # rank 0 of a TP group: the other ranks' inputs
+        self.step_sink: Callable[[StepMessage], None] | None = None  # rank 0 of a TP group: the other ranks' inputs
         # eager-step staging: grown on demand (a prefill step's size depends on the token budget)
         self._host = torch.empty(0, dtype=torch.int64)
         self._dev = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -401,7 +264,7 @@ class GpuStepRunner:
         self._wait_staged()
         self._stage_header(size, tok_l, pos_l, slot_l, rows)
         if self.step_sink is not None:
-            self.step_sink(("graph", size, self._g_host_np.copy(), updates))
+            self.step_sink(GraphStep(size, self._g_host_np.copy(), updates))
         logits, tokens = self._replay_graph(size, updates)
         keep = None
         if partial:
@@ -528,31 +391,17 @@ class GpuStepRunner:
 
     # ---- eager steps ---------------------------------------------------------------------------
     def _run_eager(self, batch: list[tuple[Request, int]]) -> tuple[HostBatch, torch.Tensor | None]:
-        bs = self.block_size
-        w = max((r.num_computed_tokens + n + bs - 1) // bs for r, n in batch)
-        host, dev = self._staging(HostBatch.max_size(sum(n for _, n in batch), len(batch), w))
-        hb = HostBatch(batch, bs, host.numpy(), self.tables)
+        host, dev = self._staging(HostBatch.max_size_of(batch, self.block_size))
+        hb = HostBatch(batch, self.block_size, host.numpy(), self.tables)
         shape = hb.shape()
         if self.step_sink is not None:
-            self.step_sink(("eager", shape, host.numpy()[: hb.size].copy()))
+            self.step_sink(EagerStep(shape, host.numpy()[: hb.size].copy()))
         return hb, self._eager_device(shape, host, dev)
 
     def _eager_device(self, hb: EagerShape, host: torch.Tensor, dev: torch.Tensor) -> torch.Tensor | None:
         """The device half of an eager step: logits of the sampling rows (None when none samples)."""
-        bs = self.block_size
         dev[: hb.size].copy_(host[: hb.size], non_blocking=True)
-        meta = AttentionMetadata(
-            query_start_loc=hb.view(dev, "query_start_loc"),
-            seq_lens=hb.view(dev, "seq_lens"),
-            block_tables=hb.view(dev, "block_tables").view(hb.num_seqs, hb.width),
-            slot_mapping=hb.view(dev, "slots"),
-            block_size=bs,
-            max_query_len=max(hb.query_lens),
-            max_seq_len=max(hb.seq_lens),
-            decode_only=all(q == 1 for q in hb.query_lens),
-            query_lens_host=hb.query_lens,
-            seq_lens_host=hb.seq_lens,
-        )
+        meta = hb.attention_metadata(lambda name: hb.view(dev, name), self.block_size)
         hidden = self.model(hb.view(dev, "ids"), hb.view(dev, "positions"), self.kv_pool, meta, self.backend)
         if hb.num_rows == 0:
             return None
@@ -560,17 +409,15 @@ class GpuStepRunner:
 
     # ---- other tensor-parallel ranks -----------------------------------------------------------
     @torch.inference_mode()
-    def replay(self, msg: tuple) -> None:
+    def replay(self, msg: GraphStep | EagerStep) -> None:
         """Runs a step rank 0 staged (`step_sink`'s message) on this rank's shard; nothing is sampled."""
-        if msg[0] == "graph":
-            _, size, header, updates = msg
-            self._g_host_np[:] = header
-            self._replay_graph(size, updates)
+        if isinstance(msg, GraphStep):
+            self._g_host_np[:] = msg.header
+            self._replay_graph(msg.size, msg.updates)
         else:
-            _, shape, buf = msg
-            host, dev = self._staging(shape.size)
-            host.numpy()[: shape.size] = buf
-            self._eager_device(shape, host, dev)
+            host, dev = self._staging(msg.shape.size)
+            host.numpy()[: msg.shape.size] = msg.buf
+            self._eager_device(msg.shape, host, dev)
         if self.device.type == "cuda":
             # the pinned staging buffers are rewritten by the next message: the copies must be done
             torch.cuda.current_stream().synchronize()
@@ -589,10 +436,7 @@ class GpuStepRunner:
         """An eager step's logits of its sampling rows: the prompt-logprob rows it also computed are
         recorded on their requests and cut off."""
         hb, logits = self._run_eager(batch)
-        if hb.prompt_spans and logits is not None:
-            prompt_logprobs.record(hb.prompt_spans, logits[: hb.num_prompt_rows])
-            logits = logits[hb.num_prompt_rows :]
-        return hb, (logits if hb.sampling else None)
+        return hb, hb.sampling_logits(logits)
 
     def execute(self, batch: list[tuple[Request, int]]) -> tuple[list[Request], list[int], list[TokenLogprob | None]]:
         t0 = time.perf_counter()

@@ -4,7 +4,7 @@
 
 Rank 0 is the engine's own ModelRunner (vLLM's "driver worker" layout): the scheduler, the sampler and
 the KV connector stay in the engine process, as with one rank; each step rank 0 sends the step's staged
-inputs to the other ranks (one pickled message on each rank's pipe) and then runs it itself, the
+inputs to the other ranks (one pickled `tp_messages` step on each rank's pipe) and then runs it itself, the
 collectives keeping the ranks in lockstep. Scheduling stays in one place; workers only run steps.
 
 Failure: a worker that dies closes its sockets, so rank 0's next collective fails at once (gloo) or within
@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import pickle
 import socket
 import subprocess
 import sys
@@ -29,7 +28,17 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.runner.model_runner import ModelRunner, resolve_device
-from pdserve.engine.runner.tp_worker import WorkerInit, recv, send
+from pdserve.engine.runner.tp_messages import (
+    Failed,
+    Hello,
+    Ready,
+    StepMessage,
+    Stop,
+    WorkerInit,
+    dumps,
+    recv,
+    send,
+)
 from pdserve.kv_transfer.kv_rank import RemoteRankAgent
 from pdserve.model.config import ModelConfig
 from pdserve.parallel.comm import TPGroup, create_store
@@ -89,7 +98,7 @@ class TPWorkers:
         conn = Connection(ours.detach())
         self.conns.append(conn)
         self.clients.append(RankClient(Connection(rpc_ours.detach()), init.rank))
-        send(conn, ("init", init))
+        send(conn, init)
 
     def kv_agents(self, name: str, backends: tuple[str, ...], backend_params: dict, loopback: bool,
                   gpu: bool) -> list[RemoteRankAgent]:
@@ -100,11 +109,11 @@ class TPWorkers:
     def rank_of(self, i: int) -> int:
         return i + 1
 
-    def wait_for(self, kind: str, timeout_s: float) -> list[dict]:
-        """Each worker's next message, which must be `kind`; raises WorkerDiedError naming the rank that
+    def wait_for(self, kind: type[Hello | Ready], timeout_s: float) -> list[Hello | Ready]:
+        """Each worker's next message, which must be a `kind`; raises WorkerDiedError naming the rank that
         died or reported an error, TimeoutError past the deadline."""
         deadline = time.monotonic() + timeout_s
-        got: dict[int, dict] = {}
+        got: dict[int, Hello | Ready] = {}
         while len(got) < len(self.conns):
             for i, conn in enumerate(self.conns):
                 if i in got:
@@ -119,15 +128,15 @@ class TPWorkers:
                     if self.procs[i].poll() is not None:
                         raise WorkerDiedError(self._death(i))
                     continue
-                if msg[0] == "error":
-                    self.errors[rank] = msg[1]
-                    raise WorkerDiedError(f"tensor-parallel rank {rank} failed: {msg[1]}")
-                if msg[0] != kind:
-                    raise WorkerDiedError(f"tensor-parallel rank {rank} sent {msg[0]!r}, expected {kind!r}")
-                got[i] = msg[1] if len(msg) > 1 else {}
+                if isinstance(msg, Failed):
+                    self.errors[rank] = msg.error
+                    raise WorkerDiedError(f"tensor-parallel rank {rank} failed: {msg.error}")
+                if not isinstance(msg, kind):
+                    raise WorkerDiedError(f"tensor-parallel rank {rank} sent {msg!r}, expected {kind.__name__}")
+                got[i] = msg
             if time.monotonic() > deadline and len(got) < len(self.conns):
                 missing = [self.rank_of(i) for i in range(len(self.conns)) if i not in got]
-                raise TimeoutError(f"tensor-parallel ranks {missing} not {kind} within {timeout_s:g} s")
+                raise TimeoutError(f"tensor-parallel ranks {missing} not {kind.__name__.lower()} within {timeout_s:g} s")
         return [got[i] for i in range(len(self.conns))]
 
     def report(self) -> str | None:
@@ -136,8 +145,8 @@ class TPWorkers:
             try:
                 while conn.poll(0):
                     msg = recv(conn)
-                    if msg[0] == "error":
-                        self.errors[self.rank_of(i)] = msg[1]
+                    if isinstance(msg, Failed):
+                        self.errors[self.rank_of(i)] = msg.error
             except (EOFError, OSError):
                 continue
         if not self.errors:
@@ -156,8 +165,8 @@ class TPWorkers:
         return (f"tensor-parallel rank {self.rank_of(i)} (pid {proc.pid}) exited"
                 + (f" with status {code}" if code is not None else ""))
 
-    def send_step(self, msg: tuple) -> None:
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    def send_step(self, msg: StepMessage) -> None:
+        data = dumps(msg)  # once for every rank
         for i, conn in enumerate(self.conns):
             try:
                 conn.send_bytes(data)
@@ -173,7 +182,7 @@ class TPWorkers:
         """Stop every worker: ask, wait, then kill (bounded)."""
         for conn in self.conns:
             with contextlib.suppress(OSError):  # already gone
-                send(conn, ("stop",))
+                send(conn, Stop())
         deadline = time.monotonic() + _STOP_WAIT_S
         for proc in self.procs:
             try:
@@ -220,10 +229,10 @@ def start_tensor_parallel(config: EngineConfig, model_cfg: ModelConfig, model_di
         for rank in range(1, size):
             workers.spawn(WorkerInit(config, model_cfg, model_dir, rank, size, store.port, str(devices[rank]),
                                      timeout_s, setup_s, threads))
-        workers.wait_for("hello", setup_s)
+        workers.wait_for(Hello, setup_s)
         group = TPGroup(store, 0, size, devices[0], timeout_s=timeout_s, setup_timeout_s=setup_s)
         runner = ModelRunner(config, model_cfg, model_dir, tp=group)
-        workers.wait_for("ready", setup_s)
+        workers.wait_for(Ready, setup_s)
     except BaseException as e:
         report = workers.report()
         workers.kill()

@@ -6,9 +6,8 @@ steps rank 0 sends over its pipe until told to stop, its pipe closes, or a colle
 schedules, samples or serves HTTP. It dies with its parent (a watchdog thread polls the parent pid; the
 pipe's EOF ends the step loop too), so a killed engine leaves no rank behind.
 
-Pipe protocol (pickled tuples; `multiprocessing.connection.Connection` over a socketpair):
-    engine -> worker: ("init", WorkerInit) once, then step messages (ModelRunner.replay), ("stop",)
-    worker -> engine: ("hello",) after imports, ("ready", info) or ("error", text) after building the runner
+Pipe protocol: the typed messages of `tp_messages`, pickled on a `multiprocessing.connection.Connection`
+over a socketpair (WorkerInit, then steps for ModelRunner.replay until Stop; Hello, then Ready or Failed back).
 A second socketpair (`--rpc-fd`) carries calls into the rank beside the steps (`rank_rpc`): its KV transfer
 agent (`kv_rank.RankKVService`), served once the runner exists.
 """
@@ -18,42 +17,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import pickle
 import signal
 import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from pathlib import Path
-from typing import Any
+
+from pdserve.engine.runner.tp_messages import Failed, Hello, Ready, Stop, WorkerInit, recv, send
 
 log = logging.getLogger("pdserve.parallel")
-
-
-@dataclass(frozen=True)
-class WorkerInit:
-    config: Any  # EngineConfig
-    model_cfg: Any  # ModelConfig
-    model_dir: Path | None
-    rank: int
-    size: int
-    store_port: int
-    device: str  # "cpu" or "cuda:<rank>"
-    timeout_s: float
-    setup_timeout_s: float
-    torch_threads: int | None
-
-
-def send(conn: Connection, msg: tuple) -> None:
-    # Plain pickle, not multiprocessing's ForkingPickler: that one would move torch tensors through shared
-    # memory file descriptors, which cost more than copying a step's few kilobytes.
-    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def recv(conn: Connection) -> tuple:
-    return pickle.loads(conn.recv_bytes())
 
 
 def _die_with_parent(parent: int, poll_s: float = 0.5) -> None:
@@ -70,9 +43,8 @@ def _die_with_parent(parent: int, poll_s: float = 0.5) -> None:
 
 
 def run(conn: Connection, rpc_conn: Connection) -> int:
-    msg = recv(conn)
-    assert msg[0] == "init", msg
-    init: WorkerInit = msg[1]
+    init = recv(conn)
+    assert isinstance(init, WorkerInit), init
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s %(name)s [tp rank {init.rank}]: %(message)s")
     import torch
@@ -87,26 +59,26 @@ def run(conn: Connection, rpc_conn: Connection) -> int:
     device = torch.device(init.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    send(conn, ("hello",))
+    send(conn, Hello())
     try:
         store = connect_store(init.store_port, init.size, init.setup_timeout_s)
         group = TPGroup(store, init.rank, init.size, device, timeout_s=init.timeout_s,
                         setup_timeout_s=init.setup_timeout_s)
         runner = ModelRunner(init.config, init.model_cfg, init.model_dir, tp=group)
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, which names it in its error
-        send(conn, ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        send(conn, Failed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return 1
     kv = RankKVService(runner.kv_pool)
     threading.Thread(target=rank_rpc.serve, args=(rpc_conn, kv.handlers()), name="pdserve-rank-rpc-serve",
                      daemon=True).start()
-    send(conn, ("ready", {"num_blocks": runner.num_blocks, "pid": os.getpid()}))
+    send(conn, Ready(runner.num_blocks, os.getpid()))
     while True:
         try:
             msg = recv(conn)
         except (EOFError, OSError):
             log.info("the engine closed the step pipe; exiting")
             return 0
-        if msg[0] == "stop":
+        if isinstance(msg, Stop):
             return 0
         try:
             runner.replay(msg)

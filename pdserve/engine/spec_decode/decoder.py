@@ -18,11 +18,11 @@ import numpy as np
 
 from pdserve.engine.request import Request
 from pdserve.engine.runner.sampler import Sampler
-from pdserve.engine.spec_decode.config import SpeculativeConfig
 from pdserve.engine.spec_decode.draft import DraftModelProposer
 from pdserve.engine.spec_decode.metrics import SpecDecodeStats
 from pdserve.engine.spec_decode.ngram import propose_ngram
 from pdserve.engine.spec_decode.rejection import Verified, verify
+from pdserve.types.speculative_config import SpeculativeConfig
 
 
 class SpecDecoder:

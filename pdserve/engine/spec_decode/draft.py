@@ -30,13 +30,17 @@ if TYPE_CHECKING:
 
 
 class _At:
-    """A request as ModelRunner._prepare sees it, with its computed prefix set to `start` (the draft's)."""
+    """A request as ModelRunner._prepare sees it (host_batch.HostBatch), with its computed prefix set to `start`
+    (the draft's)."""
 
-    __slots__ = ("num_computed_tokens", "token_at", "block_ids")
+    __slots__ = ("num_computed_tokens", "token_at", "prompt_token_ids", "token_ids", "spec_token_ids", "block_ids")
 
     def __init__(self, req: Request, start: int):
         self.num_computed_tokens = start
         self.token_at = req.token_at  # prompt, output, then the drafts made so far
+        self.prompt_token_ids = req.prompt_token_ids
+        self.token_ids = req.token_ids
+        self.spec_token_ids = req.spec_token_ids
         self.block_ids = req.block_ids
 
 
@@ -47,8 +51,8 @@ def draft_block_bytes(draft_cfg: ModelConfig, block_size: int, dtype: torch.dtyp
 
 
 def load_draft_config(model: str, config: EngineConfig) -> tuple[Path, ModelConfig]:
-    from pdserve.engine.engine import resolve_model_dir
     from pdserve.model.config import load_model_config
+    from pdserve.model.model_dir import resolve_model_dir
 
     draft_dir = resolve_model_dir(model, config.load_format)
     return draft_dir, load_model_config(draft_dir)
@@ -136,7 +140,7 @@ class DraftModelProposer:
     def _forward(self, batch: list[tuple[_At, int]], rows: list[int]) -> list[int]:
         """The draft over `batch` (its K/V into the draft pool); the greedy token of each row in `rows`."""
         r = self.runner
-        input_ids, positions, meta = r._prepare(batch)  # type: ignore[arg-type]
+        _, input_ids, positions, meta = r._prepare(batch, rows)  # type: ignore[arg-type]
         logits = r._forward_cpu(input_ids, positions, meta, rows)
         return [] if logits is None else logits.argmax(dim=-1).tolist()
 

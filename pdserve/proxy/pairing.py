@@ -1,0 +1,126 @@
+"""The one place the proxy chooses instances: the prefill and the decode instance of every P/D pair, and every
+other leg's instance (a request served whole by a decode or a prefill instance, a pass-through route, a peer asked
+to pin a prefix).
+
+Every path asks this module: the pull pair's prefill leg and its retries (legs.run_prefill), the decode leg and its
+retries (legs.send_decode), the early decode leg (app.start_pair), the push pair (push_pair.py), the peer a prefill
+reads a cached prefix from (peer_pull.py), the pass-through routes (app.passthrough). What it weighs:
+
+- who is available: admitted by the health checker, not ejected, not in an upstream-requested back-off, not already
+  tried by this request (a retry's re-choice); with `wait`, a bounded wait (--instance-wait-timeout) for one to be
+  admitted instead of an immediate 503;
+- the policy among them (pdserve/routing/choice.py, shared with the render tier): least loaded, ties rotated once per
+  request; the cheapest by cached prefix when an instance of the pool publishes KV events (kv_routing.py, the fleet
+  index); else --prefix-affinity's rendezvous hashing;
+- what the leg needs of its instance: an early decode leg goes only to a decode instance that takes its params later;
+  a peer to pull from must pin on demand, as must the prefill that reads from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pdserve.proxy.config import ProxyConfig
+from pdserve.proxy.kv_fleet import KVFleet
+from pdserve.proxy.kv_routing import UNKNOWN, CachedPrefix
+from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.pool import Instance, Pool
+from pdserve.proxy.readiness import Readiness
+
+
+class PairChooser:
+    """Chooses every leg's instance from the proxy's two pools (held by ProxyState as `pairing`)."""
+
+    def __init__(self, config: ProxyConfig, prefill: Pool, decode: Pool, metrics: ProxyMetrics,
+                 readiness: Readiness, nudge: Callable[[], None], fleet: KVFleet | None) -> None:
+        self._config = config
+        self._prefill = prefill
+        self._decode = decode
+        self._metrics = metrics
+        self._readiness = readiness
+        self._nudge = nudge
+        self._fleet = fleet
+
+    async def prefill(self, tried: Sequence[Instance] = (), *, wait: bool, affinity: str | None = None,
+                      prefix: CachedPrefix | None = None) -> Instance | None:
+        """The prefill instance of a pair (`tried`: the instances this request's earlier attempts used). It computes
+        the prompt, so a first attempt's choice counts in the routing hit rate."""
+        return await self._choose(self._prefill, tried, wait=wait, affinity=affinity, prefix=prefix, record=True)
+
+    async def decode(self, tried: Sequence[Instance] = (), *, wait: bool, prefix: CachedPrefix | None = None,
+                     computes_prompt: bool = False, role: str = "decode") -> Instance | None:
+        """The instance of a decode leg (or, `role` "prefill", of a request served whole by a prefill instance).
+        `computes_prompt`: not a P/D decode leg, the instance computes the prompt itself (its choice counts in the
+        routing hit rate)."""
+        pool = {"decode": self._decode, "prefill": self._prefill}[role]
+        return await self._choose(pool, tried, wait=wait, prefix=prefix, record=computes_prompt)
+
+    async def early_decode(self, body: dict[str, Any]) -> Instance | None:
+        """The decode instance to send the decode leg to together with the prefill leg: one available now that takes
+        its params later (a pdserve one), for a request of one plain choice; else None (the ordinary order: the
+        decode leg once the prefill answered)."""
+        if not self._config.early_decode_leg or body.get("n") not in (None, 1):
+            return None
+        pool = self._decode
+        others = [inst for inst in pool.instances if not inst.params_later]
+        if len(others) == len(pool):
+            return None  # no choice made (choosing rotates ties: the ordinary leg's choice must be the one)
+        return await self._choose(pool, others, wait=False)
+
+    def peer(self, chosen: Instance, prefix: CachedPrefix) -> Instance | None:
+        """The healthy pinning instance (prefill or decode), other than `chosen`, caching the most of the prompt,
+        when that is at least --kv-peer-pull-min-tokens more than `chosen` caches (and `chosen` can read it: it
+        pins too); the prefill leg then reads that prefix from it (peer_pull.py)."""
+        fleet = self._fleet
+        if fleet is None or not prefix.token_ids or not fleet.pins(chosen.url):
+            return None
+        peers = [inst for pool in (self._prefill, self._decode) for inst in pool.instances
+                 if inst.url != chosen.url and inst.healthy and fleet.pins(inst.url)]
+        best = max(peers, key=prefix.cached_tokens, default=None)
+        if best is None:
+            return None
+        gain = prefix.cached_tokens(best) - prefix.cached_tokens(chosen)
+        return best if gain >= max(self._config.kv_peer_pull_min_tokens, 1) else None
+
+    async def _choose(self, pool: Pool, exclude: Sequence[Instance], *, wait: bool, affinity: str | None = None,
+                      prefix: CachedPrefix | None = None, record: bool = False) -> Instance | None:
+        """An available instance of `pool`; with `wait`, up to --instance-wait-timeout for one to be admitted.
+
+        Routing by cached prefix (`prefix`) applies when an instance of the pool publishes KV events; otherwise
+        `affinity` (--prefix-affinity), else the least loaded. `record`: this leg computes the prompt, so its choice
+        counts in the routing hit rate (first attempts only)."""
+        cfg = self._config
+        fleet = self._fleet
+        routed = fleet is not None and fleet.any_publishing(pool.instances)
+        cost = prefix.cost if prefix is not None and routed else None
+        inst = await self._when_ready(pool, cfg.instance_wait_timeout if wait else 0.0, list(exclude),
+                                      affinity=affinity, affinity_slack=cfg.prefix_affinity_slack, cost=cost)
+        if record and routed and inst is not None and not exclude:
+            if prefix is None:
+                self._metrics.kv_routed(UNKNOWN, 0, 0)
+            else:
+                outcome = prefix.outcome(inst, pool.instances, cfg.kv_hit_fraction)
+                self._metrics.kv_routed(outcome, prefix.prompt_tokens, prefix.cached_tokens(inst))
+        return inst
+
+    async def _when_ready(self, pool: Pool, wait_s: float, exclude: list[Instance], *, affinity: str | None,
+                          affinity_slack: int, cost: Callable[[Instance], float] | None) -> Instance | None:
+        """`pool.choose(...)`, waiting up to `wait_s` seconds for an instance to become available (readiness.py:
+        the health checker is asked for a probe round now, and wakes the waiters when it admits one)."""
+        inst = pool.choose(exclude, affinity=affinity, affinity_slack=affinity_slack, cost=cost)
+        if inst is not None or wait_s <= 0 or len(pool) == 0:
+            return inst
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            self._nudge()
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            backoff = pool.backoff_left()
+            await self._readiness.wait(min(remaining, backoff + 0.01) if backoff is not None else remaining)
+            inst = pool.choose(exclude, affinity=affinity, affinity_slack=affinity_slack, cost=cost)
+            if inst is not None:
+                return inst

@@ -1,0 +1,1 @@
+"""Structured outputs: compiling a request's constraint (JSON schema, regex, grammar, choice, structural tag) into a token mask with llguidance. The params a request carries are `pdserve.types.structured_params`."""

@@ -1,0 +1,4 @@
+"""pdserve's version, in a module of its own so that every layer can read it without importing the package's
+lazy top-level names."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,61 @@
+"""vLLM's `kv_transfer_params` field names (and ours beside them) are spelled only in `pdserve/api/` (the wire
+contract, `pdserve/api/pd.py`) and `pdserve/kv_transfer/` (which speaks the params to its peers): everywhere
+else reads and builds them through `pdserve.api.pd`, so a renamed or added field changes in one place.
+
+Checked over the source with `ast` (string constants, f-string parts included), not by grepping: a docstring or
+comment may name a field; code may not. `prompt_token_ids` is also an OpenAI/vLLM request and response field,
+so it is not in the list (inside kv_transfer_params it is `pdserve.api.pd.PROMPT_TOKEN_IDS`)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "pdserve"
+ALLOWED = ("api", "kv_transfer")
+
+FIELD_NAMES = frozenset({
+    # vLLM's (NixlConnector, toy proxy, bidirectional_kv_xfer, push)
+    "do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_block_ids", "remote_host", "remote_port",
+    "remote_request_id", "remote_num_tokens", "remote_blocks_expiry_time", "tp_size", "dcp_size", "pp_size",
+    "transfer_mode", "remote_registration_generation", "remote_prefill_cached_tokens",
+    # ours
+    "remote_lease_token", "remote_block_hashes", "remote_block_bytes", "lease_expires_at", "push_key",
+    "params_later", "first_token_id", "first_token_logprob",
+})
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the string constants that are docstrings (a module's, class's or function's first statement)."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def field_name_literals(source: str) -> list[tuple[int, str]]:
+    """(line, name) of every string constant in `source` that is a kv_transfer_params field name."""
+    tree = ast.parse(source)
+    docs = _docstrings(tree)
+    return sorted((node.lineno, node.value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+                  and node.value in FIELD_NAMES)
+
+
+def test_the_check_finds_a_spelled_field_name() -> None:
+    assert field_name_literals('params.get("remote_block_ids")\nx = {"do_remote_decode": True}\n') == [
+        (1, "remote_block_ids"), (2, "do_remote_decode")]
+    assert field_name_literals('"""remote_block_ids in a docstring"""\n# "remote_host"\ny = "remote hosts"\n') == []
+
+
+def test_field_names_are_spelled_only_in_api_and_kv_transfer() -> None:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        if rel.parts[0] in ALLOWED:
+            continue
+        found += [f"pdserve/{rel}:{line}: {name!r}" for line, name in field_name_literals(path.read_text())]
+    assert not found, "use pdserve.api.pd instead of spelling kv_transfer_params fields:\n" + "\n".join(found)
