@@ -1,5 +1,5 @@
 """A consumer's remote reads: started for the requests the scheduler allocated (`start_loads`), their
-claims and outcomes polled from the connector, and the one place a read ends (`_ended`): loaded, aborted
+claims and outcomes polled from the consumer role, and the one place a read ends (`_ended`): loaded, aborted
 meanwhile, refused by the producer (the client's mistake), or failed (then the policy: recompute or fail).
 The scheduler's `loading` is the index of the requests in KVState.LOADING; it is only read here."""
 
