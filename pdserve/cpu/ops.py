@@ -8,12 +8,16 @@ does; the RMS sum and SiLU's exp differ in the last bit (as the GPU kernels do).
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:  # the backend is handed in; importing attention here would close a package loop
-    from pdserve.attention.cpu_paged import CpuPagedAttention
+
+class NewKVSink(Protocol):
+    """Where the fused K/V store reports the rows it wrote (attention.cpu_paged.CpuPagedAttention: fresh prompts
+    attend over them). A protocol, so that cpu/ does not import attention/, which imports cpu/."""
+
+    def remember_new_kv(self, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -21,7 +25,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class CpuOps:
-    def __init__(self, lib: ctypes.CDLL, backend: CpuPagedAttention):
+    def __init__(self, lib: ctypes.CDLL, backend: NewKVSink):
         self.lib = lib
         self.backend = backend  # fresh prompts attend over the rotated k rows rope_and_write_kv makes
 

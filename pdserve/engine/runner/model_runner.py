@@ -10,7 +10,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -31,10 +31,18 @@ from pdserve.types.outputs import TokenLogprob
 
 if TYPE_CHECKING:
     from pdserve.engine.runner.step_runner import LaunchedDecode
-    from pdserve.engine.runner.tp_executor import TPWorkers
     from pdserve.parallel.comm import TPGroup
 
 log = logging.getLogger("pdserve.engine")
+
+
+class RankWorkers(Protocol):
+    """What the runner asks of the processes of ranks 1..N-1 (tp_executor.TPWorkers sets itself here; the
+    runner does not import the executor, which imports the runner)."""
+
+    def check_alive(self) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # what the CPU attention kernels take as int32 (the rest of a step's inputs are int64)
@@ -143,7 +151,7 @@ class ModelRunner:
         self.model_cfg = model_cfg
         self.tp = tp
         # ranks 1..N-1 when this is rank 0 of a TP group (set by pdserve.engine.runner.tp_executor)
-        self.workers: TPWorkers | None = None
+        self.workers: RankWorkers | None = None
         self.step_sink: Callable[[StepMessage], None] | None = None
         # layer-pipelined push: for a CPU step's batch, a per-layer callback (KVConnector.step_hook; the GPU
         # step runner has none: push there is whole-request)
