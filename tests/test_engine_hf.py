@@ -14,7 +14,7 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 def assert_accounting_clean(engine) -> None:
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     assert all(c == 0 for c in engine.blocks.ref_cnt)
-    assert not engine.requests and not engine.held
+    assert not engine.requests and not engine.num_held
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.api.pd import KVTransferParams
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.pd.kv_handoff import HandoffStateError, KVHandoff, LoadState
+from pdserve.engine.pd.kv_handoff import HandoffStateError, KVHandoff, KVState
 from pdserve.engine.request import Request, Status
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.types.sampling_params import SamplingParams
@@ -53,13 +53,13 @@ def test_handoff_states_move_only_forward():
     with pytest.raises(HandoffStateError):
         kv.begin_load()  # one load per request, ever
     kv.end_load(ok=True)
-    assert kv.load is LoadState.LOADED and not kv.needs_load
+    assert kv.state is KVState.LOADED and not kv.needs_load
     with pytest.raises(HandoffStateError):
         kv.end_load(ok=True)
     with pytest.raises(HandoffStateError):
         kv.request_abort()  # only a loading request defers its abort
     # a role this instance cannot play is ignored: plain local prefill / plain finish
-    assert KVHandoff.from_params(REMOTE, can_load=False, can_send=True).load is LoadState.NONE
+    assert KVHandoff.from_params(REMOTE, can_load=False, can_send=True).state is KVState.NONE
     assert not KVHandoff.from_params(PREFILL_LEG, can_load=True, can_send=False).send
     assert KVHandoff.from_params(PREFILL_LEG, can_load=True, can_send=True).send
 
@@ -75,7 +75,7 @@ def test_preempted_loaded_request_recomputes_locally_never_loads_again(prefix_ca
     assert out.start_loads == [remote] and remote.kv.loading and remote.status is Status.WAITING_FOR_REMOTE_KVS
     assert [r for r, _ in out.scheduled] == [local]
     sched.end_load(remote, ok=True)  # the NIXL read landed
-    assert remote.kv.load is LoadState.LOADED and remote.num_computed_tokens == 9
+    assert remote.kv.state is KVState.LOADED and remote.num_computed_tokens == 9
     assert sched.running == [local, remote]
 
     preempted_at = None
@@ -88,7 +88,7 @@ def test_preempted_loaded_request_recomputes_locally_never_loads_again(prefix_ca
             break
     assert preempted_at is not None
     assert remote.status is Status.WAITING and remote.block_ids == [] and remote.num_computed_tokens == 0
-    assert remote.kv.load is LoadState.LOADED  # the lease is consumed: never a second read
+    assert remote.kv.state is KVState.LOADED  # the lease is consumed: never a second read
     assert sched.num_preemptions == 1 and remote.metrics.num_preemptions == 1
     generated = len(remote.output_token_ids)
 
@@ -155,7 +155,7 @@ def test_abort_while_loading_frees_blocks_only_when_the_load_ends():
         assert not out.scheduled and not out.start_loads
         assert sched.blocks.num_free_blocks == free_while_loading
     sched.end_load(remote, ok=False, resume=False)  # the read ended (either way): the engine finishes it
-    assert remote.kv.load is LoadState.FAILED and remote not in sched.running
+    assert remote.kv.state is KVState.FAILED and remote not in sched.running
     finish(sched, remote)
     assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
     assert not sched.has_work() and not sched.loading
@@ -173,7 +173,7 @@ def test_failed_load_recomputes_from_the_local_prefix_hit():
     out = step(sched)
     assert out.start_loads == [remote] and remote.num_computed_tokens == 3 * BS  # reads only the rest
     sched.end_load(remote, ok=False)  # recompute policy: resume locally
-    assert remote.kv.load is LoadState.FAILED and remote.num_computed_tokens == 3 * BS
+    assert remote.kv.state is KVState.FAILED and remote.num_computed_tokens == 3 * BS
     out = step(sched)
     assert out.scheduled == [(remote, remote.num_prompt_tokens - 3 * BS)]
     finish(sched, remote)
@@ -201,3 +201,38 @@ def test_a_step_without_decode_rows_gives_one_long_prompt_a_longer_chunk():
     off = Scheduler(BlockManager(512, BS, True), 8, max_num_batched_tokens=64, prefill_only_chunk_tokens=0)
     off.add(request("x", list(range(1, 601))))
     assert [n for _, n in step(off).scheduled] == [64]
+
+
+def test_handoff_after_finish_and_awaiting_params_states():
+    """The rest of `Request.kv`'s one state machine: a leg waiting for its params (indexed by the mailbox
+    under its key), and KV kept after a request (HELD, HISTORY) until the lease ends."""
+    from pdserve.engine.pd.params_mailbox import ParamsMailbox
+
+    leg = request("leg", list(range(10)), remote=True)
+    mailbox = ParamsMailbox()
+    mailbox.wait("k", leg)
+    assert leg.kv.state is KVState.AWAITING_PARAMS and leg.kv.params_key == "k" and len(mailbox) == 1
+    with pytest.raises(HandoffStateError):
+        leg.kv.begin_load()  # not scheduled before its params came
+    with pytest.raises(ValueError):
+        mailbox.wait("k", request("other", list(range(10)), remote=True))  # one leg per key
+    mailbox.forget(leg)  # aborted while waiting
+    assert leg.kv.state is KVState.NONE and len(mailbox) == 0 and mailbox.deliver("k", REMOTE) is None  # now kept for a leg still to come
+    assert mailbox.take_early("k") == REMOTE
+
+    kv = KVHandoff.from_params(PREFILL_LEG, can_load=True, can_send=True)
+    kv.hold()
+    assert kv.state is KVState.HELD
+    with pytest.raises(HandoffStateError):
+        kv.keep_as_history()
+    kv.release()
+    assert kv.state is KVState.RELEASED
+    with pytest.raises(HandoffStateError):
+        kv.release()  # freed once
+    loaded = KVHandoff.from_params(REMOTE, can_load=True, can_send=True)
+    with pytest.raises(HandoffStateError):
+        loaded.keep_as_history()  # a load not ended keeps nothing
+    loaded.begin_load()
+    loaded.end_load(ok=True)
+    loaded.keep_as_history()
+    assert loaded.state is KVState.HISTORY

@@ -766,7 +766,7 @@ class KVTransferParams:
     `Request.kv`, the connector seam, kv_transfer) gets typed objects, never the dict.
 
     The role's full parse (`LoadParams` for a decode leg or a held prefix, `PushParams` for a push prefill leg)
-    is done once, by the connector role that plays it (`KVLoader.parse`, `KVSender.parse_prefill_leg`): what a
+    is done once, by the connector role that plays it (`KVConsumer.parse`, `KVProducer.parse_prefill_leg`): what a
     valid decode leg is depends on the instance (pull or push), and an instance that cannot play a role ignores
     its params, as vLLM does without a connector, so params it ignores are no client error. `wire` keeps the
     params as sent for that one parse; nothing reads fields from it but this module."""

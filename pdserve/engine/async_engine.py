@@ -184,7 +184,7 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self.engine.check_health()
                 outputs = self._drain_commands()
-                if self.engine.has_unfinished() or self.engine.held or self.engine.connector is not None:
+                if self.engine.has_unfinished() or self.engine.num_held or self.engine.connector is not None:
                     outputs.extend(self.engine.step())
                 if outputs:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
@@ -192,7 +192,7 @@ class AsyncEngine:
                     self.engine.publish_kv_events()  # e.g. the disk tier's writes that finished meanwhile
                     self.engine.runner.observe_idle()
                     # Idle: sleep until a command arrives (bounded, so held leases still get reaped).
-                    self._wake.wait(0.01 if (self.engine.held or self.engine.num_loading) else 0.05)
+                    self._wake.wait(0.01 if (self.engine.num_held or self.engine.num_loading) else 0.05)
                     self._wake.clear()
                 elif not self.engine.scheduler.has_work():
                     # only remote or disk-tier loads in flight (polled; remote claims and outcomes also wake

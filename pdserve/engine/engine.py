@@ -5,19 +5,25 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdserve.api import pd
+from pdserve.api.pd import HeldKVParams
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.grammars import Grammars
 from pdserve.engine.pd.connector_protocol import KVConnectorProtocol
-from pdserve.engine.pd.kv_handoff import KVHandoff
-from pdserve.engine.pd.params_mailbox import PARAMS_WAIT_S, ParamsMailbox
+from pdserve.engine.pd.engine_pd import EnginePD
+from pdserve.engine.pd.events import (
+    Emit,
+    Finish,
+    FirstTokenAdopted,
+    LoadEnded,
+    ParamsRefused,
+    PDEvent,
+    Schedule,
+)
 from pdserve.engine.request import Request, Status
 from pdserve.engine.runner.async_decode import DecodePipeline, InflightDecode, async_scheduling_enabled
 from pdserve.engine.runner.model_runner import ModelRunner
@@ -43,17 +49,6 @@ PARKED_READ_WAIT_S = 0.001  # the longest a step waits for a disk-tier read when
 
 class PromptTooLongError(ParamError):
     pass
-
-
-PIN_PREFIX = "peer-pin-"  # lease ids of cached prefixes pinned for a peer (in LLMEngine.history)
-
-
-class PinRefused(RuntimeError):
-    """A pin of cached blocks for a peer that this instance will not take (`reason`: disabled or busy)."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 class DeliveryRefused(ParamError):
@@ -182,17 +177,15 @@ class LLMEngine:
             self.tier_loader = TierLoader(self.blocks, self.scheduler, self.tiers)
             self.scheduler.count_external = True
         self.requests: dict[str, Request] = {}
-        self.held: dict[str, Request] = {}  # producer: finished P legs whose blocks a consumer may read
-        self.params_mailbox = ParamsMailbox()  # consumer: decode legs sent before their params, and vice versa
-        # bidirectional_kv_xfer: finished decode legs' conversations held for the next turn, by lease id,
-        # oldest first (the first evicted when the pool runs short)
-        self.history: OrderedDict[str, Request] = OrderedDict()
         try:
             self.connector = connector_factory(self) if connector_factory else None
         except BaseException:
             if self.tiers is not None:
                 self.tiers.shutdown()
             raise
+        # the P/D half (pdserve.engine.pd): what requests' kv_transfer_params make the engine do
+        self.pd = EnginePD(self.connector, self.blocks, self.scheduler.loading, vocab_size=self.model_cfg.vocab_size,
+                           eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
         # push transfer (NixlPushConnector) on a prefill: the model reports each finished layer of a step
         if getattr(self.connector, "push_sender", None) is not None:
             self.runner.layer_hook = self.connector.step_hook
@@ -296,177 +289,48 @@ class LLMEngine:
                 f"{self.blocks.num_blocks}", "prompt"
             )
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs is not None else None
-        conn = self.connector
-        kvp = pd.KVTransferParams.read(kv_transfer_params)  # the edge: typed from here on
-        kv = KVHandoff.from_params(kvp, can_load=conn is not None and conn.can_load,
-                                   can_send=conn is not None and conn.can_send,
-                                   keeps_history=conn is not None and conn.keeps_history)
-        later = None
-        if kv.needs_load and params.prompt_logprobs is not None:
-            raise ParamError("prompt_logprobs need the logits of every prompt position, which a request that "
-                             "reads its prompt's KV from another instance does not compute", "prompt_logprobs")
-        if kv.needs_load:
-            try:
-                later = kvp.params_later_key()
-            except ValueError as e:
-                raise ParamError(str(e), "kv_transfer_params") from e
-            if later is not None:
-                early = self.params_mailbox.take_early(later)
-                if early is not None:  # the params came first: an ordinary decode leg
-                    kvp, later = early, None
-                    assert conn is not None
-                    kv = KVHandoff.from_params(early, can_load=True, can_send=conn.can_send,
-                                               keeps_history=conn.keeps_history)
-        if kv.send:
-            assert conn is not None and conn.producer is not None
-            try:
-                kv.push = conn.producer.parse_prefill_leg(kvp)
-            except ValueError as e:
-                raise ParamError(str(e), "kv_transfer_params") from e
-        first = None if later is not None else self._check_remote_params(kv, kvp)
-        req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, self.max_model_len, kv)
+        req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, self.max_model_len)
         req.grammar = grammar
-        if later is not None:
-            try:
-                self.params_mailbox.wait(later, request_id)
-            except ValueError as e:
-                raise ParamError(str(e), "kv_transfer_params") from e
-            self.requests[request_id] = req  # admitted (blocks, load) once its params are delivered
-            return
-        self._admit(req, first)
-
-    def _check_remote_params(self, kv: KVHandoff, params: pd.KVTransferParams) -> pd.FirstToken | None:
-        """A decode leg's params, parsed once into `kv.remote`: the first token they carry (None without one),
-        or ParamError."""
-        if not kv.needs_load:
-            return None
-        assert self.connector is not None and self.connector.consumer is not None
-        try:
-            kv.remote = self.connector.consumer.parse(params)
-        except ValueError as e:  # InvalidKVTransferParams: its message names the field
-            raise ParamError(str(e), "kv_transfer_params") from e
-        first = None if kv.prefix else kv.remote.first_token
-        vocab = self.model_cfg.vocab_size
-        if first is not None and first.token_id >= vocab:
-            raise ParamError(f"kv_transfer_params.{pd.FIRST_TOKEN_ID} {first.token_id} is out of vocabulary "
-                             f"(size {vocab})", "kv_transfer_params")
-        return first
-
-    def _admit(self, req: Request, first: pd.FirstToken | None) -> None:
-        if first is not None:
-            self._adopt_first_token(req, first)
-        if req.kv.prefix:
-            assert isinstance(req.kv.remote, pd.RemotePrefillParams)
-            self._match_prefix(req, req.kv.remote)
-        if req.kv.needs_load:
-            assert self.connector is not None and self.connector.consumer is not None and req.kv.remote is not None
-            # last: nothing after it can refuse the request
-            self.connector.consumer.add_waiting(req.request_id, req.kv.remote)
-        self.requests[req.request_id] = req
-        self.scheduler.add(req)
+        events = self.pd.add(req, kv_transfer_params)  # raises ParamError before anything is registered
+        self.requests[request_id] = req  # a decode leg awaiting its params too: scheduled once they come
+        self._apply(events)
 
     def deliver_params(self, key: str, kv_transfer_params: dict) -> list[RequestOutput]:
         """The prefill's params for the decode leg waiting under `key` (`pd.early_decode_params`), or kept
         for a leg still to come. Raises ParamError for params this instance refuses; the waiting leg then
-        ends with the same 400 (its response has not started: it waits for its first output)."""
-        params = pd.KVTransferParams.read(kv_transfer_params)  # the edge: typed from here on
-        try:
-            rid = self.params_mailbox.deliver(key, params)
-        except ValueError as e:
-            raise ParamError(str(e), "kv_transfer_params") from e
-        if rid is None:
-            return []
-        req = self.requests[rid]
-        assert self.connector is not None
-        req.kv = KVHandoff.from_params(params, can_load=True, can_send=self.connector.can_send,
-                                       keeps_history=self.connector.keeps_history)
-        try:
-            if not req.kv.needs_load:
-                raise ParamError("kv_transfer_params: the delivered params are no decode leg's "
-                                 "(do_remote_prefill missing)", "kv_transfer_params")
-            first = self._check_remote_params(req.kv, params)
-        except ParamError as e:
-            req.finish_reason, req.error, req.error_status = "error", str(e), 400
-            req.kv.rejection = "invalid"
-            out = self._finish(req, hold=False)
-            raise DeliveryRefused(str(e), [out]) from e
-        if params.remote_cached_tokens is not None:
-            # the server's usage has only the leg's params_later marker
-            req.remote_cached_tokens = params.remote_cached_tokens
-        self._admit(req, first)
-        return []
+        ends with the same 400 (DeliveryRefused: its response has not started, it waits for its first output)."""
+        return self._apply(self.pd.deliver_params(key, kv_transfer_params))
 
-    def _match_prefix(self, req: Request, remote: pd.RemotePrefillParams) -> None:
-        """A peer's held prefix: read the leading blocks whose hashes equal this prompt's (the same tokens at
-        the same positions), leaving at least the last prompt token to compute. None matching: the peer
-        frees its lease now and the prompt is computed here."""
-        assert self.connector is not None
-        bs = self.config.block_size
-        limit = min(len(remote.block_hashes), len(remote.remote_block_ids),
-                    (remote.remote_num_tokens or 0) // bs, (req.num_prompt_tokens - 1) // bs)
-        ours = self.blocks.block_hashes(req, limit * bs) if limit > 0 else []
-        k = 0
-        while k < limit and pd.wire_block_hash(ours[k]) == remote.block_hashes[k]:
-            k += 1
-        if k == 0:
-            log.info("request %s: the held prefix %s matches none of this prompt's blocks; computing it",
-                     req.request_id, remote.remote_request_id)
-            req.kv.drop_load()
-            assert self.connector.consumer is not None
-            self.connector.consumer.decline(remote)
-            self.connector.record_prefix_pull("declined")
-            return
-        req.kv.prefix_tokens = k * bs
-        req.kv.prefix_min_tokens = self.connector.kv_recompute_threshold
-
-    def _adopt_first_token(self, req: Request, first: pd.FirstToken) -> None:
-        """A decode leg whose producer sent its sampled first token: take it as output 0, so the load brings
-        the whole prompt's KV and no model step recomputes the last prompt token for it. It is emitted once
-        the producer granted the lease (`_poll_connector`, while the READ runs), not before: a lease the
-        producer refuses must still be answered as a 4xx before any byte. Declined (the request then recomputes, as for a vLLM producer) when this
-        request's own parameters might not have produced it (min_tokens against a stop token the prefill leg,
-        sent without min_tokens, may have drawn; logprobs the producer did not send; structured output, whose
-        matcher would have to take it) or when it would end the request (then the lease is still claimed and
-        read, as before, so a refused one is still the client's error)."""
-        p = req.params
-        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-        if req.grammar is not None or (p.min_tokens > 0 and first.token_id in stops):
-            return
-        logprob = None
-        if p.logprobs is not None:
-            if first.logprob is None or first.rank is None or len(first.top) < p.logprobs:
-                return
-            logprob = TokenLogprob(first.token_id, first.logprob, first.rank, list(first.top[: p.logprobs]))
-        req.output_token_ids.append(first.token_id)
-        if req.check_stop(first.token_id):  # would finish it: leave it to the recompute path
-            req.output_token_ids.pop()
-            req.finish_reason = req.stop_reason = None
-            return
-        req.kv.first_token = first
-        if logprob is not None:
-            req.output_logprobs.append(logprob)
-        # a seeded request then draws its next tokens as a collocated run does after this one
-        self.runner.sampler.skip_draw(req, self.runner.device, self.model_cfg.vocab_size)
+    def _apply(self, events: Iterable[PDEvent]) -> list[RequestOutput]:
+        """What the P/D half asks of the loop (pdserve.engine.pd.events), in order; the outputs it makes."""
+        outputs: list[RequestOutput] = []
+        for ev in events:
+            match ev:
+                case Schedule(req):
+                    self.scheduler.add(req)
+                case FirstTokenAdopted(req):
+                    # a seeded request then draws its next tokens as a collocated run does after this one
+                    self.runner.sampler.skip_draw(req, self.runner.device, self.model_cfg.vocab_size)
+                case LoadEnded(req, ok, resume):
+                    self.scheduler.end_load(req, ok, resume=resume)
+                case Emit(req):
+                    outputs.append(self._emit(req))
+                case Finish(req):
+                    outputs.append(self._finish(req, hold=False))
+                case ParamsRefused(req, error):
+                    raise DeliveryRefused(str(error), [self._finish(req, hold=False)]) from error
+        return outputs
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return None
-        if req.kv.loading:
-            # The NIXL read may still be writing into these blocks: free them only when it ends.
-            req.kv.request_abort()
-            req.finish_reason = "abort"
-            if self.connector is not None and self.connector.consumer is not None:
-                # a pending push stops; its blocks come back quiesced
-                self.connector.consumer.cancel_load(request_id)
+        req.finish_reason = "abort"
+        if self.pd.abort(req):  # the NIXL read may still be writing into its blocks: it finishes when it ends
             return None
-        if req.kv.needs_load and self.connector is not None and self.connector.consumer is not None:
-            self.connector.consumer.remove_waiting(request_id)  # the producer frees its lease early
         if self.tier_loader is not None:
             self.tier_loader.forget(request_id)
-        self.params_mailbox.forget(request_id)
         self.scheduler.remove(req)
-        req.finish_reason = "abort"
         return self._finish(req, hold=False)
 
     def has_unfinished(self) -> bool:
@@ -494,36 +358,23 @@ class LLMEngine:
                 self.kv_events.publish(KVEventBatch(ts=time.time(), events=events))
 
     def _step(self) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        if self.connector is not None:
-            for rid in self.params_mailbox.expired():
-                req = self.requests[rid]
-                req.finish_reason, req.error_status = "error", 504
-                req.error = f"the decode leg's kv_transfer_params did not arrive within {PARAMS_WAIT_S:.0f} s"
-                outputs.append(self._finish(req, hold=False))
-            outputs.extend(self._poll_connector())
-            if any(o.new_token_ids for o in outputs):
-                # a load that ended gave an adopted first token: hand it out now rather than after this
-                # step's model run (~6 ms on an 8B model); the caller's next step runs the model
-                return outputs
+        outputs = self._apply(self.pd.poll())
+        if any(o.new_token_ids for o in outputs):
+            # a load that ended gave an adopted first token: hand it out now rather than after this
+            # step's model run (~6 ms on an 8B model); the caller's next step runs the model
+            return outputs
         t_start = time.perf_counter()
         counters0 = self.step_log.counters() if self.step_log is not None else None
         if self._inflight is not None:
             outputs.extend(self._advance(t_start, counters0))
             return outputs
-        if self.history:
-            self._evict_history_for_room()
+        self.pd.make_room(self.scheduler.running, self.scheduler.waiting)
         if self.tier_loader is not None:
             self.tier_loader.before_schedule()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
-        for req in sched.dropped_loads:
-            assert self.connector is not None and self.connector.consumer is not None
-            self.connector.consumer.remove_waiting(req.request_id)  # the holder frees its lease now
-            self.connector.record_prefix_pull("declined")
-        for req in sched.start_loads:
-            self._start_load(req, outputs)
+        outputs.extend(self._apply(self.pd.start_loads(sched.start_loads, sched.dropped_loads)))
         if not sched.scheduled:
             if not outputs and self.tier_loader is not None and self.tier_loader.parked:
                 # only disk-tier reads are left: wait (briefly, bounded) for one instead of returning at once,
@@ -605,7 +456,7 @@ class LLMEngine:
         req.metrics.last_token_time = now
         if req.check_stop(tok) or (req.grammar is not None and self.grammars.advance(req, tok)):
             self.scheduler.remove(req)
-            outputs.append(self._finish(req, hold=req.kv.send or req.kv.keep_history))
+            outputs.append(self._finish(req, hold=True))
             return True
         return False
 
@@ -665,6 +516,8 @@ class LLMEngine:
         )
 
     def _finish(self, req: Request, hold: bool) -> RequestOutput:
+        """The request ends (its output with what was not yet emitted). hold: it ended by a stop or its
+        length, so its KV is kept when its params ask for it (pd.holds), else freed now."""
         req.status = Status.FINISHED
         req.metrics.finished_time = time.monotonic()
         if self.step_log is not None:
@@ -675,208 +528,21 @@ class LLMEngine:
         self.requests.pop(req.request_id, None)
         self.runner.sampler.forget(req.request_id)
         self.num_finished += 1
-        if hold and req.kv.keep_history and req.finish_reason in ("length", "stop") and req.block_ids:
-            self._hold_history(req)
-        elif (hold and req.finish_reason in ("length", "stop") and req.block_ids and self.connector is not None
-              and self.connector.producer is not None):
-            params = self.connector.producer.hold(
-                req.request_id, list(req.block_ids), req.num_computed_tokens, max(req.num_cached_tokens, 0),
-                push=req.kv.push,
-            )
-            if len(req.output_token_ids) == 1 and req.num_computed_tokens == req.num_prompt_tokens:
-                # a prefill leg (max_tokens 1): its token travels to the decode instance, which starts from it
-                lp = req.output_logprobs[0] if req.output_logprobs else None
-                params = replace(params, first_token=pd.FirstToken(
-                    req.output_token_ids[0], None if lp is None else lp.logprob, None if lp is None else lp.rank,
-                    tuple(lp.top) if lp is not None else ()))
-            req.result_kv_transfer_params = params
-            self.held[req.request_id] = req
-        else:
-            if req.kv.send and self.connector is not None and self.connector.producer is not None:
-                self.connector.producer.send_ended(req.request_id)  # a push job for it stops before the blocks go
-            self.blocks.release(req)
+        self.pd.finished(req, hold)
         return self._emit(req, finished=True)
 
-    # ---- multi-turn: a decode leg's conversation held for the next turn ----------------------
-    def _hold_history(self, req: Request) -> None:
-        """Keep the full blocks of a finished decode leg (prompt and answer: every token whose KV is
-        computed) under a history lease; the partial last block is freed now. Its params go back in the
-        response for the next turn's prefill to read (vLLM's bidirectional_kv_xfer)."""
-        assert self.connector is not None and self.connector.producer is not None
-        bs = self.config.block_size
-        full = min(req.num_computed_tokens // bs, len(req.block_ids))
-        lease_id = f"{req.request_id}-history"
-        if full == 0 or lease_id in self.history:
-            self.blocks.release(req)
-            return
-        hashes = [pd.wire_block_hash(h) for h in self.blocks.block_hashes(req, full * bs)]
-        self.blocks.free_blocks(req.block_ids[full:])
-        req.block_ids = req.block_ids[:full]
-        try:
-            params = self.connector.producer.hold_history(lease_id, list(req.block_ids), full * bs, hashes)
-        except ValueError as e:  # e.g. an earlier request of the same id still holds its lease
-            log.warning("request %s: its conversation's KV is not kept: %s", req.request_id, e)
-            self.blocks.release(req)
-            return
-        req.result_kv_transfer_params = params
-        self.history[lease_id] = req
-
-    def _evict_history_for_room(self) -> None:
-        """Held histories give their blocks back, oldest first, before this step's requests would wait or be
-        preempted for lack of blocks: what the running requests still need for their tokens and the next one,
-        and the next waiting prompt's blocks."""
-        assert self.connector is not None
-        s = self.scheduler
-        bm = self.blocks
-        need = sum(max(bm.blocks_needed(r.num_tokens + 1) - len(r.block_ids), 0) for r in s.running)
-        if s.waiting:
-            need += bm.blocks_needed(s.waiting[0].num_tokens + 1)
-        for lease_id in list(self.history):
-            if self.blocks.num_free_blocks >= need:
-                return
-            assert self.connector.producer is not None  # a held history needs the producer role
-            if self.connector.producer.evict_history(lease_id):  # False while a prefill reads it: it stays
-                self.blocks.release(self.history.pop(lease_id))
-
-    # ---- a cached prefix pinned for a peer's prefill (issue 18 part 4) ------------------------
-    def pin_cached_prefix(self, token_ids: Sequence[int], min_tokens: int = 1) -> pd.HeldKVParams | None:
-        """Hold the leading blocks of `token_ids` that this pool has cached under a short history lease
-        (`peer_pin_ttl_s`), so that a peer's prefill can read them as it reads a held conversation; returns
-        those params, or None when fewer than `min_tokens` tokens are cached. The pin is a history entry: it
-        gives way when the pool runs short and ends as any held history does. Raises PinRefused."""
-        conn = self.connector
-        cap = conn.peer_pin_max_leases if conn is not None else 0
-        if conn is None or cap <= 0 or not self.blocks.enable_prefix_caching:
-            raise PinRefused("disabled", "this instance does not pin cached prefixes for peers")
-        if sum(1 for lid in self.history if lid.startswith(PIN_PREFIX)) >= cap:
-            raise PinRefused("busy", f"this instance already holds {cap} pinned prefixes")
-        lease_id = f"{PIN_PREFIX}{uuid.uuid4().hex}"
-        req = Request(lease_id, list(token_ids), SamplingParams(max_tokens=1), self.eos_token_ids,
-                      self.max_model_len)
-        hits = self.blocks.find_cached_prefix(req)
-        bs = self.config.block_size
-        if not hits or len(hits) * bs < min_tokens:
-            return None
-        self.blocks.allocate(req, len(hits) * bs, cached=hits)  # takes a reference: no longer evictable
-        hashes = [pd.wire_block_hash(h) for h in self.blocks.block_hashes(req, len(hits) * bs)]
-        assert conn.producer is not None  # peer pins need bidirectional_kv_xfer, which needs the producer role
-        params = conn.producer.hold_history(lease_id, list(req.block_ids), len(hits) * bs, hashes,
-                                            duration_s=conn.peer_pin_ttl_s)
-        self.history[lease_id] = req
-        return params
-
-    # ---- P/D ---------------------------------------------------------------------------------
-    def _start_load(self, req: Request, outputs: list[RequestOutput]) -> None:
-        assert self.connector is not None and self.connector.consumer is not None and req.kv.remote is not None
-        first_block = req.num_computed_tokens // self.config.block_size
-        req.metrics.kv_load_start_time = time.monotonic()
-        try:
-            # Tokens [0, len - 1) come from the producer and the last prompt token is recomputed here for the
-            # first token's logits; with an adopted first token the whole prompt comes from the producer.
-            self.connector.consumer.start_load(req.request_id, req.kv.remote, list(req.block_ids), first_block,
-                                               num_tokens=req.kv.remote_tokens(req.num_prompt_tokens))
-        except Exception as e:  # noqa: BLE001 - any connector failure goes through the failure policy
-            # Not a transfer outcome but a refusal to start: log where it came from.
-            log.exception("request %s: the KV load could not start", req.request_id)
-            self.connector.consumer.remove_waiting(req.request_id)  # stop heartbeats; the producer frees early
-            self._load_ended(req, ok=False, error=f"KV load could not start: {e}", outputs=outputs)
-
-    def _poll_connector(self) -> list[RequestOutput]:
-        assert self.connector is not None
-        outputs: list[RequestOutput] = []
-        producer, consumer = self.connector.producer, self.connector.consumer
-        for rid in producer.poll_released() if producer is not None else ():
-            req = self.held.pop(rid, None)
-            if req is None:
-                req = self.history.pop(rid, None)
-            if req is not None:
-                self.blocks.release(req)
-        # results first, then claims: a load's claim is queued before its result, so every result polled
-        # here has its claim polled too, and a claim is seen before the result of the same load
-        results = consumer.poll_loads() if consumer is not None else ()
-        for rid in consumer.poll_claimed() if consumer is not None else ():
-            req = self.scheduler.loading.get(rid)
-            if req is not None and req.kv.first_token is not None and req.num_emitted == 0 \
-                    and not req.kv.abort_requested:
-                # The producer granted the lease: the params can no longer be refused (a refusal is the
-                # client's 4xx, which must come before any byte), only the READ can still fail. The adopted
-                # token goes out now, while the READ runs, instead of after it (2.5-3 ms for 8k tokens of an
-                # 8B model on an H200); if the READ fails, `_load_ended` recomputes after it or ends the stream
-                # with the error, as for any failure after the first token.
-                req.metrics.first_token_time = req.metrics.last_token_time = time.monotonic()
-                outputs.append(self._emit(req))
-        for res in results:
-            req = self.scheduler.loading.get(res.request_id)
-            if req is None:
-                log.warning("KV load result for request %s, which is not loading; ignored", res.request_id)
-                continue
-            req.error_status = getattr(res, "error_status", 500)  # the HTTP status a failure is answered with
-            self._load_ended(req, ok=res.ok, error=res.error or "KV transfer failed", outputs=outputs,
-                             rejected=getattr(res, "rejected", None))
-        return outputs
-
-    def _load_ended(self, req: Request, ok: bool, error: str, outputs: list[RequestOutput],
-                    rejected: str | None = None) -> None:
-        """The one place a remote read ends: loaded, aborted meanwhile, refused by the producer (the client's
-        mistake: finished with the reason), or failed (then the policy, which is for transport failures)."""
-        assert self.connector is not None
-        req.metrics.kv_load_done_time = time.monotonic()
-        prefix_gone = False
-        if req.kv.prefix_tokens is not None and not req.kv.abort_requested:
-            if ok:
-                read = req.kv.prefix_tokens - req.num_computed_tokens
-                self.connector.record_prefix_pull("loaded", read)
-                started = req.metrics.kv_load_start_time
-                log.info("request %s: read %d held prompt tokens back in %.1f ms (not recomputed)", req.request_id,
-                         read, (req.metrics.kv_load_done_time - started) * 1e3 if started is not None else -1.0)
-            else:
-                if rejected is not None:
-                    # a held prefix that is gone (expired, evicted, its holder restarted): not the client's
-                    # mistake, and nothing was read: compute it here
-                    log.info("request %s: the held prefix is not available (%s); computing it",
-                             req.request_id, error)
-                    rejected, prefix_gone = None, True
-                fallback = prefix_gone or self.connector.load_failure_policy == "recompute"
-                self.connector.record_prefix_pull("recomputed" if fallback else "failed")
-        recompute = not ok and rejected is None and (
-            prefix_gone or self.connector.load_failure_policy == "recompute")
-        if req.kv.first_token is not None and req.num_emitted == 0 and not ok and not recompute:
-            # the request ends here without its adopted token ever having been sent: it ends with none
-            req.output_token_ids.clear()
-            req.output_logprobs.clear()
-        if req.kv.abort_requested:
-            self.scheduler.end_load(req, ok, resume=False)
-            outputs.append(self._finish(req, hold=False))
-        elif ok:
-            req.num_cached_tokens = req.kv.remote_tokens(req.num_prompt_tokens)
-            self.scheduler.end_load(req, ok=True)
-            if req.kv.first_token is not None and req.num_emitted == 0:
-                req.metrics.first_token_time = req.metrics.last_token_time = time.monotonic()
-                outputs.append(self._emit(req))
-        elif rejected is not None:
-            # Forged, replayed, expired or duplicated params: answered as the client's error, never recomputed
-            # (that would hide it) and never logged as an engine failure.
-            log.info("request %s: kv_transfer_params refused by the producer: %s", req.request_id, error)
-            self.scheduler.end_load(req, ok=False, resume=False)
-            req.kv.rejection = rejected
-            req.finish_reason = "error"
-            req.error = error
-            outputs.append(self._finish(req, hold=False))
-        elif recompute:
-            # (an adopted first token stays: the recompute continues after it, as a seeded run would)
-            log.warning("request %s: %s; recomputing the prompt locally", req.request_id, error)
-            req.num_cached_tokens = req.num_computed_tokens  # the local prefix-cache hit stays valid
-            self.scheduler.end_load(req, ok=False)
-        else:
-            log.error("request %s: %s", req.request_id, error)
-            self.scheduler.end_load(req, ok=False, resume=False)
-            req.finish_reason = "error"
-            req.error = error
-            outputs.append(self._finish(req, hold=False))
+    def pin_cached_prefix(self, token_ids: Sequence[int], min_tokens: int = 1) -> HeldKVParams | None:
+        """A cached prefix held for a peer's prefill (issue 18 part 4): pdserve.engine.pd.holds."""
+        return self.pd.pin_cached_prefix(token_ids, min_tokens)
 
     @property
     def num_loading(self) -> int:
         return len(self.scheduler.loading)
+
+    @property
+    def num_held(self) -> int:
+        """Finished prefill legs whose blocks are held for a consumer."""
+        return self.pd.num_held
 
     # ---- introspection -----------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -884,16 +550,16 @@ class LLMEngine:
         return EngineStats(
             num_running=len(s.running),
             num_waiting=len(s.waiting) + len(s.loading) + (len(self.tier_loader.parked) if self.tier_loader else 0),
-            num_awaiting_params=len(self.params_mailbox),
+            num_awaiting_params=self.pd.num_awaiting_params,
             num_loading=self.num_loading,
-            num_held=len(self.held),
+            num_held=self.pd.num_held,
             kv_cache_usage=self.blocks.usage,
             num_blocks=self.blocks.num_blocks,
             num_free_blocks=self.blocks.num_free_blocks,
             prefix_cache_queries=self.blocks.prefix_queries,
             prefix_cache_hits=self.blocks.prefix_hits,
             num_preemptions=s.num_preemptions,
-            num_history=len(self.history),
+            num_history=self.pd.num_history,
             external_prefix_cache_queries=self.blocks.external_queries,
             external_prefix_cache_hits=self.blocks.external_hits,
             kv_tiers=self.tiers.stats() if self.tiers is not None else None,

@@ -27,7 +27,7 @@ class Request:
     params: SamplingParams
     eos_token_ids: frozenset[int]
     max_model_len: int
-    kv: KVHandoff = field(default_factory=KVHandoff)  # this request's part in a P/D handoff, if any
+    kv: KVHandoff = field(default_factory=KVHandoff)  # its P/D part, the one record of its P/D state (KVState)
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: Status = Status.WAITING

@@ -3,7 +3,8 @@ consumer side's remote-KV wait. Decides *what* runs each step; never touches ten
 
 Queues: `waiting` (FIFO, preempted requests go back to its front), `loading` (consumer requests whose
 blocks a NIXL read is filling: not in `running`, so never a preemption victim) and `running`. A request's
-P/D state is `req.kv` (see kv_handoff.py); `loading` holds exactly the requests whose `kv.loading` is set.
+P/D state is `req.kv` (see engine/pd/kv_handoff.py); `loading` is its index of the requests whose `kv.loading`
+is set, moved with that state here only (`schedule`, `end_load`).
 """
 
 from __future__ import annotations

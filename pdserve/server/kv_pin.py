@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 
 from pdserve.api.openai.errors import error_body
 from pdserve.api.pd import PIN_MIN_TOKENS, PROMPT_TOKEN_IDS
-from pdserve.engine.engine import PinRefused
+from pdserve.engine.pd.holds import PinRefused
 
 
 async def pin_prefix(engine: Any, body: Any) -> JSONResponse:

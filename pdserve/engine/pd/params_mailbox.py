@@ -7,14 +7,21 @@ prefill answered. Either may reach the engine first (they are two HTTP requests)
 under the key the proxy chose. Both waits are bounded: a leg whose params never come ends with an error
 (normally the proxy closes the leg first, which aborts it), and params nobody picks up are dropped.
 
-Engine-thread only (no locking): the engine calls it from `add_request`, `deliver_params` and `step`.
+A waiting leg's state is its `Request.kv` (AWAITING_PARAMS, under `kv.params_key`; since its arrival): the
+mailbox's own map of legs is that state's index by key, moved together with it, here only.
+
+Engine-thread only (no locking): the engine's P/D half (`admission.py`) calls it.
 """
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from pdserve.api.pd import KVTransferParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.request import Request
 
 # How long a decode leg waits for its params: longer than any prefill leg (a 128k-token prompt on a busy
 # prefill instance), short enough that a proxy gone without closing the leg does not pin the request for ever.
@@ -27,7 +34,7 @@ MAX_EARLY_PARAMS = 4096
 
 class ParamsMailbox:
     def __init__(self) -> None:
-        self._awaiting: dict[str, tuple[str, float]] = {}  # key -> (request id, since)
+        self._awaiting: dict[str, Request] = {}  # key -> the leg waiting under it (kv AWAITING_PARAMS)
         self._early: dict[str, tuple[KVTransferParams, float]] = {}  # key -> (params, since)
 
     def __len__(self) -> int:
@@ -38,19 +45,21 @@ class ParamsMailbox:
         item = self._early.pop(key, None)
         return None if item is None else item[0]
 
-    def wait(self, key: str, request_id: str) -> None:
-        """The decode leg `request_id` waits for the params delivered under `key`; raises ValueError when
-        another leg waits under the same key."""
+    def wait(self, key: str, req: Request) -> None:
+        """The decode leg `req` waits for the params delivered under `key`; raises ValueError when another
+        leg waits under the same key."""
         if key in self._awaiting:
             raise ValueError(f"another decode leg already waits for the params keyed {key!r}")
-        self._awaiting[key] = (request_id, time.monotonic())
+        req.kv.await_params(key)
+        self._awaiting[key] = req
 
-    def deliver(self, key: str, params: KVTransferParams) -> str | None:
-        """The request id waiting under `key` (no longer waiting), or None: then the params are kept for a
-        leg still to come (ValueError when too many are kept already, or params came twice for one key)."""
-        item = self._awaiting.pop(key, None)
-        if item is not None:
-            return item[0]
+    def deliver(self, key: str, params: KVTransferParams) -> Request | None:
+        """The leg waiting under `key` (no longer indexed here: the caller gives it its params), or None:
+        then the params are kept for a leg still to come (ValueError when too many are kept already, or
+        params came twice for one key)."""
+        req = self._awaiting.pop(key, None)
+        if req is not None:
+            return req
         self._expire_early()
         if key in self._early:
             raise ValueError(f"params keyed {key!r} were already delivered")
@@ -59,21 +68,24 @@ class ParamsMailbox:
         self._early[key] = (params, time.monotonic())
         return None
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, req: Request) -> None:
         """The request is gone (aborted) while waiting."""
-        for key, (rid, _) in list(self._awaiting.items()):
-            if rid == request_id:
-                del self._awaiting[key]
+        key = req.kv.params_key
+        if req.kv.awaiting_params and key is not None and self._awaiting.get(key) is req:
+            del self._awaiting[key]
+            req.kv.stop_awaiting()
 
-    def expired(self) -> list[str]:
-        """Request ids that waited longer than PARAMS_WAIT_S (no longer waiting); also drops stale early
-        params."""
+    def expired(self) -> list[Request]:
+        """Legs that waited longer than PARAMS_WAIT_S since they arrived (no longer indexed here); also drops
+        stale early params."""
         self._expire_early()
         if not self._awaiting:
             return []
         cutoff = time.monotonic() - PARAMS_WAIT_S
-        gone = [key for key, (_, since) in self._awaiting.items() if since < cutoff]
-        return [self._awaiting.pop(key)[0] for key in gone]
+        gone = [self._awaiting.pop(key) for key, req in list(self._awaiting.items()) if req.arrival_time < cutoff]
+        for req in gone:
+            req.kv.stop_awaiting()
+        return gone
 
     def _expire_early(self) -> None:
         if self._early:
