@@ -28,6 +28,12 @@ class AttentionMetadata:
     # host copies, so CPU backends never sync on device tensors
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    # A speculative verify step in a CUDA graph (engine/runner/verify_graphs.py): every sequence has exactly
+    # `verify_rows` query rows (its drafts padded to K, then K + 1), and row t sees keys [0, query_positions[t]]
+    # (int64, on the device); a padded row repeats its sequence's last real position, a padding sequence has
+    # seq_len 0. Only backends with `supports_verify_graphs` get such a step. 0: not one.
+    verify_rows: int = 0
+    query_positions: torch.Tensor | None = None
 
 
 # A layer's static fp8 KV scales (k_scale, v_scale) from the checkpoint, each a bfloat16 value

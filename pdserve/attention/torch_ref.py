@@ -13,11 +13,14 @@ from pdserve.attention.base import AttentionMetadata
 
 class TorchAttention:
     name = "torch-sdpa"
+    # meta.verify_rows (the step runner's verify graphs, simulated on the CPU in tests; never captured)
+    supports_verify_graphs = True
 
     def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata, kv_scale=None) -> None:
         # a float cache stores the values as they are: kv_scale (an fp8 pool's) does not apply
         slots = meta.slot_mapping
-        if meta.decode_only and bool((slots < 0).any()):  # a decode graph's padding rows: slot -1, no store
+        # a decode or verify graph's padding rows: slot -1, no store
+        if (meta.decode_only or meta.verify_rows) and bool((slots < 0).any()):
             keep = slots >= 0
             slots, k, v = slots[keep], k[keep], v[keep]
         block_idx = torch.div(slots, meta.block_size, rounding_mode="floor")
@@ -26,7 +29,7 @@ class TorchAttention:
         v_cache[block_idx, offset] = v
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if meta.decode_only:
+        if meta.decode_only or meta.verify_rows:
             return self._decode(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
         start = 0
@@ -59,20 +62,27 @@ class TorchAttention:
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # One padded batched SDPA call for all sequences: much cheaper than a Python loop per sequence.
+        # A verify step (meta.verify_rows R): R rows per sequence, row t sees keys [0, query_positions[t]].
         bs = meta.block_size
         max_blocks = (meta.max_seq_len + bs - 1) // bs
         tables = meta.block_tables[:, :max_blocks]
         num_seqs = tables.shape[0]
+        rows = meta.verify_rows or 1
         k = k_cache[tables].flatten(1, 2)  # [B, max_blocks*bs, kv_heads, d]
         v = v_cache[tables].flatten(1, 2)
         positions = torch.arange(k.shape[1], device=q.device)
-        mask = positions[None, :] < meta.seq_lens.to(positions.dtype)[:, None]  # [B, T]
+        mask = positions[None, None, :] < meta.seq_lens.to(positions.dtype)[:, None, None]  # [B, 1, T]
+        if meta.verify_rows:
+            limit = meta.query_positions.view(num_seqs, rows, 1)
+            mask = mask & (positions[None, None, :] <= limit)  # [B, R, T]
         o = F.scaled_dot_product_attention(
-            q.view(num_seqs, 1, q.shape[1], q.shape[2]).transpose(1, 2),
+            q.view(num_seqs, rows, q.shape[1], q.shape[2]).transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=mask[:, None, None, :],
+            attn_mask=mask[:, None, :, :],
             scale=scale,
             enable_gqa=True,
         )
-        return o.transpose(1, 2).reshape(q.shape)
+        # a padding sequence (seq_len 0) has no key: SDPA gives NaN rows there, the kernels 0
+        return torch.nan_to_num(o.transpose(1, 2).reshape(q.shape), nan=0.0) if meta.verify_rows else \
+            o.transpose(1, 2).reshape(q.shape)

@@ -69,6 +69,7 @@ def prefill_config(max_query_len: int) -> tuple[int, int, int, int]:
 
 class TritonAttention:
     name = "triton"  # with or without long_prefill: the step runner keys the fused ops and graphs on it
+    supports_verify_graphs = True  # meta.verify_rows: the multi-query decode kernel
 
     def __init__(self, num_sms: int | None = None, long_prefill: lp.LongPrefillConfig | None = None,
                  kv_format: fp8_kv.Fp8Format | None = None):
@@ -120,6 +121,8 @@ class TritonAttention:
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
+        if meta.verify_rows:
+            return self._verify(q, k_cache, v_cache, meta, scale)
         if meta.decode_only:
             batch = q.shape[0]
             if self.kv_format is not None and cfd.selected() and cfd.usable(q, k_cache, self.kv_format):
@@ -148,3 +151,17 @@ class TritonAttention:
             num_seqs=meta.seq_lens.shape[0], block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages,
             partials=partials, kv_format=self.kv_format,
         )
+
+    def _verify(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """A verify step's K + 1 rows per sequence (meta.verify_rows): the split-KV decode kernel with the rows of
+        a sequence in one program, so its K/V are read once as in a plain decode step; tile and split settings
+        are plain decode's for the same number of sequences (the programs and the K/V bytes are the same)."""
+        rows = meta.verify_rows
+        batch = q.shape[0] // rows
+        tile_n, warps, stages, pps, max_regs = decode_config(batch, FP8_DECODE_CONFIGS if self.kv_format else None)
+        splits = tk.decode_num_splits(batch, k_cache.shape[2], self.num_sms, pps)
+        return tk.decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits, tile_n=tile_n, num_warps=warps,
+            num_stages=stages, kv_format=self.kv_format, max_regs=max_regs, rows_per_seq=rows,
+            query_positions=meta.query_positions)

@@ -12,7 +12,11 @@ Three kernels:
   head, so each K/V tile is loaded once for the whole group.
 - `decode_attention`: one query token per sequence, split-KV (flash-decoding) so that small batches still
   fill the GPU; the number of splits depends only on the batch size, so a CUDA graph can hold it. It is a
-  run-time argument, not a constexpr, so every batch size shares one compiled kernel.
+  run-time argument, not a constexpr, so every batch size shares one compiled kernel. With
+  `rows_per_seq` = R > 1 it is the multi-query decode of a speculative verify step (K + 1 rows per
+  sequence, one CUDA graph per (batch, R)): each program holds the R x G rows of its (sequence, kv head), so
+  a K/V tile is read once for all of them, and row i sees keys up to its own position
+  (`query_positions`, read on the device), causally.
 - `write_kv`: stores new K/V rows at their slots; slots < 0 (padding rows of a CUDA graph) are skipped.
 
 Every kernel also takes an fp8 pool (`kv_format`, pdserve.attention.fp8_kv: uint8 regions of head-major fp8
@@ -150,7 +154,7 @@ def _decode_kernel(
     q_ptr, stride_q_t, stride_q_h,
     k_cache_ptr, v_cache_ptr, stride_c_blk, stride_c_tok, stride_c_head,
     block_tables_ptr, stride_bt,
-    seq_lens_ptr,
+    seq_lens_ptr, qpos_ptr,
     out_ptr, stride_o_t, stride_o_h,
     part_o_ptr, part_lse_ptr, counters_ptr,
     scale_log2, num_splits,
@@ -158,7 +162,10 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     KV_FP8: tl.constexpr, FP8_MANT: tl.constexpr, KVH: tl.constexpr, FUSED_MERGE: tl.constexpr,
     MERGE_G: tl.constexpr, MERGE_S: tl.constexpr, FP8_F16: tl.constexpr, FP8_ASM: tl.constexpr,
+    NQ: tl.constexpr,
 ):
+    # NQ: query rows per sequence (1: plain decode; > 1: a verify step's rows, row m of the program being
+    # query m // G, head m % G, over the rows qpos_ptr gives positions for)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -170,11 +177,21 @@ def _decode_kernel(
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    head = kvh * G + g
-    gmask = g < G
     dmask = d < D
-    q = tl.load(q_ptr + b * stride_q_t + head[:, None] * stride_q_h + d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    if NQ == 1:
+        head = kvh * G + g
+        gmask = g < G
+        q = tl.load(q_ptr + b * stride_q_t + head[:, None] * stride_q_h + d[None, :],
+                    mask=gmask[:, None] & dmask[None, :], other=0.0)
+    else:
+        qi = g // G
+        head = kvh * G + g % G
+        gmask = qi < NQ
+        t_row = (b * NQ + qi).to(tl.int64)  # the row in the step's flattened queries
+        # row i sees keys [0, its position]; never past the sequence (a padded row repeats the last position)
+        key_limit = tl.load(qpos_ptr + t_row, mask=gmask, other=0).to(tl.int32)
+        q = tl.load(q_ptr + t_row[:, None] * stride_q_t + head[:, None] * stride_q_h + d[None, :],
+                    mask=gmask[:, None] & dmask[None, :], other=0.0)
     if FP8_F16:  # fp8 K/V read as float16 (triton_fp8.fp8_to_f16): the products run in float16
         q = q.to(tl.float16)
 
@@ -228,10 +245,19 @@ def _decode_kernel(
             off = blk * stride_c_blk + (tok % BLOCK_SIZE) * stride_c_tok + head_off
             k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        if NQ == 1:
+            s = tl.where(tmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+        else:
+            # causal within the step's rows; a row may see no key of a tile (its keys end before it): its max
+            # stays -inf, and the exponentials are taken against 0 so that they give 0, not NaN
+            s = tl.where(tmask[None, :] & (tok[None, :] <= key_limit[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if KV_FP8:
             v = tf8.load_v_tile(v_cache_ptr, bt_row, tile, seq_len, kvh, stride_c_blk, q.dtype, TILE_N, BLOCK_SIZE,
@@ -246,7 +272,16 @@ def _decode_kernel(
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     o = acc / safe_l[:, None]
     omask = gmask[:, None] & dmask[None, :]
-    if num_splits == 1:
+    if NQ > 1:  # (no fused merge: decode_attention refuses it)
+        if num_splits == 1:
+            tl.store(out_ptr + t_row[:, None] * stride_o_t + head[:, None] * stride_o_h + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=omask)
+        else:
+            row = (t_row * H + head) * num_splits + split  # [B * NQ, H, num_splits] row-major
+            tl.store(part_o_ptr + row[:, None] * BLOCK_D + d[None, :], o, mask=omask)
+            lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
+            tl.store(part_lse_ptr + row, lse, mask=gmask)
+    elif num_splits == 1:
         tl.store(out_ptr + b * stride_o_t + head[:, None] * stride_o_h + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=omask)
     else:
@@ -348,13 +383,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      seq_lens: torch.Tensor, scale: float, num_splits: int, out: torch.Tensor | None = None,
                      tile_n: int = 64, num_warps: int = 4, num_stages: int = 2,
                      kv_format: fp8_kv.Fp8Format | None = None,
-                     merge_counters: torch.Tensor | None = None, max_regs: int | None = None) -> torch.Tensor:
+                     merge_counters: torch.Tensor | None = None, max_regs: int | None = None,
+                     rows_per_seq: int = 1, query_positions: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H, D]; block_tables: [B, >= blocks of the longest sequence]; seq_lens: [B] (0 = padding row,
     whose output is 0). Returns [B, H, D] in q's dtype. kv_format: the caches are fp8 layer views (uint8, fp8_kv's layout).
     merge_counters: int32 zeros, at least B * kv_heads (new_merge_counters), kept between launches: the
     splits are merged by the last program of each (sequence, kv head) instead of a second kernel, and the
-    counters are left at zero. max_regs: a register cap per thread (Triton's maxnreg), for occupancy."""
-    batch, num_heads, d = q.shape
+    counters are left at zero. max_regs: a register cap per thread (Triton's maxnreg), for occupancy.
+    rows_per_seq R > 1 (a verify step): q is [B * R, H, D], sequence b's rows b * R .. b * R + R - 1, and row t
+    attends keys [0, query_positions[t]] (int64 [B * R]; positions below seq_lens[b]); no fused merge."""
+    rows, num_heads, d = q.shape
+    batch = rows // rows_per_seq
+    assert batch * rows_per_seq == rows and (rows_per_seq == 1 or query_positions is not None)
     _, block_size, kvh, _ = k_cache.shape
     group = num_heads // kvh
     block_d = triton.next_power_of_2(d)
@@ -362,11 +402,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if out is None:
         out = torch.empty_like(q)
     if num_splits > 1:
-        part_o = torch.empty((batch, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_o = torch.empty((rows, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((rows, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
-    fused_merge = num_splits > 1 and merge_counters is not None
+    fused_merge = num_splits > 1 and merge_counters is not None and rows_per_seq == 1
     read = _read_args(kv_format, k_cache, d, q)
     if fused_merge:
         assert merge_counters.dtype == torch.int32 and merge_counters.numel() >= batch * kvh
@@ -374,15 +414,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, q.stride(0), q.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables, block_tables.stride(0),
-        seq_lens,
+        seq_lens, query_positions if rows_per_seq > 1 else seq_lens,
         out, out.stride(0), out.stride(1),
         part_o, part_lse, merge_counters if fused_merge else seq_lens,
         scale * LOG2E, num_splits,
-        H=num_heads, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_D=block_d,
+        H=num_heads, G=group, BLOCK_G=max(16, triton.next_power_of_2(group * rows_per_seq)), D=d, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, TILE_N=tile_n, DOT_PRECISION=_dot_precision(q.dtype),
         EVEN_D=d == block_d, **read, KVH=kvh, FUSED_MERGE=fused_merge,
-        MERGE_G=triton.next_power_of_2(group), MERGE_S=8, num_warps=num_warps, num_stages=num_stages,
-        **({} if max_regs is None else {"maxnreg": max_regs}),
+        MERGE_G=triton.next_power_of_2(group), MERGE_S=8, NQ=rows_per_seq, num_warps=num_warps,
+        num_stages=num_stages, **({} if max_regs is None else {"maxnreg": max_regs}),
     )
     if num_splits > 1 and not fused_merge:
         merge_decode_splits(part_o, part_lse, out)

@@ -418,8 +418,8 @@ class LLMEngine:
         that many plain steps: each may end it (a stop token, max_tokens, the grammar), and whatever follows
         is dropped. Only accepted drafts' positions count as computed. Returns when the model run ended."""
         assert self.spec is not None
-        reqs, logits = self.runner.execute_logits(scheduled)
-        verified = self.spec.verify(self.runner.sampler, logits, reqs) if logits is not None else []
+        reqs, logits, argmax = self.runner.execute_verify(scheduled)
+        verified = self.spec.verify(self.runner.sampler, logits, reqs, argmax) if logits is not None else []
         t_exec = time.perf_counter()
         for req, n in scheduled:
             req.num_computed_tokens += n - len(req.spec_token_ids)  # through the last token before the drafts

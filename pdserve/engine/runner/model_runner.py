@@ -220,15 +220,18 @@ class ModelRunner:
         runner's model, pool, attention backend and sampler."""
         from pdserve.engine.runner.step_runner import GpuStepRunner  # GPU-only, imported lazily
 
+        from pdserve.types.speculative_config import SpeculativeConfig
+
         cfg = self.config
         if self.step_sink is not None:
             # rank 0: the other ranks switch first; graph capture runs collectives, which every rank must join
             self.step_sink(UseGpuStepRunner(simulate_graphs))
+        spec = SpeculativeConfig.parse(cfg.speculative_config)
         self.gpu = GpuStepRunner(
             self.model, self.kv_cache, self.backend, self.sampler, block_size=self.block_size,
             max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len or self.model_cfg.max_position_embeddings,
             enforce_eager=cfg.enforce_eager or not getattr(self.backend, "supports_graphs", True),
-            simulate_graphs=simulate_graphs)
+            simulate_graphs=simulate_graphs, num_spec_tokens=spec.num_speculative_tokens if spec else 0)
         self.gpu.step_sink = self.step_sink
 
     def set_step_sink(self, sink: Callable[[StepMessage], None] | None) -> None:
@@ -394,13 +397,24 @@ class ModelRunner:
     def execute_logits(self, batch: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor | None]:
         """Runs the step without sampling: the requests at their frontier and the raw logits of their rows
         (spec_decode.rows: k + 1 rows for a request verifying k drafts), for the speculative decoding
-        rejection sampler. On the GPU an eager step (no CUDA graph takes several rows per request yet)."""
+        rejection sampler. On the GPU an eager step (execute_verify takes the verify graphs)."""
         if self.gpu is not None:
             return self.gpu.execute_logits(batch)
         started = time.perf_counter()
         out = self._run_cpu(batch)
         self._record_cpu_step(batch, started)
         return out
+
+    @torch.inference_mode()
+    def execute_verify(self, batch: list[tuple[Request, int]],
+                       ) -> tuple[list[Request], torch.Tensor | None, list[int] | None]:
+        """A speculative verify step: execute_logits' requests and logits, plus the rows' raw argmax ids where
+        the GPU's verify graph computed them for a batch that needs nothing else (else None). On the GPU from
+        the verify CUDA graphs where the step fits one (pdserve.engine.runner.verify_graphs)."""
+        if self.gpu is not None:
+            return self.gpu.execute_verify(batch)
+        reqs, logits = self.execute_logits(batch)
+        return reqs, logits, None
 
     def _run_cpu(self, batch: list[tuple[Request, int]], on_layer: Callable[[int], None] | None = None,
                  ) -> tuple[list[Request], torch.Tensor | None]:

@@ -15,6 +15,8 @@ ModelRunner delegates `execute` here on CUDA. What it does differently from the 
 - Async scheduling (`launch_decode` / `collect_decode`, driven by pdserve.engine.runner.async_decode): a decode graph
   step can be launched before the previous one's tokens reached the host, its input ids gathered on the device
   from the previous replay's argmax; the host reads a step's tokens from a pinned copy queued behind it.
+- Speculative verify steps (K + 1 rows per request) replay graphs of their own, keyed by (batch bucket, K + 1),
+  drafts padded to K (pdserve.engine.runner.verify_graphs); `execute_verify`.
 - Tensor parallelism: rank 0 hands each step's staged host inputs to `step_sink` before running it; the
   other ranks `replay` them through the same device code (graph replay or eager), so every rank runs the
   same graph with the same inputs, collectives included. Only rank 0 samples.
@@ -37,6 +39,7 @@ from pdserve.engine.runner.host_batch import BlockTableCache, EagerShape, HostBa
 from pdserve.engine.runner.sampler import Sampler
 from pdserve.engine.runner.step_timing import StepTiming
 from pdserve.engine.runner.tp_messages import EagerStep, GraphStep, StepMessage
+from pdserve.engine.runner.verify_graphs import VerifyGraphs, verify_graph_sizes, verify_graphs_from_env
 from pdserve.model.decoder import DecoderLM
 from pdserve.types.outputs import TokenLogprob
 
@@ -84,11 +87,12 @@ class LaunchedDecode:
 class GpuStepRunner:
     def __init__(self, model: DecoderLM, kv_pool: torch.Tensor, backend: AttentionBackend, sampler: Sampler, *,
                  block_size: int, max_num_seqs: int, max_model_len: int, enforce_eager: bool = False,
-                 simulate_graphs: bool = False):
+                 simulate_graphs: bool = False, num_spec_tokens: int = 0):
         """The model, its paged KV pool (block-contiguous, on the device the steps run on), the attention
         backend and the sampler are the model runner's; the rest sizes the graphs and block tables.
         simulate_graphs (tests on CPU): run the decode-graph path's static buffers and padding eagerly
-        instead of capturing, so its input handling is checked where no CUDA exists."""
+        instead of capturing, so its input handling is checked where no CUDA exists. num_spec_tokens: K of
+        speculative decoding (0: none), for the verify graphs."""
         self.simulate_graphs = simulate_graphs
         self.model = model
         self.kv_pool = kv_pool
@@ -115,6 +119,9 @@ class GpuStepRunner:
         self._dev = torch.empty(0, dtype=torch.int64, device=self.device)
         self.graph_sizes: list[int] = []
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.num_spec_tokens = num_spec_tokens
+        self.verify: VerifyGraphs | None = None  # the verify steps' graphs (None: verify steps run eagerly)
+        self.verify_graphs_on = True  # switched off at run time by benchmarks (A/B against the eager step)
         # async scheduling: two pinned token buffers used in turn (a step's copy lands in one while the host
         # reads the previous step's from the other), and the event after the last launch's host->device
         # copies (the pinned staging buffers must not be rewritten before those copies ran)
@@ -158,6 +165,11 @@ class GpuStepRunner:
         self._g_qsl = torch.arange(bmax + 1, dtype=torch.int64, device=self.device)
         self._g_host_np[2 * bmax : 3 * bmax] = -1  # padding rows: no K/V store
         self._g_dev.copy_(self._g_host)
+        # verify graphs: K > 0, a backend whose attention takes verify_rows, one rank (the other ranks of a
+        # tensor-parallel group capture only the decode graphs: their captures' collectives must pair up)
+        if (self.num_spec_tokens > 0 and verify_graphs_from_env() and self.model.tp is None
+                and getattr(self.backend, "supports_verify_graphs", False)):
+            self.verify = VerifyGraphs(self, self.num_spec_tokens, verify_graph_sizes(self.graph_sizes))
         if self.simulate_graphs:
             return
         t0 = time.perf_counter()
@@ -173,6 +185,8 @@ class GpuStepRunner:
         torch.cuda.synchronize()
         log.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(self.graphs), self.graph_sizes,
                  time.perf_counter() - t0)
+        if self.verify is not None and not self.verify.capture(pool):
+            self.verify = None
 
     def _graph_forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         b = self._gb
@@ -292,6 +306,16 @@ class GpuStepRunner:
         if src_rows is not None:
             buf[5 * b : 5 * b + n] = src_rows
 
+    def _write_table_updates(self, updates: list[int]) -> None:
+        """New block-table entries ((flat index, block id) pairs, `_table_rows`) into the persistent rows."""
+        if updates:
+            m = len(updates) // 2
+            host, dev = self._staging(2 * m)
+            host.numpy()[: 2 * m] = updates
+            dev[: 2 * m].copy_(host[: 2 * m], non_blocking=True)
+            pairs = dev[: 2 * m].view(m, 2)
+            self._g_rows.view(-1).index_copy_(0, pairs[:, 0], pairs[:, 1])
+
     def _wait_staged(self) -> None:
         """Before the pinned staging buffers are rewritten: the last async launch's host->device copies of
         them must have run (a launch does not wait for its step; the copies sit ahead of it in the stream)."""
@@ -306,13 +330,7 @@ class GpuStepRunner:
         gathered from them by the header's source rows instead of coming from the host. ahead: launched
         without waiting for it (async scheduling)."""
         self._g_dev.copy_(self._g_host, non_blocking=True)
-        if updates:
-            m = len(updates) // 2
-            host, dev = self._staging(2 * m)
-            host.numpy()[: 2 * m] = updates
-            dev[: 2 * m].copy_(host[: 2 * m], non_blocking=True)
-            pairs = dev[: 2 * m].view(m, 2)
-            self._g_rows.view(-1).index_copy_(0, pairs[:, 0], pairs[:, 1])
+        self._write_table_updates(updates)
         if ids_from is not None:
             prev, n = ids_from
             b = self._gb
@@ -431,6 +449,36 @@ class GpuStepRunner:
         self.timing.steps += 1
         self.timing.total_s += time.perf_counter() - t0
         return hb.sampling, logits
+
+    def execute_verify(self, batch: list[tuple[Request, int]],
+                       ) -> tuple[list[Request], torch.Tensor | None, list[int] | None]:
+        """A speculative verify step (ModelRunner.execute_verify): its requests, the raw logits of their rows
+        (spec_decode.rows' layout) and, where the rejection sampler needs nothing but the raw argmax, those rows'
+        argmax ids (else None). From a verify graph where the step fits one, else an eager step."""
+        t0 = time.perf_counter()
+        size = self.verify.fits(batch) if self.verify is not None and self.verify_graphs_on else None
+        got = None
+        if size is not None:
+            assert self.verify is not None
+            got = self.verify.run(batch, size, want_argmax=greedy_on_device([req for req, _ in batch]))
+        if got is None:
+            reqs, logits = self.execute_logits(batch)
+            return reqs, logits, None
+        self.tables.end_step()
+        self.timing.graph_steps += 1
+        self.timing.steps += 1
+        self.timing.total_s += time.perf_counter() - t0
+        return got
+
+    @property
+    def verify_graph_steps(self) -> int:
+        """Verify steps replayed from a graph so far."""
+        return 0 if self.verify is None else self.verify.steps
+
+    @property
+    def verify_graphs(self) -> list[int]:
+        """The batch sizes with a verify graph (empty: verify steps run eagerly)."""
+        return [] if self.verify is None else list(self.verify.sizes)
 
     def _run_eager_sampling_rows(self, batch: list[tuple[Request, int]]) -> tuple[HostBatch, torch.Tensor | None]:
         """An eager step's logits of its sampling rows: the prompt-logprob rows it also computed are

@@ -54,8 +54,9 @@ class SpecDecoder:
         tokens = np.array(req.token_ids(), dtype=np.int64)
         return propose_ngram(tokens, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
 
-    def verify(self, sampler: Sampler, logits, reqs: list[Request]) -> list[Verified]:
-        out = verify(sampler, logits, reqs)
+    def verify(self, sampler: Sampler, logits, reqs: list[Request], raw_argmax: list[int] | None = None,
+               ) -> list[Verified]:
+        out = verify(sampler, logits, reqs, raw_argmax)
         for v in out:
             if v.num_draft_tokens:
                 self.stats.observe_draft(v.num_draft_tokens, v.num_accepted)

@@ -48,15 +48,22 @@ class Verified:
     num_accepted: int  # drafts accepted (token_ids[:num_accepted] are drafts)
 
 
-def verify(sampler: Sampler, logits: torch.Tensor, reqs: list[Request]) -> list[Verified]:
-    """logits: [sum over reqs of len(spec_token_ids) + 1, vocab], rows in `reqs` order (spec_decode.rows)."""
+def verify(sampler: Sampler, logits: torch.Tensor, reqs: list[Request],
+           raw_argmax: list[int] | None = None) -> list[Verified]:
+    """logits: [sum over reqs of len(spec_token_ids) + 1, vocab], rows in `reqs` order (spec_decode.rows).
+    raw_argmax: the argmax of each row of `logits`, already on the host (a verify CUDA graph computes it);
+    used where no adjustment applies, saving the device argmax and its copy."""
     raw = logits.float()
     views: list = []
     for req in reqs:
         drafts = req.spec_token_ids
         views.extend([req] + [_Ahead(req, drafts[:j]) for j in range(1, len(drafts) + 1)])
     adjusted = Sampler.adjust(raw, views)
-    argmax = adjusted.argmax(dim=-1).tolist()
+    if raw_argmax is not None and adjusted is raw:
+        assert len(raw_argmax) == raw.shape[0]
+        argmax = raw_argmax
+    else:
+        argmax = adjusted.argmax(dim=-1).tolist()
     random_rows = not all(r.params.greedy for r in reqs)
     if random_rows:
         accept_p, uniform, resampled = _random_draws(sampler, adjusted, reqs, views)
