@@ -219,7 +219,6 @@ class ModelRunner:
         """Run steps through the CUDA path (on CPU too with simulate_graphs, for tests), built from this
         runner's model, pool, attention backend and sampler."""
         from pdserve.engine.runner.step_runner import GpuStepRunner  # GPU-only, imported lazily
-
         from pdserve.types.speculative_config import SpeculativeConfig
 
         cfg = self.config
