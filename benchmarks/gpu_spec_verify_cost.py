@@ -1,17 +1,24 @@
-"""What a speculative verify step costs on the GPU against a plain decode step (issue 37's goal: K = 4 within
-1.15x of a plain step at low batch), 8B shape with dummy weights:
+"""What a speculative verify step costs on the GPU against a plain decode step (issue 42's goal: K = 4 within
+1.15x of a plain graph step at batch 1, 4 and 16), 8B shape with dummy weights:
 
     python benchmarks/gpu_spec_verify_cost.py --model Llama-3.1-8B --batch 1,4,16 --context 2048 --k 4
 
-For each batch size, B requests are prefilled to `--context` tokens, then timed over `--iters` repetitions
-(each rewrites the same KV slots, so the state stays put):
+The engine is built with ngram speculation (K = --k), so it captures the verify CUDA graphs
+(pdserve/engine/runner/verify_graphs.py) beside the decode graphs; PDSERVE_SPEC_VERIFY_GRAPHS=0 builds none
+(every verify column is then the eager step). For each batch size, B requests are prefilled to `--context`
+tokens, then timed over `--iters` repetitions (each rewrites the same KV slots, so the state stays put):
 - plain: the engine's decode step (`ModelRunner.execute`: the CUDA graph, greedy argmax on the device);
 - plain eager: the same step without the graph (`execute_logits` with one row each + argmax);
-- verify: K drafts per request (`execute_logits` with K + 1 rows each: an eager step, as verify steps run
-  today) plus the rejection sampler's greedy accept (`spec_decode.rejection.verify`).
+- verify graph: K random drafts per request (none accepted: the cost per step does not depend on it), the
+  step as the engine runs it (`ModelRunner.execute_verify`: the verify graph, the rows' argmax read back)
+  plus the rejection sampler's greedy accept (`spec_decode.rejection.verify`);
+- verify graph, uneven: the same with draft lengths K, K - 1, ..., 0 in turn across the requests (padded to K:
+  still one graph; at batch 1 the request has K - 1 drafts);
+- verify eager: the same step with the graphs switched off at run time (`GpuStepRunner.verify_graphs_on`).
 The ratio verify / plain is the price of speculation per step: speculation wins when the mean acceptance
-length (vllm:spec_decode_* on /metrics, `pdserve bench`) exceeds it. Runs on CPU too (`--device cpu --model
-DIR`), which checks the script, not the GPU's numbers.
+length (vllm:spec_decode_* on /metrics, `pdserve bench`) exceeds it. A verify column that did not replay a
+graph is marked "(eager!)". Runs on CPU too (`--device cpu --model DIR`), which checks the script, not the
+GPU's numbers.
 """
 
 from __future__ import annotations
@@ -39,11 +46,22 @@ def timed(fn, iters: int, device: torch.device) -> float:
     return statistics.median(out)
 
 
+def simulate_graphs(runner) -> None:
+    """The GPU step path on the CPU, graphs simulated (as tests/test_async_scheduling.simulate_gpu_path)."""
+    from pdserve.attention.torch_ref import TorchAttention
+
+    runner.backend = TorchAttention()
+    runner.model.fused_ops = None
+    runner.use_gpu_step_runner(simulate_graphs=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="Llama-3.1-8B")
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--simulate-graphs", action="store_true",
+                    help="CPU check of the script: the GPU step path with its graphs simulated (torch attention)")
     ap.add_argument("--batch", default="1,4,16")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--k", type=int, default=4)
@@ -54,25 +72,35 @@ def main() -> None:
     from pdserve.types.engine_config import EngineConfig
 
     batches = [int(b) for b in args.batch.split(",")]
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     engine = LLMEngine(EngineConfig(model=args.model, load_format=args.load_format, device=args.device,
-                                    max_model_len=args.context + 4 * args.k + 16, max_num_seqs=max(batches)))
+                                    max_model_len=args.context + 4 * args.k + 16, max_num_seqs=max(batches),
+                                    speculative_config=spec))
+    if args.simulate_graphs:
+        simulate_graphs(engine.runner)
+    gpu = engine.runner.gpu
     g = torch.Generator().manual_seed(0)
-    print(f"{args.model} ({args.load_format}), context {args.context}, K = {args.k}, device {engine.runner.device}")
-    print("| batch | plain step (graph) ms | plain step (eager) ms | verify K+1 rows (eager) ms | verify / plain "
-          "| verify / plain eager |")
-    print("|---|---|---|---|---|---|")
+    print(f"{args.model} ({args.load_format}), context {args.context}, K = {args.k}, device {engine.runner.device}, "
+          f"verify graphs {gpu.verify_graphs if gpu is not None else None}")
+    print("| batch | plain step (graph) ms | plain step (eager) ms | verify K+1 rows (graph) ms | verify, uneven "
+          "drafts (graph) ms | verify K+1 rows (eager) ms | verify graph / plain | uneven / plain "
+          "| verify eager / plain |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for b in batches:
-        t_plain, t_eager, t_verify = measure(engine, b, args, g)
-        print(f"| {b} | {t_plain:.2f} | {t_eager:.2f} | {t_verify:.2f} | {t_verify / t_plain:.2f} | "
-              f"{t_verify / t_eager:.2f} |")
+        t = measure(engine, b, args, g)
+        print(f"| {b} | {t['plain']:.2f} | {t['eager_plain']:.2f} | {t['verify_graph']:.2f}{t['graph_mark']} | "
+              f"{t['verify_uneven']:.2f}{t['uneven_mark']} | {t['verify_eager']:.2f} | "
+              f"{t['verify_graph'] / t['plain']:.2f} | {t['verify_uneven'] / t['plain']:.2f} | "
+              f"{t['verify_eager'] / t['plain']:.2f} |", flush=True)
 
 
-def measure(engine, b: int, args: argparse.Namespace, g: torch.Generator) -> tuple[float, float, float]:
-    """(plain graph, plain eager, verify) ms for b requests at args.context tokens."""
+def measure(engine, b: int, args: argparse.Namespace, g: torch.Generator) -> dict:
+    """ms of each step kind for b requests at args.context tokens (see the module's docstring)."""
     from pdserve.engine.spec_decode.rejection import verify
     from pdserve.types.sampling_params import SamplingParams
 
     runner, vocab = engine.runner, engine.model_cfg.vocab_size
+    gpu = runner.gpu
     ids = [f"b{b}-{i}" for i in range(b)]
     for rid in ids:
         engine.add_request(rid, torch.randint(100, vocab, (args.context,), generator=g).tolist(),
@@ -83,30 +111,44 @@ def measure(engine, b: int, args: argparse.Namespace, g: torch.Generator) -> tup
             break
     reqs = [engine.requests[r] for r in ids]
     for r in reqs:
+        r.spec_token_ids = []
         assert r.num_computed_tokens == r.num_tokens - 1, "not in the decode phase"
         assert engine.blocks.allocate(r, r.num_tokens + args.k), "the KV pool is too small"
     plain_batch = [(r, 1) for r in reqs]
-    t_plain = timed(lambda: runner.execute(plain_batch), args.iters, runner.device)
+    out = {"plain": timed(lambda: runner.execute(plain_batch), args.iters, runner.device)}
 
     def eager_plain():
         _, logits = runner.execute_logits(plain_batch)
         logits.argmax(dim=-1).tolist()
 
-    t_eager = timed(eager_plain, args.iters, runner.device)
+    out["eager_plain"] = timed(eager_plain, args.iters, runner.device)
     drafts = {r.request_id: torch.randint(100, vocab, (args.k,), generator=g).tolist() for r in reqs}
+    even = [args.k] * b
+    uneven = [max(0, args.k - 1 - i % args.k) if b == 1 else args.k - i % (args.k + 1) for i in range(b)]
 
-    def verify_step():
-        for r in reqs:
-            r.spec_token_ids = list(drafts[r.request_id])
-        got, logits = runner.execute_logits([(r, 1 + args.k) for r in reqs])
-        verify(runner.sampler, logits, got)
+    def verify_step(lengths: list[int]):
+        for r, n in zip(reqs, lengths, strict=True):
+            r.spec_token_ids = drafts[r.request_id][:n]
+        got, logits, argmax = runner.execute_verify([(r, 1 + n) for r, n in zip(reqs, lengths, strict=True)])
+        verify(runner.sampler, logits, got, argmax)
         for r in reqs:
             r.spec_token_ids = []
 
-    t_verify = timed(verify_step, args.iters, runner.device)
+    for name, lengths, on in (("verify_graph", even, True), ("verify_uneven", uneven, True),
+                              ("verify_eager", even, False)):
+        if gpu is not None:
+            gpu.verify_graphs_on = on
+        before = gpu.verify_graph_steps if gpu is not None else 0
+        out[name] = timed(lambda lengths=lengths: verify_step(lengths), args.iters, runner.device)
+        replayed = (gpu.verify_graph_steps if gpu is not None else 0) - before
+        if name != "verify_eager":
+            out[name.replace("verify_", "") + "_mark"] = "" if replayed >= args.iters else " (eager!)"
+    if gpu is not None:
+        gpu.verify_graphs_on = True
     for rid in ids:
         engine.abort_request(rid)
-    return t_plain, t_eager, t_verify
+    return out
+
 
 if __name__ == "__main__":
     main()

@@ -138,6 +138,12 @@ def check_verify_engines(archs: tuple[str, ...] = ("llama", "qwen3"), max_tokens
             os.environ["PDSERVE_SPEC_VERIFY_GRAPHS"] = "1" if graphs else "0"
             try:
                 eng = LLMEngine(EngineConfig(speculative_config=spec, **common))
+                if device == "cpu":  # a dry run of this check: the GPU step path with its graphs simulated
+                    from pdserve.attention.torch_ref import TorchAttention
+
+                    eng.runner.backend = TorchAttention()
+                    eng.runner.model.fused_ops = None
+                    eng.runner.use_gpu_step_runner(simulate_graphs=True)
             finally:
                 if old is None:
                     del os.environ["PDSERVE_SPEC_VERIFY_GRAPHS"]
