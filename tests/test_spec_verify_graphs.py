@@ -194,3 +194,19 @@ def test_verify_kernel_matches_sdpa_with_padded_drafts():
              {"name": "k2-gqa3", "seqs": [(31, 2), (2, 1)], "k": 2, "h": 6, "kvh": 2, "d": 16}]
     results = check_verify_kernel(torch.float32, "cpu", cases, block_size=4, tile_n=16, splits_list=(1, 2, 5))
     assert results and all(r["ok"] for r in results), results
+
+
+def test_a_failed_capture_leaves_verify_steps_eager(tiny_llama, plain, caplog):
+    """Capture fails here (no CUDA on the CPU box): nothing is kept, a warning is logged, and with the verify
+    graphs dropped (as the step runner drops them then) the engine verifies eagerly, same tokens."""
+    eng = _graph_engine(tiny_llama)
+    gpu = eng.runner.gpu
+    with caplog.at_level("WARNING", logger="pdserve.engine"):
+        assert gpu.verify.capture(None) is False
+    assert gpu.verify.sizes == [] and not gpu.verify.graphs and "verify steps run eagerly" in caplog.text
+    batch = [(r, 1) for r in []]
+    assert gpu.verify.fits(batch) is None
+    gpu.verify = None
+    prompts = repetitive_prompts(320)[:2]
+    assert run_engine(eng, prompts, GREEDY) == run_engine(plain, prompts, GREEDY)
+    assert gpu.verify_graph_steps == 0 and eng.stats().spec_decode.num_accepted_tokens > 0
