@@ -17,7 +17,8 @@ tokens, then timed over `--iters` repetitions (each rewrites the same KV slots, 
 - verify eager: the same step with the graphs switched off at run time (`GpuStepRunner.verify_graphs_on`).
 The ratio verify / plain is the price of speculation per step: speculation wins when the mean acceptance
 length (vllm:spec_decode_* on /metrics, `pdserve bench`) exceeds it. A verify column that did not replay a
-graph is marked "(eager!)". Runs on CPU too (`--device cpu --model DIR`), which checks the script, not the
+graph is marked "(eager!)". `--skinny-ab` then recaptures the graphs with PDSERVE_SKINNY_GEMM's kernel for
+linears of 2-32 rows (pdserve/engine/runner/skinny_gemm.py, an experiment) and prints the table again. Runs on CPU too (`--device cpu --model DIR`), which checks the script, not the
 GPU's numbers.
 """
 
@@ -66,6 +67,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--skinny-ab", action="store_true",
+                    help="then the same with PDSERVE_SKINNY_GEMM's kernel for linears of 2-32 rows (graphs recaptured)")
     args = ap.parse_args()
 
     from pdserve.engine.engine import LLMEngine
@@ -82,6 +85,27 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     print(f"{args.model} ({args.load_format}), context {args.context}, K = {args.k}, device {engine.runner.device}, "
           f"verify graphs {gpu.verify_graphs if gpu is not None else None}")
+    table(engine, batches, args, g)
+    if args.skinny_ab and gpu is not None:
+        # the A/B of pdserve/engine/runner/skinny_gemm.py: linears of 2-32 rows on its kernel instead of cuBLAS
+        import gc
+
+        try:
+            from pdserve.engine.runner import skinny_gemm
+
+            skinny_gemm.ENABLED = True
+            engine.runner.gpu = None
+            gc.collect()
+            if engine.runner.device.type == "cuda":
+                torch.cuda.empty_cache()
+            engine.runner.use_gpu_step_runner(simulate_graphs=args.simulate_graphs)  # every graph recaptured
+            print("\nPDSERVE_SKINNY_GEMM=1 (linears of 2-32 rows on skinny_gemm's kernel; graphs recaptured):")
+            table(engine, batches, args, g)
+        except Exception as e:  # noqa: BLE001 - the experiment must not hide the table above
+            print(f"skinny A/B failed: {type(e).__name__}: {e}")
+
+
+def table(engine, batches: list[int], args: argparse.Namespace, g: torch.Generator) -> None:
     print("| batch | plain step (graph) ms | plain step (eager) ms | verify K+1 rows (graph) ms | verify, uneven "
           "drafts (graph) ms | verify K+1 rows (eager) ms | verify graph / plain | uneven / plain "
           "| verify eager / plain |")

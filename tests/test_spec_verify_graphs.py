@@ -210,3 +210,27 @@ def test_a_failed_capture_leaves_verify_steps_eager(tiny_llama, plain, caplog):
     prompts = repetitive_prompts(320)[:2]
     assert run_engine(eng, prompts, GREEDY) == run_engine(plain, prompts, GREEDY)
     assert gpu.verify_graph_steps == 0 and eng.stats().spec_decode.num_accepted_tokens > 0
+
+
+def test_skinny_gemm_matches_matmul():
+    """The experimental few-row linear kernel (PDSERVE_SKINNY_GEMM=1) under the interpreter, float16 (the
+    interpreter's dot mishandles bfloat16; the GPU check runs bfloat16 at the 8B shapes)."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 before triton is imported")
+    import test_gpu_kernels  # noqa: F401
+
+    from pdserve.engine.runner import skinny_gemm as sg
+
+    g = torch.Generator().manual_seed(0)
+    for m, n, k, bias in ((5, 40, 512, False), (20, 33, 256, True), (2, 16, 256, False)):
+        x = torch.randn(m, k, generator=g).half()
+        w = torch.randn(n, k, generator=g).half()
+        b = torch.randn(n, generator=g).half() if bias else None
+        want = x.float() @ w.float().t() + (b.float() if bias else 0)
+        got = sg.skinny_matmul(x, w, b)
+        assert got.dtype == torch.float16 and got.shape == (m, n)
+        assert float((got.float() - want).abs().max() / want.abs().max()) < 2e-3
+    layer = torch.nn.Linear(256, 16, bias=False).half()
+    assert sg.skinny_weight(torch.zeros(5, 256).half(), layer) is (layer.weight if sg.ENABLED else None)
+    assert sg.skinny_weight(torch.zeros(1, 256).half(), layer) is None  # one row: the GEMV's

@@ -184,10 +184,30 @@ def _run(engine, prompts: list[list[int]], params) -> list[list[int]]:
     raise RuntimeError("the engine did not finish")
 
 
+def check_skinny_gemm(device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
+    """The experimental few-row linear kernel (engine/runner/skinny_gemm.py, off by default) vs a float32
+    matmul, at the 8B model's shapes: what `gpu_spec_verify_cost.py --skinny-ab` times must be right."""
+    from pdserve.engine.runner.skinny_gemm import skinny_matmul
+
+    gen = torch.Generator(device=device).manual_seed(3)
+    results: list[dict[str, Any]] = []
+    for m, n, k in ((5, 6144, 4096), (20, 4096, 4096), (5, 28672, 4096), (32, 4096, 14336), (5, 128256, 4096)):
+        x = torch.randn((m, k), generator=gen, device=device).to(dtype)
+        w = (torch.randn((n, k), generator=gen, device=device) * k**-0.5).to(dtype)
+        want = x.float() @ w.float().t()
+        err = rel_err(skinny_matmul(x, w), want)
+        results.append({"kernel": "skinny_gemm", "shape": [m, n, k], "rel_err": err, "ok": err < 1e-2})
+    return results
+
+
 def main() -> int:
-    report = {"verify_kernel": check_verify_kernel(), "verify_engines": check_verify_engines()}
+    report: dict[str, Any] = {"verify_kernel": check_verify_kernel(), "verify_engines": check_verify_engines()}
+    try:  # an experiment (off by default): reported, not part of the exit status
+        report["skinny_gemm_experiment"] = check_skinny_gemm()
+    except Exception as e:  # noqa: BLE001
+        report["skinny_gemm_experiment"] = [{"error": f"{type(e).__name__}: {e}", "ok": False}]
     print(json.dumps(report, indent=1))
-    return 0 if all(r["ok"] for k in report for r in report[k]) else 1
+    return 0 if all(r["ok"] for k in ("verify_kernel", "verify_engines") for r in report[k]) else 1
 
 
 if __name__ == "__main__":

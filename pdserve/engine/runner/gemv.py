@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.engine.runner import skinny_gemm
 from pdserve.engine.runner.decode_fusions import decode_fusions_from_env
 
 EPILOGUE_FUSIONS = decode_fusions_from_env()  # on unless PDSERVE_DECODE_FUSIONS=0
@@ -133,7 +134,8 @@ def linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
     are."""
     weight = _gemv_weight(x, layer)
     if weight is None:
-        return layer(x)
+        few = skinny_gemm.skinny_weight(x, layer)  # 2..32 rows, PDSERVE_SKINNY_GEMM=1 only (an experiment)
+        return layer(x) if few is None else skinny_gemm.skinny_matmul(x, few, layer.bias)
     return gemv(x, weight, layer.bias)
 
 
