@@ -54,7 +54,7 @@ def test_verify_steps_replay_graphs_with_uneven_drafts_token_exact(tiny_llama, p
     prompts = repetitive_prompts(320)[:2] + mixed_prompts(320, lengths=(20,))
     want = run_engine(plain, prompts, GREEDY)
     assert run_engine(eng, prompts, GREEDY) == want
-    steps = [d for d in rec.drafts]
+    steps = rec.drafts
     assert gpu.verify_graph_steps == len(steps) > 0
     uneven = [d for d in steps if len({x for x in d if x >= 0}) > 1]
     assert uneven, "no step mixed draft lengths: the padding went untested"
@@ -204,8 +204,7 @@ def test_a_failed_capture_leaves_verify_steps_eager(tiny_llama, plain, caplog):
     with caplog.at_level("WARNING", logger="pdserve.engine"):
         assert gpu.verify.capture(None) is False
     assert gpu.verify.sizes == [] and not gpu.verify.graphs and "verify steps run eagerly" in caplog.text
-    batch = [(r, 1) for r in []]
-    assert gpu.verify.fits(batch) is None
+    assert gpu.verify.fits([]) is None  # no sizes left: every verify step eager
     gpu.verify = None
     prompts = repetitive_prompts(320)[:2]
     assert run_engine(eng, prompts, GREEDY) == run_engine(plain, prompts, GREEDY)
