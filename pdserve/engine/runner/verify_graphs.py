@@ -208,7 +208,9 @@ class VerifyGraphs:
         self.steps += 1
         argmax = None
         if want_argmax:
+            t = time.perf_counter()
             every = tokens[:m].tolist()  # the step's one device->host copy, and its one sync
+            r.timing.wait_s += time.perf_counter() - t
             argmax = [every[j] for j in real]
         if len(real) == m:
             return [req for req, _ in batch], logits[:m], argmax
