@@ -16,9 +16,10 @@ step costs 2.6-5.5x a graph-replayed plain step on the H200, all of it host laun
   plain argmax (`step_runner.greedy_on_device`), the host reads only the argmax ids (one small copy) and the
   rejection sampler takes them as the raw logits' argmax; otherwise it runs on the real rows' logits.
 - Block tables are the decode graphs' persistent rows (`GpuStepRunner._table_rows`).
-A step that does not fit (a prefill chunk in it, a request past its frontier, prompt logprobs, more drafts
+A step that does not fit (a prefill chunk in it, a request short of its frontier, prompt logprobs, more drafts
 than K, more requests than the largest verify graph, tensor parallelism) runs the eager verify step, as does
-everything when the capture failed (logged) or `PDSERVE_SPEC_VERIFY_GRAPHS=0` (the benchmarks' A/B).
+everything when the capture failed (logged) or with `PDSERVE_SPEC_VERIFY_GRAPHS=0` (none captured; at run time
+`GpuStepRunner.verify_graphs_on`, the benchmarks' A/B).
 """
 
 from __future__ import annotations
