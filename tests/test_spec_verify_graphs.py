@@ -233,3 +233,19 @@ def test_skinny_gemm_matches_matmul():
     layer = torch.nn.Linear(256, 16, bias=False).half()
     assert sg.skinny_weight(torch.zeros(5, 256).half(), layer) is (layer.weight if sg.ENABLED else None)
     assert sg.skinny_weight(torch.zeros(1, 256).half(), layer) is None  # one row: the GEMV's
+
+
+def test_mixed_sampling_params_in_one_verify_graph(tiny_llama, plain):
+    """Penalties, min_tokens with a stop token, logprobs and plain greedy requests batched in the same verify
+    graphs (no argmax shortcut for the batch: the rejection sampler adjusts each row's logits): as without
+    speculation."""
+    prompts = repetitive_prompts(320)
+    full = run_engine(plain, prompts[:1], GREEDY)[0]
+    params = [GREEDY,
+              SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, repetition_penalty=1.3,
+                             frequency_penalty=0.4),
+              SamplingParams(max_tokens=24, temperature=0, min_tokens=8, stop_token_ids=[full[3]]),
+              SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)]
+    eng = _graph_engine(tiny_llama)
+    assert run_engine(eng, prompts, params) == run_engine(plain, prompts, params)
+    assert eng.runner.gpu.verify_graph_steps > 0 and eng.stats().spec_decode.num_accepted_tokens > 0
