@@ -77,7 +77,7 @@ def main() -> None:
     batches = [int(b) for b in args.batch.split(",")]
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     engine = LLMEngine(EngineConfig(model=args.model, load_format=args.load_format, device=args.device,
-                                    max_model_len=args.context + 4 * args.k + 16, max_num_seqs=max(batches),
+                                    max_model_len=args.context + 16 * args.k + 64, max_num_seqs=max(batches),
                                     speculative_config=spec))
     if args.simulate_graphs:
         simulate_graphs(engine.runner)
