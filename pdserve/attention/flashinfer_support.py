@@ -80,7 +80,7 @@ def takes_flashinfer(meta: AttentionMetadata, long_prefill: lp.LongPrefillConfig
     than TRITON_MAX_Q and enough attention work to pay for FlashInfer's per-step plan, unless one of its
     chunks is long enough for the long-prefill path (long_prefill set: cuDNN partials finished by Triton,
     measured faster than FlashInfer on such chunks)."""
-    if meta.decode_only or meta.max_query_len <= TRITON_MAX_Q:
+    if meta.decode_only or meta.verify_rows or meta.max_query_len <= TRITON_MAX_Q:  # verify graphs: Triton's
         return False
     if min_layer_flops and step_attention_flops(meta, num_heads, head_dim) < min_layer_flops:
         return False
