@@ -240,6 +240,8 @@ def kv_events_info(publisher: Any, http_host: str, block_size: int) -> dict[str,
         # bound there (vLLM's convention for another machine's address), which routers cannot subscribe to
         "endpoint_mode": publisher.mode,
         "replay_endpoint": reachable(publisher.replay_endpoint),
+        # vLLM's snapshot service: live sequence frames are then 24 bytes (seq + this lifetime's identity)
+        "snapshot_endpoint": reachable(publisher.snapshot_endpoint),
         "topic": publisher.config.topic,
         "block_size": block_size,
         # how BlockStored hashes are computed from token ids (pdserve.kv_events.block_hash; ARCHITECTURE.md)
