@@ -64,7 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bound on the disk tier's files, in GiB (LRU beyond it)")
     p.add_argument("--structured-outputs-config", default=None,
                    help='vLLM\'s JSON: {"backend": "auto"|"guidance", "disable_any_whitespace": bool, '
-                        '"disable_additional_properties": bool}')
+                        '"disable_additional_properties": bool}. Objects are strict (no unlisted keys unless the '
+                        'schema allows them) as with vLLM\'s default backend; "guidance" relaxes that as vLLM\'s '
+                        'guidance backend does, unless disable_additional_properties')
     p.add_argument("--speculative-config", default=None,
                    help='vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, '
                         '"prompt_lookup_min": M} drafts K tokens by prompt lookup, {"model": DIR, '
