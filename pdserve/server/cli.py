@@ -50,8 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transfer-config", default=None, help="vLLM's KV transfer JSON")
     p.add_argument("--kv-events-config", default=None,
                    help='vLLM\'s JSON: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
-                        '"tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}: publish the KV pool\'s '
-                        'BlockStored/BlockRemoved/AllBlocksCleared events (vLLM\'s wire format) for routers')
+                        '"tcp://*:5557", "replay_endpoint": "tcp://*:5558", "snapshot_endpoint": "tcp://*:5559", '
+                        '"topic": ""}: publish the KV pool\'s BlockStored/BlockRemoved/AllBlocksCleared events '
+                        '(vLLM\'s wire format) for routers; snapshot_endpoint adds vLLM\'s snapshot service '
+                        '(24-byte seq+identity frames, 1 s idle heartbeats)')
     p.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
                    help="keep full KV blocks evicted from the KV pool in this many GiB of host memory (pinned on "
                         "CUDA), LRU, and load them back for later prompts with the same prefix (vLLM's flag)")
