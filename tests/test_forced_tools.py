@@ -147,3 +147,67 @@ def test_required_schema_hoists_defs() -> None:
     jsonschema.validate([{"name": "a", "parameters": {"p": 3}}], schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([], schema)
+
+
+# ---- objects are strict by default (vLLM's default backend), relaxed by naming the guidance backend -------
+OPEN_WEATHER = {k: v for k, v in WEATHER.items() if k != "additionalProperties"}  # says nothing about extra keys
+OPEN_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": OPEN_WEATHER}},
+              {"type": "function", "function": {"name": "set_alarm", "parameters": {
+                  k: v for k, v in ALARM.items() if k != "additionalProperties"}}}]
+
+
+def test_objects_are_closed_unless_the_schema_or_the_server_says_otherwise() -> None:
+    from pdserve.model.default_model import resolve_model
+    from pdserve.structured.grammar import close_objects, load_compiler
+    from pdserve.text.tokenizer import load_tokenizer
+    from pdserve.types.structured_params import StructuredOutputsParams
+
+    path = resolve_model("smollm2-135m")
+    tok = load_tokenizer(path)
+
+    def accepts(compiler, schema, text: str, **spec: object) -> bool:
+        g = compiler.compile(StructuredOutputsParams(json=schema, **spec))  # type: ignore[arg-type]
+        return all(g.accept(t) for t in tok.hf.encode(text, add_special_tokens=False)) and g.stopped
+
+    listed, extra = '{"city": "Rome", "days": 2}', '{"city": "Rome", "days": 2, "note": "x"}'
+    nested = {"type": "object", "properties": {"where": OPEN_WEATHER}, "required": ["where"]}
+    default = load_compiler(path, 49152, [2])  # no --structured-outputs-config: strict
+    assert accepts(default, OPEN_WEATHER, listed) and not accepts(default, OPEN_WEATHER, extra)
+    assert not accepts(default, nested, '{"where": ' + extra + "}")  # nested objects too
+    assert accepts(default, {**OPEN_WEATHER, "additionalProperties": True}, extra)  # the schema says otherwise
+    assert accepts(default, {**OPEN_WEATHER, "additionalProperties": {"type": "string"}}, extra)
+    assert not accepts(default, {**OPEN_WEATHER, "additionalProperties": {"type": "integer"}}, extra)
+    assert accepts(default, {"type": "object"}, '{"any": 1}')  # an object that lists nothing stays any object
+    # vLLM's guidance backend by name: open, unless disable_additional_properties (server-wide or per request)
+    guidance = load_compiler(path, 49152, [2], {"backend": "guidance"})
+    assert accepts(guidance, OPEN_WEATHER, extra)
+    assert not accepts(guidance, OPEN_WEATHER, extra, disable_additional_properties=True)
+    closed = load_compiler(path, 49152, [2], {"backend": "guidance", "disable_additional_properties": True})
+    assert not accepts(closed, OPEN_WEATHER, extra)
+    # the walk reaches every subschema keyword, as vLLM's does
+    walked = close_objects({"anyOf": [OPEN_WEATHER], "items": {"properties": {}}, "$defs": {"d": OPEN_WEATHER},
+                            "patternProperties": {"^x": {"properties": {}}}})
+    assert walked["anyOf"][0]["additionalProperties"] is False and walked["items"]["additionalProperties"] is False
+    assert walked["$defs"]["d"]["additionalProperties"] is False and walked["additionalProperties"] is False
+    assert walked["patternProperties"]["^x"]["additionalProperties"] is False
+    assert "additionalProperties" not in OPEN_WEATHER  # the caller's schema is not changed
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_required_call_closes_on_schemas_that_do_not_close_themselves(client: openai.OpenAI, stream: bool) -> None:
+    """Tool schemas without additionalProperties (as most clients send them): under tool_choice "required"
+    the random model's call still ends where its schema does, and validates with every object closed. The
+    model is pushed to wander (a "," favoured): with open objects it would add keys until max_tokens."""
+    comma = client.post("/../tokenize", body={"model": MODEL, "prompt": ",", "add_special_tokens": False},
+                        cast_to=object)["tokens"]
+    kw = dict(model=MODEL, messages=ASK, tools=OPEN_TOOLS, tool_choice="required", max_tokens=80,
+              temperature=0.8, seed=11, parallel_tool_calls=False, logit_bias={str(comma[0]): 30})
+    if stream:
+        calls, finish, _ = streamed_calls(client.chat.completions.create(stream=True, **kw))
+    else:
+        choice = client.chat.completions.create(**kw).choices[0]
+        finish = choice.finish_reason
+        calls = [{"name": t.function.name, "arguments": t.function.arguments} for t in choice.message.tool_calls]
+    assert finish == "tool_calls" and len(calls) == 1
+    schema = {"get_weather": WEATHER, "set_alarm": ALARM}[calls[0]["name"]]  # the closed forms
+    jsonschema.validate(json.loads(calls[0]["arguments"]), schema)

@@ -6,6 +6,10 @@ real NIXL DRAM transfers, a tiny random model, everything on 127.0.0.1.
 - Conditional disaggregation counts only the uncached suffix: with --disagg-threshold-tokens 32, a long
   prompt whose prefix the decode instance holds is served there locally (conditional_local), a long prompt
   nobody holds goes P/D.
+- Blocks a decode instance received over the transfer (and those it computed after them) are announced by
+  its publisher, medium "GPU" (its own pool), so its snapshot and the proxy's index have them and a later
+  prompt with that prefix is served there (llm-d-kv-cache PR #347: indexers lost track of decode instances
+  because vLLM announces no event for received blocks).
 """
 
 from __future__ import annotations
@@ -30,12 +34,13 @@ except Exception as exc:  # noqa: BLE001 - any failure to load NIXL means no P/D
 
 COMMON = ("--max-model-len", "512", "--num-gpu-blocks-override", "128", "--block-size", "16")
 EVENTS = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*",
-                     "replay_endpoint": "tcp://127.0.0.1:*"})
+                     "replay_endpoint": "tcp://127.0.0.1:*", "snapshot_endpoint": "tcp://127.0.0.1:*"})
 NIXL_ENV = {"UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"}
 WORDS = ["alpha", "river", "stone", "cloud", "seven", "orange", "signal", "quiet", "market", "engine"]
 PREFIX = " ".join(WORDS * 8)
 LOCAL_PREFIX = " ".join(reversed(WORDS * 8))
 FRESH_PREFIX = " ".join(WORDS[::2] * 16)
+RECEIVED_PREFIX = " ".join(WORDS[1::2] * 16)
 QUESTIONS = ["What comes next?", "Say one word.", "Count to three."]
 http = httpx.Client(timeout=120.0)
 
@@ -128,3 +133,49 @@ def test_conditional_disaggregation_counts_only_the_uncached_suffix(pd: dict[str
     assert metric_value(metrics, 'pdserve_proxy_requests_total{path="disagg"}') - disagg0 == 1
     assert _instances(proxy)[d]["requests_total"] - d_requests == 2  # the local one, then the decode leg
     assert local_text == _complete(pd["p1"].url, f"{LOCAL_PREFIX} Name a colour.")
+
+
+def _decode_snapshot(d: str) -> dict[int, str]:
+    """Block hash -> medium, as the decode instance's publisher holds them (its snapshot socket)."""
+    import zmq
+
+    from pdserve.kv_events.events import BlockStored, decode_batch
+
+    info = http.get(d + "/pdserve/info").json()["kv_events"]
+    req = zmq.Context.instance().socket(zmq.REQ)
+    try:
+        req.connect(info["snapshot_endpoint"])
+        req.send(b"snapshot")
+        assert req.poll(10_000)
+        _, _, *chunks = req.recv_multipart()
+    finally:
+        req.close(linger=0)
+    return {h: e.medium for c in chunks for e in decode_batch(c).events if isinstance(e, BlockStored)
+            for h in e.block_hashes}
+
+
+def test_blocks_the_decode_instance_received_are_announced_and_routable(pd: dict[str, PdserveProcess]) -> None:
+    from pdserve.kv_events.block_hash import external_block_hashes
+
+    proxy, d = pd["proxy_cond"].url, pd["d"].url
+    prompt = f"{RECEIVED_PREFIX} Name a colour."
+    ids = http.post(d + "/tokenize", json={"model": MODEL, "prompt": prompt}).json()["tokens"]
+    received = external_block_hashes(ids[:-1], 16)  # what the READ brings: all but the last prompt token
+    assert len(received) >= 4 and not set(received) & set(_decode_snapshot(d))
+    metrics = http.get(proxy + "/metrics").text
+    disagg0 = metric_value(metrics, 'pdserve_proxy_requests_total{path="disagg"}')
+    local0 = metric_value(metrics, 'pdserve_proxy_requests_total{path="conditional_local"}')
+    hits0 = metric_value(http.get(d + "/metrics").text, "vllm:prefix_cache_hits_total")
+    _complete(proxy, prompt)  # nobody holds it: P/D, the decode instance reads the prompt's KV over NIXL
+    assert metric_value(http.get(proxy + "/metrics").text, 'pdserve_proxy_requests_total{path="disagg"}') - disagg0 == 1
+    held = _decode_snapshot(d)
+    assert {held.get(h) for h in received} == {"GPU"}  # announced, in the decode instance's own pool
+    _wait(lambda: _instances(proxy)[d]["kv_events"]["blocks"] >= len(held), "D's received blocks in the index")
+    d_requests = _instances(proxy)[d]["requests_total"]
+    # the same prefix again: the proxy knows D holds it, so the uncached suffix is below the threshold -> local
+    text = _complete(proxy, f"{RECEIVED_PREFIX} Say one word.")
+    metrics = http.get(proxy + "/metrics").text
+    assert metric_value(metrics, 'pdserve_proxy_requests_total{path="conditional_local"}') - local0 == 1
+    assert _instances(proxy)[d]["requests_total"] - d_requests == 1
+    assert metric_value(http.get(d + "/metrics").text, "vllm:prefix_cache_hits_total") - hits0 >= 16 * (len(received) - 1)
+    assert text == _complete(pd["p1"].url, f"{RECEIVED_PREFIX} Say one word.")

@@ -185,11 +185,12 @@ def kv_transfer_config(role: str, policy: str, history: bool = False, mode: str 
 
 
 def kv_events_config(host: str) -> str:
-    """An instance's --kv-events-config for `pdserve up --kv-events`: vLLM's ZMQ publisher with a replay
-    socket, both on free ports of `host` (instances advertise the bound ports in /pdserve/info, where the
-    proxy finds them)."""
+    """An instance's --kv-events-config for `pdserve up --kv-events`: vLLM's ZMQ publisher with replay and
+    snapshot sockets (a restarted proxy rebuilds its index from the snapshot), all on free ports of `host`
+    (instances advertise the bound ports in /pdserve/info, where the proxy finds them)."""
     return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{host}:*",
-                       "replay_endpoint": f"tcp://{host}:*"}, separators=(",", ":"))
+                       "replay_endpoint": f"tcp://{host}:*", "snapshot_endpoint": f"tcp://{host}:*"},
+                      separators=(",", ":"))
 
 
 def _names(role: str, count: int) -> list[str]:

@@ -46,6 +46,7 @@ def endpoints_from_info(info: Any) -> EventEndpoints | None:
     if not isinstance(ev, dict):
         return None
     endpoint, replay, topic = ev.get("endpoint"), ev.get("replay_endpoint"), ev.get("topic", "")
+    snapshot = ev.get("snapshot_endpoint")
     block_size = ev.get("block_size", info.get("block_size"))
     scheme = ev.get("block_hash")
     if not isinstance(endpoint, str) or not endpoint or type(block_size) is not int or block_size < 1:
@@ -58,7 +59,8 @@ def endpoints_from_info(info: Any) -> EventEndpoints | None:
         logger.warning("kv events: block hash scheme %r is not one the proxy computes %s", scheme, KNOWN_HASH_SCHEMES)
         return None
     return EventEndpoints(endpoint, replay if isinstance(replay, str) and replay else None,
-                          topic if isinstance(topic, str) else "", block_size)
+                          topic if isinstance(topic, str) else "", block_size,
+                          snapshot if isinstance(snapshot, str) and snapshot else None)
 
 
 @dataclass
@@ -167,8 +169,9 @@ class KVFleet:
         pins = isinstance(info, dict) and isinstance(info.get("kv_peer_pin"), dict)
         self._publishers[inst.url] = _Publisher(endpoints, feed, sub, inst.ejections_total, pins)
         sub.start()
-        logger.info("kv events: subscribing to %s at %s (replay %s, block size %d)", inst.url, endpoints.endpoint,
-                    endpoints.replay_endpoint or "-", endpoints.block_size)
+        logger.info("kv events: subscribing to %s at %s (replay %s, snapshots %s, block size %d)", inst.url,
+                    endpoints.endpoint, endpoints.replay_endpoint or "-", endpoints.snapshot_endpoint or "-",
+                    endpoints.block_size)
 
     async def _drop(self, url: str, why: str) -> None:
         pub = self._publishers.pop(url)
@@ -198,7 +201,7 @@ class KVFleet:
 
 def _feed_counts(feed: InstanceFeed) -> Counter[str]:
     counts: Counter[str] = Counter(batches=feed.batches, events=feed.events, decode_errors=feed.decode_errors,
-                                   duplicates=feed.duplicates)
+                                   duplicates=feed.duplicates, dropped=feed.dropped, snapshots=feed.snapshots)
     for kind in RESYNC_KINDS:
         counts[f"resync_{kind}"] = feed.resyncs[kind]
     return counts

@@ -77,15 +77,25 @@ class KVIndex:
                 del self._holders[h]
         return len(mine)
 
+    def replace(self, url: str, other: KVIndex) -> None:
+        """`url`'s entries become those `other` has for it, in one step (a snapshot built privately)."""
+        self.clear(url)
+        names = {bit: name for name, bit in other._medium_bits.items()}
+        for h, mask in other._by_instance.get(url, {}).items():
+            for bit, name in names.items():
+                if mask & bit:
+                    self.store(url, (h,), name)
+
     def apply(self, url: str, batch: KVEventBatch) -> None:
-        """One decoded event batch from `url`, in order."""
+        """One decoded event batch from `url`, in order. `AllBlocksCleared` is the device pool's reset: it
+        clears the `GPU` medium only (host and disk tiers keep theirs, as vLLM's tier semantics say)."""
         for event in batch.events:
             if isinstance(event, BlockStored):
                 self.store(url, event.block_hashes, event.medium)
             elif isinstance(event, BlockRemoved):
                 self.remove(url, event.block_hashes, event.medium)
             elif isinstance(event, AllBlocksCleared):
-                self.clear(url)
+                self.remove(url, list(self._by_instance.get(url, ())), DEFAULT_MEDIUM)
 
     # ---- queries ---------------------------------------------------------------------------------
     def prefix_blocks(self, hashes: Sequence[BlockHash], urls: Iterable[str] | None = None) -> dict[str, int]:

@@ -8,6 +8,16 @@ The sequence logic lives in `InstanceFeed` (pdserve/proxy/kv_feed.py); this modu
   knows of it at once, well before the health checker ejects it, and tells the proxy (`on_disconnect`);
   ZMQ reconnects by itself and the next connection starts a fresh sync.
 Replay protocol and frames: vLLM's `vllm/distributed/kv_events.py` (`ZmqEventPublisher._service_replay`).
+
+With a `snapshot_endpoint` the replay is not used: sequence frames carry the publisher's identity (24 bytes)
+and the subscriber bootstraps from a snapshot (a DEALER sends `snapshot`, the reply is `(seq, identity,
+chunk...)`), as vLLM documents it (`docs/features/kv_events.md`; its example client
+`examples/features/kv_events/kv_events_snapshot_subscriber.py`); `InstanceFeed` holds the procedure. A
+request gets `SNAPSHOT_TIMEOUT_S`; a publisher silent for `SILENCE_TIMEOUT_S` (it sends a heartbeat every
+second) is bootstrapped again on its next message.
+
+Fault injection for tests and benchmarks: `PDSERVE_CHAOS_KV_EVENTS_DROP=P` drops each live message with
+probability P on arrival, as a lossy network or a full high-water mark would (counted in `feed.dropped`).
 """
 
 from __future__ import annotations
@@ -15,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +36,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.proxy.background import BackgroundTask
-from pdserve.proxy.kv_feed import InstanceFeed
+from pdserve.proxy.kv_feed import IDENTITY_BYTES, InstanceFeed
 
 logger = logging.getLogger("pdserve.proxy")
 
@@ -34,6 +46,18 @@ HEARTBEAT_IVL_MS = 1000  # ZMQ pings the publisher this often ...
 HEARTBEAT_TIMEOUT_MS = 3000  # ... and drops the connection when it stays silent this long
 RECONNECT_IVL_MS = 200
 MAX_REPLAY_FRAMES = 1_000_000  # a bound on one replay answer (vLLM buffers 10,000 batches by default)
+SNAPSHOT_TIMEOUT_S = 10.0  # one snapshot request (vLLM's example client's bound)
+SILENCE_TIMEOUT_S = 5.0  # no message, heartbeats included, this long: the stream is not trusted (vLLM's example)
+CHAOS_DROP_ENV = "PDSERVE_CHAOS_KV_EVENTS_DROP"
+
+
+def _chaos_drop_rate() -> float:
+    raw = os.environ.get(CHAOS_DROP_ENV, "")
+    try:
+        return min(max(float(raw), 0.0), 1.0) if raw else 0.0
+    except ValueError:
+        logger.warning("%s=%r is not a probability; ignored", CHAOS_DROP_ENV, raw)
+        return 0.0
 
 
 @dataclass(frozen=True)
@@ -44,6 +68,7 @@ class EventEndpoints:
     replay_endpoint: str | None
     topic: str
     block_size: int
+    snapshot_endpoint: str | None = None  # vLLM's snapshot service: 24-byte sequence frames, bootstrap by snapshot
 
 
 def _seq(frame: bytes) -> int:
@@ -71,6 +96,12 @@ class EventSubscriber:
         self.disconnected_since: float | None = time.monotonic()  # None while connected
         self._background = BackgroundTask(self._run, f"pdserve-kv-events-{self.url}")
         self._ctx = zmq.asyncio.Context.instance()
+        self._snapshot: zmq.asyncio.Socket | None = None  # a DEALER with a snapshot request out
+        self._poller: zmq.asyncio.Poller | None = None
+        self._snapshot_deadline = 0.0
+        self._last_message = time.monotonic()
+        self._drop_rate = _chaos_drop_rate()
+        self._rng = random.Random()
 
     def unreachable_for(self) -> float:
         """Seconds since the connection dropped (or since the start, never connected); 0 while connected."""
@@ -94,21 +125,27 @@ class EventSubscriber:
             sub.setsockopt(zmq.SUBSCRIBE, self.endpoints.topic.encode())
             monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
             sub.connect(self.endpoints.endpoint)
-            poller = zmq.asyncio.Poller()
+            poller = self._poller = zmq.asyncio.Poller()
             poller.register(sub, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
             while True:
-                ready = dict(await poller.poll())
+                ready = dict(await poller.poll(timeout=1000 if self.endpoints.snapshot_endpoint else None))
                 if monitor in ready:
                     await self._on_monitor(await monitor.recv_multipart())
                 if sub in ready:
                     await self._on_message(await sub.recv_multipart())
+                if self._snapshot is not None:
+                    await self._poll_snapshot(self._snapshot in ready)
+                elif self.endpoints.snapshot_endpoint and self.connected and \
+                        time.monotonic() - self._last_message > SILENCE_TIMEOUT_S:
+                    self.feed.stale(f"no message for {SILENCE_TIMEOUT_S:g}s (heartbeats are every second)")
         except asyncio.CancelledError:
             raise
         except Exception:  # a bug here must not take the proxy down: routing falls back to load only
             logger.exception("kv events subscriber of %s stopped", self.url)
             self.feed.reset()
         finally:
+            self._close_snapshot()
             if monitor is not None:
                 with contextlib.suppress(zmq.ZMQError):
                     sub.disable_monitor()
@@ -121,22 +158,40 @@ class EventSubscriber:
             self.connected = True
             self.disconnected_since = None
             logger.info("kv events of %s: subscribed to %s", self.url, self.endpoints.endpoint)
-            if self.endpoints.replay_endpoint is not None and self.feed.next_seq is None:
+            self._last_message = time.monotonic()
+            if self.endpoints.snapshot_endpoint is not None:
+                pass  # the first live message (a heartbeat at the latest) starts the bootstrap
+            elif self.endpoints.replay_endpoint is not None and self.feed.next_seq is None:
                 frames_ = await self._replay(0)
                 if frames_ is not None:
                     self.feed.replayed(0, frames_)
         elif event == zmq.EVENT_DISCONNECTED:
             self.connected = False
             self.disconnected_since = time.monotonic()
+            self._close_snapshot()
             self.feed.reset()
             self.on_disconnect()
 
     async def _on_message(self, frames: list[bytes]) -> None:
+        self._last_message = time.monotonic()
+        if self._drop_rate and self._rng.random() < self._drop_rate:
+            self.feed.dropped += 1
+            return
         if len(frames) != 3:
             self.feed.decode_errors += 1
             logger.warning("kv events of %s: a message of %d frames (expected 3) skipped", self.url, len(frames))
             return
         _, seq_frame, payload = frames
+        if self.endpoints.snapshot_endpoint is not None:
+            if len(seq_frame) != SEQ_BYTES + IDENTITY_BYTES:
+                self.feed.decode_errors += 1
+                logger.warning("kv events of %s: a %d-byte sequence frame (a publisher serving snapshots sends "
+                               "%d)", self.url, len(seq_frame), SEQ_BYTES + IDENTITY_BYTES)
+                return
+            seq = int.from_bytes(seq_frame[:SEQ_BYTES], "big")
+            if self.feed.live(bytes(seq_frame[SEQ_BYTES:]), seq, payload) and self._snapshot is None:
+                await self._request_snapshot()
+            return
         try:
             seq = _seq(seq_frame)
         except ValueError as exc:
@@ -155,6 +210,42 @@ class EventSubscriber:
         self.feed.replayed(start, replayed)
         if self.feed.next_seq is None or self.feed.next_seq <= seq:
             self.feed.replay_failed(seq, payload, f"the replay did not reach batch {seq}")
+
+    async def _request_snapshot(self) -> None:
+        assert self.endpoints.snapshot_endpoint is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self.endpoints.snapshot_endpoint)
+            await sock.send(b"snapshot")  # a DEALER's request is the one frame; the reply has no delimiter
+        except zmq.ZMQError as exc:
+            logger.warning("kv events of %s: snapshot request failed: %s", self.url, exc)
+            sock.close(linger=0)
+            return
+        self._snapshot = sock
+        self._snapshot_deadline = time.monotonic() + SNAPSHOT_TIMEOUT_S
+        if self._poller is not None:
+            self._poller.register(sock, zmq.POLLIN)
+
+    async def _poll_snapshot(self, readable: bool) -> None:
+        """The snapshot reply, if it came (live messages keep being buffered meanwhile)."""
+        assert self._snapshot is not None
+        if readable:
+            frames = await self._snapshot.recv_multipart()
+            self._close_snapshot()
+            self.feed.install(frames)
+        elif time.monotonic() > self._snapshot_deadline:
+            logger.warning("kv events of %s: no snapshot from %s within %.0fs; asking again", self.url,
+                           self.endpoints.snapshot_endpoint, SNAPSHOT_TIMEOUT_S)
+            self._close_snapshot()
+
+    def _close_snapshot(self) -> None:
+        if self._snapshot is not None:
+            if self._poller is not None:
+                with contextlib.suppress(KeyError):
+                    self._poller.unregister(self._snapshot)
+            self._snapshot.close(linger=0)
+            self._snapshot = None
 
     async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
         """Every buffered batch from `start` on, or None when the replay endpoint does not answer in time."""

@@ -113,11 +113,16 @@ class _KVFleetCollector(Collector):
         resyncs = CounterMetricFamily(
             "pdserve_proxy_kv_resyncs",
             "Index resynchronisations of one instance: replay (a sequence gap filled from the replay endpoint), "
-            "clear (a gap that could not be filled: its entries dropped), reset (its publisher disconnected)",
+            "clear (a gap that could not be filled: its entries dropped), reset (its publisher disconnected), "
+            "snapshot (a snapshot installed again after a gap, a new publisher identity or silence)",
             labels=["kind"])
         for kind in RESYNC_KINDS:
             resyncs.add_metric([kind], stats.get(f"resync_{kind}", 0))
         yield resyncs
+        yield CounterMetricFamily("pdserve_proxy_kv_snapshots", "KV event snapshots installed in the index",
+                                  value=stats.get("snapshots", 0))
+        yield CounterMetricFamily("pdserve_proxy_kv_events_dropped", "Live KV event messages dropped on purpose "
+                                  "(PDSERVE_CHAOS_KV_EVENTS_DROP fault injection)", value=stats.get("dropped", 0))
 
 
 class ProxyMetrics:

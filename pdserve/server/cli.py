@@ -50,8 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transfer-config", default=None, help="vLLM's KV transfer JSON")
     p.add_argument("--kv-events-config", default=None,
                    help='vLLM\'s JSON: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
-                        '"tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}: publish the KV pool\'s '
-                        'BlockStored/BlockRemoved/AllBlocksCleared events (vLLM\'s wire format) for routers')
+                        '"tcp://*:5557", "replay_endpoint": "tcp://*:5558", "snapshot_endpoint": "tcp://*:5559", '
+                        '"topic": ""}: publish the KV pool\'s BlockStored/BlockRemoved/AllBlocksCleared events '
+                        '(vLLM\'s wire format) for routers; snapshot_endpoint adds vLLM\'s snapshot service '
+                        '(24-byte seq+identity frames, 1 s idle heartbeats)')
     p.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
                    help="keep full KV blocks evicted from the KV pool in this many GiB of host memory (pinned on "
                         "CUDA), LRU, and load them back for later prompts with the same prefix (vLLM's flag)")
@@ -64,7 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bound on the disk tier's files, in GiB (LRU beyond it)")
     p.add_argument("--structured-outputs-config", default=None,
                    help='vLLM\'s JSON: {"backend": "auto"|"guidance", "disable_any_whitespace": bool, '
-                        '"disable_additional_properties": bool}')
+                        '"disable_additional_properties": bool}. Objects are strict (no unlisted keys unless the '
+                        'schema allows them) as with vLLM\'s default backend; "guidance" relaxes that as vLLM\'s '
+                        'guidance backend does, unless disable_additional_properties')
     p.add_argument("--speculative-config", default=None,
                    help='vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, '
                         '"prompt_lookup_min": M} drafts K tokens by prompt lookup, {"model": DIR, '
@@ -240,6 +244,8 @@ def kv_events_info(publisher: Any, http_host: str, block_size: int) -> dict[str,
         # bound there (vLLM's convention for another machine's address), which routers cannot subscribe to
         "endpoint_mode": publisher.mode,
         "replay_endpoint": reachable(publisher.replay_endpoint),
+        # vLLM's snapshot service: live sequence frames are then 24 bytes (seq + this lifetime's identity)
+        "snapshot_endpoint": reachable(publisher.snapshot_endpoint),
         "topic": publisher.config.topic,
         "block_size": block_size,
         # how BlockStored hashes are computed from token ids (pdserve.kv_events.block_hash; ARCHITECTURE.md)

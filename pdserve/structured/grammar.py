@@ -7,6 +7,14 @@ i // 32 set = token i allowed; vLLM's layout) and `accept(token)` advances it.
 
 Compiled grammars are cached by their spec: a cache hit is a cheap `deep_copy` of a fresh matcher.
 No torch here (the sampler owns the tensors).
+
+Objects are strict by default, as vLLM's default backend is (`backend: "auto"` picks xgrammar, whose JSON
+schemas are compiled in strict mode): an object schema that lists `properties` (or `patternProperties`)
+and does not say `additionalProperties` accepts no other key, so a reply (a forced tool call) closes
+instead of wandering into keys nobody listed. `additionalProperties: true` or a schema keeps it open.
+`--structured-outputs-config '{"backend": "guidance"}'` asks for vLLM's guidance backend by name and gets
+its behaviour: objects open (JSON Schema's default) unless `disable_additional_properties` is set (server
+wide, or per request in `structured_outputs`).
 """
 
 from __future__ import annotations
@@ -23,14 +31,24 @@ from pdserve.types.sampling_params import ParamError
 from pdserve.types.structured_params import StructuredOutputsParams, structural_tags
 
 CACHE_SIZE = 256
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SUBSCHEMAS = ("additionalProperties", "items", "prefixItems", "allOf", "anyOf", "oneOf", "not", "if", "then",
-               "else", "contains")
+# the keywords whose values hold subschemas (vLLM's backend_guidance.py walks the same ones)
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+_SUBSCHEMAS = ("additionalProperties", "unevaluatedProperties", "propertyNames", "contains", "additionalItems",
+               "unevaluatedItems", "not", "if", "then", "else", "contentSchema", "items", "prefixItems", "allOf",
+               "anyOf", "oneOf")
+
+
+def strict_objects(options: dict[str, Any] | None) -> bool:
+    """Whether objects are closed by default for a server's `--structured-outputs-config`: always, unless the
+    config names vLLM's `guidance` backend without `disable_additional_properties` (see the module's doc)."""
+    opts = options or {}
+    return opts.get("backend", "auto") != "guidance" or bool(opts.get("disable_additional_properties", False))
 
 
 def close_objects(schema: Any) -> Any:
-    """`disable_additional_properties`: every object schema that lists properties and does not say otherwise
-    gets `additionalProperties: false` (as vLLM's guidance backend does)."""
+    """Every object schema that lists properties (or pattern properties) and does not say otherwise gets
+    `additionalProperties: false` (what vLLM's guidance backend does for `disable_additional_properties`,
+    and what xgrammar's strict mode means). Returns a copy."""
     if isinstance(schema, list):
         return [close_objects(s) for s in schema]
     if not isinstance(schema, dict):
@@ -42,7 +60,8 @@ def close_objects(schema: Any) -> Any:
     for key in _SUBSCHEMAS:
         if isinstance(out.get(key), (dict, list)):
             out[key] = close_objects(out[key])
-    if "additionalProperties" not in out and isinstance(out.get("properties"), dict):
+    if "additionalProperties" not in out and (isinstance(out.get("properties"), dict)
+                                              or isinstance(out.get("patternProperties"), dict)):
         out["additionalProperties"] = False
     return out
 
@@ -76,10 +95,11 @@ class Grammar:
 
 class GrammarCompiler:
     """Compiles specs against one tokenizer. `hf_tokenizer` is a fast Hugging Face tokenizer; `vocab_size`
-    the model's logits width; `eos_token_ids` what ends a generation."""
+    the model's logits width; `eos_token_ids` what ends a generation. `disable_additional_properties`: objects
+    closed unless their schema says otherwise (the default; `strict_objects` reads a server's config)."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int], *,
-                 disable_any_whitespace: bool = False, disable_additional_properties: bool = False):
+                 disable_any_whitespace: bool = False, disable_additional_properties: bool = True):
         import llguidance
         import llguidance.hf
 
@@ -178,4 +198,4 @@ def load_compiler(tokenizer_path: str, vocab_size: int, eos_token_ids: Iterable[
     # EOS is what a complete grammar allows: the ids that end a generation in the engine
     return GrammarCompiler(tok.hf, vocab_size, set(eos_token_ids) or set(tok.eos_token_ids),
                            disable_any_whitespace=bool(opts.get("disable_any_whitespace", False)),
-                           disable_additional_properties=bool(opts.get("disable_additional_properties", False)))
+                           disable_additional_properties=strict_objects(opts))

@@ -13,6 +13,9 @@ class KVEventsConfig:
     publisher: str | None = None  # "zmq" | "null"; default: zmq when events are enabled
     endpoint: str = "tcp://*:5557"  # PUB socket: bound when it has a wildcard (`*`), else connected
     replay_endpoint: str | None = None  # ROUTER socket answering "send me every batch from seq N"
+    # ROUTER socket answering "snapshot" with the event-derived cache state (vLLM's docs/features/kv_events.md);
+    # turns on 24-byte sequence frames (seq + publisher identity) and 1 s idle heartbeats
+    snapshot_endpoint: str | None = None
     buffer_steps: int = 10_000  # batches kept for replay
     hwm: int = 100_000  # PUB high-water mark
     max_queue_size: int = 100_000  # batches queued for the publisher thread
@@ -27,7 +30,7 @@ class KVEventsConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"kv events {name} must be a positive integer, got {v!r}")
-        for name in ("endpoint", "replay_endpoint"):
+        for name in ("endpoint", "replay_endpoint", "snapshot_endpoint"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, str) and v.split("://", 1)[0] in ("tcp", "ipc", "inproc")
                                       and "://" in v):
