@@ -309,6 +309,10 @@ class ModelRunner:
             return self.config.num_gpu_blocks_override
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+            # Blocks the caching allocator kept from loading (a dummy or converted weight's temporaries) are
+            # free memory, not this instance's: hand them back before measuring, or instances sharing a GPU
+            # each count the other's cache as used.
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             # A per-instance share of the GPU, as vLLM's flag means it: other processes on the same GPU
             # (a P next to its D) count only through what is actually free.
