@@ -326,7 +326,12 @@ class ModelRunner:
         if self.tp is not None:
             blocks = self.tp.min_int(blocks)  # one block table drives every rank: the tightest one decides
         if blocks < 1:
-            raise RuntimeError("no memory left for the KV cache; lower the model size or raise the memory budget")
+            detail = ""
+            if self.device.type == "cuda":
+                detail = (f" (GPU free {free / 2**30:.1f} of {total / 2**30:.1f} GiB, this process holds "
+                          f"{own / 2**30:.1f} GiB, share {self.config.gpu_memory_utilization:g})")
+            raise RuntimeError("no memory left for the KV cache; lower the model size or raise the memory budget"
+                               + detail)
         return blocks
 
     def _extra_activation_bytes(self) -> int:
