@@ -1,0 +1,111 @@
+"""Per-block KV digests (pdserve/kv_transfer/digest.py): the algorithms, vLLM's encoding and hashing where they
+match, the wire field's validation, the config switches. The end-to-end checks on real processes are in
+tests/test_kv_digest_e2e.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pdserve.api.pd import BLOCK_DIGESTS, DIGEST_ALGO, HeldKVParams, InvalidKVTransferParams, parse_remote_prefill_params
+from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.kv_transfer.digest import VLLM_LANESUM, XXH3_128, BlockDigester, DigestMismatch, digest_blocks
+
+_MASK = (1 << 64) - 1
+
+
+def _pool(dtype: torch.dtype = torch.bfloat16, blocks: int = 6) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    shape = (blocks, 3, 2, 16, 2, 8)  # [blocks, layers, K/V, block_size, heads, head_dim]
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, shape, dtype=dtype, generator=g)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def _vllm_reference(pool: torch.Tensor, block_ids: list[int]) -> list[str]:
+    """vLLM's nixl/digest.py, re-derived in plain Python: per region (one layer's K or V cache, rows of
+    [block_size, heads, head_dim] per block) h1 = sum of the int64 lanes, h2 = sum of lane * lane index,
+    wrapped to 64 bits; a block's digest sums its regions'."""
+    out = []
+    for b in block_ids:
+        h1 = h2 = 0
+        for layer in range(pool.shape[1]):
+            for kv in range(2):
+                lanes = np.frombuffer(pool[b, layer, kv].contiguous().view(torch.uint8).numpy().tobytes(), "<i8")
+                h1 += sum(int(x) for x in lanes)
+                h2 += sum(int(x) * i for i, x in enumerate(lanes))
+        out.append(f"{h1 & _MASK:x}_{h2 & _MASK:x}")
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+def test_lanesum_is_vllms_hash_over_its_region_rows(dtype: torch.dtype) -> None:
+    pool = _pool(dtype)
+    assert digest_blocks(pool, [0, 3, 5], VLLM_LANESUM) == _vllm_reference(pool, [0, 3, 5])
+
+
+@pytest.mark.parametrize("algo", [XXH3_128, VLLM_LANESUM])
+def test_one_flipped_byte_changes_the_digest_of_its_block_only(algo: str) -> None:
+    pool = _pool()
+    before = digest_blocks(pool, range(6), algo)
+    assert len(set(before)) == 6
+    assert all(len(d.split("_")) == 2 for d in before)
+    pool[4].view(-1).view(torch.uint8)[777] ^= 1
+    after = digest_blocks(pool, range(6), algo)
+    assert [i for i in range(6) if before[i] != after[i]] == [4]
+
+
+def test_xxh3_is_the_librarys_128_bit_hash_split_in_vllms_encoding() -> None:
+    import xxhash
+
+    pool = _pool()
+    whole = xxhash.xxh3_128_intdigest(pool[2].contiguous().view(torch.uint8).numpy().tobytes())
+    assert digest_blocks(pool, [2], XXH3_128) == [f"{whole >> 64:x}_{whole & _MASK:x}"]
+    # numpy pools hash the same bytes
+    assert digest_blocks(pool.float().numpy(), [1], XXH3_128) == digest_blocks(pool.float(), [1], XXH3_128)
+
+
+def test_check_names_the_block_and_reports_what_it_cannot_verify() -> None:
+    pool = _pool()
+    d = BlockDigester(pool, algo=XXH3_128)
+    held = d.held([1, 2, 3])
+    assert d.check(held, XXH3_128, src_tp=1, local_ids=[2, 3], positions=[1, 2], what="r") is None
+    with pytest.raises(DigestMismatch, match=r"rank 0, block 1 \(local block 4\)"):
+        d.check(held, XXH3_128, src_tp=1, local_ids=[4, 3], positions=[1, 2], what="r")
+    assert d.check((), None, src_tp=1, local_ids=[1], positions=[0], what="r") == "absent"
+    assert d.check(held, XXH3_128, src_tp=2, local_ids=[1], positions=[0], what="r") == "tp_mismatch"
+    assert d.check(held, "md5", src_tp=1, local_ids=[1], positions=[0], what="r") == "algo"
+
+
+def _params(**extra) -> dict:
+    base = HeldKVParams(request_id="r1", block_ids=(4, 5), num_tokens=20, engine_id="e", host="127.0.0.1",
+                        port=5600, generation=1, expires_at=0.0, lease_token="t" * 32,
+                        block_digests=(("a_b", "c_d"),), digest_algo=XXH3_128).to_json()
+    return {**base, **extra}
+
+
+def test_digests_travel_in_vllms_field_and_are_validated() -> None:
+    wire = _params()
+    assert wire[BLOCK_DIGESTS] == [["a_b", "c_d"]] and wire[DIGEST_ALGO] == XXH3_128
+    parsed = parse_remote_prefill_params(wire)
+    assert parsed.block_digests == (("a_b", "c_d"),) and parsed.digest_algo == XXH3_128
+    assert parse_remote_prefill_params({k: v for k, v in wire.items() if k != BLOCK_DIGESTS}).block_digests == ()
+    for bad in ([["a_b"]], [["a_b", "xyz"]], "a_b", [["a_b", "c_d"], ["a_b", "c_d"]], [["A_B", "c_d"]]):
+        with pytest.raises(InvalidKVTransferParams, match=BLOCK_DIGESTS):
+            parse_remote_prefill_params(_params(**{BLOCK_DIGESTS: bad}))
+    # push params carry none: a push's digests go over the side channel
+    assert BLOCK_DIGESTS not in HeldKVParams(request_id="r", block_ids=(1,), num_tokens=1, engine_id="e",
+                                             host="h", port=1, generation=1, expires_at=0.0, push=True,
+                                             block_digests=(("a_b",),)).to_json()
+
+
+def test_config_switches() -> None:
+    base = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+    on = KVTransferConfig.from_json(base, env={})
+    assert on.enable_kv_digest and not on.kv_digest_required
+    off = KVTransferConfig.from_json({**base, "kv_connector_extra_config": {"enable_kv_digest": False}}, env={})
+    assert not off.enable_kv_digest
+    assert KVTransferConfig.from_json(base, env={"VLLM_NIXL_DIGEST_FAIL": "1"}).kv_digest_required
+    with pytest.raises(ValueError, match="enable_kv_digest"):
+        KVTransferConfig.from_json({**base, "kv_connector_extra_config": {"enable_kv_digest": "yes"}}, env={})
