@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.api.pd import BLOCK_DIGESTS, DIGEST_ALGO, HeldKVParams, InvalidKVTransferParams, parse_remote_prefill_params
+from pdserve.api.pd import (
+    BLOCK_DIGESTS,
+    DIGEST_ALGO,
+    HeldKVParams,
+    InvalidKVTransferParams,
+    parse_remote_prefill_params,
+)
 from pdserve.kv_transfer.config import KVTransferConfig
 from pdserve.kv_transfer.digest import VLLM_LANESUM, XXH3_128, BlockDigester, DigestMismatch, digest_blocks
 
