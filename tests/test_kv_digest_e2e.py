@@ -1,6 +1,6 @@
 """Wrong KV never becomes an answer: real `pdserve serve` prefill and decode processes, real NIXL transfers, the
 producer corrupting KV on purpose (test-only faults, `PDSERVE_TESTING_KV_FAULTS`: pdserve/kv_transfer/faults.py)
-and the decode catching it with the per-block digests (`remote_block_digests`, on by default).
+and the decode catching it with the per-block digests (`remote_block_digests`, `enable_kv_digest` on both).
 
 - a byte flipped in a held block: caught, recomputed, the answer equal to collocated's; under `fail` a clear
   error (500 naming the digest mismatch), never 200;
@@ -28,6 +28,7 @@ from test_pd_push_e2e import push_config, push_pair  # noqa: E402
 
 FAULTS_ENV = "PDSERVE_TESTING_KV_FAULTS"
 BLOCK = 16  # the tests' --block-size
+DIGESTS = {"enable_kv_digest": True}  # off by default (their CPU cost: BENCHMARKS.md), on in both roles here
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +50,17 @@ def pull(model_dir: Path, tmp_path_factory) -> Iterator[dict]:
     logs = tmp_path_factory.mktemp("digest-logs")
     servers = {
         "collocated": start(model_dir, logs, "collocated"),
-        "prefill_flip": start(model_dir, logs, "prefill_flip", "--kv-transfer-config", kv_config("kv_producer"),
-                              "--side-channel-port", "0", env=faulty(logs, "prefill_flip", flip=1.0)),
+        "prefill_flip": start(model_dir, logs, "prefill_flip", "--kv-transfer-config",
+                              kv_config("kv_producer", **DIGESTS), "--side-channel-port", "0", env=faulty(logs, "prefill_flip", flip=1.0)),
         # a small pool, so that a few other prompts reuse the blocks the fault handed back
         "prefill_reassign": start(model_dir, logs, "prefill_reassign", "--kv-transfer-config",
-                                  kv_config("kv_producer"), "--side-channel-port", "0",
+                                  kv_config("kv_producer", **DIGESTS), "--side-channel-port", "0",
                                   "--num-gpu-blocks-override", "40",
                                   env=faulty(logs, "prefill_reassign", reassign=1.0)),
         "decode_recompute": start(model_dir, logs, "decode_recompute", "--kv-transfer-config",
-                                  kv_config("kv_consumer", "recompute")),
-        "decode_fail": start(model_dir, logs, "decode_fail", "--kv-transfer-config", kv_config("kv_consumer")),
+                                  kv_config("kv_consumer", "recompute", **DIGESTS)),
+        "decode_fail": start(model_dir, logs, "decode_fail", "--kv-transfer-config",
+                             kv_config("kv_consumer", **DIGESTS)),
     }
     with all_ready(servers):
         yield {**servers, "logs": logs}
@@ -172,10 +174,10 @@ def push(model_dir: Path, tmp_path_factory) -> Iterator[dict]:
     logs = tmp_path_factory.mktemp("digest-push-logs")
     servers = {
         "collocated": start(model_dir, logs, "collocated"),
-        "prefill": start(model_dir, logs, "prefill", "--kv-transfer-config", push_config("kv_producer"),
+        "prefill": start(model_dir, logs, "prefill", "--kv-transfer-config", push_config("kv_producer", **DIGESTS),
                          "--side-channel-port", "0", env=faulty(logs, "prefill", stale_push=1.0)),
         "decode": start(model_dir, logs, "decode", "--kv-transfer-config",
-                        push_config("kv_consumer", "recompute", push_registration_timeout=4.0)),
+                        push_config("kv_consumer", "recompute", push_registration_timeout=4.0, **DIGESTS)),
     }
     with all_ready(servers):
         yield {**servers, "logs": logs}

@@ -157,7 +157,9 @@ class KVTransferConfig:
     peer_pin_max_leases: int = 8
     push_registration_timeout: float = 60.0
     push_pipeline: str = "layer"
-    enable_kv_digest: bool = True
+    # off by default: on the CPU a full-content digest costs ~20-40 % of the transfer time (BENCHMARKS.md, "KV
+    # digests"), over the 3 % the default may cost; the GPU's device-side digest has not been measured
+    enable_kv_digest: bool = False
     kv_digest_required: bool = False
 
     @property
@@ -308,7 +310,7 @@ class KVTransferConfig:
             raise ValueError("kv_connector NixlPushConnector does not support bidirectional_kv_xfer (multi-turn "
                              "history handback is pull-only); use NixlConnector for it")
 
-        digest = {k: extra.get(k, default) for k, default in (("enable_kv_digest", True),
+        digest = {k: extra.get(k, default) for k, default in (("enable_kv_digest", False),
                                                                ("kv_digest_required", False))}
         for key, value in digest.items():
             if not isinstance(value, bool):
