@@ -116,3 +116,31 @@ def test_config_switches() -> None:
     assert not KVTransferConfig.from_json(base, env={"VLLM_NIXL_DIGEST_FAIL": "1"}).kv_digest_required
     with pytest.raises(ValueError, match="enable_kv_digest"):
         KVTransferConfig.from_json({**base, "kv_connector_extra_config": {"enable_kv_digest": "yes"}}, env={})
+
+
+def test_host_tier_block_changed_in_the_tier_is_dropped_and_recomputed(tiny_llama):
+    """The tier loader checks a host-tier block's digest before loading it back: bytes that changed in the
+    tier are never used (counted, dropped, the prompt recomputed: the answer equals transformers')."""
+    from engine_utils import hf_greedy, make_engine, run_engine
+
+    from pdserve.kv_events.block_hash import block_hashes
+    from pdserve.kv_offload.host_tier import HostTier
+    from pdserve.types.sampling_params import SamplingParams
+
+    bs, greedy = 16, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine = make_engine(tiny_llama, block_size=bs, num_gpu_blocks_override=12,
+                         kv_offloading_size=64 * 2 * 2 * bs * 2 * 16 * 4 / 1024**3, kv_offloading_backend="native")
+    tiers = engine.tiers
+    tiers.host = HostTier(tiers.host.num_slots, tiers.block_shape, tiers.pool.dtype, False, digests=True)
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(3, 320, (4 * bs,), generator=g).tolist()
+    run_engine(engine, [prefix + [5, 6, 7]], greedy)
+    run_engine(engine, [torch.randint(3, 320, (5 * bs,), generator=g).tolist() for _ in range(3)], greedy)
+    first = block_hashes(prefix, bs)[0]
+    assert first in tiers.host
+    tiers.host.data[tiers.host._slot[first]].view(-1)[3] += 1.0  # the tier's copy changes under it
+    second = prefix + [9, 8, 7]
+    assert run_engine(engine, [second], greedy) == hf_greedy(tiny_llama, [second], 6)
+    assert engine.stats().kv_tiers["CPU"]["digest_mismatch_blocks"] == 1
+    assert first not in tiers.host
+    engine.shutdown()

@@ -115,6 +115,13 @@ def _port(value: Any, source: str) -> int:
     return value
 
 
+def digests_enabled(raw: Mapping[str, Any] | None) -> bool:
+    """Whether a raw `--kv-transfer-config` turns the per-block KV digests on (`enable_kv_digest`): also what the
+    KV offload tiers follow for their host tier, with or without P/D."""
+    extra = (raw or {}).get("kv_connector_extra_config") or {}
+    return isinstance(extra, Mapping) and extra.get("enable_kv_digest") is True
+
+
 def is_loopback_host(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
