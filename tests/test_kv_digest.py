@@ -144,3 +144,31 @@ def test_host_tier_block_changed_in_the_tier_is_dropped_and_recomputed(tiny_llam
     assert engine.stats().kv_tiers["CPU"]["digest_mismatch_blocks"] == 1
     assert first not in tiers.host
     engine.shutdown()
+
+
+class _RankShard:
+    """Rank 1's shard as the engine process reaches it: `block_digests` (kv_rank.RemoteRankAgent's method,
+    here over a pool in this process; the real RPC runs in tests/test_kv_digest_e2e.py's TP=2 pair)."""
+
+    def __init__(self, pool: torch.Tensor) -> None:
+        self.pool = pool
+
+    def block_digests(self, block_ids: list[int], algo: str) -> list[str]:
+        return digest_blocks(self.pool, block_ids, algo)
+
+
+def test_every_rank_is_digested_and_a_bad_block_on_rank_1_is_caught() -> None:
+    from pdserve.kv_transfer.kv_rank import BlockDigests, RankKVService
+
+    rank0, rank1 = _pool(), _pool(torch.float32)
+    producer = BlockDigester(rank0, [_RankShard(rank1)], algo=XXH3_128)
+    held = producer.held([0, 1, 2])
+    assert len(held) == 2 and held[1] == tuple(digest_blocks(rank1, [0, 1, 2], XXH3_128))
+    consumer = BlockDigester(rank0.clone(), [_RankShard(rank1.clone())], algo=XXH3_128)
+    assert consumer.check(held, XXH3_128, src_tp=2, local_ids=[0, 1, 2], positions=[0, 1, 2], what="r") is None
+    consumer._ranks[0].pool[2].view(-1)[0] += 1.0
+    with pytest.raises(DigestMismatch, match="rank 1, block 2"):
+        consumer.check(held, XXH3_128, src_tp=2, local_ids=[0, 1, 2], positions=[0, 1, 2], what="r")
+    # the worker rank's handler digests its own pool
+    service = RankKVService(rank1)
+    assert service.handlers()[BlockDigests](BlockDigests((1, 2), XXH3_128)) == list(held[1][1:])
