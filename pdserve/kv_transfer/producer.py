@@ -122,7 +122,7 @@ class KVProducer:
         lease ends when the push does."""
         self._check_block_ids(block_ids)
         lease_token = self.leases.hold(request_id, block_ids, num_tokens)
-        digests = self.digester.held(block_ids) if self.digester is not None else ()
+        digests = self._digests(request_id, block_ids)
         held = HeldKVParams(
             request_id=request_id,
             block_ids=tuple(int(b) for b in block_ids),
@@ -166,7 +166,7 @@ class KVProducer:
         self._check_block_ids(block_ids)
         ttl = self._config.decoder_kv_blocks_ttl if duration_s is None else duration_s
         lease_token = self.leases.hold(lease_id, block_ids, num_tokens, duration_s=ttl, history=True)
-        digests = self.digester.held(block_ids) if self.digester is not None else ()
+        digests = self._digests(lease_id, block_ids)
         self._history_ids.add(lease_id)
         self._metrics.set_history_held(len(self._history_ids))
         return HeldKVParams(
@@ -201,6 +201,17 @@ class KVProducer:
             if len(self._history_ids) != before:
                 self._metrics.set_history_held(len(self._history_ids))
         return released
+
+    def _digests(self, request_id: str, block_ids: Sequence[int]) -> tuple[tuple[str, ...], ...]:
+        """Every rank's digests of the held blocks; none (the consumer counts the load as unverified) when a
+        rank cannot answer: the KV itself is still good, and the engine thread must not fail here."""
+        if self.digester is None:
+            return ()
+        try:
+            return self.digester.held(block_ids)
+        except Exception:  # noqa: BLE001 - e.g. a worker rank's RPC timed out
+            logger.exception("KV digests of request %s not computed; its params carry none", request_id)
+            return ()
 
     def _check_block_ids(self, block_ids: Sequence[int]) -> None:
         bad = [b for b in block_ids if not 0 <= int(b) < self._region.num_blocks]
