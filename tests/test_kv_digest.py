@@ -125,13 +125,14 @@ def test_host_tier_block_changed_in_the_tier_is_dropped_and_recomputed(tiny_llam
 
     from pdserve.kv_events.block_hash import block_hashes
     from pdserve.kv_offload.host_tier import HostTier
+    from pdserve.kv_transfer.digest import cpu_block_digest
     from pdserve.types.sampling_params import SamplingParams
 
     bs, greedy = 16, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     engine = make_engine(tiny_llama, block_size=bs, num_gpu_blocks_override=12,
                          kv_offloading_size=64 * 2 * 2 * bs * 2 * 16 * 4 / 1024**3, kv_offloading_backend="native")
     tiers = engine.tiers
-    tiers.host = HostTier(tiers.host.num_slots, tiers.block_shape, tiers.pool.dtype, False, digests=True)
+    tiers.host = HostTier(tiers.host.num_slots, tiers.block_shape, tiers.pool.dtype, False, digest=cpu_block_digest)
     g = torch.Generator().manual_seed(5)
     prefix = torch.randint(3, 320, (4 * bs,), generator=g).tolist()
     run_engine(engine, [prefix + [5, 6, 7]], greedy)

@@ -4,6 +4,7 @@ indexed by block hash, evicted LRU. Used only from the engine thread."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -12,16 +13,18 @@ from pdserve.kv_offload.block_meta import BlockMeta
 
 class HostTier:
     def __init__(self, num_slots: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
-                 digests: bool = False):
-        """digests: keep each block's digest as stored (pdserve.kv_transfer.digest) so that a block whose bytes
-        changed in this tier is caught before it is loaded back (`intact`)."""
+                 digest: Callable[[torch.Tensor, int], str] | None = None):
+        """digest(blocks, i): block i's digest (pdserve.kv_transfer.digest.cpu_block_digest); with it each block's
+        digest is kept as stored, so that a block whose bytes changed in this tier is caught before it is loaded
+        back (`intact`)."""
         if num_slots < 1:
             raise ValueError("the host KV tier holds no block: raise --kv-offloading-size")
         self.num_slots = num_slots
         self.data = torch.empty((num_slots, *block_shape), dtype=dtype, pin_memory=pin)
         self._slot: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, least recently used first
         self._meta: dict[bytes, BlockMeta] = {}
-        self._digest: dict[bytes, str] | None = {} if digests else None
+        self._digest_fn = digest
+        self._digest: dict[bytes, str] | None = {} if digest is not None else None
         self._free = list(range(num_slots - 1, -1, -1))
         # blocks being loaded back right now: never the victim of the offloads those loads cause
         self.pinned: set[bytes] = set()
@@ -65,9 +68,8 @@ class HostTier:
         return evicted
 
     def _digest_of(self, slot: int) -> str:
-        from pdserve.kv_transfer.digest import XXH3_128, digest_blocks
-
-        return digest_blocks(self.data, [slot], XXH3_128)[0]
+        assert self._digest_fn is not None
+        return self._digest_fn(self.data, slot)
 
     def intact(self, h: bytes) -> bool:
         """Whether block `h`'s bytes are still those stored (True when digests are off)."""

@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -60,13 +61,14 @@ class DiskRead:
 
 class KVTierManager:
     def __init__(self, pool: torch.Tensor, block_size: int, host_bytes: int, disk_path: str | None = None,
-                 disk_bytes: int = 0, events: bool = False, kv_encoding: str | None = None, digests: bool = False):
+                 disk_bytes: int = 0, events: bool = False, kv_encoding: str | None = None,
+                 digest: Callable[[torch.Tensor, int], str] | None = None):
         """kv_encoding: what the pool's bytes mean (a quantized pool's format, e.g.
         `fp8_e4m3/<fp8_kv.SCALE_SCHEME>`; a float pool's memory order, `kv_transfer.compat`'s layout names),
         part of the disk files' fingerprint: dtype and shape alone do not tell fp8 formats or block layouts
         apart (a head-major and a token-major block with as many heads as tokens have the same shape), and a
-        disk tier written under another one must read as a miss, not as garbage KV. digests: the host tier keeps
-        each block's digest and a block whose bytes changed there is dropped, never loaded (`host_intact`); the
+        disk tier written under another one must read as a miss, not as garbage KV. digest(blocks, i) (CPU pools):
+        the host tier keeps each block's digest and a block whose bytes changed there is dropped, never loaded (`host_intact`); the
         disk tier's files carry their own CRC32, checked on every read."""
         self.pool = pool
         self.block_size = block_size
@@ -74,7 +76,7 @@ class KVTierManager:
         self.block_nbytes = pool[0].numel() * pool.element_size()
         self.pin = pool.device.type == "cuda"
         self.host = HostTier(int(host_bytes // self.block_nbytes), self.block_shape, pool.dtype, self.pin,
-                             digests=digests and pool.device.type == "cpu")
+                             digest=digest if pool.device.type == "cpu" else None)
         self.num_host_digest_mismatches = 0
         self._events: list[KVCacheEvent] | None = [] if events else None
         self._events_lock = threading.Lock()

@@ -108,6 +108,11 @@ def digest_blocks(pool: Any, block_ids: Sequence[int], algo: str) -> list[str]:
     raise ValueError(f"unknown KV digest algorithm {algo!r} (known: {', '.join(ALGOS)})")
 
 
+def cpu_block_digest(blocks: Any, i: int) -> str:
+    """Block i of a CPU tensor of blocks (the KV offload host tier's slots)."""
+    return digest_blocks(blocks, [i], XXH3_128)[0]
+
+
 class BlockDigester:
     """Digests of this instance's blocks on every tensor-parallel rank: rank 0's pool is in this process,
     ranks 1..N-1 answer `block_digests` from their own processes (`kv_rank.RemoteRankAgent`)."""
