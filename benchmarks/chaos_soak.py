@@ -41,7 +41,7 @@ def main() -> int:
     ap.add_argument("--kv-faults", default="", help="test-only wrong-KV faults in the prefills, e.g. "
                     "flip=0.1,reassign=0.1 (per-request odds); turns enable_kv_digest on")
     ap.add_argument("--num-gpu-blocks", type=int, default=None,
-                    help="KV pool blocks of every instance, with --max-model-len 1024 (a small pool reuses "
+                    help="KV pool blocks of every instance, with --max-model-len 512 (a small pool reuses "
                          "reassigned blocks sooner)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the counts as JSON here")
@@ -69,7 +69,7 @@ def main() -> int:
                             kv_extra={"enable_kv_digest": True} if rates else None,
                             prefill_env=kv_fault_env(fault_log, args.seed, **rates) if rates else None,
                             serve_args=("--num-gpu-blocks-override", str(args.num_gpu_blocks), "--max-model-len",
-                                        "1024") if args.num_gpu_blocks else ())
+                                        "512") if args.num_gpu_blocks else ())
         try:
             cluster.start()
             print(f"2P2D up on {bed.switch_ns} in {time.monotonic() - started:.0f}s; logs in {work}", flush=True)
