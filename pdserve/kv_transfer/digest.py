@@ -100,8 +100,11 @@ def digest_blocks(pool: Any, block_ids: Sequence[int], algo: str) -> list[str]:
     if not block_ids:
         return []
     if algo == XXH3_128:
-        if getattr(pool, "is_cuda", False):
-            raise ValueError("xxh3_128 digests need the bytes on the CPU; a GPU pool uses vllm_lanesum")
+        if getattr(pool, "is_cuda", False):  # a CPU producer's digests on a GPU consumer: copy the blocks over
+            import torch
+
+            ids = torch.as_tensor([int(b) for b in block_ids], dtype=torch.long, device=pool.device)
+            return _xxh3(pool.index_select(0, ids).cpu(), range(len(block_ids)))
         return _xxh3(pool, block_ids)
     if algo == VLLM_LANESUM:
         return _lanesum(pool, block_ids)
