@@ -173,3 +173,27 @@ def test_every_rank_is_digested_and_a_bad_block_on_rank_1_is_caught() -> None:
     # the worker rank's handler digests its own pool
     service = RankKVService(rank1)
     assert service.handlers()[BlockDigests](BlockDigests((1, 2), XXH3_128)) == list(held[1][1:])
+
+
+def test_verify_load_counts_and_applies_the_required_switch() -> None:
+    from pdserve.kv_transfer.digest import verify_load
+    from pdserve.kv_transfer.metrics import TransferMetrics
+
+    pool = _pool()
+    d = BlockDigester(pool, algo=XXH3_128)
+    held = d.held([0, 1])
+    m = TransferMetrics(model_name="t")
+    kw = {"metrics": m, "algo": XXH3_128, "src_tp": 1, "positions": [0, 1], "what": "request r", "where": "read"}
+    assert verify_load(d, policy="fail", required=False, expected=held, local_ids=[0, 1], **kw) is None
+    bad = verify_load(d, policy="recompute", required=False, expected=held, local_ids=[1, 0], **kw)
+    assert bad is not None and "KV digest mismatch for request r: rank 0, block 0" in bad
+    assert verify_load(d, policy="fail", required=False, expected=(), local_ids=[0, 1], **kw) is None
+    refused = verify_load(d, policy="fail", required=True, expected=(), local_ids=[0, 1], **kw)
+    assert refused is not None and "kv_digest_required" in refused
+    assert m.snapshot()["digest_verified_blocks"] == 2
+    assert m.snapshot()["digest_mismatches"] == 1 and m.snapshot()["digest_unverified"] == 2
+    from prometheus_client import generate_latest
+
+    text = generate_latest(m.registry).decode()
+    assert 'pdserve:kv_digest_mismatch_total{engine="0",model_name="t",outcome="recomputed",where="read"} 1.0' in text
+    assert 'reason="absent"} 2.0' in text
