@@ -145,8 +145,10 @@ class KVProducer:
         if digests:
             assert self.digester is not None
             ttl = self._config.push_registration_timeout + self._config.kv_lease_duration
+            now = time.monotonic()
             with self._push_digests_lock:
-                self._push_digests[push.push_key] = (digests, self.digester.algo, time.monotonic() + ttl)
+                self._reap_push_digests_locked(now)  # those no decode fetched (its digests off) go too
+                self._push_digests[push.push_key] = (digests, self.digester.algo, now + ttl)
         self.push_sender.finish(request_id, push, block_ids, num_tokens, (request_id, lease_token))
         # vLLM's push response shape (push_scheduler.request_finished); no lease token: nothing to claim
         return dataclasses.replace(held, push=True)
@@ -270,15 +272,17 @@ class KVProducer:
 
     def _serve_push_digests(self, push_key: str) -> dict[str, Any]:
         """A push's block digests, once, to the decode it WROTE to (the push key is the capability)."""
-        now = time.monotonic()
         with self._push_digests_lock:
-            for key in [k for k, (_, _, until) in self._push_digests.items() if until < now]:
-                del self._push_digests[key]
+            self._reap_push_digests_locked(time.monotonic())
             entry = self._push_digests.pop(push_key, None)
         if entry is None:
             raise SideChannelRefused("unknown", "no KV digests for this push (digests off, or expired)")
         digests, algo, _ = entry
         return {"digests": [list(rank) for rank in digests], "algo": algo}
+
+    def _reap_push_digests_locked(self, now: float) -> None:
+        for key in [k for k, (_, _, until) in self._push_digests.items() if until < now]:
+            del self._push_digests[key]
 
     def _heartbeat(self, request_ids: list[str], tokens: list[str], peer: str) -> dict[str, Any]:
         if len(request_ids) != len(tokens):
