@@ -197,3 +197,14 @@ def test_verify_load_counts_and_applies_the_required_switch() -> None:
     text = generate_latest(m.registry).decode()
     assert 'pdserve:kv_digest_mismatch_total{engine="0",model_name="t",outcome="recomputed",where="read"} 1.0' in text
     assert 'reason="absent"} 2.0' in text
+
+
+def test_a_held_historys_params_carry_digests_to_the_prefill_that_reads_them_back() -> None:
+    from pdserve.api.pd import parse_remote_kv_params
+
+    history = HeldKVParams(request_id="c-history", block_ids=(7, 8), num_tokens=32, engine_id="d", host="h",
+                           port=5600, generation=2, expires_at=0.0, lease_token="t" * 32, history=True,
+                           block_hashes=("aa", "bb"), block_bytes=64, block_digests=(("1_2", "3_4"),),
+                           digest_algo=XXH3_128).to_json()
+    parsed = parse_remote_kv_params(history)
+    assert parsed.prefix and parsed.block_digests == (("1_2", "3_4"),) and parsed.digest_algo == XXH3_128
