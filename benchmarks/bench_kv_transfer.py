@@ -7,10 +7,14 @@ does (claim, READ, release-with-verify), and reports:
 
 - NIXL READ GB/s (post to completion) and end-to-end load GB/s (claim + READ + release), medians;
 - the raw copy of the same bytes: on CPU a torch copy in this process, on GPU a device-to-device copy;
-- their ratio.
+- their ratio;
+- with `--digest both`: the per-block KV digests' cost (pdserve/kv_transfer/digest.py), loads with digests on and
+  off interleaved: the producer's hold (where it digests) and the consumer's load (where it verifies after the
+  READ), each next to the load without digests.
 
     python benchmarks/bench_kv_transfer.py --tokens 8192 --device cuda     # H200
     python benchmarks/bench_kv_transfer.py --tokens 1024 --device cpu      # CI-class CPU box
+    python benchmarks/bench_kv_transfer.py --tokens 1024,4096,16384 --device cpu --layers 8 --digest both
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ def _connector(args: argparse.Namespace, role: str, pool: Any, port: int) -> Any
             "kv_connector": "NixlConnector",
             "kv_role": role,
             "engine_id": f"bench-{role}-{uuid.uuid4().hex[:6]}",
-            "kv_connector_extra_config": {"transfer_timeout_s": 30.0},
+            "kv_connector_extra_config": {"transfer_timeout_s": 30.0, "enable_kv_digest": args.digest != "off"},
         },
         side_channel_host="127.0.0.1",
         side_channel_port=port,
@@ -94,8 +98,14 @@ def _producer(conn: Any, args: argparse.Namespace, num_blocks: int) -> None:
                 continue
             cmd, arg = conn.recv()
             if cmd == "hold":
-                rid, ids = arg
-                conn.send(connector.producer.hold(rid, ids, len(ids) * args.block_size, 0).to_json())
+                rid, ids, digest = arg
+                producer = connector.producer
+                digester, producer.digester = producer.digester, producer.digester if digest else None
+                t0 = time.perf_counter()
+                held = producer.hold(rid, ids, len(ids) * args.block_size, 0)
+                hold_s = time.perf_counter() - t0
+                producer.digester = digester
+                conn.send((held.to_json(), hold_s))
             elif cmd == "checksum":
                 conn.send(_checksum(pool, arg))
             else:
@@ -163,6 +173,9 @@ def main() -> None:
     ap.add_argument(
         "--copy-threads", type=int, default=1, help="torch threads for the CPU raw copy (cma is 1)"
     )
+    ap.add_argument("--digest", choices=("on", "off", "both"), default="off",
+                    help="per-block KV digests (enable_kv_digest): off (the raw READ), on, or both interleaved "
+                         "(their cost side by side)")
     ap.add_argument("--json", default=None, help="also write every measurement here")
     args = ap.parse_args()
     args.producer_device = args.producer_device or args.device
@@ -200,6 +213,8 @@ def main() -> None:
         parent.recv()  # the producer is up (its side-channel port travels in the params)
         pool = torch.zeros_like(_pool(args, num_blocks, args.device, 0))
         connector = _connector(args, "kv_consumer", pool, 0)
+        digester = connector.consumer.digester
+        hold_seconds: list[float] = []
         import random
 
         rng = random.Random(0)
@@ -211,10 +226,14 @@ def main() -> None:
 
         raw = _RawCopy(args.producer_device, args.device, nbytes)
 
-        def load(tag: str, n: int) -> Any:
-            parent.send(("hold", (f"bench-{tag}", remote_ids[:n])))
-            params = parent.recv()
+        modes = {"on": [True], "off": [False], "both": [False, True]}[args.digest]
+
+        def load(tag: str, n: int, digest: bool = False) -> Any:
+            parent.send(("hold", (f"bench-{tag}", remote_ids[:n], digest)))
+            params, hold_s = parent.recv()
             consumer = connector.consumer
+            consumer.digester = digester if digest else None
+            hold_seconds.append(hold_s)
             consumer.start_load(f"d-{tag}", consumer.parse(KVTransferParams.read(params)), local_ids[:n], 0)
             deadline = time.monotonic() + 120
             results: list[Any] = []
@@ -225,16 +244,20 @@ def main() -> None:
                 raise RuntimeError(f"load {tag} failed: {results}")
             return results[0]
 
-        r = load("first", blocks)  # includes the handshake and connection setup
+        r = load("first", blocks, modes[-1])  # includes the handshake and connection setup
         parent.send(("checksum", remote_ids))
         if parent.recv() != _checksum(pool, local_ids):
             raise RuntimeError("loaded blocks differ from the producer's")
         print(f"first load (handshake + connect + READ): {r.seconds * 1e3:.1f} ms, bytes verified")
         stats = {n: {"xfer": [], "post": [], "load": [], "copy": [], "descs": 0} for _, n in sizes}
+        digest_stats = {(n, d): {"load": [], "hold": []} for _, n in sizes for d in modes}
         # Loads and raw copies alternate (and sizes interleave) so that all see the same machine load.
         for i in range(args.iters):
             for _, n in sizes:
-                r = load(f"{i}-{n}", n)
+                for d in modes:
+                    r = load(f"{i}-{n}-{d}", n, d)
+                    digest_stats[(n, d)]["load"].append(r.seconds)
+                    digest_stats[(n, d)]["hold"].append(hold_seconds[-1])
                 st = stats[n]
                 st["xfer"].append(r.xfer_seconds)
                 st["post"].append(r.post_seconds)
@@ -242,6 +265,21 @@ def main() -> None:
                 st["descs"] = r.num_descriptors
                 st["copy"].append(raw.run(n * block_bytes))
         parent.send(("stop", None))
+        if args.digest == "both":
+            report_digest = []
+            print("per-block KV digests (medians; transfer = claim + READ + release without digests):")
+            for tokens, n in sizes:
+                off, on = digest_stats[(n, False)], digest_stats[(n, True)]
+                m = {k: statistics.median(v) for k, v in (("load_off", off["load"]), ("load_on", on["load"]),
+                                                           ("hold_off", off["hold"]), ("hold_on", on["hold"]))}
+                consumer_pct = 100 * (m["load_on"] - m["load_off"]) / m["load_off"]
+                producer_pct = 100 * (m["hold_on"] - m["hold_off"]) / m["load_off"]
+                report_digest.append({"tokens": tokens, "bytes": n * block_bytes, **m,
+                                      "consumer_pct": consumer_pct, "producer_pct": producer_pct})
+                print(f"  {tokens:6d} tokens {n * block_bytes / 2**20:6.0f} MiB: load {m['load_off'] * 1e3:8.2f} ms "
+                      f"off / {m['load_on'] * 1e3:8.2f} ms on ({consumer_pct:+.1f} % of transfer); hold "
+                      f"{m['hold_off'] * 1e3:7.2f} / {m['hold_on'] * 1e3:7.2f} ms ({producer_pct:+.1f} % of "
+                      f"transfer, on the prefill's answer)")
 
         kind = (
             ("device-to-device copy" if args.producer_device == args.device else "peer GPU-to-GPU copy")
@@ -249,6 +287,8 @@ def main() -> None:
             else f"torch CPU copy ({args.copy_threads} thread)"
         )
         report: dict[str, Any] = {"dtype": args.dtype, "iters": args.iters, "scatter": args.scatter, "sizes": []}
+        if args.digest == "both":
+            report["digest"] = report_digest
         for tokens, n in sizes:
             st = stats[n]
             size = n * block_bytes

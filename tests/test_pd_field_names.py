@@ -21,7 +21,9 @@ FIELD_NAMES = frozenset({
     "transfer_mode", "remote_registration_generation", "remote_prefill_cached_tokens",
     # ours
     "remote_lease_token", "remote_block_hashes", "remote_block_bytes", "lease_expires_at", "push_key",
-    "params_later", "first_token_id", "first_token_logprob",
+    "params_later", "first_token_id", "first_token_logprob", "kv_digest_algo",
+    # vLLM's KV digest prototype (nixl/digest.py)
+    "remote_block_digests",
 })
 
 

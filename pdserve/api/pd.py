@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -286,6 +287,9 @@ class HeldKVParams:
     block_bytes: int = 0  # history: bytes of one held block on the wire, all ranks together
     push: bool = False
     first_token: FirstToken | None = None  # a prefill leg's sampled token (pdserve producers)
+    # per producer rank, one digest per held block (`BLOCK_DIGESTS`, vLLM's encoding) and how they were made
+    block_digests: tuple[tuple[str, ...], ...] = ()
+    digest_algo: str = ""
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -315,6 +319,9 @@ class HeldKVParams:
             out[BLOCK_BYTES] = int(self.block_bytes)
         if self.first_token is not None:
             out.update(first_token_fields(self.first_token))
+        if self.block_digests and not self.push:  # a push's travel over the side channel
+            out[BLOCK_DIGESTS] = [list(rank) for rank in self.block_digests]
+            out[DIGEST_ALGO] = self.digest_algo
         return out
 
 
@@ -456,6 +463,8 @@ class RemotePrefillParams:
     first_token: FirstToken | None = None  # the producer's sampled first token (pdserve producers)
     block_hashes: tuple[str, ...] = ()  # a held prefix's block hashes (`BLOCK_HASHES`), in order
     prefix: bool = False  # the params name a held prefix of the prompt (`is_remote_prefix`), not a decode leg's
+    block_digests: tuple[tuple[str, ...], ...] = ()  # `BLOCK_DIGESTS`: per producer rank, per block
+    digest_algo: str | None = None  # `DIGEST_ALGO`; None: not named (vLLM's prototype names none)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -551,7 +560,43 @@ def parse_remote_prefill_params(params: Any) -> RemotePrefillParams:
         lease_token=lease_token,
         tp_size=sizes["tp_size"],
         first_token=parse_first_token(params),
+        block_digests=parse_block_digests(params, len(blocks)),
+        digest_algo=_digest_algo(params),
     )
+
+
+# ---- per-block KV digests (vLLM's `remote_block_digests`; pdserve/kv_transfer/digest.py) ----------------
+# vLLM's prototype (nixl/digest.py) sends one list per KV-cache group of "h1_h2" hex strings, one per block;
+# pdserve sends one list per producer tensor-parallel rank (one group: with one rank the shapes coincide), and
+# names its algorithm (`kv_digest_algo`, ours: vLLM's lane sums or XXH3-128).
+BLOCK_DIGESTS = "remote_block_digests"
+DIGEST_ALGO = "kv_digest_algo"
+_DIGEST_RE = re.compile(r"[0-9a-f]{1,16}_[0-9a-f]{1,16}")
+
+
+def parse_block_digests(params: Mapping[str, Any], num_blocks: int) -> tuple[tuple[str, ...], ...]:
+    """The producer's block digests, validated (() when the params carry none); InvalidKVTransferParams when
+    malformed: a list per rank (at most tp_size, or 1) of one "h1_h2" string per block."""
+    raw = params.get(BLOCK_DIGESTS)
+    if raw is None:
+        return ()
+    tp = params.get("tp_size") or 1
+    if not isinstance(raw, list) or not 1 <= len(raw) <= max(int(tp) if _is_int(tp) else 1, 1):
+        raise _bad(f"{BLOCK_DIGESTS} must be a list of one digest list per producer rank")
+    out = []
+    for rank in raw:
+        if not isinstance(rank, list) or len(rank) != num_blocks or not all(
+                isinstance(d, str) and _DIGEST_RE.fullmatch(d) for d in rank):
+            raise _bad(f"{BLOCK_DIGESTS} must hold one \"h1_h2\" hex digest per block ({num_blocks} blocks)")
+        out.append(tuple(rank))
+    return tuple(out)
+
+
+def _digest_algo(params: Mapping[str, Any]) -> str | None:
+    algo = params.get(DIGEST_ALGO)
+    if algo is not None and (not isinstance(algo, str) or not 0 < len(algo) <= 32):
+        raise _bad(f"{DIGEST_ALGO} must be a short string")
+    return algo
 
 
 # ---- a cached prefix pinned for a peer's prefill (pdserve instances) -------------------------------------

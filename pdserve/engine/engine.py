@@ -167,12 +167,15 @@ class LLMEngine:
         if config.kv_offloading:
             from pdserve.engine.tier_loader import TierLoader
             from pdserve.kv_offload.manager import GIB, KVTierManager
+            from pdserve.kv_transfer.config import digests_enabled
+            from pdserve.kv_transfer.digest import cpu_block_digest
 
             self.tiers = KVTierManager(
                 self.runner.kv_pool, config.block_size, int(config.kv_offloading_size * GIB),
                 config.kv_offloading_disk_path, int((config.kv_offloading_disk_size or 0) * GIB), events=publish,
                 kv_encoding=self.runner.layout if self.runner.kv_format is None
-                else f"{self.runner.kv_cache_dtype}/{self.runner.kv_scales}")
+                else f"{self.runner.kv_cache_dtype}/{self.runner.kv_scales}",
+                digest=cpu_block_digest if digests_enabled(config.kv_transfer_config) else None)
             self.blocks.on_evict = self.tiers.on_device_evict
             self.tier_loader = TierLoader(self.blocks, self.scheduler, self.tiers)
             self.scheduler.count_external = True

@@ -67,6 +67,8 @@ class TierLoader:
         loaded = 0
         try:
             for h in host_run:
+                if not tiers.host_intact(h):  # its bytes changed in the tier (digests on): recomputed instead
+                    break
                 bid = blocks.promote(h, tiers.host_meta(h))
                 if bid is None:
                     break

@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -60,18 +61,23 @@ class DiskRead:
 
 class KVTierManager:
     def __init__(self, pool: torch.Tensor, block_size: int, host_bytes: int, disk_path: str | None = None,
-                 disk_bytes: int = 0, events: bool = False, kv_encoding: str | None = None):
+                 disk_bytes: int = 0, events: bool = False, kv_encoding: str | None = None,
+                 digest: Callable[[torch.Tensor, int], str] | None = None):
         """kv_encoding: what the pool's bytes mean (a quantized pool's format, e.g.
         `fp8_e4m3/<fp8_kv.SCALE_SCHEME>`; a float pool's memory order, `kv_transfer.compat`'s layout names),
         part of the disk files' fingerprint: dtype and shape alone do not tell fp8 formats or block layouts
         apart (a head-major and a token-major block with as many heads as tokens have the same shape), and a
-        disk tier written under another one must read as a miss, not as garbage KV."""
+        disk tier written under another one must read as a miss, not as garbage KV. digest(blocks, i) (CPU pools):
+        the host tier keeps each block's digest and a block whose bytes changed there is dropped, never loaded (`host_intact`); the
+        disk tier's files carry their own CRC32, checked on every read."""
         self.pool = pool
         self.block_size = block_size
         self.block_shape = tuple(pool.shape[1:])
         self.block_nbytes = pool[0].numel() * pool.element_size()
         self.pin = pool.device.type == "cuda"
-        self.host = HostTier(int(host_bytes // self.block_nbytes), self.block_shape, pool.dtype, self.pin)
+        self.host = HostTier(int(host_bytes // self.block_nbytes), self.block_shape, pool.dtype, self.pin,
+                             digest=digest if pool.device.type == "cpu" else None)
+        self.num_host_digest_mismatches = 0
         self._events: list[KVCacheEvent] | None = [] if events else None
         self._events_lock = threading.Lock()
         self.counters: dict[str, TierCounters] = defaultdict(TierCounters)
@@ -155,6 +161,17 @@ class KVTierManager:
 
     def host_meta(self, h: bytes) -> BlockMeta:
         return self.host.meta(h)
+
+    def host_intact(self, h: bytes) -> bool:
+        """False (and the block dropped from the host tier, counted) when its bytes changed since stored."""
+        if self.host.intact(h):
+            return True
+        log.error("KV host tier: block %s changed since it was stored (digest mismatch); dropped, recomputed",
+                  h.hex()[:16])
+        self.host.drop(h)
+        self._removed(h, MEDIUM_HOST)
+        self.num_host_digest_mismatches += 1
+        return False
 
     def load_from_host(self, h: bytes, bid: int) -> None:
         t0 = time.perf_counter()
@@ -243,6 +260,8 @@ class KVTierManager:
             row = {"query_tokens": c.query_tokens, "hit_tokens": c.hit_tokens, "offload_bytes": c.offload_bytes,
                    "offload_seconds": c.offload_seconds, "load_bytes": c.load_bytes, "load_seconds": c.load_seconds,
                    "blocks": held, "capacity_blocks": capacity}
+            if medium == MEDIUM_HOST:
+                row["digest_mismatch_blocks"] = self.num_host_digest_mismatches
             if medium == MEDIUM_DISK and self.disk is not None:
                 row["offload_bytes"] = self.disk.bytes_written
                 row["offload_seconds"] = self.disk.write_seconds

@@ -33,6 +33,7 @@ DEFAULT_SIDE_CHANNEL_PORT = 5600
 ENV_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 ENV_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 ENV_LOG_INTERVAL = "VLLM_LOG_STATS_INTERVAL"
+ENV_DIGEST_FAIL = "VLLM_NIXL_DIGEST_FAIL"  # vLLM's fail-closed switch for its digest prototype
 
 # Top-level keys of vLLM's KVTransferConfig that we accept without acting on them.
 _IGNORED_VLLM_KEYS = frozenset(
@@ -80,6 +81,11 @@ _KNOWN_EXTRA_KEYS = frozenset(
         # it is computed, "request" the whole request after the prefill (vLLM's #35264 behaviour)
         "push_registration_timeout",
         "push_pipeline",
+        # per-block KV digests (vLLM's `enable_kv_digest`, nixl/digest.py): the producer digests what it holds,
+        # the consumer checks what arrived; `kv_digest_required` (ours; vLLM's VLLM_NIXL_DIGEST_FAIL=1 alike)
+        # also fails a load whose params carry no digests it can check
+        "enable_kv_digest",
+        "kv_digest_required",
         # vLLM keys that have no meaning here (single engine).
         "num_threads",
         "engine_ttl",
@@ -107,6 +113,13 @@ def _port(value: Any, source: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
         raise ValueError(f"{source} must be a port in 0..65535 (0 = any free port), got {value!r}")
     return value
+
+
+def digests_enabled(raw: Mapping[str, Any] | None) -> bool:
+    """Whether a raw `--kv-transfer-config` turns the per-block KV digests on (`enable_kv_digest`): also what the
+    KV offload tiers follow for their host tier, with or without P/D."""
+    extra = (raw or {}).get("kv_connector_extra_config") or {}
+    return isinstance(extra, Mapping) and extra.get("enable_kv_digest") is True
 
 
 def is_loopback_host(host: str) -> bool:
@@ -151,6 +164,10 @@ class KVTransferConfig:
     peer_pin_max_leases: int = 8
     push_registration_timeout: float = 60.0
     push_pipeline: str = "layer"
+    # off by default: on the CPU a full-content digest costs ~20-40 % of the transfer time (BENCHMARKS.md, "KV
+    # digests"), over the 3 % the default may cost; the GPU's device-side digest has not been measured
+    enable_kv_digest: bool = False
+    kv_digest_required: bool = False
 
     @property
     def transfer_mode(self) -> str:
@@ -300,6 +317,14 @@ class KVTransferConfig:
             raise ValueError("kv_connector NixlPushConnector does not support bidirectional_kv_xfer (multi-turn "
                              "history handback is pull-only); use NixlConnector for it")
 
+        digest = {k: extra.get(k, default) for k, default in (("enable_kv_digest", False),
+                                                               ("kv_digest_required", False))}
+        for key, value in digest.items():
+            if not isinstance(value, bool):
+                raise ValueError(f"kv_connector_extra_config.{key} must be true or false, got {value!r}")
+        if env.get(ENV_DIGEST_FAIL, "0") not in ("", "0"):
+            digest["kv_digest_required"] = True
+
         secret = resolve_secret(extra, env)
         if SECRET_KEY in extra:
             logger.warning(
@@ -350,4 +375,6 @@ class KVTransferConfig:
             peer_pin_max_leases=int(_number(extra, "peer_pin_max_leases", 8)),
             push_registration_timeout=_number(extra, "push_registration_timeout", 60.0),
             push_pipeline=pipeline,
+            enable_kv_digest=digest["enable_kv_digest"],
+            kv_digest_required=digest["kv_digest_required"] and digest["enable_kv_digest"],
         )

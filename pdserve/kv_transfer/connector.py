@@ -39,6 +39,8 @@ from pdserve.kv_transfer.auth import SECRET_ENV, MessageAuth, ReplayGuard
 from pdserve.kv_transfer.compat import HEAD_MAJOR_LAYOUT, POOL_LAYOUT, normalize_compat
 from pdserve.kv_transfer.config import KVTransferConfig, is_loopback_host
 from pdserve.kv_transfer.consumer import KVConsumer
+from pdserve.kv_transfer.digest import BlockDigester
+from pdserve.kv_transfer.faults import KVFaults
 from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.nixl_agent import NixlAgent, apply_env_defaults, load_nixl
 from pdserve.kv_transfer.pool import pretouch, region_of
@@ -162,6 +164,7 @@ class KVConnector:
             if push and tp_size > 1:
                 raise ValueError("kv_connector NixlPushConnector does not support tensor parallelism yet (each "
                                  "rank would WRITE its own heads); use NixlConnector with --tensor-parallel-size")
+            digester = BlockDigester(pool, self._rank_agents) if config.enable_kv_digest else None
             if config.is_producer:
                 assert self._server is not None
                 self.producer = KVProducer(
@@ -173,6 +176,8 @@ class KVConnector:
                     metrics=self.metrics,
                     auth=auth,
                     ranks=ranks,
+                    digester=digester,
+                    faults=KVFaults.from_env(pool, block_size, digester),  # test-only, by environment
                 )
                 if push:
                     producer = self.producer
@@ -185,6 +190,7 @@ class KVConnector:
                         metrics=self.metrics)
                     producer.push_handler = self.push_sender.handle
                     producer.push_sender = self.push_sender
+                    self.push_sender.faults = producer.faults
                 self._server.start()
             if config.is_consumer:
                 consumer = (PushConsumer if push else KVConsumer)(
@@ -195,6 +201,7 @@ class KVConnector:
                     metrics=self.metrics,
                     auth=auth,
                     ranks=ranks,
+                    digester=digester,
                 )
                 self.consumer = consumer
                 if isinstance(consumer, PushConsumer) and self.producer is not None:

@@ -38,6 +38,7 @@ from pdserve.kv_transfer import side_channel
 from pdserve.kv_transfer.auth import AuthRefused, MessageAuth
 from pdserve.kv_transfer.compat import check_compat
 from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.kv_transfer.digest import BlockDigester, verify_load
 from pdserve.kv_transfer.errors import (
     CompatibilityError,
     KVTransferError,
@@ -149,9 +150,12 @@ class KVConsumer:
         metrics: TransferMetrics,
         auth: MessageAuth | None = None,
         ranks: Sequence[tuple[Any, PoolRegion]] | None = None,
+        digester: BlockDigester | None = None,
     ) -> None:
-        """ranks: (agent, region) of every local tensor-parallel rank, rank 0 (`agent`, `region`) first."""
+        """ranks: (agent, region) of every local tensor-parallel rank, rank 0 (`agent`, `region`) first;
+        digester: checks loaded blocks against the producer's digests (None: `enable_kv_digest` off)."""
         self._config = config
+        self.digester = digester
         self._auth = auth
         self._agent = agent
         self._region = region
@@ -426,6 +430,10 @@ class KVConsumer:
                 f"producer {remote.host}:{remote.port} did not hold the KV lease of {p.remote_request_id} "
                 "throughout the READ (it expired); the data was discarded"
             )
+        problem = self.check_digests(p.block_digests, p.digest_algo, remote.tp_size, local[first_block:n],
+                                     range(first_block, n), f"request {request_id}", "read")
+        if problem is not None:
+            raise _LoadFailed(problem)
         self._metrics.record_transfer(
             xfer_s=stats.xfer_s, post_s=stats.post_s, nbytes=nbytes, num_descriptors=num_descriptors
         )
@@ -438,6 +446,15 @@ class KVConsumer:
             xfer_seconds=stats.xfer_s,
             post_seconds=stats.post_s,
         )
+
+    def check_digests(self, expected: Sequence[Sequence[str]], algo: str | None, src_tp: int,
+                      local_ids: Sequence[int], positions: Sequence[int], what: str, where: str) -> str | None:
+        """After a READ or a push: None when the loaded blocks may be used, else why not (a load failure)."""
+        if self.digester is None:
+            return None
+        return verify_load(self.digester, metrics=self._metrics, policy=self._config.kv_load_failure_policy,
+                           required=self._config.kv_digest_required, expected=expected, algo=algo, src_tp=src_tp,
+                           local_ids=local_ids, positions=list(positions), what=what, where=where)
 
     def _read_one(self, dst_rank: int, read: RankRead, remote: _Remote, notif: bytes, deadline: float) -> ReadStats:
         agent, region = self._ranks[dst_rank]

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.kv_transfer.digest import digest_blocks
 from pdserve.kv_transfer.errors import TransferFailed, TransferTimeout
 from pdserve.kv_transfer.nixl_agent import NixlAgent, ReadStats, apply_env_defaults, load_nixl
 from pdserve.kv_transfer.pool import PoolRegion, bind_cuda_device, pretouch, region_of
@@ -74,6 +75,14 @@ class Read:
 
 
 @dataclass(frozen=True)
+class BlockDigests:
+    """This rank's digests of its shard of `block_ids` (kv_transfer/digest.py); answers a list of strings."""
+
+    block_ids: tuple[int, ...]
+    algo: str
+
+
+@dataclass(frozen=True)
 class Boost:
     """Poll the agent fast for `seconds` (a claim is under way). Sent as a notification."""
 
@@ -99,7 +108,8 @@ class RankKVService:
 
     def handlers(self) -> Handlers:
         return {KvInit: self.kv_init, AddRemote: self.add_remote, RemoveRemote: self.remove_remote,
-                Read: self.read, Boost: self.boost, KvClose: lambda _: self.close()}
+                Read: self.read, Boost: self.boost, KvClose: lambda _: self.close(),
+                BlockDigests: lambda cmd: digest_blocks(self._pool, cmd.block_ids, cmd.algo)}
 
     def kv_init(self, cmd: KvInit) -> dict[str, Any]:
         if self.agent is not None:
@@ -211,6 +221,9 @@ class RemoteRankAgent:
 
     def boost(self, seconds: float) -> None:
         self.client.notify(Boost(seconds))
+
+    def block_digests(self, block_ids: list[int], algo: str) -> list[str]:
+        return self.client.call(BlockDigests(tuple(block_ids), algo), timeout_s=_SETUP_TIMEOUT_S)
 
     def close(self) -> None:
         try:

@@ -131,6 +131,9 @@ class TransferMetrics:
             "prefix_pulls_failed": 0,
             "prefix_pulls_declined": 0,
             "prefix_pulled_tokens": 0,
+            "digest_verified_blocks": 0,
+            "digest_mismatches": 0,
+            "digest_unverified": 0,
         }
         labels = ["model_name", "engine"]
         values = (model_name, engine)
@@ -215,7 +218,40 @@ class TransferMetrics:
             registry=reg,
         )
 
+        self._digest_mismatch = Counter(
+            "pdserve:kv_digest_mismatch",
+            "KV loads whose bytes did not match the producer's per-block digests (remote_block_digests), by where "
+            "they were caught (read, push, host_tier) and what became of the request (recomputed or failed: "
+            "kv_load_failure_policy). Never an answer.",
+            [*labels, "where", "outcome"],
+            registry=reg,
+        )
+        self._digest_verified = counter("pdserve:kv_digest_verified_blocks",
+                                        "KV blocks whose digest was checked after a READ or push and matched.")
+        self._digest_unverified = Counter(
+            "pdserve:kv_digest_unverified",
+            "KV loads that could not be checked against digests, by reason: absent (the producer sent none), "
+            "tp_mismatch (different tensor-parallel sizes), algo (an unknown algorithm).",
+            [*labels, "reason"],
+            registry=reg,
+        )
+
     # ---- recording ---------------------------------------------------------------------------------
+
+    def record_digest_mismatch(self, where: str, outcome: str) -> None:
+        self._digest_mismatch.labels(*self._label_values, where, outcome).inc()
+        with self._lock:
+            self.totals["digest_mismatches"] += 1
+
+    def record_digest_verified(self, num_blocks: int) -> None:
+        self._digest_verified.inc(num_blocks)
+        with self._lock:
+            self.totals["digest_verified_blocks"] += num_blocks
+
+    def record_digest_unverified(self, reason: str) -> None:
+        self._digest_unverified.labels(*self._label_values, reason).inc()
+        with self._lock:
+            self.totals["digest_unverified"] += 1
 
     def record_push_write(self, nbytes: int, during_prefill: bool) -> None:
         self._push_bytes.labels(*self._label_values, "during_prefill" if during_prefill else "after_prefill"

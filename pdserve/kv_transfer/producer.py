@@ -21,6 +21,7 @@ from pdserve.api.pd import HeldKVParams, KVTransferParams, PushParams
 from pdserve.kv_transfer.auth import MessageAuth
 from pdserve.kv_transfer.compat import compat_differences
 from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.kv_transfer.digest import BlockDigester
 from pdserve.kv_transfer.errors import SideChannelRefused
 from pdserve.kv_transfer.leases import ClaimRefused, LeaseTable
 from pdserve.kv_transfer.metrics import TransferMetrics
@@ -29,6 +30,7 @@ from pdserve.kv_transfer.pool import PoolRegion, bind_cuda_device
 from pdserve.kv_transfer.side_channel import PEER_KEY, SideChannelServer
 
 if TYPE_CHECKING:
+    from pdserve.kv_transfer.faults import KVFaults
     from pdserve.kv_transfer.push_sender import PushSender
 
 logger = logging.getLogger("pdserve.kv_transfer")
@@ -57,9 +59,18 @@ class KVProducer:
         metrics: TransferMetrics,
         auth: MessageAuth | None = None,
         ranks: Sequence[tuple[Any, PoolRegion]] | None = None,
+        digester: BlockDigester | None = None,
+        faults: KVFaults | None = None,
     ) -> None:
-        """ranks: (agent, region) of every tensor-parallel rank, rank 0 (`agent`, `region`) first; None = one."""
+        """ranks: (agent, region) of every tensor-parallel rank, rank 0 (`agent`, `region`) first; None = one.
+        digester: digests held blocks into their params (`enable_kv_digest`); faults: test-only (faults.py)."""
         self._config = config
+        self.digester = digester
+        self.faults = faults
+        # push mode: the digests of a push's blocks, served to its decode after the WRITEs (`kv_digests`), by
+        # push key, until the decode fetched them or they expired
+        self._push_digests: dict[str, tuple[tuple[tuple[str, ...], ...], str, float]] = {}
+        self._push_digests_lock = threading.Lock()
         self._auth = auth
         self._server = server
         self._agent = agent
@@ -111,6 +122,7 @@ class KVProducer:
         lease ends when the push does."""
         self._check_block_ids(block_ids)
         lease_token = self.leases.hold(request_id, block_ids, num_tokens)
+        digests = self._digests(request_id, block_ids)
         held = HeldKVParams(
             request_id=request_id,
             block_ids=tuple(int(b) for b in block_ids),
@@ -123,9 +135,20 @@ class KVProducer:
             expires_at=time.time() + self._config.kv_lease_duration,
             lease_token=lease_token,
             tp_size=len(self._ranks),
+            block_digests=digests,
+            digest_algo=self.digester.algo if self.digester is not None else "",
         )
+        if self.faults is not None:
+            self.faults.after_hold(request_id, block_ids, num_tokens, push is not None and self.push_sender is not None)
         if push is None or self.push_sender is None:
             return held
+        if digests:
+            assert self.digester is not None
+            ttl = self._config.push_registration_timeout + self._config.kv_lease_duration
+            now = time.monotonic()
+            with self._push_digests_lock:
+                self._reap_push_digests_locked(now)  # those no decode fetched (its digests off) go too
+                self._push_digests[push.push_key] = (digests, self.digester.algo, now + ttl)
         self.push_sender.finish(request_id, push, block_ids, num_tokens, (request_id, lease_token))
         # vLLM's push response shape (push_scheduler.request_finished); no lease token: nothing to claim
         return dataclasses.replace(held, push=True)
@@ -145,6 +168,7 @@ class KVProducer:
         self._check_block_ids(block_ids)
         ttl = self._config.decoder_kv_blocks_ttl if duration_s is None else duration_s
         lease_token = self.leases.hold(lease_id, block_ids, num_tokens, duration_s=ttl, history=True)
+        digests = self._digests(lease_id, block_ids)
         self._history_ids.add(lease_id)
         self._metrics.set_history_held(len(self._history_ids))
         return HeldKVParams(
@@ -161,6 +185,8 @@ class KVProducer:
             block_bytes=self._region.block_bytes * len(self._ranks),
             tp_size=len(self._ranks),
             history=True,
+            block_digests=digests,
+            digest_algo=self.digester.algo if self.digester is not None else "",
         )
 
     def evict_history(self, lease_id: str) -> bool:
@@ -169,12 +195,25 @@ class KVProducer:
 
     def poll_released(self) -> list[str]:
         released = self.leases.poll_released()
+        if self.faults is not None:  # test-only: leases whose blocks go back to the engine while still held
+            released += self.faults.take_early_released()
         if self._history_ids and released:
             before = len(self._history_ids)
             self._history_ids.difference_update(released)
             if len(self._history_ids) != before:
                 self._metrics.set_history_held(len(self._history_ids))
         return released
+
+    def _digests(self, request_id: str, block_ids: Sequence[int]) -> tuple[tuple[str, ...], ...]:
+        """Every rank's digests of the held blocks; none (the consumer counts the load as unverified) when a
+        rank cannot answer: the KV itself is still good, and the engine thread must not fail here."""
+        if self.digester is None:
+            return ()
+        try:
+            return self.digester.held(block_ids)
+        except Exception:  # noqa: BLE001 - e.g. a worker rank's RPC timed out
+            logger.exception("KV digests of request %s not computed; its params carry none", request_id)
+            return ()
 
     def _check_block_ids(self, block_ids: Sequence[int]) -> None:
         bad = [b for b in block_ids if not 0 <= int(b) < self._region.num_blocks]
@@ -193,6 +232,8 @@ class KVProducer:
     def _handle(self, op: str, msg: dict[str, Any]) -> dict[str, Any]:
         if op == "handshake":
             return self._handshake(msg)
+        if op == "kv_digests":
+            return self._serve_push_digests(msg["push_key"])
         if op.startswith("push_"):
             if self.push_handler is None:
                 raise SideChannelRefused("incompatible", "this prefill instance uses transfer_mode 'pull' "
@@ -219,12 +260,29 @@ class KVProducer:
                     worker.boost(float(msg["timeout_s"]))
                 return {"block_ids": list(block_ids), "claim_token": claim_token}
             if op == "release":
-                return {"held_throughout": self.leases.release(rid, token, msg["claim_token"])}
+                held = self.leases.release(rid, token, msg["claim_token"])
+                if self.faults is not None:
+                    self.faults.on_released(rid)
+                return {"held_throughout": held}
             if op == "abort":
                 return {"freed": self.leases.abort(rid, token)}
         except ClaimRefused as exc:
             raise SideChannelRefused(exc.reason, str(exc)) from None
         raise SideChannelRefused("bad_request", f"unsupported op {op!r}")
+
+    def _serve_push_digests(self, push_key: str) -> dict[str, Any]:
+        """A push's block digests, once, to the decode it WROTE to (the push key is the capability)."""
+        with self._push_digests_lock:
+            self._reap_push_digests_locked(time.monotonic())
+            entry = self._push_digests.pop(push_key, None)
+        if entry is None:
+            raise SideChannelRefused("unknown", "no KV digests for this push (digests off, or expired)")
+        digests, algo, _ = entry
+        return {"digests": [list(rank) for rank in digests], "algo": algo}
+
+    def _reap_push_digests_locked(self, now: float) -> None:
+        for key in [k for k, (_, _, until) in self._push_digests.items() if until < now]:
+            del self._push_digests[key]
 
     def _heartbeat(self, request_ids: list[str], tokens: list[str], peer: str) -> dict[str, Any]:
         if len(request_ids) != len(tokens):

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.api.pd import KVTransferParams, LoadParams, PushParams
@@ -34,6 +34,7 @@ from pdserve.kv_transfer.auth import MessageAuth, new_nonce
 from pdserve.kv_transfer.compat import check_compat
 from pdserve.kv_transfer.config import KVTransferConfig
 from pdserve.kv_transfer.consumer import KVConsumer, LoadResult
+from pdserve.kv_transfer.digest import BlockDigester, check_push
 from pdserve.kv_transfer.errors import (
     CompatibilityError,
     SideChannelError,
@@ -65,13 +66,18 @@ class _Pending:
     cancel_sent: bool = False
     unreachable: int = 0
     registered: bool = False  # the prefill accepted the registration (before: only cancel is sent)
+    blocks: list[int] = field(default_factory=list)  # the local blocks registered, for request blocks [first_block..)
+    first_block: int = 0
 
 
 class PushReceiver:
     def __init__(self, config: KVTransferConfig, *, agent: NixlAgent, region: PoolRegion,
                  compat: Mapping[str, Any], metrics: TransferMetrics, auth: MessageAuth | None,
-                 report: Callable[[LoadResult], None]) -> None:
+                 report: Callable[[LoadResult], None],
+                 verify: Callable[[str, PushParams, list[int], int], str | None] | None = None) -> None:
+        """verify(request_id, params, blocks, first_block): the block digests' check after a push (None: off)."""
         self._config = config
+        self._verify = verify
         self._agent = agent
         self._region = region
         self._compat = dict(compat)
@@ -103,7 +109,8 @@ class PushReceiver:
                         # the prefill posts nothing after timeout_s and releases a WRITE after transfer_timeout_s
                         now + self._config.push_registration_timeout + self._config.transfer_timeout_s
                         + _DEADLINE_MARGIN_S,
-                        (needed - first_block) * self._region.block_bytes)
+                        (needed - first_block) * self._region.block_bytes,
+                        blocks=local[first_block:], first_block=first_block)
         with self._lock:
             if p.push_key in self._pending:
                 raise ValueError("a push under this push_key is already registered here")
@@ -222,6 +229,10 @@ class PushReceiver:
                 return  # ended already
             del self._pending[item.params.push_key]
             self._by_request.pop(item.request_id, None)
+        if result.ok and item.blocks and self._verify is not None:
+            problem = self._verify(item.request_id, item.params, item.blocks, item.first_block)
+            if problem is not None:
+                result, failed = LoadResult(item.request_id, False, problem), True
         if failed:
             self._metrics.record_failed_transfer()
         elif result.ok and result.bytes:
@@ -312,14 +323,23 @@ class PushConsumer(KVConsumer):
 
     def __init__(self, config: KVTransferConfig, *, agent: NixlAgent, region: PoolRegion, compat: Mapping[str, Any],
                  metrics: TransferMetrics, auth: MessageAuth | None = None,
-                 ranks: Sequence[tuple[Any, PoolRegion]] | None = None) -> None:
-        super().__init__(config, agent=agent, region=region, compat=compat, metrics=metrics, auth=auth, ranks=ranks)
+                 ranks: Sequence[tuple[Any, PoolRegion]] | None = None, digester: BlockDigester | None = None) -> None:
+        super().__init__(config, agent=agent, region=region, compat=compat, metrics=metrics, auth=auth, ranks=ranks,
+                         digester=digester)
         self._push_waiting: dict[str, PushParams] = {}  # admitted, blocks not yet allocated
         self.receiver = PushReceiver(config, agent=agent, region=region, compat=compat, metrics=metrics, auth=auth,
-                                     report=self.report_result)
+                                     report=self.report_result,
+                                     verify=self._verify_push if self.digester is not None else None)
 
     def parse(self, params: KVTransferParams) -> LoadParams:
         return params.parse_load(push=True)
+
+    def _verify_push(self, request_id: str, p: PushParams, blocks: list[int], first_block: int) -> str | None:
+        """After a push: the prefill's digests of what it WROTE (side channel) against the blocks here."""
+        return check_push(lambda: side_channel.call(p.remote_host, p.remote_port, "kv_digests",
+                                                    {"push_key": p.push_key}, self._config.handshake_timeout_s,
+                                                    to=p.remote_engine_id, auth=self._auth),
+                          self.check_digests, request_id, blocks, first_block)
 
     def add_waiting(self, request_id: str, params: LoadParams) -> None:
         self._push_waiting[request_id] = _push(params)  # nothing to keep alive: the prefill has no lease yet

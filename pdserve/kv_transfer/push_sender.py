@@ -103,6 +103,7 @@ class PushSender:
         self._next_extend = 0.0
         self._auth = auth
         self._metrics = metrics
+        self.faults: Any = None  # test-only (kv_transfer/faults.py): a stale WRITE before a job's notification
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
         self._by_request: dict[str, str] = {}
@@ -410,6 +411,10 @@ class PushSender:
                 elif job.state != "pending":
                     self._end_locked(job, job.state, job.error)
             if notify is not None:
+                if self.faults is not None and reg is not None:
+                    self.faults.before_push_done(job.request_id, self._agent, self._region,
+                                                 job.local_blocks[reg.first_block:reg.first_block + len(reg.block_ids)],
+                                                 reg.agent_name, reg.pool, reg.block_ids)
                 try:
                     self._agent.send_notif(notify, PUSH_NOTIF_PREFIX + job.key.encode())
                     outcome, error = "done", ""

@@ -68,6 +68,8 @@ REQUEST_FIELDS: dict[str, dict[str, Any]] = {
                       "first_block": int, "num_tokens": int, "timeout_s": _Number},
     "push_status": {"push_keys": (list, str)},
     "push_cancel": {"push_key": str},
+    # a push's per-block KV digests, fetched by its decode after the WRITEs (pdserve/kv_transfer/digest.py)
+    "kv_digests": {"push_key": str},
 }
 REPLY_FIELDS: dict[str, dict[str, Any]] = {
     "handshake": {
@@ -86,6 +88,7 @@ REPLY_FIELDS: dict[str, dict[str, Any]] = {
     "push_register": {"state": str},
     "push_status": {"states": (list, str), "errors": (list, str)},
     "push_cancel": {"state": str},
+    "kv_digests": {"digests": list, "algo": str},
 }
 POOL_FIELDS: dict[str, Any] = {
     "base_addr": int,

@@ -129,6 +129,13 @@ def _tier_metrics(tiers: dict[str, dict[str, float]], names: list[str], values: 
                                 labels=names)
         c.add_metric(values, disk.get("corrupt_blocks", 0))
         yield c
+    host = tiers.get("CPU")
+    if host is not None and "digest_mismatch_blocks" in host:
+        c = CounterMetricFamily("pdserve:kv_tier_digest_mismatch_blocks",
+                                "Host-tier blocks whose bytes no longer matched their digest (enable_kv_digest): "
+                                "dropped and recomputed, never loaded.", labels=names)
+        c.add_metric(values, host["digest_mismatch_blocks"])
+        yield c
 
 
 class ServerMetrics:

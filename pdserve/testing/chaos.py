@@ -12,6 +12,11 @@ Faults, round-robin, one at a time, every `fault_every_s` seconds, each held `fa
   kill-instance              SIGKILL of an instance, then restarted (what `pdserve up`'s supervisor does)
   restart-proxy              the proxy stopped (SIGTERM) and started again
 
+Faults that make wrong KV (test-only, in the prefill processes: pdserve/kv_transfer/faults.py, turned on by
+`kv_fault_env`): a byte flipped in a held block, blocks reassigned before a late READ. The digests
+(`enable_kv_digest`) must catch every victim: `kv_victims` (the faults' log: wrong bytes a decode read) against
+`kv_caught` (the decodes' "KV digest mismatch" log lines), and no answer may be wrong.
+
 Counts (`SoakResult`): completed (200 and exact), clean errors (an error status, an SSE error frame, a refused
 connection while the proxy restarts), corrupted (200 with wrong tokens), hung, leaked (after the load and a
 quiescence wait: every instance's /metrics back to idle: no used KV blocks, held leases, running, waiting or
@@ -23,11 +28,13 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -67,9 +74,35 @@ class SoakResult:
     wall_s: float = 0.0
     leak_details: list[str] = field(default_factory=list)
     corrupted_examples: list[str] = field(default_factory=list)
+    kv_faults_injected: dict[str, int] = field(default_factory=dict)  # by kind
+    kv_victims: dict[str, int] = field(default_factory=dict)  # by kind: wrong bytes a decode read
+    kv_caught: int = 0  # digest mismatches the decodes logged
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
+
+
+def kv_fault_env(log_path: Path, seed: int, **rates: float) -> dict[str, str]:
+    """The prefill instances' environment for the test-only KV faults (flip, reassign: per-request odds)."""
+    from pdserve.kv_transfer.faults import ENV
+
+    return {ENV: json.dumps({**rates, "seed": seed, "log": str(log_path)})}
+
+
+def count_kv_faults(result: SoakResult, fault_log: Path, decode_logs: list[Path]) -> None:
+    """Fill the KV fault counts from the faults' log and the decodes' logs."""
+    if fault_log.exists():
+        for line in fault_log.read_text().splitlines():
+            e = json.loads(line)
+            counts = result.kv_victims if e["victim"] else result.kv_faults_injected
+            if e["victim"] or e.get("phase") == "held" or e["kind"] == "stale_push":
+                counts[e["kind"]] = counts.get(e["kind"], 0) + 1
+    caught: set[str] = set()  # one request is logged by several layers: count it once
+    for p in decode_logs:
+        if p.exists():
+            caught.update(f"{p}:{m}" for m in re.findall(r"KV digest mismatch for request (\S+):",
+                                                          p.read_text(errors="replace")))
+    result.kv_caught = len(caught)
 
 
 def soak_prompts(n: int, seed: int) -> list[str]:
@@ -144,6 +177,8 @@ class _Injector:
 
     def run(self) -> None:
         i = 0
+        if not self.cfg.faults:  # only the in-process KV faults, or none
+            return
         while not self.stop.wait(self.cfg.fault_every_s):
             kind = self.cfg.faults[i % len(self.cfg.faults)]
             i += 1

@@ -188,7 +188,8 @@ class Testbed:
     def spawn(self, host: Host, argv: Sequence[str], *, env: dict[str, str] | None = None,
               log_path: Path | None = None) -> Proc:
         """`argv` in `host` (its environment: ours, then `host.env()`, then `env`)."""
-        log = open(log_path, "wb") if log_path is not None else None  # noqa: SIM115 - closed by Proc.stop
+        # appended: a restarted process (the chaos soak's kill-instance) keeps its predecessor's lines
+        log = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115 - closed by Proc.stop
         full_env = {**os.environ, **host.env(), **(env or {})}
         popen = subprocess.Popen(["ip", "netns", "exec", host.ns, *argv], env=full_env,
                                  stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT)

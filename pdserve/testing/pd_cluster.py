@@ -86,7 +86,9 @@ class PDCluster:
         serve_args: tuple[str, ...] = (),
         proxy_args: tuple[str, ...] = (),
         secret: str | None = None,
+        prefill_env: dict[str, str] | None = None,
     ) -> None:
+        """prefill_env: more environment for the prefill instances (the soak's test-only KV faults)."""
         if len(bed.hosts) < hosts_needed(n_prefill, n_decode):
             raise ValueError(f"{n_prefill}P{n_decode}D needs {hosts_needed(n_prefill, n_decode)} hosts")
         self.bed = bed
@@ -98,7 +100,8 @@ class PDCluster:
         def serve(role: str, host: Host, kv: list[str]) -> Node:
             argv = [sys.executable, "-m", "pdserve", "serve", str(model_dir), "--host", host.addr,
                     "--port", str(SERVE_PORT), *common, *kv]
-            return Node(role, host, argv, env, logs / f"{role}-{host.index}.log")
+            node_env = {**env, **(prefill_env or {})} if role == "prefill" else env
+            return Node(role, host, argv, node_env, logs / f"{role}-{host.index}.log")
 
         self.prefill = [serve("prefill", bed.hosts[1 + i],
                               ["--kv-transfer-config", kv_config("kv_producer", policy, extra),
