@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# Issue 42's GPU wave in ONE device call: install the carried wheels, then run sections one after another, each
+# under its own `timeout`, a failed one not stopping the rest, all within one wall-clock budget.
+#
+#   bash benchmarks/gpu_wave.sh                      # from the repo root on the GPU machine, `.whl` carried
+#   SECTIONS=correct,suite,pd1 bash benchmarks/gpu_wave.sh
+#   WAVE_PRINT=1 bash benchmarks/gpu_wave.sh         # print each section's command and budget, run nothing
+#
+# Sections (SECTIONS picks them and their order; default: correct,suite,spec,pd1,multiturn):
+#   correct    the GPU correctness suite (gpu_suite.py: kernels vs float32 SDPA, the tiny engines vs
+#              transformers, the 8B-shape logits), with the same-run ceilings
+#   suite      issue 42 step 1's engine figures with same-run ceilings (gpu_suite.py, cheapest first): P1 decode
+#              b1, P2 decode b64 2k, P3 prefill 8k, long prompts 8k / 32k / 64k (triton and triton-cudnn)
+#   spec       the verify step's cost against a plain graph step (gpu_spec_verify_cost.py, batch 1/4/16, K=4)
+#   pd1        the pull handoff, 1P1D sharing the GPU vs collocated (gpu_pd_suite.sh pd1: +ms from the first
+#              token, early decode leg, by recompute)
+#   push       pull vs push rows on the GPU (bench_pd_push.py --gpu, 8k; PUSH_LENS=8192,32768 for more rows)
+#   multiturn  the pull-or-recompute choice per turn (bench_multiturn.py, 8B shape, P and D sharing the GPU)
+#
+# Env: WAVE_BUDGET_S (the whole command's wall budget, default 520: the device call's 600 s limit less the
+# wheels' install and a margin), BUDGET_<SECTION> (a section's cap in seconds, e.g. BUDGET_PD1=200),
+# WHEELS (default .whl), TOK (tokenizer folder for the dummy model's servers, default $WHEELS/smol-tok),
+# SUITE_ONLY (gpu_suite.py section names for `suite`), SPEC_ARGS, PUSH_ARGS, MULTITURN_ARGS (replace the
+# default arguments of those sections' scripts).
+#
+# What comes back (the device returns at most 8 files): $OUT/wave.log (every section's output), $OUT/wave.json
+# (each section's status, seconds and the JSON it wrote), $OUT/wave.md (the tables), $OUT/logs.tar.gz (server
+# and step logs, plots). They are rewritten after every section, so a run cut short still returns what ran.
+set -u
+T0=$(date +%s)
+ROOT=$(pwd)
+OUT=${OUT:-/tmp/wave-out}
+WORK=${WAVE_WORK:-/tmp/wave}
+WHEELS=${WHEELS:-.whl}
+TOK=${TOK:-$ROOT/$WHEELS/smol-tok}
+BUDGET=${WAVE_BUDGET_S:-520}
+SECTIONS=${SECTIONS:-correct,suite,spec,pd1,multiturn}
+mkdir -p "$OUT" "$WORK"
+: > "$WORK/sections.tsv"
+LOG=$OUT/wave.log
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y  # NIXL READ over CUDA IPC, not TCP (h200-facts.md); pdserve sets it too
+
+# section name -> its cap in seconds (estimates from BENCHMARKS.md's recorded section times, in comments)
+declare -A CAP=(
+  [correct]=150    # correctness_kernels 8-10 s, correctness_engines 24-40 s, correctness_8b ~30 s, + imports/JIT
+  [suite]=170      # engine_init 6-23 s, P1 2, P2 8, P3 1, long 8k 3 / 32k 8 / 64k 23 s, + imports/JIT, warm-ups
+  [spec]=110       # one 8B engine (graphs) + 3 batches x (prefill 2k tokens each, 150 timed steps)
+  [pd1]=200        # collocated, then P and D: three 8B dummy servers started, 4 rounds of 5 x 8k requests
+  [push]=240       # collocated + pull + push servers (8B dummy), 5 x 8k requests each
+  [multiturn]=170  # P + D + proxy (8B dummy), 4 conversations x 6 turns, then the recompute timings
+)
+declare -A MIN=([correct]=60 [suite]=60 [spec]=45 [pd1]=90 [push]=90 [multiturn]=80)
+
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+
+collect() {
+  python3 benchmarks/gpu_wave_collect.py --work "$WORK" --out "$OUT" >/dev/null 2>>"$LOG" || true
+}
+
+# run_section NAME CMD...: under `timeout min(cap, time left)`, output teed to the section's and the wave's log
+run_section() {
+  local name=$1; shift
+  local cap_var="BUDGET_${name^^}"
+  local cap=${!cap_var:-${CAP[$name]:-120}}
+  local rem; rem=$(left)
+  local t=$(( cap < rem - 5 ? cap : rem - 5 ))
+  local dir=$WORK/$name
+  mkdir -p "$dir"
+  if [ -n "${WAVE_PRINT:-}" ]; then
+    printf '%s (cap %ss): %s\n' "$name" "$cap" "$*"; return 0
+  fi
+  if [ "$t" -lt "${MIN[$name]:-30}" ]; then
+    echo "=== $name: skipped, ${rem}s left of the wave's ${BUDGET}s (needs ${MIN[$name]:-30})" | tee -a "$LOG"
+    printf '%s\tskipped\t0\t%s\n' "$name" "$cap" >> "$WORK/sections.tsv"
+    collect; return 0
+  fi
+  echo "=== $name $(date -u +%H:%M:%S), budget ${t}s: $*" | tee -a "$LOG"
+  local s0; s0=$(date +%s)
+  ( cd "$ROOT" && mkdir -p "$dir/tmp" && export TMPDIR="$dir/tmp" SECTION_BUDGET_S="$t" && timeout -k 10 "$t" "$@" ) 2>&1 | tee "$dir/stdout.txt" >> "$LOG"
+  local rc=${PIPESTATUS[0]}
+  local secs=$(( $(date +%s) - s0 ))
+  local status=ok
+  [ "$rc" -ne 0 ] && status="rc=$rc"
+  [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && status="timeout"
+  echo "=== $name: $status in ${secs}s" | tee -a "$LOG"
+  printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$secs" "$t" >> "$WORK/sections.tsv"
+  collect
+}
+
+# -- the carried wheels (device README: pip --target a scratch dir, PYTHONPATH) --------------------------------
+if [ -z "${WAVE_PRINT:-}" ]; then
+  {
+    echo "=== wave $(date -u +%FT%TZ) sections=$SECTIONS budget=${BUDGET}s commit=$(git rev-parse --short HEAD 2>/dev/null)"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "$WHEELS"/*.whl 2>&1 | grep -v "^WARNING: Target directory" | tail -5
+    echo "wheels installed in $(( $(date +%s) - T0 ))s"
+  } 2>&1 | tee -a "$LOG"
+fi
+export PYTHONPATH=/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+if [ -z "${WAVE_PRINT:-}" ] && ! python3 -c "import cryptography, fastapi, nixl_cu13, pdserve.server" >> "$LOG" 2>&1; then
+  echo "=== the carried wheels do not import: see above" | tee -a "$LOG"
+fi
+
+SUITE_ONLY=${SUITE_ONLY:-p1_decode_b1,p2_decode_b64_2k,p3_prefill_1x8192,long_context_8192,long_context_32768,long_context_65536}
+# gpu_suite.py stops starting sections 15 s before the section's timeout, so that it writes its summary
+# shellcheck disable=SC2016 # expanded by the inner shell, where run_section set SECTION_BUDGET_S
+SUITE='exec python3 benchmarks/gpu_suite.py --out "$1" --budget-s $((SECTION_BUDGET_S - 15)) --only "$2"'
+IFS=, read -r -a want <<< "$SECTIONS"
+for sec in "${want[@]}"; do
+  case $sec in
+    correct)
+      run_section correct bash -c "$SUITE" _ "$WORK/correct" correctness_kernels,correctness_engines,correctness_8b ;;
+    suite)
+      run_section suite bash -c "$SUITE" _ "$WORK/suite" "$SUITE_ONLY" ;;
+    spec)
+      # shellcheck disable=SC2086 # SPEC_ARGS is a list of arguments
+      run_section spec python3 benchmarks/gpu_spec_verify_cost.py \
+        ${SPEC_ARGS:---model Llama-3.1-8B --batch 1,4,16 --context 2048 --k 4} ;;
+    pd1)
+      run_section pd1 env OUT="$WORK/pd1" TOK="$TOK" bash benchmarks/gpu_pd_suite.sh pd1 ;;
+    push)
+      # shellcheck disable=SC2086
+      run_section push python3 benchmarks/bench_pd_push.py \
+        ${PUSH_ARGS:---gpu --model Llama-3.1-8B --load-format dummy --prompt-len 8192 --output-len 64 --num-requests 5 \
+        --serve-arg=--tokenizer --serve-arg=$TOK --json $WORK/push/push-8192.json} ;;
+    multiturn)
+      # shellcheck disable=SC2086
+      run_section multiturn python3 benchmarks/bench_multiturn.py \
+        ${MULTITURN_ARGS:---model Llama-3.1-8B --serve-arg=--load-format --serve-arg=dummy \
+        --serve-arg=--gpu-memory-utilization --serve-arg=0.4 --serve-arg=--tokenizer --serve-arg=$TOK \
+        --tokenizer $TOK --conversations 4 --turns 6 --out-dir $WORK/multiturn} ;;
+    *)
+      echo "=== unknown section $sec (correct, suite, spec, pd1, push, multiturn)" | tee -a "$LOG" ;;
+  esac
+done
+[ -z "${WAVE_PRINT:-}" ] && echo "=== wave done in $(( $(date +%s) - T0 ))s" | tee -a "$LOG"
+collect
+exit 0
