@@ -15,7 +15,8 @@
 #   pd1        the pull handoff, 1P1D sharing the GPU vs collocated (gpu_pd_suite.sh pd1: +ms from the first
 #              token, early decode leg, by recompute)
 #   push       pull vs push rows on the GPU (bench_pd_push.py --gpu, 8k; PUSH_LENS=8192,32768 for more rows)
-#   multiturn  the pull-or-recompute choice per turn (bench_multiturn.py, 8B shape, P and D sharing the GPU)
+#   multiturn  the pull-or-recompute choice per turn (bench_multiturn.py, 8B shape, P and D sharing the GPU, fixed
+#              answers; mode on-pull measures the reads the cost model declined; a turn flagged WRONG chose slower)
 #
 # Env: WAVE_BUDGET_S (the whole command's wall budget, default 520: the device call's 600 s limit less the
 # wheels' install and a margin), BUDGET_<SECTION> (a section's cap in seconds, e.g. BUDGET_PD1=200),
@@ -48,7 +49,7 @@ declare -A CAP=(
   [spec]=110       # one 8B engine (graphs) + 3 batches x (prefill 2k tokens each, 150 timed steps)
   [pd1]=200        # collocated, then P and D: three 8B dummy servers started, 4 rounds of 5 x 8k requests
   [push]=240       # collocated + pull + push servers (8B dummy), 5 x 8k requests each
-  [multiturn]=170  # P + D + proxy (8B dummy), 4 conversations x 6 turns, then the recompute timings
+  [multiturn]=170  # modes on + on-pull: P + D + proxy (8B dummy) twice, 4 conversations x 6 turns, recompute timings
 )
 declare -A MIN=([correct]=60 [suite]=60 [spec]=45 [pd1]=90 [push]=90 [multiturn]=80)
 
@@ -129,8 +130,8 @@ for sec in "${want[@]}"; do
       # shellcheck disable=SC2086
       run_section multiturn python3 benchmarks/bench_multiturn.py \
         ${MULTITURN_ARGS:---model Llama-3.1-8B --serve-arg=--load-format --serve-arg=dummy \
-        --serve-arg=--gpu-memory-utilization --serve-arg=0.4 --serve-arg=--tokenizer --serve-arg=$TOK \
-        --tokenizer $TOK --conversations 4 --turns 6 --out-dir $WORK/multiturn} ;;
+        --serve-arg=--gpu-memory-utilization --serve-arg=0.4 --tokenizer $TOK --modes on,on-pull \
+        --proxy-arg=--kv-history-bandwidth --proxy-arg=cuda-ipc --out-dir $WORK/multiturn} ;;
     *)
       echo "=== unknown section $sec (correct, suite, spec, pd1, push, multiturn)" | tee -a "$LOG" ;;
   esac
