@@ -14,7 +14,8 @@
 #   spec       the verify step's cost against a plain graph step (gpu_spec_verify_cost.py, batch 1/4/16, K=4)
 #   pd1        the pull handoff, 1P1D sharing the GPU vs collocated (gpu_pd_suite.sh pd1: +ms from the first
 #              token, early decode leg, by recompute)
-#   push       pull vs push rows on the GPU (bench_pd_push.py --gpu, 8k; PUSH_LENS=8192,32768 for more rows)
+#   pushcheck  gpu-push's CUDA-event seam check and WRITE costs (gpu_push_check.py, test_push_layer_ready.py)
+#   push       pull vs push rows on the GPU (bench_pd_push.py --gpu, 8k and 256; PUSH_ARGS for gpu-push's full set)
 #   multiturn  the pull-or-recompute choice per turn (bench_multiturn.py, 8B shape, P and D sharing the GPU, fixed
 #              answers; mode on-pull measures the reads the cost model declined; a turn flagged WRONG chose slower)
 #
@@ -48,10 +49,11 @@ declare -A CAP=(
   [suite]=170      # engine_init 6-23 s, P1 2, P2 8, P3 1, long 8k 3 / 32k 8 / 64k 23 s, + imports/JIT, warm-ups
   [spec]=110       # one 8B engine (graphs) + 3 batches x (prefill 2k tokens each, 150 timed steps)
   [pd1]=200        # collocated, then P and D: three 8B dummy servers started, 4 rounds of 5 x 8k requests
-  [push]=240       # collocated + pull + push servers (8B dummy), 5 x 8k requests each
+  [pushcheck]=120  # gpu-push's estimate: 30-45 s incl. CUDA init of two processes, + its unit tests ~10 s
+  [push]=240       # 8B dummy servers for collocated, pull and both push modes, 8k and 256 (gpu-push: ~4 min all)
   [multiturn]=170  # modes on + on-pull: P + D + proxy (8B dummy) twice, 4 conversations x 6 turns, recompute timings
 )
-declare -A MIN=([correct]=60 [suite]=60 [spec]=45 [pd1]=90 [push]=90 [multiturn]=80)
+declare -A MIN=([correct]=60 [suite]=60 [spec]=45 [pd1]=90 [pushcheck]=45 [push]=120 [multiturn]=80)
 
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 
@@ -89,6 +91,14 @@ run_section() {
   collect
 }
 
+# needs SECTION FILE: a section whose script another branch brings runs only once that branch is merged
+needs() {
+  [ -f "$2" ] && return 0
+  echo "=== $1: skipped, $2 is not in this checkout (not merged yet)" | tee -a "$LOG"
+  printf '%s\tmissing\t0\t0\n' "$1" >> "$WORK/sections.tsv"
+  return 1
+}
+
 # -- the carried wheels (device README: pip --target a scratch dir, PYTHONPATH) --------------------------------
 if [ -z "${WAVE_PRINT:-}" ]; then
   {
@@ -121,11 +131,22 @@ for sec in "${want[@]}"; do
         ${SPEC_ARGS:---model Llama-3.1-8B --batch 1,4,16 --context 2048 --k 4} ;;
     pd1)
       run_section pd1 env OUT="$WORK/pd1" TOK="$TOK" bash benchmarks/gpu_pd_suite.sh pd1 ;;
+    pushcheck)
+      # gpu-push's READY: the CUDA-event seam's correctness and one request's WRITE time by descriptor shape (no
+      # servers; exit 0 = PASS), then its GPU unit tests
+      if needs pushcheck benchmarks/gpu_push_check.py; then
+        run_section pushcheck bash -c "python3 benchmarks/gpu_push_check.py; rc=\$?; \
+          timeout 60 python3 -m pytest -q tests/test_push_layer_ready.py; exit \$rc"
+      fi ;;
     push)
+      # gpu-push's READY: pull vs whole-request push vs layer-pipelined push vs collocated (bench_pd_push.py reads
+      # SECTION_BUDGET_S and skips what would not finish). Its full set (8192,32768,256 over CUDA IPC, then 8192
+      # over TCP: ~3.5-4.5 min): BUDGET_PUSH=330 PUSH_ARGS="--gpu ... --prompt-len 8192,32768,256
+      # --tcp-prompt-lens 8192 --output-len 32 --num-requests 3 ..."
       # shellcheck disable=SC2086
-      run_section push python3 benchmarks/bench_pd_push.py \
-        ${PUSH_ARGS:---gpu --model Llama-3.1-8B --load-format dummy --prompt-len 8192 --output-len 64 --num-requests 5 \
-        --serve-arg=--tokenizer --serve-arg=$TOK --json $WORK/push/push-8192.json} ;;
+      needs push benchmarks/bench_pd_push.py && run_section push python3 benchmarks/bench_pd_push.py \
+        ${PUSH_ARGS:---gpu --model Llama-3.1-8B --load-format dummy --prompt-len 8192,256 --tcp-prompt-lens= \
+        --output-len 32 --num-requests 3 --serve-arg=--tokenizer --serve-arg=$TOK --json $WORK/push/push-gpu.json} ;;
     multiturn)
       # shellcheck disable=SC2086
       run_section multiturn python3 benchmarks/bench_multiturn.py \
@@ -133,7 +154,7 @@ for sec in "${want[@]}"; do
         --serve-arg=--gpu-memory-utilization --serve-arg=0.4 --tokenizer $TOK --modes on,on-pull \
         --proxy-arg=--kv-history-bandwidth --proxy-arg=cuda-ipc --out-dir $WORK/multiturn} ;;
     *)
-      echo "=== unknown section $sec (correct, suite, spec, pd1, push, multiturn)" | tee -a "$LOG" ;;
+      echo "=== unknown section $sec (correct, suite, spec, pd1, pushcheck, push, multiturn)" | tee -a "$LOG" ;;
   esac
 done
 [ -z "${WAVE_PRINT:-}" ] && echo "=== wave done in $(( $(date +%s) - T0 ))s" | tee -a "$LOG"

@@ -210,13 +210,14 @@ def _json_object_problem(flag: str, text: str | None) -> str | None:
 
 def _roofline_info(runner: Any, cfg: Any) -> dict[str, Any] | None:
     """The prefill roofline of this instance's model on its GPU, None on CPU or an unknown GPU."""
-    if runner.device.type != "cuda":
+    model = getattr(runner, "model", None)  # a tensor-parallel front holds no model of its own: not priced
+    if runner.device.type != "cuda" or model is None:
         return None
     import torch
 
     from pdserve.preflight.roofline import device_roofline, model_costs
 
-    weight_bytes, flops = model_costs(runner.model.named_parameters(), cfg.vocab_size, cfg.hidden_size)
+    weight_bytes, flops = model_costs(model.named_parameters(), cfg.vocab_size, cfg.hidden_size)
     roof = device_roofline(torch.cuda.get_device_name(runner.device), str(runner.dtype).removeprefix("torch."),
                            weight_bytes, flops)
     return roof.as_info() if roof is not None else None
