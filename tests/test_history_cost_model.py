@@ -146,3 +146,55 @@ def test_new_turn_tokens():
     assert new_turn_tokens(body, 10_000, prompt_tokens=10_130) == 130  # exact when the prompt's length is known
     assert new_turn_tokens({"prompt": list(range(700))}, 600) == 100
     assert new_turn_tokens({"prompt": list(range(500))}, 600) == 1
+
+
+def test_the_health_checker_reads_a_prefill_instance_s_recompute_info():
+    """A real HTTP server answering /health and /pdserve/info: on admission the proxy's health checker keeps the
+    prefill instance's roofline and threshold; a decode instance's are not read; a vLLM-like instance (no
+    /pdserve/info) has neither."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from pdserve.proxy.health import HealthChecker
+    from pdserve.proxy.pool import Instance
+
+    async def run() -> tuple[Instance, Instance, Instance]:
+        info = {"roofline": H200_8B.as_info(), "kv_recompute_threshold": 64}
+
+        async def health(_: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        async def pdserve_info(_: web.Request) -> web.Response:
+            return web.json_response(info)
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/pdserve/info", pdserve_info)
+        bare = web.Application()
+        bare.router.add_get("/health", health)
+        runners = [web.AppRunner(a) for a in (app, bare)]
+        urls = []
+        for r in runners:
+            await r.setup()
+            site = web.TCPSite(r, "127.0.0.1", 0)
+            await site.start()
+            urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+        try:
+            async with aiohttp.ClientSession() as session:
+                prefill, decode, vllm = Instance(urls[0], "prefill"), Instance(urls[0], "decode"), Instance(
+                    urls[1], "prefill")
+                checker = HealthChecker(session, lambda: [], interval=1.0, timeout=5.0, eject_after=3)
+                for inst in (prefill, decode, vllm):
+                    assert await checker.check(inst)
+                return prefill, decode, vllm
+        finally:
+            for r in runners:
+                await r.cleanup()
+
+    prefill, decode, vllm = asyncio.run(run())
+    assert prefill.recompute == RecomputeInfo(H200_8B, 64)
+    assert decode.recompute is None
+    assert vllm.recompute == RecomputeInfo()
+    assert fleet_recompute_info([prefill, vllm]) == RecomputeInfo(H200_8B, 64)
