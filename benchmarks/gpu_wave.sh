@@ -88,7 +88,19 @@ run_section() {
   [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && status="timeout"
   echo "=== $name: $status in ${secs}s" | tee -a "$LOG"
   printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$secs" "$t" >> "$WORK/sections.tsv"
+  reap "$name"
   collect
+}
+
+# A section's processes are done when it returns (`timeout` signals its whole process group); a server that left
+# its group and outlived it would hold GPU memory the next section needs: end it by its pid.
+reap() {
+  local pids; pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ')
+  [ -z "$pids" ] && return 0
+  echo "=== $1 left GPU processes behind: $(echo $pids | tr '\n' ' ')- ending them" | tee -a "$LOG"
+  for pid in $pids; do kill -TERM "$pid" 2>/dev/null; done
+  sleep 3
+  for pid in $pids; do kill -KILL "$pid" 2>/dev/null; done
 }
 
 # needs SECTION FILE: a section whose script another branch brings runs only once that branch is merged
