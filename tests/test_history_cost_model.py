@@ -198,3 +198,18 @@ def test_the_health_checker_reads_a_prefill_instance_s_recompute_info():
     assert decode.recompute is None
     assert vllm.recompute == RecomputeInfo()
     assert fleet_recompute_info([prefill, vllm]) == RecomputeInfo(H200_8B, 64)
+
+
+def test_the_proxy_cli_takes_the_choice():
+    import argparse
+
+    from pdserve.proxy.cli import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+    assert config_from_args(parser.parse_args(base)).kv_history_choice == "cost"
+    cfg = config_from_args(parser.parse_args([*base, "--kv-history-choice", "pull"]))
+    assert cfg.kv_history_choice == "pull"
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--kv-history-choice", "sometimes"])
