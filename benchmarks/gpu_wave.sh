@@ -6,12 +6,15 @@
 #   SECTIONS=correct,suite,pd1 bash benchmarks/gpu_wave.sh
 #   WAVE_PRINT=1 bash benchmarks/gpu_wave.sh         # print each section's command and budget, run nothing
 #
-# Sections (SECTIONS picks them and their order; default: correct,suite,spec,pd1,multiturn):
+# Sections (SECTIONS picks them and their order; default: correct,suite,speccheck,spec,pd1,multiturn; a section
+# that does not fit the time left is skipped, so the order is the priority):
 #   correct    the GPU correctness suite (gpu_suite.py: kernels vs float32 SDPA, the tiny engines vs
 #              transformers, the 8B-shape logits), with the same-run ceilings
 #   suite      issue 42 step 1's engine figures with same-run ceilings (gpu_suite.py, cheapest first): P1 decode
 #              b1, P2 decode b64 2k, P3 prefill 8k, long prompts 8k / 32k / 64k (triton and triton-cudnn)
+#   speccheck  the verify kernel and verify CUDA graphs vs eager vs plain decode (pdserve.testing.spec_verify_check)
 #   spec       the verify step's cost against a plain graph step (gpu_spec_verify_cost.py, batch 1/4/16, K=4)
+#   specitl    ngram ITL on the 8B shape, verify graphs vs eager vs plain (gpu_spec_ngram_itl.py)
 #   pd1        the pull handoff, 1P1D sharing the GPU vs collocated (gpu_pd_suite.sh pd1: +ms from the first
 #              token, early decode leg, by recompute)
 #   pushcheck  gpu-push's CUDA-event seam check and WRITE costs (gpu_push_check.py, test_push_layer_ready.py)
@@ -36,7 +39,7 @@ WORK=${WAVE_WORK:-/tmp/wave}
 WHEELS=${WHEELS:-.whl}
 TOK=${TOK:-$ROOT/$WHEELS/smol-tok}
 BUDGET=${WAVE_BUDGET_S:-520}
-SECTIONS=${SECTIONS:-correct,suite,spec,pd1,multiturn}
+SECTIONS=${SECTIONS:-correct,suite,speccheck,spec,pd1,multiturn}
 mkdir -p "$OUT" "$WORK"
 : > "$WORK/sections.tsv"
 LOG=$OUT/wave.log
@@ -47,13 +50,16 @@ export UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y  # NIXL READ over CUDA IPC, not TCP (h200
 declare -A CAP=(
   [correct]=150    # correctness_kernels 8-10 s, correctness_engines 24-40 s, correctness_8b ~30 s, + imports/JIT
   [suite]=170      # engine_init 6-23 s, P1 2, P2 8, P3 1, long 8k 3 / 32k 8 / 64k 23 s, + imports/JIT, warm-ups
-  [spec]=110       # one 8B engine (graphs) + 3 batches x (prefill 2k tokens each, 150 timed steps)
+  [speccheck]=150  # spec-graphs' estimate: ~90 s with a cold Triton cache (kernel cases, tiny engines)
+  [spec]=130       # one 8B engine (graphs) + 3 batches x (prefill 2k tokens each, timed steps); spec-graphs: 60-90 s
+  [specitl]=120    # spec-graphs' estimate: 60-90 s
   [pd1]=200        # collocated, then P and D: three 8B dummy servers started, 4 rounds of 5 x 8k requests
   [pushcheck]=120  # gpu-push's estimate: 30-45 s incl. CUDA init of two processes, + its unit tests ~10 s
   [push]=240       # 8B dummy servers for collocated, pull and both push modes, 8k and 256 (gpu-push: ~4 min all)
   [multiturn]=170  # modes on + on-pull: P + D + proxy (8B dummy) twice, 4 conversations x 6 turns, recompute timings
 )
-declare -A MIN=([correct]=60 [suite]=60 [spec]=45 [pd1]=90 [pushcheck]=45 [push]=120 [multiturn]=80)
+declare -A MIN=([correct]=60 [suite]=60 [speccheck]=60 [spec]=50 [specitl]=50 [pd1]=90 [pushcheck]=45 [push]=120
+                [multiturn]=80)
 
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 
@@ -137,10 +143,21 @@ for sec in "${want[@]}"; do
       run_section correct bash -c "$SUITE" _ "$WORK/correct" correctness_kernels,correctness_engines,correctness_8b ;;
     suite)
       run_section suite bash -c "$SUITE" _ "$WORK/suite" "$SUITE_ONLY" ;;
+    speccheck)
+      # spec-graphs' READY: the multi-query verify kernel vs float32 SDPA (drafts padded to K, bf16 and fp8 pools),
+      # then tiny engines: verify CUDA graphs == eager verify == plain greedy decode (exit 1 on any failure)
+      needs speccheck pdserve/testing/spec_verify_check.py && \
+        run_section speccheck python3 -m pdserve.testing.spec_verify_check ;;
     spec)
+      # the verify step vs a plain graph step (spec-graphs keeps these arguments; its columns add the verify
+      # graph, uneven drafts and eager verify in one run; "(eager!)" = the graphs did not replay)
       # shellcheck disable=SC2086 # SPEC_ARGS is a list of arguments
       run_section spec python3 benchmarks/gpu_spec_verify_cost.py \
         ${SPEC_ARGS:---model Llama-3.1-8B --batch 1,4,16 --context 2048 --k 4} ;;
+    specitl)
+      # spec-graphs' READY: ngram ITL, 8B shape, repetitive prompts, plain vs ngram with verify graphs vs eager
+      needs specitl benchmarks/gpu_spec_ngram_itl.py && run_section specitl python3 benchmarks/gpu_spec_ngram_itl.py \
+        --model Llama-3.1-8B --batch 1,4 --k 4 --max-tokens 96 ;;
     pd1)
       run_section pd1 env OUT="$WORK/pd1" TOK="$TOK" bash benchmarks/gpu_pd_suite.sh pd1 ;;
     pushcheck)
@@ -166,7 +183,7 @@ for sec in "${want[@]}"; do
         --serve-arg=--gpu-memory-utilization --serve-arg=0.4 --tokenizer $TOK --modes on,on-pull \
         --proxy-arg=--kv-history-bandwidth --proxy-arg=cuda-ipc --out-dir $WORK/multiturn} ;;
     *)
-      echo "=== unknown section $sec (correct, suite, spec, pd1, pushcheck, push, multiturn)" | tee -a "$LOG" ;;
+      echo "=== unknown section $sec (correct suite speccheck spec specitl pd1 pushcheck push multiturn)" | tee -a "$LOG" ;;
   esac
 done
 [ -z "${WAVE_PRINT:-}" ] && echo "=== wave done in $(( $(date +%s) - T0 ))s" | tee -a "$LOG"
