@@ -250,10 +250,13 @@ def check_choices(on_rows: list[dict], pull_rows: list[dict], tolerance_ms: floa
               f"{r['tokens']:>6} {r['new_tokens'] or '-':>5} {r['predicted_pull_ms']:>9.2f} "
               f"{r['predicted_recompute_ms']:>11.2f} {'-' if pull is None else f'{pull:.2f}':>9} "
               f"{'-' if rec is None else f'{rec:.2f}':>11}"
-              + {True: "", False: "  WRONG", None: "  (unchecked)"}[r["right"]])
+              + {True: "", False: "  WRONG", None: "  (unchecked)" if r["decision"] in ("pull", "recompute")
+                 else ""}[r["right"]])
     checked = [r for r in on_rows if r["right"] is not None]
+    choices = [r for r in on_rows if r["decision"] in ("pull", "recompute")]
     print(f"choice check: {len(checked)} turns checked, {sum(not r['right'] for r in checked)} WRONG, "
-          f"{len(on_rows) - len(checked)} unchecked (tolerance {tolerance_ms} ms)")
+          f"{len(choices) - len(checked)} unchecked, {len(on_rows) - len(choices)} with nothing to choose "
+          f"(p_cache / none) (tolerance {tolerance_ms} ms)")
     return on_rows
 
 

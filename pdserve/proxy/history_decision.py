@@ -39,13 +39,12 @@ from pdserve.preflight.roofline import Roofline
 from pdserve.proxy.protocol import estimate_prompt_tokens
 
 HEADER = "X-PDServe-KV-History"
-CHOICES = ("cost", "pull", "recompute")  # --kv-history-choice
 
 
 @dataclass
 class HistoryDecision:
     decision: str  # pull | recompute | p_cache | none
-    reason: str  # cost_model | size_unknown | prefill_cache | no_history
+    reason: str  # cost_model | threshold | forced | size_unknown | prefill_cache | no_history
     held_tokens: int | None = None  # tokens the decode instance holds (previous turn's prompt and answer)
     tokens: int | None = None  # of those, what the prefill instances lack: the tokens the choice is about
     pull_ms: float | None = None  # predicted: their KV over the link plus the per-read overhead
