@@ -213,3 +213,30 @@ def test_the_proxy_cli_takes_the_choice():
     assert cfg.kv_history_choice == "pull"
     with pytest.raises(SystemExit):
         parser.parse_args([*base, "--kv-history-choice", "sometimes"])
+
+
+def test_the_multiturn_benchmark_flags_a_slower_choice_either_way(capsys):
+    """benchmarks/bench_multiturn.py's check: a recompute that measured slower than the same turn's read (from
+    mode on-pull) is WRONG, as is a pull slower than its recompute; within the tolerance is not; a turn with a
+    side unmeasured is unchecked, not right."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_multiturn import check_choices
+
+    def row(conv, turn, decision, pull=None, recompute=None):
+        return {"conversation": conv, "turn": turn, "decision": decision, "reason": "cost_model", "tokens": 80,
+                "new_tokens": 140, "predicted_pull_ms": 7.5, "predicted_recompute_ms": 0.1,
+                "measured_pull_ms": pull, "measured_recompute_ms": recompute}
+
+    on = [row(0, 1, "recompute", recompute=0.4), row(1, 1, "recompute", recompute=9.0),
+          row(0, 2, "pull", pull=12.0, recompute=3.0), row(1, 2, "pull", pull=3.5, recompute=3.0),
+          row(0, 3, "recompute", recompute=0.2), {**row(1, 3, "p_cache"), "tokens": 0}]
+    on_pull = [{"conversation": 0, "turn": 1, "measured_pull_ms": 3.2},
+               {"conversation": 1, "turn": 1, "measured_pull_ms": 3.1}]
+    rows = check_choices(on, on_pull, tolerance_ms=1.0)
+    assert [r["right"] for r in rows] == [True, False, False, True, None, None]
+    out = capsys.readouterr().out
+    assert out.count("  WRONG") == 2  # the two rows (the summary line says "2 WRONG")
+    assert "2 WRONG, 1 unchecked, 1 with nothing to choose" in out
