@@ -19,8 +19,8 @@ decision / reason:
 
 One decider (issue 42 part 4). The proxy's cost model decides whether a turn reads its history back; the prefill
 instance's `kv_recompute_threshold` keeps vLLM's meaning (the fewest held tokens worth a read) and the proxy
-applies it first, from the instance's /pdserve/info, so a read the proxy sends is never one the instance then
-declines for size. The instance applies it alone only to reads no pdserve proxy priced (vLLM's proxy, a client
+applies it first, from the instance's /pdserve/info, so a read the proxy sends is declined for size only where
+the instance's own cache holds more than the proxy counted. The instance applies it alone only to reads no pdserve proxy priced (vLLM's proxy, a client
 sending held params itself). `recompute_ms` is priced at the margin when the prefill instance advertises its
 roofline (`priced_by=roofline`: recomputing the tokens in the same step as the turn's `new_tokens`,
 pdserve/preflight/roofline.py), else at `--kv-history-prefill-tps` (`priced_by=prefill_tps`).
