@@ -99,14 +99,19 @@ def device_roofline(device_name: str, dtype: str, weight_bytes: float, flops_per
 
 
 def model_costs(named_params: Any, vocab_size: int, hidden_size: int) -> tuple[float, float]:
-    """(weight bytes, linear FLOPs per prefill token) of a model from its named parameters: every weight is
-    read once a step; per token, 2 FLOPs per parameter of the matrices a token goes through, which leaves out
-    the embedding table (a lookup) and the LM head (a prefill computes logits for its last token only)."""
-    total_bytes = 0
+    """(weight bytes read per prefill step, linear FLOPs per prefill token) of a model from its named parameters.
+    A step reads every weight once but the embedding table, of which it gathers rows (a tied table is read whole
+    as the LM head); per token, 2 FLOPs per parameter of the matrices a token goes through, which leaves out the
+    embedding and the LM head (a prefill computes logits for its last token only)."""
+    params = list(named_params)
+    tied = not any("lm_head" in name for name, _ in params)
+    read_bytes = 0
     flop_params = 0
-    for name, p in named_params:
+    for name, p in params:
         n = p.numel()
-        total_bytes += n * p.element_size()
-        if p.dim() >= 2 and not ("embed" in name or "lm_head" in name or tuple(p.shape) == (vocab_size, hidden_size)):
+        embedding = "embed" in name
+        if not embedding or tied:
+            read_bytes += n * p.element_size()
+        if p.dim() >= 2 and not (embedding or "lm_head" in name or tuple(p.shape) == (vocab_size, hidden_size)):
             flop_params += n
-    return float(total_bytes), 2.0 * flop_params
+    return float(read_bytes), 2.0 * flop_params
