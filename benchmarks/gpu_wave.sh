@@ -40,6 +40,7 @@ WHEELS=${WHEELS:-.whl}
 TOK=${TOK:-$ROOT/$WHEELS/smol-tok}
 BUDGET=${WAVE_BUDGET_S:-520}
 SECTIONS=${SECTIONS:-correct,suite,speccheck,spec,pd1,multiturn}
+[ -z "${WAVE_PRINT:-}" ] && rm -rf "$WORK"  # a second wave on a warm machine must not fold in the first's files
 mkdir -p "$OUT" "$WORK"
 : > "$WORK/sections.tsv"
 LOG=$OUT/wave.log
