@@ -20,6 +20,9 @@ very ids that were generated; then the next turn's prompt starts with what the d
 turn tests the choice. With `free` answers a model with random weights (`--load-format dummy`) writes text that
 does not re-tokenize to its ids, and nothing held matches the next prompt past the previous one.
 
+Each mode starts with one uncounted two-turn conversation (`--no-warmup` to skip): the prefill instance's first
+read from the decode instance pays the NIXL handshake, once per pair, which no turn's choice is about.
+
 Per mode it reports the bench's per-turn table (TTFT, prompt, new, cached and computed prefill tokens) and
 writes one JSON per mode plus a TTFT-by-turn plot of all modes.
 
@@ -30,7 +33,9 @@ X ms"; mode `on-pull` reads every turn's). Recompute is measured at its marginal
 same `on` prefill instance computes fresh random prompts of new + N and of new tokens (new: the turn's own new
 prompt tokens, from the bench's usage numbers), `max_tokens` 1, and the difference is taken (median of
 `--recompute-repeats`). A turn whose choice was slower than the other, as measured, by more than
-`--tolerance-ms`, is flagged WRONG; the JSON of mode `on` holds every row (`cost_check`).
+`--tolerance-ms`, is flagged WRONG; `multiturn-cost-check.json` holds every row. `--answer-len 64,640` runs the
+conversations once per answer length on the same servers, so that the held histories the prefill lacks fall on
+both sides of the break-even (on the 8B shape on an H200: ~500 tokens at the `cuda-ipc` preset).
 
     python benchmarks/bench_multiturn.py --out-dir benchmarks/results/multiturn-cpu
     python benchmarks/bench_multiturn.py --system-len 4096 --out-dir ...    # a long shared history
@@ -133,7 +138,9 @@ def start_instance(name: str, role: str, mode: str, args: argparse.Namespace, lo
     return Proc(f"{name}-{mode}", cmd, logdir, f"http://127.0.0.1:{port}", env)
 
 
-def run_mode(mode: str, args: argparse.Namespace, out_dir: Path, logdir: Path) -> dict:
+def run_mode(mode: str, args: argparse.Namespace, out_dir: Path, logdir: Path) -> tuple[dict[str, dict], list[dict]]:
+    """One mode's servers, then one `pdserve bench` run per answer length on them: ({series: bench result},
+    per-turn cost rows (modes on / on-pull with the cost check))."""
     env = {"PDSERVE_KV_SECRET": "bench-multiturn-" + os.urandom(8).hex()}
     procs = [start_instance("prefill", "kv_producer", mode, args, logdir, env),
              start_instance("decode", "kv_consumer", mode, args, logdir, env)]
@@ -148,28 +155,44 @@ def run_mode(mode: str, args: argparse.Namespace, out_dir: Path, logdir: Path) -
                      logdir, f"http://127.0.0.1:{port}", {})
         procs.append(proxy)
         wait_healthy(proxy.proc, proxy.url, 120, proxy.name)
-        cmd = [sys.executable, "-m", "pdserve", "bench", "--base-url", proxy.url, "--model", "bench",
-               "--dataset-name", "multiturn", "--num-prompts", str(args.conversations),
-               "--multiturn-turns", str(args.turns), "--multiturn-system-len", str(args.system_len),
-               "--multiturn-user-len", str(args.user_len), "--multiturn-answer-len", str(args.answer_len),
-               "--multiturn-think-time", str(args.think_time), "--temperature", "0", "--label", mode,
-               "--save-result", "--result-dir", str(out_dir), "--result-filename", f"multiturn-{mode}.json"]
-        if args.tokenizer:
-            cmd += ["--tokenizer", args.tokenizer]
-        if args.answer_token is not None:
-            cmd += ["--extra-body", json.dumps({"allowed_token_ids": [args.answer_token]})]
-        if args.max_concurrency:
-            cmd += ["--max-concurrency", str(args.max_concurrency)]
-        t0 = time.monotonic()
-        subprocess.run(cmd, check=True)
-        print(f"mode {mode}: {time.monotonic() - t0:.1f} s")
-        result = json.loads((out_dir / f"multiturn-{mode}.json").read_text())
+        results: dict[str, dict] = {}
+        new_by_turn: dict[tuple[int, int], float | None] = {}
+
+        def bench(answer_len: int, conversations: int, turns: int, prefix: str, name: str) -> list[str]:
+            cmd = [sys.executable, "-m", "pdserve", "bench", "--base-url", proxy.url, "--model", "bench",
+                   "--dataset-name", "multiturn", "--num-prompts", str(conversations),
+                   "--multiturn-turns", str(turns), "--multiturn-system-len", str(args.system_len),
+                   "--multiturn-user-len", str(args.user_len), "--multiturn-answer-len", str(answer_len),
+                   "--multiturn-think-time", str(args.think_time), "--temperature", "0", "--label", name,
+                   "--request-id-prefix", prefix, "--seed", str(answer_len),
+                   "--save-result", "--result-dir", str(out_dir), "--result-filename", f"multiturn-{name}.json"]
+            if args.tokenizer:
+                cmd += ["--tokenizer", args.tokenizer]
+            if args.answer_token is not None:
+                cmd += ["--extra-body", json.dumps({"allowed_token_ids": [args.answer_token]})]
+            if args.max_concurrency:
+                cmd += ["--max-concurrency", str(args.max_concurrency)]
+            return cmd
+
+        if args.warmup:
+            # one conversation of two turns with the longest answers, not counted: the prefill instance's first
+            # read from this decode instance pays the NIXL handshake (once per pair, not per turn)
+            longest = max(args.answer_lens)
+            subprocess.run(bench(longest, 1, 2, "warmup-", f"warmup-{mode}"), check=True, stdout=subprocess.DEVNULL)
+            (out_dir / f"multiturn-warmup-{mode}.json").unlink(missing_ok=True)
+        for answer_len in args.answer_lens:
+            name = series_name(mode, answer_len, args)
+            cmd = bench(answer_len, args.conversations, args.turns, f"a{answer_len}-", name)
+            t0 = time.monotonic()
+            subprocess.run(cmd, check=True)
+            print(f"mode {mode}, answers of {answer_len}: {time.monotonic() - t0:.1f} s")
+            results[name] = json.loads((out_dir / f"multiturn-{name}.json").read_text())
+            new_by_turn.update({(answer_len, t["turn"]): t.get("new_tokens_mean") for t in results[name]["turns"]})
+        costs: list[dict] = []
         if mode.startswith("on") and args.cost_check:
-            new_by_turn = {t["turn"]: t.get("new_tokens_mean") for t in result["turns"]}
-            result["turn_costs"] = turn_costs(procs[0] if mode == "on" else None, logdir / f"proxy-{mode}.log",
-                                              logdir / f"prefill-{mode}.log", new_by_turn, args.recompute_repeats)
-            (out_dir / f"multiturn-{mode}.json").write_text(json.dumps(result, indent=1))
-        return result
+            costs = turn_costs(procs[0] if mode == "on" else None, logdir / f"proxy-{mode}.log",
+                               logdir / f"prefill-{mode}.log", new_by_turn, args.recompute_repeats)
+        return results, costs
     finally:
         for p in reversed(procs):
             p.close()
@@ -177,7 +200,11 @@ def run_mode(mode: str, args: argparse.Namespace, out_dir: Path, logdir: Path) -
 
 _DECISION = re.compile(r"request (\S+): held history of (\d+) tokens on \S+: (\w+) \((.*)\)$")
 _READ = re.compile(r"request (\S+): read (\d+) held prompt tokens back in ([\d.]+) ms")
-_TURN = re.compile(r"c(\d+)-t(\d+)")
+_TURN = re.compile(r"a(\d+)-c(\d+)-t(\d+)")  # the bench's request ids: --request-id-prefix a<answer len>-
+
+
+def series_name(mode: str, answer_len: int, args: argparse.Namespace) -> str:
+    return mode if len(args.answer_lens) == 1 else f"{mode}-a{answer_len}"
 
 
 def _recompute_ms(url: str, tokens: int, new: int, repeats: int) -> float:
@@ -198,10 +225,11 @@ def _recompute_ms(url: str, tokens: int, new: int, repeats: int) -> float:
     return statistics.median(once(new + tokens) - once(new) for _ in range(repeats)) * 1e3
 
 
-def turn_costs(prefill: Proc | None, proxy_log: Path, prefill_log: Path, new_by_turn: dict[int, float | None],
-               repeats: int) -> list[dict]:
+def turn_costs(prefill: Proc | None, proxy_log: Path, prefill_log: Path,
+               new_by_turn: dict[tuple[int, int], float | None], repeats: int) -> list[dict]:
     """Per turn that had a held history: the proxy's choice and prediction, the measured read-back time when
-    it read, and (with `prefill`, mode `on`) the measured marginal recompute time. Keyed by (conversation, turn)."""
+    it read, and (with `prefill`, mode `on`) the measured marginal recompute time. Keyed by (answer length,
+    conversation, turn)."""
     reads = {m.group(1): float(m.group(3)) for m in _READ.finditer(prefill_log.read_text(errors="replace"))}
     rows = []
     for line in proxy_log.read_text(errors="replace").splitlines():
@@ -210,15 +238,17 @@ def turn_costs(prefill: Proc | None, proxy_log: Path, prefill_log: Path, new_by_
             continue
         fields = dict(kv.split("=", 1) for kv in m.group(4).split("; ") if "=" in kv)
         t = _TURN.search(m.group(1))
-        turn = int(t.group(2)) if t else None
+        if t is None:
+            continue  # the warm-up conversation
+        answer_len, conv, turn = (int(x) for x in t.groups())
         tokens = int(fields.get("tokens", 0))
-        new = new_by_turn.get(turn) if turn is not None else None
-        row = {"request": m.group(1), "conversation": int(t.group(1)) if t else None, "turn": turn,
+        new = new_by_turn.get((answer_len, turn))
+        row = {"request": m.group(1), "answer_len": answer_len, "conversation": conv, "turn": turn,
                "decision": m.group(3), "reason": fields.get("reason"), "held": int(m.group(2)), "tokens": tokens,
                "new_tokens": round(new) if new else None, "priced_by": fields.get("priced_by"),
                "predicted_pull_ms": float(fields.get("pull_ms", "nan")),
                "predicted_recompute_ms": float(fields.get("recompute_ms", "nan")),
-               "measured_pull_ms": next((ms for rid, ms in reads.items() if m.group(1) in rid), None)}
+               "measured_pull_ms": next((ms for rid, ms in reads.items() if f"-{m.group(1)}-" in f"-{rid}-"), None)}
         if prefill is not None and tokens > 0:
             row["measured_recompute_ms"] = _recompute_ms(prefill.url, tokens, max(1, round(new or 1)), repeats)
         rows.append(row)
@@ -230,9 +260,12 @@ def check_choices(on_rows: list[dict], pull_rows: list[dict], tolerance_ms: floa
     from the same turn of mode `on-pull` (same prompts, same fixed answers: the same tokens). `right` is
     False (WRONG) when the chosen way was slower than the other by more than `tolerance_ms`; None when a side
     was not measured."""
-    pulls = {(r["conversation"], r["turn"]): r["measured_pull_ms"] for r in pull_rows}
+    def key(r: dict) -> tuple:
+        return r.get("answer_len"), r["conversation"], r["turn"]
+
+    pulls = {key(r): r["measured_pull_ms"] for r in pull_rows}
     for r in on_rows:
-        pull = r["measured_pull_ms"] if r["decision"] == "pull" else pulls.get((r["conversation"], r["turn"]))
+        pull = r["measured_pull_ms"] if r["decision"] == "pull" else pulls.get(key(r))
         r["pull_ms_for_check"] = pull
         recompute = r.get("measured_recompute_ms")
         if r["decision"] not in ("pull", "recompute") or pull is None or recompute is None:
@@ -240,12 +273,12 @@ def check_choices(on_rows: list[dict], pull_rows: list[dict], tolerance_ms: floa
             continue
         chosen, other = (pull, recompute) if r["decision"] == "pull" else (recompute, pull)
         r["right"] = chosen <= other + tolerance_ms
-    print(f"{'conv':>4} {'turn':>4} {'decision':>9} {'reason':>10} {'tokens':>6} {'new':>5} {'pred pull':>9} "
-          f"{'pred recomp':>11} {'meas pull':>9} {'meas recomp':>11}")
+    print(f"{'answer':>6} {'conv':>4} {'turn':>4} {'decision':>9} {'reason':>10} {'tokens':>6} {'new':>5} "
+          f"{'pred pull':>9} {'pred recomp':>11} {'meas pull':>9} {'meas recomp':>11}")
     for r in on_rows:
         pull = r["pull_ms_for_check"]
         rec = r.get("measured_recompute_ms")
-        print(f"{r['conversation'] if r['conversation'] is not None else '-':>4} "
+        print(f"{r.get('answer_len') or '-':>6} {r['conversation'] if r['conversation'] is not None else '-':>4} "
               f"{r['turn'] if r['turn'] is not None else '-':>4} {r['decision']:>9} {r['reason'] or '-':>10} "
               f"{r['tokens']:>6} {r['new_tokens'] or '-':>5} {r['predicted_pull_ms']:>9.2f} "
               f"{r['predicted_recompute_ms']:>11.2f} {'-' if pull is None else f'{pull:.2f}':>9} "
@@ -269,7 +302,9 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--system-len", type=int, default=512)
     ap.add_argument("--user-len", type=int, default=128)
-    ap.add_argument("--answer-len", type=int, default=64)
+    ap.add_argument("--answer-len", default="64",
+                    help="tokens per answer; a comma list runs the conversations once per length on the same servers "
+                         "(e.g. 64,640: histories on both sides of the pull-or-recompute break-even) (default 64)")
     ap.add_argument("--think-time", type=float, default=0.0)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--num-gpu-blocks", type=int, default=None)
@@ -286,6 +321,9 @@ def main() -> int:
                          "with what the decode instance holds; free: whatever the model writes (default fixed)")
     ap.add_argument("--no-cost-check", dest="cost_check", action="store_false",
                     help="skip checking the proxy's per-turn pull-or-recompute choice against measured costs")
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false",
+                    help="skip the uncounted two-turn conversation each mode starts with (it takes the prefill "
+                         "instance's first read from the decode instance, which pays the NIXL handshake)")
     ap.add_argument("--recompute-repeats", type=int, default=5,
                     help="cost check: measurements of each turn's marginal recompute time (median; default 5)")
     ap.add_argument("--tolerance-ms", type=float, default=1.0,
@@ -296,6 +334,12 @@ def main() -> int:
                          "--proxy-arg=500)")
     ap.add_argument("--out-dir", required=True)
     args = ap.parse_args()
+    try:
+        args.answer_lens = [int(x) for x in args.answer_len.split(",") if x]
+    except ValueError:
+        ap.error(f"--answer-len: integers, comma-separated; got {args.answer_len!r}")
+    if not args.answer_lens or min(args.answer_lens) < 1:
+        ap.error("--answer-len: at least one length >= 1")
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
     if bad:
@@ -309,23 +353,29 @@ def main() -> int:
     args.answer_token = round_trip_token(tokenizer_dir(args)) if args.answers == "fixed" else None
     if args.answer_token is not None:
         print(f"fixed answers: token {args.answer_token} repeated {args.answer_len} times")
-    results = {m: run_mode(m, args, out_dir, logdir) for m in modes}
-    if args.cost_check and "on" in results:
-        rows = check_choices(results["on"].get("turn_costs", []),
-                             results.get("on-pull", {}).get("turn_costs", []), args.tolerance_ms)
-        results["on"]["cost_check"] = rows
-        (out_dir / "multiturn-on.json").write_text(json.dumps(results["on"], indent=1))
-    series = {m: [TurnSummary(**t) for t in r["turns"]] for m, r in results.items()}
+    results: dict[str, dict] = {}
+    costs: dict[str, list[dict]] = {}
+    for m in modes:
+        results_m, costs[m] = run_mode(m, args, out_dir, logdir)
+        results.update(results_m)
+    if args.cost_check and "on" in costs:
+        rows = check_choices(costs["on"], costs.get("on-pull", []), args.tolerance_ms)
+        checked = [r for r in rows if r["right"] is not None]
+        (out_dir / "multiturn-cost-check.json").write_text(json.dumps(
+            {"tolerance_ms": args.tolerance_ms, "checked": len(checked), "wrong": sum(not r["right"] for r in checked),
+             "rows": rows, "on_pull_rows": costs.get("on-pull", [])}, indent=1))
+    series = {name: [TurnSummary(**t) for t in r["turns"]] for name, r in results.items()}
     plot = plot_ttft_by_turn(series, str(out_dir / "ttft-by-turn.png"),
                              f"TTFT by turn: {args.conversations} conversations, system {args.system_len}, "
                              f"user {args.user_len}, answer {args.answer_len}")
-    print(f"{'turn':>4} " + " ".join(f"{m + ' TTFT p50':>18} {m + ' computed/new':>18}" for m in modes))
+    names = list(series)
+    print(f"{'turn':>4} " + " ".join(f"{n + ' TTFT p50':>22} {n + ' computed/new':>22}" for n in names))
     for i in range(args.turns):
         row = []
-        for m in modes:
-            t = series[m][i] if i < len(series[m]) else None
-            row.append(f"{t.ttft_p50_ms if t else float('nan'):>18.1f} "
-                       f"{(t.computed_over_new if t and t.computed_over_new is not None else float('nan')):>18.2f}")
+        for n in names:
+            t = series[n][i] if i < len(series[n]) else None
+            row.append(f"{t.ttft_p50_ms if t else float('nan'):>22.1f} "
+                       f"{(t.computed_over_new if t and t.computed_over_new is not None else float('nan')):>22.2f}")
         print(f"{i:>4} " + " ".join(row))
     print(f"plot: {plot}")
     return 0
