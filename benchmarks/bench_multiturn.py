@@ -158,14 +158,15 @@ def run_mode(mode: str, args: argparse.Namespace, out_dir: Path, logdir: Path) -
         results: dict[str, dict] = {}
         new_by_turn: dict[tuple[int, int], float | None] = {}
 
-        def bench(answer_len: int, conversations: int, turns: int, prefix: str, name: str) -> list[str]:
+        def bench(answer_len: int, conversations: int, turns: int, prefix: str, name: str, seed: int,
+                  result_dir: Path) -> list[str]:
             cmd = [sys.executable, "-m", "pdserve", "bench", "--base-url", proxy.url, "--model", "bench",
                    "--dataset-name", "multiturn", "--num-prompts", str(conversations),
                    "--multiturn-turns", str(turns), "--multiturn-system-len", str(args.system_len),
                    "--multiturn-user-len", str(args.user_len), "--multiturn-answer-len", str(answer_len),
                    "--multiturn-think-time", str(args.think_time), "--temperature", "0", "--label", name,
-                   "--request-id-prefix", prefix, "--seed", str(answer_len),
-                   "--save-result", "--result-dir", str(out_dir), "--result-filename", f"multiturn-{name}.json"]
+                   "--request-id-prefix", prefix, "--seed", str(seed),
+                   "--save-result", "--result-dir", str(result_dir), "--result-filename", f"multiturn-{name}.json"]
             if args.tokenizer:
                 cmd += ["--tokenizer", args.tokenizer]
             if args.answer_token is not None:
@@ -177,12 +178,13 @@ def run_mode(mode: str, args: argparse.Namespace, out_dir: Path, logdir: Path) -
         if args.warmup:
             # one conversation of two turns with the longest answers, not counted: the prefill instance's first
             # read from this decode instance pays the NIXL handshake (once per pair, not per turn)
+            # (its own seed: a measured conversation's prompts must not be in the prefill's cache beforehand)
             longest = max(args.answer_lens)
-            subprocess.run(bench(longest, 1, 2, "warmup-", f"warmup-{mode}"), check=True, stdout=subprocess.DEVNULL)
-            (out_dir / f"multiturn-warmup-{mode}.json").unlink(missing_ok=True)
+            subprocess.run(bench(longest, 1, 2, "warmup-", f"warmup-{mode}", 1_000_003, logdir), check=True,
+                           stdout=subprocess.DEVNULL)
         for answer_len in args.answer_lens:
             name = series_name(mode, answer_len, args)
-            cmd = bench(answer_len, args.conversations, args.turns, f"a{answer_len}-", name)
+            cmd = bench(answer_len, args.conversations, args.turns, f"a{answer_len}-", name, answer_len, out_dir)
             t0 = time.monotonic()
             subprocess.run(cmd, check=True)
             print(f"mode {mode}, answers of {answer_len}: {time.monotonic() - t0:.1f} s")
