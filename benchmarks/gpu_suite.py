@@ -2,6 +2,7 @@
 benchmarks. Writes $OUT/gpu_suite.json (all numbers) and $OUT/gpu_suite.md, and prints a short table last.
 
     PYTHONUNBUFFERED=1 python benchmarks/gpu_suite.py --out $OUT [--offline-prompts 1000] [--budget-s 540]
+        [--skip NAME,...] [--only NAME,...]   # sections by name; `env` and `ceilings` always run
 
 Ceilings are measured in the same run: bf16 8192^3 torch matmul (TFLOP/s) and a 1 GiB device-to-device
 copy. Copy bandwidth is reported two ways: bytes read + bytes written per second (METHOD.md's convention,
@@ -51,10 +52,17 @@ FLASHINFER_H200 = {  # ../shared/reference/h200-facts.md (the team notes), measu
 }
 
 
+# sections that run before the engine is built; any other section named in --only builds it (`engine_init`)
+PRE_ENGINE = frozenset({"env", "ceilings", "prefill_attention", "fresh_prompt_breakdown", "decode_flashinfer_vs_triton",
+                        "correctness_kernels", "kernel_sweeps", "correctness_8b", "correctness_engines"})
+ALWAYS = frozenset({"env", "ceilings"})  # the same-run ceilings every ratio needs
+
+
 class Suite:
-    def __init__(self, out: Path, budget_s: float, skip: set[str] | None = None):
+    def __init__(self, out: Path, budget_s: float, skip: set[str] | None = None, only: set[str] | None = None):
         self.out = out
         self.skip = skip or set()
+        self.only = only  # None: every section not skipped
         self.t0 = time.perf_counter()
         self.budget_s = budget_s
         self.results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv}
@@ -67,7 +75,7 @@ class Suite:
         (self.out / "gpu_suite.json").write_text(json.dumps(self.results, indent=1, default=str))
 
     def section(self, name: str, fn, *args, min_left_s: float = 0.0, **kwargs) -> Any:
-        if name in self.skip:
+        if name in self.skip or (self.only is not None and name not in self.only and name not in ALWAYS):
             return None
         if self.left() < min_left_s:
             self.results[name] = {"skipped": f"time budget: {self.left():.0f} s left, needs {min_left_s:.0f}"}
@@ -1263,11 +1271,16 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=540.0, help="stop starting sections past this")
     ap.add_argument("--offline-prompts", type=int, default=1000)
     ap.add_argument("--skip", default="", help="comma-separated section names to skip (any section's name)")
+    ap.add_argument("--only", default="", help="comma-separated section names: run only these (plus env and "
+                                              "ceilings, and engine_init when an engine section is named)")
     ap.add_argument("--attention-backend", default="auto",
                     help="the engine sections' backend; flashinfer adds its mode to the long-context rows")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
-    s = Suite(Path(args.out), args.budget_s, skip)
+    only = set(filter(None, args.only.split(","))) or None
+    if only is not None and not only <= PRE_ENGINE:
+        only.add("engine_init")
+    s = Suite(Path(args.out), args.budget_s, skip, only)
     s.results["flashinfer_h200_reference"] = FLASHINFER_H200
     s.section("env", env_info)
     ceil = s.section("ceilings", ceilings) or {}

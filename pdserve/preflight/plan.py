@@ -281,13 +281,16 @@ class PullChoice:
 
 
 def pull_or_recompute(tokens: int, bytes_per_token: float, bandwidth_bytes_per_s: float,
-                      prefill_tokens_per_s: float, overhead_s: float = 0.002) -> PullChoice:
+                      prefill_tokens_per_s: float, overhead_s: float = 0.002,
+                      recompute_s: float | None = None) -> PullChoice:
     """The arithmetic above applied to a prefix some peer holds: its KV over the link (plus `overhead_s` per
-    read: the side-channel claim and release round trips) against recomputing it at the prefill rate."""
+    read: the side-channel claim and release round trips) against recomputing it: `recompute_s` when the
+    caller priced it (the prefill instance's roofline at the margin, pdserve/preflight/roofline.py), else at
+    the prefill rate."""
     if tokens <= 0:
         return PullChoice(False, 0, 0.0, 0.0)
     wire = tokens * bytes_per_token / bandwidth_bytes_per_s + overhead_s
-    recompute = tokens / prefill_tokens_per_s
+    recompute = tokens / prefill_tokens_per_s if recompute_s is None else recompute_s
     return PullChoice(wire < recompute, tokens, wire, recompute)
 
 

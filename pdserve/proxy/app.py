@@ -24,13 +24,18 @@ from pdserve.api.pd import (
     prefill_prompt_token_ids,
     scores_prompt,
 )
-from pdserve.preflight.plan import parse_bandwidth, pull_or_recompute
+from pdserve.preflight.plan import parse_bandwidth
 from pdserve.proxy.config import ProxyConfig
 from pdserve.proxy.conversations import HeldHistory
 from pdserve.proxy.early_leg import EarlyDecodeLeg
 from pdserve.proxy.errors import error_response
 from pdserve.proxy.health import HealthChecker, probe
-from pdserve.proxy.history_decision import HistoryDecision
+from pdserve.proxy.history_decision import (
+    HistoryDecision,
+    fleet_recompute_info,
+    new_turn_tokens,
+    price_history,
+)
 from pdserve.proxy.kv_routing import CachedPrefix, lookup
 from pdserve.proxy.legs import (
     DecodeLeg,
@@ -366,27 +371,29 @@ class ProxyHandlers:
         else:  # a prefix cache holds whole blocks only: the previous prompt's, in the holder's block size
             block = held.block_size
             p_cached = (held.prompt_tokens or 0) // block * block if block else (held.prompt_tokens or 0)
-        decision = self._pull_choice(held, p_cached)
+        prompt_tokens = prefix.prompt_tokens if prefix is not None else None
+        decision = self._pull_choice(held, p_cached, new_turn_tokens(body, held.num_tokens, prompt_tokens))
         self.metrics.kv_history[decision.decision].inc()
         logger.info("request %s: held history of %d tokens on %s: %s (%s)", rid, held.num_tokens, held.decode_url,
                     decision.decision, decision.header())
         return (held.params if decision.decision == "pull" else None), decision
 
-    def _pull_choice(self, held: HeldHistory, p_cached: int) -> HistoryDecision:
+    def _pull_choice(self, held: HeldHistory, p_cached: int, new_tokens: int) -> HistoryDecision:
         """pull / p_cache / recompute. The tokens in question are the held ones a prefill instance lacks
-        (`p_cached`: what it holds; it reads only blocks it lacks). A holder that does not say its block size
-        in bytes is read from (vLLM's decode instances)."""
+        (`p_cached`: what it holds; it reads only blocks it lacks), priced by `price_history` with the prefill
+        fleet's advertised roofline and kv_recompute_threshold. A holder that does not say its block size in
+        bytes is read from (vLLM's decode instances)."""
         tokens = held.num_tokens - p_cached
         if tokens <= 0:
             return HistoryDecision("p_cache", "prefill_cache", held.num_tokens, 0)
         nblocks = held.num_blocks
         if held.block_bytes is None or nblocks == 0 or held.num_tokens == 0:
             return HistoryDecision("pull", "size_unknown", held.num_tokens, tokens)
-        choice = pull_or_recompute(tokens, held.block_bytes * nblocks / held.num_tokens,
-                                   parse_bandwidth(self.config.kv_history_bandwidth),
-                                   self.config.kv_history_prefill_tps, self.config.kv_history_overhead_s)
-        return HistoryDecision("pull" if choice.pull else "recompute", "cost_model", held.num_tokens, tokens,
-                               choice.wire_s * 1e3, choice.recompute_s * 1e3)
+        fleet = fleet_recompute_info(self.state.prefill.instances)
+        cfg = self.config
+        return price_history(held.num_tokens, tokens, new_tokens, held.block_bytes * nblocks / held.num_tokens,
+                             parse_bandwidth(cfg.kv_history_bandwidth), cfg.kv_history_overhead_s,
+                             cfg.kv_history_prefill_tps, fleet.roofline, fleet.threshold, cfg.kv_history_choice)
 
     # -- pass-through routes (served by a decode instance) ---------------------------------------
 

@@ -205,7 +205,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-history-prefill-tps",
         type=float,
         default=s,
-        help=f"prefill tokens/s of one instance for the same arithmetic (default {_D.kv_history_prefill_tps:g})",
+        help="prefill tokens/s of one instance for the same arithmetic, where the prefill instance advertises no "
+             "roofline in its /pdserve/info (a CPU or vLLM instance; a GPU instance's recompute is priced at the "
+             f"margin from its roofline) (default {_D.kv_history_prefill_tps:g})",
+    )
+    parser.add_argument(
+        "--kv-history-choice",
+        choices=("cost", "pull", "recompute"),
+        default=s,
+        help="cost: the arithmetic above decides each turn; pull / recompute: always that, the predictions still "
+             f"reported (for benchmarks) (default {_D.kv_history_choice})",
     )
     parser.add_argument(
         "--kv-history-overhead-s",

@@ -62,6 +62,9 @@ class ProxyConfig:
     # fixed cost of one read: side-channel claim, transfer setup, release (measured 6-8 ms on the 2-core CPU box,
     # BENCHMARKS.md "Multi-turn over P/D: the choice per turn"; the per-token wire time is small beside it)
     kv_history_overhead_s: float = 0.007
+    # cost: the arithmetic above decides each turn (history_decision.price_history); pull / recompute: always that
+    # (benchmarks measure both sides with it; the predictions are still computed and reported)
+    kv_history_choice: str = "cost"
     # Pulling a prefix from a peer (issue 18 part 4): when the fleet index says another instance that pins on
     # demand (`kv_peer_pin` in its /pdserve/info) caches at least this many more prompt tokens than the chosen
     # prefill, that peer pins them and the prefill leg reads them (same arithmetic as above decides).
@@ -107,6 +110,8 @@ class ProxyConfig:
             raise ValueError("kv_history_prefill_tps must be > 0")
         if self.kv_history_overhead_s < 0:
             raise ValueError("kv_history_overhead_s must be >= 0")
+        if self.kv_history_choice not in ("cost", "pull", "recompute"):
+            raise ValueError(f"kv_history_choice must be cost, pull or recompute, got {self.kv_history_choice!r}")
         for name in ("prefix_affinity_chars", "max_inflight", "eject_after", "kv_history_max_entries",
                      "kv_peer_pull_min_tokens"):
             if getattr(self, name) < 1:

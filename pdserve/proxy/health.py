@@ -13,10 +13,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 
 from pdserve.proxy.background import BackgroundTask
+from pdserve.proxy.history_decision import RecomputeInfo
 from pdserve.proxy.pool import Instance, Pool
 
 logger = logging.getLogger("pdserve.proxy")
@@ -39,9 +41,9 @@ async def probe(session: aiohttp.ClientSession, inst: Instance, timeout: float) 
         return f"health probe: {type(exc).__name__}: {exc}"
 
 
-async def probe_params_later(session: aiohttp.ClientSession, inst: Instance, timeout: float) -> bool | None:
-    """Whether a decode instance takes its leg before the prefill's params (pdserve's /pdserve/info
-    `kv_params_later`); False for an instance without that route (vLLM), None when the probe failed."""
+async def read_info(session: aiohttp.ClientSession, inst: Instance, timeout: float) -> dict[str, Any] | bool:
+    """An instance's /pdserve/info: the document, False for an instance without that route (vLLM), or True when
+    the probe itself failed (nothing learnt)."""
     try:
         async with session.get(
             inst.endpoint("/pdserve/info"), timeout=aiohttp.ClientTimeout(total=timeout)
@@ -49,9 +51,18 @@ async def probe_params_later(session: aiohttp.ClientSession, inst: Instance, tim
             if resp.status != 200:
                 return False
             info = await resp.json(content_type=None)
-            return isinstance(info, dict) and info.get("kv_params_later") is True
+            return info if isinstance(info, dict) else False
     except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+        return True
+
+
+async def probe_params_later(session: aiohttp.ClientSession, inst: Instance, timeout: float) -> bool | None:
+    """Whether a decode instance takes its leg before the prefill's params (pdserve's /pdserve/info
+    `kv_params_later`); False for an instance without that route (vLLM), None when the probe failed."""
+    info = await read_info(session, inst, timeout)
+    if info is True:
         return None
+    return isinstance(info, dict) and info.get("kv_params_later") is True
 
 
 class HealthChecker:
@@ -86,6 +97,11 @@ class HealthChecker:
             if inst.role == "decode" and (admitted or inst.params_later is None):
                 # what the instance is may have changed across a restart: read it again on each admission
                 inst.params_later = await probe_params_later(self._session, inst, self._timeout)
+            if inst.role == "prefill" and (admitted or inst.recompute is None):
+                # its roofline and kv_recompute_threshold, for the multi-turn choice (history_decision.py)
+                info = await read_info(self._session, inst, self._timeout)
+                if info is not True:
+                    inst.recompute = RecomputeInfo.from_info(info)
             if admitted:
                 self._on_admit()
             return True

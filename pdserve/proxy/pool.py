@@ -61,6 +61,9 @@ class Instance:
     params_later: bool | None = None
     # push mode: a prefill instance's side channel from its /pdserve/info (proxy/push_pair.py); None: unread
     push_info: dict[str, Any] | None = None
+    # a prefill instance's roofline and kv_recompute_threshold from its /pdserve/info, for the multi-turn
+    # pull-or-recompute choice (history_decision.RecomputeInfo); None until read (after each admission)
+    recompute: Any = None
     host: str = field(init=False)
     _endpoints: dict[str, URL] = field(init=False, default_factory=dict, repr=False)
     # Relays reading a response from this instance: told when it is ejected, so that a peer that stopped

@@ -212,6 +212,21 @@ def _json_object_problem(flag: str, text: str | None) -> str | None:
     return None
 
 
+def _roofline_info(runner: Any, cfg: Any) -> dict[str, Any] | None:
+    """The prefill roofline of this instance's model on its GPU, None on CPU or an unknown GPU."""
+    model = getattr(runner, "model", None)  # a tensor-parallel front holds no model of its own: not priced
+    if runner.device.type != "cuda" or model is None:
+        return None
+    import torch
+
+    from pdserve.preflight.roofline import device_roofline, model_costs
+
+    weight_bytes, flops = model_costs(model.named_parameters(), cfg.vocab_size, cfg.hidden_size)
+    roof = device_roofline(torch.cuda.get_device_name(runner.device), str(runner.dtype).removeprefix("torch."),
+                           weight_bytes, flops)
+    return roof.as_info() if roof is not None else None
+
+
 def _gpu_uuid(device: Any) -> str | None:
     if device.type != "cuda":
         return None
@@ -322,6 +337,12 @@ def build_state(args: argparse.Namespace) -> Any:
         # where a router subscribes to this instance's KV events (None: not published)
         "kv_events": kv_events_info(inner.kv_events, args.host, runner.block_size),
         # the KV tiers a prefix can be found in, fastest first (the pool, then host memory and disk)
+        # multi-turn: the fewest held tokens this prefill instance reads back (vLLM's rule; `pdserve proxy` applies
+        # it before pricing the read) and what recomputing them costs here (pdserve/preflight/roofline.py)
+        "kv_recompute_threshold": (connector.kv_recompute_threshold
+                                   if connector is not None and kv_cfg is not None and kv_cfg.bidirectional_kv_xfer
+                                   else None),
+        "roofline": _roofline_info(runner, cfg),
         "kv_tiers": [{"medium": "GPU", "capacity_blocks": runner.num_blocks,
                       "capacity_bytes": runner.num_blocks * runner.block_bytes, "device": str(runner.device)},
                      *(inner.tiers.info() if inner.tiers is not None else [])],
