@@ -31,13 +31,19 @@ def test_push_legs_params() -> None:
     ({"push_key": "short"}, "push_key must be a string"),
     ({"remote_port": 0}, "remote_port"),
     ({"remote_engine_id": ""}, "remote_engine_id"),
-    ({"tp_size": 2}, "tensor-parallel prefill instance is not supported"),
+    ({"tp_size": 0}, "tp_size must be a positive integer"),
 ])
 def test_push_decode_params_refusals_name_the_problem(change: dict, message: str) -> None:
     params = {**pd.push_decode_params(KEY, engine_id="e", host="h", port=1), **change}
     params = {k: v for k, v in params.items() if v is not None}
     with pytest.raises(pd.InvalidKVTransferParams, match=message):
         pd.parse_push_decode_params(params)
+
+
+def test_push_decode_params_carry_a_tensor_parallel_prefills_size() -> None:
+    """A TP prefill WRITEs from each of its ranks: its size travels (the decode checks it at the handshake)."""
+    p = pd.parse_push_decode_params(pd.push_decode_params(KEY, engine_id="e", host="h", port=1, tp_size=4))
+    assert p.tp_size == 4
 
 
 def test_a_pull_decode_refuses_push_params_naming_the_mode() -> None:

@@ -32,20 +32,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from pdserve.api.pd import PushParams
 from pdserve.kv_transfer.auth import AuthRefused, MessageAuth
 from pdserve.kv_transfer.errors import KVTransferError, SideChannelRefused
+from pdserve.kv_transfer.head_split import BlockGeometry
 from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.nixl_agent import NixlAgent
-from pdserve.kv_transfer.pool import (
-    PoolRegion,
-    RemotePool,
-    check_block_ids,
-    coalesce_block_runs,
-    descriptor_arrays,
-)
+from pdserve.kv_transfer.pool import PoolRegion, RemotePool, check_block_ids, coalesce_block_runs
+from pdserve.kv_transfer.push_plan import plan_rank_writes, write_pairs
+from pdserve.kv_transfer.side_channel import POOL_FIELDS, ProtocolError, check_fields
+from pdserve.types.tp_layout import kv_heads_per_rank
 
 logger = logging.getLogger("pdserve.kv_transfer")
 
@@ -54,14 +50,53 @@ _KEEP_ENDED_S = 120.0  # ended jobs answer push_status this long (then "unknown"
 _IDLE_WAIT_S = 0.02
 
 
+_RANK_FIELDS = {"agent_name": str, "agent_metadata": bytes, "pool": dict}
+
+
 @dataclass
 class _Registration:
-    agent_name: str
-    pool: RemotePool
+    ranks: list[tuple[str, RemotePool]]  # every decode rank's agent and pool shard, rank 0 first
     block_ids: list[int]  # the decode's blocks for request blocks [first_block, first_block + len)
     first_block: int
     num_tokens: int  # tokens the decode needs (blocks covering them are written)
     cutoff: float  # monotonic: nothing is posted after this
+
+    @property
+    def agent_name(self) -> str:  # decode rank 0's: the completion notification goes there
+        return self.ranks[0][0]
+
+
+@dataclass
+class _Task:
+    """WRITE layers [lay_lo, lay_hi) of request blocks [lo, hi); `count` queued tasks merged into it."""
+
+    job: _Job
+    lay_lo: int
+    lay_hi: int
+    lo: int
+    hi: int
+    count: int = 1
+
+
+def merge_tasks(tasks: Sequence[_Task]) -> list[_Task]:
+    """Tasks queued together: the same blocks of adjacent layer windows of one job become one task (one WRITE
+    per run of blocks for all those layers: fewer pieces, as a block's layers are contiguous). A writer that
+    keeps up posts each layer alone; one that falls behind sends bigger windows."""
+    groups: dict[tuple[int, int, int], list[_Task]] = {}
+    for t in tasks:
+        groups.setdefault((id(t.job), t.lo, t.hi), []).append(t)
+    out: list[_Task] = []
+    for group in groups.values():
+        group.sort(key=lambda t: t.lay_lo)
+        merged = [group[0]]
+        for t in group[1:]:
+            last = merged[-1]
+            if t.lay_lo == last.lay_hi:
+                merged[-1] = _Task(last.job, last.lay_lo, t.lay_hi, last.lo, last.hi, last.count + t.count)
+            else:
+                merged.append(t)
+        out.extend(merged)
+    return out
 
 
 @dataclass
@@ -78,23 +113,33 @@ class _Job:
     lease: tuple[str, str] | None = None  # (request id, lease token) to end once nothing is in flight
     lease_cutoff: float = float("inf")  # monotonic: the lease ends soon after; no decode registered by then
     queued: int = 0
-    inflight: list[tuple[Any, float]] = field(default_factory=list)  # (handle, posted at)
+    inflight: list[tuple[Any, float, int]] = field(default_factory=list)  # (handle, posted at, prefill rank)
     ended_at: float | None = None
     bytes: int = 0
 
 
 class PushSender:
+    """ranks: (agent, region) of every tensor-parallel rank of this prefill, rank 0 (`agent`, `region`) first;
+    each rank WRITEs its own KV heads from its own pool (a worker rank's agent is a `kv_rank.RemoteRankAgent`).
+    `geometry` / `num_kv_heads`: how a block splits by heads (`head_split.block_geometry` of the compatibility
+    dict); without them a block is `num_layers` slabs of one head (no tensor parallelism on either side)."""
+
     def __init__(self, *, agent: NixlAgent, region: PoolRegion, num_layers: int, block_size: int,
                  layerwise: bool, transfer_timeout_s: float, lease_duration_s: float,
                  release_lease: Callable[[str, str], None],
-                 extend_lease: Callable[[str, str], None] | None = None, auth: MessageAuth | None, metrics: TransferMetrics | None = None) -> None:
+                 extend_lease: Callable[[str, str], None] | None = None, auth: MessageAuth | None,
+                 metrics: TransferMetrics | None = None, ranks: Sequence[tuple[Any, PoolRegion]] | None = None,
+                 geometry: BlockGeometry | None = None, num_kv_heads: int | None = None) -> None:
         self._agent = agent
         self._region = region
+        self._ranks = list(ranks) if ranks is not None else [(agent, region)]
         self._num_layers = num_layers
         self._block_size = block_size
-        self._layer_bytes = region.block_bytes // num_layers
-        if self._layer_bytes * num_layers != region.block_bytes:
+        if region.block_bytes % num_layers:
             raise ValueError("a KV block is not a whole number of per-layer slabs")
+        self._num_kv_heads = num_kv_heads if num_kv_heads is not None else len(self._ranks)
+        self._geometry = geometry or BlockGeometry(
+            num_layers, (region.block_bytes // (num_layers * kv_heads_per_rank(len(self._ranks), self._num_kv_heads)),))
         self.layerwise = layerwise
         self._transfer_timeout_s = transfer_timeout_s
         self._lease_duration_s = lease_duration_s
@@ -106,8 +151,8 @@ class PushSender:
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
         self._by_request: dict[str, str] = {}
-        self._remote_agents: set[str] = set()
-        self._tasks: queue.SimpleQueue[tuple[_Job, int | None, int, int] | None] = queue.SimpleQueue()
+        self._remote_agents: list[set[str]] = [set() for _ in self._ranks]  # decode agents each rank loaded
+        self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._writer_loop, name="pdserve-kv-push-writer", daemon=True)
         self._thread.start()
@@ -192,58 +237,100 @@ class PushSender:
         raise SideChannelRefused("bad_request", f"unsupported op {op!r}")
 
     def _register(self, msg: dict[str, Any]) -> str:
-        try:
-            pool = RemotePool.from_handshake(msg["pool"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise SideChannelRefused("bad_request", f"push_register: bad pool: {exc}") from None
-        if pool.block_bytes != self._region.block_bytes:
-            raise SideChannelRefused("incompatible", f"push_register: decode blocks of {pool.block_bytes} bytes, "
-                                                     f"this pool's are {self._region.block_bytes}")
         block_ids = [int(b) for b in msg["block_ids"]]
+        entries, blobs = self._decode_ranks(msg)
+        ranks = [(name, pool) for name, pool, _ in entries]
         try:
-            check_block_ids(block_ids, pool.num_blocks, "decode")
+            check_block_ids(block_ids, ranks[0][1].num_blocks, "decode")
         except ValueError as exc:
             raise SideChannelRefused("bad_request", f"push_register: {exc}") from None
         first, num_tokens = msg["first_block"], msg["num_tokens"]
         if first < 0 or num_tokens < 0 or first + len(block_ids) != -(-num_tokens // self._block_size):
             raise SideChannelRefused("bad_request", f"push_register: {len(block_ids)} blocks from block {first} do "
                                                     f"not cover {num_tokens} tokens")
-        metadata = msg["agent_metadata"]
         if self._auth is not None:  # sealed: whoever holds it can WRITE into the decode's pool
             try:
-                metadata = self._auth.reveal(metadata, msg["seal_nonce"], msg["generation"])
+                blobs = self._auth.open_parts(blobs, msg["seal_nonce"], msg["generation"])
             except AuthRefused as exc:  # altered or moved from another registration: the sender's fault
                 raise SideChannelRefused(exc.reason, f"push_register: {exc}") from None
-        name = msg["agent_name"]
         with self._lock:
             job = self._jobs.get(msg["push_key"])
             if job is not None and job.reg is not None:
                 raise SideChannelRefused("already_claimed", "push_register: this push key is already registered")
-            known = name in self._remote_agents
-        if not known:
-            try:
-                self._agent.add_remote(metadata, name)
-            except KVTransferError as exc:
-                raise SideChannelRefused("bad_request", f"push_register: {exc}") from None
-            with self._lock:
-                self._remote_agents.add(name)
+        # each prefill rank loads the agents of the decode ranks it WRITEs heads to
+        for s, dsts in write_pairs(self._num_kv_heads, len(self._ranks), len(ranks)).items():
+            agent = self._ranks[s][0]
+            for d in dsts:
+                name = ranks[d][0]
+                with self._lock:
+                    known = name in self._remote_agents[s]
+                if known:
+                    continue
+                try:
+                    agent.add_remote(blobs[d], name)
+                except KVTransferError as exc:
+                    raise SideChannelRefused("bad_request", f"push_register: {exc}") from None
+                with self._lock:
+                    self._remote_agents[s].add(name)
         cutoff = time.monotonic() + float(msg["timeout_s"])
         with self._lock:
             job = self._job_locked(msg["push_key"], None)
             if job.reg is not None:
                 raise SideChannelRefused("already_claimed", "push_register: this push key is already registered")
-            job.reg = _Registration(name, pool, block_ids, first, num_tokens, cutoff)
+            job.reg = _Registration(ranks, block_ids, first, num_tokens, cutoff)
             if job.state == "pending":
                 # catch up: what is computed already (all of it once the prefill finished)
+                self._enqueue_locked(job, None, min(job.progress), job.final)
                 for layer in range(self._num_layers):
                     self._enqueue_locked(job, layer, job.progress[layer], job.final)
             state = self._state_locked(job)
         self._tasks.put(None)
         return state
 
-    def forget_agent(self, name: str) -> None:
+    def _decode_ranks(self, msg: dict[str, Any]) -> tuple[list[tuple[str, RemotePool, None]], list[bytes]]:
+        """The decode's ranks from its registration (rank 0's agent and pool are the message's own fields; a
+        decode without tensor parallelism lists no `ranks`), checked against this model's KV heads; and their
+        agent metadata, sealed with the deployment secret (one part per rank)."""
+        try:
+            listed = msg.get("ranks")
+            if listed is None:
+                listed = [{"agent_name": msg["agent_name"], "agent_metadata": msg["agent_metadata"],
+                           "pool": msg["pool"]}]
+            if not isinstance(listed, list) or not listed:
+                raise ValueError("ranks must be a non-empty list")
+            entries = []
+            for i, entry in enumerate(listed):
+                if not isinstance(entry, dict):
+                    raise ValueError(f"ranks[{i}] is not a map")
+                check_fields(entry, _RANK_FIELDS, f"ranks[{i}]")
+                check_fields(entry["pool"], POOL_FIELDS, f"ranks[{i}].pool")
+                entries.append((entry["agent_name"], RemotePool.from_handshake(entry["pool"]), None))
+            if entries[0][0] != msg["agent_name"]:
+                raise ValueError("ranks[0] is not the registering agent")
+            if len({name for name, _, _ in entries}) != len(entries):
+                raise ValueError("ranks repeat an agent name")
+            if len({pool.num_blocks for _, pool, _ in entries}) != 1:
+                raise ValueError("ranks have different block counts")
+        except (KeyError, TypeError, ValueError, ProtocolError) as exc:
+            raise SideChannelRefused("bad_request", f"push_register: bad pool: {exc}") from None
+        tp, heads = len(entries), self._num_kv_heads
+        if heads % tp and tp % heads:
+            raise SideChannelRefused("incompatible", f"push_register: a decode of tensor-parallel size {tp} cannot "
+                                                     f"split this model's {heads} KV heads")
+        want = self._geometry.block_bytes(kv_heads_per_rank(tp, heads))
+        for d, (_, pool, _) in enumerate(entries):
+            if pool.block_bytes != want:
+                raise SideChannelRefused("incompatible", f"push_register: decode rank {d} has blocks of "
+                                                         f"{pool.block_bytes} bytes, {kv_heads_per_rank(tp, heads)} "
+                                                         f"KV heads of this model take {want}")
+        return entries, [e["agent_metadata"] for e in listed]
+
+    def forget_agent(self, name: str, rank: int | None = None) -> None:
+        """A decode agent is no longer loaded by `rank` (None: by any); a later registration loads it again."""
         with self._lock:
-            self._remote_agents.discard(name)
+            for r, known in enumerate(self._remote_agents):
+                if rank is None or r == rank:
+                    known.discard(name)
 
     # ---- bookkeeping (under the lock) ----------------------------------------------------------------------
 
@@ -272,18 +359,31 @@ class PushSender:
         return job.state if not job.inflight and job.queued == 0 else "ending"
 
     def _enqueue_locked(self, job: _Job, layer: int | None, tokens: int, last: bool) -> None:
-        """Queue the request blocks of `layer` (None: every layer) that `tokens` completed and the decode lacks."""
+        """Queue the request blocks of `layer` (None: every layer) that `tokens` completed and the decode lacks;
+        layers whose blocks go out together are one task (whole-request push: one task in all)."""
         reg = job.reg
         if reg is None or job.state != "pending":
             return
         upto = -(-tokens // self._block_size) if last else tokens // self._block_size
         upto = min(upto, reg.first_block + len(reg.block_ids), len(job.local_blocks))
+        window: tuple[int, int, int] | None = None  # (first layer, end layer, first block)
         for lay in range(self._num_layers) if layer is None else (layer,):
             lo = max(job.sent[lay], reg.first_block)
-            if upto > lo:
-                job.sent[lay] = upto
-                job.queued += 1
-                self._tasks.put((job, lay, lo, upto))
+            if upto <= lo:
+                continue
+            job.sent[lay] = upto
+            if window is not None and window[1] == lay and window[2] == lo:
+                window = (window[0], lay + 1, lo)
+                continue
+            if window is not None:
+                self._put_locked(job, window, upto)
+            window = (lay, lay + 1, lo)
+        if window is not None:
+            self._put_locked(job, window, upto)
+
+    def _put_locked(self, job: _Job, window: tuple[int, int, int], upto: int) -> None:
+        job.queued += 1
+        self._tasks.put(_Task(job, window[0], window[1], window[2], upto))
 
     def _end_locked(self, job: _Job, state: str, error: str = "") -> None:
         if job.ended_at is None:
@@ -306,19 +406,28 @@ class PushSender:
             with self._lock:
                 busy = any(j.inflight for j in self._jobs.values())
             try:
-                task = self._tasks.get(timeout=0.0002 if busy else _IDLE_WAIT_S)
+                first = self._tasks.get(timeout=0.0002 if busy else _IDLE_WAIT_S)
             except queue.Empty:
-                task = None
-            try:
+                first = None
+            tasks = [first] if first is not None else []
+            while True:  # whatever else is queued goes out with it, adjacent layer windows merged
+                try:
+                    task = self._tasks.get_nowait()
+                except queue.Empty:
+                    break
                 if task is not None:
-                    self._post(*task)
+                    tasks.append(task)
+            try:
+                for task in merge_tasks(tasks):
+                    self._post(task)
                 self._poll()
             except Exception:  # noqa: BLE001 - the writer must survive anything one job does
                 logger.exception("KV push writer failed")
 
-    def _post(self, job: _Job, layer: int, lo: int, hi: int) -> None:
-        # The task stays counted in `queued` until its WRITE is in `inflight` (or not posted): a cancel that
-        # comes meanwhile reads "ending", never "cancelled" with this WRITE about to be posted.
+    def _post(self, task: _Task) -> None:
+        # The task stays counted in `queued` until its WRITEs are in `inflight` (or not posted): a cancel that
+        # comes meanwhile reads "ending", never "cancelled" with a WRITE about to be posted.
+        job = task.job
         with self._lock:
             reg = job.reg
             stop = ""
@@ -327,49 +436,46 @@ class PushSender:
             elif time.monotonic() > reg.cutoff:
                 stop = "expired"
             if stop:
-                job.queued -= 1
+                job.queued -= task.count
                 if stop == "expired":
                     self._end_locked(job, "failed", "the decode's registration expired before the KV was written")
                 else:
                     self._end_locked(job, job.state, job.error)
                 return
             assert reg is not None
-            local = job.local_blocks[lo:hi]
-            remote = reg.block_ids[lo - reg.first_block:hi - reg.first_block]
-        local_descs, remote_descs = self._descs(local, remote, reg.pool, layer)
+            local = job.local_blocks[task.lo:task.hi]
+            remote = reg.block_ids[task.lo - reg.first_block:task.hi - reg.first_block]
+        error = ""
+        posted: list[tuple[Any, float, int]] = []
+        nbytes = 0
         try:
-            handle = self._agent.post_write(local_descs=local_descs, local_mem=self._region.mem_type,
-                                            remote_descs=remote_descs, remote_mem=reg.pool.mem_type,
-                                            remote_name=reg.agent_name)
-        except KVTransferError as exc:
-            with self._lock:
-                job.queued -= 1
-                self._end_locked(job, "failed", str(exc))
-            return
-        nbytes = int(local_descs[:, 1].sum())
+            writes = plan_rank_writes(coalesce_block_runs(local, remote), layers=(task.lay_lo, task.lay_hi),
+                                      num_layers=self._num_layers, geometry=self._geometry,
+                                      num_kv_heads=self._num_kv_heads, local=[r for _, r in self._ranks],
+                                      remote=[pool for _, pool in reg.ranks])
+        except ValueError as exc:
+            writes, error = [], str(exc)
+        for w in writes:
+            agent, region = self._ranks[w.src_rank]
+            name, pool = reg.ranks[w.dst_rank]
+            try:
+                handle = agent.post_write(local_descs=w.local_descs, local_mem=region.mem_type,
+                                          remote_descs=w.remote_descs, remote_mem=pool.mem_type, remote_name=name,
+                                          timeout_s=self._transfer_timeout_s)
+            except KVTransferError as exc:
+                error = str(exc)
+                break
+            posted.append((handle, time.monotonic(), w.src_rank))
+            nbytes += w.nbytes
         with self._lock:
-            job.inflight.append((handle, time.monotonic()))
-            job.queued -= 1
+            job.inflight.extend(posted)
+            job.queued -= task.count
             job.bytes += nbytes
             during = not job.final
-        if self._metrics is not None:
+            if error:
+                self._end_locked(job, "failed", error)
+        if self._metrics is not None and nbytes:
             self._metrics.record_push_write(nbytes, during)
-
-    def _descs(self, local: list[int], remote: list[int], pool: RemotePool, layer: int) -> tuple[np.ndarray, ...]:
-        if self._num_layers == 1:
-            return descriptor_arrays(coalesce_block_runs(local, remote), self._region, pool)
-        lb = np.uint64(self._layer_bytes)
-        off = np.uint64(layer) * lb
-        bb = np.uint64(self._region.block_bytes)
-        out = []
-        for base, dev, ids in ((self._region.base_addr, self._region.device_id, local),
-                               (pool.base_addr, pool.device_id, remote)):
-            d = np.empty((len(ids), 3), dtype=np.uint64)
-            d[:, 0] = np.uint64(base) + np.asarray(ids, dtype=np.uint64) * bb + off
-            d[:, 1] = lb
-            d[:, 2] = np.uint64(dev)
-            out.append(d)
-        return tuple(out)
 
     def _poll(self) -> None:
         """Check in-flight WRITEs; complete jobs whose every block landed; end what outlived its deadline."""
@@ -379,23 +485,26 @@ class PushSender:
         for job in jobs:
             done: list[Any] = []
             failed = ""
-            for handle, posted in list(job.inflight):
-                state = self._agent.xfer_state(handle)
+            for handle, posted, rank in list(job.inflight):
+                agent = self._ranks[rank][0]
+                state = agent.xfer_state(handle)
                 if state == "PROC" and now - posted < self._transfer_timeout_s:
                     continue
                 if state != "DONE":
-                    failed = failed or (f"NIXL WRITE ended in state {state}" if state != "PROC"
+                    failed = failed or (f"NIXL WRITE ended in state {state}" if state not in ("PROC", "TIMEOUT")
                                         else f"NIXL WRITE not complete after {self._transfer_timeout_s:g}s")
-                self._agent.release_handle(handle)
+                agent.release_handle(handle)
                 done.append(handle)
-                if state == "PROC" and job.reg is not None:
+                if state in ("PROC", "TIMEOUT") and job.reg is not None:
                     # stuck: disconnecting from that decode cancels whatever is still in flight to it (a
-                    # later registration loads its metadata again)
-                    self._agent.remove_remote(job.reg.agent_name)
-                    self.forget_agent(job.reg.agent_name)
+                    # later registration loads its metadata again; a worker rank that timed out did it already)
+                    for name, _ in job.reg.ranks:
+                        if state == "PROC":
+                            agent.remove_remote(name)
+                        self.forget_agent(name, rank)
             notify = None
             with self._lock:
-                job.inflight = [(h, t) for h, t in job.inflight if h not in done]
+                job.inflight = [entry for entry in job.inflight if entry[0] not in done]
                 if failed and job.state == "pending":
                     self._end_locked(job, "failed", failed)
                 reg = job.reg
