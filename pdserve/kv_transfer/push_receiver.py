@@ -86,7 +86,8 @@ class PushReceiver:
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}  # by push key
         self._by_request: dict[str, str] = {}
-        self._generations: dict[tuple[str, str, int], int] = {}  # producer -> generation (handshake done)
+        # producer -> (generation, tensor-parallel size), once a handshake checked it
+        self._generations: dict[tuple[str, str, int], tuple[int, int]] = {}
         self._next_boost = 0.0
         self._executor = ThreadPoolExecutor(config.num_load_workers, thread_name_prefix="pdserve-kv-push-reg")
         self._wake = threading.Event()
@@ -159,25 +160,27 @@ class PushReceiver:
                                  auth=self._auth)
 
     def _generation(self, p: PushParams, *, force: bool = False) -> int:
-        """The prefill's generation, after a handshake that checked compatibility (the transfer mode too)."""
+        """The prefill's generation, after a handshake that checked compatibility (the transfer mode too) and
+        that the params name the prefill's tensor-parallel size."""
         where = (p.remote_engine_id, p.remote_host, p.remote_port)
         with self._lock:
             known = self._generations.get(where)
-        if known is not None and not force:
-            return known
-        reply = self._call(p, "handshake", {"engine_id": self._config.engine_id, "compat": self._compat},
-                           self._config.handshake_timeout_s)
-        if reply["engine_id"] != p.remote_engine_id:
-            raise CompatibilityError(f"side channel {p.remote_host}:{p.remote_port} belongs to engine "
-                                     f"{reply['engine_id']!r}, the params name {p.remote_engine_id!r}")
-        check_compat(self._compat, reply["compat"], peer=f"prefill {p.remote_host}:{p.remote_port}",
-                     labels=("decode", "prefill"))
-        if reply.get("tp_size", 1) != p.tp_size:
+        if known is None or force:
+            reply = self._call(p, "handshake", {"engine_id": self._config.engine_id, "compat": self._compat},
+                               self._config.handshake_timeout_s)
+            if reply["engine_id"] != p.remote_engine_id:
+                raise CompatibilityError(f"side channel {p.remote_host}:{p.remote_port} belongs to engine "
+                                         f"{reply['engine_id']!r}, the params name {p.remote_engine_id!r}")
+            check_compat(self._compat, reply["compat"], peer=f"prefill {p.remote_host}:{p.remote_port}",
+                         labels=("decode", "prefill"))
+            known = (reply["generation"], int(reply.get("tp_size", 1)))
+            with self._lock:
+                self._generations[where] = known
+        generation, tp_size = known
+        if tp_size != p.tp_size:
             raise CompatibilityError(f"the params say the prefill has tensor-parallel size {p.tp_size}, its "
-                                     f"handshake {reply.get('tp_size', 1)}")
-        with self._lock:
-            self._generations[where] = reply["generation"]
-        return reply["generation"]
+                                     f"handshake {tp_size}")
+        return generation
 
     def _register(self, item: _Pending, blocks: list[int], first_block: int, num_tokens: int) -> None:
         p = item.params
