@@ -255,7 +255,8 @@ class RemoteRankAgent:
 
     @staticmethod
     def release_handle(posted: Future) -> None:
-        posted.cancel()  # nothing to release here: the rank released its NIXL handle
+        """Nothing to release here: the rank releases its NIXL handle itself (and the call's future must stay
+        uncancelled: the rank's late answer still resolves it)."""
 
     def send_notif(self, remote_name: str, message: bytes) -> None:
         raise TransferFailed("push completion notifications are sent by rank 0")
