@@ -61,8 +61,9 @@ def cluster(model_dir: Path, tmp_path_factory) -> Iterator[dict[str, ServerProce
     logs = tmp_path_factory.mktemp("push-logs")
     servers = {
         "collocated": start(model_dir, logs, "collocated"),
-        "prefill": start(model_dir, logs, "prefill", "--kv-transfer-config", push_config("kv_producer"),
-                         "--side-channel-port", "0"),
+        # every prompt layer by layer (the tests' prompts are shorter than the default push_layerwise_min_tokens)
+        "prefill": start(model_dir, logs, "prefill", "--kv-transfer-config",
+                         push_config("kv_producer", push_layerwise_min_tokens=0), "--side-channel-port", "0"),
         "prefill_whole": start(model_dir, logs, "prefill_whole", "--kv-transfer-config",
                                push_config("kv_producer", push_pipeline="request"), "--side-channel-port", "0"),
         "decode": start(model_dir, logs, "decode", "--kv-transfer-config",

@@ -178,6 +178,7 @@ class KVConnector:
                     self.push_sender = PushSender(
                         agent=self._agent, region=self.region, num_layers=int(self.compat["num_layers"]),
                         block_size=block_size, layerwise=config.push_pipeline == "layer",
+                        layerwise_min_tokens=config.push_layerwise_min_tokens,
                         transfer_timeout_s=config.transfer_timeout_s, lease_duration_s=config.kv_lease_duration,
                         release_lease=lambda rid, token: producer.leases.abort(rid, token),
                         extend_lease=lambda rid, token: producer.leases.heartbeat([(rid, token)]), auth=auth,

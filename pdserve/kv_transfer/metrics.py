@@ -215,6 +215,11 @@ class TransferMetrics:
             registry=reg,
         )
 
+    @property
+    def labels(self) -> dict[str, str]:
+        """This instance's label values by name (for collectors registered beside these metrics)."""
+        return dict(zip(("model_name", "engine"), self._label_values, strict=True))
+
     # ---- recording ---------------------------------------------------------------------------------
 
     def record_push_write(self, nbytes: int, during_prefill: bool) -> None:

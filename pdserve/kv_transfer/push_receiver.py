@@ -42,7 +42,7 @@ from pdserve.kv_transfer.errors import (
 )
 from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.nixl_agent import NixlAgent
-from pdserve.kv_transfer.pool import PoolRegion, check_block_ids
+from pdserve.kv_transfer.pool import PoolRegion, bind_cuda_device, check_block_ids
 from pdserve.kv_transfer.push_sender import PUSH_NOTIF_PREFIX
 
 logger = logging.getLogger("pdserve.kv_transfer")
@@ -246,6 +246,9 @@ class PushReceiver:
         self._report(result)
 
     def _watch_loop(self) -> None:
+        # this thread progresses the agent: a UCX transport that lands data through the host (TCP with
+        # cuda_copy) copies it into the GPU pool here, in this thread's CUDA context
+        bind_cuda_device(self._region)
         next_status = 0.0
         while not self._stop.is_set():
             with self._lock:
