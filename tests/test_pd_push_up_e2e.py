@@ -40,7 +40,7 @@ def test_up_push_mode_matches_collocated(tiny_model_factory, tmp_path: Path) -> 
         info = up.ready(STARTUP_S)
         pids = [int(p) for p in info["pids"].split(",")]
         ref_srv.wait_ready()
-        shared = long_prompt(200, 3)
+        shared = long_prompt(260, 3)  # ~580 tokens: over push_layerwise_min_tokens, pushed layer by layer
         with httpx.Client(timeout=120) as http:
             for stream in (False, True):
                 for tail in (" one ending here", " another ending there"):

@@ -156,8 +156,9 @@ class PushSender:
     # ---- the engine's side ---------------------------------------------------------------------------------
 
     def step_hook(self, batch: Sequence[tuple[Any, int]]) -> Callable[[int], None] | None:
-        """For a step about to run: a callback the model calls after each layer (None: no push job in it).
-        It only records progress and queues WRITEs; the writer thread does the rest."""
+        """For a step about to run: a callback the model calls once each layer's K/V store is issued (None: no
+        layer-by-layer push job in it). It records a readiness marker, progress and WRITE tasks; the writer
+        thread does the rest."""
         entries = []
         layered = []  # the entries pushed layer by layer (long enough prompts)
         for req, n in batch:
@@ -282,10 +283,13 @@ class PushSender:
             if job.reg is not None:
                 raise SideChannelRefused("already_claimed", "push_register: this push key is already registered")
             job.reg = _Registration(name, pool, block_ids, first, num_tokens, cutoff)
-            if job.state == "pending":
-                # catch up: what is computed already (all of it once the prefill finished)
+            if job.state == "pending" and job.final:
+                # catch up with a finished prefill (a short prompt's usual case): one WRITE of whole blocks
+                self._enqueue_locked(job, None, max(job.progress), True)
+            elif job.state == "pending":
+                # catch up with what the forward computed so far, each layer once the GPU wrote it
                 for layer in range(self._num_layers):
-                    self._enqueue_locked(job, layer, job.progress[layer], job.final, job.ready[layer])
+                    self._enqueue_locked(job, layer, job.progress[layer], False, job.ready[layer])
             state = self._state_locked(job)
         self._tasks.put(None)
         return state
