@@ -34,8 +34,8 @@ SECTION_BUDGET_S variable benchmarks/gpu_wave.sh sets) skips what would not fini
     sudo python benchmarks/bench_pd_push.py --netns --rate-mbit auto --prompt-len 1024 --output-len 32
     # H200, 8B shape, dummy weights: 256 / 8k / 32k over CUDA IPC, then 8k over UCX TCP
     python benchmarks/bench_pd_push.py --gpu --model Llama-3.1-8B --load-format dummy \
-        --prompt-len 8192,32768,256 --tcp-prompt-lens 8192 --output-len 32 --num-requests 3 \
-        --serve-arg=--tokenizer --serve-arg=.whl/smol-tok
+        --prompt-len 8192,32768,256 --tcp-prompt-lens 8192 --output-len 32 --num-requests 2 \
+        --serve-arg=--tokenizer --serve-arg=.whl/smol-tok --budget-s 200
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import json
 import os
 import re
 import secrets
+import signal
 import socket
 import statistics
 import subprocess
@@ -421,6 +422,9 @@ def run_pass(args: argparse.Namespace, link: str, ucx_tls: str | None, lens: lis
                 for name, inst in insts.items():
                     if name != "collocated":
                         out.setdefault("ucx", {})[name] = ucx_protocols(inst.logpath)
+            for inst in insts.values():  # all at once: their graceful drains overlap
+                if inst.proc.poll() is None:
+                    inst.proc.send_signal(signal.SIGTERM)
             for inst in insts.values():
                 inst.stop()
 
@@ -449,12 +453,16 @@ def run_rows(args: argparse.Namespace, insts: dict[str, Instance], group: list[s
             def one(b: dict, tag: str, p=p, d=d, info=info) -> tuple[Timed, list[int]]:
                 return one_push(p, d, b, info)
             watch = p
-        _, row["check"][mode] = one(check, "check")  # also the warm-up
-        before = scrape(watch.url)
-        row["modes"][mode] = [asdict(one(b, str(i))[0]) for i, b in enumerate(bodies)]
-        after = scrape(watch.url)
-        row["stats"][mode] = (read_stats if mode == "pull" else writer_stats)(before, after, n)
-        print(f"  {plen} tokens, {mode}: done", flush=True)
+        try:
+            _, row["check"][mode] = one(check, "check")  # also the warm-up
+            before = scrape(watch.url)
+            row["modes"][mode] = [asdict(one(b, str(i))[0]) for i, b in enumerate(bodies)]
+            after = scrape(watch.url)
+            row["stats"][mode] = (read_stats if mode == "pull" else writer_stats)(before, after, n)
+            print(f"  {plen} tokens, {mode}: done", flush=True)
+        except (httpx.HTTPError, AssertionError, KeyError) as exc:  # a failed row: the others still run
+            row.setdefault("errors", {})[mode] = f"{type(exc).__name__}: {exc}"
+            print(f"  {plen} tokens, {mode}: FAILED {exc}", flush=True)
 
 
 def set_rate(args: argparse.Namespace, res: dict, plen: int, row: dict) -> None:
@@ -529,7 +537,7 @@ def show(res: dict) -> bool:
         for plen, row in p["lengths"].items():
             if not row["modes"]:
                 continue
-            kv = res["kv_bytes_per_token"] * int(plen)
+            kv = (res["kv_bytes_per_token"] or 0) * int(plen)
             print(f"\n[{link}] prompt {plen} tokens, output {res['output_len']}, {res['num_requests']} timed requests"
                   f" per mode; KV {kv / 2**20:.1f} MiB per request"
                   + (f"; link {res['link_mbit']:.1f} Mbit/s" if res.get("link_mbit") else ""))
@@ -559,6 +567,10 @@ def show(res: dict) -> bool:
                 print(f"\n[{link}] UCX_PROTO_INFO, {name}:")
                 for line in lines:
                     print(f"  {line}")
+        for mode, err in ((m, e) for row in p["lengths"].values() for m, e in row.get("errors", {}).items()):
+            print(f"[{link}] {mode} failed: {err}")
+        if p.get("error"):
+            print(f"[{link}] pass failed: {p['error']}")
         if p.get("skipped") or p.get("skipped_lengths"):
             print(f"[{link}] skipped: {p.get('skipped', '')} {p.get('skipped_lengths', '')}")
     return ok
@@ -577,7 +589,11 @@ def measure(args: argparse.Namespace) -> dict:
         passes.append(("tcp", TCP_TLS, args.tcp_prompt_lens))
     for link, tls, lens in passes:
         (logdir / link).mkdir(exist_ok=True)
-        run_pass(args, link, tls, lens, res, budget, logdir)
+        try:
+            run_pass(args, link, tls, lens, res, budget, logdir)
+        except Exception as exc:  # noqa: BLE001 - one GPU call: keep what the other passes measured
+            res["passes"].setdefault(link, {"lengths": {}})["error"] = f"{type(exc).__name__}: {exc}"
+            print(f"[{link}] failed: {exc}", flush=True)
         write_json(args, res)
     return res
 

@@ -54,7 +54,7 @@ def check_up_push(tiny_model_factory, tmp_path: Path, extra: list[str],
         info = up.ready(STARTUP_S)
         pids = [int(p) for p in info["pids"].split(",")]
         ref_srv.wait_ready()
-        shared = long_prompt(200, 3)
+        shared = long_prompt(260, 3)  # ~580 tokens: over push_layerwise_min_tokens, pushed layer by layer
         with httpx.Client(timeout=120) as http:
             for stream in (False, True):
                 for tail in tails:

@@ -55,8 +55,13 @@ def _until(cond, what: str) -> None:
 @pytest.fixture
 def pair():
     """A prefill-side PushSender and a decode-side agent, each with its own DRAM pool (16 blocks)."""
-    pytest.importorskip("nixl_cu12", reason="NIXL is not installed")
-    from pdserve.kv_transfer.nixl_agent import NixlAgent
+    from pdserve.kv_transfer.errors import NixlUnavailableError
+    from pdserve.kv_transfer.nixl_agent import NixlAgent, load_nixl
+
+    try:
+        load_nixl()  # nixl_cu12 here, nixl_cu13 on the GPU machine
+    except NixlUnavailableError as exc:
+        pytest.skip(f"NIXL is not installed: {exc}")
 
     shape = (16, LAYERS, 2, BS, HEADS, DIM)
     p_pool, d_pool = torch.zeros(shape), torch.zeros(shape)
@@ -210,6 +215,27 @@ def test_whole_request_push_is_one_write_of_whole_blocks(pair) -> None:
     assert torch.equal(env["d_pool"][remote], env["p_pool"][local])
     snap = sender.stats.snapshot()
     assert (snap.posts, snap.posts_during_prefill, snap.layers, snap.descriptors) == (1, 0, LAYERS, 2)
+
+
+def test_a_registration_after_the_prefill_catches_up_in_one_write(pair) -> None:
+    """A short prompt's usual order: the prefill finished (layer by layer, nothing registered yet) before the
+    decode's registration came; the catch-up is one WRITE of whole blocks, not one per layer."""
+    env = pair
+    sender = env["sender"]()
+    key, local, remote = uuid.uuid4().hex, [0, 1], [2, 3]
+    tokens = 2 * BS
+    req = _request(key, tokens, local)
+    on_layer = sender.step_hook([(req, tokens)])
+    assert on_layer is not None
+    for layer in range(LAYERS):
+        _compute_layer(env["p_pool"], local, layer, seed=9)
+        on_layer(layer)  # nothing is registered: nothing is queued
+    sender.finish(req.request_id, req.kv.push, local, tokens, (req.request_id, "lease"))
+    _register(env, sender, key, remote, tokens)
+    _wait_done(env, sender, key)
+    assert torch.equal(env["d_pool"][remote], env["p_pool"][local])
+    snap = sender.stats.snapshot()
+    assert (snap.posts, snap.layers, snap.descriptors) == (1, LAYERS, 1)
 
 
 def test_short_prompts_are_pushed_whole(pair) -> None:

@@ -196,8 +196,9 @@ class PushSender:
     # ---- the engine's side ---------------------------------------------------------------------------------
 
     def step_hook(self, batch: Sequence[tuple[Any, int]]) -> Callable[[int], None] | None:
-        """For a step about to run: a callback the model calls after each layer (None: no push job in it).
-        It only records progress and queues WRITEs; the writer thread does the rest."""
+        """For a step about to run: a callback the model calls once each layer's K/V store is issued (None: no
+        layer-by-layer push job in it). It records a readiness marker, progress and WRITE tasks; the writer
+        thread does the rest."""
         entries = []
         layered = []  # the entries pushed layer by layer (long enough prompts)
         for req, n in batch:
