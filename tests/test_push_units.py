@@ -122,3 +122,25 @@ def test_a_registration_whose_sealed_metadata_fails_its_tag_is_refused_as_bad_se
             assert err.value.reason == "bad_seal"
     finally:
         sender.shutdown()
+
+
+def test_up_push_mode_with_tensor_parallelism() -> None:
+    """`pdserve up --kv-transfer-mode push --tensor-parallel-size 2` (vLLM's flag, every instance) or per role
+    (`--decode-tp 1` overrides it): NixlPushConnector on both pools, each instance at its TP size."""
+    import argparse
+
+    from pdserve.launch.cli import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for argv, want in ((["--tensor-parallel-size", "2"], ("2", "2")), (["-tp", "2", "--decode-tp", "1"], ("2", None)),
+                       (["--prefill-tp", "2"], ("2", None))):
+        cfg = config_from_args(parser.parse_args(["m", "--gpus", "none", "--kv-transfer-mode", "push", *argv]))
+        dep = build_deployment(cfg.validate(), cpus=[0, 1, 2, 3], env={})
+        got = []
+        for inst in dep.instances:
+            kv = json.loads(inst.argv[inst.argv.index("--kv-transfer-config") + 1])
+            assert kv["kv_connector"] == "NixlPushConnector"
+            got.append(inst.argv[inst.argv.index("--tensor-parallel-size") + 1]
+                       if "--tensor-parallel-size" in inst.argv else None)
+        assert tuple(got) == want, argv

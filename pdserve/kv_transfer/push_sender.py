@@ -16,15 +16,20 @@ PR (vllm-project/vllm#56874) WRITEs each layer as it is computed. Both are here 
   lacks, `[first_block, n)` of the request's block table, and block i of the request goes to the decode's
   i-th registered block: prefix hits on either side only change which blocks exist, never the pairing.
 
-The forward thread only appends to a queue (`step_hook`'s per-layer callback); a writer thread builds the
-descriptors, posts the WRITEs without waiting, polls them, and sends the completion notification (NIXL,
-ordered after the WRITEs completed) once every block of every layer has landed. A job's prefill blocks stay
-under the request's lease until the job ended and nothing of it is in flight.
+The forward thread only appends to a queue (`step_hook`'s per-layer callback); a writer thread merges the
+layer windows queued together, builds the descriptors (`push_plan`: one per run of consecutive blocks, per
+layer window, per pair of tensor-parallel ranks), posts the WRITEs without waiting (a worker rank's through
+its `kv_rank.RemoteRankAgent`), polls them, and sends the completion notification (NIXL, from rank 0 to the
+decode's rank 0, after every rank's WRITEs completed) once every block of every layer has landed. A job's
+prefill blocks stay under the request's lease until the job ended and nothing of it is in flight.
+- C4 (vllm#55470: a deferred write after the producer request ended): WRITEs come only from blocks held under
+  the job's lease; a prefill that ended without its KV fails its job, and one whose lease ended with no
+  registration fails it too, so a registration arriving later writes nothing.
 
 On a GPU the per-layer callback runs when the host has launched a layer's kernels, not when they ran: each
 queued layer carries a readiness marker (pdserve/kv_transfer/layer_ready.py: a CUDA event recorded on the
 compute stream; on the CPU a marker that is always ready), and the writer thread waits on it before posting
-that layer, so the forward never waits on the wire nor the wire on the forward's host side. When the writer
+that layer's window, so the forward never waits on the wire nor the wire on the forward's host side. When the writer
 falls behind, layers of a job that are ready by the time it posts go out as one WRITE whose descriptors span
 those layers of each block (a block's layers are contiguous in the pool), so a slow writer posts fewer,
 larger descriptors. Prompts shorter than `layerwise_min_tokens` are pushed whole after the prefill: per-layer
