@@ -583,8 +583,8 @@ def measure(args: argparse.Namespace) -> dict:
     budget = Budget(args.budget_s)
     res = {"prompt_lens": args.prompt_lens, "output_len": args.output_len, "num_requests": args.num_requests,
            "kv_bytes_per_token": None, "link_mbit": None, "logs": str(logdir), "passes": {}}
-    passes = [("cuda_ipc" if args.gpu and not args.ucx_tls else (args.ucx_tls or "default"), args.ucx_tls,
-               args.prompt_lens)]
+    first = ("netns" if args.netns else "local") if not args.gpu else "cuda_ipc"
+    passes = [(f"ucx_tls={args.ucx_tls}" if args.ucx_tls else first, args.ucx_tls, args.prompt_lens)]
     if args.gpu and args.tcp_prompt_lens:
         passes.append(("tcp", TCP_TLS, args.tcp_prompt_lens))
     for link, tls, lens in passes:

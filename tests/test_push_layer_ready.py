@@ -306,3 +306,26 @@ def test_cuda_layer_event_marks_the_work_queued_before_it() -> None:
     done = torch.cuda.Event()
     done.record()
     assert done.query()  # nothing was queued after the marker: the stream is idle once it passed
+
+
+def test_writer_counters_are_exposed_as_prometheus_counters() -> None:
+    """`pdserve:kv_push_writer_*` as a scrape reads them (what bench_pd_push.py diffs per request)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pdserve.kv_transfer.push_stats import PushStats, PushStatsCollector
+
+    stats = PushStats()
+    stats.add_post(descriptors=8, layers=4, blocks=2, nbytes=4096, build_s=0.001, post_s=0.002, during_prefill=True)
+    stats.add_post(descriptors=1, layers=4, blocks=1, nbytes=2048, build_s=0.0, post_s=0.001, during_prefill=False)
+    stats.add_wait(0.0)  # an event that was already complete: not a wait
+    stats.add_wait(0.004)
+    stats.add_done(0.01)
+    stats.add_job(0.02)
+    reg = CollectorRegistry()
+    reg.register(PushStatsCollector(stats, {"model_name": "m", "engine": "0"}))
+    text = generate_latest(reg).decode()
+    want = {"posts": 2, "posts_during_prefill": 1, "descriptors": 9, "layers": 8, "block_layers": 12,
+            "bytes": 6144, "ready_waits": 1, "writes_done": 1, "jobs_done": 1}
+    for name, value in want.items():
+        assert f'pdserve:kv_push_writer_{name}_total{{engine="0",model_name="m"}} {float(value)}' in text, name
+    assert 'pdserve:kv_push_writer_tail_max_seconds{engine="0",model_name="m"} 0.02' in text
