@@ -238,6 +238,32 @@ def test_a_registration_after_the_prefill_catches_up_in_one_write(pair) -> None:
     assert (snap.posts, snap.layers, snap.descriptors) == (1, LAYERS, 1)
 
 
+def test_a_registration_mid_forward_waits_for_the_layers_already_queued(pair) -> None:
+    """The decode registers while the forward is under way: the catch-up of a layer the host already queued
+    waits on that layer's marker too (on a GPU the layer may not have run yet)."""
+    env = pair
+    sender = env["sender"]()
+    key, local, remote = uuid.uuid4().hex, [6, 7], [12, 13]
+    tokens = 2 * BS
+    req = _request(key, tokens, local)
+    on_layer = sender.step_hook([(req, tokens)])
+    assert on_layer is not None
+    gate = Gate()
+    env["gates"].append(gate)
+    on_layer(0)  # not registered yet: recorded, nothing queued
+    _register(env, sender, key, remote, tokens)  # catches up with layer 0, behind its marker
+    assert gate.waiting.wait(WAIT_S)
+    assert sender.stats.snapshot().posts == 0
+    _compute_layer(env["p_pool"], local, 0, seed=11)
+    gate.open.set()
+    for layer in range(1, LAYERS):
+        _compute_layer(env["p_pool"], local, layer, seed=11)
+        on_layer(layer)
+    sender.finish(req.request_id, req.kv.push, local, tokens, (req.request_id, "lease"))
+    _wait_done(env, sender, key)
+    assert torch.equal(env["d_pool"][remote], env["p_pool"][local])
+
+
 def test_short_prompts_are_pushed_whole(pair) -> None:
     env = pair
     sender = env["sender"](layerwise_min_tokens=64)
