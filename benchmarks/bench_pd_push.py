@@ -327,22 +327,34 @@ def read_stats(before: dict[str, float], after: dict[str, float], n: int) -> dic
             "xfer_ms_avg": d("vllm:nixl_xfer_time_seconds_sum") / reads * 1e3}
 
 
-def ucx_protocols(path: Path, limit: int = 30) -> list[str]:
-    """What UCX_PROTO_INFO logged about the protocols it picked (transports, host staging), deduplicated."""
-    seen: list[str] = []
+_UCX_ROW = re.compile(r"^\[\d+\.\d+\] \[[^\]]*\]\s+\|(.*)\|\s*$")
+
+
+def ucx_protocols(path: Path, limit: int = 12) -> list[str]:
+    """The RMA protocols UCX_PROTO_INFO logged (its tables of `remote memory write/read`: which transport, CUDA
+    IPC or TCP with host staging, for which sizes), one line per table, deduplicated."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
-        return seen
+        return []
+    tables: list[list[str]] = []
     for line in text.splitlines():
-        if "UCX" not in line or "INFO" not in line:
+        m = _UCX_ROW.match(line)
+        if m is None:
             continue
-        body = line.split("INFO", 1)[1].strip()
-        if any(w in body for w in ("put", "get", "cuda", "tcp", "rndv", "copy")) and body not in seen:
-            seen.append(body)
-            if len(seen) >= limit:
-                break
-    return seen
+        cells = [c.strip() for c in m.group(1).split("|")]
+        if len(cells) == 1 and "cfg#" in cells[0]:
+            tables.append([cells[0]])  # a table's first header row names the endpoint configuration
+        elif tables:
+            tables[-1].append(" ".join(c for c in cells if c))
+    out: list[str] = []
+    for t in tables:
+        if len(t) > 1 and "remote memory" in t[1]:
+            rows = [r for r in t[2:] if r and not r.startswith("Range")]
+            line = f"{t[1]}: " + "; ".join(rows)
+            if line not in out:
+                out.append(line)
+    return out[:limit]
 
 
 # ---- one pass: a set of instances serving every prompt length -----------------------------------------------
