@@ -264,6 +264,34 @@ def test_a_registration_mid_forward_waits_for_the_layers_already_queued(pair) ->
     assert torch.equal(env["d_pool"][remote], env["p_pool"][local])
 
 
+def test_a_cancel_while_the_writer_waits_on_a_layer_posts_nothing(pair) -> None:
+    """vLLM#48633 C1 at the new seam: the decode cancels while the writer is blocked on a layer's marker. The
+    job reads "ending" (a WRITE may still go out) until the writer let go of the task; then "cancelled", with
+    nothing posted and the decode's blocks untouched."""
+    env = pair
+    sender = env["sender"]()
+    key, local, remote = uuid.uuid4().hex, [8, 9], [14, 15]
+    tokens = 2 * BS
+    _register(env, sender, key, remote, tokens)
+    req = _request(key, tokens, local)
+    on_layer = sender.step_hook([(req, tokens)])
+    assert on_layer is not None
+    gate = Gate()
+    env["gates"].append(gate)
+    on_layer(0)
+    assert gate.waiting.wait(WAIT_S)
+    assert sender.handle("push_cancel", {"push_key": key})["state"] == "ending"
+    _compute_layer(env["p_pool"], local, 0, seed=13)
+    gate.open.set()
+
+    def states() -> list[str]:
+        return sender.handle("push_status", {"push_keys": [key]})["states"]
+
+    _until(lambda: states() == ["cancelled"], "the cancel to settle")
+    assert sender.stats.snapshot().posts == 0
+    assert env["d_pool"][remote].abs().sum() == 0
+
+
 def test_short_prompts_are_pushed_whole(pair) -> None:
     env = pair
     sender = env["sender"](layerwise_min_tokens=64)
