@@ -327,25 +327,41 @@ def read_stats(before: dict[str, float], after: dict[str, float], n: int) -> dic
             "xfer_ms_avg": d("vllm:nixl_xfer_time_seconds_sum") / reads * 1e3}
 
 
-def ucx_protocols(path: Path, limit: int = 30) -> list[str]:
-    """What UCX_PROTO_INFO logged about the protocols it picked (transports, host staging), deduplicated."""
-    seen: list[str] = []
+_UCX_ROW = re.compile(r"^\[\d+\.\d+\] \[[^\]]*\]\s+\|(.*)\|\s*$")
+
+
+def ucx_protocols(path: Path, limit: int = 12) -> list[str]:
+    """The RMA protocols UCX_PROTO_INFO logged (its tables of `remote memory write/read`: which transport, CUDA
+    IPC or TCP with host staging, for which sizes), one line per table, deduplicated."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
-        return seen
+        return []
+    tables: list[list[str]] = []
     for line in text.splitlines():
-        if "UCX" not in line or "INFO" not in line:
+        m = _UCX_ROW.match(line)
+        if m is None:
             continue
-        body = line.split("INFO", 1)[1].strip()
-        if any(w in body for w in ("put", "get", "cuda", "tcp", "rndv", "copy")) and body not in seen:
-            seen.append(body)
-            if len(seen) >= limit:
-                break
-    return seen
+        cells = [c.strip() for c in m.group(1).split("|")]
+        if len(cells) == 1 and "cfg#" in cells[0]:
+            tables.append([cells[0]])  # a table's first header row names the endpoint configuration
+        elif tables:
+            tables[-1].append(" ".join(c for c in cells if c))
+    out: list[str] = []
+    for t in tables:
+        if len(t) > 1 and "remote memory" in t[1]:
+            rows = [r for r in t[2:] if r and not r.startswith("Range")]
+            line = f"{t[1]}: " + "; ".join(rows)
+            if line not in out:
+                out.append(line)
+    return out[:limit]
 
 
 # ---- one pass: a set of instances serving every prompt length -----------------------------------------------
+
+class StartupFailed(RuntimeError):
+    """A server of the pass did not start (on the GPU: perhaps five at once did not fit)."""
+
 
 class Budget:
     def __init__(self, seconds: float | None) -> None:
@@ -400,8 +416,11 @@ def run_pass(args: argparse.Namespace, link: str, ucx_tls: str | None, lens: lis
                     spec = Spec(name, connector, role, dict(extra), cpus)
                 insts[name] = Instance(spec, args, logdir / link, ucx_tls=ucx_tls, gpu_mem=gpu_mem,
                                        max_model_len=max_len)
-            for inst in insts.values():
-                inst.wait(max(30.0, min(900.0, budget.left())))
+            try:
+                for inst in insts.values():
+                    inst.wait(max(30.0, min(900.0, budget.left())))
+            except RuntimeError as exc:
+                raise StartupFailed(str(exc)) from None
             started = time.monotonic() - t0
             print(f"[{link}] {', '.join(group)} ready in {started:.0f} s", flush=True)
             out.setdefault("start_s", []).append(round(started, 1))
@@ -583,17 +602,32 @@ def measure(args: argparse.Namespace) -> dict:
     budget = Budget(args.budget_s)
     res = {"prompt_lens": args.prompt_lens, "output_len": args.output_len, "num_requests": args.num_requests,
            "kv_bytes_per_token": None, "link_mbit": None, "logs": str(logdir), "passes": {}}
-    passes = [("cuda_ipc" if args.gpu and not args.ucx_tls else (args.ucx_tls or "default"), args.ucx_tls,
-               args.prompt_lens)]
+    first = ("netns" if args.netns else "local") if not args.gpu else "cuda_ipc"
+    passes = [(f"ucx_tls={args.ucx_tls}" if args.ucx_tls else first, args.ucx_tls, args.prompt_lens)]
     if args.gpu and args.tcp_prompt_lens:
         passes.append(("tcp", TCP_TLS, args.tcp_prompt_lens))
     for link, tls, lens in passes:
         (logdir / link).mkdir(exist_ok=True)
-        try:
-            run_pass(args, link, tls, lens, res, budget, logdir)
-        except Exception as exc:  # noqa: BLE001 - one GPU call: keep what the other passes measured
-            res["passes"].setdefault(link, {"lengths": {}})["error"] = f"{type(exc).__name__}: {exc}"
-            print(f"[{link}] failed: {exc}", flush=True)
+        for attempt in (1, 2):
+            try:
+                run_pass(args, link, tls, lens, res, budget, logdir)
+                break
+            except StartupFailed as exc:
+                if attempt == 1 and args.gpu and args.together is not False:
+                    # five instances at once did not start: the pull pair, then the push trio (here and after)
+                    (logdir / link).rename(logdir / f"{link}-together")  # its logs, for the record
+                    (logdir / link).mkdir()
+                    print(f"[{link}] did not start together ({exc}; logs in {link}-together); again in two "
+                          f"groups", flush=True)
+                    args.together = False
+                    res["passes"].pop(link, None)
+                    continue
+                res["passes"].setdefault(link, {"lengths": {}})["error"] = f"StartupFailed: {exc}"
+                print(f"[{link}] failed: {exc}", flush=True)
+            except Exception as exc:  # noqa: BLE001 - one GPU call: keep what the other passes measured
+                res["passes"].setdefault(link, {"lengths": {}})["error"] = f"{type(exc).__name__}: {exc}"
+                print(f"[{link}] failed: {exc}", flush=True)
+            break
         write_json(args, res)
     return res
 

@@ -238,6 +238,60 @@ def test_a_registration_after_the_prefill_catches_up_in_one_write(pair) -> None:
     assert (snap.posts, snap.layers, snap.descriptors) == (1, LAYERS, 1)
 
 
+def test_a_registration_mid_forward_waits_for_the_layers_already_queued(pair) -> None:
+    """The decode registers while the forward is under way: the catch-up of a layer the host already queued
+    waits on that layer's marker too (on a GPU the layer may not have run yet)."""
+    env = pair
+    sender = env["sender"]()
+    key, local, remote = uuid.uuid4().hex, [6, 7], [12, 13]
+    tokens = 2 * BS
+    req = _request(key, tokens, local)
+    on_layer = sender.step_hook([(req, tokens)])
+    assert on_layer is not None
+    gate = Gate()
+    env["gates"].append(gate)
+    on_layer(0)  # not registered yet: recorded, nothing queued
+    _register(env, sender, key, remote, tokens)  # catches up with layer 0, behind its marker
+    assert gate.waiting.wait(WAIT_S)
+    assert sender.stats.snapshot().posts == 0
+    _compute_layer(env["p_pool"], local, 0, seed=11)
+    gate.open.set()
+    for layer in range(1, LAYERS):
+        _compute_layer(env["p_pool"], local, layer, seed=11)
+        on_layer(layer)
+    sender.finish(req.request_id, req.kv.push, local, tokens, (req.request_id, "lease"))
+    _wait_done(env, sender, key)
+    assert torch.equal(env["d_pool"][remote], env["p_pool"][local])
+
+
+def test_a_cancel_while_the_writer_waits_on_a_layer_posts_nothing(pair) -> None:
+    """vLLM#48633 C1 at the new seam: the decode cancels while the writer is blocked on a layer's marker. The
+    job reads "ending" (a WRITE may still go out) until the writer let go of the task; then "cancelled", with
+    nothing posted and the decode's blocks untouched."""
+    env = pair
+    sender = env["sender"]()
+    key, local, remote = uuid.uuid4().hex, [8, 9], [14, 15]
+    tokens = 2 * BS
+    _register(env, sender, key, remote, tokens)
+    req = _request(key, tokens, local)
+    on_layer = sender.step_hook([(req, tokens)])
+    assert on_layer is not None
+    gate = Gate()
+    env["gates"].append(gate)
+    on_layer(0)
+    assert gate.waiting.wait(WAIT_S)
+    assert sender.handle("push_cancel", {"push_key": key})["state"] == "ending"
+    _compute_layer(env["p_pool"], local, 0, seed=13)
+    gate.open.set()
+
+    def states() -> list[str]:
+        return sender.handle("push_status", {"push_keys": [key]})["states"]
+
+    _until(lambda: states() == ["cancelled"], "the cancel to settle")
+    assert sender.stats.snapshot().posts == 0
+    assert env["d_pool"][remote].abs().sum() == 0
+
+
 def test_short_prompts_are_pushed_whole(pair) -> None:
     env = pair
     sender = env["sender"](layerwise_min_tokens=64)
@@ -306,3 +360,26 @@ def test_cuda_layer_event_marks_the_work_queued_before_it() -> None:
     done = torch.cuda.Event()
     done.record()
     assert done.query()  # nothing was queued after the marker: the stream is idle once it passed
+
+
+def test_writer_counters_are_exposed_as_prometheus_counters() -> None:
+    """`pdserve:kv_push_writer_*` as a scrape reads them (what bench_pd_push.py diffs per request)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pdserve.kv_transfer.push_stats import PushStats, PushStatsCollector
+
+    stats = PushStats()
+    stats.add_post(descriptors=8, layers=4, blocks=2, nbytes=4096, build_s=0.001, post_s=0.002, during_prefill=True)
+    stats.add_post(descriptors=1, layers=4, blocks=1, nbytes=2048, build_s=0.0, post_s=0.001, during_prefill=False)
+    stats.add_wait(0.0)  # an event that was already complete: not a wait
+    stats.add_wait(0.004)
+    stats.add_done(0.01)
+    stats.add_job(0.02)
+    reg = CollectorRegistry()
+    reg.register(PushStatsCollector(stats, {"model_name": "m", "engine": "0"}))
+    text = generate_latest(reg).decode()
+    want = {"posts": 2, "posts_during_prefill": 1, "descriptors": 9, "layers": 8, "block_layers": 12,
+            "bytes": 6144, "ready_waits": 1, "writes_done": 1, "jobs_done": 1}
+    for name, value in want.items():
+        assert f'pdserve:kv_push_writer_{name}_total{{engine="0",model_name="m"}} {float(value)}' in text, name
+    assert 'pdserve:kv_push_writer_tail_max_seconds{engine="0",model_name="m"} 0.02' in text
