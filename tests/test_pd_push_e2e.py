@@ -61,8 +61,9 @@ def cluster(model_dir: Path, tmp_path_factory) -> Iterator[dict[str, ServerProce
     logs = tmp_path_factory.mktemp("push-logs")
     servers = {
         "collocated": start(model_dir, logs, "collocated"),
-        "prefill": start(model_dir, logs, "prefill", "--kv-transfer-config", push_config("kv_producer"),
-                         "--side-channel-port", "0"),
+        # every prompt layer by layer (the tests' prompts are shorter than the default push_layerwise_min_tokens)
+        "prefill": start(model_dir, logs, "prefill", "--kv-transfer-config",
+                         push_config("kv_producer", push_layerwise_min_tokens=0), "--side-channel-port", "0"),
         "prefill_whole": start(model_dir, logs, "prefill_whole", "--kv-transfer-config",
                                push_config("kv_producer", push_pipeline="request"), "--side-channel-port", "0"),
         "decode": start(model_dir, logs, "decode", "--kv-transfer-config",
@@ -199,6 +200,15 @@ def test_proxy_push_matches_collocated(cluster, stream):
     during = labelled(after, "pdserve:kv_push_written_bytes_total", "during_prefill") - \
         labelled(before, "pdserve:kv_push_written_bytes_total", "during_prefill")
     assert during > 0
+
+    def writer(name: str) -> float:  # the push writer's counters (kv_transfer/push_stats.py)
+        return labelled(after, f"pdserve:kv_push_writer_{name}_total", "model_name") - \
+            labelled(before, f"pdserve:kv_push_writer_{name}_total", "model_name")
+
+    assert writer("posts_during_prefill") > 0 and writer("descriptors") >= writer("posts") > 0
+    assert writer("writes_done") == writer("posts") and writer("bytes") == during + (
+        labelled(after, "pdserve:kv_push_written_bytes_total", "after_prefill")
+        - labelled(before, "pdserve:kv_push_written_bytes_total", "after_prefill"))
     # every job ended well: done, or cancelled by a decode whose own prefix cache held the whole prompt (the
     # streamed pass repeats the prompts)
     ended = sum(labelled(after, "pdserve:kv_push_jobs_ended_total", f'"{o}"')

@@ -31,13 +31,19 @@ def test_push_legs_params() -> None:
     ({"push_key": "short"}, "push_key must be a string"),
     ({"remote_port": 0}, "remote_port"),
     ({"remote_engine_id": ""}, "remote_engine_id"),
-    ({"tp_size": 2}, "tensor-parallel prefill instance is not supported"),
+    ({"tp_size": 0}, "tp_size must be a positive integer"),
 ])
 def test_push_decode_params_refusals_name_the_problem(change: dict, message: str) -> None:
     params = {**pd.push_decode_params(KEY, engine_id="e", host="h", port=1), **change}
     params = {k: v for k, v in params.items() if v is not None}
     with pytest.raises(pd.InvalidKVTransferParams, match=message):
         pd.parse_push_decode_params(params)
+
+
+def test_push_decode_params_carry_a_tensor_parallel_prefills_size() -> None:
+    """A TP prefill WRITEs from each of its ranks: its size travels (the decode checks it at the handshake)."""
+    p = pd.parse_push_decode_params(pd.push_decode_params(KEY, engine_id="e", host="h", port=1, tp_size=4))
+    assert p.tp_size == 4
 
 
 def test_a_pull_decode_refuses_push_params_naming_the_mode() -> None:
@@ -116,3 +122,25 @@ def test_a_registration_whose_sealed_metadata_fails_its_tag_is_refused_as_bad_se
             assert err.value.reason == "bad_seal"
     finally:
         sender.shutdown()
+
+
+def test_up_push_mode_with_tensor_parallelism() -> None:
+    """`pdserve up --kv-transfer-mode push --tensor-parallel-size 2` (vLLM's flag, every instance) or per role
+    (`--decode-tp 1` overrides it): NixlPushConnector on both pools, each instance at its TP size."""
+    import argparse
+
+    from pdserve.launch.cli import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for argv, want in ((["--tensor-parallel-size", "2"], ("2", "2")), (["-tp", "2", "--decode-tp", "1"], ("2", None)),
+                       (["--prefill-tp", "2"], ("2", None))):
+        cfg = config_from_args(parser.parse_args(["m", "--gpus", "none", "--kv-transfer-mode", "push", *argv]))
+        dep = build_deployment(cfg.validate(), cpus=[0, 1, 2, 3], env={})
+        got = []
+        for inst in dep.instances:
+            kv = json.loads(inst.argv[inst.argv.index("--kv-transfer-config") + 1])
+            assert kv["kv_connector"] == "NixlPushConnector"
+            got.append(inst.argv[inst.argv.index("--tensor-parallel-size") + 1]
+                       if "--tensor-parallel-size" in inst.argv else None)
+        assert tuple(got) == want, argv

@@ -134,3 +134,28 @@ def test_a_closed_pipe_fails_pending_and_later_calls() -> None:
     client.close()
     worker.close()
     worker.sock.close()  # type: ignore[attr-defined]
+
+
+def test_call_async_returns_at_once_and_resolves_later() -> None:
+    """`call_async` (a worker rank's push WRITE: the rank waits it out, the engine polls the future): the future
+    is pending while the rank works, then holds the result or the exception."""
+    gate = threading.Event()
+
+    def slow(cmd: Slow) -> int:
+        gate.wait(5)
+        return cmd.x * 2
+
+    def fail(_: Fail) -> None:
+        raise TransferFailed("the WRITE failed")
+
+    client, worker, _ = _pair({Slow: slow, Fail: fail})
+    try:
+        fut = client.call_async(Slow(21))
+        failed = client.call_async(Fail())
+        assert isinstance(failed.exception(timeout=5), TransferFailed)
+        assert not fut.done()
+        gate.set()
+        assert fut.result(timeout=5) == 42
+    finally:
+        client.close()
+        worker.close()

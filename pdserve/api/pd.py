@@ -781,8 +781,6 @@ def parse_push_decode_params(params: Any) -> PushParams:
     tp = 1 if tp is None else tp
     if not _is_int(tp) or not 1 <= tp <= MAX_TP_SIZE:
         raise _bad("tp_size must be a positive integer")
-    if tp != 1:
-        raise _bad("push transfer from a tensor-parallel prefill instance is not supported (tp_size must be 1)")
     return PushParams(key, engine_id, host, port, tp, parse_first_token(params))
 
 

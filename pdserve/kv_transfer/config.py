@@ -24,6 +24,10 @@ SUPPORTED_CONNECTORS = ("NixlConnector", "NixlPullConnector", "NixlPushConnector
 # decode READs (pull, NixlConnector's default) or the prefill WRITEs into blocks the decode registered (push).
 PUSH_CONNECTOR = "NixlPushConnector"
 PUSH_PIPELINES = ("layer", "request")
+# push_pipeline "layer": prompts shorter than this are pushed whole after the prefill, where per-layer posting
+# costs more than it hides (SGLang's layerwise PR: +18 % TTFT at 256 tokens, -48 to -68 % at 1k-8k).
+# Provisional until the H200 measurement (BENCHMARKS.md, "Push transfer on the GPU").
+DEFAULT_PUSH_LAYERWISE_MIN_TOKENS = 512
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 FAILURE_POLICIES = ("fail", "recompute")
 BUFFER_DEVICES = ("cuda", "cpu")
@@ -86,6 +90,7 @@ _KNOWN_EXTRA_KEYS = frozenset(
         # also fails a load whose params carry no digests it can check
         "enable_kv_digest",
         "kv_digest_required",
+        "push_layerwise_min_tokens",
         # vLLM keys that have no meaning here (single engine).
         "num_threads",
         "engine_ttl",
@@ -168,6 +173,7 @@ class KVTransferConfig:
     # digests"), over the 3 % the default may cost; the GPU's device-side digest has not been measured
     enable_kv_digest: bool = False
     kv_digest_required: bool = False
+    push_layerwise_min_tokens: int = DEFAULT_PUSH_LAYERWISE_MIN_TOKENS
 
     @property
     def transfer_mode(self) -> str:
@@ -312,6 +318,10 @@ class KVTransferConfig:
         if pipeline not in PUSH_PIPELINES:
             raise ValueError(f"kv_connector_extra_config.push_pipeline must be one of {', '.join(PUSH_PIPELINES)}, "
                              f"got {pipeline!r}")
+        min_tokens = extra.get("push_layerwise_min_tokens", DEFAULT_PUSH_LAYERWISE_MIN_TOKENS)
+        if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+            raise ValueError(f"kv_connector_extra_config.push_layerwise_min_tokens must be an integer >= 0, got "
+                             f"{min_tokens!r}")
         if connector == PUSH_CONNECTOR and bidirectional:
             # as vLLM's NixlPushConnectorScheduler: the held conversation is read back by pull only
             raise ValueError("kv_connector NixlPushConnector does not support bidirectional_kv_xfer (multi-turn "
@@ -377,4 +387,5 @@ class KVTransferConfig:
             push_pipeline=pipeline,
             enable_kv_digest=digest["enable_kv_digest"],
             kv_digest_required=digest["kv_digest_required"] and digest["enable_kv_digest"],
+            push_layerwise_min_tokens=min_tokens,
         )

@@ -41,6 +41,7 @@ from pdserve.kv_transfer.config import KVTransferConfig, is_loopback_host
 from pdserve.kv_transfer.consumer import KVConsumer
 from pdserve.kv_transfer.digest import BlockDigester
 from pdserve.kv_transfer.faults import KVFaults
+from pdserve.kv_transfer.head_split import block_geometry
 from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.nixl_agent import NixlAgent, apply_env_defaults, load_nixl
 from pdserve.kv_transfer.pool import pretouch, region_of
@@ -160,10 +161,8 @@ class KVConnector:
                         raise ValueError(f"rank {r} has {agent.region.num_blocks} KV blocks, rank 0 "
                                          f"{self.region.num_blocks}")
             ranks = [(self._agent, self.region), *((a, a.region) for a in self._rank_agents)]
+            local_heads = kv_heads_per_rank(tp_size, int(self.compat["num_kv_heads"]))
             push = config.transfer_mode == PUSH
-            if push and tp_size > 1:
-                raise ValueError("kv_connector NixlPushConnector does not support tensor parallelism yet (each "
-                                 "rank would WRITE its own heads); use NixlConnector with --tensor-parallel-size")
             digester = BlockDigester(pool, self._rank_agents) if config.enable_kv_digest else None
             if config.is_producer:
                 assert self._server is not None
@@ -184,10 +183,14 @@ class KVConnector:
                     self.push_sender = PushSender(
                         agent=self._agent, region=self.region, num_layers=int(self.compat["num_layers"]),
                         block_size=block_size, layerwise=config.push_pipeline == "layer",
+                        layerwise_min_tokens=config.push_layerwise_min_tokens,
                         transfer_timeout_s=config.transfer_timeout_s, lease_duration_s=config.kv_lease_duration,
                         release_lease=lambda rid, token: producer.leases.abort(rid, token),
                         extend_lease=lambda rid, token: producer.leases.heartbeat([(rid, token)]), auth=auth,
-                        metrics=self.metrics)
+                        metrics=self.metrics, ranks=ranks,
+                        # each rank WRITEs its own KV heads, split as the pull path's READs are (head_split)
+                        geometry=block_geometry(self.compat, self.region.block_bytes, local_heads),
+                        num_kv_heads=int(self.compat["num_kv_heads"]))
                     producer.push_handler = self.push_sender.handle
                     producer.push_sender = self.push_sender
                     self.push_sender.faults = producer.faults

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +84,19 @@ class BlockDigests:
 
 
 @dataclass(frozen=True)
+class Write:
+    """Push mode: WRITE this rank's blocks into a decode rank's and wait (NixlAgent.write); answers the bytes.
+    Past `timeout_s` the WRITE is released and the decode's agent removed (`TransferTimeout`)."""
+
+    local_descs: np.ndarray
+    local_mem: str
+    remote_descs: np.ndarray
+    remote_mem: str
+    remote_name: str
+    timeout_s: float
+
+
+@dataclass(frozen=True)
 class Boost:
     """Poll the agent fast for `seconds` (a claim is under way). Sent as a notification."""
 
@@ -108,7 +122,7 @@ class RankKVService:
 
     def handlers(self) -> Handlers:
         return {KvInit: self.kv_init, AddRemote: self.add_remote, RemoveRemote: self.remove_remote,
-                Read: self.read, Boost: self.boost, KvClose: lambda _: self.close(),
+                Read: self.read, Write: self.write, Boost: self.boost, KvClose: lambda _: self.close(),
                 BlockDigests: lambda cmd: digest_blocks(self._pool, cmd.block_ids, cmd.algo)}
 
     def kv_init(self, cmd: KvInit) -> dict[str, Any]:
@@ -145,6 +159,13 @@ class RankKVService:
         return self._need().read(local_descs=cmd.local_descs, local_mem=cmd.local_mem, remote_descs=cmd.remote_descs,
                                  remote_mem=cmd.remote_mem, remote_name=cmd.remote_name, notif=cmd.notif,
                                  deadline=time.monotonic() + cmd.timeout_s)
+
+    def write(self, cmd: Write) -> int:
+        assert self.region is not None
+        bind_cuda_device(self.region)
+        return self._need().write(local_descs=cmd.local_descs, local_mem=cmd.local_mem, remote_descs=cmd.remote_descs,
+                                  remote_mem=cmd.remote_mem, remote_name=cmd.remote_name,
+                                  deadline=time.monotonic() + cmd.timeout_s)
 
     def boost(self, cmd: Boost) -> None:
         self._boost_until = max(self._boost_until, time.monotonic() + cmd.seconds)
@@ -218,6 +239,37 @@ class RemoteRankAgent:
             raise TransferTimeout(str(e)) from None
         except RankCallError as e:
             raise TransferFailed(str(e)) from None
+
+    # push mode: a WRITE is posted as one call that the rank waits out itself (its handle here is the call's
+    # future), so the engine's writer thread polls futures, not NIXL handles across the pipe
+    def post_write(self, *, local_descs: np.ndarray, local_mem: str, remote_descs: np.ndarray, remote_mem: str,
+                   remote_name: str, timeout_s: float) -> Future:
+        try:
+            return self.client.call_async(Write(local_descs, local_mem, remote_descs, remote_mem, remote_name,
+                                                timeout_s))
+        except RankCallError as e:
+            raise TransferFailed(str(e)) from None
+
+    @staticmethod
+    def xfer_state(posted: Future) -> str:
+        """"PROC" until the rank answered, then "DONE", or "TIMEOUT" (the rank removed the peer) or "ERR"."""
+        if not posted.done():
+            return "PROC"
+        exc = posted.exception()
+        if exc is None:
+            return "DONE"
+        if isinstance(exc, TransferTimeout):
+            return "TIMEOUT"
+        log.warning("a tensor-parallel rank's KV WRITE failed: %s", exc)
+        return "ERR"
+
+    @staticmethod
+    def release_handle(posted: Future) -> None:
+        """Nothing to release here: the rank releases its NIXL handle itself (and the call's future must stay
+        uncancelled: the rank's late answer still resolves it)."""
+
+    def send_notif(self, remote_name: str, message: bytes) -> None:
+        raise TransferFailed("push completion notifications are sent by rank 0")
 
     def boost(self, seconds: float) -> None:
         self.client.notify(Boost(seconds))

@@ -235,6 +235,10 @@ class TransferMetrics:
             [*labels, "reason"],
             registry=reg,
         )
+    @property
+    def labels(self) -> dict[str, str]:
+        """This instance's label values by name (for collectors registered beside these metrics)."""
+        return dict(zip(("model_name", "engine"), self._label_values, strict=True))
 
     # ---- recording ---------------------------------------------------------------------------------
 

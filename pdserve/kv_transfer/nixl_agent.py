@@ -75,6 +75,14 @@ def nixl_error_name(exc: BaseException) -> str:
 
 
 @dataclass(frozen=True)
+class WriteHandle:
+    """A posted WRITE: NIXL's handle and, for a strided one, the prepared lists it was made from."""
+
+    handle: Any
+    dlists: list[Any]
+
+
+@dataclass(frozen=True)
 class ReadStats:
     post_s: float  # duration of the transfer() call (the whole copy on cma)
     xfer_s: float  # from posting to completion
@@ -258,36 +266,71 @@ class NixlAgent:
     # ---- push: WRITEs posted without waiting (pdserve/kv_transfer/push_sender.py polls them) -------------
 
     def post_write(self, *, local_descs: np.ndarray, local_mem: str, remote_descs: np.ndarray, remote_mem: str,
-                   remote_name: str) -> Any:
-        """Post a WRITE local -> remote and return its handle (poll with `xfer_state`, then `release_handle`);
-        raises TransferFailed when NIXL cannot prepare or post it."""
+                   remote_name: str, timeout_s: float = 0.0) -> WriteHandle:
+        """Post a WRITE local -> remote (Nx3 rows, or Nx5 strided rows as `read` takes) and return its handle
+        (poll with `xfer_state`, then `release_handle`); raises TransferFailed when NIXL cannot prepare or post
+        it. `timeout_s` is the caller's to enforce (a worker rank's `RemoteRankAgent.post_write` waits itself)."""
         agent = self._agent
+        dlists: list[Any] = []  # a strided WRITE's prepared lists live as long as its handle
         try:
-            handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local_descs, local_mem),
-                                           agent.get_xfer_descs(remote_descs, remote_mem), remote_name, b"")
+            if local_descs.shape[1] == 5:
+                n = int(local_descs[:, 4].sum())
+                if n != int(remote_descs[:, 4].sum()):
+                    raise ValueError("strided WRITE: local and remote piece counts differ")
+                dlists.append(agent.prep_xfer_dlist("NIXL_INIT_AGENT", local_descs, local_mem))
+                dlists.append(agent.prep_xfer_dlist(remote_name, remote_descs, remote_mem))
+                idx = np.arange(n, dtype=np.int32)
+                handle = agent.make_prepped_xfer("WRITE", dlists[0], idx, dlists[1], idx, b"")
+            else:
+                handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local_descs, local_mem),
+                                               agent.get_xfer_descs(remote_descs, remote_mem), remote_name, b"")
         except Exception as exc:
+            self._release_dlists(dlists)
             raise TransferFailed(f"NIXL could not prepare the WRITE: {nixl_error_name(exc)}: {exc}") from exc
+        posted = WriteHandle(handle, dlists)
         try:
             state = agent.transfer(handle)
         except Exception as exc:
-            self._release_handle(handle)
+            self.release_handle(posted)
             raise TransferFailed(f"NIXL WRITE to {remote_name!r} failed to post: {nixl_error_name(exc)}: {exc}") \
                 from exc
         if state not in ("PROC", "DONE"):
-            self._release_handle(handle)
+            self.release_handle(posted)
             raise TransferFailed(f"NIXL WRITE to {remote_name!r} failed to post (state {state})")
-        return handle
+        return posted
 
-    def xfer_state(self, handle: Any) -> str:
+    def write(self, *, local_descs: np.ndarray, local_mem: str, remote_descs: np.ndarray, remote_mem: str,
+              remote_name: str, deadline: float) -> int:
+        """Post a WRITE and wait until it is done (a worker rank's WRITE, `kv_rank.Write`); returns its bytes.
+        On a timeout the handle is released and the peer removed (which cancels what is still in flight)."""
+        posted = self.post_write(local_descs=local_descs, local_mem=local_mem, remote_descs=remote_descs,
+                                 remote_mem=remote_mem, remote_name=remote_name)
+        try:
+            t0 = time.perf_counter()
+            while (state := self.xfer_state(posted)) == "PROC":
+                if time.monotonic() >= deadline:
+                    self.remove_remote(remote_name)
+                    raise TransferTimeout(f"NIXL WRITE to {remote_name!r} not complete after "
+                                          f"{time.perf_counter() - t0:.2f}s")
+                time.sleep(0 if time.perf_counter() - t0 < 0.005 else 0.00005)
+            if state != "DONE":
+                raise TransferFailed(f"NIXL WRITE to {remote_name!r} ended in state {state}")
+        finally:
+            self.release_handle(posted)
+        lengths = local_descs[:, 1] if local_descs.shape[1] == 3 else local_descs[:, 1] * local_descs[:, 4]
+        return int(lengths.sum())
+
+    def xfer_state(self, posted: WriteHandle) -> str:
         """"PROC", "DONE" or an error state (a raised NIXL error reads as "ERR")."""
         try:
-            return self._agent.check_xfer_state(handle)
+            return self._agent.check_xfer_state(posted.handle)
         except Exception as exc:  # noqa: BLE001 - any NIXL error ends the transfer as failed
             logger.debug("check_xfer_state failed: %s", exc)
             return "ERR"
 
-    def release_handle(self, handle: Any) -> None:
-        self._release_handle(handle)
+    def release_handle(self, posted: WriteHandle) -> None:
+        self._release_handle(posted.handle)
+        self._release_dlists(posted.dlists)
 
     def send_notif(self, remote_name: str, message: bytes) -> None:
         """A notification to a peer agent (ordered after the WRITEs to it that completed before it)."""

@@ -241,8 +241,11 @@ class KVProducer:
             if op == "push_register" and msg["generation"] != self.generation:
                 raise SideChannelRefused("stale_generation", f"registration for generation {msg['generation']}, "
                                          f"this producer is generation {self.generation}")
-            self._boost_until = time.monotonic() + _HANDSHAKE_BOOST_S  # the decode connects for the WRITEs
-            self._wake.set()
+            # No fast polling here: in push mode this instance is the WRITE initiator, progressed by its writer
+            # thread (which polls its WRITEs), never a target; and a decode asks push_status every 20 ms for the
+            # whole push, so a boost per call kept this loop spinning (a get_notifs call every 50 us, each taking
+            # the GIL) on the prefill's cores for as long as the prefill computed: the push prefill leg's
+            # slowness of issue 41.
             return self.push_handler(op, msg)
         try:
             if op == "heartbeat":

@@ -43,7 +43,7 @@ from pdserve.kv_transfer.errors import (
 )
 from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.nixl_agent import NixlAgent
-from pdserve.kv_transfer.pool import PoolRegion, check_block_ids
+from pdserve.kv_transfer.pool import PoolRegion, bind_cuda_device, check_block_ids
 from pdserve.kv_transfer.push_sender import PUSH_NOTIF_PREFIX
 
 logger = logging.getLogger("pdserve.kv_transfer")
@@ -52,7 +52,8 @@ _STATUS_EVERY_S = 0.02
 _FAST_POLL_S = 0.0002
 _IDLE_POLL_S = 0.05
 _DEAD_AFTER = 2  # consecutive refused/reset status calls: the prefill process is gone
-_DEADLINE_MARGIN_S = 1.0  # the registration reaches the prefill a little after we sent it
+_DEADLINE_MARGIN_S = 1.0
+_BOOST_EVERY_S = 1.0  # the registration reaches the prefill a little after we sent it
 
 
 @dataclass
@@ -73,13 +74,16 @@ class _Pending:
 class PushReceiver:
     def __init__(self, config: KVTransferConfig, *, agent: NixlAgent, region: PoolRegion,
                  compat: Mapping[str, Any], metrics: TransferMetrics, auth: MessageAuth | None,
-                 report: Callable[[LoadResult], None],
+                 report: Callable[[LoadResult], None], ranks: Sequence[tuple[Any, PoolRegion]] | None = None,
                  verify: Callable[[str, PushParams, list[int], int], str | None] | None = None) -> None:
-        """verify(request_id, params, blocks, first_block): the block digests' check after a push (None: off)."""
+        """ranks: (agent, region) of every tensor-parallel rank here, rank 0 (`agent`, `region`) first: each
+        registers its pool shard, and the prefill's ranks WRITE each decode rank its heads.
+        verify(request_id, params, blocks, first_block): the block digests' check after a push (None: off)."""
         self._config = config
         self._verify = verify
         self._agent = agent
         self._region = region
+        self._ranks = list(ranks) if ranks is not None else [(agent, region)]
         self._compat = dict(compat)
         self._block_size = int(compat["block_size"])
         self._metrics = metrics
@@ -88,7 +92,9 @@ class PushReceiver:
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}  # by push key
         self._by_request: dict[str, str] = {}
-        self._generations: dict[tuple[str, str, int], int] = {}  # producer -> generation (handshake done)
+        # producer -> (generation, tensor-parallel size), once a handshake checked it
+        self._generations: dict[tuple[str, str, int], tuple[int, int]] = {}
+        self._next_boost = 0.0
         self._executor = ThreadPoolExecutor(config.num_load_workers, thread_name_prefix="pdserve-kv-push-reg")
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -109,7 +115,7 @@ class PushReceiver:
                         # the prefill posts nothing after timeout_s and releases a WRITE after transfer_timeout_s
                         now + self._config.push_registration_timeout + self._config.transfer_timeout_s
                         + _DEADLINE_MARGIN_S,
-                        (needed - first_block) * self._region.block_bytes,
+                        (needed - first_block) * sum(r.block_bytes for _, r in self._ranks),
                         blocks=local[first_block:], first_block=first_block)
         with self._lock:
             if p.push_key in self._pending:
@@ -161,22 +167,27 @@ class PushReceiver:
                                  auth=self._auth)
 
     def _generation(self, p: PushParams, *, force: bool = False) -> int:
-        """The prefill's generation, after a handshake that checked compatibility (the transfer mode too)."""
+        """The prefill's generation, after a handshake that checked compatibility (the transfer mode too) and
+        that the params name the prefill's tensor-parallel size."""
         where = (p.remote_engine_id, p.remote_host, p.remote_port)
         with self._lock:
             known = self._generations.get(where)
-        if known is not None and not force:
-            return known
-        reply = self._call(p, "handshake", {"engine_id": self._config.engine_id, "compat": self._compat},
-                           self._config.handshake_timeout_s)
-        if reply["engine_id"] != p.remote_engine_id:
-            raise CompatibilityError(f"side channel {p.remote_host}:{p.remote_port} belongs to engine "
-                                     f"{reply['engine_id']!r}, the params name {p.remote_engine_id!r}")
-        check_compat(self._compat, reply["compat"], peer=f"prefill {p.remote_host}:{p.remote_port}",
-                     labels=("decode", "prefill"))
-        with self._lock:
-            self._generations[where] = reply["generation"]
-        return reply["generation"]
+        if known is None or force:
+            reply = self._call(p, "handshake", {"engine_id": self._config.engine_id, "compat": self._compat},
+                               self._config.handshake_timeout_s)
+            if reply["engine_id"] != p.remote_engine_id:
+                raise CompatibilityError(f"side channel {p.remote_host}:{p.remote_port} belongs to engine "
+                                         f"{reply['engine_id']!r}, the params name {p.remote_engine_id!r}")
+            check_compat(self._compat, reply["compat"], peer=f"prefill {p.remote_host}:{p.remote_port}",
+                         labels=("decode", "prefill"))
+            known = (reply["generation"], int(reply.get("tp_size", 1)))
+            with self._lock:
+                self._generations[where] = known
+        generation, tp_size = known
+        if tp_size != p.tp_size:
+            raise CompatibilityError(f"the params say the prefill has tensor-parallel size {p.tp_size}, its "
+                                     f"handshake {tp_size}")
+        return generation
 
     def _register(self, item: _Pending, blocks: list[int], first_block: int, num_tokens: int) -> None:
         p = item.params
@@ -184,13 +195,17 @@ class PushReceiver:
             for attempt in range(2):
                 generation = self._generation(p, force=attempt > 0)
                 seal = new_nonce()
-                metadata = self._agent.metadata()
+                # every rank's agent metadata, each part sealed and bound to its rank index
+                metadata = [a.metadata() for a, _ in self._ranks]
                 if self._auth is not None:
-                    metadata = self._auth.conceal(metadata, seal, generation)
+                    metadata = self._auth.seal_parts(metadata, seal, generation)
                 fields = {"push_key": p.push_key, "generation": generation, "engine_id": self._config.engine_id,
-                          "agent_name": self._agent.name, "agent_metadata": metadata, "seal_nonce": seal,
+                          "agent_name": self._agent.name, "agent_metadata": metadata[0], "seal_nonce": seal,
                           "pool": self._region.describe(), "block_ids": blocks, "first_block": first_block,
                           "num_tokens": num_tokens, "timeout_s": self._config.push_registration_timeout}
+                if len(self._ranks) > 1:  # tensor parallelism: each rank's agent and pool shard, rank 0 first
+                    fields["ranks"] = [{"agent_name": a.name, "agent_metadata": md, "pool": r.describe()}
+                                       for (a, r), md in zip(self._ranks, metadata, strict=True)]
                 try:
                     reply = self._call(p, "push_register", fields, self._config.handshake_timeout_s)
                     break
@@ -242,6 +257,9 @@ class PushReceiver:
         self._report(result)
 
     def _watch_loop(self) -> None:
+        # this thread progresses the agent: a UCX transport that lands data through the host (TCP with
+        # cuda_copy) copies it into the GPU pool here, in this thread's CUDA context
+        bind_cuda_device(self._region)
         next_status = 0.0
         while not self._stop.is_set():
             with self._lock:
@@ -266,6 +284,12 @@ class PushReceiver:
     def _poll_status(self, now: float) -> None:
         with self._lock:
             items = [i for i in self._pending.values() if i.registered or i.cancel]
+        if items and len(self._ranks) > 1 and now >= self._next_boost:
+            # worker ranks progress their agents fast while WRITEs may land in them (a TCP transport needs the
+            # target to progress); renewed while pushes are pending, so an idle decode does not spin
+            self._next_boost = now + _BOOST_EVERY_S
+            for a, _ in self._ranks[1:]:
+                a.boost(2 * _BOOST_EVERY_S)
         by_prefill: dict[tuple[str, str, int], list[_Pending]] = {}
         for item in items:
             p = item.params
@@ -328,7 +352,7 @@ class PushConsumer(KVConsumer):
                          digester=digester)
         self._push_waiting: dict[str, PushParams] = {}  # admitted, blocks not yet allocated
         self.receiver = PushReceiver(config, agent=agent, region=region, compat=compat, metrics=metrics, auth=auth,
-                                     report=self.report_result,
+                                     report=self.report_result, ranks=ranks,
                                      verify=self._verify_push if self.digester is not None else None)
 
     def parse(self, params: KVTransferParams) -> LoadParams:

@@ -16,10 +16,24 @@ PR (vllm-project/vllm#56874) WRITEs each layer as it is computed. Both are here 
   lacks, `[first_block, n)` of the request's block table, and block i of the request goes to the decode's
   i-th registered block: prefix hits on either side only change which blocks exist, never the pairing.
 
-The forward thread only appends to a queue (`step_hook`'s per-layer callback); a writer thread builds the
-descriptors, posts the WRITEs without waiting, polls them, and sends the completion notification (NIXL,
-ordered after the WRITEs completed) once every block of every layer has landed. A job's prefill blocks stay
-under the request's lease until the job ended and nothing of it is in flight.
+The forward thread only appends to a queue (`step_hook`'s per-layer callback); a writer thread merges the
+layer windows queued together, builds the descriptors (`push_plan`: one per run of consecutive blocks, per
+layer window, per pair of tensor-parallel ranks), posts the WRITEs without waiting (a worker rank's through
+its `kv_rank.RemoteRankAgent`), polls them, and sends the completion notification (NIXL, from rank 0 to the
+decode's rank 0, after every rank's WRITEs completed) once every block of every layer has landed. A job's
+prefill blocks stay under the request's lease until the job ended and nothing of it is in flight.
+- C4 (vllm#55470: a deferred write after the producer request ended): WRITEs come only from blocks held under
+  the job's lease; a prefill that ended without its KV fails its job, and one whose lease ended with no
+  registration fails it too, so a registration arriving later writes nothing.
+
+On a GPU the per-layer callback runs when the host has launched a layer's kernels, not when they ran: each
+queued layer carries a readiness marker (pdserve/kv_transfer/layer_ready.py: a CUDA event recorded on the
+compute stream; on the CPU a marker that is always ready), and the writer thread waits on it before posting
+that layer's window, so the forward never waits on the wire nor the wire on the forward's host side. When the writer
+falls behind, layers of a job that are ready by the time it posts go out as one WRITE whose descriptors span
+those layers of each block (a block's layers are contiguous in the pool), so a slow writer posts fewer,
+larger descriptors. Prompts shorter than `layerwise_min_tokens` are pushed whole after the prefill: per-layer
+posting costs more than it hides there (SGLang's layerwise PR measured +18 % TTFT at 256 tokens).
 """
 
 from __future__ import annotations
@@ -32,20 +46,25 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from pdserve.api.pd import PushParams
 from pdserve.kv_transfer.auth import AuthRefused, MessageAuth
+from pdserve.kv_transfer.config import DEFAULT_PUSH_LAYERWISE_MIN_TOKENS
 from pdserve.kv_transfer.errors import KVTransferError, SideChannelRefused
+from pdserve.kv_transfer.head_split import BlockGeometry
+from pdserve.kv_transfer.layer_ready import READY, LayerReady, marker_for
 from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.nixl_agent import NixlAgent
 from pdserve.kv_transfer.pool import (
     PoolRegion,
     RemotePool,
+    bind_cuda_device,
     check_block_ids,
     coalesce_block_runs,
-    descriptor_arrays,
 )
+from pdserve.kv_transfer.push_plan import plan_rank_writes, write_pairs
+from pdserve.kv_transfer.push_stats import PushStats, PushStatsCollector
+from pdserve.kv_transfer.side_channel import POOL_FIELDS, ProtocolError, check_fields
+from pdserve.types.tp_layout import kv_heads_per_rank
 
 logger = logging.getLogger("pdserve.kv_transfer")
 
@@ -54,14 +73,55 @@ _KEEP_ENDED_S = 120.0  # ended jobs answer push_status this long (then "unknown"
 _IDLE_WAIT_S = 0.02
 
 
+_RANK_FIELDS = {"agent_name": str, "agent_metadata": bytes, "pool": dict}
+
+
 @dataclass
 class _Registration:
-    agent_name: str
-    pool: RemotePool
+    ranks: list[tuple[str, RemotePool]]  # every decode rank's agent and pool shard, rank 0 first
     block_ids: list[int]  # the decode's blocks for request blocks [first_block, first_block + len)
     first_block: int
     num_tokens: int  # tokens the decode needs (blocks covering them are written)
     cutoff: float  # monotonic: nothing is posted after this
+
+    @property
+    def agent_name(self) -> str:  # decode rank 0's: the completion notification goes there
+        return self.ranks[0][0]
+
+
+@dataclass
+class _Task:
+    """WRITE layers [lay_lo, lay_hi) of request blocks [lo, hi) once `ready` says their K/V is in the pool;
+    `count` queued tasks merged into it."""
+
+    job: _Job
+    lay_lo: int
+    lay_hi: int
+    lo: int
+    hi: int
+    count: int = 1
+    ready: LayerReady = READY  # the marker of the window's last layer (a CUDA stream runs layers in order)
+
+
+def merge_tasks(tasks: Sequence[_Task]) -> list[_Task]:
+    """Tasks queued together: the same blocks of adjacent layer windows of one job become one task (one WRITE
+    per run of blocks for all those layers: fewer pieces, as a block's layers are contiguous). A writer that
+    keeps up posts each layer alone; one that falls behind sends bigger windows."""
+    groups: dict[tuple[int, int, int], list[_Task]] = {}
+    for t in tasks:
+        groups.setdefault((id(t.job), t.lo, t.hi), []).append(t)
+    out: list[_Task] = []
+    for group in groups.values():
+        group.sort(key=lambda t: t.lay_lo)
+        merged = [group[0]]
+        for t in group[1:]:
+            last = merged[-1]
+            if t.lay_lo == last.lay_hi:
+                merged[-1] = _Task(last.job, last.lay_lo, t.lay_hi, last.lo, last.hi, last.count + t.count, t.ready)
+            else:
+                merged.append(t)
+        out.extend(merged)
+    return out
 
 
 @dataclass
@@ -74,28 +134,53 @@ class _Job:
     local_blocks: list[int] = field(default_factory=list)
     progress: list[int] = field(default_factory=list)  # per layer: tokens whose KV is in the pool
     sent: list[int] = field(default_factory=list)  # per layer: request blocks [.., sent) enqueued
+    ready: list[LayerReady] = field(default_factory=list)  # per layer: the marker of its latest progress
+    latest: LayerReady = READY  # the marker recorded last: every layer's progress so far is behind it
     final: bool = False  # the prefill finished: its blocks are held under `lease`
     lease: tuple[str, str] | None = None  # (request id, lease token) to end once nothing is in flight
     lease_cutoff: float = float("inf")  # monotonic: the lease ends soon after; no decode registered by then
     queued: int = 0
-    inflight: list[tuple[Any, float]] = field(default_factory=list)  # (handle, posted at)
+    inflight: list[tuple[Any, float, int]] = field(default_factory=list)  # (handle, posted at, prefill rank)
     ended_at: float | None = None
     bytes: int = 0
+    finished_at: float | None = None  # monotonic: the prefill finished (every layer's K/V is computed)
 
 
 class PushSender:
+    """ranks: (agent, region) of every tensor-parallel rank of this prefill, rank 0 (`agent`, `region`) first;
+    each rank WRITEs its own KV heads from its own pool (a worker rank's agent is a `kv_rank.RemoteRankAgent`).
+    `geometry` / `num_kv_heads`: how a block splits by heads (`head_split.block_geometry` of the compatibility
+    dict); without them a block is `num_layers` slabs of one head (no tensor parallelism on either side)."""
+
     def __init__(self, *, agent: NixlAgent, region: PoolRegion, num_layers: int, block_size: int,
                  layerwise: bool, transfer_timeout_s: float, lease_duration_s: float,
                  release_lease: Callable[[str, str], None],
-                 extend_lease: Callable[[str, str], None] | None = None, auth: MessageAuth | None, metrics: TransferMetrics | None = None) -> None:
+                 extend_lease: Callable[[str, str], None] | None = None, auth: MessageAuth | None,
+                 metrics: TransferMetrics | None = None, ranks: Sequence[tuple[Any, PoolRegion]] | None = None,
+                 geometry: BlockGeometry | None = None, num_kv_heads: int | None = None,
+                 layerwise_min_tokens: int = DEFAULT_PUSH_LAYERWISE_MIN_TOKENS,
+                 layer_ready: Callable[[], LayerReady] | None = None) -> None:
+        """layerwise: WRITE each layer as the forward computes it (prompts of at least layerwise_min_tokens
+        tokens); layer_ready: the per-layer marker the forward's callback records (default: the pool's, a CUDA
+        event for a GPU pool)."""
         self._agent = agent
         self._region = region
+        self._ranks = list(ranks) if ranks is not None else [(agent, region)]
         self._num_layers = num_layers
         self._block_size = block_size
-        self._layer_bytes = region.block_bytes // num_layers
-        if self._layer_bytes * num_layers != region.block_bytes:
+        if region.block_bytes % num_layers:
             raise ValueError("a KV block is not a whole number of per-layer slabs")
+        self._num_kv_heads = num_kv_heads if num_kv_heads is not None else len(self._ranks)
+        self._geometry = geometry or BlockGeometry(
+            num_layers, (region.block_bytes // (num_layers * kv_heads_per_rank(len(self._ranks), self._num_kv_heads)),))
         self.layerwise = layerwise
+        self.layerwise_min_tokens = layerwise_min_tokens
+        self._layer_ready = layer_ready or marker_for(region.mem_type, region.device_id)
+        self.stats = PushStats()
+        self._collector: PushStatsCollector | None = None
+        if metrics is not None:
+            self._collector = PushStatsCollector(self.stats, metrics.labels)
+            metrics.registry.register(self._collector)
         self._transfer_timeout_s = transfer_timeout_s
         self._lease_duration_s = lease_duration_s
         self._release_lease = release_lease
@@ -107,8 +192,9 @@ class PushSender:
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
         self._by_request: dict[str, str] = {}
-        self._remote_agents: set[str] = set()
-        self._tasks: queue.SimpleQueue[tuple[_Job, int | None, int, int] | None] = queue.SimpleQueue()
+        self._remote_agents: list[set[str]] = [set() for _ in self._ranks]  # decode agents each rank loaded
+        self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self._pending: list[_Task] = []  # the writer thread's: tasks taken from the queue, not yet posted
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._writer_loop, name="pdserve-kv-push-writer", daemon=True)
         self._thread.start()
@@ -116,32 +202,39 @@ class PushSender:
     # ---- the engine's side ---------------------------------------------------------------------------------
 
     def step_hook(self, batch: Sequence[tuple[Any, int]]) -> Callable[[int], None] | None:
-        """For a step about to run: a callback the model calls after each layer (None: no push job in it).
-        It only records progress and queues WRITEs; the writer thread does the rest."""
+        """For a step about to run: a callback the model calls once each layer's K/V store is issued (None: no
+        layer-by-layer push job in it). It records a readiness marker, progress and WRITE tasks; the writer
+        thread does the rest."""
         entries = []
+        layered = []  # the entries pushed layer by layer (long enough prompts)
         for req, n in batch:
             push = req.kv.push  # set for a push-mode prefill leg (KVProducer.parse_prefill_leg)
             if req.kv.send and push is not None:
                 end = req.num_computed_tokens + n
-                entries.append((push.push_key, req.request_id, list(req.block_ids), end,
-                                end >= req.num_prompt_tokens))
+                entry = (push.push_key, req.request_id, list(req.block_ids), end, end >= req.num_prompt_tokens)
+                entries.append(entry)
+                if self.layerwise and req.num_prompt_tokens >= self.layerwise_min_tokens:
+                    layered.append(entry)
         if not entries:
             return None
         with self._lock:
             for key, rid, blocks, _, _ in entries:
                 self._check_blocks_locked(self._job_locked(key, rid), blocks)
-        if not self.layerwise:
+        if not layered:
             return None
+        marker = self._layer_ready
 
         def on_layer(layer: int) -> None:
+            ready = marker()  # on a GPU: an event queued behind this layer's kernels (no sync here)
             with self._lock:
-                for key, rid, blocks, end, last in entries:
+                for key, rid, blocks, end, last in layered:
                     job = self._jobs.get(key)
                     if job is None or job.state != "pending" or job.request_id != rid:
                         continue
                     job.local_blocks = blocks
                     job.progress[layer] = max(job.progress[layer], end)
-                    self._enqueue_locked(job, layer, end, last)
+                    job.ready[layer] = job.latest = ready
+                    self._enqueue_locked(job, layer, end, last, ready)
         return on_layer
 
     def finish(self, request_id: str, params: PushParams, block_ids: Sequence[int], num_tokens: int,
@@ -153,6 +246,7 @@ class PushSender:
             self._check_blocks_locked(job, [int(b) for b in block_ids])
             job.local_blocks = [int(b) for b in block_ids]
             job.final = True
+            job.finished_at = time.monotonic()
             job.lease = lease
             job.lease_cutoff = time.monotonic() + max(0.0, self._lease_duration_s - self._transfer_timeout_s)
             if job.state != "pending":
@@ -160,6 +254,7 @@ class PushSender:
                 return
             for layer in range(self._num_layers):
                 job.progress[layer] = max(job.progress[layer], num_tokens)
+                job.ready[layer] = READY  # the prefill's steps ran to the end (its tokens were read back)
             if job.reg is not None:
                 self._enqueue_locked(job, None, num_tokens, True)
         self._tasks.put(None)  # wake the writer (a job with nothing left to write completes now)
@@ -193,65 +288,108 @@ class PushSender:
         raise SideChannelRefused("bad_request", f"unsupported op {op!r}")
 
     def _register(self, msg: dict[str, Any]) -> str:
-        try:
-            pool = RemotePool.from_handshake(msg["pool"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise SideChannelRefused("bad_request", f"push_register: bad pool: {exc}") from None
-        if pool.block_bytes != self._region.block_bytes:
-            raise SideChannelRefused("incompatible", f"push_register: decode blocks of {pool.block_bytes} bytes, "
-                                                     f"this pool's are {self._region.block_bytes}")
         block_ids = [int(b) for b in msg["block_ids"]]
+        entries, blobs = self._decode_ranks(msg)
+        ranks = [(name, pool) for name, pool, _ in entries]
         try:
-            check_block_ids(block_ids, pool.num_blocks, "decode")
+            check_block_ids(block_ids, ranks[0][1].num_blocks, "decode")
         except ValueError as exc:
             raise SideChannelRefused("bad_request", f"push_register: {exc}") from None
         first, num_tokens = msg["first_block"], msg["num_tokens"]
         if first < 0 or num_tokens < 0 or first + len(block_ids) != -(-num_tokens // self._block_size):
             raise SideChannelRefused("bad_request", f"push_register: {len(block_ids)} blocks from block {first} do "
                                                     f"not cover {num_tokens} tokens")
-        metadata = msg["agent_metadata"]
         if self._auth is not None:  # sealed: whoever holds it can WRITE into the decode's pool
             try:
-                metadata = self._auth.reveal(metadata, msg["seal_nonce"], msg["generation"])
+                blobs = self._auth.open_parts(blobs, msg["seal_nonce"], msg["generation"])
             except AuthRefused as exc:  # altered or moved from another registration: the sender's fault
                 raise SideChannelRefused(exc.reason, f"push_register: {exc}") from None
-        name = msg["agent_name"]
         with self._lock:
             job = self._jobs.get(msg["push_key"])
             if job is not None and job.reg is not None:
                 raise SideChannelRefused("already_claimed", "push_register: this push key is already registered")
-            known = name in self._remote_agents
-        if not known:
-            try:
-                self._agent.add_remote(metadata, name)
-            except KVTransferError as exc:
-                raise SideChannelRefused("bad_request", f"push_register: {exc}") from None
-            with self._lock:
-                self._remote_agents.add(name)
+        # each prefill rank loads the agents of the decode ranks it WRITEs heads to
+        for s, dsts in write_pairs(self._num_kv_heads, len(self._ranks), len(ranks)).items():
+            agent = self._ranks[s][0]
+            for d in dsts:
+                name = ranks[d][0]
+                with self._lock:
+                    known = name in self._remote_agents[s]
+                if known:
+                    continue
+                try:
+                    agent.add_remote(blobs[d], name)
+                except KVTransferError as exc:
+                    raise SideChannelRefused("bad_request", f"push_register: {exc}") from None
+                with self._lock:
+                    self._remote_agents[s].add(name)
         cutoff = time.monotonic() + float(msg["timeout_s"])
         with self._lock:
             job = self._job_locked(msg["push_key"], None)
             if job.reg is not None:
                 raise SideChannelRefused("already_claimed", "push_register: this push key is already registered")
-            job.reg = _Registration(name, pool, block_ids, first, num_tokens, cutoff)
+            job.reg = _Registration(ranks, block_ids, first, num_tokens, cutoff)
             if job.state == "pending":
                 # catch up: what is computed already (all of it once the prefill finished)
+                self._enqueue_locked(job, None, min(job.progress), job.final, job.latest)
                 for layer in range(self._num_layers):
-                    self._enqueue_locked(job, layer, job.progress[layer], job.final)
+                    self._enqueue_locked(job, layer, job.progress[layer], job.final, job.ready[layer])
             state = self._state_locked(job)
         self._tasks.put(None)
         return state
 
-    def forget_agent(self, name: str) -> None:
+    def _decode_ranks(self, msg: dict[str, Any]) -> tuple[list[tuple[str, RemotePool, None]], list[bytes]]:
+        """The decode's ranks from its registration (rank 0's agent and pool are the message's own fields; a
+        decode without tensor parallelism lists no `ranks`), checked against this model's KV heads; and their
+        agent metadata, sealed with the deployment secret (one part per rank)."""
+        try:
+            listed = msg.get("ranks")
+            if listed is None:
+                listed = [{"agent_name": msg["agent_name"], "agent_metadata": msg["agent_metadata"],
+                           "pool": msg["pool"]}]
+            if not isinstance(listed, list) or not listed:
+                raise ValueError("ranks must be a non-empty list")
+            entries = []
+            for i, entry in enumerate(listed):
+                if not isinstance(entry, dict):
+                    raise ValueError(f"ranks[{i}] is not a map")
+                check_fields(entry, _RANK_FIELDS, f"ranks[{i}]")
+                check_fields(entry["pool"], POOL_FIELDS, f"ranks[{i}].pool")
+                entries.append((entry["agent_name"], RemotePool.from_handshake(entry["pool"]), None))
+            if entries[0][0] != msg["agent_name"]:
+                raise ValueError("ranks[0] is not the registering agent")
+            if len({name for name, _, _ in entries}) != len(entries):
+                raise ValueError("ranks repeat an agent name")
+            if len({pool.num_blocks for _, pool, _ in entries}) != 1:
+                raise ValueError("ranks have different block counts")
+        except (KeyError, TypeError, ValueError, ProtocolError) as exc:
+            raise SideChannelRefused("bad_request", f"push_register: bad pool: {exc}") from None
+        tp, heads = len(entries), self._num_kv_heads
+        if heads % tp and tp % heads:
+            raise SideChannelRefused("incompatible", f"push_register: a decode of tensor-parallel size {tp} cannot "
+                                                     f"split this model's {heads} KV heads")
+        want = self._geometry.block_bytes(kv_heads_per_rank(tp, heads))
+        for d, (_, pool, _) in enumerate(entries):
+            if pool.block_bytes != want:
+                raise SideChannelRefused("incompatible", f"push_register: decode rank {d} has blocks of "
+                                                         f"{pool.block_bytes} bytes, {kv_heads_per_rank(tp, heads)} "
+                                                         f"KV heads of this model take {want}")
+        return entries, [e["agent_metadata"] for e in listed]
+
+    def forget_agent(self, name: str, rank: int | None = None) -> None:
+        """A decode agent is no longer loaded by `rank` (None: by any); a later registration loads it again."""
         with self._lock:
-            self._remote_agents.discard(name)
+            for r, known in enumerate(self._remote_agents):
+                if rank is None or r == rank:
+                    known.discard(name)
 
     # ---- bookkeeping (under the lock) ----------------------------------------------------------------------
 
     def _job_locked(self, key: str, request_id: str | None) -> _Job:
         job = self._jobs.get(key)
         if job is None:
-            job = self._jobs[key] = _Job(key, progress=[0] * self._num_layers, sent=[0] * self._num_layers)
+            job = self._jobs[key] = _Job(key, progress=[0] * self._num_layers, sent=[0] * self._num_layers,
+                                         ready=[READY] * self._num_layers)
         if request_id is not None and job.request_id is None:
             job.request_id = request_id
             self._by_request[request_id] = key
@@ -272,19 +410,33 @@ class PushSender:
             return "registered" if job.reg is not None else "pending"
         return job.state if not job.inflight and job.queued == 0 else "ending"
 
-    def _enqueue_locked(self, job: _Job, layer: int | None, tokens: int, last: bool) -> None:
-        """Queue the request blocks of `layer` (None: every layer) that `tokens` completed and the decode lacks."""
+    def _enqueue_locked(self, job: _Job, layer: int | None, tokens: int, last: bool,
+                        ready: LayerReady = READY) -> None:
+        """Queue the request blocks of `layer` (None: every layer) that `tokens` completed and the decode lacks,
+        to be written once `ready` says their K/V is in the pool."""
         reg = job.reg
         if reg is None or job.state != "pending":
             return
         upto = -(-tokens // self._block_size) if last else tokens // self._block_size
         upto = min(upto, reg.first_block + len(reg.block_ids), len(job.local_blocks))
+        window: tuple[int, int, int] | None = None  # (first layer, end layer, first block)
         for lay in range(self._num_layers) if layer is None else (layer,):
             lo = max(job.sent[lay], reg.first_block)
-            if upto > lo:
-                job.sent[lay] = upto
-                job.queued += 1
-                self._tasks.put((job, lay, lo, upto))
+            if upto <= lo:
+                continue
+            job.sent[lay] = upto
+            if window is not None and window[1] == lay and window[2] == lo:
+                window = (window[0], lay + 1, lo)
+                continue
+            if window is not None:
+                self._put_locked(job, window, upto, ready)
+            window = (lay, lay + 1, lo)
+        if window is not None:
+            self._put_locked(job, window, upto, ready)
+
+    def _put_locked(self, job: _Job, window: tuple[int, int, int], upto: int, ready: LayerReady) -> None:
+        job.queued += 1
+        self._tasks.put(_Task(job, window[0], window[1], window[2], upto, ready=ready))
 
     def _end_locked(self, job: _Job, state: str, error: str = "") -> None:
         if job.ended_at is None:
@@ -302,24 +454,49 @@ class PushSender:
     # ---- writer thread -------------------------------------------------------------------------------------
 
     def _writer_loop(self) -> None:
+        bind_cuda_device(self._region)  # UCX's CUDA transports copy in the posting thread's CUDA context
         while not self._stop.is_set():
             busy = False
             with self._lock:
                 busy = any(j.inflight for j in self._jobs.values())
-            try:
-                task = self._tasks.get(timeout=0.0002 if busy else _IDLE_WAIT_S)
-            except queue.Empty:
-                task = None
-            try:
+            if not self._pending:
+                try:
+                    task = self._tasks.get(timeout=0.0002 if busy else _IDLE_WAIT_S)
+                except queue.Empty:
+                    task = None
                 if task is not None:
-                    self._post(*task)
+                    self._pending.append(task)
+            try:
+                if self._pending:
+                    self._post_ready()
                 self._poll()
             except Exception:  # noqa: BLE001 - the writer must survive anything one job does
                 logger.exception("KV push writer failed")
 
-    def _post(self, job: _Job, layer: int, lo: int, hi: int) -> None:
-        # The task stays counted in `queued` until its WRITE is in `inflight` (or not posted): a cancel that
-        # comes meanwhile reads "ending", never "cancelled" with this WRITE about to be posted.
+    def _post_ready(self) -> None:
+        """Wait until the oldest pending task's K/V is in the pool, then post it together with every other
+        pending task that is ready by now (adjacent layer windows of the same blocks merged into one WRITE)."""
+        first = self._pending.pop(0)
+        self.stats.add_wait(first.ready.wait())  # the GPU's compute stream reached this layer (0 on the CPU)
+        self._drain()  # what the forward queued meanwhile: tasks that are ready by now go out with this one
+        ready = [first] + [t for t in self._pending if t.ready.ready()]
+        self._pending = [t for t in self._pending if not any(t is r for r in ready)]
+        for task in merge_tasks(ready):
+            self._post(task)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                task = self._tasks.get_nowait()
+            except queue.Empty:
+                return
+            if task is not None:
+                self._pending.append(task)
+
+    def _post(self, task: _Task) -> None:
+        # The task stays counted in `queued` until its WRITEs are in `inflight` (or not posted): a cancel that
+        # comes meanwhile reads "ending", never "cancelled" with a WRITE about to be posted.
+        job = task.job
         with self._lock:
             reg = job.reg
             stop = ""
@@ -328,49 +505,53 @@ class PushSender:
             elif time.monotonic() > reg.cutoff:
                 stop = "expired"
             if stop:
-                job.queued -= 1
+                job.queued -= task.count
                 if stop == "expired":
                     self._end_locked(job, "failed", "the decode's registration expired before the KV was written")
                 else:
                     self._end_locked(job, job.state, job.error)
                 return
             assert reg is not None
-            local = job.local_blocks[lo:hi]
-            remote = reg.block_ids[lo - reg.first_block:hi - reg.first_block]
-        local_descs, remote_descs = self._descs(local, remote, reg.pool, layer)
+            local = job.local_blocks[task.lo:task.hi]
+            remote = reg.block_ids[task.lo - reg.first_block:task.hi - reg.first_block]
+        error = ""
+        posted: list[tuple[Any, float, int]] = []
+        nbytes = descriptors = 0
+        t0 = time.perf_counter()
         try:
-            handle = self._agent.post_write(local_descs=local_descs, local_mem=self._region.mem_type,
-                                            remote_descs=remote_descs, remote_mem=reg.pool.mem_type,
-                                            remote_name=reg.agent_name)
-        except KVTransferError as exc:
-            with self._lock:
-                job.queued -= 1
-                self._end_locked(job, "failed", str(exc))
-            return
-        nbytes = int(local_descs[:, 1].sum())
+            writes = plan_rank_writes(coalesce_block_runs(local, remote), layers=(task.lay_lo, task.lay_hi),
+                                      num_layers=self._num_layers, geometry=self._geometry,
+                                      num_kv_heads=self._num_kv_heads, local=[r for _, r in self._ranks],
+                                      remote=[pool for _, pool in reg.ranks])
+        except ValueError as exc:
+            writes, error = [], str(exc)
+        t1 = time.perf_counter()
+        for w in writes:
+            agent, region = self._ranks[w.src_rank]
+            name, pool = reg.ranks[w.dst_rank]
+            try:
+                handle = agent.post_write(local_descs=w.local_descs, local_mem=region.mem_type,
+                                          remote_descs=w.remote_descs, remote_mem=pool.mem_type, remote_name=name,
+                                          timeout_s=self._transfer_timeout_s)
+            except KVTransferError as exc:
+                error = str(exc)
+                break
+            posted.append((handle, time.monotonic(), w.src_rank))
+            nbytes += w.nbytes
+            descriptors += len(w.local_descs)
+        t2 = time.perf_counter()
         with self._lock:
-            job.inflight.append((handle, time.monotonic()))
-            job.queued -= 1
+            job.inflight.extend(posted)
+            job.queued -= task.count
             job.bytes += nbytes
             during = not job.final
-        if self._metrics is not None:
+            if error:
+                self._end_locked(job, "failed", error)
+        if posted:
+            self.stats.add_post(descriptors=descriptors, layers=task.lay_hi - task.lay_lo, blocks=len(local),
+                                nbytes=nbytes, build_s=t1 - t0, post_s=t2 - t1, during_prefill=during)
+        if self._metrics is not None and nbytes:
             self._metrics.record_push_write(nbytes, during)
-
-    def _descs(self, local: list[int], remote: list[int], pool: RemotePool, layer: int) -> tuple[np.ndarray, ...]:
-        if self._num_layers == 1:
-            return descriptor_arrays(coalesce_block_runs(local, remote), self._region, pool)
-        lb = np.uint64(self._layer_bytes)
-        off = np.uint64(layer) * lb
-        bb = np.uint64(self._region.block_bytes)
-        out = []
-        for base, dev, ids in ((self._region.base_addr, self._region.device_id, local),
-                               (pool.base_addr, pool.device_id, remote)):
-            d = np.empty((len(ids), 3), dtype=np.uint64)
-            d[:, 0] = np.uint64(base) + np.asarray(ids, dtype=np.uint64) * bb + off
-            d[:, 1] = lb
-            d[:, 2] = np.uint64(dev)
-            out.append(d)
-        return tuple(out)
 
     def _poll(self) -> None:
         """Check in-flight WRITEs; complete jobs whose every block landed; end what outlived its deadline."""
@@ -380,23 +561,28 @@ class PushSender:
         for job in jobs:
             done: list[Any] = []
             failed = ""
-            for handle, posted in list(job.inflight):
-                state = self._agent.xfer_state(handle)
+            for handle, posted, rank in list(job.inflight):
+                agent = self._ranks[rank][0]
+                state = agent.xfer_state(handle)
                 if state == "PROC" and now - posted < self._transfer_timeout_s:
                     continue
                 if state != "DONE":
-                    failed = failed or (f"NIXL WRITE ended in state {state}" if state != "PROC"
+                    failed = failed or (f"NIXL WRITE ended in state {state}" if state not in ("PROC", "TIMEOUT")
                                         else f"NIXL WRITE not complete after {self._transfer_timeout_s:g}s")
-                self._agent.release_handle(handle)
+                else:
+                    self.stats.add_done(now - posted)
+                agent.release_handle(handle)
                 done.append(handle)
-                if state == "PROC" and job.reg is not None:
+                if state in ("PROC", "TIMEOUT") and job.reg is not None:
                     # stuck: disconnecting from that decode cancels whatever is still in flight to it (a
-                    # later registration loads its metadata again)
-                    self._agent.remove_remote(job.reg.agent_name)
-                    self.forget_agent(job.reg.agent_name)
+                    # later registration loads its metadata again; a worker rank that timed out did it already)
+                    for name, _ in job.reg.ranks:
+                        if state == "PROC":
+                            agent.remove_remote(name)
+                        self.forget_agent(name, rank)
             notify = None
             with self._lock:
-                job.inflight = [(h, t) for h, t in job.inflight if h not in done]
+                job.inflight = [entry for entry in job.inflight if entry[0] not in done]
                 if failed and job.state == "pending":
                     self._end_locked(job, "failed", failed)
                 reg = job.reg
@@ -418,6 +604,8 @@ class PushSender:
                 try:
                     self._agent.send_notif(notify, PUSH_NOTIF_PREFIX + job.key.encode())
                     outcome, error = "done", ""
+                    if job.finished_at is not None:
+                        self.stats.add_job(time.monotonic() - job.finished_at)
                 except KVTransferError as exc:
                     outcome, error = "failed", str(exc)
                 with self._lock:
@@ -442,3 +630,6 @@ class PushSender:
         self._stop.set()
         self._tasks.put(None)
         self._thread.join(timeout=5.0)
+        if self._collector is not None and self._metrics is not None:
+            self._metrics.registry.unregister(self._collector)
+            self._collector = None

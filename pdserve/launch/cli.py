@@ -87,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="arguments for every instance, shell-quoted; repeatable (--serve-arg='--block-size 8')")
     parser.add_argument("--prefill-arg", action="append", default=[], metavar="ARGS", help="prefill instances only")
     parser.add_argument("--decode-arg", action="append", default=[], metavar="ARGS", help="decode instances only")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
+                        help="tensor-parallel size of every instance (vLLM's flag; --prefill-tp and the like "
+                        "override it per role)")
     for role in ("prefill", "decode", "collocated"):
         parser.add_argument(f"--{role}-tp", type=int, default=None, metavar="N",
                             help=f"tensor-parallel size of each {role} instance (N GPUs each, or N CPU processes)")
@@ -198,6 +201,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         cfg.pools[role].serve_args += [w for a in getattr(args, f"{role}_arg") for w in shlex.split(a)]
         if getattr(args, f"{role}_tp") is not None:
             cfg.pools[role].tp = getattr(args, f"{role}_tp")
+        elif args.tensor_parallel_size is not None:
+            cfg.pools[role].tp = args.tensor_parallel_size
     cfg.proxy_args += [w for a in args.proxy_arg for w in shlex.split(a)]
     if args.exit_after and not args.demo:
         raise ValueError("--exit/--once needs --demo")

@@ -13,6 +13,7 @@ lookup summed over ranks; logits gathered).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -87,11 +88,15 @@ class Attention(nn.Module):
         self.checkpoint_kv_scale: KvScale | None = None
         self.kv_scale: KvScale | None = None  # what the K/V stores quantize with (None: per-row scales)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend,
+                on_kv: Callable[[], None] | None = None):
+        """on_kv: called once this layer's K/V of the step is stored (layer-pipelined push), before attention."""
         q, k, v = self._split_heads(self.qkv_proj(x))
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         backend.write_kv(k_cache, v_cache, k, v, meta, kv_scale=self.kv_scale)
+        if on_kv is not None:
+            on_kv()
         o = backend.forward(q, k_cache, v_cache, meta, self.scale)
         return self._out(o)
 
@@ -118,8 +123,8 @@ class Attention(nn.Module):
         return self._out(self.attend_fused(x, cos, sin, k_cache, v_cache, meta, backend, ops), ops)
 
     def attend_fused(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend,
-                     ops: FusedOps) -> torch.Tensor:
-        """The fused path up to the attention output [T, H, D] (o_proj is the caller's)."""
+                     ops: FusedOps, on_kv: Callable[[], None] | None = None) -> torch.Tensor:
+        """The fused path up to the attention output [T, H, D] (o_proj is the caller's); on_kv as in forward."""
         q = None
         fused_qkv = getattr(ops, "qkv_rope_and_write_kv", None)
         if fused_qkv is not None and self.q_norm is None and self.kv_scale is None:
@@ -131,6 +136,8 @@ class Attention(nn.Module):
             # RoPE on q and k and the K/V store in one kernel; q comes back contiguous.
             q = ops.rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_size,
                                       kv_scale=self.kv_scale)
+        if on_kv is not None:
+            on_kv()
         return backend.forward(q, k_cache, v_cache, meta, self.scale)
 
 
@@ -168,8 +175,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta, backend):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, backend)
+    def forward(self, x, cos, sin, k_cache, v_cache, meta, backend, on_kv: Callable[[], None] | None = None):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, backend, on_kv)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -205,8 +212,9 @@ class DecoderLM(nn.Module):
         on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Returns the final hidden states [num_tokens, hidden]. kv_pool is the block-contiguous pool
-        [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]. `on_layer(i)` runs once layer i's KV
-        of this step is in the pool (layer-pipelined push transfer)."""
+        [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]. `on_layer(i)` runs as soon as layer
+        i's K/V store of this step is issued, before its attention (layer-pipelined push transfer: on a GPU the
+        callback records an event there, so the layer's WRITE can overlap the rest of the layer)."""
         x = self._embed(input_ids)
         if self.rope_table_len and positions.is_cuda:
             cos, sin = self.rotary.cos_sin_rows(positions, x.dtype, self.rope_table_len)
@@ -214,9 +222,14 @@ class DecoderLM(nn.Module):
             cos, sin = self.rotary.cos_sin(positions, x.dtype)
         if self.fused_ops is not None:
             return self._forward_fused(x, cos, sin, kv_pool, meta, backend, self.fused_ops, on_layer)
+        # With one rank the callback runs right after the layer's K/V store. With tensor parallelism it runs
+        # after the whole layer: the other ranks' WRITEs of layer i may only start once their K/V store of it
+        # ran, and the layer's all-reduces order every rank's store before this rank passes them.
+        early = on_layer is not None and self.tp is None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_pool[:, i, 0], kv_pool[:, i, 1], meta, backend)
-            if on_layer is not None:
+            on_kv = functools.partial(on_layer, i) if early else None
+            x = layer(x, cos, sin, kv_pool[:, i, 0], kv_pool[:, i, 1], meta, backend, on_kv)
+            if on_layer is not None and not early:
                 on_layer(i)
         return self.norm(x)
 
@@ -230,15 +243,17 @@ class DecoderLM(nn.Module):
         residual = x
         h = ops.rms_norm(x, self.layers[0].input_layernorm.weight, eps)
         n = len(self.layers)
+        early = on_layer is not None and self.tp is None  # as in forward
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            o = attn.attend_fused(h, cos, sin, kv_pool[:, i, 0], kv_pool[:, i, 1], meta, backend, ops)
+            on_kv = functools.partial(on_layer, i) if early else None
+            o = attn.attend_fused(h, cos, sin, kv_pool[:, i, 0], kv_pool[:, i, 1], meta, backend, ops, on_kv)
             h, residual = self._project_add_norm(ops, o.reshape(-1, attn.q_size), attn.o_proj, attn._out, residual,
                                                  layer.post_attention_layernorm.weight, eps)
             norm_next = self.layers[i + 1].input_layernorm.weight if i + 1 < n else self.norm.weight
             h, residual = self._project_add_norm(ops, mlp.activated(h, ops), mlp.down_proj, mlp.down, residual,
                                                  norm_next, eps)
-            if on_layer is not None:
+            if on_layer is not None and not early:
                 on_layer(i)
         return h
 

@@ -76,6 +76,21 @@ class RankClient:
         self._reader.start()
 
     def call(self, command: Any, *, timeout_s: float) -> Any:
+        call_id, fut = self._send(command)
+        try:
+            return fut.result(timeout_s)
+        except TimeoutError:
+            with self._lock:
+                self._pending.pop(call_id, None)
+            raise TimeoutError(f"tensor-parallel rank {self.rank}: no answer to {type(command).__name__} "
+                               f"within {timeout_s:g} s") from None
+
+    def call_async(self, command: Any) -> Future:
+        """Send `command` and return its answer's future at once (the caller bounds the wait: the command
+        must end by itself, e.g. by a deadline it carries). Raises RankCallError when the rank is gone."""
+        return self._send(command)[1]
+
+    def _send(self, command: Any) -> tuple[int, Future]:
         fut: Future = Future()
         with self._lock:
             if self._closed is not None:
@@ -89,13 +104,7 @@ class RankClient:
             with self._lock:
                 self._pending.pop(call_id, None)
             raise RankCallError(f"tensor-parallel rank {self.rank} is gone ({e})") from None
-        try:
-            return fut.result(timeout_s)
-        except TimeoutError:
-            with self._lock:
-                self._pending.pop(call_id, None)
-            raise TimeoutError(f"tensor-parallel rank {self.rank}: no answer to {type(command).__name__} "
-                               f"within {timeout_s:g} s") from None
+        return call_id, fut
 
     def notify(self, command: Any) -> None:
         """Fire and forget (best effort: a gone rank is noticed elsewhere)."""

@@ -153,8 +153,8 @@ class ModelRunner:
         # ranks 1..N-1 when this is rank 0 of a TP group (set by pdserve.engine.runner.tp_executor)
         self.workers: RankWorkers | None = None
         self.step_sink: Callable[[StepMessage], None] | None = None
-        # layer-pipelined push: for a CPU step's batch, a per-layer callback (KVConnector.step_hook; the GPU
-        # step runner has none: push there is whole-request)
+        # layer-pipelined push: for a step's batch, a per-layer callback (KVConnector.step_hook), on either path
+        # (the GPU step runner runs such a step eagerly; the callback records a CUDA event per layer)
         self.layer_hook: Callable[[list], Callable[[int], None] | None] | None = None
         self.device = resolve_device(config.device) if tp is None else tp.device
         if self.device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
@@ -388,11 +388,11 @@ class ModelRunner:
     def execute(self, batch: list[tuple[Request, int]]) -> tuple[list[Request], list[int], list[TokenLogprob | None]]:
         """Runs the step; returns the requests that reached their frontier, their sampled tokens and
         logprobs. Requests mid-way through a chunked prefill sample nothing."""
-        # push transfer: the step's push jobs are linked to their requests here on either path; the per-layer
-        # callback is the CPU path's only (the GPU path pushes whole-request)
+        # push transfer: the step's push jobs are linked to their requests here, and the per-layer callback
+        # (layer-pipelined push) goes to the forward on either path
         on_layer = self.layer_hook(batch) if self.layer_hook is not None else None
         if self.gpu is not None:
-            return self.gpu.execute(batch)
+            return self.gpu.execute(batch, on_layer)
         started = time.perf_counter()
         sampling, logits = self._run_cpu(batch, on_layer)
         if logits is None:

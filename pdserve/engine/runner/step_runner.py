@@ -20,6 +20,10 @@ ModelRunner delegates `execute` here on CUDA. What it does differently from the 
 - Tensor parallelism: rank 0 hands each step's staged host inputs to `step_sink` before running it; the
   other ranks `replay` them through the same device code (graph replay or eager), so every rank runs the
   same graph with the same inputs, collectives included. Only rank 0 samples.
+- Layer-pipelined push (`execute(..., on_layer)`): a step with a push prefill runs eagerly and calls
+  `on_layer(i)` on the host after launching layer i; the callback records a CUDA event there
+  (pdserve/kv_transfer/layer_ready.py) that the push writer thread waits on, so the forward never syncs.
+  Decode graphs never carry the callback: a decode starts on the push's completion notification.
 """
 
 from __future__ import annotations
@@ -408,19 +412,23 @@ class GpuStepRunner:
         return ids
 
     # ---- eager steps ---------------------------------------------------------------------------
-    def _run_eager(self, batch: list[tuple[Request, int]]) -> tuple[HostBatch, torch.Tensor | None]:
+    def _run_eager(self, batch: list[tuple[Request, int]],
+                   on_layer: Callable[[int], None] | None = None) -> tuple[HostBatch, torch.Tensor | None]:
         host, dev = self._staging(HostBatch.max_size_of(batch, self.block_size))
         hb = HostBatch(batch, self.block_size, host.numpy(), self.tables)
         shape = hb.shape()
         if self.step_sink is not None:
             self.step_sink(EagerStep(shape, host.numpy()[: hb.size].copy()))
-        return hb, self._eager_device(shape, host, dev)
+        return hb, self._eager_device(shape, host, dev, on_layer)
 
-    def _eager_device(self, hb: EagerShape, host: torch.Tensor, dev: torch.Tensor) -> torch.Tensor | None:
-        """The device half of an eager step: logits of the sampling rows (None when none samples)."""
+    def _eager_device(self, hb: EagerShape, host: torch.Tensor, dev: torch.Tensor,
+                      on_layer: Callable[[int], None] | None = None) -> torch.Tensor | None:
+        """The device half of an eager step: logits of the sampling rows (None when none samples).
+        on_layer(i): called on the host once layer i's kernels are queued (not run: see the module doc)."""
         dev[: hb.size].copy_(host[: hb.size], non_blocking=True)
         meta = hb.attention_metadata(lambda name: hb.view(dev, name), self.block_size)
-        hidden = self.model(hb.view(dev, "ids"), hb.view(dev, "positions"), self.kv_pool, meta, self.backend)
+        hidden = self.model(hb.view(dev, "ids"), hb.view(dev, "positions"), self.kv_pool, meta, self.backend,
+                            on_layer)
         if hb.num_rows == 0:
             return None
         return self.model.compute_logits(hidden[hb.view(dev, "sample_rows")])
@@ -480,16 +488,19 @@ class GpuStepRunner:
         """The batch sizes with a verify graph (empty: verify steps run eagerly)."""
         return [] if self.verify is None else list(self.verify.sizes)
 
-    def _run_eager_sampling_rows(self, batch: list[tuple[Request, int]]) -> tuple[HostBatch, torch.Tensor | None]:
+    def _run_eager_sampling_rows(self, batch: list[tuple[Request, int]], on_layer: Callable[[int], None] | None = None,
+                                 ) -> tuple[HostBatch, torch.Tensor | None]:
         """An eager step's logits of its sampling rows: the prompt-logprob rows it also computed are
         recorded on their requests and cut off."""
-        hb, logits = self._run_eager(batch)
+        hb, logits = self._run_eager(batch, on_layer)
         return hb, hb.sampling_logits(logits)
 
-    def execute(self, batch: list[tuple[Request, int]]) -> tuple[list[Request], list[int], list[TokenLogprob | None]]:
+    def execute(self, batch: list[tuple[Request, int]], on_layer: Callable[[int], None] | None = None,
+                ) -> tuple[list[Request], list[int], list[TokenLogprob | None]]:
+        """One step; on_layer (layer-pipelined push): the step runs eagerly and calls it after each layer."""
         t0 = time.perf_counter()
         size = None
-        if ((self.graphs or self.simulate_graphs) and all(n == 1 for _, n in batch)
+        if (on_layer is None and (self.graphs or self.simulate_graphs) and all(n == 1 for _, n in batch)
                 and not prompt_logprobs.prompt_spans(batch)):  # a graph computes only the sampling rows
             size = pick_graph_size(self.graph_sizes, len(batch))
         graph_out = self._run_graph(batch, size) if size is not None else None
@@ -503,7 +514,7 @@ class GpuStepRunner:
                 logits, tokens = logits[idx], tokens[idx]
             self.timing.graph_steps += 1
         else:
-            hb, logits = self._run_eager_sampling_rows(batch)
+            hb, logits = self._run_eager_sampling_rows(batch, on_layer)
             sampling = hb.sampling
             tokens = None if logits is None else logits.argmax(dim=-1)
         result: tuple[list[Request], list[int], list[TokenLogprob | None]] = ([], [], [])
