@@ -600,7 +600,7 @@ class PushSender:
                 if self.faults is not None and reg is not None:
                     self.faults.before_push_done(job.request_id, self._agent, self._region,
                                                  job.local_blocks[reg.first_block:reg.first_block + len(reg.block_ids)],
-                                                 reg.agent_name, reg.pool, reg.block_ids)
+                                                 reg.agent_name, reg.ranks[0][1], reg.block_ids)  # rank 0's shard
                 try:
                     self._agent.send_notif(notify, PUSH_NOTIF_PREFIX + job.key.encode())
                     outcome, error = "done", ""
