@@ -192,9 +192,11 @@ class Deployment:
 
     # ---- instances ----------------------------------------------------------------------------
     def _kick(self, inst: SimInstance, now: float) -> None:
-        """An idle engine wakes (a request, a claim or a load end came): its next step starts now."""
+        """An idle engine wakes (a request, a claim or a load end came): its next step starts now, after the
+        other events of this instant (what happened at once is seen by one step, not by two)."""
         if not inst.busy:
-            self._step(inst, now)
+            inst.busy = True  # the wake-up is queued: a second kick at this instant adds nothing
+            self.schedule(now, lambda at: self._step(inst, at))
 
     def _step(self, inst: SimInstance, now: float) -> None:
         pending = self._pending[inst.name]
