@@ -174,3 +174,32 @@ def test_scheduler_decisions_equal_the_engine(tiny_llama):
     sim = drive(s_add, s_step, inst.has_work)
     assert any(p for _, p in real), "the scenario must preempt"
     assert sim == real
+
+
+def test_multiturn_later_turns_hit_the_prefix_cache():
+    """bench's synthetic conversations: a later turn's prompt repeats the earlier turns and the instance's own
+    answers, so only the new user message (and the partial block before it) is computed."""
+    from pdserve.bench.options import BenchSpec
+    from pdserve.sim.instance import OUTPUT_TOKEN
+    from pdserve.sim.run import simulate_conversations
+    from pdserve.sim.workload import multiturn_conversations
+
+    spec = BenchSpec(dataset_name="multiturn", num_prompts=2, multiturn_turns=3, multiturn_system_len=16,
+                     multiturn_user_len=8, multiturn_answer_len=4)
+    spec.normalise()
+    convs = multiturn_conversations(spec, 1000, OUTPUT_TOKEN)
+    prof = toy_profile()
+    prof.kv_capacity_tokens = 512
+    run = simulate_conversations(parse_topology("collocated:1"), Pools.of(prof), convs, 0.5, None)
+    by_turn = {}
+    for t in run.tracked:
+        by_turn.setdefault(t.turn, []).append(t)
+    assert [len(by_turn[k]) for k in range(3)] == [2, 2, 2]
+    # turn 1: 16 system + 8 user + 4 answer before its message; the answer's last token was sampled, never
+    # computed (no KV), so 27 tokens were: 6 full blocks of 4 cached
+    for t in by_turn[1]:
+        assert t.job.prompt_len == 36 and t.cached_tokens == 24
+    for t in by_turn[2]:  # 36 + 3 answer tokens computed in turn 1: 9 full blocks
+        assert t.job.prompt_len == 48 and t.cached_tokens == 36
+        prev = next(p for p in by_turn[1] if p.conversation == t.conversation)
+        assert t.job.arrival == pytest.approx(prev.finish_time + 0.5)  # sent think-time after the answer

@@ -92,6 +92,8 @@ def run_one(args: argparse.Namespace, spec: BenchSpec, topo, base: Profile, pref
 
     pools = Pools.of(base, prefill=prefill, decode=decode, tp_efficiency=args.tp_efficiency,
                      tp={"prefill": args.prefill_tp, "decode": args.decode_tp, "collocated": args.collocated_tp})
+    if spec.dataset_name == "multiturn" and not args.trace:
+        return run_multiturn(args, spec, topo, pools, base)
     jobs = jobs_for(args, spec, {pools.prefill.engine.block_size, pools.decode.engine.block_size})
     print(f"Simulating {topo} ({pools.gpus(topo)} GPUs) with profile {base.name}: {len(jobs)} requests, "
           f"request rate {spec.request_rate if not args.trace else 'from the trace'}")
@@ -104,6 +106,38 @@ def run_one(args: argparse.Namespace, spec: BenchSpec, topo, base: Profile, pref
                            "wall_s": run.wall_s, "events": run.deployment.events,
                            "preemptions": sum(i.scheduler.num_preemptions
                                               for i in run.deployment.instances.values())}
+    if spec.save_result:
+        path = result_path(spec, base.model, f"sim-{topo}".replace(":", "x"))
+        write_json(path, result)
+        print(f"Saved result to {path}")
+    return 0 if result["completed"] > 0 else 1
+
+
+def run_multiturn(args: argparse.Namespace, spec: BenchSpec, topo, pools, base: Profile) -> int:
+    """Conversations turn by turn, reported by bench/multiturn.py's own per-turn table and JSON."""
+    from pdserve.bench import multiturn as mt
+    from pdserve.bench.runner import result_path, write_json
+    from pdserve.sim.instance import OUTPUT_TOKEN
+    from pdserve.sim.run import simulate_conversations
+    from pdserve.sim.workload import multiturn_conversations
+
+    convs = multiturn_conversations(spec, args.vocab_size, OUTPUT_TOKEN)
+    print(f"Simulating {topo} with profile {base.name}: {len(convs)} conversations of {spec.multiturn_turns} turns")
+    run = simulate_conversations(topo, pools, convs, spec.multiturn_think_time, spec.max_concurrency)
+    results = [mt.TurnResult(t.conversation, t.turn, t.done and not t.error and bool(t.token_times),
+                             ttft=(t.token_times[0] - t.job.arrival) if t.token_times else 0.0,
+                             latency=(t.token_times[-1] - t.job.arrival) if t.token_times else 0.0,
+                             prompt_tokens=t.job.prompt_len, cached_tokens=t.cached_tokens,
+                             completion_tokens=len(t.token_times), error=t.error)
+               for t in run.deployment.tracked]
+    summary = mt.summarize_turns(results)
+    print(mt.format_turns(summary, run.sim_s))
+    opts = mt.MultiTurnOptions(spec.multiturn_turns, spec.multiturn_system_len, spec.multiturn_user_len,
+                               spec.multiturn_answer_len, spec.multiturn_think_time)
+    result = {"date": "simulated", "label": spec.label, "model_id": base.model,
+              **mt.result_json(summary, results, run.sim_s, opts)}
+    if not spec.save_detailed:
+        result.pop("requests")
     if spec.save_result:
         path = result_path(spec, base.model, f"sim-{topo}".replace(":", "x"))
         write_json(path, result)

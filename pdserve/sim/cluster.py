@@ -288,6 +288,8 @@ class Deployment:
 
     def _finish(self, t: Tracked, req: Request, at: float) -> None:
         t.done, t.finish_time = True, at
+        if not self.disaggregated:
+            t.cached_tokens = max(req.num_cached_tokens, 0)
         self._legs.pop(req.request_id, None)
         self._legs.pop(f"{t.job.index}-p", None)
         if t.decode_inst is not None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pdserve.launch.config import Topology
 from pdserve.sim.cluster import Deployment, Tracked
 from pdserve.sim.profile import Profile, derive_tp
-from pdserve.sim.workload import Job
+from pdserve.sim.workload import Conversation, Job
 
 
 @dataclass
@@ -54,4 +54,38 @@ def simulate(topo: Topology, pools: Pools, jobs: Sequence[Job], until: float | N
         dep.submit(job)
     t0 = time.perf_counter()
     dep.run(until)
+    return SimRun(dep.tracked, dep, time.perf_counter() - t0, dep.now)
+
+
+def simulate_conversations(topo: Topology, pools: Pools, conversations: Sequence[Conversation], think_time: float,
+                           max_concurrency: int | None) -> SimRun:
+    """Conversations as bench/multiturn.py runs them: all start at once (up to `max_concurrency` side by side),
+    each turn sent `think_time` after the previous answer ended."""
+    dep = Deployment([pools.prefill] * topo.num_prefill, [pools.decode] * topo.num_decode,
+                     [pools.collocated] * topo.num_collocated)
+    waiting = list(conversations)
+    of: dict[int, Conversation] = {}
+    counter = iter(range(1 << 62))
+
+    def start(conv: Conversation, at: float) -> None:
+        job = conv.next_job(next(counter), at)
+        if job is None:
+            if waiting:
+                start(waiting.pop(0), at)
+            return
+        of[job.index] = conv
+        t = dep.submit(job)
+        t.conversation, t.turn = conv.index, conv.turn - 1  # type: ignore[attr-defined]
+
+    def finished(t: Tracked, at: float) -> None:
+        conv = of.pop(t.job.index)
+        dep.schedule(at + think_time, lambda now: start(conv, now))
+
+    dep.on_finish = finished
+    first = waiting[: max_concurrency or len(waiting)]
+    del waiting[: len(first)]
+    for conv in first:
+        start(conv, 0.0)
+    t0 = time.perf_counter()
+    dep.run()
     return SimRun(dep.tracked, dep, time.perf_counter() - t0, dep.now)

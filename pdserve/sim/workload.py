@@ -176,3 +176,41 @@ def poisson_jobs(n: int, rate: float, prompt_len: int, output_len: int, seed: in
     (unique prompts, lengths only) for shapes too large to spell out token by token."""
     offsets = arrival_offsets(n, rate, 1.0, np.random.RandomState(seed)) if not math.isinf(rate) else [0.0] * n
     return [Job(i, t, prompt_len, output_len) for i, t in enumerate(offsets)]
+
+
+@dataclass(eq=False)
+class Conversation:
+    """A multi-turn conversation (bench/multiturn.py's synthetic ones): turn k's prompt is the system prompt, the
+    earlier user messages and answers, then user message k. Answers are the tokens the simulated instance
+    samples (`answer_token`), so a later turn's prompt repeats them as a real client repeats the server's
+    answer, and the prefix cache finds them. Chat-template tokens are not modelled."""
+
+    index: int
+    system: list[int]
+    users: list[list[int]]
+    answer_len: int
+    answer_token: int
+    turn: int = 0
+    history: list[int] | None = None
+
+    def next_job(self, index: int, arrival: float) -> Job | None:
+        if self.turn >= len(self.users):
+            return None
+        if self.history is None:
+            self.history = list(self.system)
+        ids = self.history + self.users[self.turn]
+        self.history = ids + [self.answer_token] * self.answer_len
+        self.turn += 1
+        return Job(index, arrival, len(ids), self.answer_len, token_ids=ids)
+
+
+def multiturn_conversations(spec: BenchSpec, vocab_size: int, answer_token: int) -> list[Conversation]:
+    """`pdserve bench --dataset-name multiturn`'s conversations, drawn by bench/multiturn.py itself."""
+    from pdserve.bench.multiturn import MultiTurnOptions, synthetic_conversations
+
+    tok = IdTokenizer(vocab_size)
+    opts = MultiTurnOptions(spec.multiturn_turns, spec.multiturn_system_len, spec.multiturn_user_len,
+                            spec.multiturn_answer_len, spec.multiturn_think_time)
+    convs = synthetic_conversations(tok, spec.num_prompts, opts, spec.seed)
+    return [Conversation(i, tok.encode(c.system) if c.system else [], [tok.encode(u) for u in c.user_messages],
+                         c.answer_len, answer_token) for i, c in enumerate(convs)]
