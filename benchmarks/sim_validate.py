@@ -94,6 +94,8 @@ def main() -> int:
     ap.add_argument("--decode-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8])
     ap.add_argument("--decode-contexts", type=lambda s: [int(x) for x in s.split(",")], default=[32, 144])
     ap.add_argument("--out", default="benchmarks/results/sim-validate-cpu")
+    ap.add_argument("--up-arg", action="append", default=["--serve-arg=--cpu-kv-cache-gb 0.25"],
+                    help="extra `pdserve up` arguments (default: a 0.25 GiB KV pool per instance, the box is shared)")
     args = ap.parse_args()
     from pdserve.bench.runner import run_serve
     from pdserve.model.default_model import DEFAULT_MODEL, resolve_model
@@ -106,7 +108,8 @@ def main() -> int:
     for topo_name in args.topologies.split(","):
         topo = parse_topology(topo_name)
         print(f"== {topo} (load average {profiler.load_average()})", flush=True)
-        with LaunchedTopology(str(topo), topo_name, model, str(out / f"up-{str(topo).replace(':', '')}.log")) as url:
+        log = str(out / f"up-{str(topo).replace(':', '')}.log")
+        with LaunchedTopology(str(topo), topo_name, model, log, extra_args=args.up_arg) as url:
             listing = _get(f"{url}/pdserve/instances")
             by_role = {role: [i["url"] for i in insts] for role, insts in listing.items() if insts}
             profiles = {}

@@ -203,3 +203,35 @@ def test_multiturn_later_turns_hit_the_prefix_cache():
         assert t.job.prompt_len == 48 and t.cached_tokens == 36
         prev = next(p for p in by_turn[1] if p.conversation == t.conversation)
         assert t.job.arrival == pytest.approx(prev.finish_time + 0.5)  # sent think-time after the answer
+
+
+def test_cli_saves_bench_result_fields(tmp_path, capsys):
+    """`pdserve sim` with `pdserve bench serve`'s flags, a shipped profile, and vLLM's result JSON fields."""
+    from pathlib import Path
+
+    import pdserve
+    from pdserve.cli import main
+
+    profile = Path(pdserve.__file__).parent / "data" / "profiles" / "h200-llama3.1-8b-bf16.json"
+    rc = main(["sim", "--profile", str(profile), "--topology", "2p2d", "--random-input-len", "2048",
+               "--random-output-len", "32", "--num-prompts", "20", "--request-rate", "4", "--goodput", "ttft:2000",
+               "tpot:30", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "Serving Benchmark Result" in out and "Request goodput (req/s):" in out
+    data = json.loads((tmp_path / "r.json").read_text())
+    for key in ("median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "request_throughput", "request_goodput",
+                "completed", "total_input_tokens"):
+        assert key in data
+    assert data["completed"] == 20 and data["simulated"]["gpus"] == 4
+
+
+def test_cli_refuses_a_bad_topology(capsys):
+    from pathlib import Path
+
+    import pdserve
+    from pdserve.cli import main
+
+    profile = Path(pdserve.__file__).parent / "data" / "profiles" / "h200-llama3.1-8b-bf16.json"
+    assert main(["sim", "--profile", str(profile), "--topology", "0p2d", "--num-prompts", "2"]) == 2
+    assert "topology" in capsys.readouterr().err
