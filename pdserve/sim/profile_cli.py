@@ -89,11 +89,13 @@ def main(args: argparse.Namespace) -> int:
                                  tp, kv_dtype)
     prof.prefill_points, prof.decode_points = pre, dec
     if args.url:
-        # a one-token prompt's TTFT is the HTTP path plus one tiny step: its overhead, split evenly in/out
-        ingress = egress = base / 2
+        # a one-token prompt's TTFT is the HTTP path plus one tiny step: the path, split evenly in/out
+        path = profiler.http_path_s(base, dec)
+        ingress = egress = path / 2
         for p in pre:
-            p["seconds"] = max(p["seconds"] - base, 1e-6)
-        notes.append(f"prefill points: TTFT less a one-token prompt's TTFT ({base * 1e3:.1f} ms: the HTTP path)")
+            p["seconds"] = max(p["seconds"] - path, 1e-6)
+        notes.append(f"prefill points: TTFT less the HTTP path ({path * 1e3:.1f} ms: a one-token prompt's TTFT "
+                     f"{base * 1e3:.1f} ms less one decode step)")
     else:
         ingress = egress = 0.0
     prof.overheads.ingress_s = (args.ingress_ms / 1e3) if args.ingress_ms is not None else ingress

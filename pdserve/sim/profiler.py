@@ -3,7 +3,7 @@ server over HTTP. Both measure the same points:
 
 - prefill: one prompt alone, `new` tokens after `cached` ones (the cached part a prefix the instance computed just
   before, so the prefix cache has it), max_tokens 1: in process the engine steps' wall time; over HTTP the TTFT
-  less the TTFT of a one-token prompt (the HTTP path, recorded as the profile's overheads);
+  less the HTTP path (`http_path_s`: a one-token prompt's TTFT less one engine step; the profile's overheads);
 - decode: `batch` requests of `context` tokens each, once all are decoding, the median step (in process) or the
   median inter-token gap (HTTP);
 - the KV pool (blocks x block size) and its bytes per token (the pool's bytes / its tokens).
@@ -213,6 +213,13 @@ def measure(m: EngineMeasure | HttpMeasure, *, prefill_lens: Sequence[int], cach
             dec.append({"batch": b, "context": b * (ctx + 2), "seconds": s})
             log(f"decode batch={b} context={ctx} each: {s * 1e3:.2f} ms/step")
     return pre, dec
+
+
+def http_path_s(one_token_ttft: float, decode_points: Sequence[dict]) -> float:
+    """The HTTP path of a request (client to engine and the token back): a one-token prompt's TTFT less the one
+    engine step it took, read as the smallest-batch decode step measured (one row, little context)."""
+    step = min((p["seconds"] for p in decode_points), default=0.0)
+    return max(0.0, one_token_ttft - step)
 
 
 def load_average() -> str:
