@@ -4,7 +4,7 @@ pool (`--tp-sizes`; sizes other than a profile's own are derived from its TP=1 p
 simulated over a sweep of request rates; its score is its best goodput divided by its GPUs.
 
 The sweep doubles the rate from 0.25 req/s until goodput falls below 90 % of the best seen (past saturation),
-unless `--request-rates` gives the rates.
+then tries 1.25x, 1.5x and 1.75x the best rate, unless `--request-rates` gives the rates.
 """
 
 from __future__ import annotations
@@ -88,6 +88,10 @@ def evaluate(c: Candidate, pools: Pools, jobs: list[Job], spec: BenchSpec, rates
             break
         best = max(best, g)
         rate *= 2
+    # refine between the best rate and the next doubling (the peak is rarely on the grid)
+    peak = max(c.points, key=lambda p: p[1])[0]
+    for f in (1.25, 1.5, 1.75):
+        one(peak * f)
 
 
 def search_main(args: argparse.Namespace, spec: BenchSpec, base: Profile, prefill: Profile | None,
