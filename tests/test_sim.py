@@ -235,3 +235,20 @@ def test_cli_refuses_a_bad_topology(capsys):
     profile = Path(pdserve.__file__).parent / "data" / "profiles" / "h200-llama3.1-8b-bf16.json"
     assert main(["sim", "--profile", str(profile), "--topology", "0p2d", "--num-prompts", "2"]) == 2
     assert "topology" in capsys.readouterr().err
+
+
+def test_profile_in_process_writes_a_loadable_profile(tiny_llama, tmp_path):
+    """`pdserve profile MODEL [serve flags] --out FILE`: the points it measured, a non-negative fit, the pool."""
+    from pdserve.cli import main
+
+    out = tmp_path / "p.json"
+    rc = main(["profile", str(tiny_llama), "--device", "cpu", "--block-size", "16", "--num-gpu-blocks-override",
+               "64", "--prefill-lens", "8,24", "--cached-lens", "0,16", "--decode-batches", "1,2",
+               "--decode-contexts", "8", "--decode-steps", "3", "--handoff-claim-ms", "1.5", "--out", str(out)])
+    assert rc == 0
+    prof = Profile.load(out)
+    assert [(p["new"], p["cached"]) for p in prof.prefill_points] == [(8, 0), (24, 0), (8, 16), (24, 16)]
+    assert [p["batch"] for p in prof.decode_points] == [1, 2]
+    assert all(v >= 0 for v in prof.step_model.values())  # the values are timings: only their sign is checked
+    assert prof.kv_capacity_tokens == 64 * 16 and prof.kv_bytes_per_token > 0
+    assert prof.engine.block_size == 16 and prof.handoff.claim_s == 0.0015 and prof.handoff.link_bytes_per_s > 0
