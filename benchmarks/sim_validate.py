@@ -76,7 +76,7 @@ def spec_for(url: str, args: argparse.Namespace, rate: float) -> BenchSpec:
     spec = BenchSpec(base_url=url, dataset_name="random", num_prompts=args.num_prompts,
                      random_input_len=args.input_len, random_output_len=args.output_len, request_rate=rate,
                      seed=args.seed, temperature=0.0, metric_percentiles="50,90,99",
-                     goodput=args.goodput.split(), disable_tqdm=True, model=args.model_path,
+                     goodput=args.goodput.split(), disable_tqdm=True, model=args.model_name,
                      tokenizer=args.model_path, no_align_prompts=True)
     spec.normalise()
     return spec
@@ -104,6 +104,7 @@ def main() -> int:
 
     model = args.model or DEFAULT_MODEL
     args.model_path = str(resolve_model(model))
+    args.model_name = model  # what the deployment serves (requests name it); the tokenizer is the folder
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
