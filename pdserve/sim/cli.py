@@ -42,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--tp-sizes", default="1", help="TP sizes --search tries per pool (default 1; e.g. 1,2,4)")
     s.add_argument("--request-rates", default=None,
                    help="comma list of rates --search sweeps (default: doubling from 0.25 until goodput falls)")
+    s.add_argument("--search-duration", type=float, default=120.0,
+                   help="--search: at least this many seconds of arrivals at each rate (default 120)")
     s.add_argument("--top", type=int, default=5, help="configurations --search prints (default 5)")
     s.add_argument("--plot", default=None, help="--search: goodput-vs-rate plot file (PNG)")
     add_serve_arguments(parser)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,9 +69,26 @@ def at_rate(jobs: list[Job], rate: float, burstiness: float, seed: int) -> list[
     return [dataclasses.replace(j, arrival=t) for j, t in zip(jobs, offsets, strict=True)]
 
 
-def evaluate(c: Candidate, pools: Pools, jobs: list[Job], spec: BenchSpec, rates: list[float] | None) -> None:
+class Workloads:
+    """The workload at each rate: at least `--num-prompts` requests, and enough for `duration` seconds of
+    arrivals (a fixed count sent ever faster would end in one burst, whose goodput is the count over its
+    drain time however fast the rate). Drawn once per count by `make(n)` (bench's datasets, the same seed)."""
+
+    def __init__(self, make: Callable[[int], list[Job]], num_prompts: int, duration: float) -> None:
+        self._make, self._min, self._duration = make, num_prompts, duration
+        self._cache: dict[int, list[Job]] = {}
+
+    def at(self, rate: float) -> list[Job]:
+        n = max(self._min, math.ceil(rate * self._duration)) if not math.isinf(rate) else self._min
+        jobs = self._cache.get(n)
+        if jobs is None:
+            jobs = self._cache[n] = self._make(n)
+        return jobs
+
+
+def evaluate(c: Candidate, pools: Pools, work: Workloads, spec: BenchSpec, rates: list[float] | None) -> None:
     def one(rate: float) -> float:
-        run = simulate(c.topo, pools, at_rate(jobs, rate, spec.burstiness, spec.seed))
+        run = simulate(c.topo, pools, at_rate(work.at(rate), rate, spec.burstiness, spec.seed))
         s = dataclasses.replace(spec, request_rate=rate, metric_percentiles="50")
         result, m = bench_result(s, run.tracked, "", c.label, print_block=False)
         goodput = m.request_goodput if spec.goodput else m.request_throughput
@@ -100,16 +118,22 @@ def search_main(args: argparse.Namespace, spec: BenchSpec, base: Profile, prefil
 
     tp_sizes = [int(t) for t in args.tp_sizes.split(",") if t.strip()]
     rates = parse_rates(args.request_rates)
-    jobs = jobs_for(args, spec, {base.engine.block_size})
+
+    def make(n: int) -> list[Job]:
+        return jobs_for(args, dataclasses.replace(spec, num_prompts=n), {base.engine.block_size})
+
+    work = Workloads(make, spec.num_prompts, args.search_duration)
+    jobs = work.at(0.0)
     if not spec.goodput:
         print("NOTE: no --goodput SLOs: ranking by request throughput")
-    print(f"Searching {args.gpus} GPUs, TP sizes {tp_sizes}, {len(jobs)} requests "
+    print(f"Searching {args.gpus} GPUs, TP sizes {tp_sizes}, >= {len(jobs)} requests per rate "
+          f"(>= {args.search_duration:g} s of arrivals) "
           f"(mean {np.mean([j.prompt_len for j in jobs]):.0f} in / {np.mean([j.output_len for j in jobs]):.0f} out), "
           f"SLOs {' '.join(spec.goodput or [])}")
     cands = candidates(args.gpus, tp_sizes)
     for c in cands:
         pools = Pools.of(base, prefill=prefill, decode=decode, tp=c.tp, tp_efficiency=args.tp_efficiency)
-        evaluate(c, pools, jobs, spec, rates)
+        evaluate(c, pools, work, spec, rates)
         best = max(c.points, key=lambda p: p[1])
         print(f"  {c.label:<34} {c.gpus:>3} GPUs: best goodput {c.best_goodput:7.3f} req/s at {best[0]:g} req/s "
               f"({c.per_gpu:.4f} per GPU)")
