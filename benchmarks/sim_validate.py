@@ -7,6 +7,10 @@ to the instance directly: the proxy hop, and for P/D the handoff's fixed cost); 
 bench serve` measures the deployment and `pdserve sim` predicts it from those profiles with the same flags
 (the same seeded lengths and arrivals). Every point is reported, with its relative error.
 
+The CPU box is shared: the CPU share an instance gets moves by 2x within minutes. So each point is predicted
+twice: from the profile as measured ("predicted"), and with its step costs scaled by the box's speed right
+before the point ("calibrated": a workload-sized prompt's TTFT now over the same probe right after profiling).
+
     python benchmarks/sim_validate.py --topologies collocated:1,1p1d --rates 0.25,0.6,1.5 --num-prompts 12 \\
         --input-len 128 --output-len 16 --out benchmarks/results/sim-validate-cpu
 """
@@ -66,6 +70,22 @@ def profile_instance(url: str, args: argparse.Namespace, name: str) -> Any:
     return prof, base
 
 
+def probe(url: str, prompt_len: int) -> float:
+    """The box's speed now: the best of two TTFTs of a workload-sized prompt sent to an instance directly."""
+    m = profiler.HttpMeasure(url)
+    m.run(m._start())
+    return min(m.prefill(prompt_len, 0, np.random.default_rng(100 + i)) for i in range(2))
+
+
+def scaled(pools: Pools, factor: float) -> Pools:
+    """The pools' profiles with every step cost times `factor` (the CPU share the shared box gives now)."""
+    def one(p: Any) -> Any:
+        q = p.from_json(json.loads(json.dumps(p.to_json())))
+        q.step_model = {k: v * factor for k, v in p.step_model.items()}
+        return q
+    return Pools(one(pools.prefill), one(pools.decode), one(pools.collocated))
+
+
 def tiny_ttft(url: str, n: int = 3) -> float:
     m = profiler.HttpMeasure(url)
     m.run(m._start())
@@ -121,6 +141,8 @@ def main() -> int:
                 prof.save(out / f"profile-{str(topo).replace(':', '')}-{role}.json")
                 profiles[role] = (prof, base, urls[0])
             through_proxy = tiny_ttft(url)
+            probe_url = profiles["prefill" if topo.disaggregated else "decode"][2]
+            probe0 = probe(probe_url, args.input_len)
             if topo.disaggregated:
                 p_prof, p_base, _ = profiles["prefill"]
                 d_prof, _, _ = profiles["decode"]
@@ -135,16 +157,21 @@ def main() -> int:
                 pools = Pools.of(c_prof)
             for rate in [float(r) for r in args.rates.split(",")]:
                 spec = spec_for(url, args, rate)
+                factor = probe(probe_url, args.input_len) / probe0
                 t0 = time.time()
                 measured = asyncio.run(run_serve(spec))
                 load = profiler.load_average()
                 jobs = bench_jobs(spec)
                 run = simulate(topo, pools, jobs)
                 predicted, _ = bench_result(spec, run.tracked, "sim", str(topo), print_block=False)
+                run = simulate(topo, scaled(pools, factor), jobs)
+                calibrated, _ = bench_result(spec, run.tracked, "sim", str(topo), print_block=False)
                 row = {"topology": str(topo), "rate": rate, "load_average": load, "started": t0,
                        "handoff_fixed_ms": pools.decode.handoff.params_s * 1e3 if topo.disaggregated else None,
+                       "speed_factor": factor,
                        "measured": {k: measured.get(k) for k, _ in KEYS},
-                       "predicted": {k: predicted.get(k) for k, _ in KEYS}}
+                       "predicted": {k: predicted.get(k) for k, _ in KEYS},
+                       "calibrated": {k: calibrated.get(k) for k, _ in KEYS}}
                 rows.append(row)
                 print(format_row(row), flush=True)
                 with open(out / "results.json", "w", encoding="utf-8") as f:
@@ -162,11 +189,11 @@ def rel(p: float | None, m: float | None) -> str:
 
 
 def format_row(row: dict[str, Any]) -> str:
-    parts = [f"{row['topology']} @ {row['rate']:g} req/s (load {row['load_average']}):"]
+    parts = [f"{row['topology']} @ {row['rate']:g} req/s (load {row['load_average']}, speed factor "
+             f"{row['speed_factor']:.2f}):"]
     for k, label in KEYS:
-        m, p = row["measured"].get(k), row["predicted"].get(k)
-        parts.append(f"{label} {m if m is None else round(m, 2)} vs sim {p if p is None else round(p, 2)} "
-                     f"({rel(p, m)})")
+        m, p, c = row["measured"].get(k), row["predicted"].get(k), row["calibrated"].get(k)
+        parts.append(f"{label} {fmt(m)} vs sim {fmt(p)} ({rel(p, m)}), calibrated {fmt(c)} ({rel(c, m)});")
     return " ".join(parts)
 
 
@@ -175,14 +202,15 @@ def fmt(v: float | None) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = "| topology | rate | " + " | ".join(f"{label} measured / predicted (err)" for _, label in KEYS) + " |"
-    lines = [head, "|" + "---|" * (2 + len(KEYS))]
+    head = ("| topology | rate | speed | " + " | ".join(f"{label}: measured / predicted (err) / calibrated (err)"
+                                                       for _, label in KEYS) + " |")
+    lines = [head, "|" + "---|" * (3 + len(KEYS))]
     for r in rows:
         cells = []
         for k, _ in KEYS:
-            m, p = r["measured"].get(k), r["predicted"].get(k)
-            cells.append(f"{fmt(m)} / {fmt(p)} ({rel(p, m)})")
-        lines.append(f"| {r['topology']} | {r['rate']:g} | " + " | ".join(cells) + " |")
+            m, p, c = r["measured"].get(k), r["predicted"].get(k), r["calibrated"].get(k)
+            cells.append(f"{fmt(m)} / {fmt(p)} ({rel(p, m)}) / {fmt(c)} ({rel(c, m)})")
+        lines.append(f"| {r['topology']} | {r['rate']:g} | {r['speed_factor']:.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
