@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import time
 
 from pdserve.launch.config import parse_topology
@@ -44,6 +45,7 @@ def main() -> None:
     print(f"block size {prof.engine.block_size}: {topo} x TP={args.tp} ({pools.gpus(topo)} GPUs), {n} requests at {args.rate} req/s: simulated "
           f"{run.sim_s:.1f} s in {run.wall_s:.1f} s wall ({t1 - t0:.1f} s building the workload), "
           f"{run.deployment.events} events, {done} completed, CPU time {time.process_time():.1f} s, "
+          f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB, "
           f"load average {os.getloadavg()[0]:.1f}")
 
 

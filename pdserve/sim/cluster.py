@@ -144,6 +144,7 @@ class Deployment:
             inst = self.instances[pinst.sim_name]
             req = self._request(f"{job.index}", job, inst, max_tokens=job.output_len, kv=KVHandoff())
             self._legs[req.request_id] = t
+            job.forget_hashes()
             self._admit(inst, req, now + inst.profile.overheads.ingress_s, t, streams=True)
             return
         # the early decode leg first (app.start_pair), then the prefill leg's choice (legs.run_prefill)
@@ -162,6 +163,7 @@ class Deployment:
         self._legs[p_req.request_id] = t
         self._legs[d_req.request_id] = t
         p_req.sim_pair = (d, d_req)  # type: ignore[attr-defined]
+        job.forget_hashes()
         self._admit(p, p_req, now + p.profile.overheads.ingress_s, t, streams=False)
 
     def _request(self, rid: str, job: Job, inst: SimInstance, max_tokens: int, kv: KVHandoff) -> Request:
@@ -273,6 +275,7 @@ class Deployment:
 
         def read_done(at: float) -> None:
             p.release_held(p_req.request_id)
+            p_req.sim_pair = req.sim_producer = None  # type: ignore[attr-defined]  # no cycle keeps them
             self._kick(p, at)
 
             def ended(step_now: float) -> None:

@@ -38,6 +38,9 @@ INPUT_COLUMNS = ("contexttokens", "input_length", "input_tokens", "prompt_len", 
 OUTPUT_COLUMNS = ("generatedtokens", "output_length", "output_tokens", "output_len")
 
 
+_ZEROS: dict[int, list[int]] = {}
+
+
 @dataclass(eq=False)
 class Job:
     """One request of the workload."""
@@ -51,8 +54,18 @@ class Job:
     _hashes: dict[int, list[bytes]] | None = None
 
     def prompt_ids(self) -> list[int]:
-        """Token ids for the Request (a trace row's are placeholders: its block identities are `block_hashes`)."""
-        return self.token_ids if self.token_ids is not None else [0] * self.prompt_len
+        """Token ids for the Request (a trace row's are placeholders, one shared list per length: its block
+        identities are `block_hashes`; the engine never writes a prompt's ids)."""
+        if self.token_ids is not None:
+            return self.token_ids
+        zeros = _ZEROS.get(self.prompt_len)
+        if zeros is None:
+            zeros = _ZEROS[self.prompt_len] = [0] * self.prompt_len
+        return zeros
+
+    def forget_hashes(self) -> None:
+        """Its legs have their copies: a long run keeps no block identities of requests already sent."""
+        self._hashes = None
 
     def block_hashes(self, block_size: int) -> list[bytes]:
         """The chained hashes of the prompt's full blocks, computed once per block size: for token ids the
