@@ -1,10 +1,10 @@
 """`pdserve sim`: a deployment simulated from instance profiles, reported as `pdserve bench serve` reports a
 measured one (and `--search`: the best split for a GPU budget; pdserve/sim/search.py).
 
-    pdserve sim --profile cpu.json --topology 1p1d --random-input-len 256 --random-output-len 32 \\
+    pdserve sim --profile cpu-smollm2-1core --topology 1p1d --random-input-len 256 --random-output-len 32 \\
         --request-rate 0.2 --num-prompts 50 --goodput ttft:5000 tpot:500
-    pdserve sim --profile h200-8b-bf16.json --search --gpus 8 --random-input-len 32000 \\
-        --random-output-len 400 --request-rates 1,2,4 --goodput ttft:2500 tpot:45
+    pdserve sim --profile h200-llama3.1-8b-fp8 --search --gpus 8 --random-input-len 32000 \\
+        --random-output-len 400 --goodput ttft:2500 tpot:45 --plot search.png
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__
     g = parser.add_argument_group("simulation")
-    g.add_argument("--profile", required=True, help="instance profile JSON (`pdserve profile --out`)")
+    g.add_argument("--profile", required=True,
+                   help="instance profile JSON (`pdserve profile --out`), or a shipped one's name: "
+                        "h200-llama3.1-8b-bf16, h200-llama3.1-8b-fp8, cpu-smollm2-1core")
     g.add_argument("--prefill-profile", default=None, help="the prefill instances' profile (default --profile)")
     g.add_argument("--decode-profile", default=None, help="the decode instances' profile (default --profile)")
     g.add_argument("--topology", default="1p1d", help="as `pdserve up`: collocated[:N] | 1p1d | XpYd (default 1p1d)")
@@ -97,7 +99,8 @@ def run_one(args: argparse.Namespace, spec: BenchSpec, topo, base: Profile, pref
     if spec.dataset_name == "multiturn" and not args.trace:
         return run_multiturn(args, spec, topo, pools, base)
     jobs = jobs_for(args, spec, {pools.prefill.engine.block_size, pools.decode.engine.block_size})
-    print(f"Simulating {topo} ({pools.gpus(topo)} GPUs) with profile {base.name}: {len(jobs)} requests, "
+    unit = "GPUs" if base.device.startswith("cuda") else "devices"
+    print(f"Simulating {topo} ({pools.gpus(topo)} {unit}) with profile {base.name}: {len(jobs)} requests, "
           f"request rate {spec.request_rate if not args.trace else 'from the trace'}")
     for note in {n for p in (pools.prefill, pools.decode, pools.collocated) for n in p.notes if "DERIVED" in n}:
         print(f"NOTE: {note}")

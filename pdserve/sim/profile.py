@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 FORMAT = "pdserve-profile/1"
+SHIPPED = Path(__file__).resolve().parent.parent / "data" / "profiles"  # the profiles pdserve ships
 FEATURES = ("fixed", "tokens", "prefill_attention", "decode_rows", "decode_context")
 
 
@@ -109,7 +110,11 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
-        with open(path, encoding="utf-8") as f:
+        """A profile file, or the name of a shipped one (`h200-llama3.1-8b-fp8`: pdserve/data/profiles/)."""
+        p = Path(path)
+        if not p.exists() and SHIPPED.joinpath(f"{p.name.removesuffix('.json')}.json").exists():
+            p = SHIPPED / f"{p.name.removesuffix('.json')}.json"
+        with open(p, encoding="utf-8") as f:
             return cls.from_json(json.load(f))
 
     def save(self, path: str | Path) -> None:
