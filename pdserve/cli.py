@@ -16,6 +16,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("pdserve.preflight.plan", "KV transfer arithmetic for a model and prompt length"),
     "bench": ("pdserve.bench.cli", "goodput benchmark client and collocated-vs-disaggregated compare"),
     "render": ("pdserve.render.cli", "GPU-less render tier: templating, tokenisation, parsers"),
+    "profile": ("pdserve.sim.profile_cli", "measure an instance's profile (prefill, decode, KV, handoff) for `sim`"),
+    "sim": ("pdserve.sim.cli", "simulate a deployment from instance profiles; --search sizes a fleet"),
 }
 
 

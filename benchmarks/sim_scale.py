@@ -1,0 +1,53 @@
+"""How fast `pdserve sim` runs the seed's fleet: 64 GPUs as 16 TP=4 instances (6 prefill + 10 decode: the seed's
+3:5 node ratio), its RAG workload (28000 in / 650 out, Poisson at the seed's 24.6 req/s) for 10 simulated
+minutes, on one core (run it under `taskset -c N`). TP=4 is derived from the shipped TP=1 H200 profile.
+
+    taskset -c 0 python benchmarks/sim_scale.py [--minutes 10] [--topology 6p10d] [--rate 24.6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import time
+
+from pdserve.launch.config import parse_topology
+from pdserve.sim.profile import Profile
+from pdserve.sim.run import Pools, simulate
+from pdserve.sim.workload import poisson_jobs
+
+PROFILE = os.path.join(os.path.dirname(__file__), "..", "pdserve", "data", "profiles", "h200-llama3.1-8b-fp8.json")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--topology", default="6p10d")
+    ap.add_argument("--tp", type=int, default=4)
+    ap.add_argument("--rate", type=float, default=24.6)
+    ap.add_argument("--profile", default=PROFILE)
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="simulate with this KV block size instead of the profile's (fewer blocks to allocate and "
+                         "register per request: an approximation of the pool's granularity)")
+    args = ap.parse_args()
+    topo = parse_topology(args.topology)
+    prof = Profile.load(args.profile)
+    if args.block_size:
+        prof.engine.block_size = args.block_size
+    pools = Pools.of(prof, tp={"prefill": args.tp, "decode": args.tp})
+    n = int(args.rate * args.minutes * 60)
+    t0 = time.perf_counter()
+    jobs = poisson_jobs(n, args.rate, 28000, 650)
+    t1 = time.perf_counter()
+    run = simulate(topo, pools, jobs)
+    done = sum(1 for t in run.tracked if t.done and not t.error)
+    print(f"block size {prof.engine.block_size}: {topo} x TP={args.tp} ({pools.gpus(topo)} GPUs), {n} requests at {args.rate} req/s: simulated "
+          f"{run.sim_s:.1f} s in {run.wall_s:.1f} s wall ({t1 - t0:.1f} s building the workload), "
+          f"{run.deployment.events} events, {done} completed, CPU time {time.process_time():.1f} s, "
+          f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB, "
+          f"load average {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
