@@ -27,7 +27,7 @@ def test_push_legs_params() -> None:
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"transfer_mode": None}, "NixlPushConnector"),  # pull params: the mode is named
+    ({"transfer_mode": "pull"}, "NixlPushConnector"),  # pull params: the mode is named
     ({"push_key": "short"}, "push_key must be a string"),
     ({"remote_port": 0}, "remote_port"),
     ({"remote_engine_id": ""}, "remote_engine_id"),

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import aiohttp
 
 from pdserve.proxy.background import BackgroundTask
+from pdserve.proxy.instance_info import read_instance_info
 from pdserve.proxy.pool import Instance, Pool
 
 logger = logging.getLogger("pdserve.proxy")
@@ -37,21 +38,6 @@ async def probe(session: aiohttp.ClientSession, inst: Instance, timeout: float) 
             return f"health status {resp.status}"
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         return f"health probe: {type(exc).__name__}: {exc}"
-
-
-async def probe_params_later(session: aiohttp.ClientSession, inst: Instance, timeout: float) -> bool | None:
-    """Whether a decode instance takes its leg before the prefill's params (pdserve's /pdserve/info
-    `kv_params_later`); False for an instance without that route (vLLM), None when the probe failed."""
-    try:
-        async with session.get(
-            inst.endpoint("/pdserve/info"), timeout=aiohttp.ClientTimeout(total=timeout)
-        ) as resp:
-            if resp.status != 200:
-                return False
-            info = await resp.json(content_type=None)
-            return isinstance(info, dict) and info.get("kv_params_later") is True
-    except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
-        return None
 
 
 class HealthChecker:
@@ -82,10 +68,11 @@ class HealthChecker:
     async def check(self, inst: Instance) -> bool:
         reason = await probe(self._session, inst, self._timeout)
         if reason is None:
+            if not inst.healthy or inst.pdserve is None:
+                # what the instance is (pdserve or not, push or pull) may have changed across a restart: read
+                # it again on each admission, before the instance can be chosen
+                await read_instance_info(self._session, inst, self._timeout)
             admitted = inst.record_success()
-            if inst.role == "decode" and (admitted or inst.params_later is None):
-                # what the instance is may have changed across a restart: read it again on each admission
-                inst.params_later = await probe_params_later(self._session, inst, self._timeout)
             if admitted:
                 self._on_admit()
             return True
