@@ -49,8 +49,7 @@ def fleet(tmp_path_factory) -> Iterator[dict[str, ServerProcess]]:
         "pull_decode": start(model_dir, logs, "pull_decode", "--kv-transfer-config", pull_config("kv_consumer")),
     }
     with all_ready(servers):
-        servers["logs"] = logs  # type: ignore[assignment]
-        yield servers
+        yield {**servers, "logs": logs}  # type: ignore[dict-item]
 
 
 def proxy(fleet: dict, name: str, prefill: list[str], decode: list[str], *extra: str) -> PdserveProcess:
