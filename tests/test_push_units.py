@@ -70,12 +70,16 @@ def test_up_push_mode_configures_both_pools_and_the_proxy() -> None:
     for inst in dep.instances:
         kv = json.loads(inst.argv[inst.argv.index("--kv-transfer-config") + 1])
         assert kv["kv_connector"] == "NixlPushConnector"
-    assert dep.proxy.argv[dep.proxy.argv.index("--kv-transfer-mode") + 1] == "push"
+    assert "--kv-transfer-mode" not in dep.proxy.argv  # the proxy learns each instance's mode
+    vllm = LaunchConfig(model="m", gpus="none", log_dir=Path("logs"), kv_transfer_mode="push", engine="vllm",
+                        topology=parse_topology("1p1d")).validate()  # driven with sequential legs, as vLLM's router
+    for inst in build_deployment(vllm, cpus=[0, 1], env={}).instances:
+        kv = json.loads(inst.argv[inst.argv.index("--kv-transfer-config") + 1])
+        assert kv["kv_connector"] == "NixlPushConnector"
 
 
 @pytest.mark.parametrize(("kw", "message"), [
-    ({"engine": "vllm"}, "needs pdserve instances"),
-    ({"kv_history": True}, "does not support kv_history"),
+    ({"engine": "vllm", "kv_history": True}, "needs pdserve instances"),
     ({"kv_transfer_mode": "both"}, "must be pull or push"),
 ])
 def test_up_push_mode_refuses_what_it_cannot_do(kw: dict, message: str) -> None:

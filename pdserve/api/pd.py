@@ -84,8 +84,9 @@ def build_prefill_body(body: dict[str, Any], *, chat_token_ids: bool = False,
     prefill = dict(body)
     prefill["kv_transfer_params"] = (prefill_leg_params() if history_params is None
                                      else prefix_prefill_params(history_params))
-    if push_key is not None:
-        prefill["kv_transfer_params"] = push_prefill_params(push_key)
+    if push_key is not None:  # with a held prefix: read it back, then push the request's KV on
+        prefill["kv_transfer_params"] = {**(prefill["kv_transfer_params"] if history_params is not None else {}),
+                                         **push_prefill_params(push_key)}
     prefill["stream"] = False
     prefill["max_tokens"] = 1
     if "n" in prefill:
@@ -647,7 +648,9 @@ def parse_remote_prefix_params(params: Any) -> RemotePrefillParams:
         isinstance(h, str) and 0 < len(h) <= _MAX_BLOCK_HASH_CHARS for h in hashes
     ):
         raise _bad(f"{BLOCK_HASHES} must be a list of hex strings (the held blocks' hashes)")
-    plain = {k: v for k, v in params.items() if k not in (FIRST_TOKEN_ID, FIRST_TOKEN_LOGPROB)}
+    # a held prefix is READ whatever the leg does with its own KV (a push prefill leg's key and mode ride along)
+    plain = {k: v for k, v in params.items()
+             if k not in (FIRST_TOKEN_ID, FIRST_TOKEN_LOGPROB, TRANSFER_MODE, PUSH_KEY)}
     parsed = parse_remote_prefill_params({**plain, "do_remote_prefill": True})
     if len(hashes) > len(parsed.remote_block_ids):
         raise _bad(f"{BLOCK_HASHES} lists {len(hashes)} hashes for {len(parsed.remote_block_ids)} blocks")
@@ -822,9 +825,13 @@ class KVTransferParams:
         InvalidKVTransferParams (a 400) naming what is wrong, or the mode the params are for."""
         if push:
             if self.prefix:
-                raise _bad("reading a held prefix back (bidirectional_kv_xfer) needs kv_connector NixlConnector; "
-                           "this instance uses NixlPushConnector")
+                raise _bad("reading a held prefix back (bidirectional_kv_xfer) is a prefill leg's; this instance "
+                           "is a NixlPushConnector decode (a push prefill instance reads held prefixes back)")
             return parse_push_decode_params(self.wire)
+        if self.prefix:
+            # a held prefix is always READ (its holder leases it, in either mode); the leg that reads it may
+            # push its own KV onwards (a push prefill's turn with history: `push_key` beside the prefix)
+            return parse_remote_prefix_params(self.wire)
         refuse_push_params(self.wire)
         return parse_remote_kv_params(self.wire)
 

@@ -295,10 +295,15 @@ class KVTransferConfig:
         if pipeline not in PUSH_PIPELINES:
             raise ValueError(f"kv_connector_extra_config.push_pipeline must be one of {', '.join(PUSH_PIPELINES)}, "
                              f"got {pipeline!r}")
-        if connector == PUSH_CONNECTOR and bidirectional:
-            # as vLLM's NixlPushConnectorScheduler: the held conversation is read back by pull only
-            raise ValueError("kv_connector NixlPushConnector does not support bidirectional_kv_xfer (multi-turn "
-                             "history handback is pull-only); use NixlConnector for it")
+        if connector == PUSH_CONNECTOR and bidirectional and role == "kv_both":
+            # Push with multi-turn history (vLLM's NixlPushConnectorScheduler refuses it, vllm#46473): the decode
+            # keeps each conversation under a lease and the next turn's prefill READs it back, then pushes only
+            # the blocks the decode lacks. So a push decode instance (kv_consumer) holds, a push prefill
+            # (kv_producer) reads; one instance of both roles would have to be a push decode and a pull reader
+            # at once (one consumer role per instance).
+            raise ValueError("kv_connector NixlPushConnector with bidirectional_kv_xfer needs kv_role kv_producer "
+                             "(prefill: reads held histories back) or kv_consumer (decode: holds them), not "
+                             "kv_both")
 
         secret = resolve_secret(extra, env)
         if SECRET_KEY in extra:

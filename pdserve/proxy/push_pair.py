@@ -53,10 +53,12 @@ async def push_coordinates(state: ProxyState, inst: Instance) -> dict[str, Any] 
 
 
 async def start_push_pair(state: ProxyState, api_path: str, body: dict[str, Any], raw: bytes,
-                          headers: dict[str, str], tokens: int, decode_tokens: int,
-                          prefill: Instance) -> DecodeLeg | web.Response:
+                          headers: dict[str, str], tokens: int, decode_tokens: int, prefill: Instance,
+                          history: dict[str, Any] | None = None
+                          ) -> tuple[DecodeLeg | web.Response, dict[str, Any] | None]:
     """The pair with `prefill` (chosen by pairing.py, a pdserve push instance) up to the decode leg's response
-    headers, or the client's error response."""
+    headers, or the client's error response; and the prefill's answer (None without one). `history`: a decode
+    instance's held history of this conversation, which the prefill reads back before pushing (multi-turn)."""
     rid = headers["X-Request-Id"]
     local = state.config.on_prefill_failure == "decode-local"
 
@@ -69,13 +71,13 @@ async def start_push_pair(state: ProxyState, api_path: str, body: dict[str, Any]
     if isinstance(coords, str):
         state.metrics.error("prefill_failed")
         return error_response(502, f"prefill instance {prefill.url} cannot take push legs: {coords}",
-                              "BadGatewayError", request_id=rid)
+                              "BadGatewayError", request_id=rid), None
     decode = await state.pairing.decode(wait=True, pair_with=prefill)
     if decode is None:
-        return no_instance_response(state, "decode", rid)
+        return no_instance_response(state, "decode", rid), None
     key = uuid.uuid4().hex
     decode_payload = json.dumps(build_decode_body(body, push_decode_params(key, **coords))).encode()
-    prefill_payload = json.dumps(build_prefill_body(body, push_key=key)).encode()
+    prefill_payload = json.dumps(build_prefill_body(body, history_params=history, push_key=key)).encode()
     decode.acquire(decode_tokens)
     started = time.perf_counter()
     decode_task = asyncio.ensure_future(state.http().post(decode.endpoint(api_path), data=decode_payload,
@@ -96,11 +98,11 @@ async def start_push_pair(state: ProxyState, api_path: str, body: dict[str, Any]
         await drop_decode()
         prefill.push_info = None  # it may have restarted (a new engine id or port): read it again next time
         if result.passthrough is not None:
-            return result.passthrough
+            return result.passthrough, None
         if local and (not result.reached or state.spend_retry()):
-            return await decode_locally(f"prefill failed ({result.error})")
+            return await decode_locally(f"prefill failed ({result.error})"), None
         state.metrics.error("prefill_failed")
-        return error_response(502, f"prefill leg failed: {result.error}", "BadGatewayError", request_id=rid)
+        return error_response(502, f"prefill leg failed: {result.error}", "BadGatewayError", request_id=rid), None
     try:
         resp = await decode_task
     except (TimeoutError, aiohttp.ClientError) as exc:
@@ -108,5 +110,5 @@ async def start_push_pair(state: ProxyState, api_path: str, body: dict[str, Any]
         state.metrics.error("decode_io")
         decode.record_failure(f"{type(exc).__name__}: {exc}", state.config.eject_after)
         return error_response(502, f"decode leg failed: {type(exc).__name__}: {exc}", "BadGatewayError",
-                              request_id=rid)
-    return DecodeLeg(decode, resp, started, decode_tokens)
+                              request_id=rid), None
+    return DecodeLeg(decode, resp, started, decode_tokens), result.response
