@@ -120,3 +120,17 @@ def test_a_registration_whose_sealed_metadata_fails_its_tag_is_refused_as_bad_se
             assert err.value.reason == "bad_seal"
     finally:
         sender.shutdown()
+
+
+def test_up_push_mode_with_history_gives_each_pool_its_role() -> None:
+    """`pdserve up --kv-transfer-mode push --kv-history`: push decode instances keep the conversations
+    (kv_consumer), push prefill instances read them back (kv_producer); never kv_both, which push refuses."""
+    cfg = LaunchConfig(model="m", gpus="none", log_dir=Path("logs"), kv_transfer_mode="push", kv_history=True,
+                       topology=parse_topology("1p1d")).validate()
+    roles = {}
+    for inst in build_deployment(cfg, cpus=[0, 1], env={}).instances:
+        kv = json.loads(inst.argv[inst.argv.index("--kv-transfer-config") + 1])
+        assert kv["kv_connector"] == "NixlPushConnector"
+        assert kv["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
+        roles[inst.role] = kv["kv_role"]
+    assert roles == {"prefill": "kv_producer", "decode": "kv_consumer"}
