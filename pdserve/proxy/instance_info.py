@@ -71,17 +71,28 @@ def learn_from_params(inst: Instance, params: Mapping[str, Any]) -> None:
         inst.transfer_mode = mode
 
 
-def pairs(prefill: Instance, decode: Instance, override: str | None) -> bool:
-    """Whether a prefill and a decode instance can be a P/D pair. Modes must match (a push instance WRITEs
-    into blocks the decode registers, a pull one waits to be READ: vllm#50620 refuses such a handshake), an
-    unknown mode matches any; and a push pair is two pdserve instances or two of vLLM's (their push
-    registrations differ: pdserve's side-channel `push_register`, vLLM's NIXL `PUSH_REG` notification)."""
-    pm, dm = mode_of(prefill, override), mode_of(decode, override)
+Kind = tuple[str | None, bool | None]  # (transfer mode, a pdserve instance): all that pairing looks at
+
+
+def kind(inst: Instance, override: str | None) -> Kind:
+    return (mode_of(inst, override), inst.pdserve)
+
+
+def kinds_pair(prefill: Kind, decode: Kind) -> bool:
+    """Whether a prefill and a decode instance of these kinds can be a P/D pair. Modes must match (a push
+    instance WRITEs into blocks the decode registers, a pull one waits to be READ: vllm#50620 refuses such a
+    handshake), an unknown mode matches any; and a push pair is two pdserve instances or two of vLLM's (their
+    push registrations differ: pdserve's side-channel `push_register`, vLLM's NIXL `PUSH_REG` notification)."""
+    (pm, p_pdserve), (dm, d_pdserve) = prefill, decode
     if pm is not None and dm is not None and pm != dm:
         return False
-    if PUSH in (pm, dm) and prefill.pdserve is not None and decode.pdserve is not None:
-        return prefill.pdserve == decode.pdserve
+    if PUSH in (pm, dm) and p_pdserve is not None and d_pdserve is not None:
+        return p_pdserve == d_pdserve
     return True
+
+
+def pairs(prefill: Instance, decode: Instance, override: str | None) -> bool:
+    return kinds_pair(kind(prefill, override), kind(decode, override))
 
 
 def mode_of(inst: Instance, override: str | None) -> str | None:

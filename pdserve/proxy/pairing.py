@@ -27,7 +27,7 @@ from typing import Any
 
 from pdserve.api.pd import PUSH
 from pdserve.proxy.config import ProxyConfig
-from pdserve.proxy.instance_info import describe, mode_of, pairs
+from pdserve.proxy.instance_info import Kind, describe, kind, kinds_pair, mode_of, pairs
 from pdserve.proxy.kv_fleet import KVFleet
 from pdserve.proxy.kv_routing import UNKNOWN, CachedPrefix
 from pdserve.proxy.metrics import ProxyMetrics
@@ -90,8 +90,8 @@ class PairChooser:
         """Why no P/D pair can be formed (every admitted prefill instance has a transfer mode no decode instance
         pairs with), or None."""
         healthy = [p for p in self._prefill.instances if p.healthy]
-        if not healthy or not self._decode.instances or any(
-                self.pairs(p, d) for p in healthy for d in self._decode.instances):
+        decodes = self._decode_kinds()
+        if not healthy or not decodes or any(self._pairs_any(p, decodes) for p in healthy):
             return None
         override = self._config.kv_transfer_mode
         return (f"no decode instance pairs with a prefill instance: a pair needs one transfer mode (push: "
@@ -102,14 +102,23 @@ class PairChooser:
     def _unpairable(self, like: Instance | None) -> list[Instance]:
         """Prefill instances not to choose: those no decode instance pairs with, and (given `like`) those of
         another transfer mode than `like`'s."""
-        decodes = self._decode.instances
+        decodes = self._decode_kinds()
         want = self.mode(like) if like is not None else None
 
         def other_mode(p: Instance) -> bool:
             return want is not None and self.mode(p) not in (None, want)
 
         return [p for p in self._prefill.instances
-                if (decodes and not any(self.pairs(p, d) for d in decodes)) or other_mode(p)]
+                if (decodes and not self._pairs_any(p, decodes)) or other_mode(p)]
+
+    def _decode_kinds(self) -> set[Kind]:
+        """The kinds of the decode instances (a handful, however many instances): pairing checks against these."""
+        override = self._config.kv_transfer_mode
+        return {kind(d, override) for d in self._decode.instances}
+
+    def _pairs_any(self, prefill: Instance, decodes: set[Kind]) -> bool:
+        pk = kind(prefill, self._config.kv_transfer_mode)
+        return any(kinds_pair(pk, dk) for dk in decodes)
 
     async def early_decode(self, body: dict[str, Any], prefill: Instance | None = None) -> Instance | None:
         """The decode instance to send the decode leg to together with the prefill leg: one available now that takes
