@@ -101,7 +101,7 @@ def test_config_defaults_and_env_fallbacks() -> None:
     [
         ('{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}', {}, "kv_connector must be one of"),
         ('{"kv_connector":"NixlPushConnector","kv_role":"kv_both",'
-         '"kv_connector_extra_config":{"bidirectional_kv_xfer":true}}', {}, "does not support bidirectional_kv_xfer"),
+         '"kv_connector_extra_config":{"bidirectional_kv_xfer":true}}', {}, "bidirectional_kv_xfer needs kv_role"),
         ('{"kv_connector":"NixlPushConnector","kv_role":"kv_both","kv_connector_extra_config":{"push_pipeline":"x"}}',
          {}, "push_pipeline must be one of"),
         ('{"kv_connector":"NixlConnector"}', {}, "kv_role must be one of"),

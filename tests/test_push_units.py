@@ -27,7 +27,7 @@ def test_push_legs_params() -> None:
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"transfer_mode": None}, "NixlPushConnector"),  # pull params: the mode is named
+    ({"transfer_mode": "pull"}, "NixlPushConnector"),  # pull params: the mode is named
     ({"push_key": "short"}, "push_key must be a string"),
     ({"remote_port": 0}, "remote_port"),
     ({"remote_engine_id": ""}, "remote_engine_id"),
@@ -76,12 +76,16 @@ def test_up_push_mode_configures_both_pools_and_the_proxy() -> None:
     for inst in dep.instances:
         kv = json.loads(inst.argv[inst.argv.index("--kv-transfer-config") + 1])
         assert kv["kv_connector"] == "NixlPushConnector"
-    assert dep.proxy.argv[dep.proxy.argv.index("--kv-transfer-mode") + 1] == "push"
+    assert "--kv-transfer-mode" not in dep.proxy.argv  # the proxy learns each instance's mode
+    vllm = LaunchConfig(model="m", gpus="none", log_dir=Path("logs"), kv_transfer_mode="push", engine="vllm",
+                        topology=parse_topology("1p1d")).validate()  # driven with sequential legs, as vLLM's router
+    for inst in build_deployment(vllm, cpus=[0, 1], env={}).instances:
+        kv = json.loads(inst.argv[inst.argv.index("--kv-transfer-config") + 1])
+        assert kv["kv_connector"] == "NixlPushConnector"
 
 
 @pytest.mark.parametrize(("kw", "message"), [
-    ({"engine": "vllm"}, "needs pdserve instances"),
-    ({"kv_history": True}, "does not support kv_history"),
+    ({"engine": "vllm", "kv_history": True}, "needs pdserve instances"),
     ({"kv_transfer_mode": "both"}, "must be pull or push"),
 ])
 def test_up_push_mode_refuses_what_it_cannot_do(kw: dict, message: str) -> None:
@@ -144,3 +148,17 @@ def test_up_push_mode_with_tensor_parallelism() -> None:
             got.append(inst.argv[inst.argv.index("--tensor-parallel-size") + 1]
                        if "--tensor-parallel-size" in inst.argv else None)
         assert tuple(got) == want, argv
+
+
+def test_up_push_mode_with_history_gives_each_pool_its_role() -> None:
+    """`pdserve up --kv-transfer-mode push --kv-history`: push decode instances keep the conversations
+    (kv_consumer), push prefill instances read them back (kv_producer); never kv_both, which push refuses."""
+    cfg = LaunchConfig(model="m", gpus="none", log_dir=Path("logs"), kv_transfer_mode="push", kv_history=True,
+                       topology=parse_topology("1p1d")).validate()
+    roles = {}
+    for inst in build_deployment(cfg, cpus=[0, 1], env={}).instances:
+        kv = json.loads(inst.argv[inst.argv.index("--kv-transfer-config") + 1])
+        assert kv["kv_connector"] == "NixlPushConnector"
+        assert kv["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
+        roles[inst.role] = kv["kv_role"]
+    assert roles == {"prefill": "kv_producer", "decode": "kv_consumer"}

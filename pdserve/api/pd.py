@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -84,8 +85,9 @@ def build_prefill_body(body: dict[str, Any], *, chat_token_ids: bool = False,
     prefill = dict(body)
     prefill["kv_transfer_params"] = (prefill_leg_params() if history_params is None
                                      else prefix_prefill_params(history_params))
-    if push_key is not None:
-        prefill["kv_transfer_params"] = push_prefill_params(push_key)
+    if push_key is not None:  # with a held prefix: read it back, then push the request's KV on
+        prefill["kv_transfer_params"] = {**(prefill["kv_transfer_params"] if history_params is not None else {}),
+                                         **push_prefill_params(push_key)}
     prefill["stream"] = False
     prefill["max_tokens"] = 1
     if "n" in prefill:
@@ -290,6 +292,9 @@ class HeldKVParams:
     # per producer rank, one digest per held block (`BLOCK_DIGESTS`, vLLM's encoding) and how they were made
     block_digests: tuple[tuple[str, ...], ...] = ()
     digest_algo: str = ""
+    # push, a key the prefill minted (a leg of vLLM's router's shape): answered as `push_key` and as
+    # `remote_request_id` (what that router carries to the decode leg). A capability: never logged.
+    push_key: str = field(repr=False, default="")
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -322,6 +327,8 @@ class HeldKVParams:
         if self.block_digests and not self.push:  # a push's travel over the side channel
             out[BLOCK_DIGESTS] = [list(rank) for rank in self.block_digests]
             out[DIGEST_ALGO] = self.digest_algo
+        if self.push_key:
+            out[PUSH_KEY] = out["remote_request_id"] = self.push_key
         return out
 
 
@@ -686,7 +693,9 @@ def parse_remote_prefix_params(params: Any) -> RemotePrefillParams:
         isinstance(h, str) and 0 < len(h) <= _MAX_BLOCK_HASH_CHARS for h in hashes
     ):
         raise _bad(f"{BLOCK_HASHES} must be a list of hex strings (the held blocks' hashes)")
-    plain = {k: v for k, v in params.items() if k not in (FIRST_TOKEN_ID, FIRST_TOKEN_LOGPROB)}
+    # a held prefix is READ whatever the leg does with its own KV (a push prefill leg's key and mode ride along)
+    plain = {k: v for k, v in params.items()
+             if k not in (FIRST_TOKEN_ID, FIRST_TOKEN_LOGPROB, TRANSFER_MODE, PUSH_KEY)}
     parsed = parse_remote_prefill_params({**plain, "do_remote_prefill": True})
     if len(hashes) > len(parsed.remote_block_ids):
         raise _bad(f"{BLOCK_HASHES} lists {len(hashes)} hashes for {len(parsed.remote_block_ids)} blocks")
@@ -706,6 +715,15 @@ def parse_remote_kv_params(params: Any) -> RemotePrefillParams:
 # prefill instance up front (its /pdserve/info coordinates) and both legs carry one random `push_key` that
 # pairs the prefill request with the decode's registration (a capability, like the lease token: only the two
 # legs carry it).
+#
+# A router of vLLM's shape (vllm tests/v1/kv_connector/nixl_integration/toy_push_proxy_server.py) sends the
+# prefill leg with `do_remote_decode` only, waits for its answer, then sends the decode leg with the answer's
+# `remote_engine_id`, `remote_request_id`, `remote_host`, `remote_port`, `tp_size` (nothing else: no
+# `transfer_mode`, no key). A push prefill instance given a leg without a key mints one and answers it as both
+# `push_key` and `remote_request_id`; a push decode instance takes the key from `push_key`, else from
+# `remote_request_id`. What authenticates that decode leg is the same as in pull mode: the key is random and
+# only the prefill leg's answer carries it (to whoever sent that leg), as the lease token is; the registration
+# that presents it reaches the prefill's side channel, which (with PDSERVE_KV_SECRET) takes only fleet members'.
 TRANSFER_MODE = "transfer_mode"
 PUSH = "push"
 PULL = "pull"
@@ -740,24 +758,29 @@ class PushParams:
     remote_port: int = 0
     tp_size: int = 1
     first_token: FirstToken | None = None  # a decode leg's, when its params carry one
+    minted: bool = False  # a prefill leg that came without a key (vLLM's router): the prefill chose it
 
     @property
     def address(self) -> tuple[str, int]:
         return (self.remote_host, self.remote_port)
 
 
-def _push_key(params: Mapping[str, Any]) -> str:
-    key = params.get(PUSH_KEY)
+def _push_key(params: Mapping[str, Any], field_name: str = PUSH_KEY) -> str:
+    key = params.get(field_name)
     lo, hi = _PUSH_KEY_CHARS
     if not isinstance(key, str) or not lo <= len(key) <= hi:
-        raise _bad(f"{PUSH_KEY} must be a string of {lo} to {hi} characters in push mode")
+        raise _bad(f"{field_name} must be a string of {lo} to {hi} characters in push mode")
     return key
 
 
 def parse_push_prefill_params(params: Any) -> PushParams:
-    """A push-mode prefill leg's params (`do_remote_decode`, `transfer_mode: push`, `push_key`)."""
-    if not is_push(params) or not params.get("do_remote_decode"):
-        raise _bad("not a push-mode prefill leg (do_remote_decode with transfer_mode 'push')")
+    """A prefill leg's params on a push instance (`do_remote_decode`): pdserve's proxy's carry the pair's
+    `push_key`; one without a key (vLLM's router) gets a random key minted here (`minted`), which the answer
+    returns (`HeldKVParams.push_key`)."""
+    if not isinstance(params, Mapping) or not params.get("do_remote_decode"):
+        raise _bad("not a prefill leg (do_remote_decode)")
+    if params.get(PUSH_KEY) is None:
+        return PushParams(secrets.token_hex(16), minted=True)
     return PushParams(_push_key(params))
 
 
@@ -766,10 +789,15 @@ def parse_push_decode_params(params: Any) -> PushParams:
     mode are refused with the mode named: a pull decode leg (a lease to read) cannot be served by push."""
     if not isinstance(params, Mapping) or not params.get("do_remote_prefill"):
         raise _bad("a decode leg needs do_remote_prefill")
-    if params.get(TRANSFER_MODE, PULL) != PUSH:
+    # vLLM's push router forwards no transfer_mode: a leg without one is taken as push, unless it carries a
+    # pull lease (a lease token: pdserve's pull producers)
+    mode = params.get(TRANSFER_MODE, PULL if params.get(LEASE_TOKEN) else PUSH)
+    if mode != PUSH:
         raise _bad(f"this decode instance uses kv_connector NixlPushConnector (transfer_mode 'push'); the params "
-                   f"are for transfer_mode {params.get(TRANSFER_MODE, PULL)!r} (NixlConnector/NixlPullConnector)")
-    key = _push_key(params)
+                   f"are for transfer_mode {mode!r} (NixlConnector/NixlPullConnector)")
+    # the pair's key: pdserve's proxy's `push_key`, or the one the prefill minted, which vLLM's router carries
+    # as `remote_request_id` (pdserve's prefill answers it so)
+    key = _push_key(params) if params.get(PUSH_KEY) is not None else _push_key(params, "remote_request_id")
     engine_id, host, port, tp = (params.get(k) for k in ("remote_engine_id", "remote_host", "remote_port",
                                                           "tp_size"))
     if not isinstance(engine_id, str) or not engine_id:
@@ -840,9 +868,13 @@ class KVTransferParams:
         InvalidKVTransferParams (a 400) naming what is wrong, or the mode the params are for."""
         if push:
             if self.prefix:
-                raise _bad("reading a held prefix back (bidirectional_kv_xfer) needs kv_connector NixlConnector; "
-                           "this instance uses NixlPushConnector")
+                raise _bad("reading a held prefix back (bidirectional_kv_xfer) is a prefill leg's; this instance "
+                           "is a NixlPushConnector decode (a push prefill instance reads held prefixes back)")
             return parse_push_decode_params(self.wire)
+        if self.prefix:
+            # a held prefix is always READ (its holder leases it, in either mode); the leg that reads it may
+            # push its own KV onwards (a push prefill's turn with history: `push_key` beside the prefix)
+            return parse_remote_prefix_params(self.wire)
         refuse_push_params(self.wire)
         return parse_remote_kv_params(self.wire)
 

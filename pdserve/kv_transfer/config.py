@@ -322,10 +322,15 @@ class KVTransferConfig:
         if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
             raise ValueError(f"kv_connector_extra_config.push_layerwise_min_tokens must be an integer >= 0, got "
                              f"{min_tokens!r}")
-        if connector == PUSH_CONNECTOR and bidirectional:
-            # as vLLM's NixlPushConnectorScheduler: the held conversation is read back by pull only
-            raise ValueError("kv_connector NixlPushConnector does not support bidirectional_kv_xfer (multi-turn "
-                             "history handback is pull-only); use NixlConnector for it")
+        if connector == PUSH_CONNECTOR and bidirectional and role == "kv_both":
+            # Push with multi-turn history (vLLM's NixlPushConnectorScheduler refuses it, vllm#46473): the decode
+            # keeps each conversation under a lease and the next turn's prefill READs it back, then pushes only
+            # the blocks the decode lacks. So a push decode instance (kv_consumer) holds, a push prefill
+            # (kv_producer) reads; one instance of both roles would have to be a push decode and a pull reader
+            # at once (one consumer role per instance).
+            raise ValueError("kv_connector NixlPushConnector with bidirectional_kv_xfer needs kv_role kv_producer "
+                             "(prefill: reads held histories back) or kv_consumer (decode: holds them), not "
+                             "kv_both")
 
         digest = {k: extra.get(k, default) for k, default in (("enable_kv_digest", False),
                                                                ("kv_digest_required", False))}

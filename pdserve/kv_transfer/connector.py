@@ -196,7 +196,9 @@ class KVConnector:
                     self.push_sender.faults = producer.faults
                 self._server.start()
             if config.is_consumer:
-                consumer = (PushConsumer if push else KVConsumer)(
+                # a push prefill with bidirectional_kv_xfer is a consumer only to READ held histories back: pull
+                pushed_into = push and config.kv_role != "kv_producer"
+                consumer = (PushConsumer if pushed_into else KVConsumer)(
                     config,
                     agent=self._agent,
                     region=self.region,

@@ -109,9 +109,10 @@ class KVProducer:
     # ---- engine API --------------------------------------------------------------------------------
 
     def parse_prefill_leg(self, params: KVTransferParams) -> PushParams | None:
-        """A prefill leg's pairing key when its KV is pushed (push mode, `transfer_mode: push`), else None (a
-        pull producer serves a push-mode leg as a pull one); InvalidKVTransferParams when malformed."""
-        return params.parse_push_prefill() if self.push_sender is not None and params.push else None
+        """A prefill leg's pairing key on a push producer (every leg's KV is pushed: pdserve's proxy's carry the key,
+        one of vLLM's router's shape gets a minted one), else None (a pull producer serves a push-mode leg as a pull
+        one); InvalidKVTransferParams when malformed."""
+        return params.parse_push_prefill() if self.push_sender is not None and params.remote_decode else None
 
     def hold(
         self, request_id: str, block_ids: Sequence[int], num_tokens: int, num_cached_tokens: int = 0,
@@ -150,8 +151,9 @@ class KVProducer:
                 self._reap_push_digests_locked(now)  # those no decode fetched (its digests off) go too
                 self._push_digests[push.push_key] = (digests, self.digester.algo, now + ttl)
         self.push_sender.finish(request_id, push, block_ids, num_tokens, (request_id, lease_token))
-        # vLLM's push response shape (push_scheduler.request_finished); no lease token: nothing to claim
-        return dataclasses.replace(held, push=True)
+        # vLLM's push response shape (push_scheduler.request_finished); no lease token: nothing to claim. A minted
+        # key goes back in the answer: the decode leg that vLLM's router builds from it presents it.
+        return dataclasses.replace(held, push=True, push_key=push.push_key if push.minted else "")
 
     def send_ended(self, request_id: str) -> None:
         """A prefill leg ended without its KV (aborted, failed): a push job for it stops."""

@@ -133,13 +133,11 @@ class LaunchConfig:
             raise ValueError(f"kv_history (--kv-history) needs prefill and decode instances, not {self.topology}")
         if self.kv_transfer_mode not in ("pull", "push"):
             raise ValueError(f"kv_transfer_mode must be pull or push, got {self.kv_transfer_mode!r}")
-        if self.kv_transfer_mode == "push":
-            if self.engine != "pdserve":
-                raise ValueError("kv_transfer_mode push needs pdserve instances (the proxy sends both legs at once, "
-                                 "which vLLM's NixlPushConnector does not take)")
-            if self.kv_history:
-                raise ValueError("kv_transfer_mode push does not support kv_history (multi-turn handback is "
-                                 "pull-only, as in vLLM's NixlPushConnector)")
+        if self.kv_transfer_mode == "push" and self.kv_history and self.engine != "pdserve":
+            # vLLM's NixlPushConnectorScheduler refuses bidirectional_kv_xfer (vllm#46473); pdserve's push instances
+            # take it (the prefill reads the held history back, then pushes)
+            raise ValueError("kv_transfer_mode push with kv_history needs pdserve instances (vLLM's "
+                             "NixlPushConnector refuses bidirectional_kv_xfer)")
         counts = {"prefill": self.topology.num_prefill, "decode": self.topology.num_decode,
                   "collocated": self.topology.num_collocated}
         for role, pool in self.pools.items():

@@ -300,7 +300,7 @@ def build_deployment(
             argv = ["vllm", "serve", model_arg, "--host", cfg.host, "--port", str(port)]
             if sc is not None:
                 argv += ["--kv-transfer-config", kv_transfer_config(role, cfg.kv_load_failure_policy,
-                                                                     cfg.kv_history)]
+                                                                     cfg.kv_history, cfg.kv_transfer_mode)]
         else:
             argv = [python, "-m", "pdserve", "serve", model_arg, "--host", cfg.host, "--port", str(port)]
             if sc is not None:
@@ -333,8 +333,6 @@ def build_deployment(
         # While a prefill instance is down (restarting), decode instances prefill locally: the deployment
         # keeps answering, and the proxy's retry budget bounds the extra work.
         proxy_argv += ["--on-prefill-failure", "decode-local"]
-    if prefill and cfg.kv_transfer_mode == "push" and not has_flag(cfg.proxy_args, "--kv-transfer-mode"):
-        proxy_argv += ["--kv-transfer-mode", "push"]
     proxy_argv += cfg.proxy_args
     proxy = ProcSpec("proxy", "proxy", proxy_argv, {}, cfg.host, proxy_port, cfg.log_dir / "proxy.log")
     user_key = has_flag(cfg.proxy_args, "--admin-key") or bool(env.get(ADMIN_KEY_ENV))

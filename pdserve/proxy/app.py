@@ -245,21 +245,31 @@ class ProxyHandlers:
         prefill leg, its failure policy, then the decode leg with the prefill's kv_transfer_params."""
         cfg = self.config
         state = self.state
-        if cfg.kv_transfer_mode == "push":
+        rid = headers["X-Request-Id"]
+        mismatch = state.pairing.mismatch()
+        if mismatch is not None:  # push and pull instances only (or push across engines): no pair can load KV
+            self.metrics.error("no_pair")
+            return error_response(502, mismatch, "BadGatewayError", request_id=rid)
+        affinity = affinity_key(body, cfg.prefix_affinity_chars) if cfg.prefix_affinity else None
+        # the prefill instance first: its transfer mode decides the pair's shape (and which decode instances pair)
+        first = await state.pairing.prefill(wait=cfg.on_prefill_failure != "decode-local", affinity=affinity,
+                                            prefix=prefix)
+        history, decision = self._history_for(api_path, body, rid, prefix, first)
+        if first is not None and state.pairing.concurrent_push(first):
             if count_path:
                 self.metrics.path["disagg"].inc()
-            return await start_push_pair(state, api_path, body, raw, headers, tokens, decode_tokens)
-        rid = headers["X-Request-Id"]
-        early_inst = await state.pairing.early_decode(body)
+            # with a held history, the prefill reads it back (pull) and pushes the request's KV on
+            leg, prefill_response = await start_push_pair(state, api_path, body, raw, headers, tokens,
+                                                          decode_tokens, first, history)
+            return self._keep_history(leg, api_path, body, prefill_response, decision)
+        early_inst = await state.pairing.early_decode(body, first)
         token_ids = (early_inst is None and cfg.chat_token_ids and api_path == CHAT_COMPLETIONS
                      and chat_prompt_ids_allowed(body.get("messages"), body.get("echo")))
-        history, decision = self._history_for(api_path, body, rid, prefix)
         prefill_payload = json.dumps(build_prefill_body(body, chat_token_ids=token_ids,
                                                         history_params=history)).encode()
-        affinity = affinity_key(body, cfg.prefix_affinity_chars) if cfg.prefix_affinity else None
         prefill = asyncio.ensure_future(
             run_prefill(state, api_path, prefill_payload, headers, tokens, affinity, prefix,
-                        peer_pull=history is None))
+                        peer_pull=history is None, first=(first,)))
         # the prefill leg's task runs first (to its first wait on the network), then the decode leg's
         early = None if early_inst is None else EarlyDecodeLeg.send(state, early_inst, api_path, body, headers,
                                                                       decode_tokens)
@@ -269,6 +279,9 @@ class ProxyHandlers:
             if early is not None:
                 await early.cancel()
             raise
+        if early is not None and result.instance is not None and not state.pairing.pairs(result.instance, early.inst):
+            await early.cancel()  # the prefill's answer taught its mode (vllm#50620): that decode does not pair
+            early = None
         if early is not None:
             if result.kv_params is not None:
                 if count_path:
@@ -325,7 +338,8 @@ class ProxyHandlers:
             self.metrics.path["disagg"].inc()
         logger.debug("request %s: disagg via %s", rid, result.instance.url)
         leg = await send_decode(
-            state, api_path, json.dumps(decode_body).encode(), headers, tokens=decode_tokens, kv_claimed=True
+            state, api_path, json.dumps(decode_body).encode(), headers, tokens=decode_tokens, kv_claimed=True,
+            pair_with=result.instance,
         )
         return self._keep_history(leg, api_path, body, result.response, decision)
 
@@ -353,14 +367,18 @@ class ProxyHandlers:
         leg.on_kv_params = remember
         return leg
 
-    def _history_for(self, api_path: str, body: dict[str, Any], rid: str,
-                     prefix: CachedPrefix | None = None) -> tuple[dict[str, Any] | None, HistoryDecision | None]:
+    def _history_for(self, api_path: str, body: dict[str, Any], rid: str, prefix: CachedPrefix | None = None,
+                     prefill: Instance | None = None) -> tuple[dict[str, Any] | None, HistoryDecision | None]:
         """The held-history params the prefill leg should read back (None: none held, or recomputing is
         cheaper by `pdserve plan`'s arithmetic, or the prefill's own prefix cache should hold it), and the
         decision as the client is told it (None without --kv-history)."""
         if not self.config.kv_history:
             return None, None
         held = self.state.history.take(api_path, body)
+        holder = self.state.decode.get(held.decode_url) if held is not None else None
+        if held is not None and prefill is not None and holder is not None \
+                and not self.state.pairing.pairs(prefill, holder):
+            held = None  # the chosen prefill's mode differs from the holder's: their handshake would be refused
         if held is None:
             self.metrics.kv_history["none"].inc()
             return None, HistoryDecision("none", "no_history")

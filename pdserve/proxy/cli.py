@@ -177,9 +177,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-transfer-mode",
         choices=("pull", "push"),
         default=argparse.SUPPRESS,
-        help="pull (default): the decode instance READs the KV after the prefill; push: both legs at once, the "
-             "prefill WRITEs the KV into blocks the decode registered (instances run kv_connector "
-             "NixlPushConnector)",
+        help="override the transfer mode learnt from each instance (pdserve's /pdserve/info, the transfer_mode of "
+             "vLLM's prefill answers; unset by default): pull, the decode instance READs the KV after the "
+             "prefill; push (kv_connector NixlPushConnector), the prefill WRITEs the KV into blocks the decode "
+             "registered (a pdserve pair's legs go out at once, vLLM's one after the other)",
     )
     parser.add_argument(
         "--no-kv-history",

@@ -46,9 +46,12 @@ class ProxyConfig:
     # send the decode leg with the prefill leg (to decode instances that take their params later), so that
     # its HTTP, parsing and admission overlap the prefill; the params follow (pdserve.api.pd.KV_PARAMS_PATH)
     early_decode_leg: bool = True
-    # "push": instances run NixlPushConnector; both legs go out at once and the prefill WRITEs the KV into
-    # blocks the decode registered (proxy/push_pair.py); "pull" (default): the decode READs after the prefill
-    kv_transfer_mode: str = "pull"
+    # Each instance's transfer mode is learnt (proxy/instance_info.py: /pdserve/info, or the `transfer_mode` of
+    # vLLM's prefill answers) and pairs go push with push, pull with pull. Set, it overrides what was learnt for
+    # every instance: "push" (NixlPushConnector: a pdserve pair's legs go out at once and the prefill WRITEs the
+    # KV into blocks the decode registered, proxy/push_pair.py; vLLM's get sequential legs), "pull" (the decode
+    # READs after the prefill).
+    kv_transfer_mode: str | None = None
     # n > 1 as one P/D pair: pdserve decode instances fork the one KV load into the n choices (vLLM's
     # cannot: --no-disagg-n serves such requests locally)
     disagg_n: bool = True
@@ -87,8 +90,8 @@ class ProxyConfig:
 
     def validate(self) -> ProxyConfig:
         """Normalises URLs and checks ranges; raises ValueError with a readable message."""
-        if self.kv_transfer_mode not in ("pull", "push"):
-            raise ValueError(f"kv_transfer_mode must be pull or push, got {self.kv_transfer_mode!r}")
+        if self.kv_transfer_mode not in (None, "pull", "push"):
+            raise ValueError(f"kv_transfer_mode must be pull or push (or unset: learnt), got {self.kv_transfer_mode!r}")
         self.prefill = [normalize_url(u) for u in self.prefill]
         self.decode = [normalize_url(u) for u in self.decode]
         for role, urls in (("prefill", self.prefill), ("decode", self.decode)):

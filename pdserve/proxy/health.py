@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from pdserve.proxy.background import BackgroundTask
-from pdserve.proxy.history_decision import RecomputeInfo
+from pdserve.proxy.instance_info import read_instance_info
 from pdserve.proxy.pool import Instance, Pool
 
 logger = logging.getLogger("pdserve.proxy")
@@ -39,30 +39,6 @@ async def probe(session: aiohttp.ClientSession, inst: Instance, timeout: float) 
             return f"health status {resp.status}"
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         return f"health probe: {type(exc).__name__}: {exc}"
-
-
-async def read_info(session: aiohttp.ClientSession, inst: Instance, timeout: float) -> dict[str, Any] | bool:
-    """An instance's /pdserve/info: the document, False for an instance without that route (vLLM), or True when
-    the probe itself failed (nothing learnt)."""
-    try:
-        async with session.get(
-            inst.endpoint("/pdserve/info"), timeout=aiohttp.ClientTimeout(total=timeout)
-        ) as resp:
-            if resp.status != 200:
-                return False
-            info = await resp.json(content_type=None)
-            return info if isinstance(info, dict) else False
-    except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
-        return True
-
-
-async def probe_params_later(session: aiohttp.ClientSession, inst: Instance, timeout: float) -> bool | None:
-    """Whether a decode instance takes its leg before the prefill's params (pdserve's /pdserve/info
-    `kv_params_later`); False for an instance without that route (vLLM), None when the probe failed."""
-    info = await read_info(session, inst, timeout)
-    if info is True:
-        return None
-    return isinstance(info, dict) and info.get("kv_params_later") is True
 
 
 class HealthChecker:
@@ -93,15 +69,11 @@ class HealthChecker:
     async def check(self, inst: Instance) -> bool:
         reason = await probe(self._session, inst, self._timeout)
         if reason is None:
+            if not inst.healthy or inst.pdserve is None:
+                # what the instance is (pdserve or not, push or pull) may have changed across a restart: read
+                # it again on each admission, before the instance can be chosen
+                await read_instance_info(self._session, inst, self._timeout)
             admitted = inst.record_success()
-            if inst.role == "decode" and (admitted or inst.params_later is None):
-                # what the instance is may have changed across a restart: read it again on each admission
-                inst.params_later = await probe_params_later(self._session, inst, self._timeout)
-            if inst.role == "prefill" and (admitted or inst.recompute is None):
-                # its roofline and kv_recompute_threshold, for the multi-turn choice (history_decision.py)
-                info = await read_info(self._session, inst, self._timeout)
-                if info is not True:
-                    inst.recompute = RecomputeInfo.from_info(info)
             if admitted:
                 self._on_admit()
             return True

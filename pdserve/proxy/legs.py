@@ -24,6 +24,7 @@ from pdserve.proxy.errors import (
 )
 from pdserve.proxy.history_decision import HEADER as HISTORY_HEADER
 from pdserve.proxy.history_decision import HistoryDecision
+from pdserve.proxy.instance_info import learn_from_params
 from pdserve.proxy.kv_routing import CachedPrefix
 from pdserve.proxy.peer_pull import with_peer_prefix
 from pdserve.proxy.pool import Instance
@@ -168,6 +169,7 @@ async def _prefill_once(
     if kind is None:
         kv_params = prefill_kv_params(parsed)
         if kv_params is not None:
+            learn_from_params(inst, kv_params)  # vLLM's answers say its transfer mode (vllm#50620)
             inst.record_success()
             state.metrics.prefill_seconds.observe(time.perf_counter() - started)
             return PrefillResult(kv_params=kv_params, response=parsed, instance=inst)
@@ -190,21 +192,28 @@ async def run_prefill(
     affinity: str | None,
     prefix: CachedPrefix | None = None,
     peer_pull: bool = False,
+    first: tuple[Instance | None] | None = None,
 ) -> PrefillResult:
     """The prefill leg on the chosen instance, then on other instances while retries are allowed
     (none under --on-prefill-failure fail) and the retry budget has room. With `prefix`, the instance is
     chosen by cached prefix and load, and the leg counts as the prompt tokens not cached there.
 
     With no prefill instance available, the first attempt waits (bounded) for one, except under
-    --on-prefill-failure decode-local, which serves such a request locally at once instead.
+    --on-prefill-failure decode-local, which serves such a request locally at once instead. `first`: the first
+    attempt's instance, chosen already (None in it: none was available); retries stay in its transfer mode.
     """
     cfg = state.config
     attempts = 1 if cfg.on_prefill_failure == "fail" else 1 + cfg.prefill_retries
     wait = cfg.on_prefill_failure != "decode-local"
     tried: list[Instance] = []
     last = PrefillResult(error="no prefill instance available", unavailable=True)
+    like = first[0] if first is not None else None
     for attempt in range(attempts):
-        inst = await state.pairing.prefill(tried, wait=wait and attempt == 0, affinity=affinity, prefix=prefix)
+        if attempt == 0 and first is not None:
+            inst = first[0]
+        else:
+            inst = await state.pairing.prefill(tried, wait=wait and attempt == 0, affinity=affinity, prefix=prefix,
+                                               like=like)
         if inst is None:
             break
         if attempt:
@@ -315,6 +324,7 @@ async def send_decode(
     kv_claimed: bool,
     prefix: CachedPrefix | None = None,
     role: str = "decode",
+    pair_with: Instance | None = None,
 ) -> DecodeLeg | web.Response:
     """Send the decode leg; returns it once an instance answered (any status but a retried 5xx), or the
     error response for the client. A leg that never reached an instance (connect failure) is retried on
@@ -324,7 +334,8 @@ async def send_decode(
     one, then the answer is 503 with Retry-After. `prefix`: the decode instance computes the prompt itself
     (not a P/D decode leg): chosen by cached prefix and load, counted as its uncached tokens. `role`
     "prefill": the whole request is served by a prefill instance instead (a prompt-scoring request,
-    pdserve.api.pd.scores_prompt), with the same retries."""
+    pdserve.api.pd.scores_prompt), with the same retries. `pair_with`: the prefill instance whose KV the leg
+    loads (only a decode instance that pairs with it is chosen: pairing.py)."""
     cfg = state.config
     rid = headers["X-Request-Id"]
     tried: list[Instance] = []
@@ -333,7 +344,7 @@ async def send_decode(
     last_retry_after: float | None = None
     for attempt in range(1 + cfg.decode_retries):
         inst = await state.pairing.decode(tried, wait=attempt == 0, prefix=prefix, computes_prompt=not kv_claimed,
-                                          role=role)
+                                          role=role, pair_with=pair_with)
         if inst is None:
             break
         if attempt:

@@ -34,6 +34,7 @@ ERROR_KINDS = (
     "decode_status",
     "decode_stream",
     "no_instance",
+    "no_pair",
     "retry_budget",
     "client_disconnect",
 )

@@ -13,7 +13,10 @@ reads a cached prefix from (peer_pull.py), the pass-through routes (app.passthro
   request; the cheapest by cached prefix when an instance of the pool publishes KV events (kv_routing.py, the fleet
   index); else --prefix-affinity's rendezvous hashing;
 - what the leg needs of its instance: an early decode leg goes only to a decode instance that takes its params later;
-  a peer to pull from must pin on demand, as must the prefill that reads from it.
+  a peer to pull from must pin on demand, as must the prefill that reads from it;
+- the transfer mode (instance_info.py): a pair is push with push or pull with pull, as each instance's /pdserve/info
+  or vLLM's `transfer_mode` param says (or `--kv-transfer-mode`, which overrides them). A prefill instance no decode
+  instance pairs with is never chosen; a fleet where no pair is possible gets an error that names the mismatch.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pdserve.api.pd import PUSH
 from pdserve.proxy.config import ProxyConfig
+from pdserve.proxy.instance_info import Kind, describe, kind, kinds_pair, mode_of, pairs
 from pdserve.proxy.kv_fleet import KVFleet
 from pdserve.proxy.kv_routing import UNKNOWN, CachedPrefix
 from pdserve.proxy.metrics import ProxyMetrics
@@ -44,30 +49,89 @@ class PairChooser:
         self._fleet = fleet
 
     async def prefill(self, tried: Sequence[Instance] = (), *, wait: bool, affinity: str | None = None,
-                      prefix: CachedPrefix | None = None) -> Instance | None:
-        """The prefill instance of a pair (`tried`: the instances this request's earlier attempts used). It computes
-        the prompt, so a first attempt's choice counts in the routing hit rate."""
-        return await self._choose(self._prefill, tried, wait=wait, affinity=affinity, prefix=prefix, record=True)
+                      prefix: CachedPrefix | None = None, like: Instance | None = None) -> Instance | None:
+        """The prefill instance of a pair (`tried`: the instances this request's earlier attempts used), one that
+        some decode instance pairs with (and, given `like`, of its transfer mode: a retry stays in its mode). It
+        computes the prompt, so a first attempt's choice counts in the routing hit rate."""
+        exclude = [*tried, *self._unpairable(like)]
+        return await self._choose(self._prefill, exclude, wait=wait, affinity=affinity, prefix=prefix, record=True,
+                                  first=not tried)
 
     async def decode(self, tried: Sequence[Instance] = (), *, wait: bool, prefix: CachedPrefix | None = None,
-                     computes_prompt: bool = False, role: str = "decode") -> Instance | None:
+                     computes_prompt: bool = False, role: str = "decode",
+                     pair_with: Instance | None = None) -> Instance | None:
         """The instance of a decode leg (or, `role` "prefill", of a request served whole by a prefill instance).
         `computes_prompt`: not a P/D decode leg, the instance computes the prompt itself (its choice counts in the
-        routing hit rate)."""
+        routing hit rate). `pair_with`: the leg loads that prefill instance's KV, so only a decode instance that
+        pairs with it is chosen."""
         pool = {"decode": self._decode, "prefill": self._prefill}[role]
-        return await self._choose(pool, tried, wait=wait, prefix=prefix, record=computes_prompt)
+        exclude = list(tried)
+        if pair_with is not None:
+            exclude += [d for d in pool.instances if not self.pairs(pair_with, d)]
+        return await self._choose(pool, exclude, wait=wait, prefix=prefix, record=computes_prompt, first=not tried)
 
-    async def early_decode(self, body: dict[str, Any]) -> Instance | None:
+    # ---- transfer modes ------------------------------------------------------------------------------------
+
+    def mode(self, inst: Instance) -> str | None:
+        """The instance's transfer mode: --kv-transfer-mode when given, else what was learnt (None: unknown)."""
+        return mode_of(inst, self._config.kv_transfer_mode)
+
+    def pairs(self, prefill: Instance, decode: Instance) -> bool:
+        return pairs(prefill, decode, self._config.kv_transfer_mode)
+
+    def concurrent_push(self, prefill: Instance) -> bool:
+        """Whether a pair with this prefill instance runs as pdserve's push pair (both legs at once, one push
+        key: push_pair.py): a pdserve instance in push mode. vLLM's push instances get the legs one after the
+        other, the decode's naming the prefill's coordinates from its answer, as vLLM's own push router sends
+        them (vllm tests/v1/kv_connector/nixl_integration/toy_push_proxy_server.py)."""
+        return self.mode(prefill) == PUSH and prefill.pdserve is not False
+
+    def mismatch(self) -> str | None:
+        """Why no P/D pair can be formed (every admitted prefill instance has a transfer mode no decode instance
+        pairs with), or None."""
+        healthy = [p for p in self._prefill.instances if p.healthy]
+        decodes = self._decode_kinds()
+        if not healthy or not decodes or any(self._pairs_any(p, decodes) for p in healthy):
+            return None
+        override = self._config.kv_transfer_mode
+        return (f"no decode instance pairs with a prefill instance: a pair needs one transfer mode (push: "
+                f"kv_connector NixlPushConnector, pull: NixlConnector) and, for push, two pdserve or two vLLM "
+                f"instances; prefill {describe(healthy, override)}; decode "
+                f"{describe(list(self._decode.instances), override)}")
+
+    def _unpairable(self, like: Instance | None) -> list[Instance]:
+        """Prefill instances not to choose: those no decode instance pairs with, and (given `like`) those of
+        another transfer mode than `like`'s."""
+        decodes = self._decode_kinds()
+        want = self.mode(like) if like is not None else None
+
+        def other_mode(p: Instance) -> bool:
+            return want is not None and self.mode(p) not in (None, want)
+
+        return [p for p in self._prefill.instances
+                if (decodes and not self._pairs_any(p, decodes)) or other_mode(p)]
+
+    def _decode_kinds(self) -> set[Kind]:
+        """The kinds of the decode instances (a handful, however many instances): pairing checks against these."""
+        override = self._config.kv_transfer_mode
+        return {kind(d, override) for d in self._decode.instances}
+
+    def _pairs_any(self, prefill: Instance, decodes: set[Kind]) -> bool:
+        pk = kind(prefill, self._config.kv_transfer_mode)
+        return any(kinds_pair(pk, dk) for dk in decodes)
+
+    async def early_decode(self, body: dict[str, Any], prefill: Instance | None = None) -> Instance | None:
         """The decode instance to send the decode leg to together with the prefill leg: one available now that takes
-        its params later (a pdserve one), for a request of one plain choice; else None (the ordinary order: the
-        decode leg once the prefill answered)."""
+        its params later (a pdserve one) and pairs with `prefill`, for a request of one plain choice; else None (the
+        ordinary order: the decode leg once the prefill answered)."""
         if not self._config.early_decode_leg or body.get("n") not in (None, 1):
             return None
         pool = self._decode
-        others = [inst for inst in pool.instances if not inst.params_later]
+        others = [inst for inst in pool.instances if not inst.params_later
+                  or (prefill is not None and not self.pairs(prefill, inst))]
         if len(others) == len(pool):
             return None  # no choice made (choosing rotates ties: the ordinary leg's choice must be the one)
-        return await self._choose(pool, others, wait=False)
+        return await self._choose(pool, others, wait=False, first=not others)
 
     def peer(self, chosen: Instance, prefix: CachedPrefix) -> Instance | None:
         """The healthy pinning instance (prefill or decode), other than `chosen`, caching the most of the prompt,
@@ -85,7 +149,8 @@ class PairChooser:
         return best if gain >= max(self._config.kv_peer_pull_min_tokens, 1) else None
 
     async def _choose(self, pool: Pool, exclude: Sequence[Instance], *, wait: bool, affinity: str | None = None,
-                      prefix: CachedPrefix | None = None, record: bool = False) -> Instance | None:
+                      prefix: CachedPrefix | None = None, record: bool = False, first: bool = True
+                      ) -> Instance | None:
         """An available instance of `pool`; with `wait`, up to --instance-wait-timeout for one to be admitted.
 
         Routing by cached prefix (`prefix`) applies when an instance of the pool publishes KV events; otherwise
@@ -96,8 +161,9 @@ class PairChooser:
         routed = fleet is not None and fleet.any_publishing(pool.instances)
         cost = prefix.cost if prefix is not None and routed else None
         inst = await self._when_ready(pool, cfg.instance_wait_timeout if wait else 0.0, list(exclude),
-                                      affinity=affinity, affinity_slack=cfg.prefix_affinity_slack, cost=cost)
-        if record and routed and inst is not None and not exclude:
+                                      affinity=affinity, affinity_slack=cfg.prefix_affinity_slack, cost=cost,
+                                      retry=not first)
+        if record and routed and inst is not None and first:
             if prefix is None:
                 self._metrics.kv_routed(UNKNOWN, 0, 0)
             else:
@@ -106,10 +172,11 @@ class PairChooser:
         return inst
 
     async def _when_ready(self, pool: Pool, wait_s: float, exclude: list[Instance], *, affinity: str | None,
-                          affinity_slack: int, cost: Callable[[Instance], float] | None) -> Instance | None:
+                          affinity_slack: int, cost: Callable[[Instance], float] | None,
+                          retry: bool) -> Instance | None:
         """`pool.choose(...)`, waiting up to `wait_s` seconds for an instance to become available (readiness.py:
         the health checker is asked for a probe round now, and wakes the waiters when it admits one)."""
-        inst = pool.choose(exclude, affinity=affinity, affinity_slack=affinity_slack, cost=cost)
+        inst = pool.choose(exclude, affinity=affinity, affinity_slack=affinity_slack, cost=cost, retry=retry)
         if inst is not None or wait_s <= 0 or len(pool) == 0:
             return inst
         loop = asyncio.get_running_loop()
@@ -121,6 +188,6 @@ class PairChooser:
                 return None
             backoff = pool.backoff_left()
             await self._readiness.wait(min(remaining, backoff + 0.01) if backoff is not None else remaining)
-            inst = pool.choose(exclude, affinity=affinity, affinity_slack=affinity_slack, cost=cost)
+            inst = pool.choose(exclude, affinity=affinity, affinity_slack=affinity_slack, cost=cost, retry=retry)
             if inst is not None:
                 return inst

@@ -64,6 +64,11 @@ class Instance:
     # a prefill instance's roofline and kv_recompute_threshold from its /pdserve/info, for the multi-turn
     # pull-or-recompute choice (history_decision.RecomputeInfo); None until read (after each admission)
     recompute: Any = None
+    # What the instance is (instance_info.py): a pdserve instance (it has /pdserve/info), and its KV transfer
+    # mode, "push" or "pull": from /pdserve/info `kv_transfer_mode`, or for vLLM's instances the `transfer_mode`
+    # their prefill answers carry (vllm-project/vllm#50620); None while unknown.
+    pdserve: bool | None = None
+    transfer_mode: str | None = None
     host: str = field(init=False)
     _endpoints: dict[str, URL] = field(init=False, default_factory=dict, repr=False)
     # Relays reading a response from this instance: told when it is ejected, so that a peer that stopped
@@ -156,6 +161,9 @@ class Instance:
             "failures_total": self.failures_total,
             "ejections_total": self.ejections_total,
             "last_error": self.last_error,
+            # what the proxy learnt (instance_info.py): its KV transfer mode and engine (None: not known yet)
+            "transfer_mode": self.transfer_mode,
+            "engine": None if self.pdserve is None else ("pdserve" if self.pdserve else "other"),
         }
 
 
@@ -213,13 +221,15 @@ class Pool:
         affinity: str | None = None,
         affinity_slack: int = 0,
         cost: Callable[[Instance], float] | None = None,
+        retry: bool | None = None,
     ) -> Instance | None:
         """The instance for the next leg, or None when no instance outside `exclude` is available
         (admitted and not backing off). Callers wait for one (bounded) or answer 503: sending work to
         an instance that failed its probes only turns a clean 503 into a slow 502. The policy among the
-        available ones is pdserve/routing/choice.py's (`exclude` non-empty: a retry of the same request)."""
+        available ones is pdserve/routing/choice.py's (`retry`, by default `exclude` non-empty: a retry of the same
+        request)."""
         excluded = set(exclude)
         now = time.monotonic()
         candidates = [inst for inst in self._instances if inst.available(now) and inst not in excluded]
-        return self._balancer.choose(candidates, retry=bool(excluded), affinity=affinity,
+        return self._balancer.choose(candidates, retry=bool(excluded) if retry is None else retry, affinity=affinity,
                                      affinity_slack=affinity_slack, cost=cost)

@@ -1,4 +1,5 @@
-"""One P/D pair in push mode (`pdserve proxy --kv-transfer-mode push`, instances with `NixlPushConnector`).
+"""One P/D pair in push mode between pdserve instances (`kv_connector: NixlPushConnector`; chosen when the
+prefill instance's /pdserve/info says `kv_transfer_mode: push`, or under `pdserve proxy --kv-transfer-mode push`).
 
 Both legs go out at once: the decode leg names the chosen prefill instance's side channel (its /pdserve/info
 `engine_id`, `side_channel_host`, `side_channel_port`) and both carry one random push key
@@ -8,6 +9,9 @@ starts when the push completes. So the prefill leg is one attempt (no retry else
 with that instance); when it fails, the decode leg is dropped (closing its connection aborts it, which cancels
 the push) and the prefill's error is answered, or, under `--on-prefill-failure decode-local` (which `pdserve up`
 sets), the request goes to a decode instance whole, as in pull mode.
+
+vLLM's push instances are not driven here: they get the legs one after the other (app.start_pair's ordinary
+order), the decode leg naming the coordinates from the prefill's answer, as vLLM's own push router does.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from aiohttp import web
 
 from pdserve.api.pd import PUSH, build_decode_body, build_prefill_body, push_decode_params
 from pdserve.proxy.errors import error_response
+from pdserve.proxy.instance_info import read_instance_info
 from pdserve.proxy.legs import DecodeLeg, _prefill_once, no_instance_response, send_decode
 from pdserve.proxy.pool import Instance
 from pdserve.proxy.state import ProxyState
@@ -33,31 +38,27 @@ logger = logging.getLogger("pdserve.proxy")
 
 
 async def push_coordinates(state: ProxyState, inst: Instance) -> dict[str, Any] | str:
-    """The prefill instance's side channel from its /pdserve/info (cached until a leg to it fails), or why
-    it cannot take push legs."""
-    if inst.push_info is not None:
-        return inst.push_info
-    try:
-        async with state.http().get(inst.endpoint("/pdserve/info"), timeout=state.prefill_timeout) as resp:
-            info = await resp.json() if resp.status == 200 else None
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        return f"its /pdserve/info could not be read: {type(exc).__name__}: {exc}"
-    if not isinstance(info, dict):
+    """The prefill instance's side channel from its /pdserve/info (read on admission, or now when it was
+    forgotten after a failed leg), or why it cannot take push legs."""
+    if inst.push_info is None and not await read_instance_info(state.http(), inst, state.config.health_timeout):
+        return "its /pdserve/info could not be read"
+    if inst.pdserve is False:
         return "it has no /pdserve/info (not a pdserve instance)"
-    if info.get("kv_transfer_mode") != PUSH:
-        return (f"it uses transfer_mode {info.get('kv_transfer_mode')!r}; push needs kv_connector "
-                "NixlPushConnector on both prefill and decode instances")
-    port = info.get("side_channel_port")
-    if not isinstance(info.get("engine_id"), str) or not isinstance(port, int):
+    if inst.transfer_mode != PUSH:
+        return (f"it uses transfer_mode {inst.transfer_mode!r}; push needs kv_connector NixlPushConnector on both "
+                "prefill and decode instances")
+    if inst.push_info is None:
         return "its /pdserve/info names no KV side channel"
-    # push_decode_params' arguments
-    inst.push_info = dict(engine_id=info["engine_id"], host=info.get("side_channel_host") or inst.host, port=port,
-                          tp_size=int(info.get("tensor_parallel_size") or 1))
     return inst.push_info
 
 
 async def start_push_pair(state: ProxyState, api_path: str, body: dict[str, Any], raw: bytes,
-                          headers: dict[str, str], tokens: int, decode_tokens: int) -> DecodeLeg | web.Response:
+                          headers: dict[str, str], tokens: int, decode_tokens: int, prefill: Instance,
+                          history: dict[str, Any] | None = None
+                          ) -> tuple[DecodeLeg | web.Response, dict[str, Any] | None]:
+    """The pair with `prefill` (chosen by pairing.py, a pdserve push instance) up to the decode leg's response
+    headers, or the client's error response; and the prefill's answer (None without one). `history`: a decode
+    instance's held history of this conversation, which the prefill reads back before pushing (multi-turn)."""
     rid = headers["X-Request-Id"]
     local = state.config.on_prefill_failure == "decode-local"
 
@@ -66,20 +67,17 @@ async def start_push_pair(state: ProxyState, api_path: str, body: dict[str, Any]
                        rid, why)
         return await send_decode(state, api_path, raw, headers, tokens=decode_tokens, kv_claimed=False)
 
-    prefill = await state.pairing.prefill(wait=not local)
-    if prefill is None:
-        return await decode_locally("no prefill instance") if local else no_instance_response(state, "prefill", rid)
     coords = await push_coordinates(state, prefill)
     if isinstance(coords, str):
         state.metrics.error("prefill_failed")
         return error_response(502, f"prefill instance {prefill.url} cannot take push legs: {coords}",
-                              "BadGatewayError", request_id=rid)
-    decode = await state.pairing.decode(wait=True)
+                              "BadGatewayError", request_id=rid), None
+    decode = await state.pairing.decode(wait=True, pair_with=prefill)
     if decode is None:
-        return no_instance_response(state, "decode", rid)
+        return no_instance_response(state, "decode", rid), None
     key = uuid.uuid4().hex
     decode_payload = json.dumps(build_decode_body(body, push_decode_params(key, **coords))).encode()
-    prefill_payload = json.dumps(build_prefill_body(body, push_key=key)).encode()
+    prefill_payload = json.dumps(build_prefill_body(body, history_params=history, push_key=key)).encode()
     decode.acquire(decode_tokens)
     started = time.perf_counter()
     decode_task = asyncio.ensure_future(state.http().post(decode.endpoint(api_path), data=decode_payload,
@@ -100,11 +98,11 @@ async def start_push_pair(state: ProxyState, api_path: str, body: dict[str, Any]
         await drop_decode()
         prefill.push_info = None  # it may have restarted (a new engine id or port): read it again next time
         if result.passthrough is not None:
-            return result.passthrough
+            return result.passthrough, None
         if local and (not result.reached or state.spend_retry()):
-            return await decode_locally(f"prefill failed ({result.error})")
+            return await decode_locally(f"prefill failed ({result.error})"), None
         state.metrics.error("prefill_failed")
-        return error_response(502, f"prefill leg failed: {result.error}", "BadGatewayError", request_id=rid)
+        return error_response(502, f"prefill leg failed: {result.error}", "BadGatewayError", request_id=rid), None
     try:
         resp = await decode_task
     except (TimeoutError, aiohttp.ClientError) as exc:
@@ -112,5 +110,5 @@ async def start_push_pair(state: ProxyState, api_path: str, body: dict[str, Any]
         state.metrics.error("decode_io")
         decode.record_failure(f"{type(exc).__name__}: {exc}", state.config.eject_after)
         return error_response(502, f"decode leg failed: {type(exc).__name__}: {exc}", "BadGatewayError",
-                              request_id=rid)
-    return DecodeLeg(decode, resp, started, decode_tokens)
+                              request_id=rid), None
+    return DecodeLeg(decode, resp, started, decode_tokens), result.response
