@@ -162,7 +162,7 @@ class Instance:
             "ejections_total": self.ejections_total,
             "last_error": self.last_error,
             # what the proxy learnt (instance_info.py): its KV transfer mode and engine (None: not known yet)
-            "transfer_mode": self.transfer_mode,
+            "kv_transfer_mode": self.transfer_mode,
             "engine": None if self.pdserve is None else ("pdserve" if self.pdserve else "other"),
         }
 
