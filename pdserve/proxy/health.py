@@ -13,7 +13,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 import aiohttp
 
