@@ -512,6 +512,7 @@ class PushSender:
                     self._end_locked(job, job.state, job.error)
                 return
             assert reg is not None
+            during = not job.final  # posted while the prefill still computes (decided as the post starts)
             local = job.local_blocks[task.lo:task.hi]
             remote = reg.block_ids[task.lo - reg.first_block:task.hi - reg.first_block]
         error = ""
@@ -544,7 +545,6 @@ class PushSender:
             job.inflight.extend(posted)
             job.queued -= task.count
             job.bytes += nbytes
-            during = not job.final
             if error:
                 self._end_locked(job, "failed", error)
         if posted:
