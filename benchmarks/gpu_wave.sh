@@ -35,8 +35,9 @@
 set -u
 T0=$(date +%s)
 ROOT=$(pwd)
-OUT=${OUT:-/tmp/wave-out}
-WORK=${WAVE_WORK:-/tmp/wave}
+OUT=${OUT:-$(mktemp -d -t wave-out.XXXXXX)}
+WORK=${WAVE_WORK:-$(mktemp -d -t wave.XXXXXX)}
+SITE=${WAVE_SITE:-$(mktemp -d -t wave-site.XXXXXX)}  # the carried wheels are installed here
 WHEELS=${WHEELS:-.whl}
 TOK=${TOK:-$ROOT/$WHEELS/smol-tok}
 BUDGET=${WAVE_BUDGET_S:-520}
@@ -125,12 +126,12 @@ if [ -z "${WAVE_PRINT:-}" ]; then
   {
     echo "=== wave $(date -u +%FT%TZ) sections=$SECTIONS budget=${BUDGET}s commit=$(git rev-parse --short HEAD 2>/dev/null)"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
       "$WHEELS"/*.whl 2>&1 | grep -v "^WARNING: Target directory" | tail -5
     echo "wheels installed in $(( $(date +%s) - T0 ))s"
   } 2>&1 | tee -a "$LOG"
 fi
-export PYTHONPATH=/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}
 if [ -z "${WAVE_PRINT:-}" ] && ! python3 -c "import cryptography, fastapi, nixl_cu13, pdserve.server" >> "$LOG" 2>&1; then
   echo "=== the carried wheels do not import: see above" | tee -a "$LOG"
 fi
