@@ -235,23 +235,15 @@ def run_cost(peer: dict, pool: torch.Tensor, agent, blocks: int, iters: int) -> 
     r = time_xfer(agent, write(ld, rd), iters)
     rows.append({"case": "coalesced run (whole-request after a fix)", "descriptors": len(ld), "mib": total / 2**20,
                  **r, "gb_s": total / (r["total_ms"] / 1e3) / 1e9})
-    # per-layer strided rows (NIXL >= 1.5 compressed lists: address, length, device, stride, count)
+    # per-layer strided rows (NIXL >= 1.5 compressed lists: address, length, device, stride, count). post_write
+    # takes Nx5 rows itself (prep_xfer_dlist on both sides + make_prepped_xfer, the lists kept in its WriteHandle
+    # and released with it), so the post time includes preparing the lists, as a layer-pipelined push would.
     try:
-        raw = agent._agent  # noqa: SLF001 - the prepped-list API is not wrapped for WRITEs yet
         lsd = np.array([[region.base_addr + layer * lb, lb, region.device_id, bb, blocks] for layer in range(layers)],
                        dtype=np.uint64)
         rsd = np.array([[remote.base_addr + layer * lb, lb, remote.device_id, bb, blocks] for layer in range(layers)],
                        dtype=np.uint64)
-
-        def strided():
-            a = raw.prep_xfer_dlist("NIXL_INIT_AGENT", lsd, mt)
-            b = raw.prep_xfer_dlist(peer["name"], rsd, mt)
-            idx = np.arange(blocks * layers, dtype=np.int32)
-            h = raw.make_prepped_xfer("WRITE", a, idx, b, idx, b"")
-            raw.transfer(h)
-            return h
-
-        r = time_xfer(agent, strided, iters)
+        r = time_xfer(agent, write(lsd, rsd), iters)
         rows.append({"case": "per-layer strided rows (prepped)", "descriptors": layers, "mib": total / 2**20, **r,
                      "gb_s": total / (r["total_ms"] / 1e3) / 1e9})
     except Exception as exc:  # noqa: BLE001 - an older NIXL: reported
