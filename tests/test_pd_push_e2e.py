@@ -67,7 +67,8 @@ def cluster(model_dir: Path, tmp_path_factory) -> Iterator[dict[str, ServerProce
         "prefill_whole": start(model_dir, logs, "prefill_whole", "--kv-transfer-config",
                                push_config("kv_producer", push_pipeline="request"), "--side-channel-port", "0"),
         "decode": start(model_dir, logs, "decode", "--kv-transfer-config",
-                        push_config("kv_consumer", push_registration_timeout=4.0)),
+                        push_config("kv_consumer", push_registration_timeout=4.0),
+                        env={"PDSERVE_STEP_LOG": str(logs / "decode-steps.jsonl")}),
         "decode_recompute": start(model_dir, logs, "decode_recompute", "--kv-transfer-config",
                                   push_config("kv_consumer", "recompute", push_registration_timeout=4.0)),
         "pull_prefill": start(model_dir, logs, "pull_prefill", "--kv-transfer-config", pull_config("kv_producer"),
@@ -80,7 +81,7 @@ def cluster(model_dir: Path, tmp_path_factory) -> Iterator[dict[str, ServerProce
             "--decode", servers["decode"].url, "--kv-transfer-mode", "push"])
         try:
             proxy.wait_ready()
-            yield {**servers, "proxy": proxy}  # type: ignore[dict-item]
+            yield {**servers, "proxy": proxy, "logs": logs}  # type: ignore[dict-item]
         finally:
             proxy.stop()
 
@@ -158,6 +159,55 @@ def test_push_matches_collocated(cluster, prefill, stream):
     check_pushed_exactly(cluster["collocated"], cluster[prefill], cluster["decode"], body(1 + stream, stream=stream))
     wait_idle(cluster["decode"].url)
     wait_idle(cluster[prefill].url)  # the push ended its lease: the prefill's blocks are free again
+
+
+def decode_step_line(logs: Path, rid: str) -> dict:
+    """The decode engine's lifecycle line of a finished request (PDSERVE_STEP_LOG)."""
+    for line in (logs / "decode-steps.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rid in rec.get("request", ""):
+            return rec
+    raise AssertionError(f"no step-log line for {rid}")
+
+
+@pytest.mark.parametrize("prefill", ["prefill", "prefill_whole"])
+def test_push_decode_adopts_the_prefills_first_token(cluster, prefill):
+    """The decode leg, sent before the prefill ran, starts from the token the prefill sampled (sent with the
+    push's completion), so the first token and every prompt position's KV come from one prefill forward, as
+    in a pull: no decode step recomputes the last prompt token (on a GPU that recompute rounds differently
+    and greedy tokens drift). With `push_first_token: false` (choice 0 of n > 1) it recomputes; both exact,
+    with logprobs too (the recomputed step's logprobs equal to rounding, the adopted ones to the bit)."""
+    b = body(51 + (prefill == "prefill_whole"), words=100, max_tokens=8, logprobs=2)
+    ref = httpx.post(f"{cluster['collocated'].url}/v1/completions", json=b, timeout=60).json()
+    n_prompt = ref["usage"]["prompt_tokens"]
+    want = ref["choices"][0]["token_ids"]
+    for adopt in (True, False):
+        key = uuid.uuid4().hex
+        i = info(cluster[prefill])
+        dparams = pd.push_decode_params(key, engine_id=i["engine_id"], host=i["side_channel_host"],
+                                        port=i["side_channel_port"])
+        if not adopt:
+            dparams = pd.without_first_token(dparams)
+        d = Leg(cluster["decode"].url, "completions", pd.build_decode_body(b, dparams), f"d-{key}")
+        p = Leg(cluster[prefill].url, "completions", pd.build_prefill_body(b, push_key=key), f"p-{key}")
+        pout = p.result()
+        assert pout.status_code == 200, pout.text
+        assert pout.json()["kv_transfer_params"][pd.FIRST_TOKEN_ID] == want[0]
+        out = d.result()
+        assert out.status_code == 200, out.text
+        got = out.json()["choices"][0]
+        assert got["token_ids"] == want, adopt
+        tops, ref_tops = got["logprobs"]["top_logprobs"], ref["choices"][0]["logprobs"]["top_logprobs"]
+        if adopt:  # one forward made both: equal to the bit
+            assert tops == ref_tops
+        else:  # a one-token step's rounding (the drift this adoption removes)
+            assert [t.keys() for t in tops] == [t.keys() for t in ref_tops]
+            assert [list(t.values()) for t in tops] == [pytest.approx(list(t.values()), abs=1e-4) for t in ref_tops]
+        wait_idle(cluster["decode"].url)
+        line = decode_step_line(cluster["logs"], key)
+        # adopted: the whole prompt came over and no step computed a prompt token; else the last one was
+        assert line["cached_tokens"] == (n_prompt if adopt else n_prompt - 1), (adopt, line)
+    wait_idle(cluster[prefill].url)
 
 
 def metrics_of(url: str) -> str:

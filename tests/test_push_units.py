@@ -162,3 +162,28 @@ def test_up_push_mode_with_history_gives_each_pool_its_role() -> None:
         assert kv["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
         roles[inst.role] = kv["kv_role"]
     assert roles == {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+def test_completion_notice_carries_the_first_token_and_reads_back():
+    from pdserve.api.pd import FirstToken
+    from pdserve.kv_transfer.push_sender import completion_notif, parse_completion_notif
+
+    first = FirstToken(17, -0.25, 1, ((17, -0.25), (3, -2.0)))
+    assert parse_completion_notif(completion_notif("k" * 32, first)) == ("k" * 32, first)
+    assert parse_completion_notif(completion_notif("k" * 32, None)) == ("k" * 32, None)
+    # a bare key (a sender without the token) and a malformed token read as no token, never a guess
+    assert parse_completion_notif(b"pdserve-push:" + b"k" * 32) == ("k" * 32, None)
+    assert parse_completion_notif(b'pdserve-push:{"push_key":"kk","first_token_id":-1}') == ("kk", None)
+    assert parse_completion_notif(b"pdserve-lease:x") is None
+
+
+def test_a_push_decode_leg_registers_the_whole_prompt_unless_it_takes_no_first_token():
+    from pdserve.engine.pd.kv_handoff import KVHandoff
+
+    params = pd.push_decode_params("k" * 32, engine_id="e", host="127.0.0.1", port=5)
+    kv = KVHandoff(remote=pd.parse_push_decode_params(params))
+    assert kv.load_tokens(100) == 100  # the push may bring the first token: the last position comes too
+    kv = KVHandoff(remote=pd.parse_push_decode_params(pd.without_first_token(params)))
+    assert kv.load_tokens(100) == 99  # recomputed here
+    with pytest.raises(pd.InvalidKVTransferParams, match="push_first_token"):
+        pd.parse_push_decode_params({**params, pd.PUSH_FIRST_TOKEN: "no"})

@@ -335,6 +335,9 @@ class HeldKVParams:
 # ---- the first token ------------------------------------------------------------------------------------
 FIRST_TOKEN_ID = "first_token_id"
 FIRST_TOKEN_LOGPROB = "first_token_logprob"
+# false: a push decode leg does not adopt the first token its push brings (pdserve's own field: the server sets
+# it where choice 0 of n > 1 must recompute; a push decode leg adopts the prefill's token by default)
+PUSH_FIRST_TOKEN = "push_first_token"
 
 
 @dataclass(frozen=True)
@@ -358,8 +361,10 @@ def first_token_fields(token: FirstToken) -> dict[str, Any]:
 
 
 def without_first_token(params: Mapping[str, Any]) -> dict[str, Any]:
-    """The params as a producer that sends no first token (vLLM) would have sent them."""
-    return {k: v for k, v in params.items() if k not in (FIRST_TOKEN_ID, FIRST_TOKEN_LOGPROB)}
+    """The params as a producer that sends no first token (vLLM) would have sent them; a push decode leg
+    also takes none from its push's completion."""
+    kept = {k: v for k, v in params.items() if k not in (FIRST_TOKEN_ID, FIRST_TOKEN_LOGPROB)}
+    return {**kept, PUSH_FIRST_TOKEN: False}
 
 
 def _is_number(value: Any) -> bool:
@@ -758,6 +763,7 @@ class PushParams:
     remote_port: int = 0
     tp_size: int = 1
     first_token: FirstToken | None = None  # a decode leg's, when its params carry one
+    adopt_first_token: bool = True  # a decode leg: adopt the first token the push's completion brings
     minted: bool = False  # a prefill leg that came without a key (vLLM's router): the prefill chose it
 
     @property
@@ -809,7 +815,10 @@ def parse_push_decode_params(params: Any) -> PushParams:
     tp = 1 if tp is None else tp
     if not _is_int(tp) or not 1 <= tp <= MAX_TP_SIZE:
         raise _bad("tp_size must be a positive integer")
-    return PushParams(key, engine_id, host, port, tp, parse_first_token(params))
+    adopt = params.get(PUSH_FIRST_TOKEN, True)
+    if not isinstance(adopt, bool):
+        raise _bad(f"{PUSH_FIRST_TOKEN} must be a boolean, got {adopt!r}")
+    return PushParams(key, engine_id, host, port, tp, parse_first_token(params), adopt_first_token=adopt)
 
 
 def refuse_push_params(params: Any) -> None:

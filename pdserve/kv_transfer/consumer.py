@@ -33,7 +33,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.api.pd import LEASE_REJECTION_STATUS, KVTransferParams, LoadParams, RemotePrefillParams
+from pdserve.api.pd import (
+    LEASE_REJECTION_STATUS,
+    FirstToken,
+    KVTransferParams,
+    LoadParams,
+    RemotePrefillParams,
+)
 from pdserve.kv_transfer import side_channel
 from pdserve.kv_transfer.auth import AuthRefused, MessageAuth
 from pdserve.kv_transfer.compat import check_compat
@@ -82,6 +88,7 @@ class LoadResult:
     # status (pdserve.api.pd.LEASE_REJECTION_STATUS) when `rejected`, else 500
     error_status: int = 500
     rejected: str | None = None  # the producer refused the lease the params name (a client error), and why
+    first_token: FirstToken | None = None  # a push's completion: the token the prefill sampled (adopted by the engine)
 
 
 @dataclass(frozen=True)

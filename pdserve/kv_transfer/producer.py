@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pdserve.api.pd import HeldKVParams, KVTransferParams, PushParams
+from pdserve.api.pd import FirstToken, HeldKVParams, KVTransferParams, PushParams
 from pdserve.kv_transfer.auth import MessageAuth
 from pdserve.kv_transfer.compat import compat_differences
 from pdserve.kv_transfer.config import KVTransferConfig
@@ -116,7 +116,7 @@ class KVProducer:
 
     def hold(
         self, request_id: str, block_ids: Sequence[int], num_tokens: int, num_cached_tokens: int = 0,
-        push: PushParams | None = None,
+        push: PushParams | None = None, first_token: FirstToken | None = None,
     ) -> HeldKVParams:
         """Keep `block_ids` under a lease; returns the response's `kv_transfer_params`. A push-mode prefill leg
         (`push`, from `parse_prefill_leg`) is WRITTEN to the decode that registered under its push key; its
@@ -138,6 +138,7 @@ class KVProducer:
             tp_size=len(self._ranks),
             block_digests=digests,
             digest_algo=self.digester.algo if self.digester is not None else "",
+            first_token=first_token,
         )
         if self.faults is not None:
             self.faults.after_hold(request_id, block_ids, num_tokens, push is not None and self.push_sender is not None)
@@ -150,7 +151,7 @@ class KVProducer:
             with self._push_digests_lock:
                 self._reap_push_digests_locked(now)  # those no decode fetched (its digests off) go too
                 self._push_digests[push.push_key] = (digests, self.digester.algo, now + ttl)
-        self.push_sender.finish(request_id, push, block_ids, num_tokens, (request_id, lease_token))
+        self.push_sender.finish(request_id, push, block_ids, num_tokens, (request_id, lease_token), first_token)
         # vLLM's push response shape (push_scheduler.request_finished); no lease token: nothing to claim. A minted
         # key goes back in the answer: the decode leg that vLLM's router builds from it presents it.
         return dataclasses.replace(held, push=True, push_key=push.push_key if push.minted else "")

@@ -44,7 +44,7 @@ from pdserve.kv_transfer.errors import (
 from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.nixl_agent import NixlAgent
 from pdserve.kv_transfer.pool import PoolRegion, bind_cuda_device, check_block_ids
-from pdserve.kv_transfer.push_sender import PUSH_NOTIF_PREFIX
+from pdserve.kv_transfer.push_sender import first_token_from, parse_completion_notif
 
 logger = logging.getLogger("pdserve.kv_transfer")
 
@@ -144,14 +144,15 @@ class PushReceiver:
 
     def on_notif(self, message: bytes) -> bool:
         """A NIXL notification; True when it was a push completion (consumed)."""
-        if not message.startswith(PUSH_NOTIF_PREFIX):
+        notice = parse_completion_notif(message)
+        if notice is None:
             return False
-        key = message[len(PUSH_NOTIF_PREFIX):].decode("utf-8", "replace")
+        key, first_token = notice
         with self._lock:
             item = self._pending.get(key)
         if item is not None and item.registered:
             self._end(item, LoadResult(item.request_id, True, bytes=item.nbytes,
-                                       seconds=time.perf_counter() - item.started))
+                                       seconds=time.perf_counter() - item.started, first_token=first_token))
         return True
 
     def shutdown(self) -> None:
@@ -301,6 +302,7 @@ class PushReceiver:
                     item.cancel_sent = True
                     if self._cancel_remote(item.params) is None and not item.registered:
                         self._end(item, LoadResult(item.request_id, False, "aborted"))
+            firsts: list[Any] = []
             try:
                 reply = self._call(p, "push_status", {"push_keys": [i.params.push_key for i in group]}, 1.0)
             except SideChannelTimeout:
@@ -314,13 +316,15 @@ class PushReceiver:
                 continue
             else:
                 states, errors = reply["states"], reply["errors"]
+                firsts = reply.get("first_tokens") or []
             for k, item in enumerate(group):
                 state = states[k] if states is not None and k < len(states) else None
                 if state is not None:
                     item.unreachable = 0
-                if state == "done":
+                if state == "done":  # the completion notice was missed (or is behind this reply)
                     self._end(item, LoadResult(item.request_id, True, bytes=item.nbytes,
-                                               seconds=time.perf_counter() - item.started))
+                                               seconds=time.perf_counter() - item.started,
+                                               first_token=first_token_from(firsts[k] if k < len(firsts) else None)))
                 elif state in ("failed", "cancelled", "unknown") and (item.registered or item.cancel):
                     if item.cancel:
                         self._end(item, LoadResult(item.request_id, False, "aborted"))

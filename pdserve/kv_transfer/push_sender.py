@@ -38,6 +38,7 @@ posting costs more than it hides there (SGLang's layerwise PR measured +18 % TTF
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -46,7 +47,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.api.pd import PushParams
+from pdserve.api.pd import (
+    PUSH_KEY,
+    FirstToken,
+    InvalidKVTransferParams,
+    PushParams,
+    first_token_fields,
+    parse_first_token,
+)
 from pdserve.kv_transfer.auth import AuthRefused, MessageAuth
 from pdserve.kv_transfer.config import DEFAULT_PUSH_LAYERWISE_MIN_TOKENS
 from pdserve.kv_transfer.errors import KVTransferError, SideChannelRefused
@@ -69,6 +77,40 @@ from pdserve.types.tp_layout import kv_heads_per_rank
 logger = logging.getLogger("pdserve.kv_transfer")
 
 PUSH_NOTIF_PREFIX = b"pdserve-push:"
+
+
+def completion_notif(push_key: str, first_token: FirstToken | None) -> bytes:
+    """The completion notice a push's decode waits for: its key, and the token the prefill sampled (the decode
+    adopts it, so the first token and the whole prompt's KV come from one forward, as in a pull)."""
+    body: dict[str, Any] = {PUSH_KEY: push_key}
+    if first_token is not None:
+        body.update(first_token_fields(first_token))
+    return PUSH_NOTIF_PREFIX + json.dumps(body, separators=(",", ":")).encode()
+
+
+def parse_completion_notif(message: bytes) -> tuple[str, FirstToken | None] | None:
+    """(push key, first token or None) of a completion notice; None for any other notification. A malformed
+    first token reads as none (the decode then recomputes the last prompt token): never a guess."""
+    if not message.startswith(PUSH_NOTIF_PREFIX):
+        return None
+    payload = message[len(PUSH_NOTIF_PREFIX):]
+    try:
+        body = json.loads(payload)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict) or not isinstance(body.get(PUSH_KEY), str):
+        return payload.decode("utf-8", "replace"), None  # a bare key (a sender without the first token)
+    return body[PUSH_KEY], first_token_from(body)
+
+
+def first_token_from(fields: Any) -> FirstToken | None:
+    """The first token in a completion's fields (notice or push_status), None when absent or malformed."""
+    if not isinstance(fields, dict):
+        return None
+    try:
+        return parse_first_token(fields)
+    except InvalidKVTransferParams:
+        return None
 _KEEP_ENDED_S = 120.0  # ended jobs answer push_status this long (then "unknown")
 _IDLE_WAIT_S = 0.02
 
@@ -144,6 +186,7 @@ class _Job:
     ended_at: float | None = None
     bytes: int = 0
     finished_at: float | None = None  # monotonic: the prefill finished (every layer's K/V is computed)
+    first_token: FirstToken | None = None  # the token the prefill sampled, sent with the completion
 
 
 class PushSender:
@@ -238,11 +281,13 @@ class PushSender:
         return on_layer
 
     def finish(self, request_id: str, params: PushParams, block_ids: Sequence[int], num_tokens: int,
-               lease: tuple[str, str]) -> None:
-        """The prefill finished; its blocks are held under `lease` (ended by this sender)."""
+               lease: tuple[str, str], first_token: FirstToken | None = None) -> None:
+        """The prefill finished; its blocks are held under `lease` (ended by this sender). `first_token`: the
+        token it sampled, sent with the completion for the decode to adopt."""
         key = params.push_key
         with self._lock:
             job = self._job_locked(key, request_id)
+            job.first_token = first_token
             self._check_blocks_locked(job, [int(b) for b in block_ids])
             job.local_blocks = [int(b) for b in block_ids]
             job.final = True
@@ -275,8 +320,11 @@ class PushSender:
         if op == "push_status":
             with self._lock:
                 jobs = [self._jobs.get(k) for k in msg["push_keys"]]
+                # a decode that missed the completion notice learns the first token here
                 return {"states": [self._state_locked(j) for j in jobs],
-                        "errors": [j.error if j is not None else "" for j in jobs]}
+                        "errors": [j.error if j is not None else "" for j in jobs],
+                        "first_tokens": [first_token_fields(j.first_token)
+                                         if j is not None and j.first_token is not None else None for j in jobs]}
         if op == "push_cancel":
             with self._lock:
                 # a cancel before the registration leaves a tombstone, so a registration still on its way
@@ -602,7 +650,7 @@ class PushSender:
                                                  job.local_blocks[reg.first_block:reg.first_block + len(reg.block_ids)],
                                                  reg.agent_name, reg.ranks[0][1], reg.block_ids)  # rank 0's shard
                 try:
-                    self._agent.send_notif(notify, PUSH_NOTIF_PREFIX + job.key.encode())
+                    self._agent.send_notif(notify, completion_notif(job.key, job.first_token))
                     outcome, error = "done", ""
                     if job.finished_at is not None:
                         self.stats.add_job(time.monotonic() - job.finished_at)

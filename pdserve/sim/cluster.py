@@ -245,7 +245,7 @@ class Deployment:
                 t.prefill_inst.release(t.job.prompt_len)
                 t.prefill_inst = None
             # the params deliver the producer's first token, adopted as output 0 unless it would end the
-            # request (engine/pd/admission.py `_adopt_first_token`: then the last prompt token is recomputed)
+            # request (engine/pd/first_token.py `adopt_first_token`: then the last prompt token is recomputed)
             d_req.output_token_ids.append(OUTPUT_TOKEN)
             if d_req.check_stop(OUTPUT_TOKEN):
                 d_req.output_token_ids.pop()

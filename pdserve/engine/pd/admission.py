@@ -10,10 +10,10 @@ from pdserve.api import pd
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.pd.connector_protocol import KVConnectorProtocol
 from pdserve.engine.pd.events import Finish, FirstTokenAdopted, ParamsRefused, PDEvent, Schedule
+from pdserve.engine.pd.first_token import adopt_first_token
 from pdserve.engine.pd.kv_handoff import KVHandoff
 from pdserve.engine.pd.params_mailbox import PARAMS_WAIT_S, ParamsMailbox
 from pdserve.engine.request import Request
-from pdserve.types.outputs import TokenLogprob
 from pdserve.types.sampling_params import ParamError
 
 log = logging.getLogger("pdserve.engine")
@@ -89,7 +89,7 @@ class Admission:
 
     def _admit(self, req: Request, first: pd.FirstToken | None) -> list[PDEvent]:
         events: list[PDEvent] = []
-        if first is not None and self._adopt_first_token(req, first):
+        if first is not None and adopt_first_token(req, first, self.eos_token_ids):
             events.append(FirstTokenAdopted(req))
         if req.kv.prefix:
             assert isinstance(req.kv.remote, pd.RemotePrefillParams)
@@ -159,32 +159,3 @@ class Admission:
             return
         req.kv.prefix_tokens = k * bs
         req.kv.prefix_min_tokens = self.connector.kv_recompute_threshold
-
-    def _adopt_first_token(self, req: Request, first: pd.FirstToken) -> bool:
-        """A decode leg whose producer sent its sampled first token: take it as output 0 (True), so the load
-        brings the whole prompt's KV and no model step recomputes the last prompt token for it. It is emitted
-        once the producer granted the lease (`Loads.poll`, while the READ runs), not before: a lease the
-        producer refuses must still be answered as a 4xx before any byte. Declined (False: the request then
-        recomputes, as for a vLLM producer) when this request's own parameters might not have produced it
-        (min_tokens against a stop token the prefill leg, sent without min_tokens, may have drawn; logprobs the
-        producer did not send; structured output, whose matcher would have to take it) or when it would end
-        the request (then the lease is still claimed and read, as before, so a refused one is still the
-        client's error)."""
-        p = req.params
-        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-        if req.grammar is not None or (p.min_tokens > 0 and first.token_id in stops):
-            return False
-        logprob = None
-        if p.logprobs is not None:
-            if first.logprob is None or first.rank is None or len(first.top) < p.logprobs:
-                return False
-            logprob = TokenLogprob(first.token_id, first.logprob, first.rank, list(first.top[: p.logprobs]))
-        req.output_token_ids.append(first.token_id)
-        if req.check_stop(first.token_id):  # would finish it: leave it to the recompute path
-            req.output_token_ids.pop()
-            req.finish_reason = req.stop_reason = None
-            return False
-        req.kv.first_token = first
-        if logprob is not None:
-            req.output_logprobs.append(logprob)
-        return True

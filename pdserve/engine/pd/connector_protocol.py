@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from pdserve.api.pd import HeldKVParams, KVTransferParams, LoadParams, PushParams
+from pdserve.api.pd import FirstToken, HeldKVParams, KVTransferParams, LoadParams, PushParams
 
 
 class LoadOutcome(Protocol):
@@ -82,8 +82,9 @@ class KVProducerRole(Protocol):
         ...
 
     def hold(self, request_id: str, block_ids: Sequence[int], num_tokens: int, num_cached_tokens: int = 0,
-             push: PushParams | None = None) -> HeldKVParams:
-        """Lease the blocks (or push them: `push`); returns the response's kv_transfer_params."""
+             push: PushParams | None = None, first_token: FirstToken | None = None) -> HeldKVParams:
+        """Lease the blocks (or push them: `push`); returns the response's kv_transfer_params, which carry
+        `first_token` (a push also sends it with its completion)."""
         ...
 
     def send_ended(self, request_id: str) -> None:

@@ -24,7 +24,8 @@ class EnginePD:
         self.connector = connector
         self.admission = Admission(connector, blocks, vocab_size, eos_token_ids)
         consumer = connector.consumer if connector is not None else None
-        self.loads = Loads(connector, consumer, loading, blocks.block_size) if consumer is not None else None
+        self.loads = (Loads(connector, consumer, loading, blocks.block_size, eos_token_ids)
+                      if consumer is not None else None)
         self.holds = Holds(connector, blocks, eos_token_ids, max_model_len)
 
     # ---- requests in ---------------------------------------------------------------------------

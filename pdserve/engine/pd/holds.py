@@ -9,7 +9,6 @@ import logging
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
 
 from pdserve.api import pd
 from pdserve.engine.block_manager import BlockManager
@@ -50,16 +49,17 @@ class Holds:
             self._hold_history(req)
         elif hold and req.kv.send and req.finish_reason in ("length", "stop") and req.block_ids \
                 and self.producer is not None:
-            params = self.producer.hold(
-                req.request_id, list(req.block_ids), req.num_computed_tokens, max(req.num_cached_tokens, 0),
-                push=req.kv.push,
-            )
+            first = None
             if len(req.output_token_ids) == 1 and req.num_computed_tokens == req.num_prompt_tokens:
                 # a prefill leg (max_tokens 1): its token travels to the decode instance, which starts from it
+                # (in its params; a push's also with the completion notice)
                 lp = req.output_logprobs[0] if req.output_logprobs else None
-                params = replace(params, first_token=pd.FirstToken(
-                    req.output_token_ids[0], None if lp is None else lp.logprob, None if lp is None else lp.rank,
-                    tuple(lp.top) if lp is not None else ()))
+                first = pd.FirstToken(req.output_token_ids[0], None if lp is None else lp.logprob,
+                                      None if lp is None else lp.rank, tuple(lp.top) if lp is not None else ())
+            params = self.producer.hold(
+                req.request_id, list(req.block_ids), req.num_computed_tokens, max(req.num_cached_tokens, 0),
+                push=req.kv.push, first_token=first,
+            )
             req.result_kv_transfer_params = params
             req.kv.hold()
             self.held[req.request_id] = req

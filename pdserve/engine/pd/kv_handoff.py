@@ -90,6 +90,15 @@ class KVHandoff:
             return self.prefix_tokens
         return num_prompt_tokens if self.first_token is not None else num_prompt_tokens - 1
 
+    def load_tokens(self, num_prompt_tokens: int) -> int:
+        """Prompt tokens the load asks the producer for: `remote_tokens`, except that a push decode leg that
+        may adopt the first token its push's completion brings has the whole prompt written (the prefill
+        computed it all); declined at completion, the last token is recomputed here into its own slot."""
+        remote = self.remote
+        if isinstance(remote, PushParams) and remote.adopt_first_token and self.prefix_tokens is None:
+            return num_prompt_tokens
+        return self.remote_tokens(num_prompt_tokens)
+
     @classmethod
     def from_params(cls, params: KVTransferParams | None, *, can_load: bool, can_send: bool,
                     keeps_history: bool = False) -> KVHandoff:

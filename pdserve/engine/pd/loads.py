@@ -9,8 +9,10 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 
+from pdserve.api.pd import FirstToken, PushParams
 from pdserve.engine.pd.connector_protocol import KVConnectorProtocol, KVConsumerRole
 from pdserve.engine.pd.events import Emit, Finish, LoadEnded, PDEvent
+from pdserve.engine.pd.first_token import adopt_first_token
 from pdserve.engine.request import Request
 
 log = logging.getLogger("pdserve.engine")
@@ -18,11 +20,12 @@ log = logging.getLogger("pdserve.engine")
 
 class Loads:
     def __init__(self, connector: KVConnectorProtocol, consumer: KVConsumerRole, loading: Mapping[str, Request],
-                 block_size: int) -> None:
+                 block_size: int, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.connector = connector  # the failure policy and the prefix-pull counters
         self.consumer = consumer  # the reads
         self.loading = loading  # the scheduler's: request id -> request whose blocks a read is filling
         self.block_size = block_size
+        self.eos_token_ids = eos_token_ids  # a push's first token is adopted under the request's stop rules
 
     def drop(self, reqs: Iterable[Request]) -> None:
         """Prefix loads the scheduler found not worth reading: the holder frees its lease now."""
@@ -40,9 +43,10 @@ class Loads:
             req.metrics.kv_load_start_time = time.monotonic()
             try:
                 # Tokens [0, len - 1) come from the producer and the last prompt token is recomputed here for
-                # the first token's logits; with an adopted first token the whole prompt comes from the producer.
+                # the first token's logits; with an adopted first token (or one a push may bring) the whole
+                # prompt comes from the producer.
                 self.consumer.start_load(req.request_id, req.kv.remote, list(req.block_ids), first_block,
-                                         num_tokens=req.kv.remote_tokens(req.num_prompt_tokens))
+                                         num_tokens=req.kv.load_tokens(req.num_prompt_tokens))
             except Exception as e:  # noqa: BLE001 - any connector failure goes through the failure policy
                 # Not a transfer outcome but a refusal to start: log where it came from.
                 log.exception("request %s: the KV load could not start", req.request_id)
@@ -74,6 +78,8 @@ class Loads:
                 continue
             ended.add(res.request_id)
             req.error_status = getattr(res, "error_status", 500)  # the HTTP status a failure is answered with
+            if res.ok:
+                self._adopt_pushed_first_token(req, getattr(res, "first_token", None))
             events += self._ended(req, ok=res.ok, error=res.error or "KV transfer failed",
                                   rejected=getattr(res, "rejected", None))
         return events
@@ -83,6 +89,15 @@ class Loads:
         only when it ends (`_ended` finishes it then)."""
         req.kv.request_abort()
         self.consumer.cancel_load(req.request_id)  # a pending push stops; its blocks come back quiesced
+
+    def _adopt_pushed_first_token(self, req: Request, first: FirstToken | None) -> None:
+        """A push that completed with the prefill's first token: adopted now (the whole prompt was written), so
+        the first token and every prompt position's KV come from one prefill forward, as in a pull."""
+        remote = req.kv.remote
+        if (first is None or req.kv.first_token is not None or req.kv.abort_requested
+                or not isinstance(remote, PushParams) or not remote.adopt_first_token or req.output_token_ids):
+            return
+        adopt_first_token(req, first, self.eos_token_ids)
 
     @staticmethod
     def _send_first_token(req: Request) -> list[PDEvent]:
