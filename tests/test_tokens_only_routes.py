@@ -126,7 +126,7 @@ def test_kv_transfer_params_and_request_ids(client_factory: Any) -> None:
                           "sampling_params": {"max_tokens": 1, "logprobs": 2}})
     out = r.json()
     assert r.headers["x-request-id"] == "generate-tokens-hdr" and out["request_id"] == "generate-tokens-hdr"
-    assert engine.calls[0]["id"] == "generate-tokens-hdr" and engine.calls[0]["kv"] == kv
+    assert engine.calls[0]["id"] == "generate-tokens-hdr" and dict(engine.calls[0]["kv"].wire) == kv
     assert out["kv_transfer_params"] == {"remote_block_ids": [3]}
     assert out["choices"][0]["logprobs"] == {"content": [{"token_id": 9, "logprob": -0.5, "rank": 1, "top_logprobs": [
         {"token_id": 9, "logprob": -0.5, "rank": 1}, {"token_id": 7, "logprob": -2.0, "rank": 2}]}]}
@@ -147,7 +147,7 @@ def test_remote_prefill_with_n_above_one_forks_the_load(client_factory: Any) -> 
         r = client.post("/inference/v1/generate", json={"token_ids": [1, 2], "kv_transfer_params": kv,
                                                         "stream": stream, "sampling_params": {"n": 3, "max_tokens": 1}})
         assert r.status_code == 200, r.text
-        assert [c["kv"] for c in engine.calls] == [kv, None, None]
+        assert [c["kv"] and dict(c["kv"].wire) for c in engine.calls] == [kv, None, None]
 
 
 def test_abort_reaches_every_choice(client_factory: Any) -> None:

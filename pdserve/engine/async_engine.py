@@ -13,7 +13,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from pdserve.api.pd import HeldKVParams
+from pdserve.api.pd import HeldKVParams, KVTransferParams
 from pdserve.engine.engine import DeliveryRefused, EngineStats, LLMEngine
 from pdserve.types.engine_config import EngineConfig
 from pdserve.types.outputs import RequestOutput
@@ -73,7 +73,7 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+                       kv_transfer_params: KVTransferParams | None = None) -> AsyncIterator[RequestOutput]:
         """Yields output deltas; the last has finished=True. Raises ParamError for client mistakes
         before the first yield. Cancelling the iteration (client gone) aborts the request."""
         if self.dead_error is not None:
@@ -103,7 +103,7 @@ class AsyncEngine:
                 self._commands.put(("abort", request_id, None))
                 self._wake.set()
 
-    async def deliver_params(self, key: str, kv_transfer_params: dict) -> None:
+    async def deliver_params(self, key: str, kv_transfer_params: KVTransferParams) -> None:
         """The prefill's params for a decode leg sent before them (`LLMEngine.deliver_params`); raises
         ParamError when they are refused (the waiting leg then ends with the same 400)."""
         if self.dead_error is not None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdserve.api.pd import HeldKVParams
+from pdserve.api.pd import HeldKVParams, KVTransferParams
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.grammars import Grammars
 from pdserve.engine.pd.connector_protocol import KVConnectorProtocol
@@ -261,7 +261,7 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_transfer_params: dict | None = None) -> None:
+                    kv_transfer_params: KVTransferParams | None = None) -> None:
         """Raises ParamError for a client mistake; the engine is unaffected."""
         if request_id in self.requests:
             raise ParamError(f"request id {request_id!r} is already in use")
@@ -298,7 +298,7 @@ class LLMEngine:
         self.requests[request_id] = req  # a decode leg awaiting its params too: scheduled once they come
         self._apply(events)
 
-    def deliver_params(self, key: str, kv_transfer_params: dict) -> list[RequestOutput]:
+    def deliver_params(self, key: str, kv_transfer_params: KVTransferParams) -> list[RequestOutput]:
         """The prefill's params for the decode leg waiting under `key` (`pd.early_decode_params`), or kept
         for a leg still to come. Raises ParamError for params this instance refuses; the waiting leg then
         ends with the same 400 (DeliveryRefused: its response has not started, it waits for its first output)."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.api.http import merged
+from pdserve.api.pd import KVTransferParams
 from pdserve.text.output import OutputProcessor, TextDelta
 from pdserve.types.outputs import RequestOutput
 from pdserve.types.sampling_params import SamplingParams
@@ -27,7 +28,7 @@ class Choice:
     engine_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    kv_transfer_params: dict[str, Any] | None
+    kv_transfer_params: KVTransferParams | None  # the body's, read once (pipeline.make_choices)
     processor: OutputProcessor
     fork_of: int | None = None  # P/D n > 1: submitted once this choice (the one loading the KV) has output
     # filled while running

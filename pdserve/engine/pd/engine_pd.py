@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from pdserve.api.pd import HeldKVParams
+from pdserve.api.pd import HeldKVParams, KVTransferParams
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.pd.admission import Admission
 from pdserve.engine.pd.connector_protocol import KVConnectorProtocol
@@ -28,11 +28,12 @@ class EnginePD:
         self.holds = Holds(connector, blocks, eos_token_ids, max_model_len)
 
     # ---- requests in ---------------------------------------------------------------------------
-    def add(self, req: Request, kv_transfer_params: dict | None) -> list[PDEvent]:
-        """A new request's `kv_transfer_params` into `req.kv` (raises ParamError for a client mistake)."""
+    def add(self, req: Request, kv_transfer_params: KVTransferParams | None) -> list[PDEvent]:
+        """A new request's params (read at the server's edge) into `req.kv` (raises ParamError for a client
+        mistake)."""
         return self.admission.add(req, kv_transfer_params)
 
-    def deliver_params(self, key: str, kv_transfer_params: dict) -> list[PDEvent]:
+    def deliver_params(self, key: str, kv_transfer_params: KVTransferParams) -> list[PDEvent]:
         """Params for a decode leg sent before them (raises ParamError when the delivery is refused)."""
         return self.admission.deliver(key, kv_transfer_params)
 
