@@ -51,7 +51,7 @@ class ScriptedEngine:
 
 
 def output(rid: str, prompt: list[int], ids: list[int], n: int, finished: bool = False, reason: str | None = None,
-           error: str | None = None, kv: dict | None = None, cached: int = 0) -> RequestOutput:
+           error: str | None = None, kv: pd.HeldKVParams | None = None, cached: int = 0) -> RequestOutput:
     return RequestOutput(rid, prompt, ids, None, n, finished, reason if finished else None, None, error, cached,
                          kv if finished else None, RequestMetrics(arrival_time=0.0))
 
@@ -152,11 +152,14 @@ def test_engine_refusals(tok: Tokenizer) -> None:
 
 def test_kv_transfer_params_round_trip(tok: Tokenizer) -> None:
     ids = words(tok, " a b c")
-    produced = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_engine_id": "e"}
 
-    def script(rid: str, prompt: list[int], params: SamplingParams, kv: dict | None) -> list[RequestOutput]:
+    def produced(rid: str) -> pd.HeldKVParams:
+        return pd.HeldKVParams(request_id=rid, block_ids=(1, 2), num_tokens=3, engine_id="e", host="127.0.0.1",
+                               port=5600, generation=1, expires_at=9.0, lease_token="t" * 32)
+
+    def script(rid: str, prompt: list[int], params: SamplingParams, kv: Any) -> list[RequestOutput]:
         return [output(rid, prompt, ids[:1], 1), output(rid, prompt, ids[1:], 3, True, "length",
-                                                        kv={**produced, "for": rid}, cached=2)]
+                                                        kv=produced(rid), cached=2)]
 
     async def go() -> None:
         client, engine = make_client(tok, script)
@@ -167,7 +170,7 @@ def test_kv_transfer_params_round_trip(tok: Tokenizer) -> None:
             body = r.json()
             assert [dict(c[3].wire) for c in engine.calls] == [sent, sent]
             assert [c[0].rsplit("-", 1)[0] for c in engine.calls] == ["cmpl-p1-0", "cmpl-p1-1"]
-            assert body["kv_transfer_params"]["for"] == engine.calls[0][0]  # the first prompt's, as vLLM
+            assert body["kv_transfer_params"] == produced(engine.calls[0][0]).to_json()  # the first prompt's, as vLLM
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 4
             # streamed: only on the chunk that carries the finish reason
             r = await client.post("/v1/chat/completions", json={

@@ -511,8 +511,7 @@ class LLMEngine:
             error_status=req.error_status,
             kv_rejection=req.kv.rejection if finished else None,
             num_cached_tokens=max(req.num_cached_tokens, 0),
-            kv_transfer_params=(req.result_kv_transfer_params.to_json()
-                                if finished and req.result_kv_transfer_params is not None else None),
+            kv_transfer_params=req.result_kv_transfer_params if finished else None,
             remote_cached_tokens=req.remote_cached_tokens,
             metrics=req.metrics,
             prompt_logprobs=prompt_lps,

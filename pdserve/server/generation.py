@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.api.http import merged
-from pdserve.api.pd import KVTransferParams
+from pdserve.api.pd import HeldKVParams, KVTransferParams
 from pdserve.text.output import OutputProcessor, TextDelta
 from pdserve.types.outputs import RequestOutput
 from pdserve.types.sampling_params import SamplingParams
@@ -34,7 +34,7 @@ class Choice:
     # filled while running
     num_cached_tokens: int = 0
     remote_cached_tokens: int | None = None  # the producer's prefix hits, from params delivered later
-    kv_transfer_result: dict[str, Any] | None = None
+    held_kv: HeldKVParams | None = None  # the KV it left held for a peer (the response's kv_transfer_params)
     error: str | None = None
     error_status: int = 500  # with `error`: the HTTP status it is answered with
     # The producer refused the lease the kv_transfer_params name (why): the error is the client's, not ours.
@@ -110,7 +110,7 @@ class Generation:
         if delta.finished:
             choice.finished = True
             if out.finished:
-                choice.kv_transfer_result = out.kv_transfer_params
+                choice.held_kv = out.kv_transfer_params
                 if out.finish_reason == "error":
                     choice.error = out.error or "the engine failed this request"
                     choice.error_status = out.error_status

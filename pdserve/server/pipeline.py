@@ -25,7 +25,7 @@ from pdserve.api.http import SSE_DONE, until_disconnect
 from pdserve.api.openai.errors import APIError, sse_error_frame
 from pdserve.api.openai.params import build_sampling_params, sampling_param_name
 from pdserve.api.openai.tokenization import check_prompt_chars
-from pdserve.api.pd import PARAMS_LATER, KVTransferParams
+from pdserve.api.pd import PARAMS_LATER, HeldKVParams, KVTransferParams
 from pdserve.server.generation import Choice, Generation
 from pdserve.server.metrics import RequestRecorder
 from pdserve.server.state import ServerState
@@ -172,6 +172,12 @@ def usage(choices: Sequence[Choice], prompts: Sequence[list[int]], n: int,
         "completion_tokens": completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+def kv_transfer_json(held: HeldKVParams | None) -> dict[str, Any] | None:
+    """A response's `kv_transfer_params`: the KV the engine left held for a peer, as the wire has it. The one
+    place the server serialises them (the routes' views, the pin route)."""
+    return held.to_json() if held is not None else None
 
 
 def engine_error(choices: Sequence[Choice]) -> Choice | None:

@@ -23,7 +23,16 @@ from pdserve.api.openai.params import (
 from pdserve.api.openai.protocol import CompletionRequest
 from pdserve.api.pd import KVTransferParams
 from pdserve.server.generation import Choice, Generation
-from pdserve.server.pipeline import Recorders, encode, make_choices, now, outputs, respond, usage
+from pdserve.server.pipeline import (
+    Recorders,
+    encode,
+    kv_transfer_json,
+    make_choices,
+    now,
+    outputs,
+    respond,
+    usage,
+)
 from pdserve.server.state import ServerState
 from pdserve.text.logprobs import LogprobFormatter
 
@@ -122,7 +131,7 @@ class _CompletionView:
             "service_tier": None,
             "system_fingerprint": None,
             "usage": usage(gen.choices, self.prompts, req.n, self.kv),
-            "kv_transfer_params": gen.choices[0].kv_transfer_result,
+            "kv_transfer_params": kv_transfer_json(gen.choices[0].held_kv),
         }
 
     # ---- stream ----------------------------------------------------------------------------------
@@ -157,7 +166,7 @@ class _CompletionView:
                     choice["prompt_token_ids"] = c.prompt_token_ids
             tail = ""
             if delta.finished:
-                tail += f', "kv_transfer_params": {json.dumps(c.kv_transfer_result)}'
+                tail += f', "kv_transfer_params": {json.dumps(kv_transfer_json(c.held_kv))}'
             if continuous:
                 tail += f', "usage": {json.dumps(usage([c], [c.prompt_token_ids], 1, None))}'
             yield f"data: {head}\"choices\": [{json.dumps(choice)}]{tail}}}\n\n"
