@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.api.pd import HeldKVParams, KVTransferParams
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.commands import LoopState
 from pdserve.engine.grammars import Grammars
 from pdserve.engine.pd.connector_protocol import KVConnectorProtocol
 from pdserve.engine.pd.engine_pd import EnginePD
@@ -340,6 +341,25 @@ class LLMEngine:
         """Requests in the engine, or a step launched ahead still to be taken in (its rows may all have ended:
         the next step() takes it in)."""
         return bool(self.requests) or self._inflight is not None
+
+    def loop_state(self) -> LoopState:
+        """What a loop that steps this engine (AsyncEngine's thread) decides on, in one snapshot."""
+        s = self.scheduler
+        return LoopState(num_queued=len(s.waiting), unfinished=self.has_unfinished(), num_held=self.num_held,
+                         num_loading=self.num_loading, connector=self.connector is not None,
+                         schedulable=s.has_work(),
+                         parked_reads=self.tier_loader is not None and bool(self.tier_loader.parked))
+
+    def idle(self) -> None:
+        """Between steps with nothing to run: publish what the tiers did meanwhile (the disk tier's writes end
+        in the background), let the runner note the idle time."""
+        self.publish_kv_events()
+        self.runner.observe_idle()
+
+    def on_background_event(self, wake: Callable[[], None]) -> None:
+        """`wake` is called (from any thread) when work a step must take in arrives between steps: a claimed
+        lease, an ended load; a loop sleeping between steps wakes at once instead of at its next poll."""
+        self.pd.set_notify(wake)
 
     def check_health(self) -> None:
         """Raises when the engine cannot run another step (a tensor-parallel worker died)."""

@@ -3,7 +3,7 @@ the connector, and returns the events (events.py) the loop applies to its own qu
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from pdserve.api.pd import HeldKVParams, KVTransferParams
 from pdserve.engine.block_manager import BlockManager
@@ -26,6 +26,11 @@ class EnginePD:
         consumer = connector.consumer if connector is not None else None
         self.loads = Loads(connector, consumer, loading, blocks.block_size) if consumer is not None else None
         self.holds = Holds(connector, blocks, eos_token_ids, max_model_len)
+
+    def set_notify(self, wake: Callable[[], None]) -> None:
+        """The consumer's claims and ended loads call `wake` (from its threads); nothing without a consumer."""
+        if self.loads is not None:
+            self.loads.consumer.set_notify(wake)
 
     # ---- requests in ---------------------------------------------------------------------------
     def add(self, req: Request, kv_transfer_params: KVTransferParams | None) -> list[PDEvent]:
