@@ -15,7 +15,8 @@ from typing import Any
 
 from pdserve.api.pd import HeldKVParams, KVTransferParams
 from pdserve.engine.commands import Abort, AddRequest, DeliverParams, EngineCommand, PinPrefix
-from pdserve.engine.engine import DeliveryRefused, EngineStats, LLMEngine
+from pdserve.engine.engine import EngineStats, LLMEngine
+from pdserve.engine.pd.events import DeliveryRefused
 from pdserve.types.engine_config import EngineConfig
 from pdserve.types.outputs import RequestOutput
 from pdserve.types.sampling_params import SamplingParams

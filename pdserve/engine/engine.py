@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdserve.api.pd import HeldKVParams, KVTransferParams
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.commands import LoopState
 from pdserve.engine.grammars import Grammars
 from pdserve.engine.pd.connector_protocol import KVConnectorProtocol
 from pdserve.engine.pd.engine_pd import EnginePD
 from pdserve.engine.pd.events import (
+    DeliveryRefused,
     Emit,
     Finish,
     FirstTokenAdopted,
@@ -42,6 +42,8 @@ from pdserve.types.sampling_params import ParamError, SamplingParams
 from pdserve.types.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
+    from pdserve.api.pd import HeldKVParams, KVTransferParams
+
     ConnectorFactory = Callable[["LLMEngine"], KVConnectorProtocol]
 
 log = logging.getLogger("pdserve.engine")
@@ -50,14 +52,6 @@ PARKED_READ_WAIT_S = 0.001  # the longest a step waits for a disk-tier read when
 
 class PromptTooLongError(ParamError):
     pass
-
-
-class DeliveryRefused(ParamError):
-    """Params delivered for a waiting decode leg were refused: the leg ended with `outputs` (its 400)."""
-
-    def __init__(self, message: str, outputs: list[RequestOutput]):
-        super().__init__(message, "kv_transfer_params")
-        self.outputs = outputs
 
 
 @dataclass
@@ -190,9 +184,8 @@ class LLMEngine:
         # the P/D half (pdserve.engine.pd): what requests' kv_transfer_params make the engine do
         self.pd = EnginePD(self.connector, self.blocks, self.scheduler.loading, vocab_size=self.model_cfg.vocab_size,
                            eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
-        # push transfer (NixlPushConnector) on a prefill: the model reports each finished layer of a step
-        if getattr(self.connector, "push_sender", None) is not None:
-            self.runner.layer_hook = self.connector.step_hook
+        if self.pd.layer_hook is not None:  # the model reports each finished layer of a step to it
+            self.runner.layer_hook = self.pd.layer_hook
         if publish:
             from pdserve.kv_events.publisher import ZmqEventPublisher  # pyzmq only where events are on
 

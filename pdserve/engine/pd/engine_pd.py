@@ -26,6 +26,8 @@ class EnginePD:
         consumer = connector.consumer if connector is not None else None
         self.loads = Loads(connector, consumer, loading, blocks.block_size) if consumer is not None else None
         self.holds = Holds(connector, blocks, eos_token_ids, max_model_len)
+        # push transfer (NixlPushConnector) on a prefill: what the model calls as each layer of a step finishes
+        self.layer_hook = connector.step_hook if getattr(connector, "push_sender", None) is not None else None
 
     def set_notify(self, wake: Callable[[], None]) -> None:
         """The consumer's claims and ended loads call `wake` (from its threads); nothing without a consumer."""
