@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from pdserve.api.openai.errors import error_body
 from pdserve.api.pd import PIN_MIN_TOKENS, PROMPT_TOKEN_IDS
 from pdserve.engine.pd.holds import PinRefused
-from pdserve.server.pipeline import kv_transfer_json
+from pdserve.server.pipeline import held_json
 
 
 async def pin_prefix(engine: Any, body: Any) -> JSONResponse:
@@ -38,4 +38,4 @@ async def pin_prefix(engine: Any, body: Any) -> JSONResponse:
     except PinRefused as e:
         status = 404 if e.reason == "disabled" else 503
         return JSONResponse(error_body(str(e), status), status)
-    return JSONResponse({"kv_transfer_params": kv_transfer_json(params)})
+    return JSONResponse({"kv_transfer_params": held_json(params)})

@@ -174,7 +174,7 @@ def usage(choices: Sequence[Choice], prompts: Sequence[list[int]], n: int,
     }
 
 
-def kv_transfer_json(held: HeldKVParams | None) -> dict[str, Any] | None:
+def held_json(held: HeldKVParams | None) -> dict[str, Any] | None:
     """A response's `kv_transfer_params`: the KV the engine left held for a peer, as the wire has it. The one
     place the server serialises them (the routes' views, the pin route)."""
     return held.to_json() if held is not None else None

@@ -21,16 +21,7 @@ from pdserve.api.openai.params import (
 from pdserve.api.openai.protocol import ChatCompletionRequest, chat_role
 from pdserve.api.pd import PROMPT_TOKEN_IDS, KVTransferParams, chat_prompt_ids_allowed
 from pdserve.server.generation import Generation
-from pdserve.server.pipeline import (
-    Recorders,
-    encode,
-    kv_transfer_json,
-    make_choices,
-    now,
-    outputs,
-    respond,
-    usage,
-)
+from pdserve.server.pipeline import Recorders, encode, held_json, make_choices, now, outputs, respond, usage
 from pdserve.server.state import ServerState
 from pdserve.text.chat import ChatTemplateError, message_text
 from pdserve.text.logprobs import LogprobFormatter
@@ -175,7 +166,7 @@ class _ChatView:
             "prompt_logprobs": (None if gen.choices[0].prompt_logprobs is None
                                 else self.fmt.prompt(gen.choices[0].prompt_logprobs)),
             "prompt_token_ids": self.prompt_ids if req.return_token_ids else None,
-            "kv_transfer_params": kv_transfer_json(gen.choices[0].held_kv),
+            "kv_transfer_params": held_json(gen.choices[0].held_kv),
         }
 
     def _forced_delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
@@ -249,7 +240,7 @@ class _ChatView:
                 choice["token_ids"] = delta.token_ids
             extra = ""
             if delta.finished:
-                extra += f', "kv_transfer_params": {json.dumps(kv_transfer_json(c.held_kv))}'
+                extra += f', "kv_transfer_params": {json.dumps(held_json(c.held_kv))}'
             if continuous:
                 extra += f', "usage": {json.dumps(usage([c], [self.prompt_ids], 1, None))}'
             yield self._chunk([choice], extra)

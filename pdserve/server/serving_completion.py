@@ -23,16 +23,7 @@ from pdserve.api.openai.params import (
 from pdserve.api.openai.protocol import CompletionRequest
 from pdserve.api.pd import KVTransferParams
 from pdserve.server.generation import Choice, Generation
-from pdserve.server.pipeline import (
-    Recorders,
-    encode,
-    kv_transfer_json,
-    make_choices,
-    now,
-    outputs,
-    respond,
-    usage,
-)
+from pdserve.server.pipeline import Recorders, encode, held_json, make_choices, now, outputs, respond, usage
 from pdserve.server.state import ServerState
 from pdserve.text.logprobs import LogprobFormatter
 
@@ -131,7 +122,7 @@ class _CompletionView:
             "service_tier": None,
             "system_fingerprint": None,
             "usage": usage(gen.choices, self.prompts, req.n, self.kv),
-            "kv_transfer_params": kv_transfer_json(gen.choices[0].held_kv),
+            "kv_transfer_params": held_json(gen.choices[0].held_kv),
         }
 
     # ---- stream ----------------------------------------------------------------------------------
@@ -166,7 +157,7 @@ class _CompletionView:
                     choice["prompt_token_ids"] = c.prompt_token_ids
             tail = ""
             if delta.finished:
-                tail += f', "kv_transfer_params": {json.dumps(kv_transfer_json(c.held_kv))}'
+                tail += f', "kv_transfer_params": {json.dumps(held_json(c.held_kv))}'
             if continuous:
                 tail += f', "usage": {json.dumps(usage([c], [c.prompt_token_ids], 1, None))}'
             yield f"data: {head}\"choices\": [{json.dumps(choice)}]{tail}}}\n\n"

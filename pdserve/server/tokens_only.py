@@ -38,7 +38,7 @@ from pdserve.api.openai.errors import APIError, bad_request, error_body, error_r
 from pdserve.api.openai.params import MAX_N, resolve_max_tokens, stop_list, truncate_prompt
 from pdserve.api.pd import KVTransferParams
 from pdserve.server.generation import Choice, Generation
-from pdserve.server.pipeline import Recorders, kv_transfer_json, make_choices, now, outputs, respond, usage
+from pdserve.server.pipeline import Recorders, held_json, make_choices, now, outputs, respond, usage
 from pdserve.server.state import ServerState
 from pdserve.text.logprobs import clamp
 
@@ -266,7 +266,7 @@ class _GenerateView:
             "prompt_token_ids": self.prompt_ids if self.req.return_token_ids else None,
             "mm_placeholders": None,
             "metrics": None,
-            "kv_transfer_params": kv_transfer_json(gen.choices[0].held_kv),
+            "kv_transfer_params": held_json(gen.choices[0].held_kv),
             "ec_transfer_params": None,
         }
 

@@ -44,7 +44,7 @@ class RequestOutput:
     error: str | None = None  # set when finish_reason == "error"
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or a remote transfer
     # set on the final output of a request whose KV is held for a peer (a prefill leg, a kept history); the
-    # response view serialises it (pdserve.server.pipeline.kv_transfer_json)
+    # response view serialises it (pdserve.server.pipeline.held_json)
     kv_transfer_params: HeldKVParams | None = None
     # a decode leg whose params came later (pdserve.api.pd.early_decode_params): what the delivered params say
     # the producer's prefix cache held (their remote_prefill_cached_tokens), for the response's usage
