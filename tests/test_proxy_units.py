@@ -174,8 +174,8 @@ def test_n_forks_over_pd() -> None:
     assert pd.local_only_reason({"prompt": "x", "n": 4}, fork_n=True) is None
     assert pd.local_only_reason({"prompt": "x", "best_of": 4}, fork_n=True) == "best_of > 1"
     assert pd.build_prefill_body({"prompt": "x", "n": 4, "max_tokens": 9})["n"] == 1
-    assert pd.one_lease_violation({"do_remote_prefill": True}, 1) is None
-    assert "one prompt" in pd.one_lease_violation({"do_remote_prefill": True}, 2)
+    assert pd.KVTransferParams.read({"do_remote_prefill": True}).one_lease_violation(1) is None
+    assert "one prompt" in pd.KVTransferParams.read({"do_remote_prefill": True}).one_lease_violation(2)
 
 
 def test_affinity_key_uses_prefix_only() -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pdserve.api import pd
 from pdserve.api.openai.params import GenerationDefaults
 from pdserve.engine.async_engine import QueueFullError
 from pdserve.engine.engine import EngineStats
@@ -50,7 +51,7 @@ class ScriptedEngine:
 
 
 def output(rid: str, prompt: list[int], ids: list[int], n: int, finished: bool = False, reason: str | None = None,
-           error: str | None = None, kv: dict | None = None, cached: int = 0) -> RequestOutput:
+           error: str | None = None, kv: pd.HeldKVParams | None = None, cached: int = 0) -> RequestOutput:
     return RequestOutput(rid, prompt, ids, None, n, finished, reason if finished else None, None, error, cached,
                          kv if finished else None, RequestMetrics(arrival_time=0.0))
 
@@ -62,12 +63,12 @@ def tok() -> Tokenizer:
     return load_tokenizer(Path(resolve_model("smollm2-135m")))
 
 
-def make_client(tok: Tokenizer, script: Script,
-                defaults: GenerationDefaults | None = None) -> tuple[httpx.AsyncClient, ScriptedEngine]:
+def make_client(tok: Tokenizer, script: Script, defaults: GenerationDefaults | None = None,
+                **state_fields: Any) -> tuple[httpx.AsyncClient, ScriptedEngine]:
     engine = ScriptedEngine(script)
     state = ServerState(engine=engine, tokenizer=tok, served_model_names=["m"], model_path="/m",
                         max_model_len=64, vocab_size=tok.vocab_size, defaults=defaults or GenerationDefaults(),
-                        metrics=ServerMetrics("m", 64, engine.stats))
+                        metrics=ServerMetrics("m", 64, engine.stats), **state_fields)
     app = build_app(state, manage_engine=False)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test"), engine
 
@@ -151,11 +152,14 @@ def test_engine_refusals(tok: Tokenizer) -> None:
 
 def test_kv_transfer_params_round_trip(tok: Tokenizer) -> None:
     ids = words(tok, " a b c")
-    produced = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_engine_id": "e"}
 
-    def script(rid: str, prompt: list[int], params: SamplingParams, kv: dict | None) -> list[RequestOutput]:
+    def produced(rid: str) -> pd.HeldKVParams:
+        return pd.HeldKVParams(request_id=rid, block_ids=(1, 2), num_tokens=3, engine_id="e", host="127.0.0.1",
+                               port=5600, generation=1, expires_at=9.0, lease_token="t" * 32)
+
+    def script(rid: str, prompt: list[int], params: SamplingParams, kv: Any) -> list[RequestOutput]:
         return [output(rid, prompt, ids[:1], 1), output(rid, prompt, ids[1:], 3, True, "length",
-                                                        kv={**produced, "for": rid}, cached=2)]
+                                                        kv=produced(rid), cached=2)]
 
     async def go() -> None:
         client, engine = make_client(tok, script)
@@ -164,9 +168,9 @@ def test_kv_transfer_params_round_trip(tok: Tokenizer) -> None:
             r = await client.post("/v1/completions", headers={"X-Request-Id": "p1"},
                                   json={"prompt": ["x", "y"], "max_tokens": 1, "kv_transfer_params": sent})
             body = r.json()
-            assert [c[3] for c in engine.calls] == [sent, sent]
+            assert [dict(c[3].wire) for c in engine.calls] == [sent, sent]
             assert [c[0].rsplit("-", 1)[0] for c in engine.calls] == ["cmpl-p1-0", "cmpl-p1-1"]
-            assert body["kv_transfer_params"]["for"] == engine.calls[0][0]  # the first prompt's, as vLLM
+            assert body["kv_transfer_params"] == produced(engine.calls[0][0]).to_json()  # the first prompt's, as vLLM
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 4
             # streamed: only on the chunk that carries the finish reason
             r = await client.post("/v1/chat/completions", json={
@@ -179,7 +183,7 @@ def test_kv_transfer_params_round_trip(tok: Tokenizer) -> None:
             with_kv = [c for c in chunks if "kv_transfer_params" in c]
             assert len(with_kv) == 1 and with_kv[0]["choices"][0]["finish_reason"] == "length"
             assert engine.calls[-1][1] == [5, 6, 7]  # the proxy's prompt ids, no templating
-            assert "prompt_token_ids" not in engine.calls[-1][3]  # popped before the engine sees it
+            assert "prompt_token_ids" not in engine.calls[-1][3].wire  # popped before the engine sees it
             assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == 7  # P's hits, reported by D
 
     run(go())
@@ -244,3 +248,75 @@ def test_penalties_logit_bias_and_allowed_ids_reach_the_engine(tok: Tokenizer) -
             assert len(engine.calls) == calls  # refused before the engine
 
     run(go())
+
+
+def test_kv_transfer_params_are_read_once_per_leg(tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leg's `kv_transfer_params` become typed once, where the route parses the body (`KVTransferParams.read`,
+    counted here through that constructor); the engine requests carry that object (or, for the choice that loads
+    for n > 1 forks, the same object without the first token), never the dict. The delivery route of a decode
+    leg sent before its params reads them once too."""
+    reads: list[Any] = []
+    read = pd.KVTransferParams.read.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type[pd.KVTransferParams], params: Any) -> pd.KVTransferParams:
+        typed = read(cls, params)
+        reads.append(typed)
+        return typed
+
+    monkeypatch.setattr(pd.KVTransferParams, "read", classmethod(counted))
+    ids = words(tok, " a b")
+    decode = {"do_remote_prefill": True, "remote_prefill_cached_tokens": 1, pd.FIRST_TOKEN_ID: ids[0]}
+
+    def script(rid: str, prompt: list[int], params: SamplingParams, kv: Any) -> list[RequestOutput]:
+        return [output(rid, prompt, ids, 2, True, "length")]
+
+    async def go() -> None:
+        client, engine = make_client(tok, script, enable_scale_out=True, info={"kv_params_later": True})
+        delivered: list[tuple[str, Any]] = []
+
+        async def deliver_params(key: str, params: Any) -> None:
+            delivered.append((key, params))
+
+        engine.deliver_params = deliver_params  # type: ignore[attr-defined]
+        async with client:
+            legs = [("/v1/completions", {"prompt": "x", "max_tokens": 1,
+                                         "kv_transfer_params": pd.prefill_leg_params()}),
+                    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 2, "kv_transfer_params": decode}),
+                    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                                              "kv_transfer_params": {**decode, pd.PROMPT_TOKEN_IDS: [5, 6]}}),
+                    ("/inference/v1/generate", {"token_ids": [5, 6], "sampling_params": {"max_tokens": 2},
+                                                "kv_transfer_params": decode})]
+            for path, body in legs:
+                reads.clear()
+                engine.calls.clear()
+                r = await client.post(path, json=body)
+                assert r.status_code == 200, r.text
+                assert len(reads) == 1, path  # parsed once per leg
+                first = engine.calls[0][3]
+                assert first is reads[0] or first == reads[0].without_first_token()  # the fork's loader
+                assert all(c[3] is None for c in engine.calls[1:])  # the forks load nothing
+                if path != "/inference/v1/generate" and body["kv_transfer_params"].get("do_remote_prefill"):
+                    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 1  # P's, typed once
+            reads.clear()
+            r = await client.post(pd.KV_PARAMS_PATH, json=pd.params_delivery("k", decode))
+            assert r.status_code == 200, r.text
+            assert len(reads) == 1 and delivered == [("k", reads[0])]
+
+    run(go())
+
+
+def test_only_the_server_reads_kv_transfer_params() -> None:
+    """Below the server's routes nothing reads the dict again: `KVTransferParams.read` is called only in
+    pdserve/server (the engine, the P/D half and the connector take the typed object)."""
+    import ast
+
+    package = Path(__file__).resolve().parent.parent / "pdserve"
+    callers = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "read":
+                owner = node.func.value
+                name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", None)
+                if name == "KVTransferParams":
+                    callers.append(str(path.relative_to(package)))
+    assert callers and {c.split("/")[0] for c in callers} == {"server"}, callers

@@ -17,10 +17,14 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
 from pdserve.api.openai.params import GenerationDefaults
+from pdserve.api.pd import HeldKVParams
 from pdserve.server.app import build_app
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.state import ServerState
 from pdserve.types.outputs import RequestOutput, TokenLogprob
+
+HELD = HeldKVParams(request_id="r", block_ids=(3,), num_tokens=3, engine_id="e", host="127.0.0.1", port=5600,
+                    generation=1, expires_at=9.0, lease_token="t" * 32)
 
 
 class FakeEngine:
@@ -48,7 +52,7 @@ class FakeEngine:
             lp = [TokenLogprob(self.script[i], -0.5, 1, [(self.script[i], -0.5), (7, -2.0)])]
             yield RequestOutput(request_id, prompt, [self.script[i]], lp if params.logprobs is not None else None,
                                 i + 1, last, "length" if last else None,
-                                kv_transfer_params={"remote_block_ids": [3]} if last and kv_transfer_params else None)
+                                kv_transfer_params=HELD if last and kv_transfer_params else None)
             await asyncio.sleep(0)
         if self.hold:
             await event.wait()
@@ -126,8 +130,8 @@ def test_kv_transfer_params_and_request_ids(client_factory: Any) -> None:
                           "sampling_params": {"max_tokens": 1, "logprobs": 2}})
     out = r.json()
     assert r.headers["x-request-id"] == "generate-tokens-hdr" and out["request_id"] == "generate-tokens-hdr"
-    assert engine.calls[0]["id"] == "generate-tokens-hdr" and engine.calls[0]["kv"] == kv
-    assert out["kv_transfer_params"] == {"remote_block_ids": [3]}
+    assert engine.calls[0]["id"] == "generate-tokens-hdr" and dict(engine.calls[0]["kv"].wire) == kv
+    assert out["kv_transfer_params"] == HELD.to_json()
     assert out["choices"][0]["logprobs"] == {"content": [{"token_id": 9, "logprob": -0.5, "rank": 1, "top_logprobs": [
         {"token_id": 9, "logprob": -0.5, "rank": 1}, {"token_id": 7, "logprob": -2.0, "rank": 2}]}]}
     # The text routes need a tokenizer that a --tokens-only server does not load.
@@ -147,7 +151,7 @@ def test_remote_prefill_with_n_above_one_forks_the_load(client_factory: Any) -> 
         r = client.post("/inference/v1/generate", json={"token_ids": [1, 2], "kv_transfer_params": kv,
                                                         "stream": stream, "sampling_params": {"n": 3, "max_tokens": 1}})
         assert r.status_code == 200, r.text
-        assert [c["kv"] for c in engine.calls] == [kv, None, None]
+        assert [c["kv"] and dict(c["kv"].wire) for c in engine.calls] == [kv, None, None]
 
 
 def test_abort_reaches_every_choice(client_factory: Any) -> None:

@@ -11,7 +11,7 @@ A disaggregated request is two HTTP legs (see the protocol notes, sections 1-3):
    generates.
 
 Rules shared by the proxy, the render tier and the server: one lease serves one engine request
-(`local_only_reason`, `one_lease_violation`), and which chat requests may carry the prompt token ids in
+(`local_only_reason`, `KVTransferParams.one_lease_violation`), and which chat requests may carry the prompt token ids in
 the decode leg's params (`chat_prompt_ids_allowed`).
 
 Mirrored from vLLM: tests/v1/kv_connector/nixl_integration/toy_proxy_server.py (the prefill leg), the
@@ -238,19 +238,6 @@ def scores_prompt(body: dict[str, Any]) -> bool:
         if type(value) is int:
             return value <= 1
     return False  # no limit given: it may generate up to the context length
-
-
-def one_lease_violation(params: Any, num_prompts: int) -> str | None:
-    """The server side of the same rule: a decode leg loads one prompt's KV once. Several prompts would
-    claim one lease several times; n choices of one prompt are fine (the first loads, the others fork the
-    loaded blocks). Returns the client error, or None. The same holds for a peer's prefix (`is_remote_prefix`)."""
-    if is_remote_prefill(params) and num_prompts > 1:
-        return ("kv_transfer_params.do_remote_prefill allows exactly one prompt (one remote KV lease serves one "
-                "prompt; n > 1 choices share its load)")
-    if is_remote_prefix(params) and num_prompts > 1:
-        return ("kv_transfer_params naming a held prefix (remote_block_ids) allow exactly one prompt (one remote "
-                "KV lease serves one read)")
-    return None
 
 
 # ---- the held KV's params (a prefill leg's answer, a decode leg's held history, a pinned prefix) ------
@@ -841,9 +828,10 @@ def remote_prefill_cached_tokens(params: Any) -> Any:
 
 @dataclass(frozen=True)
 class KVTransferParams:
-    """A request's `kv_transfer_params`, read once where they come in (the engine's `add_request` and
-    `deliver_params`): which P/D role they ask of this instance. Everything behind that edge (the engine's
-    `Request.kv`, the connector seam, kv_transfer) gets typed objects, never the dict.
+    """A request's `kv_transfer_params`, read once where they come in (the server's routes, where the body is
+    parsed, and its params delivery route): which P/D role they ask of this instance. Everything behind that edge
+    (the server's pipeline and usage, `AsyncEngine`, the engine's `Request.kv`, the connector seam, kv_transfer)
+    carries this object, never the dict.
 
     The role's full parse (`LoadParams` for a decode leg or a held prefix, `PushParams` for a push prefill leg)
     is done once, by the connector role that plays it (`KVConsumer.parse`, `KVProducer.parse_prefill_leg`): what a
@@ -856,16 +844,45 @@ class KVTransferParams:
     prefix: bool = False  # they name a peer's held prefix of the prompt (`is_remote_prefix`)
     push: bool = False  # transfer_mode push
     remote_cached_tokens: int | None = None  # remote_prefill_cached_tokens, when a non-negative integer
+    params_later: bool = False  # a decode leg sent before its params (`PARAMS_LATER` present; its key is checked
+    # by `params_later_key`, where admission needs it)
     wire: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def read(cls, params: Mapping[str, Any] | None) -> KVTransferParams:
+        """The one read of a request's params (the server's pipeline, where the body is parsed; the params
+        delivery route): everything below carries this object."""
         p = params or {}
         cached = remote_prefill_cached_tokens(p)
         return cls(remote_decode=bool(p.get("do_remote_decode")), remote_prefill=bool(p.get("do_remote_prefill")),
                    prefix=is_remote_prefix(p), push=is_push(p),
                    remote_cached_tokens=cached if type(cached) is int and cached >= 0 else None,
+                   params_later=PARAMS_LATER in p,
                    wire=MappingProxyType(dict(p)))  # a read-only copy: what was read stays what is parsed
+
+    @property
+    def loads(self) -> bool:
+        """The request reads remote KV: a decode leg's prompt, or a peer's held prefix of it."""
+        return self.remote_prefill or self.prefix
+
+    def one_lease_violation(self, num_prompts: int) -> str | None:
+        """The server side of the one-lease rule (`local_only_reason`): a decode leg loads one prompt's KV
+        once. Several prompts would claim one lease several times; n choices of one prompt are fine (the first
+        loads, the others fork the loaded blocks). Returns the client error, or None. The same holds for a
+        peer's prefix (`is_remote_prefix`)."""
+        if num_prompts <= 1:
+            return None
+        if self.remote_prefill:
+            return ("kv_transfer_params.do_remote_prefill allows exactly one prompt (one remote KV lease serves "
+                    "one prompt; n > 1 choices share its load)")
+        if self.prefix:
+            return ("kv_transfer_params naming a held prefix (remote_block_ids) allow exactly one prompt (one "
+                    "remote KV lease serves one read)")
+        return None
+
+    def without_first_token(self) -> KVTransferParams:
+        """These params as a producer that sends no first token (vLLM) would have sent them."""
+        return dataclasses.replace(self, wire=MappingProxyType(without_first_token(self.wire)))
 
     def params_later_key(self) -> str | None:
         """A decode leg sent before its params (`early_decode_params`): their key (InvalidKVTransferParams

@@ -13,8 +13,10 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from pdserve.api.pd import HeldKVParams
-from pdserve.engine.engine import DeliveryRefused, EngineStats, LLMEngine
+from pdserve.api.pd import HeldKVParams, KVTransferParams
+from pdserve.engine.commands import Abort, AddRequest, DeliverParams, EngineCommand, PinPrefix
+from pdserve.engine.engine import EngineStats, LLMEngine
+from pdserve.engine.pd.events import DeliveryRefused
 from pdserve.types.engine_config import EngineConfig
 from pdserve.types.outputs import RequestOutput
 from pdserve.types.sampling_params import SamplingParams
@@ -47,10 +49,9 @@ class AsyncEngine:
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        if self.engine.connector is not None and self.engine.connector.consumer is not None:
-            # a claimed lease or an ended load wakes the engine thread at once (not at its next 1 ms poll)
-            self.engine.connector.consumer.set_notify(self._wake.set)
-        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        # a claimed lease or an ended load wakes the engine thread at once (not at its next 1 ms poll)
+        self.engine.on_background_event(self._wake.set)
+        self._thread = threading.Thread(target=self._run_loop, name="pdserve-engine", daemon=True)
         self._thread.start()
 
     async def shutdown(self) -> None:
@@ -73,19 +74,16 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+                       kv_transfer_params: KVTransferParams | None = None) -> AsyncIterator[RequestOutput]:
         """Yields output deltas; the last has finished=True. Raises ParamError for client mistakes
         before the first yield. Cancelling the iteration (client gone) aborts the request."""
-        if self.dead_error is not None:
-            raise EngineDeadError(f"the engine has stopped: {self.dead_error}")
+        self._check_alive()
         bound = self.config.max_waiting_requests
-        if bound is not None and len(self.engine.scheduler.waiting) + self._commands.qsize() >= bound:
+        if bound is not None and self.engine.loop_state().num_queued + self._commands.qsize() >= bound:
             raise QueueFullError(f"the server's waiting queue is full ({bound} requests)")
         stream: asyncio.Queue = asyncio.Queue()
-        done = asyncio.get_running_loop().create_future()
         self._streams[request_id] = stream
-        self._commands.put(("add", (request_id, prompt_token_ids, params, kv_transfer_params), done))
-        self._wake.set()
+        done = self._post(AddRequest(request_id, prompt_token_ids, params, kv_transfer_params))
         finished = False
         try:
             await done  # raises the engine's validation error, if any
@@ -100,31 +98,33 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(("abort", request_id, None))
-                self._wake.set()
+                self._post(Abort(request_id), answered=False)
 
-    async def deliver_params(self, key: str, kv_transfer_params: dict) -> None:
+    async def deliver_params(self, key: str, kv_transfer_params: KVTransferParams) -> None:
         """The prefill's params for a decode leg sent before them (`LLMEngine.deliver_params`); raises
         ParamError when they are refused (the waiting leg then ends with the same 400)."""
-        if self.dead_error is not None:
-            raise EngineDeadError(f"the engine has stopped: {self.dead_error}")
-        done = asyncio.get_running_loop().create_future()
-        self._commands.put(("params", (key, kv_transfer_params), done))
-        self._wake.set()
-        await done
+        self._check_alive()
+        await self._post(DeliverParams(key, kv_transfer_params))
 
     async def pin_cached_prefix(self, token_ids: list[int], min_tokens: int) -> HeldKVParams | None:
         """`LLMEngine.pin_cached_prefix`, run on the engine thread (raises PinRefused)."""
-        if self.dead_error is not None:
-            raise EngineDeadError(f"the engine has stopped: {self.dead_error}")
-        done = asyncio.get_running_loop().create_future()
-        self._commands.put(("pin", (token_ids, min_tokens), done))
-        self._wake.set()
-        return await done
+        self._check_alive()
+        return await self._post(PinPrefix(token_ids, min_tokens))
 
     async def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id, None))
+        self._post(Abort(request_id), answered=False)
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.dead_error}")
+
+    def _post(self, command: EngineCommand, answered: bool = True) -> asyncio.Future | None:
+        """Queues a command for the engine thread and wakes it; the future its answer resolves (None when
+        `answered` is false: nobody waits for it)."""
+        fut = asyncio.get_running_loop().create_future() if answered else None
+        self._commands.put((command, fut))
         self._wake.set()
+        return fut
 
     # ---- the engine thread -------------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -141,64 +141,64 @@ class AsyncEngine:
         else:
             fut.set_exception(error)
 
+    def _run(self, command: EngineCommand) -> tuple[object, list[RequestOutput]]:
+        """One command on the engine: its answer and the outputs it made."""
+        engine = self.engine
+        match command:
+            case AddRequest(request_id, prompt, params, kv):
+                engine.add_request(request_id, prompt, params, kv)
+                return None, []
+            case DeliverParams(key, kv):
+                return None, engine.deliver_params(key, kv)
+            case PinPrefix(token_ids, min_tokens):
+                return engine.pin_cached_prefix(token_ids, min_tokens), []
+            case Abort(request_id):
+                out = engine.abort_request(request_id)
+                return None, [out] if out is not None else []
+
     def _drain_commands(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         while True:
             try:
-                cmd, arg, fut = self._commands.get_nowait()
+                command, fut = self._commands.get_nowait()
             except queue.Empty:
                 return outputs
-            if cmd == "add":
-                try:
-                    self.engine.add_request(*arg)
-                    err = None
-                except Exception as e:  # noqa: BLE001 - reported to the caller, engine keeps going
-                    err = e
-                self._loop.call_soon_threadsafe(self._resolve, fut, err)
-            elif cmd == "params":
-                try:
-                    outputs.extend(self.engine.deliver_params(*arg))
-                    err = None
-                except DeliveryRefused as e:
-                    outputs.extend(e.outputs)
-                    err = e
-                except Exception as e:  # noqa: BLE001 - reported to the caller, engine keeps going
-                    err = e
-                self._loop.call_soon_threadsafe(self._resolve, fut, err)
-            elif cmd == "pin":
-                result = None
-                try:
-                    result = self.engine.pin_cached_prefix(*arg)
-                    err = None
-                except Exception as e:  # noqa: BLE001 - reported to the caller, engine keeps going
-                    err = e
+            result, err = None, None
+            try:
+                result, made = self._run(command)
+                outputs.extend(made)
+            except DeliveryRefused as e:  # the waiting leg ended: its output goes out, the delivery is refused
+                outputs.extend(e.outputs)
+                err = e
+            except Exception as e:  # noqa: BLE001 - reported to the caller, engine keeps going
+                if fut is None:
+                    raise  # nobody to report it to (an abort): the loop dies, as before
+                err = e
+            if fut is not None:
                 self._loop.call_soon_threadsafe(self._resolve, fut, err, result)
-            elif cmd == "abort":
-                out = self.engine.abort_request(arg)
-                if out is not None:
-                    outputs.append(out)
 
-    def _run(self) -> None:
+    def _run_loop(self) -> None:
         assert self._loop is not None
+        engine = self.engine
         try:
             while not self._stop.is_set():
-                self.engine.check_health()
+                engine.check_health()
                 outputs = self._drain_commands()
-                if self.engine.has_unfinished() or self.engine.num_held or self.engine.connector is not None:
-                    outputs.extend(self.engine.step())
+                state = engine.loop_state()
+                if state.unfinished or state.num_held or state.connector:
+                    outputs.extend(engine.step())
                 if outputs:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
-                if not self.engine.has_unfinished():
-                    self.engine.publish_kv_events()  # e.g. the disk tier's writes that finished meanwhile
-                    self.engine.runner.observe_idle()
+                state = engine.loop_state()
+                if not state.unfinished:
+                    engine.idle()  # e.g. the disk tier's writes that finished meanwhile
                     # Idle: sleep until a command arrives (bounded, so held leases still get reaped).
-                    self._wake.wait(0.01 if (self.engine.num_held or self.engine.num_loading) else 0.05)
+                    self._wake.wait(0.01 if (state.num_held or state.num_loading) else 0.05)
                     self._wake.clear()
-                elif not self.engine.scheduler.has_work():
+                elif not state.schedulable:
                     # only remote or disk-tier loads in flight (polled; remote claims and outcomes also wake
                     # us), or decode legs waiting for their params (whose delivery is a command, which wakes us)
-                    tiers = self.engine.tier_loader  # KV offload tiers (None without them)
-                    polled = self.engine.num_loading or (tiers is not None and tiers.parked)
+                    polled = state.num_loading or state.parked_reads
                     self._wake.wait(0.001 if polled else 0.05)
                     self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - a dead engine must fail every waiting request

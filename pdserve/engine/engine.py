@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdserve.api.pd import HeldKVParams
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.commands import LoopState
 from pdserve.engine.grammars import Grammars
 from pdserve.engine.pd.connector_protocol import KVConnectorProtocol
 from pdserve.engine.pd.engine_pd import EnginePD
 from pdserve.engine.pd.events import (
+    DeliveryRefused,
     Emit,
     Finish,
     FirstTokenAdopted,
@@ -41,6 +42,8 @@ from pdserve.types.sampling_params import ParamError, SamplingParams
 from pdserve.types.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
+    from pdserve.api.pd import HeldKVParams, KVTransferParams
+
     ConnectorFactory = Callable[["LLMEngine"], KVConnectorProtocol]
 
 log = logging.getLogger("pdserve.engine")
@@ -49,14 +52,6 @@ PARKED_READ_WAIT_S = 0.001  # the longest a step waits for a disk-tier read when
 
 class PromptTooLongError(ParamError):
     pass
-
-
-class DeliveryRefused(ParamError):
-    """Params delivered for a waiting decode leg were refused: the leg ended with `outputs` (its 400)."""
-
-    def __init__(self, message: str, outputs: list[RequestOutput]):
-        super().__init__(message, "kv_transfer_params")
-        self.outputs = outputs
 
 
 @dataclass
@@ -189,9 +184,8 @@ class LLMEngine:
         # the P/D half (pdserve.engine.pd): what requests' kv_transfer_params make the engine do
         self.pd = EnginePD(self.connector, self.blocks, self.scheduler.loading, vocab_size=self.model_cfg.vocab_size,
                            eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
-        # push transfer (NixlPushConnector) on a prefill: the model reports each finished layer of a step
-        if getattr(self.connector, "push_sender", None) is not None:
-            self.runner.layer_hook = self.connector.step_hook
+        if self.pd.layer_hook is not None:  # the model reports each finished layer of a step to it
+            self.runner.layer_hook = self.pd.layer_hook
         if publish:
             from pdserve.kv_events.publisher import ZmqEventPublisher  # pyzmq only where events are on
 
@@ -261,7 +255,7 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_transfer_params: dict | None = None) -> None:
+                    kv_transfer_params: KVTransferParams | None = None) -> None:
         """Raises ParamError for a client mistake; the engine is unaffected."""
         if request_id in self.requests:
             raise ParamError(f"request id {request_id!r} is already in use")
@@ -298,7 +292,7 @@ class LLMEngine:
         self.requests[request_id] = req  # a decode leg awaiting its params too: scheduled once they come
         self._apply(events)
 
-    def deliver_params(self, key: str, kv_transfer_params: dict) -> list[RequestOutput]:
+    def deliver_params(self, key: str, kv_transfer_params: KVTransferParams) -> list[RequestOutput]:
         """The prefill's params for the decode leg waiting under `key` (`pd.early_decode_params`), or kept
         for a leg still to come. Raises ParamError for params this instance refuses; the waiting leg then
         ends with the same 400 (DeliveryRefused: its response has not started, it waits for its first output)."""
@@ -340,6 +334,25 @@ class LLMEngine:
         """Requests in the engine, or a step launched ahead still to be taken in (its rows may all have ended:
         the next step() takes it in)."""
         return bool(self.requests) or self._inflight is not None
+
+    def loop_state(self) -> LoopState:
+        """What a loop that steps this engine (AsyncEngine's thread) decides on, in one snapshot."""
+        s = self.scheduler
+        return LoopState(num_queued=len(s.waiting), unfinished=self.has_unfinished(), num_held=self.num_held,
+                         num_loading=self.num_loading, connector=self.connector is not None,
+                         schedulable=s.has_work(),
+                         parked_reads=self.tier_loader is not None and bool(self.tier_loader.parked))
+
+    def idle(self) -> None:
+        """Between steps with nothing to run: publish what the tiers did meanwhile (the disk tier's writes end
+        in the background), let the runner note the idle time."""
+        self.publish_kv_events()
+        self.runner.observe_idle()
+
+    def on_background_event(self, wake: Callable[[], None]) -> None:
+        """`wake` is called (from any thread) when work a step must take in arrives between steps: a claimed
+        lease, an ended load; a loop sleeping between steps wakes at once instead of at its next poll."""
+        self.pd.set_notify(wake)
 
     def check_health(self) -> None:
         """Raises when the engine cannot run another step (a tensor-parallel worker died)."""
@@ -511,8 +524,7 @@ class LLMEngine:
             error_status=req.error_status,
             kv_rejection=req.kv.rejection if finished else None,
             num_cached_tokens=max(req.num_cached_tokens, 0),
-            kv_transfer_params=(req.result_kv_transfer_params.to_json()
-                                if finished and req.result_kv_transfer_params is not None else None),
+            kv_transfer_params=req.result_kv_transfer_params if finished else None,
             remote_cached_tokens=req.remote_cached_tokens,
             metrics=req.metrics,
             prompt_logprobs=prompt_lps,

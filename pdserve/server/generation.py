@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.api.http import merged
+from pdserve.api.pd import HeldKVParams, KVTransferParams
 from pdserve.text.output import OutputProcessor, TextDelta
 from pdserve.types.outputs import RequestOutput
 from pdserve.types.sampling_params import SamplingParams
@@ -27,13 +28,13 @@ class Choice:
     engine_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    kv_transfer_params: dict[str, Any] | None
+    kv_transfer_params: KVTransferParams | None  # the body's, read once (pipeline.make_choices)
     processor: OutputProcessor
     fork_of: int | None = None  # P/D n > 1: submitted once this choice (the one loading the KV) has output
     # filled while running
     num_cached_tokens: int = 0
     remote_cached_tokens: int | None = None  # the producer's prefix hits, from params delivered later
-    kv_transfer_result: dict[str, Any] | None = None
+    held_kv: HeldKVParams | None = None  # the KV it left held for a peer (the response's kv_transfer_params)
     error: str | None = None
     error_status: int = 500  # with `error`: the HTTP status it is answered with
     # The producer refused the lease the kv_transfer_params name (why): the error is the client's, not ours.
@@ -109,7 +110,7 @@ class Generation:
         if delta.finished:
             choice.finished = True
             if out.finished:
-                choice.kv_transfer_result = out.kv_transfer_params
+                choice.held_kv = out.kv_transfer_params
                 if out.finish_reason == "error":
                     choice.error = out.error or "the engine failed this request"
                     choice.error_status = out.error_status

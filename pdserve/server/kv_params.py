@@ -26,7 +26,7 @@ async def deliver_kv_params(engine: Any, body: Any, can_load: bool) -> dict[str,
         raise APIError(f"kv_transfer_params must be the prefill's, not another {pd.PARAMS_LATER}", 400,
                        "kv_transfer_params")
     try:
-        await engine.deliver_params(key, params)
+        await engine.deliver_params(key, pd.KVTransferParams.read(params))  # the one read: typed from here on
     except ParamError as e:
         raise APIError(str(e), 400, e.param) from e
     return {"status": "delivered"}

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 from pdserve.api.openai.errors import error_body
 from pdserve.api.pd import PIN_MIN_TOKENS, PROMPT_TOKEN_IDS
 from pdserve.engine.pd.holds import PinRefused
+from pdserve.server.pipeline import held_json
 
 
 async def pin_prefix(engine: Any, body: Any) -> JSONResponse:
@@ -37,4 +38,4 @@ async def pin_prefix(engine: Any, body: Any) -> JSONResponse:
     except PinRefused as e:
         status = 404 if e.reason == "disabled" else 503
         return JSONResponse(error_body(str(e), status), status)
-    return JSONResponse({"kv_transfer_params": params.to_json() if params is not None else None})
+    return JSONResponse({"kv_transfer_params": held_json(params)})

@@ -25,14 +25,7 @@ from pdserve.api.http import SSE_DONE, until_disconnect
 from pdserve.api.openai.errors import APIError, sse_error_frame
 from pdserve.api.openai.params import build_sampling_params, sampling_param_name
 from pdserve.api.openai.tokenization import check_prompt_chars
-from pdserve.api.pd import (
-    PARAMS_LATER,
-    is_remote_prefill,
-    is_remote_prefix,
-    one_lease_violation,
-    remote_prefill_cached_tokens,
-    without_first_token,
-)
+from pdserve.api.pd import PARAMS_LATER, HeldKVParams, KVTransferParams
 from pdserve.server.generation import Choice, Generation
 from pdserve.server.metrics import RequestRecorder
 from pdserve.server.state import ServerState
@@ -53,14 +46,16 @@ async def encode(state: ServerState, text: str, add_special_tokens: bool) -> lis
 
 
 def make_choices(state: ServerState, fields: Any, base_id: str, prompts: Sequence[list[int]],
-                 max_tokens: Sequence[int], logprobs: int | None, kv_transfer_params: dict[str, Any] | None, *,
+                 max_tokens: Sequence[int], logprobs: int | None, kv: KVTransferParams | None, *,
                  per_prompt_suffix: bool, param_prefix: str = "", detokenize: bool = True,
                  prompt_logprobs: int | None = None) -> list[Choice]:
     """One engine request per prompt per choice (`fields.n`), each with its own sampling parameters (a
     fixed seed gives every choice its own) and output processor. `fields` holds the sampling fields: an
-    OpenAI request, or a GenerateRequest's `sampling_params` (then `param_prefix="sampling_params."`)."""
+    OpenAI request, or a GenerateRequest's `sampling_params` (then `param_prefix="sampling_params."`).
+    `kv`: the body's kv_transfer_params, read once by the route (`KVTransferParams.read`); the engine
+    requests carry that object."""
     n = fields.n
-    violation = one_lease_violation(kv_transfer_params, len(prompts))
+    violation = kv.one_lease_violation(len(prompts)) if kv is not None else None
     if violation is not None:
         # Proxies send such requests to one instance without P/D params (pdserve.api.pd.local_only_reason).
         raise APIError(violation, 400, "kv_transfer_params")
@@ -68,14 +63,14 @@ def make_choices(state: ServerState, fields: Any, base_id: str, prompts: Sequenc
     # requests whose prompt hits the loaded full blocks in the prefix cache (shared, ref-counted: a
     # copy-on-write fork; each recomputes only the partial last block).
     # (a held prefix is read once too: choices 1..n-1 find it in the prefix cache)
-    fork = (is_remote_prefill(kv_transfer_params) or is_remote_prefix(kv_transfer_params)) and n > 1
-    if fork and PARAMS_LATER in kv_transfer_params:
+    fork = kv is not None and kv.loads and n > 1
+    if fork and kv.params_later:
         raise APIError(f"kv_transfer_params.{PARAMS_LATER} serves one choice (n = 1): the forks of n > 1 wait for "
                        "a load whose params are here", 400, "kv_transfer_params")
     if fork:
         # The forks wait for choice 0's first output as the sign that the KV is loaded: choice 0 must not
         # start from the producer's first token (that output comes before the load), so it recomputes.
-        kv_transfer_params = without_first_token(kv_transfer_params)
+        kv = kv.without_first_token()
     choices: list[Choice] = []
     for i, ids in enumerate(prompts):
         stem = f"{base_id}-{i}" if per_prompt_suffix else base_id
@@ -87,7 +82,7 @@ def make_choices(state: ServerState, fields: Any, base_id: str, prompts: Sequenc
             processor = OutputProcessor.from_params(state.tokenizer, ids, params, detokenize=detokenize)
             forked = fork and j > 0
             choices.append(Choice(index=i * n + j, prompt_index=i, engine_id=engine_id, prompt_token_ids=ids,
-                                  params=params, kv_transfer_params=None if forked else kv_transfer_params,
+                                  params=params, kv_transfer_params=None if forked else kv,
                                   processor=processor, fork_of=i * n if forked else None))
     return choices
 
@@ -160,22 +155,29 @@ async def outputs(gen: Generation, recorders: Recorders) -> AsyncIterator[tuple[
 
 
 def usage(choices: Sequence[Choice], prompts: Sequence[list[int]], n: int,
-          kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+          kv: KVTransferParams | None) -> dict[str, Any]:
     """Prompt tokens count once per prompt (not per choice), as in vLLM."""
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(c.num_output_tokens for c in choices)
     cached = sum(c.num_cached_tokens for c in choices if c.index % n == 0)
-    remote = remote_prefill_cached_tokens(kv_transfer_params)
-    if remote is None and is_remote_prefill(kv_transfer_params):  # params delivered later: what the engine had
-        remote = next((c.remote_cached_tokens for c in choices if c.remote_cached_tokens is not None), None)
-    if is_remote_prefill(kv_transfer_params) and type(remote) is int and remote >= 0:
-        cached = remote  # D reports P's prefix-cache hits, not its own ~100 % "hit" from the transfer
+    if kv is not None and kv.remote_prefill:
+        remote = kv.remote_cached_tokens
+        if remote is None:  # params delivered later: what the engine had
+            remote = next((c.remote_cached_tokens for c in choices if c.remote_cached_tokens is not None), None)
+        if remote is not None:
+            cached = remote  # D reports P's prefix-cache hits, not its own ~100 % "hit" from the transfer
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+def held_json(held: HeldKVParams | None) -> dict[str, Any] | None:
+    """A response's `kv_transfer_params`: the KV the engine left held for a peer, as the wire has it. The one
+    place the server serialises them (the routes' views, the pin route)."""
+    return held.to_json() if held is not None else None
 
 
 def engine_error(choices: Sequence[Choice]) -> Choice | None:

@@ -19,9 +19,9 @@ from pdserve.api.openai.params import (
     validate_token_ids,
 )
 from pdserve.api.openai.protocol import ChatCompletionRequest, chat_role
-from pdserve.api.pd import PROMPT_TOKEN_IDS, chat_prompt_ids_allowed
+from pdserve.api.pd import PROMPT_TOKEN_IDS, KVTransferParams, chat_prompt_ids_allowed
 from pdserve.server.generation import Generation
-from pdserve.server.pipeline import Recorders, encode, make_choices, now, outputs, respond, usage
+from pdserve.server.pipeline import Recorders, encode, held_json, make_choices, now, outputs, respond, usage
 from pdserve.server.state import ServerState
 from pdserve.text.chat import ChatTemplateError, message_text
 from pdserve.text.logprobs import LogprobFormatter
@@ -77,8 +77,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     model = state.check_model(req.model)
     state.check_accepting()
     use_tools = check_chat_fields(state.parsers, req)
-    kv = dict(req.kv_transfer_params) if req.kv_transfer_params is not None else None
-    ids = truncate_prompt(await _prompt_ids(state, req, kv), req.truncate_prompt_tokens, state.max_model_len)
+    body_kv = dict(req.kv_transfer_params) if req.kv_transfer_params is not None else None
+    ids = truncate_prompt(await _prompt_ids(state, req, body_kv), req.truncate_prompt_tokens, state.max_model_len)
+    kv = KVTransferParams.read(body_kv) if body_kv is not None else None  # the one read: typed from here on
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(requested, len(ids), state.max_model_len, state.defaults, param)
@@ -96,7 +97,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 class _ChatView:
     def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, model: str,
-                 prompt_ids: list[int], role: str, echo: str, kv: dict[str, Any] | None, use_tools: bool = False):
+                 prompt_ids: list[int], role: str, echo: str, kv: KVTransferParams | None, use_tools: bool = False):
         self.req = req
         self.id = request_id
         self.model = model
@@ -165,7 +166,7 @@ class _ChatView:
             "prompt_logprobs": (None if gen.choices[0].prompt_logprobs is None
                                 else self.fmt.prompt(gen.choices[0].prompt_logprobs)),
             "prompt_token_ids": self.prompt_ids if req.return_token_ids else None,
-            "kv_transfer_params": gen.choices[0].kv_transfer_result,
+            "kv_transfer_params": held_json(gen.choices[0].held_kv),
         }
 
     def _forced_delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
@@ -239,7 +240,7 @@ class _ChatView:
                 choice["token_ids"] = delta.token_ids
             extra = ""
             if delta.finished:
-                extra += f', "kv_transfer_params": {json.dumps(c.kv_transfer_result)}'
+                extra += f', "kv_transfer_params": {json.dumps(held_json(c.held_kv))}'
             if continuous:
                 extra += f', "usage": {json.dumps(usage([c], [self.prompt_ids], 1, None))}'
             yield self._chunk([choice], extra)

@@ -21,8 +21,9 @@ from pdserve.api.openai.params import (
     validate_token_ids,
 )
 from pdserve.api.openai.protocol import CompletionRequest
+from pdserve.api.pd import KVTransferParams
 from pdserve.server.generation import Choice, Generation
-from pdserve.server.pipeline import Recorders, encode, make_choices, now, outputs, respond, usage
+from pdserve.server.pipeline import Recorders, encode, held_json, make_choices, now, outputs, respond, usage
 from pdserve.server.state import ServerState
 from pdserve.text.logprobs import LogprobFormatter
 
@@ -54,19 +55,20 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     max_tokens = [resolve_max_tokens(requested, len(p), state.max_model_len, state.defaults, "max_tokens")
                   for p in prompts]
     request_id = f"cmpl-{base_request_id(raw, req.request_id)}"
-    choices = make_choices(state, req, request_id, prompts, max_tokens, req.logprobs, req.kv_transfer_params,
+    kv = KVTransferParams.read(req.kv_transfer_params) if req.kv_transfer_params is not None else None
+    choices = make_choices(state, req, request_id, prompts, max_tokens, req.logprobs, kv,
                            per_prompt_suffix=True, prompt_logprobs=completion_prompt_logprobs(req))
     echo_texts: list[str] = []
     if req.echo:
         echo_texts = [t if t is not None else state.tokenizer.decode(p, skip_special_tokens=False)
                       for p, t in zip(prompts, texts, strict=True)]
-    view = _CompletionView(state, req, request_id, model, prompts, echo_texts)
+    view = _CompletionView(state, req, request_id, model, prompts, echo_texts, kv)
     return await respond(state, raw, choices, view, stream=bool(req.stream), arrival=arrival)
 
 
 class _CompletionView:
     def __init__(self, state: ServerState, req: CompletionRequest, request_id: str, model: str,
-                 prompts: list[list[int]], echo_texts: list[str]):
+                 prompts: list[list[int]], echo_texts: list[str], kv: KVTransferParams | None):
         self.state = state
         self.req = req
         self.id = request_id
@@ -74,6 +76,7 @@ class _CompletionView:
         self.created = int(time.time())
         self.prompts = prompts
         self.echo_texts = echo_texts
+        self.kv = kv
         self.fmt = LogprobFormatter(state.tokenizer.token_text, bool(req.return_tokens_as_token_ids))
         self.echo_only = echo_only(req)  # max_tokens 0: the engine's one token is left out of the response
 
@@ -118,8 +121,8 @@ class _CompletionView:
             "choices": out_choices,
             "service_tier": None,
             "system_fingerprint": None,
-            "usage": usage(gen.choices, self.prompts, req.n, req.kv_transfer_params),
-            "kv_transfer_params": gen.choices[0].kv_transfer_result,
+            "usage": usage(gen.choices, self.prompts, req.n, self.kv),
+            "kv_transfer_params": held_json(gen.choices[0].held_kv),
         }
 
     # ---- stream ----------------------------------------------------------------------------------
@@ -154,11 +157,11 @@ class _CompletionView:
                     choice["prompt_token_ids"] = c.prompt_token_ids
             tail = ""
             if delta.finished:
-                tail += f', "kv_transfer_params": {json.dumps(c.kv_transfer_result)}'
+                tail += f', "kv_transfer_params": {json.dumps(held_json(c.held_kv))}'
             if continuous:
                 tail += f', "usage": {json.dumps(usage([c], [c.prompt_token_ids], 1, None))}'
             yield f"data: {head}\"choices\": [{json.dumps(choice)}]{tail}}}\n\n"
         if include_usage:
             final = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                     "choices": [], "usage": usage(gen.choices, self.prompts, req.n, req.kv_transfer_params)}
+                     "choices": [], "usage": usage(gen.choices, self.prompts, req.n, self.kv)}
             yield sse(json.dumps(final))

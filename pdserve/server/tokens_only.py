@@ -36,9 +36,9 @@ from pdserve.api.generate import AbortRequestsBody, GenerateRequest, GenerateSam
 from pdserve.api.http import ClientGone, parse_model, read_json, sse
 from pdserve.api.openai.errors import APIError, bad_request, error_body, error_response, not_supported
 from pdserve.api.openai.params import MAX_N, resolve_max_tokens, stop_list, truncate_prompt
-from pdserve.api.pd import is_prefill_leg
+from pdserve.api.pd import KVTransferParams
 from pdserve.server.generation import Choice, Generation
-from pdserve.server.pipeline import Recorders, make_choices, now, outputs, respond, usage
+from pdserve.server.pipeline import Recorders, held_json, make_choices, now, outputs, respond, usage
 from pdserve.server.state import ServerState
 from pdserve.text.logprobs import clamp
 
@@ -150,8 +150,8 @@ class TokensRoutes:
             raise not_supported("output_mode 'derender'", "; derender with the render tier (pdserve render)")
         sp = req.sampling_params
         _check_request(sp, text_mode)
-        kv = dict(req.kv_transfer_params) if req.kv_transfer_params is not None else None
-        if req.stream and is_prefill_leg(kv):
+        kv = KVTransferParams.read(req.kv_transfer_params) if req.kv_transfer_params is not None else None
+        if req.stream and kv is not None and kv.remote_decode:
             raise bad_request("A prefill leg (kv_transfer_params.do_remote_decode) must use stream: false: streamed "
                               "chunks do not carry kv_transfer_params.", "stream")
         ids = list(req.token_ids)
@@ -219,7 +219,7 @@ def build_router(get_state: Callable[[Request], ServerState] | None = None, *, e
 # ---- responses ---------------------------------------------------------------------------------------
 class _GenerateView:
     def __init__(self, req: GenerateRequest, external: str, model: str, prompt_ids: list[int], text_mode: bool,
-                 kv: dict[str, Any] | None):
+                 kv: KVTransferParams | None):
         self.req = req
         self.id = external
         self.model = model
@@ -266,7 +266,7 @@ class _GenerateView:
             "prompt_token_ids": self.prompt_ids if self.req.return_token_ids else None,
             "mm_placeholders": None,
             "metrics": None,
-            "kv_transfer_params": gen.choices[0].kv_transfer_result,
+            "kv_transfer_params": held_json(gen.choices[0].held_kv),
             "ec_transfer_params": None,
         }
 

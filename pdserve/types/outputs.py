@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.api.pd import HeldKVParams
 
 
 @dataclass
@@ -39,7 +43,9 @@ class RequestOutput:
     stop_reason: int | str | None = None  # the stop token id (or stop string, set by the text layer)
     error: str | None = None  # set when finish_reason == "error"
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or a remote transfer
-    kv_transfer_params: dict | None = None  # set on the final output of a prefill (P) leg
+    # set on the final output of a request whose KV is held for a peer (a prefill leg, a kept history); the
+    # response view serialises it (pdserve.server.pipeline.held_json)
+    kv_transfer_params: HeldKVParams | None = None
     # a decode leg whose params came later (pdserve.api.pd.early_decode_params): what the delivered params say
     # the producer's prefix cache held (their remote_prefill_cached_tokens), for the response's usage
     remote_cached_tokens: int | None = None

@@ -34,11 +34,11 @@ class Admission:
                                      can_send=conn is not None and conn.can_send,
                                      keeps_history=conn is not None and conn.keeps_history)
 
-    def add(self, req: Request, kv_transfer_params: dict | None) -> list[PDEvent]:
+    def add(self, req: Request, params: pd.KVTransferParams | None) -> list[PDEvent]:
         """A new request's P/D part into `req.kv`: its events (it is scheduled, or nothing while it awaits its
         params). Raises ParamError for a client mistake, before anything is registered."""
         conn = self.connector
-        params = pd.KVTransferParams.read(kv_transfer_params)  # the edge: typed from here on
+        params = params or pd.KVTransferParams()  # a plain request
         kv = self._handoff(params, can_load=conn is not None and conn.can_load)
         later = None
         if kv.needs_load and req.params.prompt_logprobs is not None:
@@ -101,11 +101,10 @@ class Admission:
         events.append(Schedule(req))
         return events
 
-    def deliver(self, key: str, kv_transfer_params: dict) -> list[PDEvent]:
+    def deliver(self, key: str, params: pd.KVTransferParams) -> list[PDEvent]:
         """The prefill's params for the decode leg waiting under `key` (`pd.early_decode_params`): its events,
         `ParamsRefused` for params this instance refuses; or kept for a leg still to come (no events). Raises
         ParamError when the delivery itself is refused (no leg is affected)."""
-        params = pd.KVTransferParams.read(kv_transfer_params)  # the edge: typed from here on
         try:
             req = self.mailbox.deliver(key, params)
         except ValueError as e:

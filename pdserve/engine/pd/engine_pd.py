@@ -3,9 +3,9 @@ the connector, and returns the events (events.py) the loop applies to its own qu
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from pdserve.api.pd import HeldKVParams
+from pdserve.api.pd import HeldKVParams, KVTransferParams
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.pd.admission import Admission
 from pdserve.engine.pd.connector_protocol import KVConnectorProtocol
@@ -27,13 +27,21 @@ class EnginePD:
         self.loads = (Loads(connector, consumer, loading, blocks.block_size, eos_token_ids)
                       if consumer is not None else None)
         self.holds = Holds(connector, blocks, eos_token_ids, max_model_len)
+        # push transfer (NixlPushConnector) on a prefill: what the model calls as each layer of a step finishes
+        self.layer_hook = connector.step_hook if getattr(connector, "push_sender", None) is not None else None
+
+    def set_notify(self, wake: Callable[[], None]) -> None:
+        """The consumer's claims and ended loads call `wake` (from its threads); nothing without a consumer."""
+        if self.loads is not None:
+            self.loads.consumer.set_notify(wake)
 
     # ---- requests in ---------------------------------------------------------------------------
-    def add(self, req: Request, kv_transfer_params: dict | None) -> list[PDEvent]:
-        """A new request's `kv_transfer_params` into `req.kv` (raises ParamError for a client mistake)."""
+    def add(self, req: Request, kv_transfer_params: KVTransferParams | None) -> list[PDEvent]:
+        """A new request's params (read at the server's edge) into `req.kv` (raises ParamError for a client
+        mistake)."""
         return self.admission.add(req, kv_transfer_params)
 
-    def deliver_params(self, key: str, kv_transfer_params: dict) -> list[PDEvent]:
+    def deliver_params(self, key: str, kv_transfer_params: KVTransferParams) -> list[PDEvent]:
         """Params for a decode leg sent before them (raises ParamError when the delivery is refused)."""
         return self.admission.deliver(key, kv_transfer_params)
 

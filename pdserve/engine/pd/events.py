@@ -6,9 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pdserve.types.sampling_params import ParamError
+
 if TYPE_CHECKING:
     from pdserve.engine.request import Request
-    from pdserve.types.sampling_params import ParamError
+    from pdserve.types.outputs import RequestOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,3 +60,12 @@ class ParamsRefused(_RequestEvent):
 
 
 PDEvent = Schedule | FirstTokenAdopted | LoadEnded | Emit | Finish | ParamsRefused
+
+
+class DeliveryRefused(ParamError):
+    """What a `ParamsRefused` makes the loop raise to the delivery's caller: the params were refused (a 400), and
+    the waiting leg ended with `outputs` (its own response repeats the 400)."""
+
+    def __init__(self, message: str, outputs: list[RequestOutput]):
+        super().__init__(message, "kv_transfer_params")
+        self.outputs = outputs
