@@ -21,7 +21,7 @@ from pdserve.engine.request import Request
 from pdserve.kv_transfer.config import DEFAULT_PUSH_LAYERWISE_MIN_TOKENS, KVTransferConfig
 from pdserve.kv_transfer.layer_ready import READY, CudaLayerEvent, marker_for
 from pdserve.kv_transfer.pool import region_of
-from pdserve.kv_transfer.push_sender import PUSH_NOTIF_PREFIX, PushSender
+from pdserve.kv_transfer.push_sender import PushSender, parse_completion_notif
 from pdserve.types.sampling_params import SamplingParams
 
 LAYERS, BS, HEADS, DIM = 4, 16, 2, 8
@@ -131,7 +131,7 @@ def _wait_done(env, sender: PushSender, key: str) -> None:
 
     _until(done, "the push to complete")
     _until(lambda: notifs.extend(m for ms in env["d_agent"].get_notifs().values() for m in ms)
-           or PUSH_NOTIF_PREFIX + key.encode() in notifs, "the completion notification")
+           or any((parse_completion_notif(m) or ("", None))[0] == key for m in notifs), "the completion notification")
 
 
 def test_cpu_marker_is_ready_and_never_waits() -> None:

@@ -187,3 +187,12 @@ def test_a_push_decode_leg_registers_the_whole_prompt_unless_it_takes_no_first_t
     assert kv.load_tokens(100) == 99  # recomputed here
     with pytest.raises(pd.InvalidKVTransferParams, match="push_first_token"):
         pd.parse_push_decode_params({**params, pd.PUSH_FIRST_TOKEN: "no"})
+
+
+def test_push_pipeline_auto_is_layer_by_layer_on_cpu_pools_and_whole_request_on_gpu_pools():
+    from pdserve.kv_transfer.config import KVTransferConfig, push_layer_by_layer
+
+    cfg = KVTransferConfig.from_json('{"kv_connector":"NixlPushConnector","kv_role":"kv_producer"}')
+    assert cfg.push_pipeline == "auto"
+    assert push_layer_by_layer("auto", "DRAM") and not push_layer_by_layer("auto", "VRAM")
+    assert push_layer_by_layer("layer", "VRAM") and not push_layer_by_layer("request", "DRAM")

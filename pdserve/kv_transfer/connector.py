@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.api.pd import PUSH
 from pdserve.kv_transfer.auth import SECRET_ENV, MessageAuth, ReplayGuard
 from pdserve.kv_transfer.compat import HEAD_MAJOR_LAYOUT, POOL_LAYOUT, normalize_compat
-from pdserve.kv_transfer.config import KVTransferConfig, is_loopback_host
+from pdserve.kv_transfer.config import KVTransferConfig, is_loopback_host, push_layer_by_layer
 from pdserve.kv_transfer.consumer import KVConsumer
 from pdserve.kv_transfer.digest import BlockDigester
 from pdserve.kv_transfer.faults import KVFaults
@@ -182,7 +182,8 @@ class KVConnector:
                     producer = self.producer
                     self.push_sender = PushSender(
                         agent=self._agent, region=self.region, num_layers=int(self.compat["num_layers"]),
-                        block_size=block_size, layerwise=config.push_pipeline == "layer",
+                        block_size=block_size,
+                        layerwise=push_layer_by_layer(config.push_pipeline, self.region.mem_type),
                         layerwise_min_tokens=config.push_layerwise_min_tokens,
                         transfer_timeout_s=config.transfer_timeout_s, lease_duration_s=config.kv_lease_duration,
                         release_lease=lambda rid, token: producer.leases.abort(rid, token),

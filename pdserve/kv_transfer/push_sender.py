@@ -3,7 +3,8 @@
 vLLM's push connector (vllm/distributed/kv_transfer/kv_connector/v1/nixl/push_scheduler.py, push_worker.py;
 vllm-project/vllm#35264) WRITEs the whole request from a writer thread after the prefill; the open per-layer
 PR (vllm-project/vllm#56874) WRITEs each layer as it is computed. Both are here (`push_pipeline`: "request" or
-"layer", the default), with the reliability rows of vllm-project/vllm#48633 designed out:
+"layer"; "auto", the default, is layer on CPU pools and request on GPU pools: config.push_layer_by_layer), with
+the reliability rows of vllm-project/vllm#48633 designed out:
 
 - C1 (writes after the decode aborted): a cancel stops the job at once (nothing more is posted); the decode
   frees its blocks only once `push_status` says the job is quiesced (no WRITE of it in flight), the prefill
