@@ -32,7 +32,13 @@ from pdserve.proxy.pool import Instance
 from pdserve.proxy.protocol import affinity_key
 from pdserve.proxy.pull_pair import open_pull_pair
 from pdserve.proxy.push_pair import start_push_pair
-from pdserve.proxy.request import CHAT_COMPLETIONS, COMPLETIONS, ClientRequest, client_request
+from pdserve.proxy.request import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    ClientRequest,
+    client_request,
+    splittable_generate,
+)
 from pdserve.proxy.split import serve_batch
 from pdserve.proxy.state import ProxyState
 from pdserve.proxy.turn_history import history_for, keep_history
@@ -84,6 +90,9 @@ async def decide(state: ProxyState, req: ClientRequest) -> Plan:
     body = req.view
     if len(state.prefill) == 0:
         return Local("collocated", reason="no prefill pool")
+    if req.generate and not splittable_generate(req.body):
+        return Local("conditional_local", reason="a generate body the instance judges (no token_ids list, or "
+                                                 "sampling_params not an object)")
     if scores_prompt(body):
         # prompt logprobs with at most one token out: a prefill and nothing else, served whole where prefills run
         # (ARCHITECTURE.md, "Prompt logprobs over P/D")

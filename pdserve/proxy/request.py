@@ -55,8 +55,7 @@ def routing_view(api_path: str, body: dict[str, Any]) -> dict[str, Any]:
 def splittable_generate(body: dict[str, Any]) -> bool:
     """A generate body the proxy can make a prefill leg of (anything else goes to one instance, which judges it)."""
     ids = body.get("token_ids")
-    return (isinstance(ids, list) and bool(ids) and isinstance(body.get("sampling_params", {}), dict)
-            and isinstance(body.get("request_id", ""), str))
+    return isinstance(ids, list) and bool(ids) and isinstance(body.get("sampling_params", {}), dict)
 
 
 def prefill_body(api_path: str, body: dict[str, Any], rid: str, *, chat_token_ids: bool = False,
