@@ -11,7 +11,6 @@ render tier gives its proxy), and no decode leg is left waiting for params. Stop
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import signal
 import time
@@ -20,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from test_render_support import Proc, make_scripted_model, sse_events, start_all
+from test_render_support import Proc, kv_config, make_scripted_model, sse_events, start_all
 
 HAVE_NIXL = importlib.util.find_spec("nixl_cu12") is not None
 pytestmark = pytest.mark.skipif(not HAVE_NIXL, reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
@@ -28,11 +27,6 @@ pytestmark = pytest.mark.skipif(not HAVE_NIXL, reason="NIXL is not installed (pi
 MAX_MODEL_LEN = 512
 ENGINE_ARGS = ("--served-model-name", "tiny", "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override",
                "256", "--max-num-batched-tokens", "512", "--tokens-only")
-
-
-def kv_config(role: str) -> str:
-    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_load_failure_policy": "fail",
-                       "kv_connector_extra_config": {"transfer_timeout_s": 10.0, "handshake_timeout_s": 10.0}})
 
 
 @pytest.fixture(scope="module")
