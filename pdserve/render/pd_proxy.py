@@ -50,7 +50,7 @@ class ChildProxy:
     def start(self) -> str:
         """Starts the proxy and returns its URL once it listens (ValueError when it exits or never listens)."""
         self._proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                      preexec_fn=_die_with_parent)  # noqa: PLW1509 - before any thread of ours
+                                      preexec_fn=_die_with_parent)  # at startup: no thread of ours yet
         threading.Thread(target=self._echo, args=(self._proc,), name="pd-proxy-log", daemon=True).start()
         if not self._listening.wait(READY_TIMEOUT_S) or self.url is None:
             self.stop()
