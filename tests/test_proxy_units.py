@@ -14,6 +14,7 @@ from pdserve.proxy import protocol
 from pdserve.proxy.cli import add_arguments, config_from_args
 from pdserve.proxy.config import ProxyConfig, load_config_file
 from pdserve.proxy.pool import Pool, normalize_url
+from pdserve.proxy.request import prefill_body, routing_view, splittable_generate
 from pdserve.proxy.retry import RetryBudget, parse_retry_after, retry_after_header
 
 SIX_KEYS = {
@@ -176,6 +177,35 @@ def test_n_forks_over_pd() -> None:
     assert pd.build_prefill_body({"prompt": "x", "n": 4, "max_tokens": 9})["n"] == 1
     assert pd.KVTransferParams.read({"do_remote_prefill": True}).one_lease_violation(1) is None
     assert "one prompt" in pd.KVTransferParams.read({"do_remote_prefill": True}).one_lease_violation(2)
+
+
+def test_a_generate_body_is_read_by_the_openai_rules() -> None:
+    """The render tier's tokens-only body, under OpenAI's names: one rule for both routes."""
+    gen = {"request_id": "r1", "token_ids": [5, 6, 7], "stream": True,
+           "sampling_params": {"max_tokens": 9, "n": 2, "temperature": 0.0, "prompt_logprobs": 1}}
+    view = routing_view("/inference/v1/generate", gen)
+    assert view == {"prompt": [5, 6, 7], "max_tokens": 9, "n": 2, "prompt_logprobs": 1}
+    assert protocol.estimate_prompt_tokens(view) == 3 and protocol.max_output_tokens(view) == 9
+    assert pd.local_only_reason(view) == "n > 1" and pd.local_only_reason(view, fork_n=True) == pd.PROMPT_LOGPROBS
+    assert pd.scores_prompt({**view, "max_tokens": 1})
+    openai = {"prompt": "hi", "max_tokens": 3}
+    assert routing_view("/v1/completions", openai) is openai
+    assert splittable_generate(gen) and not splittable_generate({"token_ids": []})
+    assert not splittable_generate({"token_ids": [1], "sampling_params": "greedy"})
+
+
+def test_generate_prefill_leg() -> None:
+    gen = {"request_id": "r1", "token_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_tokens": 9, "n": 2}}
+    before = copy.deepcopy(gen)
+    leg = prefill_body("/inference/v1/generate", gen, "rid")
+    assert gen == before  # the client's body is not touched
+    assert leg["request_id"] == "r1-prefill" and leg["stream"] is False and leg["token_ids"] == [5, 6, 7]
+    assert leg["sampling_params"] == {"max_tokens": 1, "n": 1, "min_tokens": 0}
+    assert leg["kv_transfer_params"] == pd.prefill_leg_params()
+    pushed = prefill_body("/inference/v1/generate", {"token_ids": [1]}, "rid", push_key="k" * 32)
+    assert pushed["request_id"] == "rid-prefill" and pushed["kv_transfer_params"] == pd.push_prefill_params("k" * 32)
+    # the OpenAI routes: api/pd.py's builder, unchanged
+    assert prefill_body("/v1/completions", {"prompt": "x"}, "rid") == pd.build_prefill_body({"prompt": "x"})
 
 
 def test_affinity_key_uses_prefix_only() -> None:

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from test_render_support import Proc, make_scripted_model, sse_events, start_all
+from test_render_support import Proc, kv_config, make_scripted_model, sse_events, start_all
 
 MAX_MODEL_LEN = 512
 PARSERS = ("--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
@@ -39,11 +39,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": {"type": "object", "properties": {"days": {"type": "integer"}}}}}]
 ASK = [{"role": "user", "content": "What is the weather?"}]
 HAVE_NIXL = importlib.util.find_spec("nixl_cu12") is not None
-
-
-def kv_config(role: str) -> str:
-    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_load_failure_policy": "fail",
-                       "kv_connector_extra_config": {"transfer_timeout_s": 10.0, "handshake_timeout_s": 10.0}})
 
 
 @pytest.fixture(scope="module")

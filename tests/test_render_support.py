@@ -8,6 +8,7 @@
   other token keeps random weights orthogonal to those directions, so other prompts still produce
   ordinary random text.
 * `Proc`: a `pdserve` subprocess on 127.0.0.1, ready when `/health` is 200, stopped by its PID.
+* `kv_config`: a tokens-only engine's NIXL `--kv-transfer-config` (producer or consumer).
 """
 
 from __future__ import annotations
@@ -118,6 +119,11 @@ class Proc(PdserveProcess):
         port = free_port()
         super().__init__(log_path, port, [*args, "--host", "127.0.0.1", "--port", str(port),
                                           "--disable-uvicorn-access-log"])
+
+
+def kv_config(role: str) -> str:
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_load_failure_policy": "fail",
+                       "kv_connector_extra_config": {"transfer_timeout_s": 10.0, "handshake_timeout_s": 10.0}})
 
 
 def start_all(*procs: Proc) -> None:

@@ -59,6 +59,10 @@ PREFILL_DROPPED_KEYS = ("stream_options", "min_tokens", "min_completion_tokens")
 # The chat hand-off key inside a decode leg's kv_transfer_params (vLLM PR #48145).
 PROMPT_TOKEN_IDS = "prompt_token_ids"
 
+# Ours: what a proxy decided for a turn's held history, in a whole answer's kv_transfer_params
+# (pdserve/proxy/history_decision.py; streamed answers carry it as a header only).
+KV_HISTORY = "kv_history"
+
 
 def prefill_leg_params() -> dict[str, Any]:
     return dict(PREFILL_KV_TRANSFER_PARAMS)

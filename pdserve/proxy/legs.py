@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp import web
 
-from pdserve.api.pd import prefill_kv_params
+from pdserve.api.pd import KV_HISTORY, prefill_kv_params
 from pdserve.proxy.errors import (
     SSE_DONE,
     error_payload,
@@ -94,25 +94,40 @@ class InstanceEjected(aiohttp.ClientError):
     """The instance was ejected (its health probes failed) while a leg waited on it."""
 
 
+class EjectionWatch:
+    """While entered, an ejection of `inst` (its health probes failed) runs `stop` once and keeps the reason: a
+    leg to a host that stopped answering (a cut link, a frozen machine) ends after the probes' bound, not the
+    leg's long read timeout. `stop` cancels what the leg awaits, or closes the response it reads."""
+
+    def __init__(self, inst: Instance, stop: Callable[[], Any]) -> None:
+        self._inst, self._stop = inst, stop
+        self.reason: str | None = None
+        self._unwatch: Callable[[], None] | None = None
+
+    def _on_ejection(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+            self._stop()
+
+    def __enter__(self) -> EjectionWatch:
+        self._unwatch = self._inst.watch_ejection(self._on_ejection)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._unwatch is not None:
+            self._unwatch()
+
+
 async def unless_ejected(inst: Instance, aw: Awaitable[T]) -> T:
-    """`aw`, cancelled with `InstanceEjected` if `inst` is ejected meanwhile: a leg to a host that stopped
-    answering (a cut link, a frozen machine) ends after the probes' bound, not the leg's long read timeout."""
+    """`aw`, cancelled with `InstanceEjected` if `inst` is ejected meanwhile (`EjectionWatch`)."""
     task = asyncio.ensure_future(aw)
-    reasons: list[str] = []
-
-    def on_ejection(reason: str) -> None:
-        reasons.append(reason)
-        task.cancel()
-
-    stop_watching = inst.watch_ejection(on_ejection)
-    try:
-        return await task
-    except asyncio.CancelledError:
-        if reasons and not _cancelling():
-            raise InstanceEjected(reasons[0]) from None
-        raise
-    finally:
-        stop_watching()
+    with EjectionWatch(inst, task.cancel) as watch:
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if watch.reason is not None and not _cancelling():
+                raise InstanceEjected(watch.reason) from None
+            raise
 
 
 def _cancelling() -> bool:
@@ -428,7 +443,7 @@ def _with_history_decision(data: bytes, history: HistoryDecision) -> bytes:
     if not isinstance(parsed, dict):
         return data
     params = parsed.get("kv_transfer_params")
-    parsed["kv_transfer_params"] = {**(params if isinstance(params, dict) else {}), "kv_history": history.as_dict()}
+    parsed["kv_transfer_params"] = {**(params if isinstance(params, dict) else {}), KV_HISTORY: history.as_dict()}
     return json.dumps(parsed).encode()
 
 
@@ -447,70 +462,63 @@ async def _relay_response(
     ctype = resp.headers.get("Content-Type", "application/json")
     retry_after = _backoff(inst, status, resp.headers)
     finished = False
-    ejected: list[str] = []
-
-    def on_ejection(reason: str) -> None:
-        # Closing the upstream response makes the pending read fail now; the failure paths below answer the
-        # client (an error status, or an SSE error frame) naming the ejection.
-        ejected.append(reason)
-        resp.close()
-
-    stop_watching = inst.watch_ejection(on_ejection)
-    try:
-        if status >= 400 or not ctype.startswith("text/event-stream"):
-            try:
-                data = await resp.read()
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                kind = "decode_timeout" if isinstance(exc, asyncio.TimeoutError) else "decode_io"
-                metrics.error(kind)
-                reason = ejected[0] if ejected else _describe(exc)
-                if not ejected:
-                    inst.record_failure(reason, state.config.eject_after)
-                return error_response(
-                    504 if kind == "decode_timeout" else 502,
-                    f"decode leg failed while reading its response: {reason}",
-                    "BadGatewayError",
-                    request_id=rid,
-                )
-            finished = True
-            metrics.decode_ttfb_seconds.observe(time.perf_counter() - started)
-            if status >= 500:
-                metrics.error("decode_status")
-                if retry_after is None:
-                    inst.record_failure(f"status {status}", state.config.eject_after)
-                if not is_openai_error_body(data):
-                    data = json.dumps(
-                        error_payload(
-                            f"decode instance error: {data[:500].decode(errors='replace')}",
-                            "BadGatewayError",
-                            status,
-                        )
-                    ).encode()
-                    ctype = "application/json"
+    # On an ejection, closing the upstream response makes the pending read fail now; the failure paths below
+    # answer the client (an error status, or an SSE error frame) naming the ejection.
+    with EjectionWatch(inst, resp.close) as watch:
+        try:
+            if status >= 400 or not ctype.startswith("text/event-stream"):
+                try:
+                    data = await resp.read()
+                except (TimeoutError, aiohttp.ClientError) as exc:
+                    kind = "decode_timeout" if isinstance(exc, asyncio.TimeoutError) else "decode_io"
+                    metrics.error(kind)
+                    reason = watch.reason or _describe(exc)
+                    if watch.reason is None:
+                        inst.record_failure(reason, state.config.eject_after)
+                    return error_response(
+                        504 if kind == "decode_timeout" else 502,
+                        f"decode leg failed while reading its response: {reason}",
+                        "BadGatewayError",
+                        request_id=rid,
+                    )
+                finished = True
+                metrics.decode_ttfb_seconds.observe(time.perf_counter() - started)
+                if status >= 500:
+                    metrics.error("decode_status")
+                    if retry_after is None:
+                        inst.record_failure(f"status {status}", state.config.eject_after)
+                    if not is_openai_error_body(data):
+                        data = json.dumps(
+                            error_payload(
+                                f"decode instance error: {data[:500].decode(errors='replace')}",
+                                "BadGatewayError",
+                                status,
+                            )
+                        ).encode()
+                        ctype = "application/json"
+                else:
+                    inst.record_success()
+                    if on_kv_params is not None and status == 200:
+                        params = _kv_params_of(data)
+                        if params is not None:
+                            on_kv_params(params)
+                    if history is not None and history.decision != "none" and status == 200:
+                        data = _with_history_decision(data, history)
+                out_headers = {"Content-Type": ctype, "X-Request-Id": rid}
+                if history is not None:
+                    out_headers[HISTORY_HEADER] = history.header()
+                if "Retry-After" in resp.headers:
+                    out_headers["Retry-After"] = resp.headers["Retry-After"]
+                return web.Response(status=status, body=data, headers=out_headers)
+            scanner = _EventScanner(on_kv_params) if on_kv_params is not None and status == 200 else None
+            extra = {HISTORY_HEADER: history.header()} if history is not None else {}
+            out, finished = await _relay_stream(state, request, inst, resp, started, rid, ctype, scanner, watch, extra)
+            return out
+        finally:
+            if finished:
+                resp.release()
             else:
-                inst.record_success()
-                if on_kv_params is not None and status == 200:
-                    params = _kv_params_of(data)
-                    if params is not None:
-                        on_kv_params(params)
-                if history is not None and history.decision != "none" and status == 200:
-                    data = _with_history_decision(data, history)
-            out_headers = {"Content-Type": ctype, "X-Request-Id": rid}
-            if history is not None:
-                out_headers[HISTORY_HEADER] = history.header()
-            if "Retry-After" in resp.headers:
-                out_headers["Retry-After"] = resp.headers["Retry-After"]
-            return web.Response(status=status, body=data, headers=out_headers)
-        scanner = _EventScanner(on_kv_params) if on_kv_params is not None and status == 200 else None
-        extra = {HISTORY_HEADER: history.header()} if history is not None else {}
-        out, finished = await _relay_stream(state, request, inst, resp, started, rid, ctype, scanner, ejected, extra)
-        return out
-    finally:
-        stop_watching()
-        if finished:
-            resp.release()
-        else:
-            resp.close()  # closing the connection aborts the request on the decode instance
+                resp.close()  # closing the connection aborts the request on the decode instance
 
 
 async def _relay_stream(
@@ -522,7 +530,7 @@ async def _relay_stream(
     rid: str,
     ctype: str,
     scanner: _EventScanner | None = None,
-    ejected: list[str] | None = None,
+    watch: EjectionWatch | None = None,
     extra_headers: dict[str, str] | None = None,
 ) -> tuple[web.StreamResponse, bool]:
     """Relays SSE bytes as they come; returns the response and whether the upstream body was read
@@ -553,15 +561,16 @@ async def _relay_stream(
     except ConnectionResetError:
         metrics.error("client_disconnect")
         return out, False
-    if ejected:  # the read ended (raised, or found the closed body's end) because the instance was ejected
-        failure = ejected[0]
+    ejected = watch.reason if watch is not None else None
+    if ejected is not None:  # the read ended (raised, or found the closed body's end) because the instance was ejected
+        failure = ejected
     elif failure is None and not tail.rstrip().endswith(b"[DONE]"):
         failure = "stream ended without [DONE]"
     if failure is None:
         inst.record_success()
     else:
         metrics.error("decode_stream")
-        if not ejected:
+        if ejected is None:
             inst.record_failure(failure, state.config.eject_after)
         logger.warning("decode stream of request %s from %s broke: %s", rid, inst.url, failure)
         separator = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"

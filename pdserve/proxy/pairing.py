@@ -3,7 +3,7 @@ other leg's instance (a request served whole by a decode or a prefill instance, 
 to pin a prefix).
 
 Every path asks this module: the pull pair's prefill leg and its retries (legs.run_prefill), the decode leg and its
-retries (legs.send_decode), the early decode leg (app.start_pair), the push pair (push_pair.py), the peer a prefill
+retries (legs.send_decode), the early decode leg (pull_pair.py), the push pair (push_pair.py), the peer a prefill
 reads a cached prefix from (peer_pull.py), the pass-through routes (app.passthrough). What it weighs:
 
 - who is available: admitted by the health checker, not ejected, not in an upstream-requested back-off, not already

@@ -10,8 +10,8 @@ with that instance); when it fails, the decode leg is dropped (closing its conne
 the push) and the prefill's error is answered, or, under `--on-prefill-failure decode-local` (which `pdserve up`
 sets), the request goes to a decode instance whole, as in pull mode.
 
-vLLM's push instances are not driven here: they get the legs one after the other (app.start_pair's ordinary
-order), the decode leg naming the coordinates from the prefill's answer, as vLLM's own push router does.
+vLLM's push instances are not driven here: they get the legs one after the other (the ordinary
+order, pull_pair.py), the decode leg naming the coordinates from the prefill's answer, as vLLM's own push router does.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pdserve.api.pd import PUSH, build_decode_body, build_prefill_body, push_decode_params
+from pdserve.api.pd import PUSH, build_decode_body, push_decode_params
 from pdserve.proxy.errors import error_response
 from pdserve.proxy.instance_info import read_instance_info
 from pdserve.proxy.legs import DecodeLeg, _prefill_once, no_instance_response, send_decode
 from pdserve.proxy.pool import Instance
+from pdserve.proxy.request import ClientRequest, prefill_body
 from pdserve.proxy.state import ProxyState
 
 logger = logging.getLogger("pdserve.proxy")
@@ -52,20 +53,19 @@ async def push_coordinates(state: ProxyState, inst: Instance) -> dict[str, Any] 
     return inst.push_info
 
 
-async def start_push_pair(state: ProxyState, api_path: str, body: dict[str, Any], raw: bytes,
-                          headers: dict[str, str], tokens: int, decode_tokens: int, prefill: Instance,
+async def start_push_pair(state: ProxyState, req: ClientRequest, prefill: Instance,
                           history: dict[str, Any] | None = None
                           ) -> tuple[DecodeLeg | web.Response, dict[str, Any] | None]:
     """The pair with `prefill` (chosen by pairing.py, a pdserve push instance) up to the decode leg's response
     headers, or the client's error response; and the prefill's answer (None without one). `history`: a decode
     instance's held history of this conversation, which the prefill reads back before pushing (multi-turn)."""
-    rid = headers["X-Request-Id"]
+    rid, api_path, headers, decode_tokens = req.rid, req.api_path, req.headers, req.decode_tokens
     local = state.config.on_prefill_failure == "decode-local"
 
     async def decode_locally(why: str) -> DecodeLeg | web.Response:
         logger.warning("request %s: %s; decode instance prefills locally (--on-prefill-failure decode-local)",
                        rid, why)
-        return await send_decode(state, api_path, raw, headers, tokens=decode_tokens, kv_claimed=False)
+        return await send_decode(state, api_path, req.raw, headers, tokens=decode_tokens, kv_claimed=False)
 
     coords = await push_coordinates(state, prefill)
     if isinstance(coords, str):
@@ -76,8 +76,8 @@ async def start_push_pair(state: ProxyState, api_path: str, body: dict[str, Any]
     if decode is None:
         return no_instance_response(state, "decode", rid), None
     key = uuid.uuid4().hex
-    decode_payload = json.dumps(build_decode_body(body, push_decode_params(key, **coords))).encode()
-    prefill_payload = json.dumps(build_prefill_body(body, history_params=history, push_key=key)).encode()
+    decode_payload = json.dumps(build_decode_body(req.body, push_decode_params(key, **coords))).encode()
+    prefill_payload = json.dumps(prefill_body(api_path, req.body, rid, history=history, push_key=key)).encode()
     decode.acquire(decode_tokens)
     started = time.perf_counter()
     decode_task = asyncio.ensure_future(state.http().post(decode.endpoint(api_path), data=decode_payload,
@@ -90,7 +90,7 @@ async def start_push_pair(state: ProxyState, api_path: str, body: dict[str, Any]
         decode.release(decode_tokens)
 
     try:
-        result = await _prefill_once(state, prefill, api_path, prefill_payload, headers, tokens)
+        result = await _prefill_once(state, prefill, api_path, prefill_payload, headers, req.tokens)
     except BaseException:
         await drop_decode()
         raise

@@ -110,6 +110,7 @@ def build_app(workers: RenderWorkers, *, orchestrator: Orchestrator | None = Non
 
     @app.get("/pdserve/info")
     async def info() -> JSONResponse:
+        pd = orchestrator.pd_proxy if orchestrator is not None else None
         return JSONResponse({
             "version": __version__,
             "role": "render",
@@ -120,8 +121,9 @@ def build_app(workers: RenderWorkers, *, orchestrator: Orchestrator | None = Non
             "reasoning_parser": ctx.parsers.reasoning_parser,
             "tool_call_parser": ctx.parsers.tool_call_parser,
             "enable_auto_tool_choice": ctx.parsers.enable_auto_tool_choice,
-            "engines": orchestrator.engines.urls if orchestrator is not None else None,
-            "prefill": orchestrator.prefill.urls if orchestrator is not None and orchestrator.prefill else None,
+            "engines": pd.decode if pd is not None else orchestrator.engines.urls if orchestrator is not None else None,
+            "prefill": pd.prefill if pd is not None else None,
+            "pd_proxy": pd.url if pd is not None else None,  # the proxy running this tier's P/D legs (pd_proxy.py)
             # The render tier must never load torch; tests and preflight read this.
             "torch_loaded": "torch" in sys.modules,
             "workers_torch_loaded": await workers.call("torch_loaded"),

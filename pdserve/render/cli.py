@@ -3,13 +3,14 @@
 Serves `/v1/{chat/,}completions/render` and `/derender`, `/tokenize`, `/detokenize`, `/v1/models`,
 `/health`, `/version`. With `--engine URL` (tokens-only engines) it also serves `/v1/chat/completions` and
 `/v1/completions` itself, running render -> engine -> derender; with `--prefill URL --decode URL` it runs
-the disaggregated variant. Never imports torch.
+the disaggregated variant through a `pdserve proxy` child (pd_proxy.py). Never imports torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 from pathlib import Path
 
@@ -26,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens-only engines: also serve /v1/chat/completions and /v1/completions (three hops)")
     p.add_argument("--prefill", nargs="+", default=None, metavar="URL", help="P/D: prefill engines (with --decode)")
     p.add_argument("--decode", nargs="+", default=None, metavar="URL", help="P/D: decode engines (with --prefill)")
+    p.add_argument("--proxy-arg", action="append", default=[], metavar="ARGS",
+                   help="P/D: arguments for the `pdserve proxy` child that runs the legs (e.g. "
+                        "'--on-prefill-failure retry'); repeatable")
     p.add_argument("--engine-api-key", default=None, help="bearer key the engines require")
     frontend_args.add_frontend_arguments(p)
 
@@ -40,6 +44,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return "--prefill and --decode go together"
     if args.engine and args.decode:
         return "use either --engine (collocated) or --prefill/--decode (disaggregated)"
+    if args.proxy_arg and not args.decode:
+        return "--proxy-arg goes with --prefill/--decode"
     return None
 
 
@@ -64,6 +70,7 @@ def build(args: argparse.Namespace):
     from pdserve.render.context import RenderConfig
     from pdserve.render.engine_client import EnginePool
     from pdserve.render.orchestrator import Orchestrator
+    from pdserve.render.pd_proxy import ChildProxy
     from pdserve.render.workers import RenderWorkers
     from pdserve.text.output_parsers import ParserConfig
 
@@ -76,14 +83,12 @@ def build(args: argparse.Namespace):
                                          parsers=parsers)
     workers = RenderWorkers(config, args.renderer_num_workers)
     orchestrator = None
-    if args.engine or args.decode:
-        key = args.engine_api_key
-        orchestrator = Orchestrator(
-            workers,
-            EnginePool(args.engine, key) if args.engine else None,
-            prefill=EnginePool(args.prefill, key) if args.prefill else None,
-            decode=EnginePool(args.decode, key) if args.decode else None,
-        )
+    if args.engine:
+        orchestrator = Orchestrator(workers, EnginePool(args.engine, args.engine_api_key))
+    elif args.decode:
+        # the engine key travels as the proxy's client Authorization, which it forwards to the instances
+        pd_proxy = ChildProxy(args.prefill, args.decode, [w for a in args.proxy_arg for w in shlex.split(a)])
+        orchestrator = Orchestrator(workers, EnginePool([pd_proxy.start()], args.engine_api_key), pd_proxy)
     app = build_app(workers, orchestrator=orchestrator, api_key=frontend_args.api_key(args),
                     max_request_body_bytes=args.max_request_body_bytes)
     return app, config

@@ -13,12 +13,11 @@ from typing import Any
 import aiohttp
 
 from pdserve.api.openai.errors import APIError
+from pdserve.api.scale_out_routes import ABORT_PATH, GENERATE_PATH
 from pdserve.routing.choice import LoadBalancer
 
 log = logging.getLogger("pdserve.render")
 
-GENERATE_PATH = "/inference/v1/generate"
-ABORT_PATH = "/inference/v1/abort_requests"
 MAX_SSE_EVENT_BYTES = 64 * 1024 * 1024
 
 
@@ -104,7 +103,11 @@ class EnginePool:
 
     async def _post(self, url: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
         try:
-            return await self.session.post(url + GENERATE_PATH, json=body, headers=self._headers)
+            # the request's id as its header too: a proxy in between (P/D) then names both legs by it, so the
+            # engine answers with the id it would give without one
+            rid = body.get("request_id")
+            headers = {**self._headers, "X-Request-Id": rid} if isinstance(rid, str) else self._headers
+            return await self.session.post(url + GENERATE_PATH, json=body, headers=headers)
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             raise APIError(f"the engine at {url} is unreachable: {e}", 502) from e
 

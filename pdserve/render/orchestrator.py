@@ -2,10 +2,10 @@
 
 `POST /v1/chat/completions` and `/v1/completions` run the three hops in-process on the render server:
 render -> `POST {engine}/inference/v1/generate` -> derender, streaming included. With `--prefill URL
---decode URL` it is the disaggregated variant: render once -> prefill generate (`max_tokens=1`,
-`stream=false`, `kv_transfer_params.do_remote_decode`) -> decode generate with the prefill's
-`kv_transfer_params` -> derender. With n > 1 the prefill leg still asks one choice; the decode instance
-forks its one KV load into the n choices.
+--decode URL` it is the disaggregated variant, and the engine is a proxy (pd_proxy.py): render once -> the
+proxy's generate route, which runs the prefill leg and the decode leg (its retries, early decode leg, push
+pairs and failure policy) and relays the decode leg's answer -> derender. The orchestrator walks no P/D leg
+itself.
 
 Beyond a plain relay:
 
@@ -34,8 +34,8 @@ from starlette.requests import Request
 
 from pdserve.api.http import SSE_DONE, merged, sse, until_disconnect
 from pdserve.api.openai.errors import APIError, error_body
-from pdserve.api.pd import build_prefill_generate_body, prefill_kv_params
 from pdserve.render.engine_client import EngineLease, EnginePool
+from pdserve.render.pd_proxy import ChildProxy
 from pdserve.render.workers import RenderWorkers
 from pdserve.text.output_parsers import PROMPT_TAIL_TOKENS
 
@@ -76,18 +76,17 @@ def _slim_chat_request(body: dict[str, Any]) -> dict[str, Any]:
 
 
 class Orchestrator:
-    def __init__(self, workers: RenderWorkers, engines: EnginePool | None, prefill: EnginePool | None = None,
-                 decode: EnginePool | None = None):
-        if engines is None and decode is None:
-            raise ValueError("the orchestrator needs --engine URL or --decode URL")
+    def __init__(self, workers: RenderWorkers, engines: EnginePool, pd_proxy: ChildProxy | None = None):
+        """`engines`: the tokens-only engines, or (P/D) the one proxy `pd_proxy` that splits each request."""
         self.workers = workers
-        self.engines = engines or decode
-        self.prefill = prefill
+        self.engines = engines
+        self.pd_proxy = pd_proxy
         self._background: set[asyncio.Future] = set()
 
     async def close(self) -> None:
-        for pool in {id(p): p for p in (self.engines, self.prefill) if p is not None}.values():
-            await pool.close()
+        await self.engines.close()
+        if self.pd_proxy is not None:
+            self.pd_proxy.stop()
 
     # ---- shared steps ------------------------------------------------------------------------------
     def _engine_body(self, gen: dict[str, Any]) -> dict[str, Any]:
@@ -95,23 +94,6 @@ class Orchestrator:
         body["sampling_params"]["stop"] = []  # applied by derender (the engine has no text)
         body.pop("parse_context", None)
         return body
-
-    async def _prefill(self, leg: _Leg, body: dict[str, Any]) -> None:
-        """P/D: the prefill leg (one choice); its kv_transfer_params go to the decode leg, where n > 1
-        choices fork the one load (pdserve.server.pipeline)."""
-        if self.prefill is None:
-            return
-        lease = self.prefill.acquire(len(leg.prompt_ids))
-        try:
-            resp = await self.prefill.generate(lease.url, build_prefill_generate_body(body))
-        finally:
-            lease.release()
-        kv = prefill_kv_params(resp)
-        if kv is not None:
-            body["kv_transfer_params"] = kv
-        else:
-            log.warning("prefill returned no kv_transfer_params for %s; decode prefills locally", body["request_id"])
-            body["kv_transfer_params"] = None
 
     def _has_stops(self, leg: _Leg) -> bool:
         return bool(leg.gen["sampling_params"].get("stop"))
@@ -173,7 +155,6 @@ class Orchestrator:
         """The engine's answer for one leg as a GenerateTokensResponse. With stop strings it streams, lets
         derender watch for them, and aborts the engine at the first stop; the tokens so far are returned."""
         body = self._engine_body(leg.gen)
-        await self._prefill(leg, body)
         self._choose_engine(leg)
         try:
             return await self._collect_from_engine(kind, leg, body, client, n_prompts)
@@ -245,7 +226,6 @@ class Orchestrator:
     # ---- streamed answers --------------------------------------------------------------------------
     async def _open(self, leg: _Leg) -> aiohttp.ClientResponse:
         body = self._engine_body(leg.gen)
-        await self._prefill(leg, body)
         self._choose_engine(leg)
         opts = dict(body.get("stream_options") or {})
         opts["continuous_usage_stats"] = False

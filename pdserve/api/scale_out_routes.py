@@ -1,0 +1,5 @@
+"""The tokens-only routes (vLLM's `--enable-scale-out`), one spelling: served by `pdserve serve`, called by the
+render tier, split into P/D legs by the proxy. No imports: the proxy reads it without pydantic."""
+
+GENERATE_PATH = "/inference/v1/generate"
+ABORT_PATH = "/inference/v1/abort_requests"
