@@ -178,8 +178,7 @@ class LLMEngine:
         try:
             self.connector = connector_factory(self) if connector_factory else None
         except BaseException:
-            if self.tiers is not None:
-                self.tiers.shutdown()
+            self._shutdown_services()
             raise
         # the P/D half (pdserve.engine.pd): what requests' kv_transfer_params make the engine do
         self.pd = EnginePD(self.connector, self.blocks, self.scheduler.loading, vocab_size=self.model_cfg.vocab_size,
@@ -192,10 +191,7 @@ class LLMEngine:
             try:
                 self.kv_events = ZmqEventPublisher(events_cfg)
             except BaseException:
-                if self.connector is not None:
-                    self.connector.shutdown()
-                if self.tiers is not None:
-                    self.tiers.shutdown()
+                self._shutdown_services()
                 raise
         self.num_finished = 0
         self.step_log = StepLog.from_env((config.kv_transfer_config or {}).get("kv_role", "engine"))
@@ -203,13 +199,18 @@ class LLMEngine:
             try:
                 self._warm_up()
             except BaseException:
-                if self.connector is not None:
-                    self.connector.shutdown()
-                if self.kv_events is not None:
-                    self.kv_events.shutdown()
-                if self.tiers is not None:
-                    self.tiers.shutdown()
+                self._shutdown_services()
                 raise
+
+    def _shutdown_services(self) -> None:
+        """Stops what the engine started beside the model runner (the KV connector, the KV event publisher,
+        the offload tiers), each if it was started: on shutdown and when the constructor fails part-way."""
+        if self.connector is not None:
+            self.connector.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
+        if self.tiers is not None:
+            self.tiers.shutdown()
 
     def _warm_up(self) -> None:
         """Requests through a full-budget prefill, a mixed prefill+decode step, decode graphs and the
@@ -582,12 +583,7 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
-        if self.connector is not None:
-            self.connector.shutdown()
-        if self.kv_events is not None:
-            self.kv_events.shutdown()
-        if self.tiers is not None:
-            self.tiers.shutdown()
+        self._shutdown_services()
         self.runner.shutdown()
         if self.step_log is not None:
             self.step_log.close()
