@@ -26,6 +26,10 @@ class ClientGone(Exception):
     """The client closed the connection before the response was ready."""
 
 
+# The status a route answers once its client went away (nginx's convention; nobody reads it).
+CLIENT_CLOSED = 499
+
+
 async def read_json(request: Request, limit: int) -> Any:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:

@@ -15,16 +15,14 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
 from pdserve.api.generate import ChatDerenderRequest, CompletionDerenderRequest
-from pdserve.api.http import ClientGone, RequestIdAuthMiddleware, read_json
+from pdserve.api.http import CLIENT_CLOSED, ClientGone, RequestIdAuthMiddleware, read_json
 from pdserve.api.openai.errors import add_error_handlers, error_body
 from pdserve.api.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
-    ModelList,
-    ModelPermission,
     TokenizeRequest,
+    model_list,
 )
 from pdserve.api.openapi import document_json_bodies
 from pdserve.render.orchestrator import Orchestrator
@@ -32,8 +30,6 @@ from pdserve.render.workers import RenderWorkers
 from pdserve.version import __version__
 
 log = logging.getLogger("pdserve.render")
-
-CLIENT_CLOSED = 499
 
 
 def build_app(workers: RenderWorkers, *, orchestrator: Orchestrator | None = None, api_key: str | None = None,
@@ -95,10 +91,8 @@ def build_app(workers: RenderWorkers, *, orchestrator: Orchestrator | None = Non
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        cards = [ModelCard(id=name, root=ctx.config.model_path, max_model_len=ctx.max_model_len,
-                           created=int(started), permission=[ModelPermission()])
-                 for name in ctx.config.served_model_names]
-        return JSONResponse(ModelList(data=cards).model_dump())
+        return JSONResponse(model_list(ctx.config.served_model_names, ctx.config.model_path, ctx.max_model_len,
+                                       started))
 
     @app.get("/health")
     async def health() -> Response:

@@ -14,16 +14,14 @@ from starlette.requests import Request
 
 from pdserve.api import pd
 from pdserve.api.generate import AbortRequestsBody, GenerateRequest
-from pdserve.api.http import ClientGone, RequestIdAuthMiddleware, parse_model, read_json
+from pdserve.api.http import CLIENT_CLOSED, ClientGone, RequestIdAuthMiddleware, parse_model, read_json
 from pdserve.api.openai.errors import add_error_handlers, error_body
 from pdserve.api.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
-    ModelList,
-    ModelPermission,
     TokenizeRequest,
+    model_list,
 )
 from pdserve.api.openai.tokenization import detokenize_body, tokenize_body
 from pdserve.api.openapi import document_json_bodies
@@ -36,9 +34,6 @@ from pdserve.server.tokens_only import ABORT_PATH, GENERATE_PATH, TokenizerlessG
 from pdserve.version import __version__
 
 log = logging.getLogger("pdserve.server")
-
-# Status for a request whose client went away (nginx's convention; nobody reads it).
-CLIENT_CLOSED = 499
 
 
 def build_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
@@ -90,12 +85,8 @@ def build_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        cards = [
-            ModelCard(id=name, root=state.model_path, max_model_len=state.max_model_len,
-                      created=int(state.started), permission=[ModelPermission()])
-            for name in state.served_model_names
-        ]
-        return JSONResponse(ModelList(data=cards).model_dump())
+        return JSONResponse(model_list(state.served_model_names, state.model_path, state.max_model_len,
+                                       state.started))
 
     # ---- utility routes ------------------------------------------------------------------------
     @app.get("/health")

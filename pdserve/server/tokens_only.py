@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.api.generate import AbortRequestsBody, GenerateRequest, GenerateSamplingParams
-from pdserve.api.http import ClientGone, parse_model, read_json, sse
+from pdserve.api.http import CLIENT_CLOSED, ClientGone, parse_model, read_json, sse
 from pdserve.api.openai.errors import APIError, bad_request, error_body, error_response, not_supported
 from pdserve.api.openai.params import MAX_N, resolve_max_tokens, stop_list, truncate_prompt
 from pdserve.api.pd import KVTransferParams
@@ -46,7 +46,6 @@ GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATH = "/inference/v1/abort_requests"
 LEGACY_ABORT_PATH = "/abort_requests"
 ID_PREFIX = "generate-tokens-"
-CLIENT_CLOSED = 499
 SAMPLING_PREFIX = "sampling_params."  # where this route's sampling fields live, for error params
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -169,6 +170,14 @@ class ModelCard(OpenAIBaseModel):
 class ModelList(OpenAIBaseModel):
     object: str = "list"
     data: list[ModelCard] = Field(default_factory=list)
+
+
+def model_list(served_model_names: Sequence[str], root: str, max_model_len: int, created: float) -> dict[str, Any]:
+    """The body of `GET /v1/models`: one card per served name, all of the same model (vLLM's shape)."""
+    cards = [ModelCard(id=name, root=root, max_model_len=max_model_len, created=int(created),
+                       permission=[ModelPermission()])
+             for name in served_model_names]
+    return ModelList(data=cards).model_dump()
 
 
 def chat_role(req: ChatCompletionRequest) -> str:
