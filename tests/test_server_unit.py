@@ -189,6 +189,35 @@ def test_kv_transfer_params_round_trip(tok: Tokenizer) -> None:
     run(go())
 
 
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "x"}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})])
+def test_continuous_usage_stats_only_with_include_usage(tok: Tokenizer, path: str, body: dict) -> None:
+    ids = words(tok, " one two")
+
+    def script(rid: str, prompt: list[int], params: SamplingParams, kv: Any) -> list[RequestOutput]:
+        return [output(rid, prompt, ids[:1], 1), output(rid, prompt, ids[1:2], 2, True, "length")]
+
+    async def go() -> None:
+        client, _ = make_client(tok, script)
+        async with client:
+            for include in (True, False):
+                r = await client.post(path, json={**body, "max_tokens": 2, "stream": True, "stream_options": {
+                    "include_usage": include, "continuous_usage_stats": True}})
+                events = sse_events(r.text)
+                assert events[-1] == "[DONE]"
+                content = [e for e in events[:-1] if e["choices"] and "role" not in e["choices"][0].get("delta", {})]
+                assert [c["choices"][0]["finish_reason"] for c in content] == [None, "length"]
+                # the held KV's params ride on the finishing chunk alone (None: nothing held)
+                assert ["kv_transfer_params" in c for c in content] == [False, True]
+                if include:  # every chunk its usage so far, then the whole usage alone
+                    assert [c["usage"]["completion_tokens"] for c in content] == [1, 2]
+                    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 2
+                else:  # continuous_usage_stats means nothing without include_usage
+                    assert all("usage" not in e for e in events[:-1])
+
+    run(go())
+
+
 def test_stop_string_aborts_the_engine_request(tok: Tokenizer) -> None:
     ids = words(tok, " alpha beta gamma delta")
 

@@ -14,6 +14,7 @@ A view only formats: `body(gen)` for the whole response, `frames(gen, recorders)
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pdserve.api.http import SSE_DONE, until_disconnect
 from pdserve.api.openai.errors import APIError, sse_error_frame
 from pdserve.api.openai.params import build_sampling_params, sampling_param_name
+from pdserve.api.openai.protocol import StreamOptions
 from pdserve.api.openai.tokenization import check_prompt_chars
 from pdserve.api.pd import PARAMS_LATER, HeldKVParams, KVTransferParams
 from pdserve.server.generation import Choice, Generation
@@ -172,6 +174,24 @@ def usage(choices: Sequence[Choice], prompts: Sequence[list[int]], n: int,
         "completion_tokens": completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+def stream_usage(opts: StreamOptions | None) -> tuple[bool, bool]:
+    """A stream's usage reporting from its `stream_options`: (a last chunk with the whole usage, every chunk
+    with its choice's usage so far); the second only with the first, as in vLLM."""
+    include_usage = bool(opts and opts.include_usage)
+    return include_usage, bool(include_usage and opts and opts.continuous_usage_stats)
+
+
+def chunk_tail(choice: Choice, finished: bool, continuous: bool, prompt_ids: list[int]) -> str:
+    """The keys an OpenAI stream chunk carries after its choices, as JSON text to append: the held KV's
+    `kv_transfer_params` once the choice finished, its usage so far under continuous usage stats."""
+    tail = ""
+    if finished:
+        tail += f', "kv_transfer_params": {json.dumps(held_json(choice.held_kv))}'
+    if continuous:
+        tail += f', "usage": {json.dumps(usage([choice], [prompt_ids], 1, None))}'
+    return tail
 
 
 def held_json(held: HeldKVParams | None) -> dict[str, Any] | None:

@@ -21,7 +21,18 @@ from pdserve.api.openai.params import (
 from pdserve.api.openai.protocol import ChatCompletionRequest, chat_role
 from pdserve.api.pd import PROMPT_TOKEN_IDS, KVTransferParams, chat_prompt_ids_allowed
 from pdserve.server.generation import Generation
-from pdserve.server.pipeline import Recorders, encode, held_json, make_choices, now, outputs, respond, usage
+from pdserve.server.pipeline import (
+    Recorders,
+    chunk_tail,
+    encode,
+    held_json,
+    make_choices,
+    now,
+    outputs,
+    respond,
+    stream_usage,
+    usage,
+)
 from pdserve.server.state import ServerState
 from pdserve.text.chat import ChatTemplateError, message_text
 from pdserve.text.logprobs import LogprobFormatter
@@ -200,9 +211,7 @@ class _ChatView:
 
     async def frames(self, gen: Generation, recorders: Recorders) -> AsyncIterator[str]:
         req = self.req
-        opts = req.stream_options
-        include_usage = bool(opts and opts.include_usage)
-        continuous = bool(include_usage and opts and opts.continuous_usage_stats)
+        include_usage, continuous = stream_usage(req.stream_options)
         # The role first (one chunk per choice), then the echoed last message if asked.
         for c in gen.choices:
             extra = f', "prompt_token_ids": {json.dumps(self.prompt_ids)}' if req.return_token_ids else ""
@@ -238,12 +247,7 @@ class _ChatView:
                 choice["stop_reason"] = delta.stop_reason
             if req.return_token_ids:
                 choice["token_ids"] = delta.token_ids
-            extra = ""
-            if delta.finished:
-                extra += f', "kv_transfer_params": {json.dumps(held_json(c.held_kv))}'
-            if continuous:
-                extra += f', "usage": {json.dumps(usage([c], [self.prompt_ids], 1, None))}'
-            yield self._chunk([choice], extra)
+            yield self._chunk([choice], chunk_tail(c, delta.finished, continuous, self.prompt_ids))
         if include_usage:
             final = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                      "model": self.model, "choices": [],

@@ -23,7 +23,18 @@ from pdserve.api.openai.params import (
 from pdserve.api.openai.protocol import CompletionRequest
 from pdserve.api.pd import KVTransferParams
 from pdserve.server.generation import Choice, Generation
-from pdserve.server.pipeline import Recorders, encode, held_json, make_choices, now, outputs, respond, usage
+from pdserve.server.pipeline import (
+    Recorders,
+    chunk_tail,
+    encode,
+    held_json,
+    make_choices,
+    now,
+    outputs,
+    respond,
+    stream_usage,
+    usage,
+)
 from pdserve.server.state import ServerState
 from pdserve.text.logprobs import LogprobFormatter
 
@@ -128,9 +139,7 @@ class _CompletionView:
     # ---- stream ----------------------------------------------------------------------------------
     async def frames(self, gen: Generation, recorders: Recorders) -> AsyncIterator[str]:
         req = self.req
-        opts = req.stream_options
-        include_usage = bool(opts and opts.include_usage)
-        continuous = bool(include_usage and opts and opts.continuous_usage_stats)
+        include_usage, continuous = stream_usage(req.stream_options)
         first_sent: set[int] = set()
         text_len: dict[int, int] = {}
         head = f'{{"id": {json.dumps(self.id)}, "object": "text_completion", "created": {self.created}, ' \
@@ -155,11 +164,7 @@ class _CompletionView:
                 choice["token_ids"] = delta.token_ids
                 if first:
                     choice["prompt_token_ids"] = c.prompt_token_ids
-            tail = ""
-            if delta.finished:
-                tail += f', "kv_transfer_params": {json.dumps(held_json(c.held_kv))}'
-            if continuous:
-                tail += f', "usage": {json.dumps(usage([c], [c.prompt_token_ids], 1, None))}'
+            tail = chunk_tail(c, delta.finished, continuous, c.prompt_token_ids)
             yield f"data: {head}\"choices\": [{json.dumps(choice)}]{tail}}}\n\n"
         if include_usage:
             final = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,

@@ -38,7 +38,16 @@ from pdserve.api.openai.errors import APIError, bad_request, error_body, error_r
 from pdserve.api.openai.params import MAX_N, resolve_max_tokens, stop_list, truncate_prompt
 from pdserve.api.pd import KVTransferParams
 from pdserve.server.generation import Choice, Generation
-from pdserve.server.pipeline import Recorders, held_json, make_choices, now, outputs, respond, usage
+from pdserve.server.pipeline import (
+    Recorders,
+    held_json,
+    make_choices,
+    now,
+    outputs,
+    respond,
+    stream_usage,
+    usage,
+)
 from pdserve.server.state import ServerState
 from pdserve.text.logprobs import clamp
 
@@ -252,14 +261,13 @@ class _GenerateView:
             lps = list(p.logprobs) if self.num_top is not None else None
             choices.append(self._choice(c, list(p.token_ids), lps, True, p.finish_reason, p.stop_reason,
                                         p.text if self.text_mode else None))
-        u = usage(gen.choices, [self.prompt_ids], len(gen.choices), self.kv)
         return {
             "request_id": self.id,
             "model": self.model,
             "created": self.created,
             "output_mode": self.mode,
             "choices": choices,
-            "usage": {k: u[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+            "usage": self._usage(gen.choices, self.kv),
             "prompt_logprobs": None,
             "prompt_token_id_logprobs": None,
             "prompt_token_ids": self.prompt_ids if self.req.return_token_ids else None,
@@ -269,15 +277,18 @@ class _GenerateView:
             "ec_transfer_params": None,
         }
 
+    def _usage(self, choices: list[Choice], kv: KVTransferParams | None) -> dict[str, Any]:
+        """The usage of `choices` in the generate route's keys: the counts, no prompt_tokens_details."""
+        u = usage(choices, [self.prompt_ids], len(choices), kv)
+        return {k: u[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         body = {"request_id": self.id, "model": self.model, "created": self.created, "output_mode": self.mode,
                 "choices": choices, **extra}
         return sse(json.dumps(body))
 
     async def frames(self, gen: Generation, recorders: Recorders) -> AsyncIterator[str]:
-        opts = self.req.stream_options
-        include_usage = bool(opts and opts.include_usage)
-        continuous = bool(include_usage and opts and opts.continuous_usage_stats)
+        include_usage, continuous = stream_usage(self.req.stream_options)
         first = True
         async for c, delta in outputs(gen, recorders):
             lps = delta.logprobs if self.num_top is not None else None
@@ -288,9 +299,7 @@ class _GenerateView:
                 extra["prompt_token_ids"] = self.prompt_ids
             first = False
             if continuous:
-                u = usage([c], [self.prompt_ids], 1, None)
-                extra["usage"] = {k: u[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+                extra["usage"] = self._usage([c], None)
             yield self._chunk([item], **extra)
         if include_usage:
-            u = usage(gen.choices, [self.prompt_ids], len(gen.choices), self.kv)
-            yield self._chunk([], usage={k: u[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")})
+            yield self._chunk([], usage=self._usage(gen.choices, self.kv))
