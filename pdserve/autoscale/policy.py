@@ -171,6 +171,17 @@ class Decision:
         return f"{verb} one {self.role} replica: {self.reason}"
 
 
+def _held_for(since: dict[str, float | None], opposite: dict[str, float | None], role: str, now: float,
+              delay_s: float) -> bool:
+    """Whether `role`'s wish (`since`: when it began) has held `delay_s` by `now`; the opposite wish's timer
+    stops, this one starts if it has not."""
+    opposite[role] = None
+    start = since[role]
+    if start is None:  # (0.0 is a time: no `or`)
+        start = since[role] = now
+    return now - start >= delay_s
+
+
 class Autoscaler:
     """The hysteresis state (since when each role wants more or fewer) and the choice of one action."""
 
@@ -192,18 +203,10 @@ class Autoscaler:
         for role, v in views.items():
             n = v.signals.replicas
             if v.desired > n:
-                self._below_since[role] = None
-                since = self._above_since[role]
-                if since is None:  # (0.0 is a time: no `or`)
-                    since = self._above_since[role] = now
-                if now - since >= self.cfg.upscale_delay_s:
+                if _held_for(self._above_since, self._below_since, role, now, self.cfg.upscale_delay_s):
                     due_up.append(role)
             elif v.desired < n:
-                self._above_since[role] = None
-                since = self._below_since[role]
-                if since is None:  # (0.0 is a time: no `or`)
-                    since = self._below_since[role] = now
-                if now - since >= self.cfg.downscale_delay_s:
+                if _held_for(self._below_since, self._above_since, role, now, self.cfg.downscale_delay_s):
                     due_down.append(role)
             else:
                 self._above_since[role] = self._below_since[role] = None
