@@ -164,3 +164,13 @@ def test_tool_choice_rules():
         ParserConfig(None, None, True)
     with pytest.raises(ValueError):
         ParserConfig("nope")
+
+
+def test_parser_names_are_checked_and_each_call_makes_a_new_parser():
+    with pytest.raises(ValueError, match=r"unknown reasoning parser 'nope'; choose one of \['deepseek_r1', 'qwen3'\]"):
+        ParserConfig(reasoning_parser="nope")
+    with pytest.raises(ValueError, match=r"unknown tool call parser 'nope'; choose one of \['hermes'\]"):
+        ParserConfig(tool_call_parser="nope")
+    assert ParserConfig().reasoning() is None and ParserConfig().tools() is None
+    assert isinstance(FULL.reasoning(), Qwen3ReasoningParser) and FULL.reasoning() is not FULL.reasoning()
+    assert isinstance(FULL.tools(), HermesToolParser)

@@ -9,19 +9,15 @@ parser. `parse()` is the batch form and runs the same machine, so streamed and n
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pdserve.text.forced_tools import ForcedToolError, forced_tool
-from pdserve.text.reasoning import ReasoningParser, ReasoningStream, get_reasoning_parser
-from pdserve.text.tool_parsers import (
-    HermesToolStream,
-    ToolCall,
-    ToolParser,
-    get_tool_parser,
-    make_tool_call_id,
-)
+from pdserve.text.reasoning import REASONING_PARSERS, ReasoningParser, ReasoningStream
+from pdserve.text.tool_parsers import TOOL_PARSERS, HermesToolStream, ToolCall, ToolParser, make_tool_call_id
+
+P = TypeVar("P")
 
 PROMPT_TAIL_TOKENS = 8  # prompt tokens decoded to tell whether the prompt opened a think block
 
@@ -46,6 +42,16 @@ class ParserStateError(ValueError):
     """A serialised parser state that cannot be resumed (HTTP 400)."""
 
 
+def named_parser(parsers: Mapping[str, type[P]], name: str | None, what: str) -> P | None:
+    """A new parser of the kind a flag names (`what`: "reasoning parser", ...); None when the flag is unset."""
+    if not name:
+        return None
+    cls = parsers.get(name)
+    if cls is None:
+        raise ValueError(f"unknown {what} {name!r}; choose one of {sorted(parsers)}")
+    return cls()
+
+
 @dataclass(frozen=True)
 class ParserConfig:
     reasoning_parser: str | None = None
@@ -53,8 +59,8 @@ class ParserConfig:
     enable_auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
-        get_reasoning_parser(self.reasoning_parser)  # validates the names
-        get_tool_parser(self.tool_call_parser)
+        self.reasoning()  # validates the names
+        self.tools()
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
 
@@ -63,10 +69,10 @@ class ParserConfig:
         return bool(self.reasoning_parser or self.tool_call_parser)
 
     def reasoning(self) -> ReasoningParser | None:
-        return get_reasoning_parser(self.reasoning_parser)
+        return named_parser(REASONING_PARSERS, self.reasoning_parser, "reasoning parser")
 
     def tools(self) -> ToolParser | None:
-        return get_tool_parser(self.tool_call_parser)
+        return named_parser(TOOL_PARSERS, self.tool_call_parser, "tool call parser")
 
 
 def effective_tool_choice(tools: Any, tool_choice: Any) -> Any:

@@ -171,12 +171,3 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     Qwen3ReasoningParser.name: Qwen3ReasoningParser,
     DeepSeekR1ReasoningParser.name: DeepSeekR1ReasoningParser,
 }
-
-
-def get_reasoning_parser(name: str | None) -> ReasoningParser | None:
-    if not name:
-        return None
-    cls = REASONING_PARSERS.get(name)
-    if cls is None:
-        raise ValueError(f"unknown reasoning parser {name!r}; choose one of {sorted(REASONING_PARSERS)}")
-    return cls()

@@ -209,12 +209,3 @@ class HermesToolParser(ToolParser):
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {HermesToolParser.name: HermesToolParser}
-
-
-def get_tool_parser(name: str | None) -> ToolParser | None:
-    if not name:
-        return None
-    cls = TOOL_PARSERS.get(name)
-    if cls is None:
-        raise ValueError(f"unknown tool call parser {name!r}; choose one of {sorted(TOOL_PARSERS)}")
-    return cls()
