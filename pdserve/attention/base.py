@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,6 +36,25 @@ class AttentionMetadata:
     # seq_len 0. Only backends with `supports_verify_graphs` get such a step. 0: not one.
     verify_rows: int = 0
     query_positions: torch.Tensor | None = None
+
+    @classmethod
+    def from_host(cls, query_lens: Sequence[int], seq_lens: Sequence[int], block_tables: torch.Tensor,
+                  slot_mapping: Sequence[int], block_size: int, device: str | torch.device) -> AttentionMetadata:
+        """A step's metadata from host lists, int64 on `device` as the engine's GPU path builds it (one compiled
+        kernel variant serves both): for reference cases and checks, not the engine's hot path."""
+        qsl = [0, *itertools.accumulate(query_lens)]
+        return cls(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int64, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            block_tables=block_tables.to(device),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            block_size=block_size,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            decode_only=all(q == 1 for q in query_lens),
+            query_lens_host=list(query_lens),
+            seq_lens_host=list(seq_lens),
+        )
 
 
 # A layer's static fp8 KV scales (k_scale, v_scale) from the checkpoint, each a bfloat16 value

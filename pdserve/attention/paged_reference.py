@@ -53,22 +53,8 @@ def make_paged_case(query_lens: list[int], seq_lens: list[int], num_heads: int, 
         tables[i, :nb] = torch.tensor(perm[used : used + nb])
         used += nb
         slots += [int(tables[i, j // block_size]) * block_size + j % block_size for j in range(s - q, s)]
-    qsl = [0]
-    for q in query_lens:
-        qsl.append(qsl[-1] + q)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int64, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-        block_tables=tables.to(device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_size=block_size,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        decode_only=all(q == 1 for q in query_lens),
-        query_lens_host=list(query_lens),
-        seq_lens_host=list(seq_lens),
-    )
-    q = torch.randn((qsl[-1], num_heads, head_dim), generator=dev_gen, device=device).to(dtype)
+    meta = AttentionMetadata.from_host(query_lens, seq_lens, tables, slots, block_size, device)
+    q = torch.randn((sum(query_lens), num_heads, head_dim), generator=dev_gen, device=device).to(dtype)
     return PagedCase(pool, num_layers - 1, meta, q)
 
 

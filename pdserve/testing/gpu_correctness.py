@@ -521,17 +521,8 @@ def _meta_for(seqs: list[tuple[list[int], int]], tables: list[list[int]], block_
         seqlens.append(len(toks))
     width = max(len(t) for t in tables)
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
-    qsl = [0]
-    for q in qlens:
-        qsl.append(qsl[-1] + q)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int64, device=device),
-        seq_lens=torch.tensor(seqlens, dtype=torch.int64, device=device),
-        block_tables=bt.to(device), slot_mapping=torch.tensor(slots, device=device), block_size=block_size,
-        max_query_len=max(qlens), max_seq_len=max(seqlens), decode_only=all(q == 1 for q in qlens),
-        query_lens_host=qlens, seq_lens_host=seqlens,
-    )
-    rows = torch.tensor([x - 1 for x in qsl[1:]], device=device)
+    meta = AttentionMetadata.from_host(qlens, seqlens, bt, slots, block_size, device)
+    rows = torch.tensor([x - 1 for x in itertools.accumulate(qlens)], device=device)
     return torch.tensor(ids, device=device), torch.tensor(pos, device=device), meta, rows
 
 
