@@ -18,6 +18,7 @@ from typing import Any
 from pdserve.bindcheck import exposure_warning
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,6 +46,11 @@ def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS[:-1])
     p.add_argument("--uvicorn-log-level", default="info", choices=LOG_LEVELS)
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
+
+
+def configure_logging(args: argparse.Namespace) -> None:
+    """The root logger at --log-level, one line a record in the servers' shared format."""
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
 
 
 def check_frontend_args(args: argparse.Namespace) -> str | None:

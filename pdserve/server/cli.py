@@ -390,7 +390,7 @@ def _check_ports(args: argparse.Namespace) -> str | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    frontend_args.configure_logging(args)
     refused = frontend_args.startup_problem("pdserve serve", args, _check_args, _check_ports, log)
     if refused is not None:
         return refused
