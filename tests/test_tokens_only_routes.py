@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
 from pdserve.api.openai.params import GenerationDefaults
-from pdserve.api.pd import HeldKVParams
+from pdserve.api.pd import PUSH_FIRST_TOKEN, HeldKVParams
 from pdserve.server.app import build_app
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.state import ServerState
@@ -142,7 +142,8 @@ def test_kv_transfer_params_and_request_ids(client_factory: Any) -> None:
 def test_remote_prefill_with_n_above_one_forks_the_load(client_factory: Any) -> None:
     """One prefill lease is loaded once, on this route as on completions and chat (the shared pipeline):
     with n > 1 the first choice loads the KV and the others are submitted after it, without the params
-    (they share the loaded blocks through the prefix cache)."""
+    (they share the loaded blocks through the prefix cache). The first choice recomputes the last prompt token
+    (the forks wait for its first output as the sign of a loaded prompt): no first token, pushed or sent."""
     kv = {"do_remote_prefill": True, "remote_block_ids": [[0]], "remote_engine_id": "p", "remote_request_id": "r",
           "remote_host": "127.0.0.1", "remote_port": 5600}
     for stream in (False, True):
@@ -151,7 +152,7 @@ def test_remote_prefill_with_n_above_one_forks_the_load(client_factory: Any) -> 
         r = client.post("/inference/v1/generate", json={"token_ids": [1, 2], "kv_transfer_params": kv,
                                                         "stream": stream, "sampling_params": {"n": 3, "max_tokens": 1}})
         assert r.status_code == 200, r.text
-        assert [c["kv"] and dict(c["kv"].wire) for c in engine.calls] == [kv, None, None]
+        assert [c["kv"] and dict(c["kv"].wire) for c in engine.calls] == [{**kv, PUSH_FIRST_TOKEN: False}, None, None]
 
 
 def test_abort_reaches_every_choice(client_factory: Any) -> None:
