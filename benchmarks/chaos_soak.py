@@ -15,7 +15,7 @@ Push transfer (`NixlPushConnector` on both pools; the proxy learns the mode on i
 decode instances, the cuts past the proxy's ejection bound included in the default faults:
 
     sudo python benchmarks/chaos_soak.py --kv-transfer-mode push --decode-tp 2 --requests 1000 --rate 1 \
-        --fault-every 20 --out benchmarks/results/chaos_soak_push_tp2.json
+        --fault-every 15 --fault-hold 4 --out benchmarks/results/chaos_soak_push_tp2.json
 
 Without --model it builds the tests' tiny random-weight Llama (SmolLM2's tokenizer) in a temporary folder.
 Prints progress, then the counts as JSON (also written to --out); exits 1 unless corrupted, hung and leaked
