@@ -21,6 +21,10 @@ collocated instance and this client in pdpush-d-<pid>, joined by a veth pair in 
 long on the wire as its prefill (measured on the collocated instance first). UCX runs over TCP on the veth
 (UCX_TLS=tcp: no shared memory between the namespaces). Namespaces are removed on exit. Each mode gets its
 own prefill and decode processes (pinned: prefill core 0, decode core 1, collocated core 0), one mode at a time.
+`--tp N` starts every instance, collocated too (so "added over collocated" is the handoff's, not TP's), with
+`--tensor-parallel-size N`; on the CPU those instances are not pinned (a TP rank per core, on a 2-core box).
+SmolLM2-135M's 9 attention heads and 3 KV heads do not split in 2: `--even-heads-model` builds random weights
+of its shape with 12 heads of 48 and 4 KV heads instead (the same linears, the same KV bytes per token).
 
 GPU (`--gpu`, one GPU shared by every instance, NIXL over CUDA IPC): the pull pair (its decode doubles as
 the collocated instance: a decode leg without params is served whole) and the push trio (a whole-request
@@ -32,6 +36,9 @@ SECTION_BUDGET_S variable benchmarks/gpu_wave.sh sets) skips what would not fini
 
     # CPU (SmolLM2 default)
     sudo python benchmarks/bench_pd_push.py --netns --rate-mbit auto --prompt-len 1024 --output-len 32
+    # the same with TP=2 on every instance, 3 requests a mode
+    sudo python benchmarks/bench_pd_push.py --netns --tp 2 --even-heads-model --prompt-len 1024 --output-len 32 \
+        --num-requests 3
     # H200, 8B shape, dummy weights: 256 / 8k / 32k over CUDA IPC, then 8k over UCX TCP
     python benchmarks/bench_pd_push.py --gpu --model Llama-3.1-8B --load-format dummy \
         --prompt-len 8192,32768,256 --tcp-prompt-lens 8192 --output-len 32 --num-requests 2 \
@@ -144,6 +151,8 @@ class Instance:
         if spec.connector is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_config(spec.connector, spec.role, **spec.extra)),
                     "--side-channel-host", self.host, "--side-channel-port", str(free_port())]
+        if args.tp > 1:
+            cmd += ["--tensor-parallel-size", str(args.tp)]
         if gpu_mem is not None:
             cmd += ["--gpu-memory-utilization", f"{gpu_mem:.3f}"]
         if args.gpu:
@@ -262,7 +271,7 @@ def one_pull(p: Instance, d: Instance, body: dict, tag: str) -> tuple[Timed, lis
 def one_push(p: Instance, d: Instance, body: dict, info: dict) -> tuple[Timed, list[int]]:
     key, got = uuid.uuid4().hex, {}
     dparams = push_decode_params(key, engine_id=info["engine_id"], host=info["side_channel_host"],
-                                 port=info["side_channel_port"])
+                                 port=info["side_channel_port"], tp_size=info.get("tensor_parallel_size", 1))
     t0 = time.monotonic()
     leg = threading.Thread(target=stream, args=(d.url, build_decode_body(body, dparams), t0, f"push-{key}", got))
     leg.start()
@@ -392,7 +401,7 @@ def run_pass(args: argparse.Namespace, link: str, ucx_tls: str | None, lens: lis
         groups = [names] if together else [[n for n in names if n.startswith("pull")],
                                            [n for n in names if n.startswith("push")]]
         groups = [g for g in groups if g]
-    else:  # CPU: one mode at a time, pinned (prefill core 0, decode core 1, collocated core 0)
+    else:  # CPU: one mode at a time, pinned (prefill core 0, decode core 1, collocated core 0) unless TP > 1
         colo_name = "collocated"
         groups = [["collocated"], *[list(PAIRS[m]) for m in modes]]
     out = res["passes"].setdefault(link, {"ucx_tls": ucx_tls, "lengths": {}})
@@ -408,11 +417,12 @@ def run_pass(args: argparse.Namespace, link: str, ucx_tls: str | None, lens: lis
         t0 = time.monotonic()
         try:
             for name in group:
+                pin = not args.gpu and args.tp == 1
                 if name == "collocated":
-                    spec = Spec(name, cpus={0})
+                    spec = Spec(name, cpus={0} if pin else None)
                 else:
                     connector, role, extra = SPECS[name]
-                    cpus = None if args.gpu else ({0} if role == "kv_producer" else {1 % (os.cpu_count() or 1)})
+                    cpus = ({0} if role == "kv_producer" else {1 % (os.cpu_count() or 1)}) if pin else None
                     spec = Spec(name, connector, role, dict(extra), cpus)
                 insts[name] = Instance(spec, args, logdir / link, ucx_tls=ucx_tls, gpu_mem=gpu_mem,
                                        max_model_len=max_len)
@@ -601,6 +611,7 @@ def measure(args: argparse.Namespace) -> dict:
     logdir = Path(tempfile.mkdtemp(prefix="bench-pd-push-"))
     budget = Budget(args.budget_s)
     res = {"prompt_lens": args.prompt_lens, "output_len": args.output_len, "num_requests": args.num_requests,
+           "tensor_parallel_size": args.tp,
            "kv_bytes_per_token": None, "link_mbit": None, "logs": str(logdir), "passes": {}}
     first = ("netns" if args.netns else "local") if not args.gpu else "cuda_ipc"
     passes = [(f"ucx_tls={args.ucx_tls}" if args.ucx_tls else first, args.ucx_tls, args.prompt_lens)]
@@ -632,6 +643,16 @@ def measure(args: argparse.Namespace) -> dict:
     return res
 
 
+def even_heads_model(root: Path) -> Path:
+    """SmolLM2-135M's shape (576 wide, 30 layers, MLP 1536, tied embeddings, its tokenizer) with 12 heads of 48
+    and 4 KV heads, random weights: splits at TP=2 and 4 with SmolLM2's FLOPs and KV bytes per token."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from server_utils import make_model_dir  # the tests' random Llama builder, SmolLM2's tokenizer copied in
+
+    return make_model_dir(root, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=12, num_key_value_heads=4, tie=True, max_position_embeddings=8192)
+
+
 def lengths(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -647,6 +668,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--num-requests", type=int, default=4, help="timed requests per mode and length (after a check"
                                                                  " request, the same prompt in every mode)")
+    ap.add_argument("--tp", type=int, default=1, help="--tensor-parallel-size of every instance (collocated too)")
+    ap.add_argument("--even-heads-model", action="store_true",
+                    help="random weights of SmolLM2-135M's shape with 12 heads / 4 KV heads (for --tp 2)")
     ap.add_argument("--gpu", action="store_true")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None,
                     help="each instance's share (default: 0.9 / the instances sharing the GPU at once)")
@@ -679,6 +703,9 @@ def main() -> None:
     if args.ucx_proto_info is None:
         args.ucx_proto_info = args.gpu
     args.secret = os.environ.get("PDSERVE_KV_SECRET") or secrets.token_hex(32)
+    if args.even_heads_model and args.model is None:  # built once, outside the namespaces (passed in by --model)
+        args.model = str(even_heads_model(Path(tempfile.mkdtemp(prefix="bench-pd-push-model-"))))
+        sys.argv += ["--model", args.model]
     if args.netns and not args.inside:
         p_ns, d_ns = f"{NS_PREFIX}p-{os.getpid()}", f"{NS_PREFIX}d-{os.getpid()}"
         try:

@@ -8,6 +8,10 @@ seconds is counted hung (the client gives up on it then).
 
 Faults, round-robin, one at a time, every `fault_every_s` seconds, each held `fault_hold_s` seconds:
   cut-decode / cut-prefill   the host's link down (`ip link set DEV down` on its switch port), then up
+  long-cut-decode / long-cut-prefill
+                             the same, held `long_hold_s` instead: longer than the proxy's ejection bound
+                             (`ejection_bound_s`), so the proxy ejects the host while requests are on it, and
+                             re-admits it after the link is back
   slow-link                  a prefill or decode host behind tbf at `slow_rate`, then unshaped
   kill-instance              SIGKILL of an instance, then restarted (what `pdserve up`'s supervisor does)
   restart-proxy              the proxy stopped (SIGTERM) and started again
@@ -38,9 +42,22 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.proxy.config import ProxyConfig
+from pdserve.proxy.health import FAST_INTERVAL_S
 from pdserve.testing.pd_cluster import Node, PDCluster, answer_token_ids, completion_body
 
-FAULTS = ("cut-decode", "slow-link", "cut-prefill", "kill-instance", "restart-proxy")
+FAULTS = ("cut-decode", "slow-link", "cut-prefill", "kill-instance", "restart-proxy", "long-cut-decode",
+          "long-cut-prefill")
+
+
+def ejection_bound_s(cfg: ProxyConfig | None = None) -> float:
+    """The longest a silent host stays admitted by a proxy with `cfg` (its defaults: 13 s), when no request
+    fails on it first: the cut lands just after a probe round, the next round comes `health_interval` later and
+    waits out `health_timeout`, then the failed-probe rounds come `FAST_INTERVAL_S` after each other's end, up to
+    `eject_after` failures (pdserve/proxy/health.py)."""
+    cfg = cfg or ProxyConfig()
+    first = cfg.health_interval + cfg.health_timeout
+    return first + (cfg.eject_after - 1) * (FAST_INTERVAL_S + cfg.health_timeout)
 
 
 @dataclass
@@ -49,6 +66,7 @@ class SoakConfig:
     rate: float = 8.0  # requests started per second
     fault_every_s: float = 10.0
     fault_hold_s: float = 5.0
+    long_hold_s: float = ejection_bound_s() + 7.0  # the long cuts' hold: past the ejection bound
     faults: tuple[str, ...] = FAULTS
     slow_rate: str = "10mbit"
     hung_s: float = 30.0
@@ -187,25 +205,26 @@ class _Injector:
             except Exception as exc:  # noqa: BLE001 - reported with the result, the soak goes on
                 self.errors.append(f"{kind}: {type(exc).__name__}: {exc}")
 
-    def _hold(self, undo: Callable[[], None]) -> None:
+    def _hold(self, undo: Callable[[], None], seconds: float) -> None:
         try:
-            self.stop.wait(self.cfg.fault_hold_s)
+            self.stop.wait(seconds)
         finally:
             undo()
 
     def inject(self, kind: str) -> None:
         c, bed = self.cluster, self.cluster.bed
         pick: Callable[[list[Node]], Node] = self.rng.choice
-        if kind == "cut-decode" or kind == "cut-prefill":
-            node = pick(c.decode if kind == "cut-decode" else c.prefill)
+        if kind in ("cut-decode", "cut-prefill", "long-cut-decode", "long-cut-prefill"):
+            node = pick(c.decode if kind.endswith("decode") else c.prefill)
             bed.partition(node.host)
             self.ledger.fault(kind)
-            self._hold(lambda: bed.heal(node.host))
+            self._hold(lambda: bed.heal(node.host),
+                       self.cfg.long_hold_s if kind.startswith("long-") else self.cfg.fault_hold_s)
         elif kind == "slow-link":
             node = pick([*c.prefill, *c.decode])
             bed.shape(node.host, self.cfg.slow_rate)
             self.ledger.fault(kind)
-            self._hold(lambda: bed.unshape(node.host))
+            self._hold(lambda: bed.unshape(node.host), self.cfg.fault_hold_s)
         elif kind == "kill-instance":
             node = pick([*c.prefill, *c.decode])
             assert node.proc is not None

@@ -9,6 +9,10 @@ Every instance shares one deployment secret (`PDSERVE_KV_SECRET`, as `pdserve up
 channels listen on the host's address (not loopback) authenticated, and KV moves over NIXL/UCX TCP between
 hosts. `idle_problems()` reads every instance's /metrics and says what is not back to idle (used KV blocks,
 held leases, running/waiting/awaiting-params requests): the leak check after faults.
+
+`transfer_mode="push"` gives both pools `NixlPushConnector` (the proxy learns the mode from each instance's
+/pdserve/info: no proxy flag); `prefill_tp` / `decode_tp` start those instances with `--tensor-parallel-size`
+(each rank a process of its own on the instance's host, gone with its engine).
 """
 
 from __future__ import annotations
@@ -67,9 +71,18 @@ class Node:
         return f"http://{self.host.addr}:{SERVE_PORT}"
 
 
-def kv_config(role: str, policy: str, extra: dict[str, object]) -> str:
-    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_load_failure_policy": policy,
-                       "kv_connector_extra_config": extra})
+TRANSFER_CONNECTORS = {"pull": "NixlConnector", "push": "NixlPushConnector"}
+
+
+def kv_config(role: str, policy: str, extra: dict[str, object], transfer_mode: str = "pull") -> str:
+    return json.dumps({"kv_connector": TRANSFER_CONNECTORS[transfer_mode], "kv_role": role,
+                       "kv_load_failure_policy": policy, "kv_connector_extra_config": extra})
+
+
+def tp_args(size: int) -> list[str]:
+    if size < 1:
+        raise ValueError(f"tensor-parallel size must be >= 1, got {size}")
+    return ["--tensor-parallel-size", str(size)] if size > 1 else []
 
 
 class PDCluster:
@@ -87,8 +100,14 @@ class PDCluster:
         proxy_args: tuple[str, ...] = (),
         secret: str | None = None,
         prefill_env: dict[str, str] | None = None,
+        transfer_mode: str = "pull",
+        prefill_tp: int = 1,
+        decode_tp: int = 1,
     ) -> None:
-        """prefill_env: more environment for the prefill instances (the soak's test-only KV faults)."""
+        """prefill_env: more environment for the prefill instances (the soak's test-only KV faults).
+        transfer_mode: "pull" (NixlConnector) or "push" (NixlPushConnector) on both pools."""
+        if transfer_mode not in TRANSFER_CONNECTORS:
+            raise ValueError(f"transfer_mode must be one of {sorted(TRANSFER_CONNECTORS)}, got {transfer_mode!r}")
         if len(bed.hosts) < hosts_needed(n_prefill, n_decode):
             raise ValueError(f"{n_prefill}P{n_decode}D needs {hosts_needed(n_prefill, n_decode)} hosts")
         self.bed = bed
@@ -104,10 +123,12 @@ class PDCluster:
             return Node(role, host, argv, node_env, logs / f"{role}-{host.index}.log")
 
         self.prefill = [serve("prefill", bed.hosts[1 + i],
-                              ["--kv-transfer-config", kv_config("kv_producer", policy, extra),
-                               "--side-channel-port", str(SIDE_CHANNEL_PORT)]) for i in range(n_prefill)]
+                              ["--kv-transfer-config", kv_config("kv_producer", policy, extra, transfer_mode),
+                               "--side-channel-port", str(SIDE_CHANNEL_PORT), *tp_args(prefill_tp)])
+                        for i in range(n_prefill)]
         self.decode = [serve("decode", bed.hosts[1 + n_prefill + i],
-                             ["--kv-transfer-config", kv_config("kv_consumer", policy, extra)])
+                             ["--kv-transfer-config", kv_config("kv_consumer", policy, extra, transfer_mode),
+                              *tp_args(decode_tp)])
                        for i in range(n_decode)]
         self.collocated = serve("collocated", bed.hosts[1 + n_prefill + n_decode], [])
         proxy_host = bed.hosts[0]
