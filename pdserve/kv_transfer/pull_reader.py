@@ -51,7 +51,7 @@ from pdserve.kv_transfer.local_kv import LocalKV
 from pdserve.kv_transfer.nixl_agent import ReadStats
 from pdserve.kv_transfer.pool import RemotePool, bind_cuda_device, check_block_ids, coalesce_block_runs
 from pdserve.kv_transfer.producer import NOTIF_PREFIX
-from pdserve.kv_transfer.side_channel import POOL_FIELDS, ProtocolError, check_fields
+from pdserve.kv_transfer.side_channel import ProtocolError, parse_ranks
 from pdserve.types.tp_layout import kv_heads_per_rank
 
 logger = logging.getLogger("pdserve.kv_transfer")
@@ -78,8 +78,6 @@ class _Remote:
     ranks: tuple[_RemoteRank, ...] = ()  # every producer rank, rank 0 (agent_name, pool) first
     # for each local rank, the producer agents it loaded (removed again when the producer is forgotten)
     loaded: tuple[tuple[str, ...], ...] = ()
-
-_RANK_FIELDS = {"agent_name": str, "agent_metadata": bytes, "pool": dict}
 
 
 class _LoadFailed(Exception):
@@ -365,19 +363,10 @@ class PullReader:
         timeout_s = self._kv.config.transfer_timeout_s + nbytes / (self._kv.config.transfer_min_gbps * 1e9)
         for attempt in range(2):
             try:
-                reply = self._kv.call(
-                    remote.host,
-                    remote.port,
-                    remote.engine_id,
-                    "claim",
-                    {
-                        "request_id": p.remote_request_id,
-                        "lease_token": p.lease_token,
-                        "generation": remote.generation,
-                        "timeout_s": timeout_s,
-                    },
-                    self._kv.config.transfer_timeout_s,
-                )
+                fields = {"request_id": p.remote_request_id, "lease_token": p.lease_token,
+                          "generation": remote.generation, "timeout_s": timeout_s}
+                reply = self._kv.call(remote.host, remote.port, remote.engine_id, "claim", fields,
+                                      self._kv.config.transfer_timeout_s)
                 return remote, reply["block_ids"], reply["claim_token"], timeout_s
             except SideChannelRefused as exc:
                 if exc.reason == "stale_generation" and attempt == 0:
@@ -402,14 +391,8 @@ class PullReader:
     ) -> bool:
         remote_request_id = p.remote_request_id
         try:
-            reply = self._kv.call(
-                remote.host,
-                remote.port,
-                remote.engine_id,
-                "release",
-                {"request_id": remote_request_id, "lease_token": p.lease_token, "claim_token": claim_token},
-                timeout_s,
-            )
+            fields = {"request_id": remote_request_id, "lease_token": p.lease_token, "claim_token": claim_token}
+            reply = self._kv.call(remote.host, remote.port, remote.engine_id, "release", fields, timeout_s)
             return bool(reply["held_throughout"])
         except SideChannelError as exc:
             self._kv.metrics.record_failed_notification()
@@ -422,14 +405,8 @@ class PullReader:
 
     def _abort_remote(self, p: RemotePrefillParams) -> None:
         try:
-            self._kv.call(
-                p.remote_host,
-                p.remote_port,
-                p.remote_engine_id,
-                "abort",
-                {"request_id": p.remote_request_id, "lease_token": p.lease_token},
-                _NOTIFY_TIMEOUT_S,
-            )
+            self._kv.call(p.remote_host, p.remote_port, p.remote_engine_id, "abort",
+                          {"request_id": p.remote_request_id, "lease_token": p.lease_token}, _NOTIFY_TIMEOUT_S)
         except SideChannelRefused as exc:
             if exc.reason not in LEASE_REJECTION_STATUS:
                 self._kv.metrics.record_failed_notification()
@@ -462,14 +439,9 @@ class PullReader:
     def _handshake(self, p: RemotePrefillParams) -> _Remote:
         where = f"{p.remote_host}:{p.remote_port}"
         try:
-            reply = self._kv.call(
-                p.remote_host,
-                p.remote_port,
-                p.remote_engine_id,
-                "handshake",
-                {"engine_id": self._kv.config.engine_id, "compat": self._kv.compat},
-                self._kv.config.handshake_timeout_s,
-            )
+            reply = self._kv.call(p.remote_host, p.remote_port, p.remote_engine_id, "handshake",
+                                  {"engine_id": self._kv.config.engine_id, "compat": self._kv.compat},
+                                  self._kv.config.handshake_timeout_s)
         except SideChannelRefused as exc:
             if exc.reason == "incompatible":
                 raise _LoadFailed(f"KV handshake with {where} refused: {exc}", abort=True, incompatible=True) from None
@@ -542,21 +514,7 @@ class PullReader:
         if entries is None:
             ranks = [_RemoteRank(reply["agent_name"], pool)]
         else:
-            if not isinstance(entries, list) or not entries:
-                raise ValueError("handshake field ranks must be a non-empty list")
-            ranks = []
-            for i, entry in enumerate(entries):
-                if not isinstance(entry, dict):
-                    raise ValueError(f"handshake ranks[{i}] is not a map")
-                check_fields(entry, _RANK_FIELDS, f"handshake ranks[{i}]")
-                check_fields(entry["pool"], POOL_FIELDS, f"handshake ranks[{i}].pool")
-                ranks.append(_RemoteRank(entry["agent_name"], RemotePool.from_handshake(entry["pool"])))
-            if ranks[0].agent_name != reply["agent_name"]:
-                raise ValueError("handshake ranks[0] is not the producer's own agent")
-            if len({r.agent_name for r in ranks}) != len(ranks):
-                raise ValueError("handshake ranks repeat an agent name")
-            if len({r.pool.num_blocks for r in ranks}) != 1:
-                raise ValueError("handshake ranks have different block counts")
+            ranks = [_RemoteRank(*rank) for rank in parse_ranks(entries, reply["agent_name"], "handshake ranks")]
         tp = reply.get("tp_size", 1)
         if tp != len(ranks):
             raise ValueError(f"handshake says tp_size {tp!r} but lists {len(ranks)} rank(s)")
