@@ -150,7 +150,7 @@ def _peer_command(connector: Any, pool: Any, cmd: str, args: tuple, released: se
         if connector.producer is not None:
             out["refused_handshakes"] = connector.producer.num_refused_handshakes
         if connector.consumer is not None:
-            out["cached_remotes"] = connector.consumer.num_cached_remotes()
+            out["cached_remotes"] = connector.consumer.transfer.num_cached_remotes()
         return out
     if cmd == "lease_expiry":
         lease = connector.producer.leases.get(args[0])

@@ -850,15 +850,17 @@ def test_prometheus_names_labels_and_separate_registries() -> None:
 
 
 def test_connector_implements_the_engines_protocol():
-    """Every member the engine calls exists on KVConnector and on each role it exposes (the pull and the push
-    consumer, the producer), with the same parameters."""
+    """Every member the engine calls exists on KVConnector and on each role it exposes (the consumer, the
+    producer), with the same parameters; each transfer a consumer composes (pull, push) has every member the
+    consumer calls."""
     import inspect
 
     from pdserve.engine.pd.connector_protocol import KVConnectorProtocol, KVConsumerRole, KVProducerRole
     from pdserve.kv_transfer import KVConnector
-    from pdserve.kv_transfer.consumer import KVConsumer
+    from pdserve.kv_transfer.consumer import KVConsumer, LoadSink, LoadTransfer
     from pdserve.kv_transfer.producer import KVProducer
-    from pdserve.kv_transfer.push_receiver import PushConsumer
+    from pdserve.kv_transfer.pull_reader import PullReader
+    from pdserve.kv_transfer.push_receiver import PushReceiver
 
     def params(f) -> list[str]:
         return [p for p in inspect.signature(f).parameters if p != "self"]
@@ -877,8 +879,10 @@ def test_connector_implements_the_engines_protocol():
     members = check(KVConnectorProtocol, KVConnector)
     assert {"can_load", "can_send", "load_failure_policy", "keeps_history"} <= set(members)
     assert set(KVConnectorProtocol.__annotations__) == {"consumer", "producer"}  # the roles, as attributes
-    for consumer in (KVConsumer, PushConsumer):
-        assert {"parse", "start_load", "poll_loads"} <= set(check(KVConsumerRole, consumer))
+    assert {"parse", "start_load", "poll_loads"} <= set(check(KVConsumerRole, KVConsumer))
+    assert {"claimed", "report", "check_digests"} <= set(check(LoadSink, KVConsumer))
+    for transfer in (PullReader, PushReceiver):
+        assert {"parse", "start", "keep_alive", "let_go"} <= set(check(LoadTransfer, transfer))
     assert {"parse_prefill_leg", "hold", "hold_history"} <= set(check(KVProducerRole, KVProducer))
 
 

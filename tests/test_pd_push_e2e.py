@@ -388,7 +388,8 @@ def test_prefill_killed_mid_push_fails_or_recomputes_fast(cluster, model_dir, tm
 def test_a_write_that_fails_to_post_is_learnt_at_once(cluster, model_dir):
     """vLLM#48633 C2: the prefill's WRITE cannot be posted (the registered pool names memory the decode's agent
     never registered); the decode side learns it from push_status at once, long before its deadline. The decode
-    half is the real PushReceiver on a real NIXL agent in this process (only its pool description is wrong)."""
+    half is a real push consumer (KVConsumer over a PushReceiver) on a real NIXL agent in this process (only its
+    pool description is wrong)."""
     import dataclasses
 
     import numpy as np
@@ -398,6 +399,8 @@ def test_a_write_that_fails_to_post_is_learnt_at_once(cluster, model_dir):
     from pdserve.kv_transfer.auth import MessageAuth
     from pdserve.kv_transfer.compat import make_compat
     from pdserve.kv_transfer.config import KVTransferConfig
+    from pdserve.kv_transfer.consumer import KVConsumer
+    from pdserve.kv_transfer.local_kv import LocalKV
     from pdserve.kv_transfer.metrics import TransferMetrics
     from pdserve.kv_transfer.nixl_agent import NixlAgent
     from pdserve.kv_transfer.pool import region_of
@@ -421,10 +424,8 @@ def test_a_write_that_fails_to_post_is_learnt_at_once(cluster, model_dir):
     agent = NixlAgent(config.engine_id, config.backends)
     agent.register(real)
     wrong = dataclasses.replace(real, base_addr=real.base_addr + 2 * real.length)  # not registered memory
-    results: list = []
-    receiver = PushReceiver(config, agent=agent, region=wrong, compat=hello["compat"],
-                            metrics=TransferMetrics(model_name="tiny", registry=CollectorRegistry()),
-                            auth=MessageAuth(secret), report=results.append)
+    metrics = TransferMetrics(model_name="tiny", registry=CollectorRegistry())
+    consumer = KVConsumer(LocalKV(config, agent, wrong, hello["compat"], metrics, MessageAuth(secret)), PushReceiver)
     try:
         b = body(81, words=60)
         key = uuid.uuid4().hex
@@ -432,20 +433,22 @@ def test_a_write_that_fails_to_post_is_learnt_at_once(cluster, model_dir):
                                        port=i["side_channel_port"])
         tokens = len(httpx.post(f"{cluster['prefill'].url}/tokenize", json={"model": "tiny", "prompt": b["prompt"]},
                                 timeout=10).json()["tokens"]) - 1
-        receiver.start("probe-1", pd.parse_push_decode_params(params), list(range(-(-tokens // 16))), 0, tokens)
+        consumer.start_load("probe-1", pd.parse_push_decode_params(params), list(range(-(-tokens // 16))), 0, tokens)
         time.sleep(0.5)  # registered
         p = httpx.post(f"{cluster['prefill'].url}/v1/completions", json=pd.build_prefill_body(b, push_key=key),
                        timeout=60, headers=HEADERS)
         assert p.status_code == 200
         t0 = time.monotonic()
+        results: list = []
         while not results and time.monotonic() - t0 < 10:
             time.sleep(0.01)
+            results = consumer.poll_loads()
         assert results and not results[0].ok, results
         assert time.monotonic() - t0 < 2.0  # at once, not at the 30 s deadline
         assert "WRITE" in (results[0].error or ""), results[0].error
         wait_idle(cluster["prefill"].url)  # the failed job gave the prefill's blocks back
     finally:
-        receiver.shutdown()
+        consumer.shutdown()
         agent.close()
 
 

@@ -243,10 +243,10 @@ def test_registration_after_the_prefill_ended_writes_nothing(servers):
 
 
 def test_a_write_failing_on_a_worker_rank_is_learnt_at_once(servers, tmp_path):
-    """C2 with a TP=2 prefill: the decode (a real PushReceiver on a real NIXL agent in this process, TP=1)
-    registers a pool whose address its agent never registered, so both prefill ranks' WRITEs fail (rank 1's
-    in its worker process); the decode learns it from push_status at once, not at its deadline, and the
-    prefill's blocks come back."""
+    """C2 with a TP=2 prefill: the decode (a real push consumer, KVConsumer over a PushReceiver, on a real NIXL
+    agent in this process, TP=1) registers a pool whose address its agent never registered, so both prefill
+    ranks' WRITEs fail (rank 1's in its worker process); the decode learns it from push_status at once, not at
+    its deadline, and the prefill's blocks come back."""
     need(servers, "p2", variant="2kv")
     import dataclasses
 
@@ -257,6 +257,8 @@ def test_a_write_failing_on_a_worker_rank_is_learnt_at_once(servers, tmp_path):
     from pdserve.kv_transfer.auth import MessageAuth
     from pdserve.kv_transfer.compat import make_compat
     from pdserve.kv_transfer.config import KVTransferConfig
+    from pdserve.kv_transfer.consumer import KVConsumer
+    from pdserve.kv_transfer.local_kv import LocalKV
     from pdserve.kv_transfer.metrics import TransferMetrics
     from pdserve.kv_transfer.nixl_agent import NixlAgent
     from pdserve.kv_transfer.pool import region_of
@@ -283,29 +285,29 @@ def test_a_write_failing_on_a_worker_rank_is_learnt_at_once(servers, tmp_path):
     agent = NixlAgent(config.engine_id, config.backends)
     agent.register(real)
     wrong = dataclasses.replace(real, base_addr=real.base_addr + 2 * real.length)  # not registered memory
-    results: list = []
-    receiver = PushReceiver(config, agent=agent, region=wrong, compat=hello["compat"],
-                            metrics=TransferMetrics(model_name="tiny", registry=CollectorRegistry()),
-                            auth=MessageAuth(SECRET), report=results.append)
+    metrics = TransferMetrics(model_name="tiny", registry=CollectorRegistry())
+    consumer = KVConsumer(LocalKV(config, agent, wrong, hello["compat"], metrics, MessageAuth(SECRET)), PushReceiver)
     try:
         tokens = prompt(8000, 60)
         key = uuid.uuid4().hex
         params = pd.parse_push_decode_params(decode_params(servers["p2"], key))
         n = len(tokens) - 1
-        receiver.start("probe-1", params, list(range(-(-n // 16))), 0, n)
+        consumer.start_load("probe-1", params, list(range(-(-n // 16))), 0, n)
         time.sleep(0.5)  # registered
         p = httpx.post(f"{servers['p2'].url}/v1/completions", json=pd.build_prefill_body(body(tokens), push_key=key),
                        timeout=60, headers=HEADERS)
         assert p.status_code == 200
         t0 = time.monotonic()
+        results: list = []
         while not results and time.monotonic() - t0 < 10:
             time.sleep(0.01)
+            results = consumer.poll_loads()
         assert results and not results[0].ok, results
         assert time.monotonic() - t0 < 2.0  # at once, not at the 30 s deadline
         assert "WRITE" in (results[0].error or ""), results[0].error
         wait_idle(servers["p2"].url)  # the failed job gave the prefill's blocks back
     finally:
-        receiver.shutdown()
+        consumer.shutdown()
         agent.close()
 
 

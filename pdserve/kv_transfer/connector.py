@@ -14,8 +14,8 @@
     connector.shutdown()
 
 Roles: kv_producer runs the side channel and leases, kv_consumer loads, kv_both does both with one NIXL agent.
-The engine calls each role on its own object (`producer`: `KVProducer`; `consumer`: `KVConsumer`, or
-`PushConsumer` in push mode) rather than through this class: the roles already are the engine's API, and a
+The engine calls each role on its own object (`producer`: `KVProducer`; `consumer`: `KVConsumer`, whose
+transfer is a `PullReader`, or a `PushReceiver` in push mode) rather than through this class: the roles already are the engine's API, and a
 connector that re-declared every role method would only pass each call through (and grow with every one). What
 is the connector's own stays here: building the roles over one NIXL agent and side channel, the policies and
 limits that span both roles, metrics, the layer-pipelined push hook, and shutdown.
@@ -42,11 +42,13 @@ from pdserve.kv_transfer.consumer import KVConsumer
 from pdserve.kv_transfer.digest import BlockDigester
 from pdserve.kv_transfer.faults import KVFaults
 from pdserve.kv_transfer.head_split import block_geometry
+from pdserve.kv_transfer.local_kv import LocalKV
 from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.nixl_agent import NixlAgent, apply_env_defaults, load_nixl
 from pdserve.kv_transfer.pool import pretouch, region_of
 from pdserve.kv_transfer.producer import KVProducer
-from pdserve.kv_transfer.push_receiver import PushConsumer
+from pdserve.kv_transfer.pull_reader import PullReader
+from pdserve.kv_transfer.push_receiver import PushReceiver
 from pdserve.kv_transfer.push_sender import PushSender
 from pdserve.kv_transfer.side_channel import SideChannelServer
 from pdserve.types.tp_layout import kv_heads_per_rank
@@ -161,6 +163,7 @@ class KVConnector:
                         raise ValueError(f"rank {r} has {agent.region.num_blocks} KV blocks, rank 0 "
                                          f"{self.region.num_blocks}")
             ranks = [(self._agent, self.region), *((a, a.region) for a in self._rank_agents)]
+            kv = LocalKV(config, self._agent, self.region, self.compat, self.metrics, auth, ranks)
             local_heads = kv_heads_per_rank(tp_size, int(self.compat["num_kv_heads"]))
             push = config.transfer_mode == PUSH
             digester = BlockDigester(pool, self._rank_agents) if config.enable_kv_digest else None
@@ -199,19 +202,10 @@ class KVConnector:
             if config.is_consumer:
                 # a push prefill with bidirectional_kv_xfer is a consumer only to READ held histories back: pull
                 pushed_into = push and config.kv_role != "kv_producer"
-                consumer = (PushConsumer if pushed_into else KVConsumer)(
-                    config,
-                    agent=self._agent,
-                    region=self.region,
-                    compat=self.compat,
-                    metrics=self.metrics,
-                    auth=auth,
-                    ranks=ranks,
-                    digester=digester,
-                )
-                self.consumer = consumer
-                if isinstance(consumer, PushConsumer) and self.producer is not None:
-                    self.producer.push_notif = consumer.receiver.on_notif
+                self.consumer = KVConsumer(kv, PushReceiver if pushed_into else PullReader, digester=digester)
+                receiver = self.consumer.transfer
+                if isinstance(receiver, PushReceiver) and self.producer is not None:
+                    self.producer.push_notif = receiver.on_notif  # kv_both: its progress loop reads the notices
         except BaseException:
             self.shutdown()
             raise

@@ -1,76 +1,34 @@
-"""Consumer (decode) side: handshake once per producer, then per request claim -> READ -> release-with-verify.
+"""The consumer role (`pdserve.engine.pd.connector_protocol.KVConsumerRole`): decode legs and held prefixes load
+their prompt's KV from a producer. One core whatever moves the bytes, composed with a transfer:
 
-Safety rule: the bytes of a load are only reported usable if the producer confirms, on release, that the lease
-was held from the claim until after the READ completed. Otherwise the blocks might have been freed and reused
-mid-read, so the load fails (and the engine applies its failure policy).
+- the core (`KVConsumer`, here) is what the engine talks to: the requests waiting for blocks, the loads in
+  flight, the queues of claims and outcomes the engine polls (and its wake-up), the block digests' check, the
+  fetch-stage gauge and the periodic metrics line;
+- the transfer (`LoadTransfer`) moves the bytes: `pull_reader.PullReader` claims the producer's lease, READs
+  it and releases it, heartbeating the leases of requests still waiting; `push_receiver.PushReceiver`
+  registers the blocks with the prefill, which WRITEs them. It reports to the core (`LoadSink`) from its own
+  threads.
 
-A producer that refuses the lease the params name (unknown, expired, already claimed, wrong token: forged,
-replayed or duplicated params), or params that do not fit the request (`mismatch`), are not a failed
-transfer: the result says `rejected=<reason>`, it is counted in `pdserve:kv_lease_rejected_total`, and the
-engine answers the client's mistake as such. One exception: under `kv_load_failure_policy: recompute` a lease
-that `expired` (refused so only to the holder of its token: the leg is late, not forged) is counted the same
-but recomputed.
-
-All network and NIXL work runs on a small worker pool; the engine thread only queues work and polls results.
-Every step has a deadline: side-channel calls time out, READs time out (a frozen producer never completes), and
-after a failed READ the handle is released and the remote agent removed (which disconnects it) *before* the
-failure is reported, so nothing can land in the local blocks after the engine gets them back.
-
-Tensor parallelism (either side): the handshake lists the producer's ranks; each local rank loads the agents
-of the producer ranks that hold its KV heads and READs exactly those heads into its own pool shard
-(`head_split`); one claim and one release cover all ranks, and a load succeeds only if every rank's READs did.
+So the engine sees one consumer role in either mode and the connector passes nothing through. All network and
+NIXL work runs on the transfer's threads; the engine thread only queues work and polls results.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
-from pdserve.api.pd import (
-    LEASE_REJECTION_STATUS,
-    FirstToken,
-    KVTransferParams,
-    LoadParams,
-    RemotePrefillParams,
-)
-from pdserve.kv_transfer import side_channel
-from pdserve.kv_transfer.auth import AuthRefused, MessageAuth
-from pdserve.kv_transfer.compat import check_compat
-from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.api.pd import FirstToken, KVTransferParams, LoadParams
 from pdserve.kv_transfer.digest import BlockDigester, verify_load
-from pdserve.kv_transfer.errors import (
-    CompatibilityError,
-    KVTransferError,
-    SideChannelError,
-    SideChannelRefused,
-    TransferFailed,
-    TransferTimeout,
-)
-from pdserve.kv_transfer.head_split import RankRead, block_geometry, plan_rank_reads, source_ranks
-from pdserve.kv_transfer.metrics import TransferMetrics
-from pdserve.kv_transfer.nixl_agent import NixlAgent, ReadStats
-from pdserve.kv_transfer.pool import (
-    PoolRegion,
-    RemotePool,
-    bind_cuda_device,
-    check_block_ids,
-    coalesce_block_runs,
-)
-from pdserve.kv_transfer.producer import NOTIF_PREFIX
-from pdserve.kv_transfer.side_channel import POOL_FIELDS, ProtocolError, check_fields
-from pdserve.types.tp_layout import kv_heads_per_rank
+from pdserve.kv_transfer.local_kv import LocalKV
+from pdserve.kv_transfer.pool import check_block_ids
 
 logger = logging.getLogger("pdserve.kv_transfer")
-
-# Heartbeats and early aborts are best-effort; they must not hold a worker for long on a frozen producer.
-_NOTIFY_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -91,143 +49,120 @@ class LoadResult:
     first_token: FirstToken | None = None  # a push's completion: the token the prefill sampled (adopted by the engine)
 
 
-@dataclass(frozen=True)
-class _RemoteRank:
-    agent_name: str
-    pool: RemotePool
+def load_span(local_block_ids: Sequence[int], first_block: int, num_tokens: int | None, block_size: int,
+              num_blocks: int) -> list[int]:
+    """The local blocks a load fills: remote block i lands in local block i for i in [first_block, n), where n
+    covers `num_tokens` tokens when given (else every local block given). ValueError when they do not fit."""
+    local = [int(b) for b in local_block_ids]
+    if num_tokens is not None:
+        needed = -(-num_tokens // block_size)
+        if num_tokens < 0 or needed > len(local):
+            raise ValueError(f"{num_tokens} tokens need {needed} blocks, {len(local)} local blocks given")
+        local = local[:needed]
+    if first_block < 0 or first_block > len(local):
+        raise ValueError(f"first_block {first_block} outside 0..{len(local)}")
+    check_block_ids(local[first_block:], num_blocks, "local")
+    return local
 
 
-@dataclass(frozen=True)
-class _Remote:
-    engine_id: str
-    agent_name: str
-    generation: int
-    host: str
-    port: int
-    pool: RemotePool
-    tp_size: int = 1
-    ranks: tuple[_RemoteRank, ...] = ()  # every producer rank, rank 0 (agent_name, pool) first
-    # for each local rank, the producer agents it loaded (removed again when the producer is forgotten)
-    loaded: tuple[tuple[str, ...], ...] = ()
+class LoadSink(Protocol):
+    """What a transfer tells its consumer core, from any thread."""
 
-_RANK_FIELDS = {"agent_name": str, "agent_metadata": bytes, "pool": dict}
+    digester: BlockDigester | None  # the block digests' checker (None: `enable_kv_digest` off)
 
+    def claimed(self, request_id: str) -> None:
+        """The producer granted the load's lease (its READ may still run): the params can no longer be refused."""
+        ...
 
-class _LoadFailed(Exception):
-    """A load failure with its message for the engine/user.
+    def report(self, result: LoadResult) -> None:
+        """A load ended; nothing can land in its blocks any more."""
+        ...
 
-    After the failure has been reported, best effort: `release` names a claim still to be released, `abort`
-    says the producer is reachable and should free the (unclaimed) lease now instead of at its expiry.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        release: tuple[_Remote, str] | None = None,
-        abort: bool = False,
-        incompatible: bool = False,
-        rejected: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.release = release
-        self.abort = abort
-        self.incompatible = incompatible
-        self.rejected = rejected
+    def check_digests(self, expected: Sequence[Sequence[str]], algo: str | None, src_tp: int,
+                      local_ids: Sequence[int], positions: Sequence[int], what: str, where: str) -> str | None: ...
 
 
-def _pull(params: LoadParams) -> RemotePrefillParams:
-    """The params of a READ; push registrations are `push_receiver.PushConsumer`'s."""
-    if not isinstance(params, RemotePrefillParams):
-        raise TypeError(f"a pull consumer loads from RemotePrefillParams, not {type(params).__name__}")
-    return params
+class LoadTransfer(Protocol):
+    """How a consumer's loads move the bytes (pull: `PullReader`, push: `PushReceiver`)."""
+
+    def parse(self, params: KVTransferParams) -> LoadParams:
+        """The load the params name in this mode (InvalidKVTransferParams names what is wrong)."""
+        ...
+
+    def keep_alive(self, waiting: Sequence[LoadParams], stop: threading.Event) -> None:
+        """Every heartbeat interval, with the params of the requests still waiting for blocks (returns early
+        once `stop` is set)."""
+        ...
+
+    def let_go(self, params: LoadParams) -> None:
+        """A waiting request is gone before its load started: its producer may free now (best effort)."""
+        ...
+
+    def decline(self, params: LoadParams) -> None:
+        """A held prefix this instance will not read: its holder may free it now (best effort)."""
+        ...
+
+    def start(self, request_id: str, params: LoadParams, local: list[int], first_block: int,
+              num_tokens: int | None) -> None:
+        """Fill local[first_block:] (`load_span`'s blocks); the outcome goes to the sink's `report`."""
+        ...
+
+    def cancel(self, request_id: str) -> None:
+        """The request was aborted while its load runs; its outcome still comes."""
+        ...
+
+    def shutdown(self) -> None: ...
 
 
 class KVConsumer:
-    """The consumer role of a pull decode instance (`pdserve.engine.pd.connector_protocol.KVConsumerRole`):
-    claims a producer's lease, READs its blocks, releases it; heartbeats the leases of requests still queued."""
+    """The consumer role: waiting requests, loads in flight, claims and outcomes for the engine to poll; the
+    bytes move through `transfer` (built here over `kv`, reporting to this core)."""
 
-    def __init__(
-        self,
-        config: KVTransferConfig,
-        *,
-        agent: NixlAgent,
-        region: PoolRegion,
-        compat: Mapping[str, Any],
-        metrics: TransferMetrics,
-        auth: MessageAuth | None = None,
-        ranks: Sequence[tuple[Any, PoolRegion]] | None = None,
-        digester: BlockDigester | None = None,
-    ) -> None:
-        """ranks: (agent, region) of every local tensor-parallel rank, rank 0 (`agent`, `region`) first;
-        digester: checks loaded blocks against the producer's digests (None: `enable_kv_digest` off)."""
-        self._config = config
+    def __init__(self, kv: LocalKV, transfer: Callable[[LocalKV, LoadSink], LoadTransfer], *,
+                 digester: BlockDigester | None = None) -> None:
+        """digester: checks loaded blocks against the producer's digests (None: `enable_kv_digest` off)."""
+        self._kv = kv
         self.digester = digester
-        self._auth = auth
-        self._agent = agent
-        self._region = region
-        self._ranks = list(ranks) if ranks is not None else [(agent, region)]
-        self._compat = dict(compat)
-        self._block_size = int(compat["block_size"])
-        self._num_kv_heads = int(compat["num_kv_heads"])
-        local_heads = kv_heads_per_rank(len(self._ranks), self._num_kv_heads)
-        # the units of a block and each head's bytes in them (an fp8 pool: head-major values, then scales)
-        self._geometry = block_geometry(self._compat, region.block_bytes, local_heads)
-        # READs of the ranks (and of several producer ranks) of one load run side by side
-        self._read_pool: ThreadPoolExecutor | None = None
-        self._metrics = metrics
         self._lock = threading.Lock()
-        self._remotes: dict[str, _Remote] = {}
-        self._remote_locks: dict[str, threading.Lock] = {}
-        self._waiting: dict[str, RemotePrefillParams] = {}
+        self._waiting: dict[str, LoadParams] = {}
         self._inflight: set[str] = set()
         self._results: deque[LoadResult] = deque()
         self._claimed: deque[str] = deque()  # loads whose lease the producer granted, READ still to come
         self._notify: Callable[[], None] | None = None
-        self._executor = ThreadPoolExecutor(
-            config.num_load_workers,
-            thread_name_prefix="pdserve-kv-load",
-            initializer=bind_cuda_device,
-            initargs=(region,),
-        )
+        self.transfer = transfer(kv, self)
         self._stop = threading.Event()
-        self._heartbeats = threading.Thread(
-            target=self._heartbeat_loop, name="pdserve-kv-heartbeat", daemon=True
-        )
-        self._heartbeats.start()
+        self._ticker = threading.Thread(target=self._tick_loop, name="pdserve-kv-heartbeat", daemon=True)
+        self._ticker.start()
 
     # ---- engine API --------------------------------------------------------------------------------
 
     def parse(self, params: KVTransferParams) -> LoadParams:
         """A decode leg's or a held prefix's params, parsed once (InvalidKVTransferParams names what is wrong);
         what the other calls take."""
-        return params.parse_load(push=False)
+        return self.transfer.parse(params)
 
     def add_waiting(self, request_id: str, params: LoadParams) -> None:
-        """The request waits for local blocks; heartbeats keep the producer's lease alive meanwhile."""
-        parsed = _pull(params)
+        """The request waits for local blocks; a pull transfer heartbeats its producer's lease meanwhile."""
         with self._lock:
-            self._waiting[request_id] = parsed
+            self._waiting[request_id] = params
         self._update_stages()
 
     def remove_waiting(self, request_id: str) -> None:
         """The request is gone before its load started (client disconnect): let the producer free now."""
         with self._lock:
-            parsed = self._waiting.pop(request_id, None)
+            params = self._waiting.pop(request_id, None)
         self._update_stages()
-        if parsed is not None:
-            # RuntimeError: shutting down; the producer's lease will expire instead.
-            with contextlib.suppress(RuntimeError):
-                self._executor.submit(self._abort_remote, parsed)
+        if params is not None:
+            self.transfer.let_go(params)
 
     def decline(self, params: LoadParams) -> None:
         """A lease this instance will not read: ask its producer to free it now (best effort)."""
-        parsed = _pull(params)
-        with contextlib.suppress(RuntimeError):  # shutting down: the lease expires instead
-            self._executor.submit(self._abort_remote, parsed)
+        self.transfer.decline(params)
 
     def cancel_load(self, request_id: str) -> None:
-        """The request was aborted while its load runs: a READ just finishes (its result still comes)."""
+        """The request was aborted while its load runs (a READ just finishes; a push is cancelled): its result
+        still comes, once nothing can land in its blocks."""
+        self.transfer.cancel(request_id)
 
     def start_load(
         self,
@@ -237,32 +172,27 @@ class KVConsumer:
         first_block: int = 0,
         num_tokens: int | None = None,
     ) -> None:
-        """Read remote block i into local block i for i in [first_block, n).
+        """Fill local block i with the producer's block i for i in [first_block, n).
 
         n = the blocks covering `num_tokens` tokens when given (the engine needs len(prompt) - 1), which the
         producer must hold, else min(len(local_block_ids), number of remote blocks): local blocks reserved for
         tokens still to be generated have no remote counterpart.
         Returns at once; the outcome comes from `poll_loads()`. The local blocks must stay allocated until then.
         """
-        parsed = _pull(params)
-        local = [int(b) for b in local_block_ids]
-        if num_tokens is not None:
-            needed = -(-num_tokens // self._block_size)
-            if num_tokens < 0 or needed > len(local):
-                raise ValueError(f"{num_tokens} tokens need {needed} blocks, {len(local)} local blocks given")
-            local = local[:needed]
-        if first_block < 0 or first_block > len(local):
-            raise ValueError(f"first_block {first_block} outside 0..{len(local)}")
-        check_block_ids(local[first_block:], self._region.num_blocks, "local")
+        local = load_span(local_block_ids, first_block, num_tokens, self._kv.block_size, self._kv.region.num_blocks)
         with self._lock:
             if request_id in self._inflight:
                 raise ValueError(f"a KV load for request {request_id!r} is already in flight")
             self._waiting.pop(request_id, None)
             self._inflight.add(request_id)
         self._update_stages()
-        self._executor.submit(
-            self._run_load, request_id, parsed, local, first_block, num_tokens, time.perf_counter()
-        )
+        try:
+            self.transfer.start(request_id, params, local, first_block, num_tokens)
+        except BaseException:
+            with self._lock:
+                self._inflight.discard(request_id)
+            self._update_stages()
+            raise
 
     def poll_loads(self) -> list[LoadResult]:
         with self._lock:
@@ -271,14 +201,6 @@ class KVConsumer:
         if out:
             self._update_stages()
         return out
-
-    def report_result(self, result: LoadResult) -> None:
-        """A load's outcome produced elsewhere (push mode: pdserve/kv_transfer/push_receiver.py)."""
-        with self._lock:
-            self._inflight.discard(result.request_id)
-            self._results.append(result)
-        self._notify_engine()
-        self._update_stages()
 
     def poll_claimed(self) -> list[str]:
         """Request ids whose lease the producer granted since the last call (their READ may still run): from
@@ -293,480 +215,58 @@ class KVConsumer:
         engine thread can wake at once instead of polling."""
         self._notify = callback
 
-    def _notify_engine(self) -> None:
-        callback = self._notify
-        if callback is not None:
-            callback()
-
     def shutdown(self) -> None:
         self._stop.set()
-        self._heartbeats.join(timeout=5.0)
-        # Running loads finish within their deadlines; queued ones are dropped.
-        self._executor.shutdown(wait=True, cancel_futures=True)
-        if self._read_pool is not None:
-            self._read_pool.shutdown(wait=True)
+        self._ticker.join(timeout=5.0)
+        self.transfer.shutdown()  # running loads finish within their deadlines; queued ones are dropped
 
-    def num_cached_remotes(self) -> int:
-        with self._lock:
-            return len(self._remotes)
+    # ---- the transfer's reports (LoadSink) -----------------------------------------------------------
 
-    # ---- one load ----------------------------------------------------------------------------------
-
-    def _run_load(
-        self,
-        request_id: str,
-        p: RemotePrefillParams,
-        local: list[int],
-        first_block: int,
-        num_tokens: int | None,
-        t0: float,
-    ) -> None:
-        after: tuple[_Remote, str] | None = None  # a claim to release after reporting a failed READ
-        abort = False
-        try:
-            result = self._load(request_id, p, local, first_block, num_tokens, t0)
-        except _LoadFailed as exc:
-            after, abort = exc.release, exc.abort
-            if exc.rejected is not None:
-                self._metrics.record_lease_rejected(exc.rejected)
-                status = LEASE_REJECTION_STATUS[exc.rejected]
-                if exc.rejected == "expired" and self._config.kv_load_failure_policy == "recompute":
-                    # The producer answers `expired` only to the lease's own token (a wrong one is `bad_token`,
-                    # a lease already read or never held `unknown`): an honest leg that came late (a slow link,
-                    # a long queue). Nothing was read; under `recompute` it computes the prompt, not a 410.
-                    exc.rejected = None
-            else:
-                self._metrics.record_failed_transfer()
-                status = 409 if exc.incompatible else 500
-            result = LoadResult(
-                request_id,
-                False,
-                str(exc),
-                seconds=time.perf_counter() - t0,
-                error_status=status,
-                rejected=exc.rejected,
-            )
-        except Exception as exc:
-            logger.exception("KV load of request %s failed unexpectedly", request_id)
-            self._metrics.record_failed_transfer()
-            result = LoadResult(
-                request_id, False, f"{type(exc).__name__}: {exc}", seconds=time.perf_counter() - t0
-            )
-        if result.rejected is not None:
-            logger.info("KV load of request %s refused by the producer: %s", request_id, result.error)
-        elif not result.ok:
-            logger.warning("KV load of request %s failed: %s", request_id, result.error)
-        with self._lock:
-            self._inflight.discard(request_id)
-            self._results.append(result)
-        self._notify_engine()
-        self._update_stages()
-        if after is not None:
-            # The producer can free its blocks early; the outcome does not depend on this call.
-            remote, claim_token = after
-            self._release(remote, p, claim_token, timeout_s=_NOTIFY_TIMEOUT_S, best_effort=True)
-        elif abort:
-            self._abort_remote(p)
-
-    def _load(
-        self,
-        request_id: str,
-        p: RemotePrefillParams,
-        local: list[int],
-        first_block: int,
-        num_tokens: int | None,
-        t0: float,
-    ) -> LoadResult:
-        if num_tokens is not None and (
-            len(p.remote_block_ids) < len(local)
-            or (p.remote_num_tokens is not None and p.remote_num_tokens < num_tokens)
-        ):
-            # The prompt is not the one the prefill computed (or the params were edited): the client's mistake.
-            raise _LoadFailed(
-                f"producer holds KV of {p.remote_num_tokens} tokens in {len(p.remote_block_ids)} blocks for "
-                f"request {p.remote_request_id}; {num_tokens} tokens ({len(local)} blocks) are needed",
-                abort=True,
-                rejected="mismatch",
-            )
-        n = min(len(local), len(p.remote_block_ids))
-        if first_block >= n:
-            # Everything is in the local prefix cache: nothing to read, let the producer free at once.
-            self._abort_remote(p)
-            return LoadResult(request_id, True, seconds=time.perf_counter() - t0)
-
-        remote = self._remote_for(p)
-        remote, block_ids, token, timeout_s = self._claim(p, remote, n - first_block)
-        if tuple(block_ids) != p.remote_block_ids:
-            self._release(remote, p, token, timeout_s=_NOTIFY_TIMEOUT_S, best_effort=True)
-            raise _LoadFailed(
-                f"producer's lease of {p.remote_request_id} covers other blocks than the params name",
-                rejected="mismatch",
-            )
+    def claimed(self, request_id: str) -> None:
         with self._lock:
             self._claimed.append(request_id)
         self._notify_engine()
 
-        try:
-            check_block_ids(block_ids[first_block:n], remote.pool.num_blocks, "remote")
-            runs = coalesce_block_runs(local[first_block:n], block_ids[first_block:n])
-            plans = [
-                (d, plan_rank_reads(runs, geometry=self._geometry, num_kv_heads=self._num_kv_heads, dst_rank=d,
-                                    dst_tp=len(self._ranks), src_tp=remote.tp_size, local=region,
-                                    remotes=[r.pool for r in remote.ranks]))
-                for d, (_, region) in enumerate(self._ranks)
-            ]
-        except ValueError as exc:
-            self._release(remote, p, token, timeout_s=_NOTIFY_TIMEOUT_S, best_effort=True)
-            raise _LoadFailed(str(exc)) from None
-        nbytes = sum(r.nbytes for _, reads in plans for r in reads)
-        num_descriptors = sum(r.num_descriptors for _, reads in plans for r in reads)
-        deadline = time.monotonic() + timeout_s
-        notif = NOTIF_PREFIX + p.remote_request_id.encode()
-        try:
-            stats = self._read_all(plans, remote, notif, deadline)
-        except (TransferTimeout, TransferFailed) as exc:
-            # The peer is frozen or gone: disconnect it (cancels anything in flight) and re-handshake next time.
-            self._forget_remote(remote)
-            raise _LoadFailed(
-                f"KV READ from {remote.host}:{remote.port} failed: {exc}", release=(remote, token)
-            ) from None
-
-        held = self._release(remote, p, token, timeout_s=self._config.transfer_timeout_s)
-        if not held:
-            raise _LoadFailed(
-                f"producer {remote.host}:{remote.port} did not hold the KV lease of {p.remote_request_id} "
-                "throughout the READ (it expired); the data was discarded"
-            )
-        problem = self.check_digests(p.block_digests, p.digest_algo, remote.tp_size, local[first_block:n],
-                                     range(first_block, n), f"request {request_id}", "read")
-        if problem is not None:
-            raise _LoadFailed(problem)
-        self._metrics.record_transfer(
-            xfer_s=stats.xfer_s, post_s=stats.post_s, nbytes=nbytes, num_descriptors=num_descriptors
-        )
-        return LoadResult(
-            request_id,
-            True,
-            bytes=nbytes,
-            seconds=time.perf_counter() - t0,
-            num_descriptors=num_descriptors,
-            xfer_seconds=stats.xfer_s,
-            post_seconds=stats.post_s,
-        )
+    def report(self, result: LoadResult) -> None:
+        with self._lock:
+            self._inflight.discard(result.request_id)
+            self._results.append(result)
+        self._notify_engine()
+        self._update_stages()
 
     def check_digests(self, expected: Sequence[Sequence[str]], algo: str | None, src_tp: int,
                       local_ids: Sequence[int], positions: Sequence[int], what: str, where: str) -> str | None:
         """After a READ or a push: None when the loaded blocks may be used, else why not (a load failure)."""
         if self.digester is None:
             return None
-        return verify_load(self.digester, metrics=self._metrics, policy=self._config.kv_load_failure_policy,
-                           required=self._config.kv_digest_required, expected=expected, algo=algo, src_tp=src_tp,
+        config = self._kv.config
+        return verify_load(self.digester, metrics=self._kv.metrics, policy=config.kv_load_failure_policy,
+                           required=config.kv_digest_required, expected=expected, algo=algo, src_tp=src_tp,
                            local_ids=local_ids, positions=list(positions), what=what, where=where)
-
-    def _read_one(self, dst_rank: int, read: RankRead, remote: _Remote, notif: bytes, deadline: float) -> ReadStats:
-        agent, region = self._ranks[dst_rank]
-        src = remote.ranks[read.src_rank]
-        return agent.read(local_descs=read.local_descs, local_mem=region.mem_type, remote_descs=read.remote_descs,
-                          remote_mem=src.pool.mem_type, remote_name=src.agent_name, notif=notif, deadline=deadline)
-
-    def _read_all(self, plans: list[tuple[int, list[RankRead]]], remote: _Remote, notif: bytes,
-                  deadline: float) -> ReadStats:
-        """Every local rank's READs; with one READ in all (one rank each side) on this thread, as without
-        tensor parallelism. Returns after all of them ended (so no READ still writes when a failure is
-        reported); raises the first failure."""
-        jobs = [(d, read) for d, reads in plans for read in reads]
-        if len(jobs) == 1:
-            return self._read_one(jobs[0][0], jobs[0][1], remote, notif, deadline)
-        with self._lock:
-            if self._read_pool is None:
-                self._read_pool = ThreadPoolExecutor(
-                    max(4, 2 * len(jobs)), thread_name_prefix="pdserve-kv-rank-read",
-                    initializer=bind_cuda_device, initargs=(self._region,))
-            pool = self._read_pool
-        futures: list[Future] = [pool.submit(self._read_one, d, read, remote, notif, deadline) for d, read in jobs]
-        errors: list[BaseException] = []
-        stats: list[ReadStats] = []
-        for fut in futures:
-            try:
-                stats.append(fut.result())  # each READ is bounded by the deadline
-            except (TransferTimeout, TransferFailed) as exc:
-                errors.append(exc)
-            except Exception as exc:  # noqa: BLE001 - a failed rank call is a failed READ
-                errors.append(TransferFailed(f"{type(exc).__name__}: {exc}"))
-        if errors:
-            raise errors[0]
-        return ReadStats(post_s=max(s.post_s for s in stats), xfer_s=max(s.xfer_s for s in stats))
-
-    def _claim(
-        self, p: RemotePrefillParams, remote: _Remote, num_blocks: int
-    ) -> tuple[_Remote, list[int], str, float]:
-        nbytes = num_blocks * self._region.block_bytes * len(self._ranks)
-        # Big READs over a slow transport legitimately take longer than the base timeout.
-        timeout_s = self._config.transfer_timeout_s + nbytes / (self._config.transfer_min_gbps * 1e9)
-        for attempt in range(2):
-            try:
-                reply = self._call(
-                    remote.host,
-                    remote.port,
-                    remote.engine_id,
-                    "claim",
-                    {
-                        "request_id": p.remote_request_id,
-                        "lease_token": p.lease_token,
-                        "generation": remote.generation,
-                        "timeout_s": timeout_s,
-                    },
-                    self._config.transfer_timeout_s,
-                )
-                return remote, reply["block_ids"], reply["claim_token"], timeout_s
-            except SideChannelRefused as exc:
-                if exc.reason == "stale_generation" and attempt == 0:
-                    # The producer restarted since we cached its metadata: handshake again, then retry.
-                    remote = self._remote_for(p, force=True)
-                    continue
-                if exc.reason in LEASE_REJECTION_STATUS:
-                    raise _LoadFailed(str(exc), rejected=exc.reason) from None
-                raise _LoadFailed(f"claim of {p.remote_request_id} refused ({exc.reason}): {exc}") from None
-            except SideChannelError as exc:
-                raise _LoadFailed(f"claim of {p.remote_request_id} failed: {exc}") from None
-        raise AssertionError("unreachable")
-
-    def _call(
-        self, host: str, port: int, engine_id: str, op: str, fields: Mapping[str, Any], timeout_s: float
-    ) -> dict[str, Any]:
-        return side_channel.call(host, port, op, fields, timeout_s, to=engine_id, auth=self._auth)
-
-    def _release(
-        self,
-        remote: _Remote,
-        p: RemotePrefillParams,
-        claim_token: str,
-        *,
-        timeout_s: float,
-        best_effort: bool = False,
-    ) -> bool:
-        remote_request_id = p.remote_request_id
-        try:
-            reply = self._call(
-                remote.host,
-                remote.port,
-                remote.engine_id,
-                "release",
-                {"request_id": remote_request_id, "lease_token": p.lease_token, "claim_token": claim_token},
-                timeout_s,
-            )
-            return bool(reply["held_throughout"])
-        except SideChannelError as exc:
-            self._metrics.record_failed_notification()
-            if best_effort:
-                logger.info("KV release of %s not delivered: %s", remote_request_id, exc)
-                return False
-            raise _LoadFailed(
-                f"could not confirm the KV lease of {remote_request_id} after the READ: {exc}"
-            ) from None
-
-    def _abort_remote(self, p: RemotePrefillParams) -> None:
-        try:
-            self._call(
-                p.remote_host,
-                p.remote_port,
-                p.remote_engine_id,
-                "abort",
-                {"request_id": p.remote_request_id, "lease_token": p.lease_token},
-                _NOTIFY_TIMEOUT_S,
-            )
-        except SideChannelRefused as exc:
-            if exc.reason not in LEASE_REJECTION_STATUS:
-                self._metrics.record_failed_notification()
-            logger.info("KV abort of %s refused: %s", p.remote_request_id, exc)  # e.g. forged params' token
-        except SideChannelError as exc:
-            self._metrics.record_failed_notification()
-            logger.info("KV abort of %s not delivered: %s", p.remote_request_id, exc)
-
-    # ---- producers ---------------------------------------------------------------------------------
-
-    def _remote_for(self, p: RemotePrefillParams, *, force: bool = False) -> _Remote:
-        with self._lock:
-            lock = self._remote_locks.setdefault(p.remote_engine_id, threading.Lock())
-        with lock:
-            with self._lock:
-                cached = self._remotes.get(p.remote_engine_id)
-            if (
-                cached is not None
-                and not force
-                and (cached.host, cached.port) == p.address
-                and (p.generation is None or p.generation == cached.generation)
-                and p.tp_size == cached.tp_size
-            ):
-                return cached
-            remote = self._handshake(p)
-            with self._lock:
-                self._remotes[p.remote_engine_id] = remote
-            return remote
-
-    def _handshake(self, p: RemotePrefillParams) -> _Remote:
-        where = f"{p.remote_host}:{p.remote_port}"
-        try:
-            reply = self._call(
-                p.remote_host,
-                p.remote_port,
-                p.remote_engine_id,
-                "handshake",
-                {"engine_id": self._config.engine_id, "compat": self._compat},
-                self._config.handshake_timeout_s,
-            )
-        except SideChannelRefused as exc:
-            if exc.reason == "incompatible":
-                raise _LoadFailed(f"KV handshake with {where} refused: {exc}", abort=True, incompatible=True) from None
-            raise _LoadFailed(f"KV handshake with {where} refused ({exc.reason}): {exc}") from None
-        except SideChannelError as exc:
-            raise _LoadFailed(f"KV handshake with {where} failed: {exc}") from None
-        if reply["engine_id"] != p.remote_engine_id:
-            raise _LoadFailed(
-                f"side channel {where} belongs to engine {reply['engine_id']!r}, the params name {p.remote_engine_id!r}",
-                abort=True,
-            )
-        try:
-            check_compat(
-                self._compat, reply["compat"], peer=f"producer {where}", labels=("consumer", "producer")
-            )
-            pool = RemotePool.from_handshake(reply["pool"])
-            ranks = self._remote_ranks(reply, pool, p)
-        except CompatibilityError as exc:
-            raise _LoadFailed(str(exc), abort=True, incompatible=True) from None
-        except (KeyError, TypeError, ValueError, ProtocolError) as exc:
-            raise _LoadFailed(f"producer {where}: {exc}", abort=True) from None
-        src_heads = kv_heads_per_rank(len(ranks), self._num_kv_heads)
-        bad = [r for r, rank in enumerate(ranks) if rank.pool.block_bytes != self._geometry.block_bytes(src_heads)]
-        if bad:
-            raise _LoadFailed(
-                f"producer {where} rank {bad[0]} has {ranks[bad[0]].pool.block_bytes}-byte blocks; "
-                f"{src_heads} KV heads of this model take {self._geometry.block_bytes(src_heads)}",
-                abort=True,
-                incompatible=True,
-            )
-        if p.generation is not None and reply["generation"] != p.generation:
-            raise _LoadFailed(
-                f"producer {where} restarted (generation {reply['generation']}) since it issued these params "
-                f"(generation {p.generation}); their KV is gone"
-            )
-        # Every rank's agent metadata, in rank order; with a secret each is sealed (AEAD) by the producer.
-        entries = reply.get("ranks") or [{"agent_name": reply["agent_name"], "agent_metadata": reply["agent_metadata"]}]
-        blobs = [e["agent_metadata"] for e in entries]
-        if self._auth is not None:  # the reply is signed, so it came from a producer with the secret
-            try:
-                blobs = self._auth.open_parts(blobs, reply["re"], reply["generation"])
-            except AuthRefused as exc:
-                raise _LoadFailed(f"producer {where}: {exc}", abort=True) from None
-        metadata = {e["agent_name"]: blob for e, blob in zip(entries, blobs, strict=True)}
-        loaded: list[list[str]] = [[] for _ in self._ranks]
-        try:
-            for d, (agent, _) in enumerate(self._ranks):
-                for src in source_ranks(self._num_kv_heads, d, len(self._ranks), len(ranks)):
-                    name = ranks[src].agent_name
-                    agent.add_remote(metadata[name], name)
-                    loaded[d].append(name)
-        except KVTransferError as exc:
-            self._remove_loaded(loaded)
-            raise _LoadFailed(f"producer {where}: {exc}", abort=True) from None
-        logger.info(
-            "KV handshake with %s done (engine %s, generation %d, %d rank(s) there, %d here)",
-            where,
-            p.remote_engine_id,
-            reply["generation"],
-            len(ranks),
-            len(self._ranks),
-        )
-        return _Remote(p.remote_engine_id, reply["agent_name"], reply["generation"], p.remote_host, p.remote_port,
-                       pool, len(ranks), tuple(ranks), tuple(tuple(names) for names in loaded))
-
-    def _remote_ranks(self, reply: Mapping[str, Any], pool: RemotePool, p: RemotePrefillParams) -> list[_RemoteRank]:
-        """The producer's ranks from its handshake (a producer without tensor parallelism lists none: rank 0
-        is the reply's own agent and pool)."""
-        entries = reply.get("ranks")
-        if entries is None:
-            ranks = [_RemoteRank(reply["agent_name"], pool)]
-        else:
-            if not isinstance(entries, list) or not entries:
-                raise ValueError("handshake field ranks must be a non-empty list")
-            ranks = []
-            for i, entry in enumerate(entries):
-                if not isinstance(entry, dict):
-                    raise ValueError(f"handshake ranks[{i}] is not a map")
-                check_fields(entry, _RANK_FIELDS, f"handshake ranks[{i}]")
-                check_fields(entry["pool"], POOL_FIELDS, f"handshake ranks[{i}].pool")
-                ranks.append(_RemoteRank(entry["agent_name"], RemotePool.from_handshake(entry["pool"])))
-            if ranks[0].agent_name != reply["agent_name"]:
-                raise ValueError("handshake ranks[0] is not the producer's own agent")
-            if len({r.agent_name for r in ranks}) != len(ranks):
-                raise ValueError("handshake ranks repeat an agent name")
-            if len({r.pool.num_blocks for r in ranks}) != 1:
-                raise ValueError("handshake ranks have different block counts")
-        tp = reply.get("tp_size", 1)
-        if tp != len(ranks):
-            raise ValueError(f"handshake says tp_size {tp!r} but lists {len(ranks)} rank(s)")
-        if p.tp_size != len(ranks):
-            raise ValueError(f"the params say the producer has tensor-parallel size {p.tp_size}, its handshake "
-                             f"{len(ranks)}")
-        return ranks
-
-    def _remove_loaded(self, loaded: Sequence[Sequence[str]]) -> None:
-        for (agent, _), names in zip(self._ranks, loaded, strict=True):
-            for name in names:
-                try:
-                    agent.remove_remote(name)
-                except Exception as exc:  # noqa: BLE001 - best effort: the rank may be gone
-                    logger.debug("removing remote agent %s: %s", name, exc)
-
-    def _forget_remote(self, remote: _Remote) -> None:
-        """Drop a failed producer so the next load handshakes again.
-
-        Under the producer's handshake lock, and only while the cache still holds this very entry: a restarted
-        producer reuses the agent name, and a concurrent load may already have added its new metadata.
-        """
-        with self._lock:
-            lock = self._remote_locks.setdefault(remote.engine_id, threading.Lock())
-        with lock:
-            with self._lock:
-                if self._remotes.get(remote.engine_id) != remote:
-                    return
-                del self._remotes[remote.engine_id]
-            self._remove_loaded(remote.loaded)
 
     # ---- background --------------------------------------------------------------------------------
 
-    def _heartbeat_loop(self) -> None:
-        interval = self._config.heartbeat_interval_s
+    def _notify_engine(self) -> None:
+        callback = self._notify
+        if callback is not None:
+            callback()
+
+    def _tick_loop(self) -> None:
+        """The periodic metrics line, and every heartbeat interval the transfer's keep-alive of the waiting."""
+        interval = self._kv.config.heartbeat_interval_s
         tick = min(interval, 0.5)  # also drives the periodic log line, whatever the lease length
         next_beat = time.monotonic() + interval
         while not self._stop.wait(tick):
-            self._metrics.maybe_log()
+            self._kv.metrics.maybe_log()
             if time.monotonic() < next_beat:
                 continue
             next_beat = time.monotonic() + interval
             with self._lock:
-                by_producer: dict[tuple[str, int, str], list[RemotePrefillParams]] = {}
-                for p in self._waiting.values():
-                    by_producer.setdefault((*p.address, p.remote_engine_id), []).append(p)
-            for (host, port, engine_id), waiting in by_producer.items():
-                if self._stop.is_set():
-                    return
-                fields = {
-                    "request_ids": [p.remote_request_id for p in waiting],
-                    "lease_tokens": [p.lease_token for p in waiting],
-                }
-                try:
-                    reply = self._call(
-                        host, port, engine_id, "heartbeat", fields, min(_NOTIFY_TIMEOUT_S, interval)
-                    )
-                    if reply["unknown"]:
-                        logger.info(
-                            "producer %s:%d no longer holds KV of %s", host, port, reply["unknown"][:8]
-                        )
-                except SideChannelError as exc:
-                    logger.info("KV heartbeat to %s:%d failed: %s", host, port, exc)
+                waiting = list(self._waiting.values())
+            if waiting:
+                self.transfer.keep_alive(waiting, self._stop)
 
     def _update_stages(self) -> None:
         with self._lock:
             waiting, inflight, done = len(self._waiting), len(self._inflight), len(self._results)
-        self._metrics.set_fetch_stages(waiting_to_start=waiting, in_progress=inflight, completed_waiting=done)
+        self._kv.metrics.set_fetch_stages(waiting_to_start=waiting, in_progress=inflight, completed_waiting=done)

@@ -63,16 +63,27 @@ class RemoveRemote:
 
 
 @dataclass(frozen=True)
-class Read:
-    """READ remote blocks into this rank's (NixlAgent.read); answers ReadStats."""
+class _Transfer:
+    """A transfer between this rank's pool and a peer rank's: NixlAgent's descriptor lists, bounded by timeout_s."""
 
     local_descs: np.ndarray
     local_mem: str
     remote_descs: np.ndarray
     remote_mem: str
     remote_name: str
-    notif: bytes
     timeout_s: float
+
+    def descs(self) -> dict[str, Any]:
+        """The descriptor arguments of NixlAgent.read/write."""
+        return {"local_descs": self.local_descs, "local_mem": self.local_mem, "remote_descs": self.remote_descs,
+                "remote_mem": self.remote_mem, "remote_name": self.remote_name}
+
+
+@dataclass(frozen=True)
+class Read(_Transfer):
+    """READ remote blocks into this rank's (NixlAgent.read); answers ReadStats."""
+
+    notif: bytes
 
 
 @dataclass(frozen=True)
@@ -84,16 +95,9 @@ class BlockDigests:
 
 
 @dataclass(frozen=True)
-class Write:
+class Write(_Transfer):
     """Push mode: WRITE this rank's blocks into a decode rank's and wait (NixlAgent.write); answers the bytes.
     Past `timeout_s` the WRITE is released and the decode's agent removed (`TransferTimeout`)."""
-
-    local_descs: np.ndarray
-    local_mem: str
-    remote_descs: np.ndarray
-    remote_mem: str
-    remote_name: str
-    timeout_s: float
 
 
 @dataclass(frozen=True)
@@ -156,16 +160,12 @@ class RankKVService:
     def read(self, cmd: Read) -> ReadStats:
         assert self.region is not None
         bind_cuda_device(self.region)  # RPC threads are fresh threads without a CUDA context
-        return self._need().read(local_descs=cmd.local_descs, local_mem=cmd.local_mem, remote_descs=cmd.remote_descs,
-                                 remote_mem=cmd.remote_mem, remote_name=cmd.remote_name, notif=cmd.notif,
-                                 deadline=time.monotonic() + cmd.timeout_s)
+        return self._need().read(**cmd.descs(), notif=cmd.notif, deadline=time.monotonic() + cmd.timeout_s)
 
     def write(self, cmd: Write) -> int:
         assert self.region is not None
         bind_cuda_device(self.region)
-        return self._need().write(local_descs=cmd.local_descs, local_mem=cmd.local_mem, remote_descs=cmd.remote_descs,
-                                  remote_mem=cmd.remote_mem, remote_name=cmd.remote_name,
-                                  deadline=time.monotonic() + cmd.timeout_s)
+        return self._need().write(**cmd.descs(), deadline=time.monotonic() + cmd.timeout_s)
 
     def boost(self, cmd: Boost) -> None:
         self._boost_until = max(self._boost_until, time.monotonic() + cmd.seconds)
@@ -233,8 +233,8 @@ class RemoteRankAgent:
              remote_name: str, notif: bytes, deadline: float) -> ReadStats:
         timeout_s = max(0.0, deadline - time.monotonic())
         try:
-            return self.client.call(Read(local_descs, local_mem, remote_descs, remote_mem, remote_name, notif, timeout_s),
-                                    timeout_s=timeout_s + _CALL_SLACK_S)
+            return self.client.call(Read(local_descs, local_mem, remote_descs, remote_mem, remote_name, timeout_s,
+                                         notif=notif), timeout_s=timeout_s + _CALL_SLACK_S)
         except TimeoutError as e:
             raise TransferTimeout(str(e)) from None
         except RankCallError as e:

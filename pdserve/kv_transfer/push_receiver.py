@@ -1,11 +1,12 @@
 """Push mode, decode side (`kv_connector: NixlPushConnector`): register the blocks a request lacks with its
 prefill instance, then wait for the prefill to WRITE them (pdserve/kv_transfer/push_sender.py).
 
-The engine's load state machine is the pull path's (`KVHandoff`: WAITING -> LOADING -> LOADED/FAILED):
-`start` (`PushConsumer.start_load`) is called once the scheduler allocated the request's blocks after the local prefix-cache hit, with
-`first_block` = the blocks that hit; only `[first_block, n)` are registered (vLLM's
+`PushReceiver` is the transfer of a push decode's `KVConsumer` (consumer.py), as `PullReader` is a pull one's: the
+engine's load state machine is the pull path's (`KVHandoff`: WAITING -> LOADING -> LOADED/FAILED). `start` (from
+`KVConsumer.start_load`) is called once the scheduler allocated the request's blocks after the local prefix-cache
+hit, with `first_block` = the blocks that hit; only `[first_block, n)` are registered (vLLM's
 NixlPushConnectorScheduler.update_state_after_alloc registers the unhashed blocks alike). The outcome is one
-`LoadResult`, reported through the consumer's queue as a READ's is.
+`LoadResult`, reported to the consumer (`LoadSink.report`) as a READ's is.
 
 One watcher thread serves every pending push: it progresses the NIXL agent (a TCP transport needs the target
 to progress for WRITEs to land) and reads the prefill's completion notification; every `_STATUS_EVERY_S` it
@@ -23,27 +24,24 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.api.pd import KVTransferParams, LoadParams, PushParams
-from pdserve.kv_transfer import side_channel
-from pdserve.kv_transfer.auth import MessageAuth, new_nonce
+from pdserve.kv_transfer.auth import new_nonce
 from pdserve.kv_transfer.compat import check_compat
-from pdserve.kv_transfer.config import KVTransferConfig
-from pdserve.kv_transfer.consumer import KVConsumer, LoadResult
-from pdserve.kv_transfer.digest import BlockDigester, check_push
+from pdserve.kv_transfer.consumer import LoadResult, LoadSink
+from pdserve.kv_transfer.digest import check_push
 from pdserve.kv_transfer.errors import (
     CompatibilityError,
     SideChannelError,
     SideChannelRefused,
     SideChannelTimeout,
 )
-from pdserve.kv_transfer.metrics import TransferMetrics
-from pdserve.kv_transfer.nixl_agent import NixlAgent
-from pdserve.kv_transfer.pool import PoolRegion, bind_cuda_device, check_block_ids
+from pdserve.kv_transfer.local_kv import LocalKV
+from pdserve.kv_transfer.pool import bind_cuda_device
 from pdserve.kv_transfer.push_sender import first_token_from, parse_completion_notif
 
 logger = logging.getLogger("pdserve.kv_transfer")
@@ -71,58 +69,68 @@ class _Pending:
     first_block: int = 0
 
 
+def _push(params: LoadParams) -> PushParams:
+    if not isinstance(params, PushParams):
+        raise TypeError(f"a push consumer loads from PushParams, not {type(params).__name__}")
+    return params
+
+
 class PushReceiver:
-    def __init__(self, config: KVTransferConfig, *, agent: NixlAgent, region: PoolRegion,
-                 compat: Mapping[str, Any], metrics: TransferMetrics, auth: MessageAuth | None,
-                 report: Callable[[LoadResult], None], ranks: Sequence[tuple[Any, PoolRegion]] | None = None,
-                 verify: Callable[[str, PushParams, list[int], int], str | None] | None = None) -> None:
-        """ranks: (agent, region) of every tensor-parallel rank here, rank 0 (`agent`, `region`) first: each
-        registers its pool shard, and the prefill's ranks WRITE each decode rank its heads.
-        verify(request_id, params, blocks, first_block): the block digests' check after a push (None: off)."""
-        self._config = config
-        self._verify = verify
-        self._agent = agent
-        self._region = region
-        self._ranks = list(ranks) if ranks is not None else [(agent, region)]
-        self._compat = dict(compat)
-        self._block_size = int(compat["block_size"])
-        self._metrics = metrics
-        self._auth = auth
-        self._report = report
+    """The push transfer (`consumer.LoadTransfer`) of a `KVConsumer`: a load registers the request's blocks with
+    its prefill, which WRITEs them, instead of READing a lease; the outcome goes to the consumer (`sink`)."""
+
+    def __init__(self, kv: LocalKV, sink: LoadSink) -> None:
+        """kv.ranks: every rank registers its pool shard, and the prefill's ranks WRITE each decode rank its heads.
+        sink: the consumer core; with its digester set, a push's blocks are checked against the prefill's digests."""
+        self._kv = kv
+        self._sink = sink
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}  # by push key
         self._by_request: dict[str, str] = {}
         # producer -> (generation, tensor-parallel size), once a handshake checked it
         self._generations: dict[tuple[str, str, int], tuple[int, int]] = {}
         self._next_boost = 0.0
-        self._executor = ThreadPoolExecutor(config.num_load_workers, thread_name_prefix="pdserve-kv-push-reg")
+        self._executor = ThreadPoolExecutor(kv.config.num_load_workers, thread_name_prefix="pdserve-kv-push-reg")
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch_loop, name="pdserve-kv-push-watch", daemon=True)
         self._thread.start()
 
-    # ---- the engine's side ---------------------------------------------------------------------------------
+    # ---- the consumer's side (consumer.LoadTransfer) -------------------------------------------------------
 
-    def start(self, request_id: str, p: PushParams, local_block_ids: Sequence[int], first_block: int,
-              num_tokens: int) -> None:
-        needed = -(-num_tokens // self._block_size)
-        local = [int(b) for b in local_block_ids][:needed]
-        if needed > len(local_block_ids) or not 0 <= first_block <= needed:
-            raise ValueError(f"{num_tokens} tokens from block {first_block} do not fit {len(local_block_ids)} blocks")
-        check_block_ids(local[first_block:], self._region.num_blocks, "local")
+    def parse(self, params: KVTransferParams) -> LoadParams:
+        return params.parse_load(push=True)
+
+    def keep_alive(self, waiting: Sequence[LoadParams], stop: threading.Event) -> None:
+        """Nothing to keep alive: the prefill holds no lease for a push before its registration."""
+
+    def let_go(self, params: LoadParams) -> None:
+        """A request gone before its blocks were allocated: tell the prefill to stop (best effort)."""
+        with contextlib.suppress(RuntimeError):
+            self._executor.submit(self._cancel_remote, _push(params))
+
+    def decline(self, params: LoadParams) -> None:
+        raise TypeError("a push decode instance reads no held prefix (its params are refused by `parse`)")
+
+    def start(self, request_id: str, params: LoadParams, local: list[int], first_block: int,
+              num_tokens: int | None) -> None:
+        """Register local[first_block:] (`consumer.load_span`'s blocks) with the prefill, which WRITEs them."""
+        if num_tokens is None:
+            raise ValueError("a push load needs its number of tokens")
+        p = _push(params)
         now = time.monotonic()
         item = _Pending(request_id, p, time.perf_counter(),
                         # the prefill posts nothing after timeout_s and releases a WRITE after transfer_timeout_s
-                        now + self._config.push_registration_timeout + self._config.transfer_timeout_s
+                        now + self._kv.config.push_registration_timeout + self._kv.config.transfer_timeout_s
                         + _DEADLINE_MARGIN_S,
-                        (needed - first_block) * sum(r.block_bytes for _, r in self._ranks),
+                        (len(local) - first_block) * sum(r.block_bytes for _, r in self._kv.ranks),
                         blocks=local[first_block:], first_block=first_block)
         with self._lock:
             if p.push_key in self._pending:
                 raise ValueError("a push under this push_key is already registered here")
             self._pending[p.push_key] = item
             self._by_request[request_id] = p.push_key
-        if first_block == needed:  # the local prefix cache holds every block the prompt needs from the prefill
+        if first_block == len(local):  # the local prefix cache holds every block the prompt needs from the prefill
             self._executor.submit(self._cancel_remote, p)  # the prefill's job ends now, not at its lease
             self._end(item, LoadResult(request_id, True))
             return
@@ -136,11 +144,6 @@ class PushReceiver:
             if item is not None:
                 item.cancel = True
         self._wake.set()
-
-    def discard(self, params: PushParams) -> None:
-        """A request gone before its blocks were allocated: tell the prefill to stop (best effort)."""
-        with contextlib.suppress(RuntimeError):
-            self._executor.submit(self._cancel_remote, params)
 
     def on_notif(self, message: bytes) -> bool:
         """A NIXL notification; True when it was a push completion (consumed)."""
@@ -164,8 +167,14 @@ class PushReceiver:
     # ---- registration --------------------------------------------------------------------------------------
 
     def _call(self, p: PushParams, op: str, fields: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
-        return side_channel.call(p.remote_host, p.remote_port, op, fields, timeout_s, to=p.remote_engine_id,
-                                 auth=self._auth)
+        return self._kv.call(p.remote_host, p.remote_port, p.remote_engine_id, op, fields, timeout_s)
+
+    def _verify(self, item: _Pending) -> str | None:
+        """After a push: the prefill's digests of what it WROTE (side channel) against the blocks here."""
+        p = item.params
+        return check_push(lambda: self._call(p, "kv_digests", {"push_key": p.push_key},
+                                             self._kv.config.handshake_timeout_s),
+                          self._sink.check_digests, item.request_id, item.blocks, item.first_block)
 
     def _generation(self, p: PushParams, *, force: bool = False) -> int:
         """The prefill's generation, after a handshake that checked compatibility (the transfer mode too) and
@@ -174,12 +183,12 @@ class PushReceiver:
         with self._lock:
             known = self._generations.get(where)
         if known is None or force:
-            reply = self._call(p, "handshake", {"engine_id": self._config.engine_id, "compat": self._compat},
-                               self._config.handshake_timeout_s)
+            reply = self._call(p, "handshake", {"engine_id": self._kv.config.engine_id, "compat": self._kv.compat},
+                               self._kv.config.handshake_timeout_s)
             if reply["engine_id"] != p.remote_engine_id:
                 raise CompatibilityError(f"side channel {p.remote_host}:{p.remote_port} belongs to engine "
                                          f"{reply['engine_id']!r}, the params name {p.remote_engine_id!r}")
-            check_compat(self._compat, reply["compat"], peer=f"prefill {p.remote_host}:{p.remote_port}",
+            check_compat(self._kv.compat, reply["compat"], peer=f"prefill {p.remote_host}:{p.remote_port}",
                          labels=("decode", "prefill"))
             known = (reply["generation"], int(reply.get("tp_size", 1)))
             with self._lock:
@@ -197,18 +206,18 @@ class PushReceiver:
                 generation = self._generation(p, force=attempt > 0)
                 seal = new_nonce()
                 # every rank's agent metadata, each part sealed and bound to its rank index
-                metadata = [a.metadata() for a, _ in self._ranks]
-                if self._auth is not None:
-                    metadata = self._auth.seal_parts(metadata, seal, generation)
-                fields = {"push_key": p.push_key, "generation": generation, "engine_id": self._config.engine_id,
-                          "agent_name": self._agent.name, "agent_metadata": metadata[0], "seal_nonce": seal,
-                          "pool": self._region.describe(), "block_ids": blocks, "first_block": first_block,
-                          "num_tokens": num_tokens, "timeout_s": self._config.push_registration_timeout}
-                if len(self._ranks) > 1:  # tensor parallelism: each rank's agent and pool shard, rank 0 first
+                metadata = [a.metadata() for a, _ in self._kv.ranks]
+                if self._kv.auth is not None:
+                    metadata = self._kv.auth.seal_parts(metadata, seal, generation)
+                fields = {"push_key": p.push_key, "generation": generation, "engine_id": self._kv.config.engine_id,
+                          "agent_name": self._kv.agent.name, "agent_metadata": metadata[0], "seal_nonce": seal,
+                          "pool": self._kv.region.describe(), "block_ids": blocks, "first_block": first_block,
+                          "num_tokens": num_tokens, "timeout_s": self._kv.config.push_registration_timeout}
+                if len(self._kv.ranks) > 1:  # tensor parallelism: each rank's agent and pool shard, rank 0 first
                     fields["ranks"] = [{"agent_name": a.name, "agent_metadata": md, "pool": r.describe()}
-                                       for (a, r), md in zip(self._ranks, metadata, strict=True)]
+                                       for (a, r), md in zip(self._kv.ranks, metadata, strict=True)]
                 try:
-                    reply = self._call(p, "push_register", fields, self._config.handshake_timeout_s)
+                    reply = self._call(p, "push_register", fields, self._kv.config.handshake_timeout_s)
                     break
                 except SideChannelRefused as exc:
                     if exc.reason != "stale_generation" or attempt:
@@ -245,22 +254,22 @@ class PushReceiver:
                 return  # ended already
             del self._pending[item.params.push_key]
             self._by_request.pop(item.request_id, None)
-        if result.ok and item.blocks and self._verify is not None:
-            problem = self._verify(item.request_id, item.params, item.blocks, item.first_block)
+        if result.ok and item.blocks and self._sink.digester is not None:
+            problem = self._verify(item)
             if problem is not None:
                 result, failed = LoadResult(item.request_id, False, problem), True
         if failed:
-            self._metrics.record_failed_transfer()
+            self._kv.metrics.record_failed_transfer()
         elif result.ok and result.bytes:
-            self._metrics.record_transfer(xfer_s=result.seconds, post_s=0.0, nbytes=result.bytes, num_descriptors=0)
+            self._kv.metrics.record_transfer(xfer_s=result.seconds, post_s=0.0, nbytes=result.bytes, num_descriptors=0)
         if not result.ok:
             logger.warning("KV push into request %s ended: %s", item.request_id, result.error)
-        self._report(result)
+        self._sink.report(result)
 
     def _watch_loop(self) -> None:
         # this thread progresses the agent: a UCX transport that lands data through the host (TCP with
         # cuda_copy) copies it into the GPU pool here, in this thread's CUDA context
-        bind_cuda_device(self._region)
+        bind_cuda_device(self._kv.region)
         next_status = 0.0
         while not self._stop.is_set():
             with self._lock:
@@ -270,7 +279,7 @@ class PushReceiver:
                 self._wake.clear()
                 continue
             try:
-                for messages in self._agent.get_notifs().values():
+                for messages in self._kv.agent.get_notifs().values():
                     for message in messages:
                         self.on_notif(message)
                 now = time.monotonic()
@@ -285,11 +294,11 @@ class PushReceiver:
     def _poll_status(self, now: float) -> None:
         with self._lock:
             items = [i for i in self._pending.values() if i.registered or i.cancel]
-        if items and len(self._ranks) > 1 and now >= self._next_boost:
+        if items and len(self._kv.ranks) > 1 and now >= self._next_boost:
             # worker ranks progress their agents fast while WRITEs may land in them (a TCP transport needs the
             # target to progress); renewed while pushes are pending, so an idle decode does not spin
             self._next_boost = now + _BOOST_EVERY_S
-            for a, _ in self._ranks[1:]:
+            for a, _ in self._kv.ranks[1:]:
                 a.boost(2 * _BOOST_EVERY_S)
         by_prefill: dict[tuple[str, str, int], list[_Pending]] = {}
         for item in items:
@@ -334,64 +343,5 @@ class PushReceiver:
                         self._end(item, LoadResult(item.request_id, False, f"KV push failed: {why}"), failed=True)
                 elif now > item.deadline:
                     self._end(item, LoadResult(item.request_id, False, f"KV push not completed within "
-                                               f"{self._config.push_registration_timeout:g}s"), failed=True)
+                                               f"{self._kv.config.push_registration_timeout:g}s"), failed=True)
 
-
-def _push(params: LoadParams) -> PushParams:
-    if not isinstance(params, PushParams):
-        raise TypeError(f"a push consumer loads from PushParams, not {type(params).__name__}")
-    return params
-
-
-class PushConsumer(KVConsumer):
-    """The consumer role of a push decode instance (`kv_connector: NixlPushConnector`): a load registers the
-    request's blocks with its prefill, which WRITEs them (`PushReceiver`), instead of READing a lease. Outcomes,
-    claims and the engine's wake-ups are a pull consumer's (`KVConsumer`: the receiver reports through its
-    queue), so the engine sees one consumer role whatever the mode, and the connector passes nothing through."""
-
-    def __init__(self, config: KVTransferConfig, *, agent: NixlAgent, region: PoolRegion, compat: Mapping[str, Any],
-                 metrics: TransferMetrics, auth: MessageAuth | None = None,
-                 ranks: Sequence[tuple[Any, PoolRegion]] | None = None, digester: BlockDigester | None = None) -> None:
-        super().__init__(config, agent=agent, region=region, compat=compat, metrics=metrics, auth=auth, ranks=ranks,
-                         digester=digester)
-        self._push_waiting: dict[str, PushParams] = {}  # admitted, blocks not yet allocated
-        self.receiver = PushReceiver(config, agent=agent, region=region, compat=compat, metrics=metrics, auth=auth,
-                                     report=self.report_result, ranks=ranks,
-                                     verify=self._verify_push if self.digester is not None else None)
-
-    def parse(self, params: KVTransferParams) -> LoadParams:
-        return params.parse_load(push=True)
-
-    def _verify_push(self, request_id: str, p: PushParams, blocks: list[int], first_block: int) -> str | None:
-        """After a push: the prefill's digests of what it WROTE (side channel) against the blocks here."""
-        return check_push(lambda: side_channel.call(p.remote_host, p.remote_port, "kv_digests",
-                                                    {"push_key": p.push_key}, self._config.handshake_timeout_s,
-                                                    to=p.remote_engine_id, auth=self._auth),
-                          self.check_digests, request_id, blocks, first_block)
-
-    def add_waiting(self, request_id: str, params: LoadParams) -> None:
-        self._push_waiting[request_id] = _push(params)  # nothing to keep alive: the prefill has no lease yet
-
-    def remove_waiting(self, request_id: str) -> None:
-        params = self._push_waiting.pop(request_id, None)
-        if params is not None:
-            self.receiver.discard(params)
-
-    def decline(self, params: LoadParams) -> None:
-        raise TypeError("a push decode instance reads no held prefix (its params are refused by `parse`)")
-
-    def cancel_load(self, request_id: str) -> None:
-        """A pending push is cancelled; its result follows once nothing can land in its blocks."""
-        self.receiver.cancel(request_id)
-
-    def start_load(self, request_id: str, params: LoadParams, local_block_ids: Sequence[int], first_block: int = 0,
-                   num_tokens: int | None = None) -> None:
-        """Register local_block_ids[first_block:n] with the prefill, which WRITEs them."""
-        self._push_waiting.pop(request_id, None)
-        if num_tokens is None:
-            raise ValueError("a push load needs its number of tokens")
-        self.receiver.start(request_id, _push(params), local_block_ids, first_block, num_tokens)
-
-    def shutdown(self) -> None:
-        self.receiver.shutdown()
-        super().shutdown()

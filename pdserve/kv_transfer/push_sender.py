@@ -72,7 +72,7 @@ from pdserve.kv_transfer.pool import (
 )
 from pdserve.kv_transfer.push_plan import plan_rank_writes, write_pairs
 from pdserve.kv_transfer.push_stats import PushStats, PushStatsCollector
-from pdserve.kv_transfer.side_channel import POOL_FIELDS, ProtocolError, check_fields
+from pdserve.kv_transfer.side_channel import ProtocolError, parse_ranks
 from pdserve.types.tp_layout import kv_heads_per_rank
 
 logger = logging.getLogger("pdserve.kv_transfer")
@@ -114,9 +114,6 @@ def first_token_from(fields: Any) -> FirstToken | None:
         return None
 _KEEP_ENDED_S = 120.0  # ended jobs answer push_status this long (then "unknown")
 _IDLE_WAIT_S = 0.02
-
-
-_RANK_FIELDS = {"agent_name": str, "agent_metadata": bytes, "pool": dict}
 
 
 @dataclass
@@ -396,21 +393,7 @@ class PushSender:
             if listed is None:
                 listed = [{"agent_name": msg["agent_name"], "agent_metadata": msg["agent_metadata"],
                            "pool": msg["pool"]}]
-            if not isinstance(listed, list) or not listed:
-                raise ValueError("ranks must be a non-empty list")
-            entries = []
-            for i, entry in enumerate(listed):
-                if not isinstance(entry, dict):
-                    raise ValueError(f"ranks[{i}] is not a map")
-                check_fields(entry, _RANK_FIELDS, f"ranks[{i}]")
-                check_fields(entry["pool"], POOL_FIELDS, f"ranks[{i}].pool")
-                entries.append((entry["agent_name"], RemotePool.from_handshake(entry["pool"]), None))
-            if entries[0][0] != msg["agent_name"]:
-                raise ValueError("ranks[0] is not the registering agent")
-            if len({name for name, _, _ in entries}) != len(entries):
-                raise ValueError("ranks repeat an agent name")
-            if len({pool.num_blocks for _, pool, _ in entries}) != 1:
-                raise ValueError("ranks have different block counts")
+            entries = [(name, pool, None) for name, pool in parse_ranks(listed, msg["agent_name"], "ranks")]
         except (KeyError, TypeError, ValueError, ProtocolError) as exc:
             raise SideChannelRefused("bad_request", f"push_register: bad pool: {exc}") from None
         tp, heads = len(entries), self._num_kv_heads

@@ -43,6 +43,7 @@ import msgpack
 from pdserve.kv_transfer.auth import REPLY, REQUEST, AuthRefused, MessageAuth, ReplayGuard, new_nonce
 from pdserve.kv_transfer.compat import PROTOCOL_VERSION
 from pdserve.kv_transfer.errors import SideChannelError, SideChannelRefused, SideChannelTimeout
+from pdserve.kv_transfer.pool import RemotePool
 
 logger = logging.getLogger("pdserve.kv_transfer")
 
@@ -118,6 +119,32 @@ def check_fields(msg: Mapping[str, Any], spec: Mapping[str, Any], what: str) -> 
             raise ProtocolError(f"{what}: missing field {key!r}")
         if not _type_ok(msg[key], typ):
             raise ProtocolError(f"{what}: field {key!r} has the wrong type ({type(msg[key]).__name__})")
+
+
+# One tensor-parallel rank in a handshake reply or a push registration: its agent, metadata and pool shard.
+RANK_FIELDS: dict[str, Any] = {"agent_name": str, "agent_metadata": bytes, "pool": dict}
+
+
+def parse_ranks(listed: Any, own_agent: str, what: str) -> list[tuple[str, RemotePool]]:
+    """A message's `ranks` (every tensor-parallel rank of the sender, rank 0 first) as (agent name, pool shard):
+    rank 0 is the sender's own agent, names are unique and every shard has the same block count. ValueError or
+    ProtocolError naming what is wrong."""
+    if not isinstance(listed, list) or not listed:
+        raise ValueError(f"{what} must be a non-empty list")
+    ranks: list[tuple[str, RemotePool]] = []
+    for i, entry in enumerate(listed):
+        if not isinstance(entry, dict):
+            raise ValueError(f"{what}[{i}] is not a map")
+        check_fields(entry, RANK_FIELDS, f"{what}[{i}]")
+        check_fields(entry["pool"], POOL_FIELDS, f"{what}[{i}].pool")
+        ranks.append((entry["agent_name"], RemotePool.from_handshake(entry["pool"])))
+    if ranks[0][0] != own_agent:
+        raise ValueError(f"{what}[0] is not the sender's own agent")
+    if len({name for name, _ in ranks}) != len(ranks):
+        raise ValueError(f"{what} repeat an agent name")
+    if len({pool.num_blocks for _, pool in ranks}) != 1:
+        raise ValueError(f"{what} have different block counts")
+    return ranks
 
 
 def encode_frame(msg: Mapping[str, Any]) -> bytes:
