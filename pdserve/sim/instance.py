@@ -23,7 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import reduce
 from itertools import accumulate
+from operator import add
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, Status
@@ -178,26 +180,40 @@ class SimInstance:
 
     def advance(self, run: DecodeRun, commits: int, allocs: int) -> None:
         """Applies `run`'s steps up to the end of step `commits` and the start of step `allocs` (>= commits), in
-        the engine's order: step j's allocations, then step j's commit, then step j + 1's allocations."""
+        the engine's order: step j's allocations, then step j's commit, then step j + 1's allocations. Only the
+        steps where a row crosses a block are visited: a row whose computed count is a block boundary takes its
+        next block at a step's start (`allocate`), a row that fills a block registers it at its end
+        (`cache_full_blocks`), every row at step 1's end (commit() calls it every step: a prefix hit may be
+        unregistered); at the other steps those calls change nothing."""
         rows, start, blocks = run.rows, run.start, self.blocks
         bs = blocks.block_size
-        phase = run.by_phase
+        lo_alloc, lo_commit = run.allocated + 1, run.committed + 1
+        todo: list[tuple[int, int, int]] = []  # (step, 0 allocation / 1 commit, phase)
+        for p in run.by_phase:
+            first = lo_alloc + (1 - p - lo_alloc) % bs  # j = 1 - p (mod bs): start + j - 1 is a boundary
+            todo.extend((j, 0, p) for j in range(first, allocs + 1, bs))
+            lo = max(lo_commit, 2)
+            first = lo + (-p - lo) % bs  # j = -p (mod bs): start + j fills a block
+            todo.extend((j, 1, p) for j in range(first, commits + 1, bs))
+        if lo_commit == 1 and commits >= 1:
+            todo.append((1, 1, -1))
+        todo.sort()
         if commits > run.committed:
             for req, tok in zip(rows, run.tokens, strict=True):
                 req.output_token_ids.extend([tok] * (commits - run.committed))
-        for j in range(run.committed + 1, max(commits, allocs) + 1):  # allocated >= committed + 1 always
-            if run.allocated < j <= allocs:  # step j's schedule: a row at a block boundary takes its next block
-                for i in phase.get((1 - j) % bs, ()):
+        for j, kind, p in todo:
+            if kind == 0:
+                for i in run.by_phase[p]:
                     if not blocks.allocate(rows[i], start[i] + j):
                         raise AssertionError("a planned decode step found the pool short")
-                self.steps += 1
-                self.busy_s += run.seconds[j - 1]
-                run.allocated = j
-            if run.committed < j <= commits:  # step j's commit: a row that fills a block registers it (every
-                # row at step 1, as commit() calls cache_full_blocks each step: a prefix hit may be unregistered)
-                for i in (range(len(rows)) if j == 1 else phase.get((-j) % bs, ())):
+            else:
+                for i in run.by_phase[p] if p >= 0 else range(len(rows)):
                     rows[i].num_computed_tokens = start[i] + j
                     blocks.cache_full_blocks(rows[i])
+        if allocs > run.allocated:
+            self.steps += allocs - run.allocated
+            self.busy_s = reduce(add, run.seconds[run.allocated:allocs], self.busy_s)  # step by step's sums
+            run.allocated = allocs
         if commits > run.committed:
             for req, c in zip(rows, start, strict=True):
                 req.num_computed_tokens = c + commits
