@@ -85,7 +85,7 @@ def _sim_state(run) -> list:
 
 def test_step_skipping_equals_step_by_step():
     """Skipped decode stretches (instance.py's DecodeRun) leave exactly what every step run as its own event
-    leaves: 40 seeded workloads over collocated and P/D topologies, pools small enough to preempt, shared
+    leaves, at the end and when stopped half-way: 40 seeded workloads over collocated and P/D topologies, pools small enough to preempt, shared
     prefixes, arrivals at one instant and zero-cost handoffs (coincident events), block sizes 2 to 8."""
     import copy
     import random
@@ -123,6 +123,10 @@ def test_step_skipping_equals_step_by_step():
             each = simulate(topo, Pools.of(prof), copy.deepcopy(jobs), skip_steps=False)
             skipping = simulate(topo, Pools.of(prof), copy.deepcopy(jobs), skip_steps=True)
             assert _sim_state(skipping) == _sim_state(each), f"seed {seed}"
+            # stopped mid-way (`until`): the skipped steps that ended by then are applied, as the events would be
+            half = each.sim_s / 2
+            assert _sim_state(simulate(topo, Pools.of(prof), copy.deepcopy(jobs), until=half)) == _sim_state(
+                simulate(topo, Pools.of(prof), copy.deepcopy(jobs), until=half, skip_steps=False)), f"seed {seed}"
             skipped += each.deployment.events - skipping.deployment.events
             preempted += sum(i.scheduler.num_preemptions for i in each.deployment.instances.values())
     finally:
