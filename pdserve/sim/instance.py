@@ -128,12 +128,15 @@ class SimInstance:
     # ---- step skipping -------------------------------------------------------------------------
     def plan_run(self, res: StepResult, now: float, min_steps: int = 2) -> DecodeRun | None:
         """`res` (just scheduled at `now`) as the first step of a decode stretch, or None when the next steps may
-        differ from it: rows other than the running set, a prefill chunk, drafts, a waiting request (admission), a
-        preemption or a load this step, a row whose sampled token could stop it (stop tokens are checked per
+        differ from it: rows other than the running set, a prefill chunk, drafts, a waiting request that may be
+        admitted, a preemption or a load this step, a row whose sampled token could stop it (stop tokens are checked per
         token: not skipped), or fewer than `min_steps` steps before a row ends."""
         sched, sch, blocks = res.sched, self.scheduler, self.blocks
         rows = sch.running
-        if (sched.preempted or sched.start_loads or sched.dropped_loads or sch.waiting or not rows
+        # a waiting request is admitted at no step of the stretch when the running and loading sets are full (they
+        # stay so: no row ends before the last step, a load ends only by an outside event, which cuts the stretch)
+        admits = bool(sch.waiting) and len(rows) + len(sch.loading) < sch.max_num_seqs
+        if (sched.preempted or sched.start_loads or sched.dropped_loads or admits or not rows
                 or len(sched.scheduled) != len(rows)):
             return None
         tokens: list[int] = []
