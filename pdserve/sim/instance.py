@@ -24,14 +24,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import reduce
-from itertools import accumulate
 from operator import add
+
+import numpy as np
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, Status
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.sim.profile import Profile, step_features
 
+MAX_RUN_STEPS = 4096  # the longest stretch planned at once (its step times are computed when it is planned)
 OUTPUT_TOKEN = 7  # the id every simulated row samples (none is a stop token: requests end by their length)
 
 
@@ -152,7 +154,7 @@ class SimInstance:
             # check_stop after step j: len(output) + j >= max_tokens or num_tokens + j >= max_model_len
             last = min(last, req.max_tokens - len(req.output_token_ids), req.max_model_len - req.num_tokens)
             tokens.append(tok)
-        last = max(1, last)
+        last = max(1, min(last, MAX_RUN_STEPS))
         start = [r.num_computed_tokens for r in rows]
         # no preemption: the blocks the stretch's allocations take must be free now (nothing frees one in it)
         free, held = blocks.num_free_blocks, [len(r.block_ids) for r in rows]
@@ -171,10 +173,12 @@ class SimInstance:
         # the step model's features of step j: n decode rows, context sum(start) + n * j (step_features' sums of
         # integers, exact in floats)
         n, ctx = len(rows), sum(start)
-        seconds = self.profile.decode_steps_seconds(n, range(ctx + n, ctx + n * last + 1, n))
-        if seconds[0] != res.seconds:
+        secs = self.profile.decode_steps_seconds(n, np.arange(ctx + n, ctx + n * last + 1, n, dtype=np.int64))
+        if secs[0] != res.seconds:
             return None  # not the features step_features gave step 1: do not guess
-        ends = list(accumulate(seconds, initial=now))[1:]  # now + s1, then + s2, ...: the step events' sums
+        # now + s1, then + s2, ...: the step events' sums (numpy's cumsum adds in order, one at a time)
+        ends = np.cumsum(np.concatenate(([now], secs)))[1:].tolist()
+        seconds = secs.tolist()
         by_phase: dict[int, list[int]] = {}
         bs = blocks.block_size
         for i, c in enumerate(start):
