@@ -3,6 +3,9 @@
 minutes, on one core (run it under `taskset -c N`). TP=4 is derived from the shipped TP=1 H200 profile.
 
     taskset -c 0 python benchmarks/sim_scale.py [--minutes 10] [--topology 6p10d] [--rate 24.6]
+
+1,000 GPUs at the same load per GPU: `--topology 94p156d --rate 384.4` (250 TP=4 instances, 3:5).
+`--step-by-step`: every engine step its own event (no skipped decode stretches), for comparison.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=None,
                     help="simulate with this KV block size instead of the profile's (fewer blocks to allocate and "
                          "register per request: an approximation of the pool's granularity)")
+    ap.add_argument("--step-by-step", action="store_true", help="no skipped decode steps (cluster.py)")
     args = ap.parse_args()
     topo = parse_topology(args.topology)
     prof = Profile.load(args.profile)
@@ -40,7 +44,7 @@ def main() -> None:
     t0 = time.perf_counter()
     jobs = poisson_jobs(n, args.rate, 28000, 650)
     t1 = time.perf_counter()
-    run = simulate(topo, pools, jobs)
+    run = simulate(topo, pools, jobs, skip_steps=not args.step_by_step)
     done = sum(1 for t in run.tracked if t.done and not t.error)
     print(f"block size {prof.engine.block_size}: {topo} x TP={args.tp} ({pools.gpus(topo)} GPUs), {n} requests at {args.rate} req/s: simulated "
           f"{run.sim_s:.1f} s in {run.wall_s:.1f} s wall ({t1 - t0:.1f} s building the workload), "

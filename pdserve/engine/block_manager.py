@@ -32,14 +32,15 @@ class BlockManager:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # hash -> block id
         self.block_meta: list[BlockMeta | None] = [None] * num_blocks  # a cached block's parent hash and tokens
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # tokens found there
         self.external_queries = 0  # tokens looked up past the pool's own hits in the offload tiers
         self.external_hits = 0  # tokens the offload tiers supplied
         self._events: list[KVCacheEvent] | None = [] if enable_events else None
         # Called with (block id, hash, meta) just before a cached block's identity is dropped to reuse the
-        # block: its KV is still intact, so an offload tier can copy it out first.
+        # block: its KV is still intact, so an offload tier can copy it out first. Set it before the first
+        # request: a block's meta (its tokens) is kept only while events or this callback can read it.
         self.on_evict: Callable[[int, bytes, BlockMeta], None] | None = None
 
     # ---- accounting -------------------------------------------------------------------------
@@ -128,19 +129,32 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = req.num_computed_tokens // self.block_size
-        if full <= req.num_registered_blocks:
+        first = req.num_registered_blocks
+        if full <= first:
             return  # nothing new: keeps the per-step cost independent of context length
         self._compute_hashes(req, req.num_computed_tokens)
+        # A hot path (a 32k prompt is 2k blocks at 16 tokens): locals, and a block's meta (its tokens as a tuple)
+        # built only when something reads it: the KV events and the offload tiers' on_evict.
+        block_hash, cached, ids, hashes = self.block_hash, self.cached, req.block_ids, req.block_hashes
+        if self._events is None and self.on_evict is None:
+            for i in range(first, full):
+                bid = ids[i]
+                h = hashes[i]
+                if block_hash[bid] is None and h not in cached:
+                    # (an identical block may already exist; then this one stays uncached)
+                    block_hash[bid] = h
+                    cached[h] = bid
+            req.num_registered_blocks = full
+            return
         bs = self.block_size
         run_start = -1  # first block of the current run of newly cached blocks (one BlockStored per run)
-        for i in range(req.num_registered_blocks, full):
-            bid = req.block_ids[i]
-            h = req.block_hashes[i]
-            if self.block_hash[bid] is None and h not in self.cached:
-                # (an identical block may already exist; then this one stays uncached)
-                self.block_hash[bid] = h
-                self.cached[h] = bid
-                self.block_meta[bid] = BlockMeta(req.block_hashes[i - 1] if i > 0 else None,
+        for i in range(first, full):
+            bid = ids[i]
+            h = hashes[i]
+            if block_hash[bid] is None and h not in cached:
+                block_hash[bid] = h
+                cached[h] = bid
+                self.block_meta[bid] = BlockMeta(hashes[i - 1] if i > 0 else None,
                                                  tuple(req.token_slice(i * bs, (i + 1) * bs)))
                 if run_start < 0:
                     run_start = i
@@ -183,20 +197,30 @@ class BlockManager:
 
     # ---- allocation -------------------------------------------------------------------------
     def _take_free(self) -> int:
-        bid, _ = self.free.popitem(last=False)
-        h = self.block_hash[bid]
-        if h is not None:  # evict its cached identity
-            meta = self.block_meta[bid]
-            if self.on_evict is not None and meta is not None:
-                self.on_evict(bid, h, meta)
-            self.block_hash[bid] = None
-            self.block_meta[bid] = None
-            if self.cached.get(h) == bid:
-                del self.cached[h]
-                if self._events is not None:
-                    self._events.append(BlockRemoved([external_block_hash(h)], MEDIUM_DEVICE))
-        self.ref_cnt[bid] = 1
-        return bid
+        return self._take_free_blocks(1)[0]
+
+    def _take_free_blocks(self, n: int) -> list[int]:
+        """n blocks from the front of the free queue (LRU first), each one's cached identity evicted as it is
+        taken, ref count 1. One loop for all n: a long prompt takes thousands at once."""
+        pop, block_hash, block_meta, cached = self.free.popitem, self.block_hash, self.block_meta, self.cached
+        ref_cnt, on_evict, events = self.ref_cnt, self.on_evict, self._events
+        out: list[int] = []
+        for _ in range(n):
+            bid = pop(False)[0]
+            h = block_hash[bid]
+            if h is not None:  # evict its cached identity
+                meta = block_meta[bid]
+                if on_evict is not None and meta is not None:
+                    on_evict(bid, h, meta)
+                block_hash[bid] = None
+                block_meta[bid] = None
+                if cached.get(h) == bid:
+                    del cached[h]
+                    if events is not None:
+                        events.append(BlockRemoved([external_block_hash(h)], MEDIUM_DEVICE))
+            ref_cnt[bid] = 1
+            out.append(bid)
+        return out
 
     def can_allocate(self, req: Request, num_tokens: int, cached: Sequence[int] = ()) -> bool:
         revived = sum(1 for b in cached if self.ref_cnt[b] == 0)
@@ -213,17 +237,20 @@ class BlockManager:
                 del self.free[bid]
             self.ref_cnt[bid] += 1
             req.block_ids.append(bid)
-        while len(req.block_ids) < self.blocks_needed(num_tokens):
-            req.block_ids.append(self._take_free())
+        new = self.blocks_needed(num_tokens) - len(req.block_ids)
+        if new > 0:
+            req.block_ids.extend(self._take_free_blocks(new))
         return True
 
     def free_blocks(self, block_ids: Sequence[int]) -> None:
         # Tail blocks first, so they are evicted before the shared prefix they extend.
+        ref_cnt, free = self.ref_cnt, self.free
         for bid in reversed(block_ids):
-            self.ref_cnt[bid] -= 1
-            assert self.ref_cnt[bid] >= 0, f"block {bid} freed twice"
-            if self.ref_cnt[bid] == 0:
-                self.free[bid] = None
+            left = ref_cnt[bid] - 1
+            ref_cnt[bid] = left
+            assert left >= 0, f"block {bid} freed twice"
+            if left == 0:
+                free[bid] = None
 
     def release(self, req: Request) -> None:
         self.free_blocks(req.block_ids)

@@ -1,9 +1,12 @@
 """The discrete-event simulation of a deployment: simulated instances (instance.py) behind the proxy's own
 instance choice, on a simulated clock.
 
-The event loop is a heap of (time, sequence, callback): the engine is a step loop (schedule, run the model,
-take the tokens in), so each instance is one chain of step events, and the other events are arrivals, a
-prefill's params reaching its decode leg, a lease claim and a READ's end (link.py). A plain heap keeps the hot
+The event loop is a heap of (time, class, tiebreak, sequence, callback): the engine is a step loop (schedule, run
+the model, take the tokens in), so each instance is one chain of step events, and the other events are arrivals, a
+prefill's params reaching its decode leg, a lease claim and a READ's end (link.py). At one instant, step ends come
+first (class 0, in instance order), then the other events in the order they were scheduled (class 1): a fixed rule
+for coincidences, which lets a decode stretch whose steps are skipped (instance.py's `DecodeRun`) be applied up to
+an outside event's time exactly as the step events would have been (`_sync`). A plain heap keeps the hot
 path a tuple push and pop per step; a process library (SimPy) would add a generator resume per event and its
 resources do not model a link's bandwidth shared by the transfers in flight, which must be recomputed on every
 start and end anyway.
@@ -30,6 +33,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from array import array
+from bisect import bisect_right
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +42,7 @@ from typing import Any
 from pdserve.api.pd import FirstToken
 from pdserve.engine.pd.kv_handoff import KVHandoff, KVState
 from pdserve.engine.request import Request
-from pdserve.sim.instance import OUTPUT_TOKEN, SimInstance, StepResult
+from pdserve.sim.instance import OUTPUT_TOKEN, DecodeRun, SimInstance, StepResult
 from pdserve.sim.link import Links
 from pdserve.sim.profile import Profile
 from pdserve.sim.workload import Job
@@ -61,7 +66,7 @@ class Tracked:
     """One client request: its job, the legs serving it, and when each token reached the client."""
 
     job: Job
-    token_times: list[float] = field(default_factory=list)
+    token_times: array[float] = field(default_factory=lambda: array("d"))  # 8 bytes a token, not a float object
     cached_tokens: int = 0
     error: str = ""
     done: bool = False
@@ -74,7 +79,7 @@ class Deployment:
     """Instances, the proxy's pools over them, the links, and the event loop."""
 
     def __init__(self, prefill: list[Profile], decode: list[Profile], collocated: list[Profile],
-                 *, seed_rotation: int = 0) -> None:
+                 *, seed_rotation: int = 0, skip_steps: bool = True) -> None:
         from pdserve.proxy.config import ProxyConfig
         from pdserve.proxy.metrics import ProxyMetrics
         from pdserve.proxy.pairing import PairChooser
@@ -82,7 +87,8 @@ class Deployment:
         from pdserve.proxy.readiness import Readiness
 
         self.now = 0.0
-        self._heap: list[tuple[float, int, Callable[[float], None]]] = []
+        self._heap: list[tuple[float, int, int, int, Callable[[float], None]]] = []
+        self.skip_steps = skip_steps  # decode stretches as one event each (DecodeRun); False: every step
         self._seq = itertools.count()
         self.instances: dict[str, SimInstance] = {}
         self.disaggregated = bool(prefill)
@@ -95,6 +101,7 @@ class Deployment:
             for i, prof in enumerate(profiles):
                 name = f"{role}-{i}"
                 inst = SimInstance(name, role, prof)
+                inst.order = len(self.instances)
                 self.instances[name] = inst
                 pinst = pool.add(f"http://sim-{name}:{next(port)}", healthy=True)
                 pinst.params_later = role == "decode"  # pdserve decode instances take the early leg
@@ -113,18 +120,24 @@ class Deployment:
 
     # ---- the clock ----------------------------------------------------------------------------
     def schedule(self, at: float, fn: Callable[[float], None]) -> None:
-        heapq.heappush(self._heap, (at, next(self._seq), fn))
+        heapq.heappush(self._heap, (at, 1, 0, next(self._seq), fn))
+
+    def _schedule_step_end(self, inst: SimInstance, at: float, fn: Callable[[float], None]) -> None:
+        heapq.heappush(self._heap, (at, 0, inst.order, next(self._seq), fn))
 
     def run(self, until: float | None = None) -> None:
         heap = self._heap
         while heap:
-            at, _, fn = heapq.heappop(heap)
+            entry = heapq.heappop(heap)
+            at = entry[0]
             if until is not None and at > until:
-                heapq.heappush(heap, (at, 0, fn))
+                heapq.heappush(heap, entry)
+                for inst in self.instances.values():  # the state at `until`, as the step events give it
+                    self._sync(inst, until)
                 break
             self.now = at
             self.events += 1
-            fn(at)
+            entry[4](at)
 
     # ---- clients ------------------------------------------------------------------------------
     def submit(self, job: Job) -> Tracked:
@@ -178,6 +191,7 @@ class Deployment:
                 self._fail(t, now, f"the prompt needs {inst.blocks.blocks_needed(req.num_prompt_tokens + 1)} KV "
                                    f"blocks but the pool has {inst.blocks.num_blocks}")
                 return
+            self._sync(inst, now)
             inst.add(req)
             self._kick(inst, now)
 
@@ -214,7 +228,47 @@ class Deployment:
             inst.busy = False
             return
         inst.busy = True
-        self.schedule(now + res.seconds, lambda at: self._step_end(inst, res, at))
+        run = inst.plan_run(res, now) if self.skip_steps else None
+        if run is None:
+            self._schedule_step_end(inst, now + res.seconds, lambda at: self._step_end(inst, res, at))
+            return
+        inst.run = run
+        self._schedule_step_end(inst, run.ends[-1], lambda at: self._run_end(inst, run, at))
+
+    # ---- skipped decode steps -----------------------------------------------------------------
+    def _run_end(self, inst: SimInstance, run: DecodeRun, now: float) -> None:
+        if inst.run is not run:
+            self.events -= 1  # cut short by _sync, which scheduled its own step end
+            return
+        inst.run = None
+        last = len(run.ends)
+        self._apply(inst, run, last - 1, last)
+        self._step_end(inst, run.result(last), now)
+
+    def _sync(self, inst: SimInstance, now: float) -> None:
+        """Before an outside event touches `inst` at `now`: its skipped steps that ended by `now` applied (their
+        step-end events would have come first), and the step under way made an ordinary step event again."""
+        run = inst.run
+        if run is None:
+            return
+        inst.run = None
+        done = bisect_right(run.ends, now)  # < len(run.ends): the run's own end event comes before `now`'s
+        self._apply(inst, run, done, done + 1)
+        res = run.result(done + 1)
+        self._schedule_step_end(inst, run.ends[done], lambda at: self._step_end(inst, res, at))
+
+    def _apply(self, inst: SimInstance, run: DecodeRun, commits: int, allocs: int) -> None:
+        """Skipped steps up to `commits` applied to the instance, and their tokens' times to the clients'."""
+        first = run.committed
+        inst.advance(run, commits, allocs)
+        if commits <= first:
+            return
+        egress = inst.profile.overheads.egress_s
+        out = [at + egress for at in run.ends[first:commits]]
+        for req in run.rows:
+            t = self._legs.get(req.request_id)
+            if t is not None and not req.kv.send:  # a prefill leg's tokens count only when it ends
+                t.token_times.extend(out)
 
     def _step_end(self, inst: SimInstance, res: StepResult, now: float) -> None:
         inst.commit(res)
@@ -269,11 +323,13 @@ class Deployment:
                     t.token_times.append(step_now + d.profile.overheads.egress_s)
                     req.kv.first_token_sent = True
             if req.kv.first_token is not None:
+                self._sync(d, at)
                 self._pending[d.name].append(emit)
                 self._kick(d, at)
             self.links.start(at, p.name, d.name, nbytes, read_done)
 
         def read_done(at: float) -> None:
+            self._sync(p, at)
             p.release_held(p_req.request_id)
             p_req.sim_pair = req.sim_producer = None  # type: ignore[attr-defined]  # no cycle keeps them
             self._kick(p, at)
@@ -284,6 +340,7 @@ class Deployment:
                     req.kv.first_token_sent = True
                 req.num_cached_tokens = req.kv.remote_tokens(req.num_prompt_tokens)
                 d.scheduler.end_load(req, ok=True)
+            self._sync(d, at)
             self._pending[d.name].append(ended)
             self._kick(d, at)
 

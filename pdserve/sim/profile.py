@@ -132,6 +132,15 @@ class Profile:
         return (m["fixed"] * features[0] + m["tokens"] * features[1] + m["prefill_attention"] * features[2]
                 + m["decode_rows"] * features[3] + m["decode_context"] * features[4])
 
+    def decode_steps_seconds(self, rows: int, contexts: np.ndarray) -> np.ndarray:
+        """`step_seconds(step_features(...))` of decode-only steps of `rows` rows, one per total context in
+        `contexts` (the simulator's skipped decode steps): the same float expression, its first four terms summed
+        first as Python sums them there, then one multiply and one add per step (separate IEEE operations in
+        numpy as in Python: each value is the one step_seconds gives)."""
+        m = self.step_model
+        n = float(rows)
+        base = m["fixed"] * 1.0 + m["tokens"] * n + m["prefill_attention"] * 0.0 + m["decode_rows"] * n
+        return base + m["decode_context"] * contexts.astype(np.float64)
 
 def step_features(rows: Iterable[tuple[int, int]]) -> tuple[float, float, float, float, float]:
     """The step model's features of one engine step whose rows are (new tokens, tokens computed before): a

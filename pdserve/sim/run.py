@@ -47,9 +47,12 @@ class SimRun:
     sim_s: float
 
 
-def simulate(topo: Topology, pools: Pools, jobs: Sequence[Job], until: float | None = None) -> SimRun:
+def simulate(topo: Topology, pools: Pools, jobs: Sequence[Job], until: float | None = None,
+             skip_steps: bool = True) -> SimRun:
+    """skip_steps: decode stretches as one event each (cluster.py); False runs every step as its own event (the
+    reference the skipping is tested against)."""
     dep = Deployment([pools.prefill] * topo.num_prefill, [pools.decode] * topo.num_decode,
-                     [pools.collocated] * topo.num_collocated)
+                     [pools.collocated] * topo.num_collocated, skip_steps=skip_steps)
     for job in jobs:
         dep.submit(job)
     t0 = time.perf_counter()
@@ -58,11 +61,11 @@ def simulate(topo: Topology, pools: Pools, jobs: Sequence[Job], until: float | N
 
 
 def simulate_conversations(topo: Topology, pools: Pools, conversations: Sequence[Conversation], think_time: float,
-                           max_concurrency: int | None) -> SimRun:
+                           max_concurrency: int | None, skip_steps: bool = True) -> SimRun:
     """Conversations as bench/multiturn.py runs them: all start at once (up to `max_concurrency` side by side),
     each turn sent `think_time` after the previous answer ended."""
     dep = Deployment([pools.prefill] * topo.num_prefill, [pools.decode] * topo.num_decode,
-                     [pools.collocated] * topo.num_collocated)
+                     [pools.collocated] * topo.num_collocated, skip_steps=skip_steps)
     waiting = list(conversations)
     of: dict[int, Conversation] = {}
     counter = iter(range(1 << 62))

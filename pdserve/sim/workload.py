@@ -39,6 +39,14 @@ OUTPUT_COLUMNS = ("generatedtokens", "output_length", "output_tokens", "output_l
 
 
 _ZEROS: dict[int, list[int]] = {}
+_INDEXES: list[bytes] = []  # struct.pack("<I", i) for every block index i asked so far
+
+
+def _block_indexes(n: int) -> list[bytes]:
+    """The packed indexes of a prompt's first n blocks (packed once per run, not once per request)."""
+    if len(_INDEXES) < n:
+        _INDEXES.extend(struct.pack("<I", i) for i in range(len(_INDEXES), n))
+    return _INDEXES[:n]
 
 
 @dataclass(eq=False)
@@ -85,7 +93,7 @@ class Job:
                                           else -1 - self.index, i) for i in range(full)]
             else:
                 tag = b"r" + struct.pack("<q", self.index)
-                got = [tag + struct.pack("<I", i) for i in range(full)]
+                got = [tag + i for i in _block_indexes(full)]
             self._hashes[block_size] = got
         return got
 
