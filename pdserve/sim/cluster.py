@@ -160,13 +160,15 @@ class Deployment:
             job.forget_hashes()
             self._admit(inst, req, now + inst.profile.overheads.ingress_s, t, streams=True)
             return
-        # the early decode leg first (app.start_pair), then the prefill leg's choice (legs.run_prefill)
-        d_pinst = run_now(self.chooser.early_decode({"n": 1}))
-        if d_pinst is None:
-            d_pinst = run_now(self.chooser.decode(wait=True))
-        d_pinst.acquire(decode_tokens)
+        # the proxy's order (proxy/plan.py decide_pair): the prefill instance first, then the early decode leg's
+        # instance, one that pairs with it (the decode leg's choice when no early leg is possible is made here too,
+        # not after the prefill answered: a simplification)
         p_pinst = run_now(self.chooser.prefill(wait=True))
         p_pinst.acquire(tokens)
+        d_pinst = run_now(self.chooser.early_decode({"n": 1}, p_pinst))
+        if d_pinst is None:
+            d_pinst = run_now(self.chooser.decode(wait=True, pair_with=p_pinst))
+        d_pinst.acquire(decode_tokens)
         t.decode_inst, t.prefill_inst = d_pinst, p_pinst
         p = self.instances[p_pinst.sim_name]
         d = self.instances[d_pinst.sim_name]
