@@ -385,6 +385,32 @@ def test_prefill_killed_mid_push_fails_or_recomputes_fast(cluster, model_dir, tm
         victim.stop()
 
 
+def test_a_silent_prefill_is_given_up_and_its_blocks_quarantined(cluster, model_dir, tmp_path):
+    """A prefill that stops answering mid-push (SIGSTOP: a frozen process, or a cut link) may still WRITE into
+    the registered blocks until the registration's deadline. The decode answers the request once the prefill
+    has been silent for transfer_timeout_s (fail: the error names it; recompute: exact tokens, in new blocks)
+    and keeps the registered blocks out of its pool until the deadline, then frees them."""
+    victim = start(model_dir, tmp_path, "silent", "--kv-transfer-config", push_config("kv_producer"),
+                   "--side-channel-port", "0")
+    stopped = False
+    try:
+        victim.wait_ready()
+        legs, ref = _both_policies(cluster, victim, 81)
+        time.sleep(1.0)  # admitted and registered (the prefill's jobs wait for their prefill legs)
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        stopped = True
+        fail_leg = legs[0].result()
+        assert fail_leg.status_code == 500 and "silent" in fail_leg.text, fail_leg.text
+        _check_policies(cluster, legs, ref)  # the recompute is exact; both decodes end with every block free
+        for name, _ in FAIL_OR_RECOMPUTE:
+            log = (cluster["logs"] / f"{name}.log").read_text()
+            assert "kept out of the pool" in log, name
+    finally:
+        if stopped:
+            os.kill(victim.proc.pid, signal.SIGCONT)
+        victim.stop()
+
+
 def test_a_write_that_fails_to_post_is_learnt_at_once(cluster, model_dir):
     """vLLM#48633 C2: the prefill's WRITE cannot be posted (the registered pool names memory the decode's agent
     never registered); the decode side learns it from push_status at once, long before its deadline. The decode

@@ -47,6 +47,10 @@ class LoadResult:
     error_status: int = 500
     rejected: str | None = None  # the producer refused the lease the params name (a client error), and why
     first_token: FirstToken | None = None  # a push's completion: the token the prefill sampled (adopted by the engine)
+    # a failed push whose prefill fell silent with WRITEs possibly in flight: its blocks may still be written until
+    # this monotonic time (the registration's deadline); the engine answers the request now and keeps the
+    # blocks out of its pool until then (engine/pd/loads.py)
+    quarantine_until: float | None = None
 
 
 def load_span(local_block_ids: Sequence[int], first_block: int, num_tokens: int | None, block_size: int,

@@ -64,6 +64,7 @@ class _Pending:
     cancel: bool = False  # the engine aborted the request: cancel, then wait until quiesced
     cancel_sent: bool = False
     unreachable: int = 0
+    silent_since: float | None = None  # monotonic: the first of the status calls timing out in a row
     registered: bool = False  # the prefill accepted the registration (before: only cancel is sent)
     blocks: list[int] = field(default_factory=list)  # the local blocks registered, for request blocks [first_block..)
     first_block: int = 0
@@ -291,6 +292,24 @@ class PushReceiver:
                 logger.exception("KV push watcher failed")
             time.sleep(_FAST_POLL_S)
 
+    def _gave_up_on_silence(self, item: _Pending, now: float) -> bool:
+        """A registered push whose prefill has answered no status call for `transfer_timeout_s` (a cut link, a
+        frozen process): the request is answered now (failed: the policy applies) instead of at the
+        registration's deadline, but its blocks stay out of the decode's pool until that deadline, as a WRITE
+        of it may still land (`LoadResult.quarantine_until`). A prefill that comes back meanwhile is told to
+        cancel (best effort). True when it gave up."""
+        if item.silent_since is None:
+            item.silent_since = now
+            return False
+        silent = now - item.silent_since
+        if not item.registered or silent < self._kv.config.transfer_timeout_s or now > item.deadline:
+            return False
+        self._executor.submit(self._cancel_remote, item.params)
+        self._end(item, LoadResult(item.request_id, False, f"prefill instance silent for {silent:.1f}s during the "
+                                   "push (its status calls time out); its blocks are kept until the push's "
+                                   "deadline", quarantine_until=item.deadline), failed=True)
+        return True
+
     def _poll_status(self, now: float) -> None:
         with self._lock:
             items = [i for i in self._pending.values() if i.registered or i.cancel]
@@ -330,6 +349,9 @@ class PushReceiver:
                 state = states[k] if states is not None and k < len(states) else None
                 if state is not None:
                     item.unreachable = 0
+                    item.silent_since = None
+                elif states is None and self._gave_up_on_silence(item, now):
+                    continue
                 if state == "done":  # the completion notice was missed (or is behind this reply)
                     self._end(item, LoadResult(item.request_id, True, bytes=item.nbytes,
                                                seconds=time.perf_counter() - item.started,

@@ -24,7 +24,7 @@ class EnginePD:
         self.connector = connector
         self.admission = Admission(connector, blocks, vocab_size, eos_token_ids)
         consumer = connector.consumer if connector is not None else None
-        self.loads = (Loads(connector, consumer, loading, blocks.block_size, eos_token_ids)
+        self.loads = (Loads(connector, consumer, loading, blocks, eos_token_ids)
                       if consumer is not None else None)
         self.holds = Holds(connector, blocks, eos_token_ids, max_model_len)
         # push transfer (NixlPushConnector) on a prefill: what the model calls as each layer of a step finishes

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterable, Mapping
 
 from pdserve.api.pd import FirstToken, PushParams
+from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.pd.connector_protocol import KVConnectorProtocol, KVConsumerRole
 from pdserve.engine.pd.events import Emit, Finish, LoadEnded, PDEvent
 from pdserve.engine.pd.first_token import adopt_first_token
@@ -20,11 +21,15 @@ log = logging.getLogger("pdserve.engine")
 
 class Loads:
     def __init__(self, connector: KVConnectorProtocol, consumer: KVConsumerRole, loading: Mapping[str, Request],
-                 block_size: int, eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 blocks: BlockManager, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.connector = connector  # the failure policy and the prefix-pull counters
         self.consumer = consumer  # the reads
         self.loading = loading  # the scheduler's: request id -> request whose blocks a read is filling
-        self.block_size = block_size
+        self.blocks = blocks
+        self.block_size = blocks.block_size
+        # blocks of failed loads that may still be written (a push whose prefill fell silent): freed at the time
+        # given, not with their request
+        self.quarantined: list[tuple[float, list[int]]] = []
         self.eos_token_ids = eos_token_ids  # a push's first token is adopted under the request's stop rules
 
     def drop(self, reqs: Iterable[Request]) -> None:
@@ -57,6 +62,7 @@ class Loads:
     def poll(self) -> list[PDEvent]:
         """Claims (an adopted first token goes out) and outcomes of the reads in flight."""
         events: list[PDEvent] = []
+        self._free_quarantined(time.monotonic())
         # results first, then claims: a load's claim is queued before its result, so every result polled
         # here has its claim polled too, and a claim is seen before the result of the same load
         results = self.consumer.poll_loads()
@@ -80,6 +86,8 @@ class Loads:
             req.error_status = getattr(res, "error_status", 500)  # the HTTP status a failure is answered with
             if res.ok:
                 self._adopt_pushed_first_token(req, getattr(res, "first_token", None))
+            elif getattr(res, "quarantine_until", None) is not None:
+                self._quarantine(req, res.quarantine_until)
             events += self._ended(req, ok=res.ok, error=res.error or "KV transfer failed",
                                   rejected=getattr(res, "rejected", None))
         return events
@@ -89,6 +97,29 @@ class Loads:
         only when it ends (`_ended` finishes it then)."""
         req.kv.request_abort()
         self.consumer.cancel_load(req.request_id)  # a pending push stops; its blocks come back quiesced
+
+    def _quarantine(self, req: Request, until: float) -> None:
+        """The blocks the failed load was filling leave the request (which is answered, or recomputes into new
+        blocks) and are freed at `until`, when nothing can land in them any more; the local prefix-cache hit
+        before them stays the request's."""
+        first_block = req.num_computed_tokens // self.block_size
+        tail = list(req.block_ids[first_block:])
+        if not tail:
+            return
+        req.block_ids = req.block_ids[:first_block]
+        req.num_registered_blocks = min(req.num_registered_blocks, first_block)
+        self.quarantined.append((until, tail))
+        log.warning("request %s: %d blocks kept out of the pool for %.0f s (a WRITE may still land in them)",
+                    req.request_id, len(tail), max(0.0, until - time.monotonic()))
+
+    def _free_quarantined(self, now: float) -> None:
+        if not self.quarantined:
+            return
+        due = [blocks for until, blocks in self.quarantined if until <= now]
+        if due:
+            self.quarantined = [(u, b) for u, b in self.quarantined if u > now]
+            for blocks in due:
+                self.blocks.free_blocks(blocks)
 
     def _adopt_pushed_first_token(self, req: Request, first: FirstToken | None) -> None:
         """A push that completed with the prefill's first token: adopted now (the whole prompt was written), so
