@@ -56,18 +56,42 @@ class PdserveProcess:
 
     poll_s = 0.3  # how often wait_ready asks /health
 
+    port_retries = 3  # a port from free_port() taken by another process before this one bound it: a new port
+
     def __init__(self, log_path: Path, port: int, args: list[str], env: dict[str, str] | None = None):
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve", *args], stdout=self._log,
-                                     stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        self._args, self._env = list(args), env
+        self._spawn(port)
+
+    def _spawn(self, port: int) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve", *self._args], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env={**os.environ, **(self._env or {})})
+
+    def _port_taken(self) -> bool:
+        """The process exited because its port was bound meanwhile (free_port's port is free only when asked:
+        servers starting beside it bind ports of the same ephemeral range), and it was given one on the command
+        line that a new free_port() can replace."""
+        ours = ["--port", str(self.port)]
+        given = any(self._args[i:i + 2] == ours for i in range(len(self._args) - 1))
+        return given and f"'127.0.0.1', {self.port}): address already in use" in self.log()
+
+    def _respawn_on_a_new_port(self) -> None:
+        port = free_port()
+        i = next(i for i in range(len(self._args) - 1) if self._args[i:i + 2] == ["--port", str(self.port)])
+        self._args[i + 1] = str(port)
+        self.port_retries -= 1
+        self._spawn(port)
 
     def wait_ready(self, timeout: float = 180.0) -> Self:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if self.port_retries > 0 and self._port_taken():
+                    self._respawn_on_a_new_port()
+                    continue
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
