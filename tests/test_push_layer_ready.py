@@ -157,6 +157,9 @@ def test_the_writer_posts_a_layer_only_once_its_kv_is_there(pair) -> None:
     assert sender.stats.snapshot().posts == 0  # the writer waits on the layer, not on anything after it
     _compute_layer(env["p_pool"], local, 0, seed=7)  # the "device" finishes layer 0 only now
     gate.open.set()
+    # layer 0 goes out once its marker is ready, before the prefill ends (on a loaded box the writer thread may
+    # take a while to run: wait for the post rather than race finish() with it)
+    _until(lambda: sender.stats.snapshot().posts >= 1, "layer 0's WRITE")
     for layer in range(1, LAYERS):
         _compute_layer(env["p_pool"], local, layer, seed=7)
         on_layer(layer)
