@@ -1,6 +1,6 @@
 """Fold a GPU wave's section folders into the few files a device call brings back (benchmarks/gpu_wave.sh).
 
-    python3 benchmarks/gpu_wave_collect.py --work /tmp/wave --out $OUT
+    python3 benchmarks/gpu_wave_collect.py --work "$WORK" --out $OUT
 
 The device returns at most 8 files of 16 MiB, so each section's output is merged: `wave.json` (per section its
 status, seconds and budget from sections.tsv, every JSON file it wrote, the tail of its output), `wave.md` (the
