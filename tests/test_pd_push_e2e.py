@@ -411,6 +411,23 @@ def test_a_silent_prefill_is_given_up_and_its_blocks_quarantined(cluster, model_
         victim.stop()
 
 
+def expect_the_write_failure_at_once(consumer, prefill_url: str, prefill_body: dict) -> None:
+    """A probe consumer registered blocks its agent cannot be written into (started just before): once the prefill
+    leg is sent, the push's WRITE fails and the consumer learns it at once, and the prefill frees its blocks."""
+    time.sleep(0.5)  # registered
+    p = httpx.post(f"{prefill_url}/v1/completions", json=prefill_body, timeout=60, headers=HEADERS)
+    assert p.status_code == 200
+    t0 = time.monotonic()
+    results: list = []
+    while not results and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+        results = consumer.poll_loads()
+    assert results and not results[0].ok, results
+    assert time.monotonic() - t0 < 2.0  # at once, not at the 30 s deadline
+    assert "WRITE" in (results[0].error or ""), results[0].error
+    wait_idle(prefill_url)  # the failed job gave the prefill's blocks back
+
+
 def test_a_write_that_fails_to_post_is_learnt_at_once(cluster, model_dir):
     """vLLM#48633 C2: the prefill's WRITE cannot be posted (the registered pool names memory the decode's agent
     never registered); the decode side learns it from push_status at once, long before its deadline. The decode
@@ -460,19 +477,7 @@ def test_a_write_that_fails_to_post_is_learnt_at_once(cluster, model_dir):
         tokens = len(httpx.post(f"{cluster['prefill'].url}/tokenize", json={"model": "tiny", "prompt": b["prompt"]},
                                 timeout=10).json()["tokens"]) - 1
         consumer.start_load("probe-1", pd.parse_push_decode_params(params), list(range(-(-tokens // 16))), 0, tokens)
-        time.sleep(0.5)  # registered
-        p = httpx.post(f"{cluster['prefill'].url}/v1/completions", json=pd.build_prefill_body(b, push_key=key),
-                       timeout=60, headers=HEADERS)
-        assert p.status_code == 200
-        t0 = time.monotonic()
-        results: list = []
-        while not results and time.monotonic() - t0 < 10:
-            time.sleep(0.01)
-            results = consumer.poll_loads()
-        assert results and not results[0].ok, results
-        assert time.monotonic() - t0 < 2.0  # at once, not at the 30 s deadline
-        assert "WRITE" in (results[0].error or ""), results[0].error
-        wait_idle(cluster["prefill"].url)  # the failed job gave the prefill's blocks back
+        expect_the_write_failure_at_once(consumer, cluster["prefill"].url, pd.build_prefill_body(b, push_key=key))
     finally:
         consumer.shutdown()
         agent.close()

@@ -25,7 +25,14 @@ from server_utils import MODEL, ServerProcess, make_model_dir, metric_value, wai
 
 pytest.importorskip("nixl_cu12", reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
 
-from test_pd_push_e2e import HEADERS, Leg, _stream_text, labelled, metrics_of  # noqa: E402
+from test_pd_push_e2e import (  # noqa: E402
+    HEADERS,
+    Leg,
+    _stream_text,
+    expect_the_write_failure_at_once,
+    labelled,
+    metrics_of,
+)
 
 from pdserve.api import pd  # noqa: E402
 
@@ -293,19 +300,7 @@ def test_a_write_failing_on_a_worker_rank_is_learnt_at_once(servers, tmp_path):
         params = pd.parse_push_decode_params(decode_params(servers["p2"], key))
         n = len(tokens) - 1
         consumer.start_load("probe-1", params, list(range(-(-n // 16))), 0, n)
-        time.sleep(0.5)  # registered
-        p = httpx.post(f"{servers['p2'].url}/v1/completions", json=pd.build_prefill_body(body(tokens), push_key=key),
-                       timeout=60, headers=HEADERS)
-        assert p.status_code == 200
-        t0 = time.monotonic()
-        results: list = []
-        while not results and time.monotonic() - t0 < 10:
-            time.sleep(0.01)
-            results = consumer.poll_loads()
-        assert results and not results[0].ok, results
-        assert time.monotonic() - t0 < 2.0  # at once, not at the 30 s deadline
-        assert "WRITE" in (results[0].error or ""), results[0].error
-        wait_idle(servers["p2"].url)  # the failed job gave the prefill's blocks back
+        expect_the_write_failure_at_once(consumer, servers["p2"].url, pd.build_prefill_body(body(tokens), push_key=key))
     finally:
         consumer.shutdown()
         agent.close()
