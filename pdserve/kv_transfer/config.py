@@ -13,7 +13,6 @@ import os
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from pdserve.kv_transfer.auth import DEFAULT_MAX_SKEW_S, SECRET_ENV, SECRET_KEY, resolve_secret
 
@@ -113,7 +112,7 @@ _KNOWN_EXTRA_KEYS = frozenset(
 )
 
 
-def _number(extra: Mapping[str, Any], key: str, default: float, *, minimum: float = 0.0) -> float:
+def _number(extra: Mapping[str, object], key: str, default: float, *, minimum: float = 0.0) -> float:
     value = extra.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"kv_connector_extra_config.{key} must be a number, got {value!r}")
@@ -122,7 +121,7 @@ def _number(extra: Mapping[str, Any], key: str, default: float, *, minimum: floa
     return float(value)
 
 
-def _port(value: Any, source: str) -> int:
+def _port(value: object, source: str) -> int:
     if isinstance(value, str):
         try:
             value = int(value.strip())
@@ -133,7 +132,7 @@ def _port(value: Any, source: str) -> int:
     return value
 
 
-def digests_enabled(raw: Mapping[str, Any] | None) -> bool:
+def digests_enabled(raw: Mapping[str, object] | None) -> bool:
     """Whether a raw `--kv-transfer-config` turns the per-block KV digests on (`enable_kv_digest`): also what the
     KV offload tiers follow for their host tier, with or without P/D."""
     extra = (raw or {}).get("kv_connector_extra_config") or {}
@@ -162,7 +161,7 @@ class KVTransferConfig:
     side_channel_host: str
     side_channel_port: int
     log_stats_interval_s: float = 10.0
-    extra_config: Mapping[str, Any] = field(default_factory=dict)  # without the secret
+    extra_config: Mapping[str, object] = field(default_factory=dict)  # without the secret
     # The deployment secret that authenticates side-channel messages (None: unauthenticated, loopback only
     # unless `insecure_side_channel`). Never in repr: configs get logged.
     side_channel_secret: str | None = field(default=None, repr=False)
@@ -213,7 +212,7 @@ class KVTransferConfig:
     @classmethod
     def from_json(
         cls,
-        raw: str | Mapping[str, Any],
+        raw: str | Mapping[str, object],
         *,
         side_channel_host: str | None = None,
         side_channel_port: int | str | None = None,

@@ -25,10 +25,17 @@ refused when digests are required).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdserve.kv_transfer.messages import KvDigestsReply
+    from pdserve.kv_transfer.metrics import TransferMetrics
+    from pdserve.kv_transfer.pool import KVPool
 
 logger = logging.getLogger("pdserve.kv_transfer")
 
@@ -47,12 +54,18 @@ def encode(h1: int, h2: int) -> str:
     return f"{h1 & _MASK64:x}_{h2 & _MASK64:x}"
 
 
-def default_algo(pool: Any) -> str:
+class DigestingRank(Protocol):
+    """A worker rank that digests its own shard (`kv_rank.RemoteRankAgent`)."""
+
+    def block_digests(self, block_ids: list[int], algo: str) -> list[str]: ...
+
+
+def default_algo(pool: KVPool) -> str:
     """The cheap one where the pool lives: XXH3 on the CPU, vLLM's lane sums on a GPU (a device reduction)."""
     return VLLM_LANESUM if getattr(pool, "is_cuda", False) else XXH3_128
 
 
-def _rows(pool: Any) -> Any:
+def _rows(pool: KVPool) -> KVPool:
     """The pool as [num_blocks, block_bytes] uint8 (a view: no copy)."""
     if isinstance(pool, np.ndarray):
         return pool.reshape(pool.shape[0], -1).view(np.uint8)
@@ -62,7 +75,7 @@ def _rows(pool: Any) -> Any:
         else pool.reshape(pool.shape[0], -1)
 
 
-def _xxh3(pool: Any, block_ids: Sequence[int]) -> list[str]:
+def _xxh3(pool: KVPool, block_ids: Sequence[int]) -> list[str]:
     import xxhash
 
     rows = _rows(pool)
@@ -75,7 +88,7 @@ def _xxh3(pool: Any, block_ids: Sequence[int]) -> list[str]:
     return out
 
 
-def _lanesum(pool: Any, block_ids: Sequence[int]) -> list[str]:
+def _lanesum(pool: KVPool, block_ids: Sequence[int]) -> list[str]:
     import torch
 
     rows = _rows(pool) if not isinstance(pool, np.ndarray) else torch.from_numpy(_rows(pool))
@@ -95,7 +108,7 @@ def _lanesum(pool: Any, block_ids: Sequence[int]) -> list[str]:
     return [encode(a, b) for a, b in zip(h1.tolist(), h2.tolist(), strict=True)]
 
 
-def digest_blocks(pool: Any, block_ids: Sequence[int], algo: str) -> list[str]:
+def digest_blocks(pool: KVPool, block_ids: Sequence[int], algo: str) -> list[str]:
     """One digest per block of `pool` ([num_blocks, num_layers, 2, ...], a torch tensor or numpy array)."""
     if not block_ids:
         return []
@@ -111,7 +124,7 @@ def digest_blocks(pool: Any, block_ids: Sequence[int], algo: str) -> list[str]:
     raise ValueError(f"unknown KV digest algorithm {algo!r} (known: {', '.join(ALGOS)})")
 
 
-def cpu_block_digest(blocks: Any, i: int) -> str:
+def cpu_block_digest(blocks: torch.Tensor, i: int) -> str:
     """Block i of a CPU tensor of blocks (the KV offload host tier's slots)."""
     return digest_blocks(blocks, [i], XXH3_128)[0]
 
@@ -120,7 +133,7 @@ class BlockDigester:
     """Digests of this instance's blocks on every tensor-parallel rank: rank 0's pool is in this process,
     ranks 1..N-1 answer `block_digests` from their own processes (`kv_rank.RemoteRankAgent`)."""
 
-    def __init__(self, pool: Any, rank_agents: Sequence[Any] = (), *, algo: str | None = None) -> None:
+    def __init__(self, pool: KVPool, rank_agents: Sequence[DigestingRank] = (), *, algo: str | None = None) -> None:
         self._pool = pool
         self._ranks = list(rank_agents)
         self.algo = algo or default_algo(pool)
@@ -164,7 +177,7 @@ class BlockDigester:
 
 
 def verify_load(
-    digester: BlockDigester, *, metrics: Any, policy: str, required: bool, expected: Sequence[Sequence[str]],
+    digester: BlockDigester, *, metrics: TransferMetrics, policy: str, required: bool, expected: Sequence[Sequence[str]],
     algo: str | None, src_tp: int, local_ids: Sequence[int], positions: Sequence[int], what: str, where: str,
 ) -> str | None:
     """The check after a READ (`where` "read") or a push (`where` "push"), counted in `metrics`: None when the
@@ -184,25 +197,26 @@ def verify_load(
     return None
 
 
-def check_push(fetch: Callable[[], Mapping[str, Any]], check: Callable[..., str | None], request_id: str,
+def check_push(fetch: Callable[[], KvDigestsReply], check: Callable[..., str | None], request_id: str,
                blocks: Sequence[int], first_block: int) -> str | None:
     """After a push completed: `fetch` the prefill's digests of the request's blocks (the `kv_digests` side-channel
     op) and `check` (`KVConsumer.check_digests`) the registered `blocks` (request blocks from `first_block`)."""
-    from pdserve.kv_transfer.errors import SideChannelError, SideChannelRefused
+    from pdserve.kv_transfer.errors import ProtocolError, SideChannelError, SideChannelRefused
 
-    expected: list[list[str]] = []
+    expected: Sequence[Sequence[str]] = ()
     algo: str | None = None
     try:
         reply = fetch()
+    except ProtocolError as exc:  # a reply that is no list of digest strings per rank: never "unverified"
+        return f"the prefill's KV digests for request {request_id} are malformed: {exc}"
     except SideChannelRefused as exc:
         logger.info("KV digests of the push into request %s not served: %s", request_id, exc)
     except SideChannelError as exc:
         logger.warning("KV digests of the push into request %s not fetched: %s", request_id, exc)
     else:
         need = first_block + len(blocks)
-        digests = reply["digests"]
-        if not all(isinstance(r, list) and len(r) >= need and all(isinstance(d, str) for d in r) for r in digests):
-            return f"the prefill's KV digests for request {request_id} are malformed"
-        expected, algo = digests, reply["algo"]
+        if not all(len(r) >= need for r in reply.digests):
+            return f"the prefill's KV digests for request {request_id} are malformed (too few)"
+        expected, algo = reply.digests, reply.algo
     return check(expected, algo, max(len(expected), 1), blocks, range(first_block, first_block + len(blocks)),
                  f"request {request_id}", "push")
