@@ -101,6 +101,20 @@ def test_replies_round_trip(reply: Reply) -> None:
     assert decode_reply(encode(reply), type(reply), "test reply") == reply
 
 
+@pytest.mark.parametrize("message", [*REQUESTS, *REPLIES], ids=lambda m: type(m).__name__)
+def test_the_bytes_are_what_msgpack_python_packs_for_the_same_map(message: Request[Reply] | Reply) -> None:
+    """The dict-based side channel before the typed messages packed each map with msgpack-python; with the same
+    keys in the same order (below), msgspec writes the same bytes (str/bin types, int widths, float64), but for
+    the length header of a map it omitted a field from."""
+    payload = encode(message)
+    repacked = msgpack.packb(msgpack.unpackb(payload), use_bin_type=True)
+    if message.__struct_config__.omit_defaults and len(msgpack.unpackb(payload)) < 16:
+        # omitting fields, msgspec writes a map16 header (it counts the entries afterwards): the same map
+        assert payload[0] == 0xDE and payload[3:] == repacked[1:]
+    else:
+        assert payload == repacked
+
+
 def test_the_wire_form_is_the_documented_map() -> None:
     """What older peers and raw-frame tools read: a msgpack map by field name, the op (or re/ok) first."""
     claim = msgpack.unpackb(encode(REQUESTS[1]))

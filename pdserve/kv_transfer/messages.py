@@ -1,8 +1,9 @@
 """The KV side channel's messages (`side_channel.py` carries them): one frozen msgspec struct per request and per
 reply, and the one codec that every sender and receiver uses.
 
-On the wire (protocol 2; typing the messages changed no byte of it) each message is a msgpack map of its fields
-by name, in the order declared here:
+On the wire (protocol 2: the maps the untyped side channel sent, with the same keys, order and types, and the
+same bytes but for a map header where a field is omitted) each message is a msgpack map of its fields by name,
+in the order declared here:
 
     request  {"op": the struct's tag, "to": producer engine id, "ts": wall-clock seconds, "nonce": 16 bytes,
               ...its fields}
@@ -15,9 +16,10 @@ ignored; a missing field or one of the wrong type (a bool is no int) makes the m
 `MalformedMessage` naming the op and the field (msgspec's own words, e.g. "claim request: Expected `int`, got
 `bool` - at `$.generation`"), and the producer answers a `bad_request` refusal.
 
-Why msgspec (as vLLM's V1 engine-core boundary uses): the structs are the schema, decoding checks every field's
-type in one pass in C, and a tagged union picks a request's type by its `op`; a dataclass codec would have had to
-re-implement that checking (the field-type tables it replaces).
+Why msgspec (as vLLM's V1 engine-core messages use, vllm/v1/engine/__init__.py, and its NixlConnector's handshake
+did, `NixlAgentMetadata` in vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py): the structs are the
+schema, decoding checks every field's type in one pass in C, and a tagged union picks a request's type by its
+`op`; a dataclass codec would have had to re-implement that checking (the field-type tables it replaces).
 """
 
 from __future__ import annotations
@@ -265,7 +267,7 @@ _ENCODER = msgspec.msgpack.Encoder()
 _ENVELOPE = msgspec.msgpack.Decoder(Envelope)
 _REQUEST = msgspec.msgpack.Decoder(Union[REQUEST_TYPES])  # noqa: UP007 - a runtime tuple of types
 _REPLIES: dict[type[Reply], msgspec.msgpack.Decoder] = {}
-_HEADER = (("to", ""), ("ts", 0.0), ("nonce", b""))
+_REQUEST_HEADER = (("to", ""), ("ts", 0.0), ("nonce", b""))  # what `call` fills, by its unset value
 
 
 def encode(message: Struct) -> bytes:
@@ -314,7 +316,7 @@ def decode_request(payload: bytes) -> Request[Reply]:
         if not isinstance(op, str) or op not in OPS:
             raise MalformedMessage(f"unknown op {op!r}", nonce=nonce) from None
         raise MalformedMessage(f"{op} request: {exc}", op=op, nonce=nonce) from None
-    for name, unset in _HEADER:
+    for name, unset in _REQUEST_HEADER:
         if getattr(request, name) == unset:
             raise MalformedMessage(f"{request.op} request: missing field {name!r}", op=request.op,
                                    nonce=request.nonce or None)
