@@ -348,9 +348,7 @@ class GpuStepRunner:
             logits, tokens = self._graph_forward(size)
         else:
             graph, logits, tokens = self.graphs[size]
-            t = time.perf_counter()
-            graph.replay()
-            self.timing.launch_s += time.perf_counter() - t
+            self.timing.replay(graph)
         return logits, tokens
 
     # ---- async scheduling ----------------------------------------------------------------------
