@@ -38,7 +38,6 @@ import torch
 from pdserve.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.engine import prompt_logprobs
 from pdserve.engine.request import Request
-from pdserve.engine.runner.cuda_graphs import Captured, capture_graphs
 from pdserve.engine.runner.decode_fusions import decode_fusions_from_env
 from pdserve.engine.runner.host_batch import BlockTableCache, EagerShape, HostBatch
 from pdserve.engine.runner.sampler import Sampler
@@ -123,7 +122,7 @@ class GpuStepRunner:
         self._host = torch.empty(0, dtype=torch.int64)
         self._dev = torch.empty(0, dtype=torch.int64, device=self.device)
         self.graph_sizes: list[int] = []
-        self.graphs: dict[int, Captured] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.num_spec_tokens = num_spec_tokens
         self.verify: VerifyGraphs | None = None  # the verify steps' graphs (None: verify steps run eagerly)
         self.verify_graphs_on = True  # switched off at run time by benchmarks (A/B against the eager step)
@@ -179,7 +178,15 @@ class GpuStepRunner:
             return
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        capture_graphs(self._graph_forward, self.graph_sizes, pool, self.graphs)
+        with torch.inference_mode():
+            for size in reversed(self.graph_sizes):
+                self._graph_forward(size)  # compiles the kernels for this shape outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits, tokens = self._graph_forward(size)
+                self.graphs[size] = (graph, logits, tokens)
+        torch.cuda.synchronize()
         log.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(self.graphs), self.graph_sizes,
                  time.perf_counter() - t0)
         if self.verify is not None and not self.verify.capture(pool):

@@ -34,7 +34,6 @@ import torch
 from pdserve.attention.base import AttentionMetadata
 from pdserve.engine import prompt_logprobs
 from pdserve.engine.request import Request
-from pdserve.engine.runner.cuda_graphs import Captured, capture_graphs
 
 if TYPE_CHECKING:
     from pdserve.engine.runner.step_runner import GpuStepRunner
@@ -66,7 +65,7 @@ class VerifyGraphs:
         self.k = num_drafts
         self.rows = num_drafts + 1
         self.sizes = sizes
-        self.graphs: dict[int, Captured] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.steps = 0  # verify steps replayed from a graph
         bmax = sizes[-1]
         self._b = bmax
@@ -87,7 +86,15 @@ class VerifyGraphs:
         nothing is kept and verify steps stay eager; returns whether graphs were captured."""
         t0 = time.perf_counter()
         try:
-            capture_graphs(self.forward, self.sizes, pool, self.graphs)
+            with torch.inference_mode():
+                for size in reversed(self.sizes):
+                    self.forward(size)  # compiles this shape's kernels outside the capture
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        logits, tokens = self.forward(size)
+                    self.graphs[size] = (graph, logits, tokens)
+            torch.cuda.synchronize()
         except Exception:  # noqa: BLE001 - any capture failure: the eager verify step is always correct
             log.warning("capturing the speculative verify CUDA graphs failed; verify steps run eagerly",
                         exc_info=True)
