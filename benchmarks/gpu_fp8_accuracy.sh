@@ -6,7 +6,8 @@
 # are kept between calls, so each call finds what the earlier ones carried. `prepare` (here) splits it into
 # .fp8a/ (parts 0 and 1), .fp8b/ (part 2 and the md5) and .fp8c/ (part 3). `run` (the third call)
 # reassembles and checks the GGUF, converts it with pdserve's own converter and runs bench_kv_fp8_accuracy.py
-# with the bf16 model (every fp8 format) and with the float32 model (e4m3).
+# with the bf16 model (every fp8 format) and with the float32 model (e4m3), then gpu_spec_ngram_itl.py on the
+# same real weights (the 8B shape's dummy weights never draft).
 #
 #   bash benchmarks/gpu_fp8_accuracy.sh prepare                    # CPU box, writes .fp8a/ .fp8b/ .fp8c/
 #   bash benchmarks/gpu_fp8_accuracy.sh noop                       # device call 1, carry [".fp8a"]
@@ -35,6 +36,10 @@ case ${1:-} in
     python3 benchmarks/bench_kv_fp8_accuracy.py --device cuda --model "$work/hf" --num-prompts 50 \
       --max-tokens 64 --json "$OUT/accuracy_bf16.json" 2>&1 | tail -n 8
     python3 benchmarks/bench_kv_fp8_accuracy.py --device cuda --dtype float32 --model "$work/hf" \
-      --formats fp8_e4m3 --num-prompts 50 --max-tokens 64 --json "$OUT/accuracy_fp32.json" 2>&1 | tail -n 8 ;;
+      --formats fp8_e4m3 --num-prompts 50 --max-tokens 64 --json "$OUT/accuracy_fp32.json" 2>&1 | tail -n 8
+    # ngram ITL with real weights: the 8B shape's dummy weights never produce a continuation that the prompt
+    # lookup finds, so the speculation row needs a model that copies its repetitive prompt
+    timeout 150 python3 benchmarks/gpu_spec_ngram_itl.py --model "$work/hf" --load-format auto --batch 1,4,16 \
+      --k 4 --max-tokens 96 --rounds 3 2>&1 | tail -n 14 ;;
   *) echo "usage: $0 prepare|noop|run" >&2; exit 2 ;;
 esac
