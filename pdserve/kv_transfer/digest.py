@@ -12,14 +12,18 @@ Two algorithms, named in the params (`kv_digest_algo`, ours; `pdserve.api.pd.DIG
 - `vllm_lanesum` (CUDA pools, the default there): vLLM's own: per region row, h1 = the wrapped uint64 sum of the
   8-byte lanes, h2 = the wrapped sum of lane * lane index; a block's digest is the sum over its regions. Our
   region rows are a block's (layer, K/V) slabs, which are vLLM's FlashAttention (NHD) region rows, so the
-  values match vLLM's for the same bytes there (not checked against a running vLLM). A torch reduction: it runs
-  on the device the pool is on (the GPU path is written but has not run on a GPU; tests run it on the CPU).
+  values match vLLM's for the same bytes there (not checked against a running vLLM). On a GPU the fused kernel of
+  `lanesum_kernel`, elsewhere a torch reduction on the pool's device.
 
 Tensor parallelism: each rank digests its own shard (`remote_block_digests[r]` is producer rank r's list; vLLM's
 outer list is the KV-cache group, and with one group and one rank the shapes coincide). A consumer verifies
-rank d against producer rank d when both sides have the same TP size; with different sizes a rank's shard
-holds heads of several producer ranks and no per-rank digest covers it: that load is "unverified" (counted;
-refused when digests are required).
+rank d against producer rank d when both sides have the same TP size. With different sizes a consumer rank's
+blocks hold a slice of one producer rank's heads, or the heads of several: each consumer rank then digests what
+it received in the producer's terms (`digest_split`: lane sums add up per head across consumer ranks; XXH3
+re-assembles a producer rank that one consumer rank holds whole, and a producer rank split over several consumer
+ranks is "tp_split", unverified: counted, refused when digests are required).
+
+On a CUDA pool the lane sums run as one fused Triton kernel (`lanesum_kernel`), reading each byte once.
 """
 
 from __future__ import annotations
