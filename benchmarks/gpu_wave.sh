@@ -13,8 +13,9 @@
 #   suite      the GPU unit tests of the KV digests' fused kernel (tests/test_kv_digest_gpu.py, first, <= 60 s), then
 #              issue 42 step 1's engine figures with same-run ceilings (gpu_suite.py, cheapest first): P1 decode
 #              b1, P2 decode b64 2k, P3 prefill 8k, long prompts 8k / 32k / 64k (triton and triton-cudnn)
-#   digest     the KV digests' cost against the same run's NIXL READ (VRAM, CUDA IPC) at 1k/4k/16k tokens on the
-#              Llama-3.1-8B shape (bench_kv_transfer.py --digest both): fused kernel, torch reduction, producer
+#   digest     the digest kernel's tests, then the KV digests' cost against the same run's NIXL READ (VRAM, CUDA
+#              IPC) at 1k/4k/16k tokens on the Llama-3.1-8B shape (bench_kv_transfer.py --digest both): the fused
+#              kernel, the torch reduction, the producer's hold. Not in the default SECTIONS: SECTIONS=digest
 #   speccheck  the verify kernel and verify CUDA graphs vs eager vs plain decode (pdserve.testing.spec_verify_check)
 #   spec       the verify step's cost against a plain graph step (gpu_spec_verify_cost.py, batch 1/4/16, K=4)
 #   specitl    ngram ITL on the 8B shape, verify graphs vs eager vs plain (gpu_spec_ngram_itl.py)
@@ -57,7 +58,7 @@ declare -A CAP=(
   [correct]=150    # correctness_kernels 8-10 s, correctness_engines 24-40 s, correctness_8b ~30 s, + imports/JIT
   [suite]=200      # digest kernel tests ~30 s; engine_init 6-23 s, P1 2, P2 8, P3 1, long 8k 3 / 32k 8 / 64k 23 s,
                    # + imports/JIT, warm-ups
-  [digest]=180     # a producer process (CUDA + NIXL init ~30 s), 10 x 3 sizes x digests off/on, 2 GiB at 16k
+  [digest]=200     # kernel tests ~30 s; a producer process (CUDA + NIXL init ~30 s), 10 x 3 sizes x digests off/on
   [speccheck]=150  # spec-graphs' estimate: ~90 s with a cold Triton cache (kernel cases, tiny engines)
   [spec]=130       # one 8B engine (graphs) + 3 batches x (prefill 2k tokens each, timed steps); spec-graphs: 60-90 s
   [specitl]=120    # spec-graphs' estimate: 60-90 s
@@ -155,8 +156,9 @@ for sec in "${want[@]}"; do
     suite)
       run_section suite bash -c "$DIGEST_TESTS$SUITE" _ "$WORK/suite" "$SUITE_ONLY" ;;
     digest)
-      run_section digest python3 benchmarks/bench_kv_transfer.py --device cuda --tokens 1024,4096,16384 \
-        --digest both --iters 10 --json "$WORK/digest/bench_kv_transfer_digest.json" ;;
+      # the kernel's tests first (the same as in `suite`), so that the figures come from a checked kernel
+      run_section digest bash -c "${DIGEST_TESTS}exec python3 benchmarks/bench_kv_transfer.py --device cuda \
+        --tokens 1024,4096,16384 --digest both --iters 10 --json $WORK/digest/bench_kv_transfer_digest.json" ;;
     speccheck)
       # spec-graphs' READY: the multi-query verify kernel vs float32 SDPA (drafts padded to K, bf16 and fp8 pools),
       # then tiny engines: verify CUDA graphs == eager verify == plain greedy decode (exit 1 on any failure)
