@@ -25,6 +25,7 @@ from typing import Protocol, Union
 
 import numpy as np
 
+from pdserve.kv_transfer.digest import DigestingRank
 from pdserve.kv_transfer.errors import NixlUnavailableError, TransferFailed, TransferTimeout
 from pdserve.kv_transfer.pool import PoolRegion
 
@@ -125,7 +126,7 @@ class RankAgent(Protocol):
     def send_notif(self, remote_name: str, message: bytes) -> None: ...
 
 
-class WorkerRankAgent(RankAgent, Protocol):
+class WorkerRankAgent(RankAgent, DigestingRank, Protocol):
     """Ranks 1..N-1's (`kv_rank.RemoteRankAgent`): their agents progress in their own processes, fast on demand;
     each has its own pool shard and digests it itself."""
 
@@ -133,8 +134,6 @@ class WorkerRankAgent(RankAgent, Protocol):
     def region(self) -> PoolRegion: ...
 
     def boost(self, seconds: float) -> None: ...
-
-    def block_digests(self, block_ids: list[int], algo: str) -> list[str]: ...
 
     def close(self) -> None: ...
 
