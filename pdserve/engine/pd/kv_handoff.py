@@ -80,7 +80,8 @@ class KVHandoff:
     keep_history: bool = False  # decode leg, bidirectional instance: hold prompt + answer for the next turn
     prefix: bool = False  # the params name a peer's held prefix of the prompt (not a decode leg's whole prompt)
     prefix_tokens: int | None = None  # a prefix load: how many leading prompt tokens it reads (whole blocks)
-    prefix_min_tokens: int = 0  # kv_recompute_threshold: fewer tokens left to read are recomputed instead
+    # fewer tokens left to read are recomputed instead: the proxy's min_read_tokens, else kv_recompute_threshold
+    prefix_min_tokens: int = 0
     params_key: str | None = None  # AWAITING_PARAMS: the key its params are delivered under
 
     def remote_tokens(self, num_prompt_tokens: int) -> int:
