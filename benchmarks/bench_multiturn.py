@@ -353,9 +353,9 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--num-gpu-blocks", type=int, default=None)
     ap.add_argument("--kv-recompute-threshold", type=int, default=0,
-                    help="mode on: read back a held prefix from this many missing tokens on (vLLM's default is "
-                         "64, its bidirectional benchmark configs use 0; the proxy's pull-or-recompute "
-                         "arithmetic decides per turn either way) (default 0)")
+                    help="both instances' kv_recompute_threshold (vLLM's default is 64, its bidirectional "
+                         "benchmark configs use 0). The proxy's cost model decides per turn either way: a read it "
+                         "chooses carries its own min_read_tokens, which the prefill applies instead (default 0)")
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="one more `pdserve serve` argument for both instances (repeat; e.g. "
                          "--serve-arg=--load-format --serve-arg=dummy)")
