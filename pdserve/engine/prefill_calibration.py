@@ -7,7 +7,7 @@ as a served prompt is (scheduling, block allocation and hashing, the forward, th
 the steps that prefilled it, the median of `REPEATS` after one untimed run of each length (a length's first run
 pays first-use costs a served step does not). The lengths: `FLOOR_TOKENS` for the floor, then two lengths past
 any GPU's floor for the per-token line (PrefillCost.fit), and one between for the record. ~0.5 s for the 8B shape
-on an H100. Only where it is used: a GPU instance that reads held histories back (`bidirectional_kv_xfer`); a CPU
+on an H100 (estimated from its step times). Only where it is used: a GPU instance that reads held histories back (`bidirectional_kv_xfer`); a CPU
 prefill is priced at the proxy's `--kv-history-prefill-tps` instead (its steps have no launch floor worth measuring,
 and measuring would slow every CPU start).
 
@@ -30,7 +30,7 @@ from pdserve.types.sampling_params import SamplingParams
 log = logging.getLogger("pdserve.engine")
 
 FLOOR_TOKENS = 32
-LINE_TOKENS = (1024, 2048)  # past the floor on the GPUs measured (the 8B shape's ridge is ~600-900 on an H100)
+LINE_TOKENS = (1024, 2048)  # past the floor on the GPUs measured (the 8B shape's ridge: ~600-900 estimated, on an H100)
 RECORD_TOKENS = 256
 REPEATS = 3
 MAX_STEPS = 64  # bound per prompt: a 2048-token prompt takes one step, or a few under a small batch budget

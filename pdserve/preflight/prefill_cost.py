@@ -12,7 +12,8 @@ H100 and 16-29 ms on an H200 (BENCHMARKS.md, "The verify step in CUDA graphs" an
 the GPU finishes a step of a few hundred tokens before the host has launched it. Past the floor each token costs
 `per_token_s` (the GPU's compute, plus the host's per-token work: hashing and registering blocks). Recomputing h
 history tokens in the same step as a turn's `new` tokens costs step(new + h) - step(new): nothing while new + h
-stays under the ridge (`ridge_tokens`, ~600-900 tokens for the 8B shape on an H100), h * per_token_s at most.
+stays under the ridge (`ridge_tokens`; ~600-900 tokens for the 8B shape on an H100, estimated from its eager step
+time), h * per_token_s at most.
 
 The instance measures it (pdserve/engine/prefill_calibration.py: steps of a few prompt lengths at startup, after
 the warm-up), because the floor is the host's: a datasheet and the model's shape give the weight-reading floor
