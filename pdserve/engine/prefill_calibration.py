@@ -30,7 +30,7 @@ from pdserve.types.sampling_params import SamplingParams
 log = logging.getLogger("pdserve.engine")
 
 FLOOR_TOKENS = 32
-LINE_TOKENS = (1024, 2048)  # past the floor on the GPUs measured (the 8B shape's ridge: ~600-900 estimated, on an H100)
+LINE_TOKENS = (1024, 2048)  # past the 8B shape's floor on an H100 (its ridge: ~600-900 tokens, estimated)
 RECORD_TOKENS = 256
 REPEATS = 3
 MAX_STEPS = 64  # bound per prompt: a 2048-token prompt takes one step, or a few under a small batch budget
