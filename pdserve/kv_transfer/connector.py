@@ -37,9 +37,10 @@ from prometheus_client import CollectorRegistry
 from pdserve.api.pd import PUSH
 from pdserve.kv_transfer.auth import SECRET_ENV, MessageAuth, ReplayGuard
 from pdserve.kv_transfer.compat import HEAD_MAJOR_LAYOUT, POOL_LAYOUT, normalize_compat
-from pdserve.kv_transfer.config import KVTransferConfig, is_loopback_host, push_layer_by_layer
+from pdserve.kv_transfer.config import KVTransferConfig, digests_on, is_loopback_host, push_layer_by_layer
 from pdserve.kv_transfer.consumer import KVConsumer
 from pdserve.kv_transfer.digest import BlockDigester
+from pdserve.kv_transfer.digest_split import SplitLayout
 from pdserve.kv_transfer.faults import KVFaults
 from pdserve.kv_transfer.head_split import block_geometry
 from pdserve.kv_transfer.local_kv import LocalKV
@@ -166,7 +167,13 @@ class KVConnector:
             kv = LocalKV(config, self._agent, self.region, self.compat, self.metrics, auth, ranks)
             local_heads = kv_heads_per_rank(tp_size, int(self.compat["num_kv_heads"]))
             push = config.transfer_mode == PUSH
-            digester = BlockDigester(pool, self._rank_agents) if config.enable_kv_digest else None
+            digester = None
+            if digests_on(config.enable_kv_digest, self.region.mem_type):
+                # the layout lets a consumer check a load from a producer of another TP size (digest_split)
+                layout = SplitLayout(block_geometry(self.compat, self.region.block_bytes, local_heads),
+                                     int(self.compat["num_kv_heads"]), int(self.compat["num_layers"]) * 2)
+                digester = BlockDigester(pool, self._rank_agents, layout=layout,
+                                         algo=None if config.kv_digest_algo == "auto" else config.kv_digest_algo)
             if config.is_producer:
                 assert self._server is not None
                 self.producer = KVProducer(

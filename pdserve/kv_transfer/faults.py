@@ -132,6 +132,9 @@ class KVFaults:
         if src is None:
             return
         local_descs, remote_descs = descriptor_arrays(coalesce_block_runs([src], [dst]), region, remote_pool)
+        if remote_pool.block_bytes != region.block_bytes:  # another TP size: blocks of other sizes, fill the smaller
+            remote_descs[0, 0] = remote_pool.base_addr + dst * remote_pool.block_bytes
+            local_descs[0, 1] = remote_descs[0, 1] = min(region.block_bytes, remote_pool.block_bytes)
         handle = agent.post_write(local_descs=local_descs, local_mem=region.mem_type, remote_descs=remote_descs,
                                   remote_mem=remote_pool.mem_type, remote_name=remote_name)
         deadline = time.monotonic() + 5.0

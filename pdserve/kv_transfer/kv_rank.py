@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.kv_transfer.digest import digest_blocks
+from pdserve.kv_transfer.digest_split import Received, SplitLayout, received_digests
 from pdserve.kv_transfer.errors import TransferFailed, TransferTimeout
 from pdserve.kv_transfer.nixl_agent import NixlAgent, ReadStats, apply_env_defaults, load_nixl
 from pdserve.kv_transfer.pool import PoolRegion, bind_cuda_device, pretouch, region_of
@@ -95,6 +96,19 @@ class BlockDigests:
 
 
 @dataclass(frozen=True)
+class ReceivedDigests:
+    """This rank's digests of what it received of `block_ids` from producer ranks of TP size `src_tp`
+    (kv_transfer/digest_split.py); answers a list of `Received`."""
+
+    block_ids: tuple[int, ...]
+    algo: str
+    layout: SplitLayout
+    dst_rank: int
+    dst_tp: int
+    src_tp: int
+
+
+@dataclass(frozen=True)
 class Write(_Transfer):
     """Push mode: WRITE this rank's blocks into a decode rank's and wait (NixlAgent.write); answers the bytes.
     Past `timeout_s` the WRITE is released and the decode's agent removed (`TransferTimeout`)."""
@@ -127,7 +141,10 @@ class RankKVService:
     def handlers(self) -> Handlers:
         return {KvInit: self.kv_init, AddRemote: self.add_remote, RemoveRemote: self.remove_remote,
                 Read: self.read, Write: self.write, Boost: self.boost, KvClose: lambda _: self.close(),
-                BlockDigests: lambda cmd: digest_blocks(self._pool, cmd.block_ids, cmd.algo)}
+                BlockDigests: lambda cmd: digest_blocks(self._pool, cmd.block_ids, cmd.algo),
+                ReceivedDigests: lambda cmd: received_digests(self._pool, cmd.block_ids, cmd.algo, cmd.layout,
+                                                              dst_rank=cmd.dst_rank, dst_tp=cmd.dst_tp,
+                                                              src_tp=cmd.src_tp)}
 
     def kv_init(self, cmd: KvInit) -> dict[str, Any]:
         if self.agent is not None:
@@ -276,6 +293,11 @@ class RemoteRankAgent:
 
     def block_digests(self, block_ids: list[int], algo: str) -> list[str]:
         return self.client.call(BlockDigests(tuple(block_ids), algo), timeout_s=_SETUP_TIMEOUT_S)
+
+    def received_digests(self, block_ids: list[int], algo: str, layout: SplitLayout, dst_tp: int,
+                         src_tp: int) -> list[Received]:
+        return self.client.call(ReceivedDigests(tuple(block_ids), algo, layout, self.rank, dst_tp, src_tp),
+                                timeout_s=_SETUP_TIMEOUT_S)
 
     def close(self) -> None:
         try:

@@ -230,8 +230,9 @@ class TransferMetrics:
                                         "KV blocks whose digest was checked after a READ or push and matched.")
         self._digest_unverified = Counter(
             "pdserve:kv_digest_unverified",
-            "KV loads that could not be checked against digests, by reason: absent (the producer sent none), "
-            "tp_mismatch (different tensor-parallel sizes), algo (an unknown algorithm).",
+            "KV loads that could not be (wholly) checked against digests, by reason: absent (the producer sent none), "
+            "tp_mismatch (one digest list per producer rank missing), tp_split (XXH3 digests of a producer rank "
+            "whose heads several consumer ranks hold), algo (an unknown algorithm).",
             [*labels, "reason"],
             registry=reg,
         )

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass
@@ -16,12 +14,6 @@ class StepTiming:
     total_s: float = 0.0  # inside execute()
     wait_s: float = 0.0  # blocked on the device result (the device busy, the host idle)
     launch_s: float = 0.0  # in graph.replay() (host side of the launch)
-
-    def replay(self, graph: Any) -> None:
-        """Replays a captured CUDA graph, counting the host side of its launch in `launch_s`."""
-        t = time.perf_counter()
-        graph.replay()
-        self.launch_s += time.perf_counter() - t
 
     def reset(self) -> None:
         self.steps = self.graph_steps = 0
