@@ -7,9 +7,9 @@ as a served prompt is (scheduling, block allocation and hashing, the forward, th
 the steps that prefilled it, the median of `REPEATS` after one untimed run of each length (a length's first run
 pays first-use costs a served step does not). The lengths: `FLOOR_TOKENS` for the floor, then two lengths past
 any GPU's floor for the per-token line (PrefillCost.fit), and one between for the record. ~0.5 s for the 8B shape
-on an H100 (estimated from its step times). Only where it is used: a GPU instance that reads held histories back (`bidirectional_kv_xfer`); a CPU
-prefill is priced at the proxy's `--kv-history-prefill-tps` instead (its steps have no launch floor worth measuring,
-and measuring would slow every CPU start).
+on an H100 (estimated from its step times). Only where it is used: a GPU instance that reads held histories back
+(`bidirectional_kv_xfer`, not a kv_consumer); a CPU prefill is priced at the proxy's `--kv-history-prefill-tps`
+instead (its steps have no launch floor worth measuring, and measuring would slow every CPU start).
 
 The engine is left as `LLMEngine._warm_up` leaves it: the counters a client sees (finished requests, prefix-cache
 queries and hits, step timing) are reset. The prompts' blocks stay in the prefix cache as free blocks, as the

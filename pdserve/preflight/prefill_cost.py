@@ -8,7 +8,7 @@ A prefill step of n tokens takes
 
 `floor_s` is what the shortest step costs. On a GPU it is not reading the weights (5.3 ms for the 8B shape on an
 H100) but the host launching an eager forward, kernel by kernel: 14.8-21 ms for the 8B shape's eager step on an
-H100 and 16-29 ms on an H200 (BENCHMARKS.md, "The verify step in CUDA graphs" and the H200 table before it), so
+H100 and 19-29 ms on an H200 (BENCHMARKS.md, "The verify step in CUDA graphs" and the H200 table before it), so
 the GPU finishes a step of a few hundred tokens before the host has launched it. Past the floor each token costs
 `per_token_s` (the GPU's compute, plus the host's per-token work: hashing and registering blocks). Recomputing h
 history tokens in the same step as a turn's `new` tokens costs step(new + h) - step(new): nothing while new + h

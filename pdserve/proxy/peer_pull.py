@@ -10,7 +10,8 @@ anything expired, evicted or unreachable is recomputed there, never a wrong toke
 (`history_decision.HistoryPricing`: the same link and per-read figures, recompute at the margin from the chosen
 prefill's measured prefill cost, else the prefill rate) decides with the pinned size in bytes, and a pull carries
 its break-even (`min_read_tokens`) as a held history's does; a pin not used is left to its short lease
-(`peer_pin_ttl_s`) or given way under pool pressure. One log line and one `pdserve_proxy_kv_peer_pulls_total{outcome}` count per question asked.
+(`peer_pin_ttl_s`) or given way under pool pressure. One log line and one
+`pdserve_proxy_kv_peer_pulls_total{outcome}` count per question asked.
 """
 
 from __future__ import annotations
