@@ -24,8 +24,9 @@
 #   pushcheck  gpu-push's CUDA-event seam check and WRITE costs (gpu_push_check.py, test_push_layer_ready.py)
 #   push       pull vs push rows on the GPU (bench_pd_push.py --gpu, 8k and 256; PUSH_ARGS for gpu-push's full set)
 #   multiturn  the pull-or-recompute choice per turn (bench_multiturn.py, 8B shape, P and D sharing the GPU, fixed
-#              answers of 64 and 640 tokens: histories on both sides of the break-even; mode on-pull measures the
-#              reads the cost model declined; a turn flagged WRONG chose the slower way)
+#              answers of 64 and 640 tokens: histories on both sides of the break-even; 3 conversations one after
+#              another, as the cost model prices a turn alone; mode on-pull measures the reads the cost model
+#              declined; a turn flagged WRONG chose the slower way)
 #
 # Env: WAVE_BUDGET_S (the whole command's wall budget, default 520: the device call's 600 s limit less the
 # wheels' install and a margin), BUDGET_<SECTION> (a section's cap in seconds, e.g. BUDGET_PD1=200),
@@ -65,8 +66,9 @@ declare -A CAP=(
   [pd1]=200        # collocated, then P and D: three 8B dummy servers started, 4 rounds of 5 x 8k requests
   [pushcheck]=120  # gpu-push's estimate: 30-45 s incl. CUDA init of two processes, + its unit tests ~10 s
   [push]=240       # 8B dummy servers for collocated, pull and both push modes, 8k and 256 (gpu-push: ~4 min all)
-  [multiturn]=170  # modes on + on-pull: P + D + proxy (8B dummy) twice, 4 conversations x 4 turns with answers of 64
-                   # and of 640 tokens (~13 s of decode a mode), then ~24 turns' recompute timings
+  [multiturn]=250  # modes on + on-pull: P + D + proxy (8B dummy) twice (~30 s each to serve, prefill cost measured),
+                   # 3 conversations x 4 turns one after another with answers of 64 and of 640 tokens (~50 s of
+                   # decode a mode at ~5.7 ms a token), then 18 turns' recompute timings (~15 s); 162 s side by side
 )
 declare -A MIN=([correct]=60 [suite]=60 [digest]=90 [speccheck]=60 [spec]=50 [specitl]=50 [pd1]=90 [pushcheck]=45 [push]=120
                 [multiturn]=80)
@@ -197,7 +199,8 @@ for sec in "${want[@]}"; do
       run_section multiturn python3 benchmarks/bench_multiturn.py \
         ${MULTITURN_ARGS:---model Llama-3.1-8B --serve-arg=--load-format --serve-arg=dummy \
         --serve-arg=--gpu-memory-utilization --serve-arg=0.4 --tokenizer $TOK --modes on,on-pull \
-        --answer-len 64,640 --turns 4 --proxy-arg=--kv-history-bandwidth --proxy-arg=cuda-ipc \
+        --answer-len 64,640 --turns 4 --conversations 3 --max-concurrency 1 \
+        --proxy-arg=--kv-history-bandwidth --proxy-arg=cuda-ipc \
         --out-dir $WORK/multiturn} ;;
     *)
       echo "=== unknown section $sec (correct suite digest speccheck spec specitl pd1 pushcheck push multiturn)" | tee -a "$LOG" ;;

@@ -157,4 +157,7 @@ class Admission:
             self.connector.record_prefix_pull("declined")
             return
         req.kv.prefix_tokens = k * bs
-        req.kv.prefix_min_tokens = self.connector.kv_recompute_threshold
+        # the proxy's break-even when a pdserve proxy priced this read (one decider: its cost model), else this
+        # instance's kv_recompute_threshold (vLLM's rule for reads nobody priced)
+        req.kv.prefix_min_tokens = (remote.min_read_tokens if remote.min_read_tokens is not None
+                                    else self.connector.kv_recompute_threshold)
