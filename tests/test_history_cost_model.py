@@ -9,7 +9,6 @@ import math
 import pytest
 
 from pdserve.api import pd
-from pdserve.preflight.prefill_cost import PrefillCost, dearest_marginal_s
 from pdserve.proxy.history_decision import (
     HistoryPricing,
     RecomputeInfo,
@@ -17,6 +16,7 @@ from pdserve.proxy.history_decision import (
     new_turn_tokens,
     price_history,
 )
+from pdserve.types.prefill_cost import PrefillCost, dearest_marginal_s
 
 # The 8B shape's prefill on an H100, put together from issue 42's measurements there: an eager step costs ~15 ms
 # whatever its length up to a few hundred tokens (the host launching 32 layers' kernels; BENCHMARKS.md's eager

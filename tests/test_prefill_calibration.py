@@ -8,7 +8,7 @@ from __future__ import annotations
 from engine_utils import make_engine, run_engine
 
 from pdserve.engine.prefill_calibration import FLOOR_TOKENS, calibration_lengths, measure_prefill_cost
-from pdserve.preflight.prefill_cost import PrefillCost
+from pdserve.types.prefill_cost import PrefillCost
 from pdserve.types.sampling_params import SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""An instance measures what its prefill steps cost (pdserve/preflight/prefill_cost.py), once at startup after the
+"""An instance measures what its prefill steps cost (pdserve/types/prefill_cost.py), once at startup after the
 engine's warm-up and before it serves: the `prefill_cost` its /pdserve/info advertises, with which the proxy prices
 recomputing a conversation's history at the margin (multi-turn over P/D, issue 42 part 4).
 
@@ -24,7 +24,7 @@ import statistics
 import time
 from typing import Any
 
-from pdserve.preflight.prefill_cost import PrefillCost
+from pdserve.types.prefill_cost import PrefillCost
 from pdserve.types.sampling_params import SamplingParams
 
 log = logging.getLogger("pdserve.engine")

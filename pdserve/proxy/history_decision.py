@@ -23,7 +23,7 @@ applies it where it would apply its own `kv_recompute_threshold`, to the tokens 
 cache is counted (exact there, estimated here). The instance's configured threshold applies only to reads no
 pdserve proxy priced (vLLM's proxy, a client sending held params itself); the proxy does not read it.
 `recompute_ms` is priced at the margin when the prefill instances advertise their measured `prefill_cost`
-(`priced_by=measured`: the turn's `new_tokens` and the history in one step, pdserve/preflight/prefill_cost.py;
+(`priced_by=measured`: the turn's `new_tokens` and the history in one step, pdserve/types/prefill_cost.py;
 the dearest instance's when several do), else at `--kv-history-prefill-tps` (`priced_by=prefill_tps`).
 `prefill_cached_tokens` (once the prefill leg answered): prompt tokens the prefill instance did not compute
 (its own cache plus what it read back); with `pull`, fewer than `held_tokens` means the prefill instance
@@ -36,8 +36,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pdserve.preflight.plan import PullChoice, pull_or_recompute
-from pdserve.preflight.prefill_cost import PrefillCost, dearest_marginal_s
 from pdserve.proxy.protocol import estimate_prompt_tokens
+from pdserve.types.prefill_cost import PrefillCost, dearest_marginal_s
 
 HEADER = "X-PDServe-KV-History"
 

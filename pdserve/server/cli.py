@@ -339,7 +339,7 @@ def build_state(args: argparse.Namespace) -> Any:
         # the KV tiers a prefix can be found in, fastest first (the pool, then host memory and disk)
         # multi-turn: the fewest held tokens this prefill instance reads back of a read no pdserve proxy priced
         # (vLLM's rule; a pdserve proxy's read carries its own minimum), and what its prefill steps cost, which
-        # the proxy prices recomputing a history with (pdserve/preflight/prefill_cost.py)
+        # the proxy prices recomputing a history with (pdserve/types/prefill_cost.py)
         "kv_recompute_threshold": (connector.kv_recompute_threshold
                                    if connector is not None and kv_cfg is not None and kv_cfg.bidirectional_kv_xfer
                                    else None),
