@@ -8,10 +8,11 @@ the proxy's code is I/O: the HTTP legs (the cluster times them from the profile)
 (`SimFleet`: an instance's events reach the index when the step that made them ends) and the health checker
 (every instance is admitted; /pdserve/info is what a pdserve instance of the simulated mode answers).
 
-The request body is a completions body: the prompt as token ids when the proxy is to route by cached prefix (it
-hashes them as the instances do), else as text of the same length by the proxy's estimate (characters / 4), so
-that a proxy without the ids does not scan a 28k-token id list per request. A trace row's ids are unknown: it
-always goes as text (routed by load), as a request to a proxy without a tokenizer would.
+The request body is a completions body: the prompt as token ids when the proxy reads them (to route by cached
+prefix: it hashes them as the instances do; with --kv-history: it keys conversations by their content), else as
+text of the same length by the proxy's estimate (characters / 4), so that a proxy that does not read the ids
+does not scan a 28k-token id list per request. A trace row's ids are unknown: it always goes as text (routed by
+load), as a request to a proxy without a tokenizer would.
 """
 
 from __future__ import annotations
@@ -102,7 +103,9 @@ class SimProxy:
             state.pairing = PairChooser(config, prefill, decode, state.metrics, state.readiness, lambda: None,
                                         state.fleet)
         self.state = state
-        self._ids = state.fleet is not None  # the proxy routes by cached prefix: it needs the prompt's ids
+        # the prompt's ids: to route by cached prefix (the proxy hashes them), and to key conversations (--kv-history:
+        # conversations.py keys a prompt by its content)
+        self._ids = state.fleet is not None or config.kv_history
         self._seq = 0
 
     @staticmethod
