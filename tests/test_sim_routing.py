@@ -198,3 +198,27 @@ def test_step_skipping_equals_step_by_step_with_features(feature):
         assert all(t.done and not t.error for t in runs[0].tracked), (feature, seed)
     if feature == "history":
         assert {"pull", "none"} <= decisions, decisions  # held conversations were read back
+
+
+def test_cli_features(tmp_path, capsys):
+    """`pdserve sim` with `pdserve up`'s feature flags: push, and multi-turn with --kv-history (later turns read
+    their history back: fewer computed tokens than without)."""
+    from pathlib import Path
+
+    import pdserve
+    from pdserve.cli import main
+
+    profile = str(Path(pdserve.__file__).parent / "data" / "profiles" / "h200-llama3.1-8b-fp8.json")
+    assert main(["sim", "--profile", profile, "--topology", "2p1d", "--dataset-name", "prefix", "--prefix-len", "512",
+                 "--suffix-len", "64", "--num-prefixes", "2", "--random-output-len", "8", "--num-prompts", "12",
+                 "--request-rate", "4", "--kv-transfer-mode", "push", "--kv-events"]) == 0
+    assert "Successful requests:                     12" in capsys.readouterr().out
+    computed = {}
+    for flag in ([], ["--kv-history"]):
+        assert main(["sim", "--profile", profile, "--topology", "1p1d", "--dataset-name", "multiturn",
+                     "--num-prompts", "2", "--multiturn-turns", "3", "--multiturn-system-len", "1000",
+                     "--multiturn-user-len", "100", "--multiturn-answer-len", "200", "--save-result", "--result-dir",
+                     str(tmp_path), "--result-filename", f"mt{len(flag)}.json", *flag]) == 0
+        rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("2 ")]
+        computed[bool(flag)] = float(rows[0][-2])  # turn 2's mean computed prompt tokens
+    assert computed[True] < computed[False]

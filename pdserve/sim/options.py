@@ -36,4 +36,14 @@ class SimOptions:
             raise ValueError(f"push_pipeline must be one of {', '.join(PUSH_PIPELINES)}, got {self.push_pipeline!r}")
         if self.decoder_kv_blocks_ttl <= 0 or self.kv_recompute_threshold < 0:
             raise ValueError("decoder_kv_blocks_ttl must be > 0 and kv_recompute_threshold >= 0")
+        from pdserve.preflight.plan import parse_bandwidth
+
+        cfg = self.proxy
+        parse_bandwidth(cfg.kv_history_bandwidth)  # ValueError names what is wrong
+        if cfg.kv_history_choice not in ("cost", "pull", "recompute"):
+            raise ValueError(f"--kv-history-choice must be cost, pull or recompute, got {cfg.kv_history_choice!r}")
+        if cfg.kv_history_prefill_tps <= 0 or cfg.kv_history_overhead_s < 0 or cfg.kv_overlap_weight < 0 \
+                or cfg.disagg_threshold_tokens < 0:
+            raise ValueError("--kv-history-prefill-tps must be > 0; --kv-history-overhead-s, --kv-overlap-weight "
+                             "and --disagg-threshold-tokens >= 0")
         return self

@@ -41,6 +41,14 @@ class Pools:
                 + topo.num_collocated * self.collocated.tp)
 
 
+def _clients_end(dep: Deployment, until: float | None = None) -> float:
+    """When the last client request ended (the clock runs on after it only to end held histories' leases), or
+    `until`."""
+    if until is not None:
+        return dep.now
+    return max((t.finish_time for t in dep.tracked), default=dep.now)
+
+
 @dataclass
 class SimRun:
     tracked: list[Tracked]
@@ -73,7 +81,7 @@ def simulate(topo: Topology, pools: Pools, jobs: Sequence[Job], until: float | N
         dep.submit(job)
     t0 = time.perf_counter()
     dep.run(until)
-    return SimRun(dep.tracked, dep, time.perf_counter() - t0, dep.now)
+    return SimRun(dep.tracked, dep, time.perf_counter() - t0, _clients_end(dep, until))
 
 
 def simulate_conversations(topo: Topology, pools: Pools, conversations: Sequence[Conversation], think_time: float,
@@ -107,4 +115,4 @@ def simulate_conversations(topo: Topology, pools: Pools, conversations: Sequence
         start(conv, 0.0)
     t0 = time.perf_counter()
     dep.run()
-    return SimRun(dep.tracked, dep, time.perf_counter() - t0, dep.now)
+    return SimRun(dep.tracked, dep, time.perf_counter() - t0, _clients_end(dep))
