@@ -10,10 +10,8 @@ AllBlocksCleared, medium "GPU") for the engine to publish once per step, as vLLM
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from itertools import compress, islice, repeat
-from operator import eq
 
 from pdserve.engine.request import Request
 from pdserve.kv_events import block_hash
@@ -21,17 +19,8 @@ from pdserve.kv_events.block_hash import external_block_hash
 from pdserve.kv_events.events import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from pdserve.kv_offload.block_meta import BlockMeta
 
-_run = deque(maxlen=0).extend  # runs an iterator (a map of list or dict methods) to its end, in C
-
 
 class BlockManager:
-    # Whole runs of blocks taken, registered and freed by C-level bulk operations (map over list and dict methods)
-    # when nothing reads them one by one (no events, no on_evict) and the run is the plain case; else, and with
-    # this False, block by block. Both leave the same pool (tests/test_block_manager_bulk.py). A 32k prompt at
-    # 16-token blocks is 2k blocks a step: the per-block loops were most of the simulator's time (pdserve/sim)
-    # and a long prefill's host time.
-    bulk = True
-
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  enable_events: bool = False):
         if num_blocks < 1:
@@ -148,16 +137,6 @@ class BlockManager:
         # built only when something reads it: the KV events and the offload tiers' on_evict.
         block_hash, cached, ids, hashes = self.block_hash, self.cached, req.block_ids, req.block_hashes
         if self._events is None and self.on_evict is None:
-            if self.bulk and full - first > 8:
-                new_ids, new_hashes = ids[first:full], hashes[first:full]
-                # the plain case: no block of the run has an identity yet, none of its hashes is cached, and
-                # the hashes are distinct (chained: always): then the loop below registers every one of them
-                if (not any(map(block_hash.__getitem__, new_ids)) and cached.keys().isdisjoint(new_hashes)
-                        and len(set(new_hashes)) == len(new_hashes)):
-                    _run(map(block_hash.__setitem__, new_ids, new_hashes))
-                    cached.update(zip(new_hashes, new_ids, strict=True))
-                    req.num_registered_blocks = full
-                    return
             for i in range(first, full):
                 bid = ids[i]
                 h = hashes[i]
@@ -225,21 +204,6 @@ class BlockManager:
         taken, ref count 1. One loop for all n: a long prompt takes thousands at once."""
         pop, block_hash, block_meta, cached = self.free.popitem, self.block_hash, self.block_meta, self.cached
         ref_cnt, on_evict, events = self.ref_cnt, self.on_evict, self._events
-        if self.bulk and on_evict is None and events is None and n > 8:
-            if n > len(self.free):
-                raise KeyError("dictionary is empty")  # what popitem says: the caller checked can_allocate
-            free = self.free
-            out = list(islice(free, n))  # the front of the queue, LRU first, as n popitem(False) would take
-            _run(map(free.__delitem__, out))
-            hashes = list(map(block_hash.__getitem__, out))
-            if any(hashes):  # evict their cached identities (a block is the cached one for its hash: drop it)
-                owned = [h for h in hashes if h is not None]
-                holders = [b for b, h in zip(out, hashes, strict=True) if h is not None]
-                _run(map(cached.__delitem__, compress(owned, map(eq, map(cached.get, owned), holders))))
-                _run(map(block_hash.__setitem__, out, repeat(None)))
-                _run(map(block_meta.__setitem__, out, repeat(None)))
-            _run(map(ref_cnt.__setitem__, out, repeat(1)))
-            return out
         out: list[int] = []
         for _ in range(n):
             bid = pop(False)[0]
@@ -281,11 +245,6 @@ class BlockManager:
     def free_blocks(self, block_ids: Sequence[int]) -> None:
         # Tail blocks first, so they are evicted before the shared prefix they extend.
         ref_cnt, free = self.ref_cnt, self.free
-        if self.bulk and len(block_ids) > 8 and set(map(ref_cnt.__getitem__, block_ids)) == {1}:
-            # the plain case: no block shared, each goes to the back of the queue, tail first
-            _run(map(ref_cnt.__setitem__, block_ids, repeat(0)))
-            free.update(dict.fromkeys(reversed(block_ids)))
-            return
         for bid in reversed(block_ids):
             left = ref_cnt[bid] - 1
             ref_cnt[bid] = left
