@@ -222,3 +222,20 @@ def test_cli_features(tmp_path, capsys):
         rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("2 ")]
         computed[bool(flag)] = float(rows[0][-2])  # turn 2's mean computed prompt tokens
     assert computed[True] < computed[False]
+
+
+def test_profile_reads_the_servers_scheduler_settings():
+    """`pdserve profile --url` and sim_validate simulate an instance with the scheduler settings its /pdserve/info
+    says; a server that says none gets pdserve's defaults for its device."""
+    from pdserve.sim.profiler import http_settings
+
+    info = {"block_size": 16, "device": "cuda:0", "scheduler": {
+        "max_num_seqs": 64, "max_num_batched_tokens": 4096, "prefill_only_chunk_tokens": 0,
+        "enable_chunked_prefill": True, "enable_prefix_caching": False}}
+    s, read = http_settings(info)
+    assert read and (s.block_size, s.max_num_seqs, s.max_num_batched_tokens, s.prefill_only_chunk_tokens,
+                     s.enable_prefix_caching) == (16, 64, 4096, 0, False)
+    s, read = http_settings({"block_size": 16, "device": "cuda:0"})
+    assert not read and s.max_num_batched_tokens == 8192 and s.prefill_only_chunk_tokens > 0
+    s, read = http_settings({"block_size": 128, "device": "cpu"})
+    assert not read and (s.max_num_batched_tokens, s.prefill_only_chunk_tokens) == (2048, 0)

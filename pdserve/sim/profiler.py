@@ -99,6 +99,24 @@ class EngineMeasure:
                               enable_prefix_caching=cfg.enable_prefix_caching)
 
 
+def http_settings(info: dict[str, Any]) -> tuple[EngineSettings, bool]:
+    """A server's scheduler settings from its /pdserve/info (`scheduler`), and whether they were read there; a
+    server that does not say (an older pdserve, vLLM) gets pdserve's defaults for its device."""
+    from pdserve.types.engine_config import DEFAULT_GPU_BUDGET, PREFILL_ONLY_CHUNK_GPU
+
+    bs = int(info.get("block_size", 16))
+    sched = info.get("scheduler")
+    if isinstance(sched, dict):
+        return EngineSettings(block_size=bs, max_num_seqs=int(sched["max_num_seqs"]),
+                              max_num_batched_tokens=int(sched["max_num_batched_tokens"]),
+                              prefill_only_chunk_tokens=int(sched["prefill_only_chunk_tokens"]),
+                              enable_chunked_prefill=bool(sched["enable_chunked_prefill"]),
+                              enable_prefix_caching=bool(sched["enable_prefix_caching"])), True
+    gpu = str(info.get("device", "cpu")).startswith("cuda")
+    return EngineSettings(block_size=bs, max_num_batched_tokens=DEFAULT_GPU_BUDGET if gpu else 2048,
+                          prefill_only_chunk_tokens=PREFILL_ONLY_CHUNK_GPU if gpu else 0), False
+
+
 def copy_rate(nbytes: int = 64 << 20) -> float:
     """Bytes/s of a one-thread memory copy: on one host the KV READ is a copy (BENCHMARKS.md, issue 4: NIXL READ
     1.14x a one-thread torch copy on the CPU box)."""
