@@ -74,7 +74,8 @@ def profile_instance(url: str, args: argparse.Namespace, name: str) -> Any:
                                  str(m.info.get("kv_cache_dtype", "auto")))
     prof.prefill_points, prof.decode_points = pre, dec
     prof.overheads.ingress_s = prof.overheads.egress_s = path / 2
-    prof.handoff.link_bytes_per_s = profiler.copy_rate()
+    # the instances share the host (CPU) or the GPU (--gpu): the READ is a copy there
+    prof.handoff.link_bytes_per_s = profiler.copy_rate(256 << 20, str(m.info.get("device", "cpu")))
     refit(prof)
     prof.notes = [f"measured over HTTP by benchmarks/sim_validate.py; one-token TTFT {base * 1e3:.1f} ms, HTTP path "
                   f"{path * 1e3:.1f} ms",

@@ -117,20 +117,25 @@ def http_settings(info: dict[str, Any]) -> tuple[EngineSettings, bool]:
                           prefill_only_chunk_tokens=PREFILL_ONLY_CHUNK_GPU if gpu else 0), False
 
 
-def copy_rate(nbytes: int = 64 << 20) -> float:
-    """Bytes/s of a one-thread memory copy: on one host the KV READ is a copy (BENCHMARKS.md, issue 4: NIXL READ
-    1.14x a one-thread torch copy on the CPU box)."""
+def copy_rate(nbytes: int = 64 << 20, device: str = "cpu") -> float:
+    """Bytes/s of a memory copy on `device`: on one host the KV READ is a copy (BENCHMARKS.md, issue 4: NIXL READ
+    1.14x a one-thread torch copy on the CPU box); on one GPU (P and D sharing it: CUDA IPC) a device copy."""
     import torch
 
+    gpu = device.startswith("cuda")
     prev = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        src = torch.ones(nbytes, dtype=torch.uint8)
+        src = torch.ones(nbytes, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
         best = float("inf")
         for _ in range(5):
+            if gpu:
+                torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             dst.copy_(src)
+            if gpu:
+                torch.cuda.synchronize(device)
             best = min(best, time.perf_counter() - t0)
         return nbytes / best
     finally:
