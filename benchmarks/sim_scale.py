@@ -2,9 +2,9 @@
 3:5 node ratio), its RAG workload (28000 in / 650 out, Poisson at the seed's 24.6 req/s) for 10 simulated
 minutes, on one core (run it under `taskset -c N`). TP=4 is derived from the shipped TP=1 H200 profile.
 
-    taskset -c 0 python benchmarks/sim_scale.py [--minutes 10] [--topology 6p10d] [--rate 24.6]
+    taskset -c 0 python benchmarks/sim_scale.py [--minutes 10] [--gpus 64 | --topology 6p10d --rate 24.6]
 
-1,000 GPUs at the same load per GPU: `--topology 94p156d --rate 384.4` (250 TP=4 instances, 3:5).
+1,000 GPUs at the same load per GPU: `--gpus 1000` (250 TP=4 instances at 3:5, 94p156d, at 384.4 req/s).
 `--step-by-step`: every engine step its own event (no skipped decode stretches), for comparison.
 """
 
@@ -26,16 +26,23 @@ PROFILE = os.path.join(os.path.dirname(__file__), "..", "pdserve", "data", "prof
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=10.0)
-    ap.add_argument("--topology", default="6p10d")
+    ap.add_argument("--gpus", type=int, default=64,
+                    help="the fleet's size: TP=4 instances at the seed's 3:5 prefill:decode ratio, the seed's load "
+                         "per GPU (24.6 req/s per 64 GPUs); --topology / --rate override")
+    ap.add_argument("--topology", default=None)
     ap.add_argument("--tp", type=int, default=4)
-    ap.add_argument("--rate", type=float, default=24.6)
+    ap.add_argument("--rate", type=float, default=None)
     ap.add_argument("--profile", default=PROFILE)
     ap.add_argument("--block-size", type=int, default=None,
                     help="simulate with this KV block size instead of the profile's (fewer blocks to allocate and "
                          "register per request: an approximation of the pool's granularity)")
     ap.add_argument("--step-by-step", action="store_true", help="no skipped decode steps (cluster.py)")
     args = ap.parse_args()
-    topo = parse_topology(args.topology)
+    instances = args.gpus // args.tp
+    prefill = round(instances * 3 / 8)
+    topo = parse_topology(args.topology or f"{prefill}p{instances - prefill}d")
+    if args.rate is None:
+        args.rate = round(24.6 * args.gpus / 64, 1)
     prof = Profile.load(args.profile)
     if args.block_size:
         prof.engine.block_size = args.block_size

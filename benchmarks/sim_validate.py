@@ -13,6 +13,17 @@ before the point ("calibrated": a workload-sized prompt's TTFT now over the same
 
     python benchmarks/sim_validate.py --topologies collocated:1,1p1d --rates 0.25,0.6,1.5 --num-prompts 12 \\
         --input-len 128 --output-len 16 --out benchmarks/results/sim-validate-cpu
+
+On one GPU (`--gpu`): the packaged shape of `--model` with random weights (`--load-format dummy`), collocated with
+`--gpu-mem` of the GPU's memory and 1P1D with half of it each on the same GPU (the split BENCHMARKS.md's
+"Goodput on one H200" measured), the profile's measurements sized for long prompts. The seed's RAG shape at the
+rates measured there, both topologies in one call of under 8 minutes (results.json is written after each point):
+
+    python benchmarks/sim_validate.py --gpu --model Llama-3.1-8B --tokenizer TOKENIZER_DIR \\
+        --topologies collocated:1,1p1d --rates 0.25,0.5 --num-prompts 12 --input-len 28000 --output-len 650 \\
+        --goodput "ttft:2500 tpot:45" --out "$OUT"
+
+`--dry-run` prints each topology's `pdserve up` command and the bench workload, and launches nothing.
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ from pdserve.bench.launcher import LaunchedTopology
 from pdserve.bench.options import BenchSpec
 from pdserve.launch.config import parse_topology
 from pdserve.sim import profiler
-from pdserve.sim.profile import EngineSettings, refit
+from pdserve.sim.profile import refit
 from pdserve.sim.report import bench_result
 from pdserve.sim.run import Pools, simulate
 from pdserve.sim.workload import bench_jobs
@@ -57,12 +68,14 @@ def profile_instance(url: str, args: argparse.Namespace, name: str) -> Any:
     path = profiler.http_path_s(base, dec)
     for p in pre:
         p["seconds"] = max(p["seconds"] - path, 1e-6)
+    settings, _ = profiler.http_settings(m.info)  # the instance's own scheduler settings
     prof = profiler.base_profile(name, str(m.info.get("model", m.model)), str(m.info.get("device", "cpu")), m.kv(),
-                                 EngineSettings(block_size=int(m.info.get("block_size", 128))), 1,
+                                 settings, int(m.info.get("tensor_parallel_size", 1)),
                                  str(m.info.get("kv_cache_dtype", "auto")))
     prof.prefill_points, prof.decode_points = pre, dec
     prof.overheads.ingress_s = prof.overheads.egress_s = path / 2
-    prof.handoff.link_bytes_per_s = profiler.copy_rate()
+    # the instances share the host (CPU) or the GPU (--gpu): the READ is a copy there
+    prof.handoff.link_bytes_per_s = profiler.copy_rate(256 << 20, str(m.info.get("device", "cpu")))
     refit(prof)
     prof.notes = [f"measured over HTTP by benchmarks/sim_validate.py; one-token TTFT {base * 1e3:.1f} ms, HTTP path "
                   f"{path * 1e3:.1f} ms",
@@ -97,9 +110,28 @@ def spec_for(url: str, args: argparse.Namespace, rate: float) -> BenchSpec:
                      random_input_len=args.input_len, random_output_len=args.output_len, request_rate=rate,
                      seed=args.seed, temperature=0.0, metric_percentiles="50,90,99",
                      goodput=args.goodput.split(), disable_tqdm=True, model=args.model_name,
-                     tokenizer=args.model_path, no_align_prompts=True)
+                     tokenizer=args.tokenizer, no_align_prompts=True)
     spec.normalise()
     return spec
+
+
+def gpu_defaults(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
+    """--gpu: what was not given explicitly, set for one GPU and long prompts."""
+    if not args.gpu:
+        if args.up_arg is None:
+            args.up_arg = ["--serve-arg=--cpu-kv-cache-gb 0.25"]
+        return
+    half = round(args.gpu_mem / 2, 4)
+    if args.up_arg is None:
+        args.up_arg = ["--gpus", "0", f"--collocated-arg=--gpu-memory-utilization={args.gpu_mem}",
+                       f"--prefill-arg=--gpu-memory-utilization={half}",
+                       f"--decode-arg=--gpu-memory-utilization={half}", "--startup-timeout", "400"]
+    args.load_format = args.load_format or "dummy"
+    # the profile's points: prompts up to the workload's, decode batches that fit half a GPU at long contexts
+    for name, value in (("prefill_lens", [1024, 8192, max(args.input_len, 8192)]), ("decode_batches", [1, 4]),
+                        ("decode_contexts", [1024, args.input_len])):
+        if getattr(args, name) == ap.get_default(name):
+            setattr(args, name, value)
 
 
 def main() -> int:
@@ -116,15 +148,42 @@ def main() -> int:
     ap.add_argument("--decode-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8])
     ap.add_argument("--decode-contexts", type=lambda s: [int(x) for x in s.split(",")], default=[32, 144])
     ap.add_argument("--out", default="benchmarks/results/sim-validate-cpu")
-    ap.add_argument("--up-arg", action="append", default=["--serve-arg=--cpu-kv-cache-gb 0.25"],
-                    help="extra `pdserve up` arguments (default: a 0.25 GiB KV pool per instance, the box is shared)")
+    ap.add_argument("--up-arg", action="append", default=None,
+                    help="extra `pdserve up` arguments (default on the CPU: a 0.25 GiB KV pool per instance, the box "
+                         "is shared; with --gpu: GPU 0, the memory split of --gpu-mem)")
+    ap.add_argument("--gpu", action="store_true",
+                    help="one GPU: --load-format dummy, collocated at --gpu-mem of its memory, 1P1D at half each; "
+                         "the profile's points sized for long prompts (unless given)")
+    ap.add_argument("--gpu-mem", type=float, default=0.84, help="--gpu: each side's share of the GPU's memory")
+    ap.add_argument("--load-format", default=None, help="pdserve serve --load-format (--gpu: dummy)")
+    ap.add_argument("--tokenizer", default=None,
+                    help="tokenizer folder for the servers and the bench (a dummy shape has none; default: the model's "
+                         "folder, or the embedded model's for a dummy shape)")
+    ap.add_argument("--dry-run", action="store_true", help="print the launch commands and the workload, run nothing")
     args = ap.parse_args()
+    gpu_defaults(args, ap)
     from pdserve.bench.runner import run_serve
     from pdserve.model.default_model import DEFAULT_MODEL, resolve_model
+    from pdserve.model.model_dir import resolve_model_dir
 
     model = args.model or DEFAULT_MODEL
-    args.model_path = str(resolve_model(model))
-    args.model_name = model  # what the deployment serves (requests name it); the tokenizer is the folder
+    args.model_path = str(resolve_model_dir(model, args.load_format or "auto"))
+    args.model_name = model  # what the deployment serves (requests name it)
+    if args.tokenizer is None:  # the bench counts tokens with it; a packaged dummy shape has no tokenizer
+        dummy = args.load_format == "dummy" and not (Path(args.model_path) / "tokenizer.json").exists()
+        args.tokenizer = str(resolve_model(DEFAULT_MODEL)) if dummy else args.model_path
+    if args.load_format:
+        args.up_arg += ["--serve-arg=--load-format", f"--serve-arg={args.load_format}"]
+    if args.tokenizer != args.model_path:
+        args.up_arg += ["--serve-arg=--tokenizer", f"--serve-arg={args.tokenizer}"]
+    if args.dry_run:
+        for topo_name in args.topologies.split(","):
+            print(f"{topo_name}: pdserve up --topology {topo_name} --model {model} {' '.join(args.up_arg)}")
+        print(f"profile: prefill {args.prefill_lens}, decode batches {args.decode_batches} x contexts "
+              f"{args.decode_contexts}; bench: random {args.input_len} in / {args.output_len} out, "
+              f"{args.num_prompts} prompts at {args.rates} req/s, --goodput {args.goodput}, tokenizer {args.tokenizer}; "
+              f"out {args.out}")
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []

@@ -67,7 +67,8 @@ def chooser(prefill: list[Instance], decode: list[Instance], override: str | Non
     pools = []
     for role, insts in (("prefill", prefill), ("decode", decode)):
         pool = Pool(role)
-        pool._instances = list(insts)  # the test's instances, with what they taught
+        for inst in insts:  # the test's instances, with what they taught
+            pool.adopt(inst)
         pools.append(pool)
     return PairChooser(cfg, pools[0], pools[1], ProxyMetrics(lambda: pools), Readiness(), lambda: None, None)
 

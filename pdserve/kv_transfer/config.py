@@ -15,6 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pdserve.kv_transfer.auth import DEFAULT_MAX_SKEW_S, SECRET_ENV, SECRET_KEY, resolve_secret
+from pdserve.types.push_pipeline import (  # noqa: F401 - their home is torch-free (pdserve/sim reads it)
+    DEFAULT_PUSH_LAYERWISE_MIN_TOKENS,
+    PUSH_PIPELINES,
+    push_layer_by_layer,
+)
 
 logger = logging.getLogger("pdserve.kv_transfer")
 
@@ -22,25 +27,6 @@ SUPPORTED_CONNECTORS = ("NixlConnector", "NixlPullConnector", "NixlPushConnector
 # vLLM's names (vllm/distributed/kv_transfer/kv_connector/v1/nixl/push_connector.py, pull_connector.py): the
 # decode READs (pull, NixlConnector's default) or the prefill WRITEs into blocks the decode registered (push).
 PUSH_CONNECTOR = "NixlPushConnector"
-PUSH_PIPELINES = ("auto", "layer", "request")
-# push_pipeline "layer": prompts shorter than this are pushed whole after the prefill, where per-layer posting
-# costs more than it hides (SGLang's layerwise PR: +18 % TTFT at 256 tokens, -48 to -68 % at 1k-8k; on the CPU
-# namespace bed layer push hid 101 % of the wire at 1024 tokens).
-DEFAULT_PUSH_LAYERWISE_MIN_TOKENS = 512
-
-
-def push_layer_by_layer(pipeline: str, mem_type: str) -> bool:
-    """Whether a push prefill WRITEs layer by layer (prompts of at least push_layerwise_min_tokens) or the whole
-    request after its prefill. "auto" (the default) decides by where the pool lives, from measurements
-    (BENCHMARKS.md, "Push transfer on the GPU"): layer by layer on a CPU pool, where the wire is as slow as
-    the prefill and per-layer WRITEs hid it; whole-request on a GPU pool, where on the H100 layer push lost to
-    whole-request push at every measured length (256 and 8k over CUDA IPC: +22 and +11 ms against +0 and +6;
-    8k over TCP: +2455 against +2246), since one layer of a block-major pool is one range per block and posting
-    them cost ~100 ms of host time per 8k request against a 1 GiB WRITE of 0.75 ms."""
-    if pipeline == "auto":
-        return mem_type != "VRAM"
-    return pipeline == "layer"
-
 
 # `enable_kv_digest` "auto" (the default) turns the per-block KV digests on where BENCHMARKS.md's measured cost
 # ("KV digests") is within the 3 % of the transfer time a default may cost. On a CPU pool it is not: a hash that

@@ -31,7 +31,7 @@ from pdserve.proxy.instance_info import Kind, describe, kind, kinds_pair, mode_o
 from pdserve.proxy.kv_fleet import KVFleet
 from pdserve.proxy.kv_routing import UNKNOWN, CachedPrefix
 from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.proxy.pool import Instance, Pool
+from pdserve.proxy.pool import Instance, Pool, RawKind
 from pdserve.proxy.readiness import Readiness
 
 
@@ -67,7 +67,8 @@ class PairChooser:
         pool = {"decode": self._decode, "prefill": self._prefill}[role]
         exclude = list(tried)
         if pair_with is not None:
-            exclude += [d for d in pool.instances if not self.pairs(pair_with, d)]
+            pk = kind(pair_with, self._config.kv_transfer_mode)
+            exclude += self._of_kinds(pool, lambda raw: not kinds_pair(pk, self._kind(raw)))
         return await self._choose(pool, exclude, wait=wait, prefix=prefix, record=computes_prompt, first=not tried)
 
     # ---- transfer modes ------------------------------------------------------------------------------------
@@ -89,10 +90,12 @@ class PairChooser:
     def mismatch(self) -> str | None:
         """Why no P/D pair can be formed (every admitted prefill instance has a transfer mode no decode instance
         pairs with), or None."""
-        healthy = [p for p in self._prefill.instances if p.healthy]
         decodes = self._decode_kinds()
-        if not healthy or not decodes or any(self._pairs_any(p, decodes) for p in healthy):
+        healthy_kinds = [raw for raw in self._prefill.kinds() if raw[3]]
+        if not healthy_kinds or not decodes or any(self._pairs_any(self._kind(raw), decodes)
+                                                   for raw in healthy_kinds):
             return None
+        healthy = [p for p in self._prefill.instances if p.healthy]
         override = self._config.kv_transfer_mode
         return (f"no decode instance pairs with a prefill instance: a pair needs one transfer mode (push: "
                 f"kv_connector NixlPushConnector, pull: NixlConnector) and, for push, two pdserve or two vLLM "
@@ -105,20 +108,32 @@ class PairChooser:
         decodes = self._decode_kinds()
         want = self.mode(like) if like is not None else None
 
-        def other_mode(p: Instance) -> bool:
-            return want is not None and self.mode(p) not in (None, want)
+        def unwanted(raw: RawKind) -> bool:
+            pk = self._kind(raw)
+            other_mode = want is not None and pk[0] not in (None, want)
+            return bool(decodes and not self._pairs_any(pk, decodes)) or other_mode
 
-        return [p for p in self._prefill.instances
-                if (decodes and not self._pairs_any(p, decodes)) or other_mode(p)]
+        return self._of_kinds(self._prefill, unwanted)
+
+    def _kind(self, raw: RawKind) -> Kind:
+        """The pairing kind of instances of this raw kind (pool.py's summary), under --kv-transfer-mode."""
+        override = self._config.kv_transfer_mode
+        return (override if override is not None else raw[0], raw[1])
 
     def _decode_kinds(self) -> set[Kind]:
         """The kinds of the decode instances (a handful, however many instances): pairing checks against these."""
-        override = self._config.kv_transfer_mode
-        return {kind(d, override) for d in self._decode.instances}
+        return {self._kind(raw) for raw in self._decode.kinds()}
 
-    def _pairs_any(self, prefill: Instance, decodes: set[Kind]) -> bool:
-        pk = kind(prefill, self._config.kv_transfer_mode)
+    @staticmethod
+    def _pairs_any(pk: Kind, decodes: set[Kind]) -> bool:
         return any(kinds_pair(pk, dk) for dk in decodes)
+
+    @staticmethod
+    def _of_kinds(pool: Pool, test: Callable[[RawKind], bool]) -> list[Instance]:
+        """The instances of `pool` (in pool order) whose raw kind passes `test`: asked of the pool's few kinds
+        first, so that a fleet where none does costs no scan of its instances."""
+        hit = {raw for raw in pool.kinds() if test(raw)}
+        return [inst for inst in pool.instances if inst.raw_kind in hit] if hit else []
 
     async def early_decode(self, body: dict[str, Any], prefill: Instance | None = None) -> Instance | None:
         """The decode instance to send the decode leg to together with the prefill leg: one available now that takes
@@ -127,8 +142,8 @@ class PairChooser:
         if not self._config.early_decode_leg or body.get("n") not in (None, 1):
             return None
         pool = self._decode
-        others = [inst for inst in pool.instances if not inst.params_later
-                  or (prefill is not None and not self.pairs(prefill, inst))]
+        pk = kind(prefill, self._config.kv_transfer_mode) if prefill is not None else None
+        others = self._of_kinds(pool, lambda raw: not raw[2] or (pk is not None and not kinds_pair(pk, self._kind(raw))))
         if len(others) == len(pool):
             return None  # no choice made (choosing rotates ties: the ordinary leg's choice must be the one)
         return await self._choose(pool, others, wait=False, first=not others)

@@ -10,11 +10,19 @@ from typing import Any
 
 from yarl import URL
 
-from pdserve.routing.choice import LoadBalancer
+from pdserve.routing.choice import LoadBalancer, LoadIndex
 
 logger = logging.getLogger("pdserve.proxy")
 
 ROLES = ("prefill", "decode")
+# What a pool keeps indexes of (Pool._changed): the load the choice weighs, and what makes an instance
+# available or pairable. An instance tells its pool whenever one of these is set, however it is set.
+_LOAD_FIELDS = frozenset({"in_flight", "outstanding_tokens"})
+_STATE_FIELDS = frozenset({"healthy", "backoff_until", "transfer_mode", "pdserve", "params_later"})
+_WATCHED = _LOAD_FIELDS | _STATE_FIELDS
+
+# (transfer_mode, pdserve, params_later, healthy): all that pairing and availability read of an instance
+RawKind = tuple[str | None, bool | None, bool | None, bool]
 
 
 def normalize_url(url: str) -> str:
@@ -75,10 +83,23 @@ class Instance:
     # answering (a cut link, a frozen host) ends its streams with an error instead of holding them until the
     # read timeout.
     _eject_watchers: set[Callable[[str], None]] = field(init=False, default_factory=set, repr=False)
+    # the pool that indexes this instance (told of every change to a _WATCHED field); None outside one
+    _pool: Pool | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.host = URL(self.url).host or ""
         self.ever_healthy = self.healthy
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in _WATCHED:
+            pool = self.__dict__.get("_pool")
+            if pool is not None:
+                pool._changed(self, name)
+
+    @property
+    def raw_kind(self) -> RawKind:
+        return (self.transfer_mode, self.pdserve, self.params_later, self.healthy)
 
     def available(self, now: float) -> bool:
         """Admitted and not in an upstream-requested back-off."""
@@ -177,8 +198,48 @@ class Pool:
         self.role = role
         self._instances: list[Instance] = []
         self._balancer = LoadBalancer()
+        # indexes kept as instances change (Instance.__setattr__ -> _changed): the instances by load, for the
+        # least-loaded choice without a scan, and a summary of their kinds and availability (a handful of
+        # distinct values however many instances), which lets the pair chooser skip its scans when every
+        # instance pairs alike (proxy/pairing.py)
+        self._index: LoadIndex[Instance] = LoadIndex([])
+        self._state_dirty = True
+        self._kinds: dict[RawKind, int] = {}
+        self._latest_backoff = 0.0
         for url in urls:
             self.add(url, healthy=healthy)
+
+    def _changed(self, inst: Instance, name: str) -> None:
+        if name in _LOAD_FIELDS:
+            self._index.changed(inst)
+        else:
+            self._state_dirty = True
+
+    def _reindex(self) -> None:
+        """After membership changed: a new load index (positions moved) and a new summary."""
+        self._index = LoadIndex(self._instances)
+        self._state_dirty = True
+
+    def _summary(self) -> None:
+        if not self._state_dirty:
+            return
+        kinds: dict[RawKind, int] = {}
+        for inst in self._instances:
+            k = inst.raw_kind
+            kinds[k] = kinds.get(k, 0) + 1
+        self._kinds = kinds
+        self._latest_backoff = max((inst.backoff_until for inst in self._instances), default=0.0)
+        self._state_dirty = False
+
+    def kinds(self) -> dict[RawKind, int]:
+        """How many instances of each (transfer_mode, pdserve, params_later, healthy) the pool has."""
+        self._summary()
+        return self._kinds
+
+    def all_available(self, now: float) -> bool:
+        """Every instance is admitted and none is backing off at `now` (monotonic seconds)."""
+        self._summary()
+        return now >= self._latest_backoff and all(k[3] for k in self._kinds)
 
     @property
     def instances(self) -> list[Instance]:
@@ -204,14 +265,23 @@ class Pool:
         url = normalize_url(url)
         if self.get(url) is not None:
             raise ValueError(f"{self.role} instance {url} is already registered")
-        inst = Instance(url=url, role=self.role, healthy=healthy)
+        return self.adopt(Instance(url=url, role=self.role, healthy=healthy))
+
+    def adopt(self, inst: Instance) -> Instance:
+        """`inst` (built by the caller, e.g. with what its /pdserve/info taught) joins the pool."""
+        if inst._pool is not None or self.get(inst.url) is not None:
+            raise ValueError(f"{self.role} instance {inst.url} is already registered")
         self._instances.append(inst)
+        inst._pool = self
+        self._reindex()
         return inst
 
     def remove(self, url: str) -> Instance | None:
         inst = self.get(url)
         if inst is not None:
             self._instances.remove(inst)
+            inst._pool = None
+            self._reindex()
         return inst
 
     def choose(
@@ -230,6 +300,10 @@ class Pool:
         request)."""
         excluded = set(exclude)
         now = time.monotonic()
+        retrying = bool(excluded) if retry is None else retry
+        if not excluded and cost is None and affinity is None and self.all_available(now):
+            # every instance is a candidate: the load index gives the scan's choice without the scan
+            return self._balancer.choose_indexed(self._index, retry=retrying)
         candidates = [inst for inst in self._instances if inst.available(now) and inst not in excluded]
-        return self._balancer.choose(candidates, retry=bool(excluded) if retry is None else retry, affinity=affinity,
-                                     affinity_slack=affinity_slack, cost=cost)
+        return self._balancer.choose(candidates, retry=retrying, affinity=affinity, affinity_slack=affinity_slack,
+                                     cost=cost)

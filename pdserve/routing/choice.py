@@ -1,13 +1,18 @@
 """Which of several available instances takes the next leg: least loaded (legs in flight, then outstanding tokens),
 ties rotated once per request; or the least `cost` (routing by cached prefix, pdserve/proxy/kv_routing.py); or prefix
 affinity by rendezvous hashing. Who is available (health, back-off, the instances a retry already tried) is the
-caller's to say: the candidates are given."""
+caller's to say: the candidates are given.
+
+`LoadIndex` gives the same least-loaded choice among all members of a fixed list without scanning them: a pool
+of hundreds of instances (a simulated 1,000-GPU fleet, pdserve/sim) would otherwise pay a scan per leg."""
 
 from __future__ import annotations
 
 import hashlib
+import heapq
+from bisect import bisect_left, insort
 from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 
 class Loaded(Protocol):
@@ -58,6 +63,17 @@ class LoadBalancer:
         target = max(candidates, key=lambda inst: _rendezvous_score(digest, inst.url))
         return target if target.in_flight - best.in_flight <= affinity_slack else best
 
+    def choose_indexed(self, index: LoadIndex[L], *, retry: bool = False) -> L | None:
+        """`choose(index.members, retry=retry)` (least loaded, no cost, no affinity) from the index: the same
+        instance, and the same rotation after it."""
+        n = len(index)
+        if n == 0:
+            return None
+        best = index.least(self._rotation % n)
+        if not retry:
+            self._rotation += 1
+        return best
+
     def _least(self, candidates: Sequence[L], key: Callable[[L], tuple[float, int]]) -> L:
         n = len(candidates)
         start = self._rotation % n
@@ -69,3 +85,66 @@ class LoadBalancer:
             if inst_key < best_key:
                 best, best_key = inst, inst_key
         return best
+
+
+class LoadIndex(Generic[L]):
+    """The members of a fixed ordered list grouped by load (in_flight, outstanding_tokens), so that the least
+    loaded one, ties broken by the rotation (`LoadBalancer._least`: the first at or after position `start`,
+    wrapping), is found in O(log n) instead of a scan. The owner calls `changed(member)` whenever a member's
+    load may have changed; groups are brought up to date at the next `least` (a leg's acquire and release cost
+    a set insertion each)."""
+
+    def __init__(self, members: Sequence[L]) -> None:
+        self.members = list(members)
+        self._pos = {id(m): i for i, m in enumerate(self.members)}
+        self._key: list[tuple[int, int]] = []
+        self._groups: dict[tuple[int, int], list[int]] = {}  # load -> positions holding it, ascending
+        for i, m in enumerate(self.members):
+            key = (m.in_flight, m.outstanding_tokens)
+            self._key.append(key)
+            self._groups.setdefault(key, []).append(i)
+        self._heap = list(self._groups)  # the loads with a group (and stale ones, dropped when met)
+        heapq.heapify(self._heap)
+        self._dirty: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def changed(self, member: L) -> None:
+        self._dirty.add(self._pos[id(member)])
+
+    def _flush(self) -> None:
+        groups, keys, members = self._groups, self._key, self.members
+        for i in self._dirty:
+            m = members[i]
+            new = (m.in_flight, m.outstanding_tokens)
+            old = keys[i]
+            if new == old:
+                continue
+            group = groups[old]
+            del group[bisect_left(group, i)]
+            if not group:
+                del groups[old]
+            keys[i] = new
+            group = groups.get(new)
+            if group is None:
+                groups[new] = [i]
+                heapq.heappush(self._heap, new)
+            else:
+                insort(group, i)
+        self._dirty.clear()
+        if len(self._heap) > 2 * len(groups) + 64:  # stale loads kept a while: rebuild, amortised O(1)
+            self._heap = list(groups)
+            heapq.heapify(self._heap)
+
+    def least(self, start: int) -> L:
+        """The member the scan from `start` would choose: the least load, then the first position at or after
+        `start` (wrapping)."""
+        if self._dirty:
+            self._flush()
+        heap, groups = self._heap, self._groups
+        while heap[0] not in groups:
+            heapq.heappop(heap)
+        group = groups[heap[0]]
+        j = bisect_left(group, start)
+        return self.members[group[j] if j < len(group) else group[0]]

@@ -333,6 +333,12 @@ def build_state(args: argparse.Namespace) -> Any:
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "gpu_uuid": _gpu_uuid(runner.device),
         "num_gpu_blocks": runner.num_blocks,
+        # what the scheduler runs with (`pdserve profile --url` and `pdserve sim` simulate an instance with them)
+        "scheduler": {"max_num_seqs": inner.scheduler.max_num_seqs,
+                      "max_num_batched_tokens": inner.scheduler.max_num_batched_tokens,
+                      "prefill_only_chunk_tokens": inner.scheduler.prefill_only_chunk_tokens,
+                      "enable_chunked_prefill": inner.scheduler.enable_chunked_prefill,
+                      "enable_prefix_caching": inner.config.enable_prefix_caching},
         "tokens_only": args.tokens_only,
         # where a router subscribes to this instance's KV events (None: not published)
         "kv_events": kv_events_info(inner.kv_events, args.host, runner.block_size),

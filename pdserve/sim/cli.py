@@ -15,7 +15,9 @@ import sys
 
 from pdserve.bench.options import BenchSpec, add_serve_arguments
 from pdserve.launch.config import parse_topology
+from pdserve.sim.options import SimOptions
 from pdserve.sim.profile import Profile
+from pdserve.types.push_pipeline import DEFAULT_PUSH_LAYERWISE_MIN_TOKENS, PUSH_PIPELINES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +40,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "instead of --dataset-name")
     g.add_argument("--trace-time-unit", choices=("auto", "s", "ms"), default="auto")
     g.add_argument("--vocab-size", type=int, default=32000, help="token ids the synthetic prompts draw from")
+    f = parser.add_argument_group("deployment features (pdserve up's, serve's kv_connector_extra_config and "
+                                  "pdserve proxy's names and defaults)")
+    f.add_argument("--kv-transfer-mode", choices=("pull", "push"), default="pull",
+                   help="pull: the decode READs the prompt's KV; push: the prefill WRITEs it (both legs at once)")
+    f.add_argument("--push-pipeline", choices=PUSH_PIPELINES, default="auto",
+                   help="push: WRITE layer by layer as chunks are computed, or the whole request after the prefill "
+                        "(auto: layer on CPU profiles, request on GPU profiles)")
+    f.add_argument("--push-layerwise-min-tokens", type=int, default=DEFAULT_PUSH_LAYERWISE_MIN_TOKENS,
+                   help="push: shorter prompts are pushed whole")
+    f.add_argument("--kv-history", action="store_true",
+                   help="multi-turn over P/D: decode instances keep each conversation and the proxy has the next "
+                        "turn's prefill read it back when that is cheaper (bidirectional_kv_xfer)")
+    f.add_argument("--decoder-kv-blocks-ttl", type=float, default=480.0, help="--kv-history: a held history's lease")
+    f.add_argument("--kv-recompute-threshold", type=int, default=64,
+                   help="--kv-history: fewer held tokens left to read are recomputed")
+    f.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=None,
+                   help="instances publish KV events and the proxy routes by cached prefix (default: in each role "
+                        "of more than one instance, as pdserve up; needs prompts with token ids, not a trace)")
+    for name, kind, what in (("--kv-history-bandwidth", str, "the history decision's link (pdserve plan preset)"),
+                             ("--kv-history-prefill-tps", float, "the history decision's recompute rate"),
+                             ("--kv-history-overhead-s", float, "the history decision's fixed cost of a read"),
+                             ("--kv-history-choice", str, "cost | pull | recompute"),
+                             ("--kv-overlap-weight", float, "routing by cached prefix: tokens saved per token of load"),
+                             ("--disagg-threshold-tokens", int, "conditional disaggregation: fewer uncached prompt "
+                                                                "tokens are served by a decode instance whole")):
+        f.add_argument(name, type=kind, default=None, help=f"the proxy's {name}: {what}")
+    f.add_argument("--no-early-decode-leg", action="store_true", help="the proxy's --no-early-decode-leg")
     s = parser.add_argument_group("search (--search)")
     s.add_argument("--search", action="store_true", help="search P:D split and TP per pool under --gpus")
     s.add_argument("--gpus", type=int, default=8, help="GPU budget of --search (default 8)")
@@ -49,6 +78,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--top", type=int, default=5, help="configurations --search prints (default 5)")
     s.add_argument("--plot", default=None, help="--search: goodput-vs-rate plot file (PNG)")
     add_serve_arguments(parser)
+
+
+def sim_options(args: argparse.Namespace) -> SimOptions:
+    """The deployment's features from the flags (options.py); the proxy's own flags into its ProxyConfig."""
+    from pdserve.proxy.config import ProxyConfig
+
+    cfg = ProxyConfig(early_decode_leg=not args.no_early_decode_leg)
+    for name in ("kv_history_bandwidth", "kv_history_prefill_tps", "kv_history_overhead_s", "kv_history_choice",
+                 "kv_overlap_weight", "disagg_threshold_tokens"):
+        if getattr(args, name) is not None:
+            setattr(cfg, name, getattr(args, name))
+    return SimOptions(kv_transfer_mode=args.kv_transfer_mode, push_pipeline=args.push_pipeline,
+                      push_layerwise_min_tokens=args.push_layerwise_min_tokens, kv_history=args.kv_history,
+                      decoder_kv_blocks_ttl=args.decoder_kv_blocks_ttl,
+                      kv_recompute_threshold=args.kv_recompute_threshold, kv_events=args.kv_events,
+                      proxy=cfg).validate()
 
 
 def _spec(args: argparse.Namespace) -> BenchSpec:
@@ -64,6 +109,7 @@ def main(args: argparse.Namespace) -> int:
         prefill = Profile.load(args.prefill_profile) if args.prefill_profile else None
         decode = Profile.load(args.decode_profile) if args.decode_profile else None
         spec = _spec(args)
+        args.sim_options = sim_options(args)
         if args.search:
             from pdserve.sim.search import search_main
 
@@ -104,7 +150,7 @@ def run_one(args: argparse.Namespace, spec: BenchSpec, topo, base: Profile, pref
           f"request rate {spec.request_rate if not args.trace else 'from the trace'}")
     for note in {n for p in (pools.prefill, pools.decode, pools.collocated) for n in p.notes if "DERIVED" in n}:
         print(f"NOTE: {note}")
-    run = simulate(topo, pools, jobs)
+    run = simulate(topo, pools, jobs, options=args.sim_options)
     print(f"Simulated {run.sim_s:.2f} s in {run.wall_s:.2f} s of wall time ({run.deployment.events} events)")
     result, _ = bench_result(spec, run.tracked, base.model, str(topo))
     result["simulated"] = {"topology": str(topo), "profile": base.name, "gpus": pools.gpus(topo),
@@ -128,7 +174,8 @@ def run_multiturn(args: argparse.Namespace, spec: BenchSpec, topo, pools, base: 
 
     convs = multiturn_conversations(spec, args.vocab_size, OUTPUT_TOKEN)
     print(f"Simulating {topo} with profile {base.name}: {len(convs)} conversations of {spec.multiturn_turns} turns")
-    run = simulate_conversations(topo, pools, convs, spec.multiturn_think_time, spec.max_concurrency)
+    run = simulate_conversations(topo, pools, convs, spec.multiturn_think_time, spec.max_concurrency,
+                                 options=args.sim_options)
     results = [mt.TurnResult(t.conversation, t.turn, t.done and not t.error and bool(t.token_times),
                              ttft=(t.token_times[0] - t.job.arrival) if t.token_times else 0.0,
                              latency=(t.token_times[-1] - t.job.arrival) if t.token_times else 0.0,

@@ -29,10 +29,15 @@ from operator import add
 import numpy as np
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.pd.admission import Admission
+from pdserve.engine.pd.holds import Holds
 from pdserve.engine.request import Request, Status
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.sim.profile import Profile, step_features
+from pdserve.sim.seams import SimConnector, SimConsumer, SimProducer
 
+MAX_MODEL_LEN = 1 << 30  # requests end by their length; the profile's pool bounds what fits
+VOCAB_SIZE = 1 << 31  # the simulated ids are any ints (no first token is out of vocabulary)
 MAX_RUN_STEPS = 4096  # the longest stretch planned at once (its step times are computed when it is planned)
 OUTPUT_TOKEN = 7  # the id every simulated row samples (none is a stop token: requests end by their length)
 
@@ -68,19 +73,28 @@ class DecodeRun:
 
 
 class SimInstance:
-    def __init__(self, name: str, role: str, profile: Profile) -> None:
+    def __init__(self, name: str, role: str, profile: Profile, *, connector: SimConnector | None = None,
+                 events: bool = False) -> None:
         self.name = name
         self.role = role  # collocated | prefill | decode
         self.profile = profile
         e = profile.engine
-        self.blocks = BlockManager(profile.num_blocks, e.block_size, e.enable_prefix_caching)
+        # events: the pool queues vLLM's KV events (BlockStored / BlockRemoved) for the proxy's index
+        self.blocks = BlockManager(profile.num_blocks, e.block_size, e.enable_prefix_caching, enable_events=events)
         budget = e.max_num_batched_tokens
         if not e.enable_chunked_prefill:
             budget = max(budget, profile.kv_capacity_tokens)
         self.scheduler = Scheduler(self.blocks, e.max_num_seqs, budget, e.enable_chunked_prefill,
                                    e.prefill_only_chunk_tokens)
+        if connector is None:  # an instance alone (tests): leases at time 0, nothing declined
+            connector = SimConnector(SimProducer(name, lambda: 0.0, ttl_s=480.0, block_bytes=0),
+                                     SimConsumer(lambda params: None))
+        self.connector = connector
+        # the engine's own: finished legs' blocks held for a consumer or as a conversation (pdserve/engine/pd)
+        self.holds = Holds(connector, self.blocks, frozenset(), MAX_MODEL_LEN)
+        # a prefill leg reading a held prefix back: its params matched against the prompt as the engine does
+        self.admission = Admission(connector, self.blocks, VOCAB_SIZE, frozenset())
         self.busy = False  # a step is running (the engine thread is in the model)
-        self.held: dict[str, Request] = {}  # finished prefill legs whose blocks wait for their consumer's read
         self.steps = 0
         self.busy_s = 0.0
         self.order = 0  # its place among the deployment's instances (the order of simultaneous step ends)
@@ -88,6 +102,11 @@ class SimInstance:
         # the output token a request samples at its n-th output position (a workload may give its own, e.g.
         # multi-turn answers that later prompts repeat); default: OUTPUT_TOKEN
         self.token_for: Callable[[Request], int] = lambda req: OUTPUT_TOKEN
+
+    @property
+    def held(self) -> dict[str, Request]:
+        """Finished prefill legs whose blocks wait for their consumer's read (Holds.held)."""
+        return self.holds.held
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -97,6 +116,8 @@ class SimInstance:
 
     def step(self) -> StepResult | None:
         """Schedule one step; None when nothing can run (the engine idles until a request or a load end)."""
+        if self.holds.history:  # LLMEngine._step: held conversations give way before the step would wait
+            self.holds.make_room(self.scheduler.running, self.scheduler.waiting)
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return None if not sched.start_loads else StepResult(sched, 0.0)
@@ -120,11 +141,9 @@ class SimInstance:
             if req.check_stop(tok):
                 self.scheduler.remove(req)
                 req.status = Status.FINISHED
-                if req.kv.send and req.finish_reason in ("length", "stop") and req.block_ids:
-                    req.kv.hold()  # a prefill leg: its blocks wait for the consumer's read (engine/pd/holds.py)
-                    self.held[req.request_id] = req
-                else:
-                    self.blocks.release(req)
+                # held for the consumer's read (a prefill leg), kept as a conversation (a decode leg with
+                # bidirectional_kv_xfer), or freed: LLMEngine._finish -> EnginePD.finished
+                self.holds.finished(req, hold=True)
                 res.finished.append(req)
 
     # ---- step skipping -------------------------------------------------------------------------
@@ -162,6 +181,14 @@ class SimInstance:
         def new_blocks(k: int) -> int:
             return sum(max(0, blocks.blocks_needed(c + k) - h) for c, h in zip(start, held, strict=True))
 
+        if self.holds.history:
+            # make_room runs before every step: the stretch may skip it only where it frees nothing, i.e. the pool
+            # keeps, at every step, what the rows need for their next tokens (at most 2 blocks each) and the next
+            # waiting prompt's blocks
+            keep = 2 * len(rows) + (blocks.blocks_needed(sch.waiting[0].num_tokens + 1) if sch.waiting else 0)
+            free -= keep
+            if free < 0:
+                return None
         if new_blocks(last) > free:
             lo, hi = 1, last  # new_blocks(1) == 0: step 1 is allocated
             while lo < hi:
@@ -228,6 +255,4 @@ class SimInstance:
 
     def release_held(self, request_id: str) -> None:
         """The consumer's read of a held prefill leg ended: its blocks go back to the pool (still cached)."""
-        req = self.held.pop(request_id)
-        req.kv.release()
-        self.blocks.release(req)
+        self.holds.released([request_id])

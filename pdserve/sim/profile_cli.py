@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from pdserve.sim import profiler
-    from pdserve.sim.profile import EngineSettings, refit
+    from pdserve.sim.profile import refit
 
     load_before = profiler.load_average()
     notes: list[str] = []
@@ -53,14 +53,12 @@ def main(args: argparse.Namespace) -> int:
         m: profiler.EngineMeasure | profiler.HttpMeasure = profiler.HttpMeasure(args.url, args.model_flag)
         m.run(m._start())
         info = m.info
+        settings, read = profiler.http_settings(info)
         gpu = str(info.get("device", "cpu")).startswith("cuda")
-        bs = int(info.get("block_size", 16))
-        from pdserve.types.engine_config import DEFAULT_GPU_BUDGET, PREFILL_ONLY_CHUNK_GPU
-
-        settings = EngineSettings(block_size=bs, max_num_batched_tokens=DEFAULT_GPU_BUDGET if gpu else 2048,
-                                  prefill_only_chunk_tokens=PREFILL_ONLY_CHUNK_GPU if gpu else 0)
-        notes.append("profiled over HTTP: the scheduler settings are pdserve's defaults for the device, not read "
-                     "from the server")
+        bs = settings.block_size
+        if not read:
+            notes.append("profiled over HTTP: the scheduler settings are pdserve's defaults for the device, not read "
+                         "from the server")
         model, device = str(info.get("model", m.model)), str(info.get("device", "unknown"))
         tp, kv_dtype = int(info.get("tensor_parallel_size", 1)), str(info.get("kv_cache_dtype", "auto"))
     else:

@@ -99,20 +99,43 @@ class EngineMeasure:
                               enable_prefix_caching=cfg.enable_prefix_caching)
 
 
-def copy_rate(nbytes: int = 64 << 20) -> float:
-    """Bytes/s of a one-thread memory copy: on one host the KV READ is a copy (BENCHMARKS.md, issue 4: NIXL READ
-    1.14x a one-thread torch copy on the CPU box)."""
+def http_settings(info: dict[str, Any]) -> tuple[EngineSettings, bool]:
+    """A server's scheduler settings from its /pdserve/info (`scheduler`), and whether they were read there; a
+    server that does not say (an older pdserve, vLLM) gets pdserve's defaults for its device."""
+    from pdserve.types.engine_config import DEFAULT_GPU_BUDGET, PREFILL_ONLY_CHUNK_GPU
+
+    bs = int(info.get("block_size", 16))
+    sched = info.get("scheduler")
+    if isinstance(sched, dict):
+        return EngineSettings(block_size=bs, max_num_seqs=int(sched["max_num_seqs"]),
+                              max_num_batched_tokens=int(sched["max_num_batched_tokens"]),
+                              prefill_only_chunk_tokens=int(sched["prefill_only_chunk_tokens"]),
+                              enable_chunked_prefill=bool(sched["enable_chunked_prefill"]),
+                              enable_prefix_caching=bool(sched["enable_prefix_caching"])), True
+    gpu = str(info.get("device", "cpu")).startswith("cuda")
+    return EngineSettings(block_size=bs, max_num_batched_tokens=DEFAULT_GPU_BUDGET if gpu else 2048,
+                          prefill_only_chunk_tokens=PREFILL_ONLY_CHUNK_GPU if gpu else 0), False
+
+
+def copy_rate(nbytes: int = 64 << 20, device: str = "cpu") -> float:
+    """Bytes/s of a memory copy on `device`: on one host the KV READ is a copy (BENCHMARKS.md, issue 4: NIXL READ
+    1.14x a one-thread torch copy on the CPU box); on one GPU (P and D sharing it: CUDA IPC) a device copy."""
     import torch
 
+    gpu = device.startswith("cuda")
     prev = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        src = torch.ones(nbytes, dtype=torch.uint8)
+        src = torch.ones(nbytes, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
         best = float("inf")
         for _ in range(5):
+            if gpu:
+                torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             dst.copy_(src)
+            if gpu:
+                torch.cuda.synchronize(device)
             best = min(best, time.perf_counter() - t0)
         return nbytes / best
     finally:

@@ -3,12 +3,14 @@ clock run until every request has ended."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.launch.config import Topology
 from pdserve.sim.cluster import Deployment, Tracked
+from pdserve.sim.options import SimOptions
 from pdserve.sim.profile import Profile, derive_tp
 from pdserve.sim.workload import Conversation, Job
 
@@ -39,6 +41,14 @@ class Pools:
                 + topo.num_collocated * self.collocated.tp)
 
 
+def _clients_end(dep: Deployment, until: float | None = None) -> float:
+    """When the last client request ended (the clock runs on after it only to end held histories' leases), or
+    `until`."""
+    if until is not None:
+        return dep.now
+    return max((t.finish_time for t in dep.tracked), default=dep.now)
+
+
 @dataclass
 class SimRun:
     tracked: list[Tracked]
@@ -47,25 +57,39 @@ class SimRun:
     sim_s: float
 
 
+def _options(options: SimOptions | None, jobs: Sequence[Job]) -> SimOptions:
+    """The deployment's options for this workload: a workload without token ids (trace rows) gives the proxy no
+    ids to look up, so no instance's KV events would ever be read: they are not produced."""
+    opts = options or SimOptions()
+    if opts.kv_events is None and jobs and all(j.token_ids is None for j in jobs):
+        opts = dataclasses.replace(opts, kv_events=False)
+    return opts
+
+
+def deployment(topo: Topology, pools: Pools, options: SimOptions | None = None, skip_steps: bool = True,
+               jobs: Sequence[Job] = ()) -> Deployment:
+    return Deployment([pools.prefill] * topo.num_prefill, [pools.decode] * topo.num_decode,
+                      [pools.collocated] * topo.num_collocated, skip_steps=skip_steps, options=_options(options, jobs))
+
+
 def simulate(topo: Topology, pools: Pools, jobs: Sequence[Job], until: float | None = None,
-             skip_steps: bool = True) -> SimRun:
+             skip_steps: bool = True, options: SimOptions | None = None) -> SimRun:
     """skip_steps: decode stretches as one event each (cluster.py); False runs every step as its own event (the
-    reference the skipping is tested against)."""
-    dep = Deployment([pools.prefill] * topo.num_prefill, [pools.decode] * topo.num_decode,
-                     [pools.collocated] * topo.num_collocated, skip_steps=skip_steps)
+    reference the skipping is tested against). `options`: push, multi-turn history, KV events (options.py)."""
+    dep = deployment(topo, pools, options, skip_steps, jobs)
     for job in jobs:
         dep.submit(job)
     t0 = time.perf_counter()
     dep.run(until)
-    return SimRun(dep.tracked, dep, time.perf_counter() - t0, dep.now)
+    return SimRun(dep.tracked, dep, time.perf_counter() - t0, _clients_end(dep, until))
 
 
 def simulate_conversations(topo: Topology, pools: Pools, conversations: Sequence[Conversation], think_time: float,
-                           max_concurrency: int | None, skip_steps: bool = True) -> SimRun:
+                           max_concurrency: int | None, skip_steps: bool = True,
+                           options: SimOptions | None = None) -> SimRun:
     """Conversations as bench/multiturn.py runs them: all start at once (up to `max_concurrency` side by side),
     each turn sent `think_time` after the previous answer ended."""
-    dep = Deployment([pools.prefill] * topo.num_prefill, [pools.decode] * topo.num_decode,
-                     [pools.collocated] * topo.num_collocated, skip_steps=skip_steps)
+    dep = deployment(topo, pools, options, skip_steps)
     waiting = list(conversations)
     of: dict[int, Conversation] = {}
     counter = iter(range(1 << 62))
@@ -91,4 +115,4 @@ def simulate_conversations(topo: Topology, pools: Pools, conversations: Sequence
         start(conv, 0.0)
     t0 = time.perf_counter()
     dep.run()
-    return SimRun(dep.tracked, dep, time.perf_counter() - t0, dep.now)
+    return SimRun(dep.tracked, dep, time.perf_counter() - t0, _clients_end(dep))

@@ -20,6 +20,7 @@ import numpy as np
 from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.options import BenchSpec
 from pdserve.launch.config import Topology
+from pdserve.sim.options import SimOptions
 from pdserve.sim.profile import Profile
 from pdserve.sim.report import bench_result
 from pdserve.sim.run import Pools, simulate
@@ -86,9 +87,10 @@ class Workloads:
         return jobs
 
 
-def evaluate(c: Candidate, pools: Pools, work: Workloads, spec: BenchSpec, rates: list[float] | None) -> None:
+def evaluate(c: Candidate, pools: Pools, work: Workloads, spec: BenchSpec, rates: list[float] | None,
+             options: SimOptions | None = None) -> None:
     def one(rate: float) -> float:
-        run = simulate(c.topo, pools, at_rate(work.at(rate), rate, spec.burstiness, spec.seed))
+        run = simulate(c.topo, pools, at_rate(work.at(rate), rate, spec.burstiness, spec.seed), options=options)
         s = dataclasses.replace(spec, request_rate=rate, metric_percentiles="50")
         result, m = bench_result(s, run.tracked, "", c.label, print_block=False)
         goodput = m.request_goodput if spec.goodput else m.request_throughput
@@ -133,7 +135,7 @@ def search_main(args: argparse.Namespace, spec: BenchSpec, base: Profile, prefil
     cands = candidates(args.gpus, tp_sizes)
     for c in cands:
         pools = Pools.of(base, prefill=prefill, decode=decode, tp=c.tp, tp_efficiency=args.tp_efficiency)
-        evaluate(c, pools, work, spec, rates)
+        evaluate(c, pools, work, spec, rates, getattr(args, "sim_options", None))
         best = max(c.points, key=lambda p: p[1])
         print(f"  {c.label:<34} {c.gpus:>3} GPUs: best goodput {c.best_goodput:7.3f} req/s at {best[0]:g} req/s "
               f"({c.per_gpu:.4f} per GPU)")
