@@ -128,8 +128,7 @@ class Deployment:
                 inst.order = len(self.instances)
                 self.instances[name] = inst
                 pinst = pool.add(f"http://sim-{name}:{next(port)}", healthy=True)
-                SimProxy.learn(pinst, role if role != "collocated" else "decode", opts.kv_transfer_mode,
-                               opts.kv_recompute_threshold)
+                SimProxy.learn(pinst, role if role != "collocated" else "decode", opts.kv_transfer_mode)
                 pinst.sim_name = name  # type: ignore[attr-defined]
                 self._proxy_inst[name] = pinst
                 self._by_url[pinst.url] = inst

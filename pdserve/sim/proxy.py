@@ -109,15 +109,16 @@ class SimProxy:
         self._seq = 0
 
     @staticmethod
-    def learn(inst: Instance, role: str, mode: str, recompute_threshold: int | None) -> None:
+    def learn(inst: Instance, role: str, mode: str) -> None:
         """What the health checker reads from a pdserve instance's /pdserve/info on admission
         (instance_info.apply_info): a pdserve instance of this transfer mode; a decode instance takes its leg
-        before the params (kv_params_later); a prefill instance's kv_recompute_threshold (no roofline: the
-        profile is no roofline, the history decision prices recompute at --kv-history-prefill-tps)."""
+        before the params (kv_params_later); a prefill instance advertises no measured prefill cost (a CPU
+        instance's info has none), so the history decision prices recompute at --kv-history-prefill-tps. The
+        prefill's kv_recompute_threshold is the engine's own (the simulated instance's KV connector config)."""
         inst.pdserve = True
         inst.transfer_mode = mode if mode in (PULL, PUSH) else None
         inst.params_later = role == "decode"
-        inst.recompute = RecomputeInfo(None, recompute_threshold) if role == "prefill" else None
+        inst.recompute = RecomputeInfo() if role == "prefill" else None
 
     def read(self, job: Job) -> SimRequest:
         """The client's request, read and planned by the proxy."""
