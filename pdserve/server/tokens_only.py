@@ -37,6 +37,7 @@ from pdserve.api.http import CLIENT_CLOSED, ClientGone, parse_model, read_json, 
 from pdserve.api.openai.errors import APIError, bad_request, error_body, error_response, not_supported
 from pdserve.api.openai.params import MAX_N, resolve_max_tokens, stop_list, truncate_prompt
 from pdserve.api.pd import KVTransferParams
+from pdserve.api.scale_out_routes import ABORT_PATH, GENERATE_PATH, LEGACY_ABORT_PATH
 from pdserve.server.generation import Choice, Generation
 from pdserve.server.pipeline import (
     Recorders,
@@ -51,9 +52,6 @@ from pdserve.server.pipeline import (
 from pdserve.server.state import ServerState
 from pdserve.text.logprobs import clamp
 
-GENERATE_PATH = "/inference/v1/generate"
-ABORT_PATH = "/inference/v1/abort_requests"
-LEGACY_ABORT_PATH = "/abort_requests"
 ID_PREFIX = "generate-tokens-"
 SAMPLING_PREFIX = "sampling_params."  # where this route's sampling fields live, for error params
 
