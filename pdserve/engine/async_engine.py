@@ -15,8 +15,9 @@ from typing import Any
 
 from pdserve.api.pd import HeldKVParams, KVTransferParams
 from pdserve.engine.commands import Abort, AddRequest, DeliverParams, EngineCommand, PinPrefix
-from pdserve.engine.engine import EngineStats, LLMEngine
-from pdserve.engine.pd.events import DeliveryRefused
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.events import DeliveryRefused
+from pdserve.engine.stats import EngineStats
 from pdserve.types.engine_config import EngineConfig
 from pdserve.types.outputs import RequestOutput
 from pdserve.types.sampling_params import SamplingParams
@@ -33,8 +34,8 @@ class QueueFullError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, connector_factory: Any = None, engine: LLMEngine | None = None):
-        self.engine = engine or LLMEngine(config, connector_factory)
+    def __init__(self, config: EngineConfig, extension_factory: Any = None, engine: LLMEngine | None = None):
+        self.engine = engine or LLMEngine(config, extension_factory)
         self.config = config
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
@@ -101,13 +102,13 @@ class AsyncEngine:
                 self._post(Abort(request_id), answered=False)
 
     async def deliver_params(self, key: str, kv_transfer_params: KVTransferParams) -> None:
-        """The prefill's params for a decode leg sent before them (`LLMEngine.deliver_params`); raises
+        """The prefill's params for a decode leg sent before them (`EnginePD.deliver_params`); raises
         ParamError when they are refused (the waiting leg then ends with the same 400)."""
         self._check_alive()
         await self._post(DeliverParams(key, kv_transfer_params))
 
     async def pin_cached_prefix(self, token_ids: list[int], min_tokens: int) -> HeldKVParams | None:
-        """`LLMEngine.pin_cached_prefix`, run on the engine thread (raises PinRefused)."""
+        """`EnginePD.pin_cached_prefix`, run on the engine thread (raises PinRefused)."""
         self._check_alive()
         return await self._post(PinPrefix(token_ids, min_tokens))
 
@@ -148,10 +149,8 @@ class AsyncEngine:
             case AddRequest(request_id, prompt, params, kv):
                 engine.add_request(request_id, prompt, params, kv)
                 return None, []
-            case DeliverParams(key, kv):
-                return None, engine.deliver_params(key, kv)
-            case PinPrefix(token_ids, min_tokens):
-                return engine.pin_cached_prefix(token_ids, min_tokens), []
+            case DeliverParams() | PinPrefix():  # the engine's extension's own (the P/D half's)
+                return engine.call_extension(command)
             case Abort(request_id):
                 out = engine.abort_request(request_id)
                 return None, [out] if out is not None else []
@@ -185,7 +184,7 @@ class AsyncEngine:
                 engine.check_health()
                 outputs = self._drain_commands()
                 state = engine.loop_state()
-                if state.unfinished or state.num_held or state.connector:
+                if state.unfinished or state.background:
                     outputs.extend(engine.step())
                 if outputs:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
@@ -193,13 +192,12 @@ class AsyncEngine:
                 if not state.unfinished:
                     engine.idle()  # e.g. the disk tier's writes that finished meanwhile
                     # Idle: sleep until a command arrives (bounded, so held leases still get reaped).
-                    self._wake.wait(0.01 if (state.num_held or state.num_loading) else 0.05)
+                    self._wake.wait(0.01 if state.idle_poll else 0.05)
                     self._wake.clear()
                 elif not state.schedulable:
                     # only remote or disk-tier loads in flight (polled; remote claims and outcomes also wake
                     # us), or decode legs waiting for their params (whose delivery is a command, which wakes us)
-                    polled = state.num_loading or state.parked_reads
-                    self._wake.wait(0.001 if polled else 0.05)
+                    self._wake.wait(0.001 if state.polled else 0.05)
                     self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - a dead engine must fail every waiting request
             log.exception("engine loop died")
