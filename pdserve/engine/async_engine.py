@@ -1,7 +1,9 @@
 """Runs LLMEngine's step loop in its own thread and hands outputs to asyncio callers.
 
 HTTP handling stays on the event loop; the engine thread spends its time in torch ops, which release
-the GIL, so neither starves the other.
+the GIL, so neither starves the other. The two sides share no engine state: the asyncio side asks through typed
+commands (engine/commands.py) on one queue, and reads the engine only through the stats snapshot the engine
+thread publishes once per turn of its loop (`stats`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, extension_factory: Any = None, engine: LLMEngine | None = None):
         self.engine = engine or LLMEngine(config, extension_factory)
         self.config = config
+        # the engine's counts as the engine thread last read them (once per turn of its loop, after the step and
+        # before its outputs go out): the asyncio side's one view of engine state
+        self._stats: EngineStats = self.engine.stats()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -71,7 +76,8 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        """The latest snapshot (metrics scrapes, the queue bound): never read across threads while a step runs."""
+        return self._stats
 
     # ---- requests ----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -80,7 +86,7 @@ class AsyncEngine:
         before the first yield. Cancelling the iteration (client gone) aborts the request."""
         self._check_alive()
         bound = self.config.max_waiting_requests
-        if bound is not None and self.engine.loop_state().num_queued + self._commands.qsize() >= bound:
+        if bound is not None and self._stats.num_queued + self._commands.qsize() >= bound:
             raise QueueFullError(f"the server's waiting queue is full ({bound} requests)")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
@@ -157,11 +163,15 @@ class AsyncEngine:
 
     def _drain_commands(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
+        ran = False
         while True:
             try:
                 command, fut = self._commands.get_nowait()
             except queue.Empty:
+                if ran:  # the requests added leave the command queue's count: the snapshot's count has them
+                    self._stats = self.engine.stats()
                 return outputs
+            ran = True
             result, err = None, None
             try:
                 result, made = self._run(command)
@@ -186,6 +196,7 @@ class AsyncEngine:
                 state = engine.loop_state()
                 if state.unfinished or state.background:
                     outputs.extend(engine.step())
+                self._stats = engine.stats()  # before the outputs: who sees them sees at least this snapshot
                 if outputs:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
                 state = engine.loop_state()

@@ -533,6 +533,7 @@ class LLMEngine:
             external_prefix_cache_hits=self.blocks.external_hits,
             kv_tiers=self.tiers.stats() if self.tiers is not None else None,
             spec_decode=self.spec.stats.snapshot() if self.spec is not None else None,
+            num_queued=len(s.waiting),
         ))
 
     def shutdown(self) -> None:

@@ -77,7 +77,7 @@ class EngineExtension(Protocol):
         """For the engine thread's loop: what it must keep stepping or polling for."""
 
     def contribute(self, stats: EngineStats) -> EngineStats:
-        """The engine's stats snapshot with the extension's counts filled in."""
+        """The engine's stats snapshot (fresh, the extension's to fill in) with the extension's counts."""
 
     def shutdown(self) -> None:
         """Stops what the extension started."""

@@ -30,3 +30,4 @@ class EngineStats:
     external_prefix_cache_hits: int = 0
     kv_tiers: dict | None = None  # medium -> counters and usage of the offload tiers (None: no tiers)
     spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters (None: speculation off)
+    num_queued: int = 0  # in the scheduler's waiting queue (the server's queue bound counts them)

@@ -5,7 +5,6 @@ the loop applies to its own queues and outputs; the loop itself never names kv_t
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 
 from pdserve.api.pd import HeldKVParams, KVTransferParams
 from pdserve.engine.block_manager import BlockManager
@@ -123,8 +122,10 @@ class EnginePD:
 
     # ---- counts ----------------------------------------------------------------------------------
     def contribute(self, stats: EngineStats) -> EngineStats:
-        return replace(stats, num_loading=len(self.loading), num_held=len(self.holds.held),
-                       num_history=len(self.holds.history), num_awaiting_params=len(self.admission.mailbox))
+        # filled in on the loop's fresh snapshot (dataclasses.replace would cost ~15 us a turn of the loop)
+        stats.num_loading, stats.num_held = len(self.loading), len(self.holds.held)
+        stats.num_history, stats.num_awaiting_params = len(self.holds.history), len(self.admission.mailbox)
+        return stats
 
     def shutdown(self) -> None:
         if self.connector is not None:
