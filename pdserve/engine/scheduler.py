@@ -56,6 +56,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_waiting(self) -> int:
+        """Admitted and not running: queued, or waiting for their KV (`loading`)."""
+        return len(self.waiting) + len(self.loading)
+
     def remove(self, req: Request) -> None:
         """Drop a request from whichever queue holds it (blocks are the caller's business)."""
         if req in self.running:

@@ -38,6 +38,7 @@ from pdserve.proxy.pool import Instance
 
 if TYPE_CHECKING:
     from pdserve.proxy.state import ProxyState
+    from pdserve.proxy.upstream import Upstream
 
 logger = logging.getLogger("pdserve.proxy")
 
@@ -45,7 +46,7 @@ PIN_TIMEOUT_S = 2.0
 
 
 async def with_peer_prefix(state: ProxyState, chosen: Instance, payload: bytes, prefix: CachedPrefix | None,
-                           headers: dict[str, str]) -> bytes:
+                           up: Upstream) -> bytes:
     """The prefill leg's body, carrying a peer's pinned prefix when that is worth it; else `payload` as is."""
     if prefix is None or not state.config.kv_peer_pull:
         return payload
@@ -53,8 +54,8 @@ async def with_peer_prefix(state: ProxyState, chosen: Instance, payload: bytes, 
     if peer is None:
         return payload
     have = prefix.cached_tokens(chosen)
-    rid = headers.get("X-Request-Id", "-")
-    auth = {k: v for k, v in headers.items() if k == "Authorization"}  # the instances' --api-key, if any
+    rid = up.rid
+    auth = {k: v for k, v in up.headers.items() if k == "Authorization"}  # the instances' --api-key, if any
     outcome, params = await _pin(state, peer, prefix, have + state.config.kv_peer_pull_min_tokens, auth)
     detail = ""
     min_read = None

@@ -276,7 +276,7 @@ def build_state(args: argparse.Namespace) -> Any:
     from pdserve.api.openai.params import GenerationDefaults
     from pdserve.engine.async_engine import AsyncEngine
     from pdserve.model.default_model import DEFAULT_MODEL
-    from pdserve.server.kv import connector_factory, parse_kv_transfer_config
+    from pdserve.server.kv import parse_kv_transfer_config, pd_extension_factory
     from pdserve.server.metrics import ServerMetrics
     from pdserve.server.state import ServerState
     from pdserve.text.output_parsers import ParserConfig
@@ -289,13 +289,12 @@ def build_state(args: argparse.Namespace) -> Any:
     kv_cfg = parse_kv_transfer_config(args.kv_transfer_config, args.side_channel_host, args.side_channel_port,
                                       args.insecure_side_channel, args.host)
     registry = CollectorRegistry()
-    factory = connector_factory(kv_cfg, registry, names[0]) if kv_cfg is not None else None
-    engine = AsyncEngine(config, factory)
+    engine = AsyncEngine(config, pd_extension_factory(kv_cfg, registry, names[0]))
     inner = engine.engine
     tokenizer = None if args.tokens_only else load_tokenizer(config.tokenizer or inner.model_dir,
                                                               chat_template=args.chat_template)
     runner = inner.runner
-    connector = inner.connector
+    connector = inner.extension.connector  # the P/D half's (pd_extension_factory)
     cfg = inner.model_cfg
     info = {
         "version": __version__,
