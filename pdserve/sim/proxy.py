@@ -34,6 +34,7 @@ from pdserve.proxy.prompt_tokens import PromptTokenizer
 from pdserve.proxy.protocol import CHARS_PER_TOKEN
 from pdserve.proxy.request import COMPLETIONS, ClientRequest, client_request
 from pdserve.proxy.state import ProxyState
+from pdserve.proxy.upstream import Upstream
 from pdserve.sim.workload import Job
 
 _TEXT: dict[int, str] = {}  # prompt length -> a text prompt the proxy estimates at that many tokens
@@ -126,8 +127,8 @@ class SimProxy:
         body: dict[str, Any] = {"prompt": ids if ids is not None else text_prompt(job.prompt_len),
                                 "max_tokens": job.output_len}
         self._seq += 1
-        headers = {"Content-Type": "application/json", "X-Request-Id": f"sim-{job.index}-{self._seq}"}
-        req = self.run_now(client_request(self.state, COMPLETIONS, body, b"", headers))
+        up = Upstream.of(f"sim-{job.index}-{self._seq}", auth=None)
+        req = self.run_now(client_request(self.state, COMPLETIONS, body, b"", up))
         return SimRequest(body, req, self.run_now(decide(self.state, req)))
 
     # the legs' own choices, as they make them
