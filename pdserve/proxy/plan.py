@@ -33,7 +33,7 @@ from pdserve.proxy.pool import Instance
 from pdserve.proxy.protocol import affinity_key
 from pdserve.proxy.pull_pair import open_pull_pair
 from pdserve.proxy.push_pair import start_push_pair
-from pdserve.proxy.relay import relay_decode, relay_leg
+from pdserve.proxy.relay import relay_decode, relay_opened
 from pdserve.proxy.request import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
@@ -177,10 +177,4 @@ async def execute(state: ProxyState, request: web.Request, req: ClientRequest, p
         legs = await asyncio.gather(*(_open_prompt(state, req, k, body)
                                       for k, body in enumerate(split_bodies(req.body))))
         return await merge(request, req.body, req.rid, list(legs))
-    leg = await open_pair(state, req, plan)
-    if isinstance(leg, web.Response):
-        return leg
-    try:
-        return await relay_leg(state, request, leg)
-    finally:
-        leg.done()
+    return await relay_opened(state, request, await open_pair(state, req, plan))

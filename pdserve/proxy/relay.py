@@ -47,8 +47,13 @@ async def relay_decode(
     role: str = "decode",
 ) -> web.StreamResponse:
     """Send the decode leg (`legs.send_decode`) and relay its response to the client."""
-    leg = await send_decode(state, api_path, payload, up, tokens=tokens, kv_claimed=kv_claimed, prefix=prefix,
-                            role=role)
+    return await relay_opened(state, request, await send_decode(
+        state, api_path, payload, up, tokens=tokens, kv_claimed=kv_claimed, prefix=prefix, role=role))
+
+
+async def relay_opened(state: ProxyState, request: web.Request,
+                       leg: DecodeLeg | web.Response) -> web.StreamResponse:
+    """A decode leg as opened (or the error response for the client) relayed, and released after its response."""
     if isinstance(leg, web.Response):
         return leg
     try:
