@@ -10,11 +10,15 @@ does (claim, READ, release-with-verify), and reports:
 - their ratio;
 - with `--digest both`: the per-block KV digests' cost (pdserve/kv_transfer/digest.py), loads with digests on and
   off interleaved: the producer's hold (where it digests) and the consumer's load (where it verifies after the
-  READ), each next to the load without digests.
+  READ), each next to the load without digests; and the consumer's digest of the loaded blocks timed alone (on
+  a GPU the fused Triton kernel and, beside it, the torch reduction it replaced), each as a ratio of the same
+  run's NIXL READ. On the CPU also the consumer's hash run in a second thread during a load without digests
+  (what overlapping the hash with the READ of the next chunk could hide; xxhash releases the GIL).
 
     python benchmarks/bench_kv_transfer.py --tokens 8192 --device cuda     # H200
     python benchmarks/bench_kv_transfer.py --tokens 1024 --device cpu      # CI-class CPU box
     python benchmarks/bench_kv_transfer.py --tokens 1024,4096,16384 --device cpu --layers 8 --digest both
+    python benchmarks/bench_kv_transfer.py --tokens 1024,4096,16384 --device cuda --digest both  # Llama-3.1-8B
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import os
 import signal
 import statistics
 import sys
+import threading
 import time
 import uuid
 from typing import Any
@@ -145,6 +150,70 @@ class _RawCopy:
         return time.perf_counter() - t0
 
 
+def _timed(fn: Any, device: str) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _time_digest_alone(out: dict[str, list[float]], args: argparse.Namespace, connector: Any, digester: Any,
+                       pool: Any, ids: list[int], load_off: Any) -> None:
+    """The consumer's digest of the blocks it just loaded, by itself: what `check_digests` adds after the READ.
+    On a GPU also the torch reduction the fused kernel replaced; on the CPU also a load without digests while a
+    second thread hashes as many other blocks (the cost left if the hash overlapped the READ)."""
+    from pdserve.kv_transfer.digest import VLLM_LANESUM, lanesum_torch
+
+    out["digest"].append(_timed(lambda: digester.rank_digests(0, ids), args.device))
+    if args.device.startswith("cuda") and digester.algo == VLLM_LANESUM:
+        out["torch"].append(_timed(lambda: lanesum_torch(pool, ids), args.device))
+    if not args.device.startswith("cuda"):
+        others = [b for b in range(pool.shape[0]) if b not in set(ids)][:len(ids)]
+        hasher = threading.Thread(target=digester.rank_digests, args=(0, others))
+        t0 = time.perf_counter()
+        hasher.start()
+        load_off()
+        hasher.join()
+        out["overlap"].append(time.perf_counter() - t0)
+
+
+def _report_digest(sizes: list[tuple[int, int]], block_bytes: int,
+                   digest_stats: dict, alone: dict, stats: dict) -> list[dict[str, Any]]:
+    rows = []
+    print("per-block KV digests (medians; READ = the NIXL READ alone, load = claim + READ + release, both without "
+          "digests; cost as a share of the same run's READ and load):")
+    for tokens, n in sizes:
+        off, on = digest_stats[(n, False)], digest_stats[(n, True)]
+        med = {k: statistics.median(v) for k, v in (("load_off", off["load"]), ("load_on", on["load"]),
+                                                     ("hold_off", off["hold"]), ("hold_on", on["hold"]),
+                                                     ("read", stats[n]["xfer"]))}
+        for key, values in alone[n].items():
+            if values:
+                med[f"{key}_s"] = statistics.median(values)
+        row = {"tokens": tokens, "bytes": n * block_bytes, **med,
+               "consumer_pct": 100 * (med["load_on"] - med["load_off"]) / med["load_off"],
+               "producer_pct": 100 * (med["hold_on"] - med["hold_off"]) / med["load_off"],
+               "digest_pct_of_read": 100 * med["digest_s"] / med["read"],
+               "producer_pct_of_read": 100 * (med["hold_on"] - med["hold_off"]) / med["read"]}
+        line = (f"  {tokens:6d} tokens {n * block_bytes / 2**20:6.0f} MiB: READ {med['read'] * 1e3:8.3f} ms, load "
+                f"{med['load_off'] * 1e3:8.2f} ms off / {med['load_on'] * 1e3:8.2f} ms on "
+                f"({row['consumer_pct']:+.1f} % of the load); consumer digest alone {med['digest_s'] * 1e3:7.3f} ms "
+                f"= {row['digest_pct_of_read']:.1f} % of the READ")
+        if "torch_s" in med:
+            row["torch_pct_of_read"] = 100 * med["torch_s"] / med["read"]
+            line += f" (torch reduction {med['torch_s'] * 1e3:.3f} ms = {row['torch_pct_of_read']:.1f} %)"
+        line += (f"; producer's hold {med['hold_off'] * 1e3:.2f} / {med['hold_on'] * 1e3:.2f} ms "
+                 f"(+{row['producer_pct_of_read']:.1f} % of the READ, on the prefill's answer)")
+        if "overlap_s" in med:
+            row["overlap_pct"] = 100 * (med["overlap_s"] - med["load_off"]) / med["load_off"]
+            line += (f"; load with the hash in a second thread {med['overlap_s'] * 1e3:.2f} ms "
+                     f"({row['overlap_pct']:+.1f} % of the load)")
+        print(line)
+        rows.append(row)
+    return rows
+
+
 def _fit_fixed_cost(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
     """Least-squares t = fixed + bytes / rate over the sizes: (fixed seconds, bytes per second)."""
     n = len(sizes)
@@ -251,6 +320,7 @@ def main() -> None:
         print(f"first load (handshake + connect + READ): {r.seconds * 1e3:.1f} ms, bytes verified")
         stats = {n: {"xfer": [], "post": [], "load": [], "copy": [], "descs": 0} for _, n in sizes}
         digest_stats = {(n, d): {"load": [], "hold": []} for _, n in sizes for d in modes}
+        alone = {n: {"digest": [], "torch": [], "overlap": []} for _, n in sizes}  # the consumer's digest timed alone
         # Loads and raw copies alternate (and sizes interleave) so that all see the same machine load.
         for i in range(args.iters):
             for _, n in sizes:
@@ -264,23 +334,12 @@ def main() -> None:
                 st["load"].append(r.seconds)
                 st["descs"] = r.num_descriptors
                 st["copy"].append(raw.run(n * block_bytes))
+                if args.digest == "both":
+                    _time_digest_alone(alone[n], args, connector, digester, pool, local_ids[:n],
+                                       lambda tag=f"{i}-{n}-overlap", n=n: load(tag, n, False))
         parent.send(("stop", None))
         if args.digest == "both":
-            report_digest = []
-            print("per-block KV digests (medians; transfer = claim + READ + release without digests):")
-            for tokens, n in sizes:
-                off, on = digest_stats[(n, False)], digest_stats[(n, True)]
-                m = {k: statistics.median(v) for k, v in (("load_off", off["load"]), ("load_on", on["load"]),
-                                                           ("hold_off", off["hold"]), ("hold_on", on["hold"]))}
-                consumer_pct = 100 * (m["load_on"] - m["load_off"]) / m["load_off"]
-                producer_pct = 100 * (m["hold_on"] - m["hold_off"]) / m["load_off"]
-                report_digest.append({"tokens": tokens, "bytes": n * block_bytes, **m,
-                                      "consumer_pct": consumer_pct, "producer_pct": producer_pct})
-                print(f"  {tokens:6d} tokens {n * block_bytes / 2**20:6.0f} MiB: load {m['load_off'] * 1e3:8.2f} ms "
-                      f"off / {m['load_on'] * 1e3:8.2f} ms on ({consumer_pct:+.1f} % of transfer); hold "
-                      f"{m['hold_off'] * 1e3:7.2f} / {m['hold_on'] * 1e3:7.2f} ms ({producer_pct:+.1f} % of "
-                      f"transfer, on the prefill's answer)")
-
+            report_digest = _report_digest(sizes, block_bytes, digest_stats, alone, stats)
         kind = (
             ("device-to-device copy" if args.producer_device == args.device else "peer GPU-to-GPU copy")
             if args.device.startswith("cuda")

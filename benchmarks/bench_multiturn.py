@@ -32,16 +32,26 @@ prefill instance's log the measured read-back time of each turn that read ("read
 X ms"; mode `on-pull` reads every turn's). Recompute is measured at its marginal cost, as the turn pays it: the
 same `on` prefill instance computes fresh random prompts of new + N and of new tokens (new: the turn's own new
 prompt tokens, from the bench's usage numbers), `max_tokens` 1, and the difference is taken (median of
-`--recompute-repeats`). A turn whose choice was slower than the other, as measured, by more than
-`--tolerance-ms`, is flagged WRONG; `multiturn-cost-check.json` holds every row. `--answer-len 64,640` runs the
-conversations once per answer length on the same servers, so that the held histories the prefill lacks fall on
-both sides of the break-even (on the 8B shape on an H200: ~500 tokens at the `cuda-ipc` preset).
+`--recompute-repeats`, the two lengths' order alternating). A turn whose choice was slower than the other, as
+measured, by more than `--tolerance-ms`, is flagged WRONG; `multiturn-cost-check.json` holds every row and the
+prefill instance's advertised `prefill_cost` (what the proxy priced recompute with; printed too). `--answer-len
+64,640` runs the conversations once per answer length on the same servers, so that the held histories the prefill
+lacks fall on both sides of the break-even.
+
+The cost model prices a turn alone in its step, and the recompute is measured so; check it with
+`--max-concurrency 1` (conversations one after another). With conversations side by side (the default: all at
+once) the turns of a round reach the prefill instance together and share its steps, so a recomputed history is
+no longer free under the step's floor, and a read's measured time includes waiting for the other turns' steps
+(the H100 run of issue 42 measured reads of 3.6-5.7 ms alone and up to 32 ms side by side): the check then
+compares a read measured in a crowd with a recompute measured alone, and says so.
 
     python benchmarks/bench_multiturn.py --out-dir benchmarks/results/multiturn-cpu
     python benchmarks/bench_multiturn.py --system-len 4096 --out-dir ...    # a long shared history
     # one GPU, P and D sharing it (the servers get the tokenizer too: a packaged shape has none)
     python benchmarks/bench_multiturn.py --model Llama-3.1-8B --serve-arg=--load-format --serve-arg=dummy \
-        --serve-arg=--gpu-memory-utilization --serve-arg=0.4 --tokenizer TOK --modes on,on-pull --out-dir ...
+        --serve-arg=--gpu-memory-utilization --serve-arg=0.4 --tokenizer TOK --modes on,on-pull \
+        --answer-len 64,640 --turns 4 --conversations 3 --max-concurrency 1 \
+        --proxy-arg=--kv-history-bandwidth --proxy-arg=cuda-ipc --out-dir ...
 """
 
 from __future__ import annotations
@@ -138,9 +148,26 @@ def start_instance(name: str, role: str, mode: str, args: argparse.Namespace, lo
     return Proc(f"{name}-{mode}", cmd, logdir, f"http://127.0.0.1:{port}", env)
 
 
-def run_mode(mode: str, args: argparse.Namespace, out_dir: Path, logdir: Path) -> tuple[dict[str, dict], list[dict]]:
+def prefill_cost_info(url: str) -> dict | None:
+    """What the prefill instance advertises its prefill steps cost (/pdserve/info `prefill_cost`: measured at its
+    start on a GPU, None on a CPU), printed beside the check: the proxy priced recompute with it."""
+    import httpx
+
+    cost = httpx.get(f"{url}/pdserve/info", timeout=10).json().get("prefill_cost")
+    if cost is None:
+        print("prefill instance's prefill_cost: none advertised (recompute priced at --kv-history-prefill-tps)")
+    else:
+        pts = ", ".join(f"{n}: {s * 1e3:.2f} ms" for n, s in cost.get("points", []))
+        print(f"prefill instance's prefill_cost ({cost.get('device')}): floor {cost['floor_s'] * 1e3:.2f} ms, "
+              f"{cost['per_token_s'] * 1e6:.2f} us a token past it; measured steps {pts}")
+    return cost
+
+
+def run_mode(mode: str, args: argparse.Namespace, out_dir: Path, logdir: Path
+             ) -> tuple[dict[str, dict], list[dict], dict | None]:
     """One mode's servers, then one `pdserve bench` run per answer length on them: ({series: bench result},
-    per-turn cost rows (modes on / on-pull with the cost check))."""
+    per-turn cost rows (modes on / on-pull with the cost check), the prefill instance's advertised prefill_cost
+    (modes on*))."""
     env = {"PDSERVE_KV_SECRET": "bench-multiturn-" + os.urandom(8).hex()}
     procs = [start_instance("prefill", "kv_producer", mode, args, logdir, env),
              start_instance("decode", "kv_consumer", mode, args, logdir, env)]
@@ -191,10 +218,11 @@ def run_mode(mode: str, args: argparse.Namespace, out_dir: Path, logdir: Path) -
             results[name] = json.loads((out_dir / f"multiturn-{name}.json").read_text())
             new_by_turn.update({(answer_len, t["turn"]): t.get("new_tokens_mean") for t in results[name]["turns"]})
         costs: list[dict] = []
+        prefill_cost = prefill_cost_info(procs[0].url) if mode.startswith("on") else None
         if mode.startswith("on") and args.cost_check:
             costs = turn_costs(procs[0] if mode == "on" else None, logdir / f"proxy-{mode}.log",
                                logdir / f"prefill-{mode}.log", new_by_turn, args.recompute_repeats)
-        return results, costs
+        return results, costs, prefill_cost
     finally:
         for p in reversed(procs):
             p.close()
@@ -224,7 +252,16 @@ def _recompute_ms(url: str, tokens: int, new: int, repeats: int) -> float:
         return time.perf_counter() - t0
 
     once(new + tokens)  # warm: the step size's first run (graphs, plans) is not the turn's cost
-    return statistics.median(once(new + tokens) - once(new) for _ in range(repeats)) * 1e3
+    diffs = []
+    for i in range(repeats):  # the two lengths' order alternates, so that a drift between them cancels
+        if i % 2:
+            small = once(new)
+            big = once(new + tokens)
+        else:
+            big = once(new + tokens)
+            small = once(new)
+        diffs.append(big - small)
+    return statistics.median(diffs) * 1e3
 
 
 def turn_costs(prefill: Proc | None, proxy_log: Path, prefill_log: Path,
@@ -248,6 +285,8 @@ def turn_costs(prefill: Proc | None, proxy_log: Path, prefill_log: Path,
         row = {"request": m.group(1), "answer_len": answer_len, "conversation": conv, "turn": turn,
                "decision": m.group(3), "reason": fields.get("reason"), "held": int(m.group(2)), "tokens": tokens,
                "new_tokens": round(new) if new else None, "priced_by": fields.get("priced_by"),
+               "proxy_new_tokens": int(fields["new_tokens"]) if "new_tokens" in fields else None,
+               "min_read_tokens": int(fields["min_read_tokens"]) if "min_read_tokens" in fields else None,
                "predicted_pull_ms": float(fields.get("pull_ms", "nan")),
                "predicted_recompute_ms": float(fields.get("recompute_ms", "nan")),
                "measured_pull_ms": next((ms for rid, ms in reads.items() if f"-{m.group(1)}-" in f"-{rid}-"), None)}
@@ -275,14 +314,17 @@ def check_choices(on_rows: list[dict], pull_rows: list[dict], tolerance_ms: floa
             continue
         chosen, other = (pull, recompute) if r["decision"] == "pull" else (recompute, pull)
         r["right"] = chosen <= other + tolerance_ms
-    print(f"{'answer':>6} {'conv':>4} {'turn':>4} {'decision':>9} {'reason':>10} {'tokens':>6} {'new':>5} "
+    # new: the turn's new prompt tokens (the bench's count, what the recompute was measured with); est: the proxy's
+    # estimate, which it priced with (characters / 4 without the prompt's ids)
+    print(f"{'answer':>6} {'conv':>4} {'turn':>4} {'decision':>9} {'reason':>10} {'tokens':>6} {'new':>5} {'est':>5} "
           f"{'pred pull':>9} {'pred recomp':>11} {'meas pull':>9} {'meas recomp':>11}")
     for r in on_rows:
         pull = r["pull_ms_for_check"]
         rec = r.get("measured_recompute_ms")
         print(f"{r.get('answer_len') or '-':>6} {r['conversation'] if r['conversation'] is not None else '-':>4} "
               f"{r['turn'] if r['turn'] is not None else '-':>4} {r['decision']:>9} {r['reason'] or '-':>10} "
-              f"{r['tokens']:>6} {r['new_tokens'] or '-':>5} {r['predicted_pull_ms']:>9.2f} "
+              f"{r['tokens']:>6} {r['new_tokens'] or '-':>5} {r.get('proxy_new_tokens') or '-':>5} "
+              f"{r['predicted_pull_ms']:>9.2f} "
               f"{r['predicted_recompute_ms']:>11.2f} {'-' if pull is None else f'{pull:.2f}':>9} "
               f"{'-' if rec is None else f'{rec:.2f}':>11}"
               + {True: "", False: "  WRONG", None: "  (unchecked)" if r["decision"] in ("pull", "recompute")
@@ -311,9 +353,9 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--num-gpu-blocks", type=int, default=None)
     ap.add_argument("--kv-recompute-threshold", type=int, default=0,
-                    help="mode on: read back a held prefix from this many missing tokens on (vLLM's default is "
-                         "64, its bidirectional benchmark configs use 0; the proxy's pull-or-recompute "
-                         "arithmetic decides per turn either way) (default 0)")
+                    help="both instances' kv_recompute_threshold (vLLM's default is 64, its bidirectional "
+                         "benchmark configs use 0). The proxy's cost model decides per turn either way: a read it "
+                         "chooses carries its own min_read_tokens, which the prefill applies instead (default 0)")
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="one more `pdserve serve` argument for both instances (repeat; e.g. "
                          "--serve-arg=--load-format --serve-arg=dummy)")
@@ -357,14 +399,21 @@ def main() -> int:
         print(f"fixed answers: token {args.answer_token} repeated {args.answer_len} times")
     results: dict[str, dict] = {}
     costs: dict[str, list[dict]] = {}
+    prefill_costs: dict[str, dict | None] = {}
     for m in modes:
-        results_m, costs[m] = run_mode(m, args, out_dir, logdir)
+        results_m, costs[m], prefill_costs[m] = run_mode(m, args, out_dir, logdir)
         results.update(results_m)
     if args.cost_check and "on" in costs:
         rows = check_choices(costs["on"], costs.get("on-pull", []), args.tolerance_ms)
+        side_by_side = min(args.max_concurrency or args.conversations, args.conversations)
+        print(f"conversations side by side: {side_by_side}"
+              + ("" if side_by_side == 1 else
+                 " (the cost model prices a turn alone in its step; side by side, turns share steps and a read "
+                 "waits for the steps of others: check with --max-concurrency 1)"))
         checked = [r for r in rows if r["right"] is not None]
         (out_dir / "multiturn-cost-check.json").write_text(json.dumps(
             {"tolerance_ms": args.tolerance_ms, "checked": len(checked), "wrong": sum(not r["right"] for r in checked),
+             "conversations_side_by_side": side_by_side, "prefill_cost": prefill_costs.get("on"),
              "rows": rows, "on_pull_rows": costs.get("on-pull", [])}, indent=1))
     series = {name: [TurnSummary(**t) for t in r["turns"]] for name, r in results.items()}
     plot = plot_ttft_by_turn(series, str(out_dir / "ttft-by-turn.png"),

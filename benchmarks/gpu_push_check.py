@@ -109,6 +109,7 @@ def run_events(conn, peer: dict, pool: torch.Tensor, agent, *, control: bool, bl
     from pdserve.engine.pd.kv_handoff import KVHandoff
     from pdserve.engine.request import Request
     from pdserve.kv_transfer.layer_ready import READY
+    from pdserve.kv_transfer.messages import PushRegister, PushStatus
     from pdserve.kv_transfer.pool import region_of
     from pdserve.kv_transfer.push_sender import PushSender
     from pdserve.types.sampling_params import SamplingParams
@@ -130,9 +131,10 @@ def run_events(conn, peer: dict, pool: torch.Tensor, agent, *, control: bool, bl
         local = list(range(blocks))
         remote = list(range(blocks, 2 * blocks))[::-1]  # scattered the other way: no run to coalesce
         tokens = blocks * bs
-        msg = {"pool": peer["pool"], "block_ids": remote, "first_block": 0, "num_tokens": tokens,
-               "agent_name": peer["name"], "agent_metadata": peer["metadata"], "push_key": key, "timeout_s": 60.0}
-        assert sender.handle("push_register", msg)["state"] == "registered"
+        msg = PushRegister(push_key=key, generation=0, engine_id="gpu-push-check", agent_name=peer["name"],
+                           agent_metadata=peer["metadata"], seal_nonce=b"", pool=peer["pool"], block_ids=tuple(remote),
+                           first_block=0, num_tokens=tokens, timeout_s=60.0)
+        assert sender.handle(msg).state == "registered"
         kv = KVHandoff(send=True, push=pd.parse_push_prefill_params(pd.push_prefill_params(key)))
         req = Request(f"check-{key[:6]}", list(range(tokens)), SamplingParams(), frozenset(), tokens + 16, kv=kv)
         req.block_ids = local
@@ -157,7 +159,7 @@ def run_events(conn, peer: dict, pool: torch.Tensor, agent, *, control: bool, bl
         gpu_s = time.perf_counter() - t0
         sender.finish(req.request_id, req.kv.push, local, tokens, (req.request_id, "lease"))
         deadline = time.monotonic() + 60
-        while sender.handle("push_status", {"push_keys": [key]})["states"] != ["done"]:
+        while sender.handle(PushStatus(push_keys=(key,))).states != ("done",):
             if time.monotonic() > deadline:
                 raise TimeoutError("the push did not complete in 60 s")
             time.sleep(0.002)
@@ -193,11 +195,11 @@ def time_xfer(agent, post, iters: int) -> dict:
 
 
 def run_cost(peer: dict, pool: torch.Tensor, agent, blocks: int, iters: int) -> list[dict]:
-    from pdserve.kv_transfer.pool import RemotePool, coalesce_block_runs, descriptor_arrays, region_of
+    from pdserve.kv_transfer.pool import coalesce_block_runs, descriptor_arrays, region_of
 
     region = region_of(pool)
     mt = region.mem_type
-    remote = RemotePool.from_handshake(peer["pool"])
+    remote = peer["pool"]  # a RemotePool
     layers = pool.shape[1]
     bb = region.block_bytes
     lb = bb // layers

@@ -10,8 +10,12 @@
 # that does not fit the time left is skipped, so the order is the priority):
 #   correct    the GPU correctness suite (gpu_suite.py: kernels vs float32 SDPA, the tiny engines vs
 #              transformers, the 8B-shape logits), with the same-run ceilings
-#   suite      issue 42 step 1's engine figures with same-run ceilings (gpu_suite.py, cheapest first): P1 decode
+#   suite      the GPU unit tests of the KV digests' fused kernel (tests/test_kv_digest_gpu.py, first, <= 60 s), then
+#              issue 42 step 1's engine figures with same-run ceilings (gpu_suite.py, cheapest first): P1 decode
 #              b1, P2 decode b64 2k, P3 prefill 8k, long prompts 8k / 32k / 64k (triton and triton-cudnn)
+#   digest     the digest kernel's tests, then the KV digests' cost against the same run's NIXL READ (VRAM, CUDA
+#              IPC) at 1k/4k/16k tokens on the Llama-3.1-8B shape (bench_kv_transfer.py --digest both): the fused
+#              kernel, the torch reduction, the producer's hold. Not in the default SECTIONS: SECTIONS=digest
 #   speccheck  the verify kernel and verify CUDA graphs vs eager vs plain decode (pdserve.testing.spec_verify_check)
 #   spec       the verify step's cost against a plain graph step (gpu_spec_verify_cost.py, batch 1/4/16, K=4)
 #   specitl    ngram ITL on the 8B shape, verify graphs vs eager vs plain (gpu_spec_ngram_itl.py)
@@ -20,8 +24,9 @@
 #   pushcheck  gpu-push's CUDA-event seam check and WRITE costs (gpu_push_check.py, test_push_layer_ready.py)
 #   push       pull vs push rows on the GPU (bench_pd_push.py --gpu, 8k and 256; PUSH_ARGS for gpu-push's full set)
 #   multiturn  the pull-or-recompute choice per turn (bench_multiturn.py, 8B shape, P and D sharing the GPU, fixed
-#              answers of 64 and 640 tokens: histories on both sides of the break-even; mode on-pull measures the
-#              reads the cost model declined; a turn flagged WRONG chose the slower way)
+#              answers of 64 and 640 tokens: histories on both sides of the break-even; 3 conversations one after
+#              another, as the cost model prices a turn alone; mode on-pull measures the reads the cost model
+#              declined; a turn flagged WRONG chose the slower way)
 #
 # Env: WAVE_BUDGET_S (the whole command's wall budget, default 520: the device call's 600 s limit less the
 # wheels' install and a margin), BUDGET_<SECTION> (a section's cap in seconds, e.g. BUDGET_PD1=200),
@@ -52,17 +57,20 @@ export UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y  # NIXL READ over CUDA IPC, not TCP (h200
 # section name -> its cap in seconds (estimates from BENCHMARKS.md's recorded section times, in comments)
 declare -A CAP=(
   [correct]=150    # correctness_kernels 8-10 s, correctness_engines 24-40 s, correctness_8b ~30 s, + imports/JIT
-  [suite]=170      # engine_init 6-23 s, P1 2, P2 8, P3 1, long 8k 3 / 32k 8 / 64k 23 s, + imports/JIT, warm-ups
+  [suite]=200      # digest kernel tests ~30 s; engine_init 6-23 s, P1 2, P2 8, P3 1, long 8k 3 / 32k 8 / 64k 23 s,
+                   # + imports/JIT, warm-ups
+  [digest]=200     # kernel tests ~30 s; a producer process (CUDA + NIXL init ~30 s), 10 x 3 sizes x digests off/on
   [speccheck]=150  # spec-graphs' estimate: ~90 s with a cold Triton cache (kernel cases, tiny engines)
   [spec]=130       # one 8B engine (graphs) + 3 batches x (prefill 2k tokens each, timed steps); spec-graphs: 60-90 s
   [specitl]=120    # spec-graphs' estimate: 60-90 s
   [pd1]=200        # collocated, then P and D: three 8B dummy servers started, 4 rounds of 5 x 8k requests
   [pushcheck]=120  # gpu-push's estimate: 30-45 s incl. CUDA init of two processes, + its unit tests ~10 s
   [push]=240       # 8B dummy servers for collocated, pull and both push modes, 8k and 256 (gpu-push: ~4 min all)
-  [multiturn]=170  # modes on + on-pull: P + D + proxy (8B dummy) twice, 4 conversations x 4 turns with answers of 64
-                   # and of 640 tokens (~13 s of decode a mode), then ~24 turns' recompute timings
+  [multiturn]=250  # modes on + on-pull: P + D + proxy (8B dummy) twice (~30 s each to serve, prefill cost measured),
+                   # 3 conversations x 4 turns one after another with answers of 64 and of 640 tokens (~50 s of
+                   # decode a mode at ~5.7 ms a token), then 18 turns' recompute timings (~15 s); 162 s side by side
 )
-declare -A MIN=([correct]=60 [suite]=60 [speccheck]=60 [spec]=50 [specitl]=50 [pd1]=90 [pushcheck]=45 [push]=120
+declare -A MIN=([correct]=60 [suite]=60 [digest]=90 [speccheck]=60 [spec]=50 [specitl]=50 [pd1]=90 [pushcheck]=45 [push]=120
                 [multiturn]=80)
 
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
@@ -139,14 +147,20 @@ fi
 SUITE_ONLY=${SUITE_ONLY:-p1_decode_b1,p2_decode_b64_2k,p3_prefill_1x8192,long_context_8192,long_context_32768,long_context_65536}
 # gpu_suite.py stops starting sections 15 s before the section's timeout, so that it writes its summary
 # shellcheck disable=SC2016 # expanded by the inner shell, where run_section set SECTION_BUDGET_S
-SUITE='exec python3 benchmarks/gpu_suite.py --out "$1" --budget-s $((SECTION_BUDGET_S - 15)) --only "$2"'
+SUITE='exec python3 benchmarks/gpu_suite.py --out "$1" --budget-s $((SECTION_BUDGET_S - 15 - SECONDS)) --only "$2"'
+# the KV digests' fused-kernel tests run first in `suite` (SECONDS, bash's own clock, then shortens the suite's budget)
+DIGEST_TESTS='timeout -k 5 60 python3 -m pytest -q -p no:cacheprovider tests/test_kv_digest_gpu.py; '
 IFS=, read -r -a want <<< "$SECTIONS"
 for sec in "${want[@]}"; do
   case $sec in
     correct)
       run_section correct bash -c "$SUITE" _ "$WORK/correct" correctness_kernels,correctness_engines,correctness_8b ;;
     suite)
-      run_section suite bash -c "$SUITE" _ "$WORK/suite" "$SUITE_ONLY" ;;
+      run_section suite bash -c "$DIGEST_TESTS$SUITE" _ "$WORK/suite" "$SUITE_ONLY" ;;
+    digest)
+      # the kernel's tests first (the same as in `suite`), so that the figures come from a checked kernel
+      run_section digest bash -c "${DIGEST_TESTS}exec python3 benchmarks/bench_kv_transfer.py --device cuda \
+        --tokens 1024,4096,16384 --digest both --iters 10 --json $WORK/digest/bench_kv_transfer_digest.json" ;;
     speccheck)
       # spec-graphs' READY: the multi-query verify kernel vs float32 SDPA (drafts padded to K, bf16 and fp8 pools),
       # then tiny engines: verify CUDA graphs == eager verify == plain greedy decode (exit 1 on any failure)
@@ -185,10 +199,11 @@ for sec in "${want[@]}"; do
       run_section multiturn python3 benchmarks/bench_multiturn.py \
         ${MULTITURN_ARGS:---model Llama-3.1-8B --serve-arg=--load-format --serve-arg=dummy \
         --serve-arg=--gpu-memory-utilization --serve-arg=0.4 --tokenizer $TOK --modes on,on-pull \
-        --answer-len 64,640 --turns 4 --proxy-arg=--kv-history-bandwidth --proxy-arg=cuda-ipc \
+        --answer-len 64,640 --turns 4 --conversations 3 --max-concurrency 1 \
+        --proxy-arg=--kv-history-bandwidth --proxy-arg=cuda-ipc \
         --out-dir $WORK/multiturn} ;;
     *)
-      echo "=== unknown section $sec (correct suite speccheck spec specitl pd1 pushcheck push multiturn)" | tee -a "$LOG" ;;
+      echo "=== unknown section $sec (correct suite digest speccheck spec specitl pd1 pushcheck push multiturn)" | tee -a "$LOG" ;;
   esac
 done
 [ -z "${WAVE_PRINT:-}" ] && echo "=== wave done in $(( $(date +%s) - T0 ))s" | tee -a "$LOG"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import re
 import tarfile
 from pathlib import Path
 
@@ -96,8 +97,9 @@ def verdicts(res: dict) -> str:
                 notes.append(f"{key}: PASS")
             elif "skipped" in v:
                 notes.append(f"{key}: skipped")
-    if "WRONG" in res.get("output_tail", ""):
-        notes.append(f"{res['output_tail'].count('WRONG')} turn(s) WRONG")
+    check = re.search(r"choice check: (\d+) turns checked, (\d+) WRONG", res.get("output_tail", ""))
+    if check is not None:  # bench_multiturn.py's summary line (its rows also say WRONG: not counted twice)
+        notes.append(f"{check.group(2)} of {check.group(1)} turn(s) WRONG")
     return ", ".join(notes)
 
 

@@ -22,16 +22,17 @@ SLIM=${SLIM_WHEELS:-../shared/tools/slim_wheels.py}
 pin() { "$PY" -c "import re,sys; t=open('pyproject.toml').read(); \
 m=re.search(r'\"' + re.escape(sys.argv[1]) + r'==([^\"]+)\"', t); print(sys.argv[1] + '==' + m.group(1))" "$1"; }
 
-# pyproject's runtime pins the image lacks (xxhash, prometheus-client: the image has some version; theirs are
-# self-contained wheels, so the pinned one is carried), then what they pull in, at the versions pip resolves
-# for those pins (pydantic 2.14.3 requires pydantic-core==2.50.4 exactly; fastapi 0.163.2: starlette 1.10.0,
-# opentelemetry-api, annotated-doc, typing-inspection).
+# pyproject's runtime pins the image lacks (msgspec: the KV side channel's messages; xxhash, prometheus-client:
+# the image has some version; theirs are self-contained wheels, so the pinned one is carried), then what they
+# pull in, at the versions pip resolves for those pins (pydantic 2.14.3 requires pydantic-core==2.50.4 exactly;
+# fastapi 0.163.2: starlette 1.10.0, opentelemetry-api, annotated-doc, typing-inspection). msgspec 0.22.0's cp312
+# manylinux wheel is 225 KiB, with no dependencies.
 PKGS=(
   "$(pin cryptography)" cffi==2.1.1 pycparser==3.12
   "$(pin fastapi)" starlette==1.10.0 "$(pin pydantic)" pydantic-core==2.50.4 annotated-types==0.8.0
   annotated-doc==0.0.7 typing-inspection==0.4.5 typing-extensions==4.16.0 opentelemetry-api==1.45.3
   "$(pin uvicorn)" "$(pin httptools)" "$(pin pyzmq)" "$(pin llguidance)" "$(pin xxhash)"
-  "$(pin prometheus-client)" "$(pin gguf)"
+  "$(pin prometheus-client)" "$(pin gguf)" "$(pin msgspec)"
 )
 DL=(download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
     --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64)

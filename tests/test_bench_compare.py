@@ -17,12 +17,11 @@ from pdserve.bench.summary import RunSummary, summarize_result
 from pdserve.bench.transfer import (
     NOT_CHECKED,
     TransferCheck,
-    XferSnapshot,
     histogram_quantile,
     judge,
-    parse_metrics,
 )
 from pdserve.bench.verdict import GO, GO_UNCHECKED, NO_GO, UNDETERMINED, decide, note_resources
+from pdserve.preflight.metrics import EXPIRED, FAILED, XFER_TIME, NixlSnapshot, parse_nixl
 
 PASS = TransferCheck("pass", "3 transfers, fine")
 FAIL = TransferCheck("fail", "2 failed transfer(s)")
@@ -113,32 +112,34 @@ vllm:num_requests_running{engine="0",model_name="m"} 0.0
 
 
 def test_parse_prometheus_and_quantile() -> None:
-    snap = parse_metrics(METRICS)
-    assert (snap.count, snap.total_s, snap.failed, snap.expired, snap.found) == (4.0, 0.032, 0.0, 1.0, True)
-    assert snap.buckets == {0.005: 1.0, 0.01: 3.0, 0.025: 4.0, math.inf: 4.0}
+    snap = parse_nixl(METRICS)
+    assert (snap.counts[XFER_TIME], snap.sums[XFER_TIME], snap.counter(FAILED), snap.counter(EXPIRED),
+            snap.present) == (4.0, 0.032, 0.0, 1.0, True)
+    xfer = snap.buckets[XFER_TIME]
+    assert xfer == {0.005: 1.0, 0.01: 3.0, 0.025: 4.0, math.inf: 4.0}
     # rank 0.9 * 4 = 3.6 lies in (0.01, 0.025]: 0.01 + 0.015 * (3.6 - 3) / (4 - 3)
-    assert histogram_quantile(0.9, snap.buckets) == pytest.approx(0.019)
-    assert histogram_quantile(0.25, snap.buckets) == pytest.approx(0.005)
+    assert histogram_quantile(0.9, xfer) == pytest.approx(0.019)
+    assert histogram_quantile(0.25, xfer) == pytest.approx(0.005)
     assert math.isnan(histogram_quantile(0.5, {}))
     assert histogram_quantile(0.99, {0.1: 1.0, math.inf: 10.0}) == 0.1  # +Inf bucket: last finite bound
     both = snap + snap
-    assert (both.count, both.buckets[0.01]) == (8.0, 6.0)
+    assert (both.counts[XFER_TIME], both.buckets[XFER_TIME][0.01], both.counter(EXPIRED)) == (8.0, 6.0, 2.0)
 
 
 def test_judge_transfer_deltas() -> None:
-    before = parse_metrics(METRICS)
-    after = parse_metrics(
+    before = parse_nixl(METRICS)
+    after = parse_nixl(
         METRICS.replace(
             '_count{engine="0",model_name="m"} 4.0', '_count{engine="0",model_name="m"} 14.0'
         ).replace('_sum{engine="0",model_name="m"} 0.032', '_sum{engine="0",model_name="m"} 0.232')
     )
-    ok = judge(after - before, 100.0, ["http://d:8200"])
+    ok = judge(after.delta(before), 100.0, ["http://d:8200"])
     assert ok.status == "pass" and ok.transfers == 10 and ok.avg_ms == pytest.approx(20.0)
-    assert judge(after - before, 10.0, ["d"]).status == "fail"  # mean 20 ms over a 10 ms limit
-    assert judge(before - before, 100.0, ["d"]).detail.startswith("no KV transfers")
-    failed = XferSnapshot(count=5, total_s=0.05, failed=1, found=True)
+    assert judge(after.delta(before), 10.0, ["d"]).status == "fail"  # mean 20 ms over a 10 ms limit
+    assert judge(before.delta(before), 100.0, ["d"]).detail.startswith("no KV transfers")
+    failed = NixlSnapshot(True, {XFER_TIME: 0.05}, {XFER_TIME: 5}, {FAILED: 1})
     assert judge(failed, 100.0, ["d"]).status == "fail"
-    assert judge(XferSnapshot(), 100.0, ["d"]).detail.startswith("no vllm:nixl_* metrics")
+    assert judge(NixlSnapshot(), 100.0, ["d"]).detail.startswith("no vllm:nixl_* metrics")
 
 
 def test_summary_table_plots_and_html(tmp_path: Path) -> None:

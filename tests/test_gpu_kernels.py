@@ -385,3 +385,23 @@ def test_gpu_step_runner_with_checkpoint_kv_scales_is_token_exact_with_the_cpu_f
     assert run_engine(engine, prompts, params) == want
     assert engine.runner.step_timing.graph_steps > 0
     assert torch.equal(engine.runner.kv_pool, ref_engine.runner.kv_pool)
+
+
+@pytest.mark.parametrize("shape,dtype", [((5, 3, 2, 16, 2, 40), torch.bfloat16), ((4, 2, 2, 4, 2, 18), torch.uint8)])
+def test_lanesum_kernel_is_the_reference(shape, dtype):
+    """The KV digests' fused lane-sum kernel (pdserve/kv_transfer/lanesum_kernel.py) equals its numpy reference:
+    rows of several tiles (a small BLOCK), scattered and repeated block ids."""
+    from pdserve.kv_transfer import lanesum_kernel
+
+    g = torch.Generator().manual_seed(2)
+    pool = torch.randint(0, 256, shape, dtype=dtype, generator=g) if dtype == torch.uint8 \
+        else torch.randn(shape, generator=g).to(dtype)
+    ids = [shape[0] - 1, 0, 2, 2]
+    rows = pool.view(torch.uint8).reshape(shape[0], -1).numpy()[ids]
+    old = lanesum_kernel._BLOCK
+    lanesum_kernel._BLOCK = 32  # several loop iterations per row, and a masked last tile
+    try:
+        got = lanesum_kernel.lanesum_triton(pool, ids, shape[1] * shape[2])
+    finally:
+        lanesum_kernel._BLOCK = old
+    assert got == lanesum_kernel.lanesum_reference(rows, shape[1] * shape[2])

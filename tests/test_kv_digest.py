@@ -80,7 +80,8 @@ def test_check_names_the_block_and_reports_what_it_cannot_verify() -> None:
     with pytest.raises(DigestMismatch, match=r"rank 0, block 1 \(local block 4\)"):
         d.check(held, XXH3_128, src_tp=1, local_ids=[4, 3], positions=[1, 2], what="r")
     assert d.check((), None, src_tp=1, local_ids=[1], positions=[0], what="r") == "absent"
-    assert d.check(held, XXH3_128, src_tp=2, local_ids=[1], positions=[0], what="r") == "tp_mismatch"
+    assert d.check(held, XXH3_128, src_tp=2, local_ids=[1], positions=[0], what="r") == "tp_mismatch"  # 1 list
+    # (a load from a producer of another TP size: tests/test_kv_digest_split.py)
     assert d.check(held, "md5", src_tp=1, local_ids=[1], positions=[0], what="r") == "algo"
 
 
@@ -107,15 +108,53 @@ def test_digests_travel_in_vllms_field_and_are_validated() -> None:
 
 
 def test_config_switches() -> None:
+    from pdserve.kv_transfer import config as kv_config
+    from pdserve.kv_transfer.config import digests_enabled, digests_on
+
     base = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
-    off = KVTransferConfig.from_json(base, env={})  # off by default: its CPU cost (BENCHMARKS.md)
-    assert not off.enable_kv_digest and not off.kv_digest_required
+    auto = KVTransferConfig.from_json(base, env={})  # "auto" by default: decided by the pool's device
+    assert auto.enable_kv_digest == "auto" and auto.kv_digest_algo == "auto" and not auto.kv_digest_required
+    assert not digests_on("auto", "DRAM")  # a CPU pool: over the 3 % (BENCHMARKS.md, "KV digests")
+    assert digests_on("auto", "VRAM") is kv_config.DIGESTS_AUTO_ON_GPU
+    assert digests_on(True, "DRAM") and not digests_on(False, "VRAM")
+    assert not digests_enabled(None) and not digests_enabled({"kv_connector_extra_config": {}})
+    assert digests_enabled({"kv_connector_extra_config": {"enable_kv_digest": True}})
     on = {**base, "kv_connector_extra_config": {"enable_kv_digest": True}}
-    assert KVTransferConfig.from_json(on, env={}).enable_kv_digest
+    assert KVTransferConfig.from_json(on, env={}).enable_kv_digest is True
     assert KVTransferConfig.from_json(on, env={"VLLM_NIXL_DIGEST_FAIL": "1"}).kv_digest_required
-    assert not KVTransferConfig.from_json(base, env={"VLLM_NIXL_DIGEST_FAIL": "1"}).kv_digest_required
-    with pytest.raises(ValueError, match="enable_kv_digest"):
-        KVTransferConfig.from_json({**base, "kv_connector_extra_config": {"enable_kv_digest": "yes"}}, env={})
+    assert KVTransferConfig.from_json(base, env={"VLLM_NIXL_DIGEST_FAIL": "1"}).kv_digest_required  # auto: may be on
+    off = {**base, "kv_connector_extra_config": {"enable_kv_digest": False}}
+    assert not KVTransferConfig.from_json(off, env={"VLLM_NIXL_DIGEST_FAIL": "1"}).kv_digest_required
+    lanes = {**base, "kv_connector_extra_config": {"enable_kv_digest": True, "kv_digest_algo": VLLM_LANESUM}}
+    assert KVTransferConfig.from_json(lanes, env={}).kv_digest_algo == VLLM_LANESUM
+    for key, bad in (("enable_kv_digest", "yes"), ("kv_digest_required", "auto"), ("kv_digest_algo", "md5")):
+        with pytest.raises(ValueError, match=key):
+            KVTransferConfig.from_json({**base, "kv_connector_extra_config": {key: bad}}, env={})
+
+
+def test_auto_digests_follow_the_gpu_decision(monkeypatch) -> None:
+    """The one switch the GPU measurement sets (config.DIGESTS_AUTO_ON_GPU) decides "auto" on GPU pools only."""
+    from pdserve.kv_transfer import config as kv_config
+
+    for decided in (True, False):
+        monkeypatch.setattr(kv_config, "DIGESTS_AUTO_ON_GPU", decided)
+        assert kv_config.digests_on("auto", "VRAM") is decided
+        assert not kv_config.digests_on("auto", "DRAM")
+
+
+def test_the_cpu_reference_of_the_gpu_kernel_is_vllms_formula() -> None:
+    """lanesum_kernel.lanesum_reference (what the Triton kernel is tested against on the GPU: test_kv_digest_gpu.py)
+    equals vLLM's formula re-derived per region, and the torch path."""
+    from pdserve.kv_transfer.lanesum_kernel import lanesum_reference, supported
+
+    for dtype in (torch.bfloat16, torch.float32, torch.uint8):
+        pool = _pool(dtype)
+        rows = pool.view(torch.uint8).reshape(pool.shape[0], -1).numpy()[[0, 3, 5]]
+        ref = [f"{a:x}_{b:x}" for a, b in lanesum_reference(rows, 6)]
+        assert ref == _vllm_reference(pool, [0, 3, 5]) == digest_blocks(pool, [0, 3, 5], VLLM_LANESUM)
+    assert supported(6 * 64, 6) and not supported(6 * 60, 6) and not supported(100, 3)
+    with pytest.raises(ValueError, match="whole 8-byte lanes"):
+        lanesum_reference(np.zeros((1, 36), dtype=np.uint8), 3)
 
 
 def test_host_tier_block_changed_in_the_tier_is_dropped_and_recomputed(tiny_llama):
@@ -170,9 +209,19 @@ def test_every_rank_is_digested_and_a_bad_block_on_rank_1_is_caught() -> None:
     consumer._ranks[0].pool[2].view(-1)[0] += 1.0
     with pytest.raises(DigestMismatch, match="rank 1, block 2"):
         consumer.check(held, XXH3_128, src_tp=2, local_ids=[0, 1, 2], positions=[0, 1, 2], what="r")
-    # the worker rank's handler digests its own pool
+    # the worker rank's handlers digest its own pool, held and as received from another TP size
+    from pdserve.kv_transfer.digest_split import Received, SplitLayout
+    from pdserve.kv_transfer.head_split import BlockGeometry
+    from pdserve.kv_transfer.kv_rank import ReceivedDigests
+
     service = RankKVService(rank1)
     assert service.handlers()[BlockDigests](BlockDigests((1, 2), XXH3_128)) == list(held[1][1:])
+    # rank 1 of a TP=2 decode of a 4-KV-head model (_pool: 2 heads a rank) holds heads 2 and 3: producer ranks 2
+    # and 3 of a TP=4 prefill, each whole, re-assembled and hashed
+    layout = SplitLayout(BlockGeometry(3 * 2 * 16, (8 * 4,)), 4, 6)
+    got = service.handlers()[ReceivedDigests](ReceivedDigests((1, 2), XXH3_128, layout, 1, 2, 4))
+    assert got == [Received(2 + h, -1, tuple(digest_blocks(rank1[:, :, :, :, h:h + 1].contiguous(), [1, 2],
+                                                            XXH3_128))) for h in (0, 1)]
 
 
 def test_verify_load_counts_and_applies_the_required_switch() -> None:

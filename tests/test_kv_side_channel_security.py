@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 
@@ -122,14 +123,19 @@ def _exchange(port: int, frame: bytes) -> tuple[dict[str, Any], bytes]:
             raw += data
             frames = decoder.feed(data)
             if frames:
-                return msgpack.unpackb(frames[0]["msg"]), raw
+                return msgpack.unpackb(msgpack.unpackb(frames[0])["msg"]), raw
     raise AssertionError("no reply")
+
+
+def _envelope_of(frame: bytes) -> dict[str, Any]:
+    """A captured frame's envelope (its length prefix cut off), as a plain map."""
+    return msgpack.unpackb(FrameDecoder().feed(frame)[0])
 
 
 def _forge(op: str, to: str, *, auth: MessageAuth | None = None, **fields: Any) -> bytes:
     payload = msgpack.packb({"op": op, "to": to, "ts": time.time(), "nonce": new_nonce(), **fields})
     mac = auth.sign(REQUEST, payload) if auth is not None else None
-    return encode_frame({"v": PROTOCOL_VERSION, "msg": payload, "mac": mac})
+    return encode_frame(msgpack.packb({"v": PROTOCOL_VERSION, "msg": payload, "mac": mac}))
 
 
 def _lease_ops(rid: str, token: str, generation: int) -> list[tuple[str, dict[str, Any]]]:
@@ -277,7 +283,7 @@ def test_captured_messages_cannot_be_replayed_or_altered(producer) -> None:
         result = _load(cons, "d-victim-3", {**params, "remote_port": relay.port}, [1, 2])
         assert result.ok, result.error
         assert np.array_equal(pool[[1, 2]], prod_pool[[8, 9]])
-        ops = [msgpack.unpackb(FrameDecoder().feed(frame)[0]["msg"])["op"] for frame in relay.captured]
+        ops = [msgpack.unpackb(_envelope_of(frame)["msg"])["op"] for frame in relay.captured]
         assert ops == ["handshake", "claim", "release"], ops
         before = _refused(prod).get("replay", 0.0)
         metadata = prod._agent.metadata()
@@ -288,11 +294,11 @@ def test_captured_messages_cannot_be_replayed_or_altered(producer) -> None:
         assert _refused(prod)["replay"] == before + 3
         # the captured claim, pointed at another lease with its own token: the signature no longer matches
         other = _hold(prod, "victim-3b", [10], 3, 0)
-        claim = msgpack.unpackb(FrameDecoder().feed(relay.captured[1])[0]["msg"])
-        envelope = FrameDecoder().feed(relay.captured[1])[0]
+        envelope = _envelope_of(relay.captured[1])
+        claim = msgpack.unpackb(envelope["msg"])
         altered = msgpack.packb({**claim, "request_id": "victim-3b", "lease_token": other["remote_lease_token"],
                                  "nonce": new_nonce(), "ts": time.time()})
-        reply, _ = _exchange(port, encode_frame({**envelope, "msg": altered}))
+        reply, _ = _exchange(port, encode_frame(msgpack.packb({**envelope, "msg": altered})))
         assert reply["ok"] is False and reply["reason"] == "unauthenticated", reply
         assert prod.producer.leases.get("victim-3b").state.value == "held"
         assert prod.producer.leases.get("victim-3b") is not None
@@ -368,7 +374,7 @@ def test_whoever_holds_the_agent_metadata_can_read_registered_memory(producer) -
         region = region_of(local)
         agent.register(region)
         name = agent.add_remote(metadata, reply["agent_name"])
-        remote = RemotePool.from_handshake(reply["pool"])
+        remote = msgspec.convert(reply["pool"], RemotePool)
         held = _hold(prod, "victim-4", [20, 21], 7, 0)
         assert held["remote_lease_token"]
         local_descs, remote_descs = descriptor_arrays(coalesce_block_runs([0, 1], [20, 21]), region, remote)

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -39,6 +40,18 @@ from pdserve.kv_transfer.errors import (
     SideChannelTimeout,
 )
 from pdserve.kv_transfer.leases import ClaimRefused, LeaseTable
+from pdserve.kv_transfer.messages import (
+    Abort,
+    Claim,
+    ClaimReply,
+    Heartbeat,
+    HeartbeatReply,
+    PushCancel,
+    Release,
+    ReleaseReply,
+    Reply,
+    Request,
+)
 from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.pool import (
     RemotePool,
@@ -475,19 +488,22 @@ ENGINE = "eng-under-test"
 
 @pytest.fixture
 def server() -> Any:
-    calls: list[tuple[str, dict]] = []
+    calls: list[tuple[str, Request[Reply]]] = []
     refused: list[str] = []
 
-    def handler(op: str, msg: dict[str, Any]) -> dict[str, Any]:
-        calls.append((op, msg))
-        if op == "claim":
-            if msg["request_id"] == "gone":
+    def handler(request: Request[Reply], peer: str) -> Reply:
+        calls.append((request.op, request))
+        match request:
+            case Claim(request_id="gone"):
                 raise SideChannelRefused("expired", "lease expired")
-            return {"block_ids": [1, 2], "claim_token": "tok"}
-        if op == "heartbeat":
-            return {"unknown": []}
-        if op == "release":
-            return {"held_throughout": "yes"}  # wrong type: the client must refuse it
+            case Claim():
+                return ClaimReply(block_ids=(1, 2), claim_token="tok")
+            case Heartbeat():
+                return HeartbeatReply(unknown=())
+            case Release():
+                return ReleaseReply(held_throughout="yes")  # type: ignore[arg-type]  # wrong type: the client must refuse it
+            case PushCancel():
+                return HeartbeatReply(unknown=())  # not a push_cancel's reply: the server must not send it
         raise RuntimeError("boom")
 
     srv = side_channel.SideChannelServer("127.0.0.1", 0, handler, engine_id=ENGINE, on_refused=refused.append)
@@ -498,33 +514,38 @@ def server() -> Any:
     srv.close()
 
 
-CLAIM = {"request_id": "r", "lease_token": "lt", "generation": 1, "timeout_s": 2}
-HEARTBEAT: dict[str, Any] = {"request_ids": [], "lease_tokens": []}
+CLAIM = Claim(request_id="r", lease_token="lt", generation=1, timeout_s=2)
+HEARTBEAT = Heartbeat(request_ids=(), lease_tokens=())
 
 
 def test_side_channel_round_trip_and_refusals(server: Any) -> None:
     port = server.port
-    reply = side_channel.call("127.0.0.1", port, "claim", CLAIM, 2.0, to=ENGINE)
-    assert reply["block_ids"] == [1, 2] and reply["claim_token"] == "tok" and reply["ok"] is True
-    hb = {"request_ids": ["a", "b"], "lease_tokens": ["x", "y"]}
-    assert side_channel.call("localhost", port, "heartbeat", hb, 2.0, to=ENGINE)["unknown"] == []
+    reply = side_channel.call("127.0.0.1", port, CLAIM, 2.0, to=ENGINE)
+    assert isinstance(reply, ClaimReply) and reply.block_ids == (1, 2) and reply.claim_token == "tok" and reply.ok
+    hb = Heartbeat(request_ids=("a", "b"), lease_tokens=("x", "y"))
+    assert side_channel.call("localhost", port, hb, 2.0, to=ENGINE).unknown == ()
     with pytest.raises(SideChannelRefused) as exc:
-        side_channel.call("127.0.0.1", port, "claim", {**CLAIM, "request_id": "gone"}, 2.0, to=ENGINE)
+        side_channel.call("127.0.0.1", port, msgspec.structs.replace(CLAIM, request_id="gone"), 2.0, to=ENGINE)
     assert exc.value.reason == "expired" and "lease expired" in str(exc.value)
     with pytest.raises(SideChannelRefused) as exc:
-        side_channel.call("127.0.0.1", port, "abort", {"request_id": "x", "lease_token": "t"}, 2.0, to=ENGINE)
+        side_channel.call("127.0.0.1", port, Abort(request_id="x", lease_token="t"), 2.0, to=ENGINE)
     assert exc.value.reason == "internal" and "boom" in str(exc.value)
     with pytest.raises(side_channel.ProtocolError, match="held_throughout"):
-        release = {"request_id": "x", "lease_token": "t", "claim_token": "c"}
-        side_channel.call("127.0.0.1", port, "release", release, 2.0, to=ENGINE)
+        release = Release(request_id="x", lease_token="t", claim_token="c")
+        side_channel.call("127.0.0.1", port, release, 2.0, to=ENGINE)
+    # a handler answering with another op's reply type is the producer's bug: refused as internal, never sent
+    with pytest.raises(SideChannelRefused) as exc:
+        side_channel.call("127.0.0.1", port, PushCancel(push_key="k"), 2.0, to=ENGINE)
+    assert exc.value.reason == "internal" and "PushStateReply" in str(exc.value)
+    # a request of the wrong type fails at the caller, as the producer would refuse it
     with pytest.raises(side_channel.ProtocolError, match="generation"):
-        side_channel.call("127.0.0.1", port, "claim", {**CLAIM, "generation": True}, 2.0, to=ENGINE)
+        side_channel.call("127.0.0.1", port, msgspec.structs.replace(CLAIM, generation=True), 2.0, to=ENGINE)
     # a message for another producer (e.g. replayed from one) is refused before the handler sees it
     with pytest.raises(SideChannelRefused) as exc:
-        side_channel.call("127.0.0.1", port, "claim", CLAIM, 2.0, to="someone-else")
+        side_channel.call("127.0.0.1", port, CLAIM, 2.0, to="someone-else")
     assert exc.value.reason == "wrong_engine"
-    assert [op for op, _ in server.calls] == ["claim", "heartbeat", "claim", "abort", "release"]
-    assert server.refused == ["expired", "internal", "wrong_engine"]
+    assert [op for op, _ in server.calls] == ["claim", "heartbeat", "claim", "abort", "release", "push_cancel"]
+    assert server.refused == ["expired", "internal", "internal", "wrong_engine"]
 
 
 def _raw_exchange(port: int, data: bytes) -> dict[str, Any]:
@@ -534,9 +555,9 @@ def _raw_exchange(port: int, data: bytes) -> dict[str, Any]:
         decoder = side_channel.FrameDecoder()
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
-            messages = decoder.feed(sock.recv(65536))
-            if messages:
-                envelope = messages[0]
+            frames = decoder.feed(sock.recv(65536))
+            if frames:
+                envelope = msgpack.unpackb(frames[0])
                 assert envelope["v"] == PROTOCOL_VERSION
                 return {**msgpack.unpackb(envelope["msg"]), "_mac": envelope.get("mac")}
     raise AssertionError("no reply")
@@ -544,7 +565,7 @@ def _raw_exchange(port: int, data: bytes) -> dict[str, Any]:
 
 def _envelope(msg: Any, *, v: int = PROTOCOL_VERSION, mac: bytes | None = None) -> bytes:
     payload = msg if isinstance(msg, bytes) else msgpack.packb(msg)
-    return side_channel.encode_frame({"v": v, "msg": payload, "mac": mac})
+    return side_channel.encode_frame(msgpack.packb({"v": v, "msg": payload, "mac": mac}))
 
 
 def _request(op: str, **fields: Any) -> dict[str, Any]:
@@ -553,7 +574,7 @@ def _request(op: str, **fields: Any) -> dict[str, Any]:
 
 def test_side_channel_server_rejects_bad_input(server: Any) -> None:
     port = server.port
-    reply = _raw_exchange(port, side_channel.encode_frame({"v": 1, "op": "claim"}))  # protocol 1 (pre-auth)
+    reply = _raw_exchange(port, side_channel.encode_frame(msgpack.packb({"v": 1, "op": "claim"})))  # protocol 1
     assert reply["ok"] is False and "version mismatch" in reply["error"]
     reply = _raw_exchange(port, _envelope(_request("steal")))
     assert reply["ok"] is False and "unknown op" in reply["error"]
@@ -566,7 +587,7 @@ def test_side_channel_server_rejects_bad_input(server: Any) -> None:
     reply = _raw_exchange(port, _envelope(b"\xc1"))
     assert reply["ok"] is False and "undecodable message" in reply["error"]
     # Still serving after all that.
-    assert side_channel.call("127.0.0.1", port, "heartbeat", HEARTBEAT, 2.0, to=ENGINE)["unknown"] == []
+    assert side_channel.call("127.0.0.1", port, HEARTBEAT, 2.0, to=ENGINE).unknown == ()
     assert [op for op, _ in server.calls] == ["heartbeat"]
     assert server.refused == ["bad_request"] * 6
 
@@ -579,9 +600,10 @@ def auth_server() -> Any:
     calls: list[str] = []
     refused: list[str] = []
 
-    def handler(op: str, msg: dict[str, Any]) -> dict[str, Any]:
-        calls.append(op)
-        return {"unknown": list(msg["request_ids"])}
+    def handler(request: Request[Reply], peer: str) -> Reply:
+        calls.append(request.op)
+        assert isinstance(request, Heartbeat)
+        return HeartbeatReply(unknown=request.request_ids)
 
     srv = side_channel.SideChannelServer(
         "127.0.0.1", 0, handler, engine_id=ENGINE, auth=MessageAuth(SECRET), on_refused=refused.append
@@ -597,20 +619,20 @@ def test_authenticated_side_channel_refuses_unsigned_forged_and_replayed_message
     auth_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     port, auth = auth_server.port, MessageAuth(SECRET)
-    hb = {"request_ids": ["a"], "lease_tokens": ["t"]}
-    assert side_channel.call("127.0.0.1", port, "heartbeat", hb, 2.0, to=ENGINE, auth=auth)["unknown"] == ["a"]
+    hb = Heartbeat(request_ids=("a",), lease_tokens=("t",))
+    assert side_channel.call("127.0.0.1", port, hb, 2.0, to=ENGINE, auth=auth).unknown == ("a",)
     with caplog.at_level(logging.WARNING, logger="pdserve.kv_transfer"):
         # no secret, a wrong secret: refused, and the refusal reveals nothing about what would be accepted
         for wrong in (None, MessageAuth("another-secret-" + "q" * 16)):
             with pytest.raises(SideChannelError) as exc:
-                side_channel.call("127.0.0.1", port, "heartbeat", hb, 2.0, to=ENGINE, auth=wrong)
+                side_channel.call("127.0.0.1", port, hb, 2.0, to=ENGINE, auth=wrong)
             if wrong is None:
                 assert isinstance(exc.value, SideChannelRefused) and exc.value.reason == "unauthenticated"
                 assert "requires the deployment secret" in str(exc.value) and SECRET not in str(exc.value)
             else:  # its own check fails first: the reply is not signed with *its* secret
                 assert "not signed with this deployment's secret" in str(exc.value)
         # a captured signed request, replayed verbatim
-        request = _request("heartbeat", **hb)
+        request = _request("heartbeat", request_ids=["a"], lease_tokens=["t"])
         payload = msgpack.packb(request)
         frame = _envelope(payload, mac=auth.sign(REQUEST, payload))
         assert _raw_exchange(port, frame)["ok"] is True
@@ -621,7 +643,7 @@ def test_authenticated_side_channel_refuses_unsigned_forged_and_replayed_message
         reply = _raw_exchange(port, _envelope(tampered, mac=auth.sign(REQUEST, payload)))
         assert reply["reason"] == "unauthenticated"
         # an old one, signed properly
-        old = msgpack.packb({**_request("heartbeat", **hb), "ts": time.time() - 3600})
+        old = msgpack.packb({**request, "nonce": new_nonce(), "ts": time.time() - 3600})
         reply = _raw_exchange(port, _envelope(old, mac=auth.sign(REQUEST, old)))
         assert reply["reason"] == "stale"
         # a reply can never be passed off as a request (direction labels)
@@ -639,13 +661,13 @@ def test_authenticated_side_channel_refuses_unsigned_forged_and_replayed_message
 def test_consumer_with_a_secret_refuses_unsigned_and_misdirected_replies(server: Any) -> None:
     # The producer has no secret: its replies are unsigned, so a consumer with one must not believe them.
     with pytest.raises(SideChannelError, match="not signed with this deployment's secret"):
-        side_channel.call("127.0.0.1", server.port, "heartbeat", HEARTBEAT, 2.0, to=ENGINE, auth=MessageAuth(SECRET))
+        side_channel.call("127.0.0.1", server.port, HEARTBEAT, 2.0, to=ENGINE, auth=MessageAuth(SECRET))
     # A signed reply that answers another request (another nonce) is refused too.
     auth = MessageAuth(SECRET)
     payload = msgpack.packb({"re": new_nonce(), "ok": True, "unknown": []})
-    envelope = {"v": PROTOCOL_VERSION, "msg": payload, "mac": auth.sign(REPLY, payload)}
+    envelope = msgpack.packb({"v": PROTOCOL_VERSION, "msg": payload, "mac": auth.sign(REPLY, payload)})
     with pytest.raises(side_channel.ProtocolError, match="answers another request"):
-        side_channel._open_reply(envelope, "heartbeat", new_nonce(), "test", auth)
+        side_channel.open_reply(envelope, HEARTBEAT, new_nonce(), "test", auth)
 
 
 def test_sealed_metadata_needs_the_secret_nonce_generation_and_rank() -> None:
@@ -752,7 +774,7 @@ class _SilentPeer:
             conn.close()
 
 
-ABORT = {"request_id": "x", "lease_token": "t"}
+ABORT = Abort(request_id="x", lease_token="t")
 
 
 def test_side_channel_client_never_hangs() -> None:
@@ -760,14 +782,14 @@ def test_side_channel_client_never_hangs() -> None:
     try:
         t0 = time.monotonic()
         with pytest.raises(SideChannelTimeout, match="no reply to abort within 0.3s"):
-            side_channel.call("127.0.0.1", silent.port, "abort", ABORT, 0.3, to=ENGINE)
+            side_channel.call("127.0.0.1", silent.port, ABORT, 0.3, to=ENGINE)
         assert time.monotonic() - t0 < 5.0
     finally:
         silent.close()
     zmq = _SilentPeer(b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f\x03")
     try:
         with pytest.raises(SideChannelError, match="ZeroMQ"):
-            side_channel.call("127.0.0.1", zmq.port, "abort", ABORT, 2.0, to=ENGINE)
+            side_channel.call("127.0.0.1", zmq.port, ABORT, 2.0, to=ENGINE)
     finally:
         zmq.close()
     free = socket.socket()
@@ -775,7 +797,7 @@ def test_side_channel_client_never_hangs() -> None:
     port = free.getsockname()[1]
     free.close()
     with pytest.raises(SideChannelError, match="unreachable"):
-        side_channel.call("127.0.0.1", port, "abort", ABORT, 2.0, to=ENGINE)
+        side_channel.call("127.0.0.1", port, ABORT, 2.0, to=ENGINE)
 
 
 def test_side_channel_port_in_use_names_the_port() -> None:

@@ -107,9 +107,9 @@ def _exchange(host: str, port: int, frame: bytes) -> dict:
         decoder = side_channel.FrameDecoder()
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
-            messages = decoder.feed(sock.recv(65536))
-            if messages:
-                return msgpack.unpackb(messages[0]["msg"])
+            frames = decoder.feed(sock.recv(65536))
+            if frames:
+                return msgpack.unpackb(msgpack.unpackb(frames[0])["msg"])
     raise AssertionError("no reply")
 
 
@@ -118,6 +118,7 @@ def test_replayed_and_tampered_side_channel_frames_from_another_host_are_refused
     unauthenticated; neither is acted on."""
     from pdserve.kv_transfer import side_channel
     from pdserve.kv_transfer.auth import REQUEST, MessageAuth, new_nonce
+    from pdserve.kv_transfer.compat import PROTOCOL_VERSION
 
     prefill = cluster.prefill[0]
     auth = MessageAuth(prefill.env["PDSERVE_KV_SECRET"])
@@ -126,8 +127,8 @@ def test_replayed_and_tampered_side_channel_frames_from_another_host_are_refused
         request = {"op": "heartbeat", "to": engine_id, "ts": time.time(), "nonce": new_nonce(),
                    "request_ids": ["nobody"], "lease_tokens": ["x" * 32]}
         payload = msgpack.packb(request, use_bin_type=True)
-        frame = side_channel.encode_frame({"v": side_channel.PROTOCOL_VERSION, "msg": payload,
-                                           "mac": auth.sign(REQUEST, payload)})
+        frame = side_channel.encode_frame(msgpack.packb({"v": PROTOCOL_VERSION, "msg": payload,
+                                                         "mac": auth.sign(REQUEST, payload)}))
         first = _exchange(prefill.host.addr, SIDE_CHANNEL_PORT, frame)
         assert first["ok"] is True and first["unknown"] == ["nobody"], first
         replay = _exchange(prefill.host.addr, SIDE_CHANNEL_PORT, frame)
@@ -135,8 +136,8 @@ def test_replayed_and_tampered_side_channel_frames_from_another_host_are_refused
         fresh = msgpack.packb({**request, "nonce": new_nonce()}, use_bin_type=True)
         tampered = bytearray(fresh)
         tampered[-5] ^= 0x01
-        forged = side_channel.encode_frame({"v": side_channel.PROTOCOL_VERSION, "msg": bytes(tampered),
-                                            "mac": auth.sign(REQUEST, fresh)})
+        forged = side_channel.encode_frame(msgpack.packb({"v": PROTOCOL_VERSION, "msg": bytes(tampered),
+                                                          "mac": auth.sign(REQUEST, fresh)}))
         refused = _exchange(prefill.host.addr, SIDE_CHANNEL_PORT, forged)
         assert refused["ok"] is False and refused["reason"] == "unauthenticated", refused
 

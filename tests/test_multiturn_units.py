@@ -162,3 +162,12 @@ def test_sharegpt_loader(tmp_path):
     path.write_text('{"not": "a list"}')
     with pytest.raises(ValueError):
         load_sharegpt(str(path), 1, MultiTurnOptions())
+
+
+def test_bench_spec_multiturn_flags_become_the_conversation_options() -> None:
+    from pdserve.bench.options import BenchSpec
+
+    spec = BenchSpec(dataset_name="multiturn", multiturn_turns=3, multiturn_system_len=17, multiturn_user_len=9,
+                     multiturn_answer_len=5, multiturn_think_time=0.25)
+    assert spec.multiturn_options() == MultiTurnOptions(turns=3, system_len=17, user_len=9, answer_len=5,
+                                                        think_time=0.25)

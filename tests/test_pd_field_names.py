@@ -25,7 +25,7 @@ FIELD_NAMES = frozenset({
     "transfer_mode", "remote_registration_generation", "remote_prefill_cached_tokens",
     # ours
     "remote_lease_token", "remote_block_hashes", "remote_block_bytes", "lease_expires_at", "push_key",
-    "params_later", "first_token_id", "first_token_logprob", "kv_digest_algo",
+    "params_later", "first_token_id", "first_token_logprob", "kv_digest_algo", "min_read_tokens",
     # vLLM's KV digest prototype (nixl/digest.py)
     "remote_block_digests",
 })

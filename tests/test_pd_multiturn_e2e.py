@@ -26,6 +26,8 @@ from server_utils import (
     wait_idle,
 )
 
+from pdserve.api import pd
+
 pytest.importorskip("nixl_cu12", reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
 
 COMMON = ("--max-model-len", "512", "--num-gpu-blocks-override", "160", "--block-size", "16")
@@ -248,6 +250,29 @@ def test_prefix_that_does_not_match_is_not_read(cluster):
            == counter(before_d, "pdserve:kv_history_leases_ended_total", "aborted")):
         assert time.monotonic() < deadline, "the declined history was not freed"
         time.sleep(0.1)
+
+
+def test_the_proxy_s_min_read_tokens_decide_instead_of_the_instance_threshold(cluster):
+    """A prefill leg priced by a pdserve proxy carries its cost model's break-even (`min_read_tokens`): the
+    instance applies it to what it has left to read, instead of its own kv_recompute_threshold (0 here, which
+    reads everything). Above what is left: nothing read, the same tokens from the prefill's own cache and a
+    recompute."""
+    p, d = cluster["prefill"], cluster["decode"]
+    system = [(5 * i + 11) % 4000 + 100 for i in range(40)]  # a conversation no other test's turns cached
+    ref = collocated_turns(cluster["collocated"].url, system)
+    ids, held, _, _ = run_turn(p, d, list(system), 0, None, "minread")
+    assert ids == ref[0]
+    history = list(system) + user_ids(0) + ids
+    before = metrics(p)
+    ids, _, p_cached, _ = run_turn(p, d, history, 1, pd.with_min_read_tokens(held, 10_000), "minread")
+    assert ids == ref[1]
+    assert p_cached == (len(system) + len(user_ids(0))) // 16 * 16  # its own cache: the previous prompt only
+    assert p_cached < held["remote_num_tokens"]
+    after = metrics(p)
+    assert (counter(after, "pdserve:kv_prefix_pulls_total", "declined")
+            - counter(before, "pdserve:kv_prefix_pulls_total", "declined")) == 1
+    assert (counter(after, "pdserve:kv_prefix_pulls_total", "loaded")
+            - counter(before, "pdserve:kv_prefix_pulls_total", "loaded")) == 0
 
 
 def test_held_histories_give_way_when_the_pool_is_short(cluster, model_dir, logs):

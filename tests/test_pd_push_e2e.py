@@ -444,6 +444,7 @@ def test_a_write_that_fails_to_post_is_learnt_at_once(cluster, model_dir):
     from pdserve.kv_transfer.config import KVTransferConfig
     from pdserve.kv_transfer.consumer import KVConsumer
     from pdserve.kv_transfer.local_kv import LocalKV
+    from pdserve.kv_transfer.messages import Handshake
     from pdserve.kv_transfer.metrics import TransferMetrics
     from pdserve.kv_transfer.nixl_agent import NixlAgent
     from pdserve.kv_transfer.pool import region_of
@@ -456,19 +457,19 @@ def test_a_write_that_fails_to_post_is_learnt_at_once(cluster, model_dir):
                          num_layers=i["num_layers"], num_kv_heads=i["num_kv_heads"], head_dim=i["head_dim"],
                          kv_layout=i["kv_layout"], kv_cache_dtype=i["kv_cache_dtype"])
     compat["kv_transfer_mode"] = "push"
-    hello = side_channel.call(i["side_channel_host"], i["side_channel_port"], "handshake",
-                              {"engine_id": "probe", "compat": compat}, 10.0, to=i["engine_id"],
+    hello = side_channel.call(i["side_channel_host"], i["side_channel_port"],
+                              Handshake(engine_id="probe", compat=compat), 10.0, to=i["engine_id"],
                               auth=MessageAuth(secret))
-    pool_info = hello["pool"]
+    pool_info = hello.pool
     config = KVTransferConfig.from_json(push_config("kv_consumer", push_registration_timeout=30.0),
                                         env={"PDSERVE_KV_SECRET": secret})
-    pool = np.zeros((pool_info["num_blocks"], 1, 2, pool_info["block_bytes"] // 2, 1, 1), dtype=np.uint8)
+    pool = np.zeros((pool_info.num_blocks, 1, 2, pool_info.block_bytes // 2, 1, 1), dtype=np.uint8)
     real = region_of(pool)
     agent = NixlAgent(config.engine_id, config.backends)
     agent.register(real)
     wrong = dataclasses.replace(real, base_addr=real.base_addr + 2 * real.length)  # not registered memory
     metrics = TransferMetrics(model_name="tiny", registry=CollectorRegistry())
-    consumer = KVConsumer(LocalKV(config, agent, wrong, hello["compat"], metrics, MessageAuth(secret)), PushReceiver)
+    consumer = KVConsumer(LocalKV(config, agent, wrong, hello.compat, metrics, MessageAuth(secret)), PushReceiver)
     try:
         b = body(81, words=60)
         key = uuid.uuid4().hex

@@ -266,6 +266,7 @@ def test_a_write_failing_on_a_worker_rank_is_learnt_at_once(servers, tmp_path):
     from pdserve.kv_transfer.config import KVTransferConfig
     from pdserve.kv_transfer.consumer import KVConsumer
     from pdserve.kv_transfer.local_kv import LocalKV
+    from pdserve.kv_transfer.messages import Handshake
     from pdserve.kv_transfer.metrics import TransferMetrics
     from pdserve.kv_transfer.nixl_agent import NixlAgent
     from pdserve.kv_transfer.pool import region_of
@@ -278,22 +279,22 @@ def test_a_write_failing_on_a_worker_rank_is_learnt_at_once(servers, tmp_path):
                          num_layers=i["num_layers"], num_kv_heads=i["num_kv_heads"], head_dim=i["head_dim"],
                          kv_layout=i["kv_layout"], kv_cache_dtype=i["kv_cache_dtype"])
     compat["kv_transfer_mode"] = "push"
-    hello = side_channel.call(i["side_channel_host"], i["side_channel_port"], "handshake",
-                              {"engine_id": "probe", "compat": compat}, 10.0, to=i["engine_id"],
+    hello = side_channel.call(i["side_channel_host"], i["side_channel_port"],
+                              Handshake(engine_id="probe", compat=compat), 10.0, to=i["engine_id"],
                               auth=MessageAuth(SECRET))
-    assert hello["tp_size"] == 2
-    pool_info = hello["pool"]
+    assert hello.tp_size == 2
+    pool_info = hello.pool
     heads = servers["kv_heads"]
-    bb = pool_info["block_bytes"] // kv_heads_per_rank(2, heads) * heads  # a TP=1 block holds every head
+    bb = pool_info.block_bytes // kv_heads_per_rank(2, heads) * heads  # a TP=1 block holds every head
     config = KVTransferConfig.from_json(push_config("kv_consumer", push_registration_timeout=30.0),
                                         env={"PDSERVE_KV_SECRET": SECRET})
-    pool = np.zeros((pool_info["num_blocks"], 1, 2, bb // 2, 1, 1), dtype=np.uint8)
+    pool = np.zeros((pool_info.num_blocks, 1, 2, bb // 2, 1, 1), dtype=np.uint8)
     real = region_of(pool)
     agent = NixlAgent(config.engine_id, config.backends)
     agent.register(real)
     wrong = dataclasses.replace(real, base_addr=real.base_addr + 2 * real.length)  # not registered memory
     metrics = TransferMetrics(model_name="tiny", registry=CollectorRegistry())
-    consumer = KVConsumer(LocalKV(config, agent, wrong, hello["compat"], metrics, MessageAuth(SECRET)), PushReceiver)
+    consumer = KVConsumer(LocalKV(config, agent, wrong, hello.compat, metrics, MessageAuth(SECRET)), PushReceiver)
     try:
         tokens = prompt(8000, 60)
         key = uuid.uuid4().hex

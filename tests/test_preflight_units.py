@@ -193,6 +193,9 @@ def test_parse_metrics_text_and_log_line() -> None:
     snap = parse_nixl(generate_latest(reg).decode())
     assert snap.present and snap.transfers == 2 and snap.avg_xfer_s == pytest.approx(0.005)
     assert snap.avg_bytes == 2**20 and snap.counter(FAILED) == 1 and snap.counter(EXPIRED) == 0
+    xfer = snap.buckets[XFER_TIME]  # cumulative, prometheus_client's default bounds
+    assert (xfer[0.005], xfer[0.01], xfer[float("inf")]) == (1.0, 2.0, 2.0)
+    assert snap.delta(snap).buckets[XFER_TIME][0.01] == 0.0 and (snap + snap).buckets[XFER_TIME][0.01] == 4.0
     line = snap.summary_line()
     assert "Num successful transfers=2" in line and "Avg xfer time (ms)=5.000" in line
     assert parse_nixl("# nothing\nvllm:num_requests_running 0\n").present is False

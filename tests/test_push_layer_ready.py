@@ -20,6 +20,7 @@ from pdserve.engine.pd.kv_handoff import KVHandoff
 from pdserve.engine.request import Request
 from pdserve.kv_transfer.config import DEFAULT_PUSH_LAYERWISE_MIN_TOKENS, KVTransferConfig
 from pdserve.kv_transfer.layer_ready import READY, CudaLayerEvent, marker_for
+from pdserve.kv_transfer.messages import PushCancel, PushRegister, PushStatus
 from pdserve.kv_transfer.pool import region_of
 from pdserve.kv_transfer.push_sender import PushSender, parse_completion_notif
 from pdserve.types.sampling_params import SamplingParams
@@ -109,10 +110,11 @@ def _request(key: str, num_tokens: int, blocks: list[int]) -> Request:
 
 
 def _register(env, sender: PushSender, key: str, remote_blocks: list[int], num_tokens: int) -> None:
-    msg = {"pool": env["d_region"].describe(), "block_ids": remote_blocks, "first_block": 0,
-           "num_tokens": num_tokens, "agent_name": env["d_agent"].name,
-           "agent_metadata": env["d_agent"].metadata(), "push_key": key, "timeout_s": WAIT_S}
-    assert sender.handle("push_register", msg)["state"] == "registered"
+    msg = PushRegister(pool=env["d_region"].describe(), block_ids=tuple(remote_blocks), first_block=0,
+                       num_tokens=num_tokens, engine_id="decode", agent_name=env["d_agent"].name,
+                       agent_metadata=env["d_agent"].metadata(), seal_nonce=b"", push_key=key, generation=0,
+                       timeout_s=WAIT_S)
+    assert sender.handle(msg).state == "registered"
 
 
 def _compute_layer(pool: torch.Tensor, blocks: list[int], layer: int, seed: int) -> None:
@@ -127,7 +129,7 @@ def _wait_done(env, sender: PushSender, key: str) -> None:
     def done() -> bool:
         for msgs in env["d_agent"].get_notifs().values():  # also progresses the decode's agent
             notifs.extend(msgs)
-        return sender.handle("push_status", {"push_keys": [key]})["states"] == ["done"]
+        return sender.handle(PushStatus(push_keys=(key,))).states == ("done",)
 
     _until(done, "the push to complete")
     _until(lambda: notifs.extend(m for ms in env["d_agent"].get_notifs().values() for m in ms)
@@ -283,14 +285,14 @@ def test_a_cancel_while_the_writer_waits_on_a_layer_posts_nothing(pair) -> None:
     env["gates"].append(gate)
     on_layer(0)
     assert gate.waiting.wait(WAIT_S)
-    assert sender.handle("push_cancel", {"push_key": key})["state"] == "ending"
+    assert sender.handle(PushCancel(push_key=key)).state == "ending"
     _compute_layer(env["p_pool"], local, 0, seed=13)
     gate.open.set()
 
-    def states() -> list[str]:
-        return sender.handle("push_status", {"push_keys": [key]})["states"]
+    def states() -> tuple[str, ...]:
+        return sender.handle(PushStatus(push_keys=(key,))).states
 
-    _until(lambda: states() == ["cancelled"], "the cancel to settle")
+    _until(lambda: states() == ("cancelled",), "the cancel to settle")
     assert sender.stats.snapshot().posts == 0
     assert env["d_pool"][remote].abs().sum() == 0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from pdserve.api import pd
@@ -100,6 +101,7 @@ def test_a_registration_whose_sealed_metadata_fails_its_tag_is_refused_as_bad_se
     another registration, is the sender's fault (`bad_seal`), and no remote agent is added for it."""
     from pdserve.kv_transfer.auth import MessageAuth
     from pdserve.kv_transfer.errors import SideChannelRefused
+    from pdserve.kv_transfer.messages import PushRegister
     from pdserve.kv_transfer.pool import PoolRegion
     from pdserve.kv_transfer.push_sender import PushSender
 
@@ -115,14 +117,15 @@ def test_a_registration_whose_sealed_metadata_fails_its_tag_is_refused_as_bad_se
                         transfer_timeout_s=5.0, lease_duration_s=30.0, release_lease=lambda *_: None, auth=auth)
     nonce = b"n" * 16
     sealed = auth.conceal(b"agent metadata", nonce, 3)
-    msg = {"pool": region.describe(), "block_ids": [0, 1], "first_block": 0, "num_tokens": 20,
-           "agent_name": "decode-agent", "push_key": KEY, "timeout_s": 5.0, "seal_nonce": nonce, "generation": 3}
+    msg = PushRegister(pool=region.describe(), block_ids=(0, 1), first_block=0, num_tokens=20, engine_id="decode",
+                       agent_name="decode-agent", agent_metadata=sealed, push_key=KEY, timeout_s=5.0, seal_nonce=nonce,
+                       generation=3)
     try:
         for bad in ({"agent_metadata": sealed[:-1] + bytes([sealed[-1] ^ 1])},  # altered
-                    {"agent_metadata": sealed, "generation": 4},  # sealed for another registration
-                    {"agent_metadata": sealed, "seal_nonce": b"m" * 16}):
+                    {"generation": 4},  # sealed for another registration
+                    {"seal_nonce": b"m" * 16}):
             with pytest.raises(SideChannelRefused) as err:
-                sender.handle("push_register", {**msg, **bad})
+                sender.handle(msgspec.structs.replace(msg, **bad))
             assert err.value.reason == "bad_seal"
     finally:
         sender.shutdown()

@@ -468,6 +468,7 @@ class RemotePrefillParams:
     prefix: bool = False  # the params name a held prefix of the prompt (`is_remote_prefix`), not a decode leg's
     block_digests: tuple[tuple[str, ...], ...] = ()  # `BLOCK_DIGESTS`: per producer rank, per block
     digest_algo: str | None = None  # `DIGEST_ALGO`; None: not named (vLLM's prototype names none)
+    min_read_tokens: int | None = None  # a held prefix: `MIN_READ_TOKENS`, the proxy's break-even (None: not sent)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -623,6 +624,12 @@ BLOCK_HASHES = "remote_block_hashes"
 # Bytes of one held block on the wire, all ranks together (ours): what the proxy's pull-or-recompute arithmetic
 # needs without asking the instance.
 BLOCK_BYTES = "remote_block_bytes"
+# The fewest tokens worth reading of a held prefix, on a prefill leg a pdserve proxy priced (ours): its cost model's
+# break-even for this turn (pdserve/proxy/history_decision.py). The reading instance applies it where it would
+# apply its configured `kv_recompute_threshold` (the tokens left to read once its own prefix cache is counted), so
+# the proxy's cost model is the one decider; without it (vLLM's proxy, a client sending held params itself) the
+# instance's threshold applies, as in vLLM.
+MIN_READ_TOKENS = "min_read_tokens"
 _MAX_BLOCK_HASH_CHARS = 128
 
 
@@ -645,6 +652,12 @@ def prefix_prefill_params(params: Mapping[str, Any]) -> dict[str, Any]:
     """A prefill leg's params that read a held prefix back (a decode instance's history, a peer's pinned
     prefix): the holder's params, verbatim, as a prefill leg's (`do_remote_decode`)."""
     return {**params, "do_remote_decode": True, "do_remote_prefill": False}
+
+
+def with_min_read_tokens(params: Mapping[str, Any], tokens: int | None) -> dict[str, Any]:
+    """A held prefix's params with the proxy's break-even (`MIN_READ_TOKENS`) for the reading instance; None: as
+    they are (the instance's own threshold applies)."""
+    return dict(params) if tokens is None else {**params, MIN_READ_TOKENS: int(tokens)}
 
 
 def names_held_history(params: Any) -> bool:
@@ -689,13 +702,16 @@ def parse_remote_prefix_params(params: Any) -> RemotePrefillParams:
         isinstance(h, str) and 0 < len(h) <= _MAX_BLOCK_HASH_CHARS for h in hashes
     ):
         raise _bad(f"{BLOCK_HASHES} must be a list of hex strings (the held blocks' hashes)")
+    min_read = params.get(MIN_READ_TOKENS)
+    if min_read is not None and (not _is_int(min_read) or min_read < 0):
+        raise _bad(f"{MIN_READ_TOKENS} must be a non-negative integer, got {min_read!r}")
     # a held prefix is READ whatever the leg does with its own KV (a push prefill leg's key and mode ride along)
     plain = {k: v for k, v in params.items()
              if k not in (FIRST_TOKEN_ID, FIRST_TOKEN_LOGPROB, TRANSFER_MODE, PUSH_KEY)}
     parsed = parse_remote_prefill_params({**plain, "do_remote_prefill": True})
     if len(hashes) > len(parsed.remote_block_ids):
         raise _bad(f"{BLOCK_HASHES} lists {len(hashes)} hashes for {len(parsed.remote_block_ids)} blocks")
-    return dataclasses.replace(parsed, block_hashes=tuple(hashes), prefix=True)
+    return dataclasses.replace(parsed, block_hashes=tuple(hashes), prefix=True, min_read_tokens=min_read)
 
 
 def parse_remote_kv_params(params: Any) -> RemotePrefillParams:

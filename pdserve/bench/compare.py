@@ -182,7 +182,7 @@ class Comparison:
         if check_urls is not None and before is not None:
             try:
                 after = await snapshot(check_urls)
-                self.transfers[name] = judge(after - before, self.cfg.max_xfer_ms, check_urls)
+                self.transfers[name] = judge(after.delta(before), self.cfg.max_xfer_ms, check_urls)
             except TRANSFER_READ_ERRORS as err:
                 self.transfers[name] = unreadable(check_urls, err)
 

@@ -9,7 +9,7 @@ import math
 import os
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.bench.client import BACKENDS
 from pdserve.bench.metrics import (
@@ -18,6 +18,9 @@ from pdserve.bench.metrics import (
     parse_percentile_metrics,
     parse_percentiles,
 )
+
+if TYPE_CHECKING:
+    from pdserve.bench.multiturn import MultiTurnOptions
 
 DATASETS = ("random", "jsonl", "prefix", "multiturn", "sharegpt")
 MULTITURN_DATASETS = ("multiturn", "sharegpt")
@@ -94,6 +97,13 @@ class BenchSpec:
         spec = cls(**values)
         spec.normalise()
         return spec
+
+    def multiturn_options(self) -> MultiTurnOptions:
+        """The --multiturn-* flags as the conversation builder's options (pdserve/bench/multiturn.py)."""
+        from pdserve.bench.multiturn import MultiTurnOptions
+
+        return MultiTurnOptions(self.multiturn_turns, self.multiturn_system_len, self.multiturn_user_len,
+                                self.multiturn_answer_len, self.multiturn_think_time)
 
     def normalise(self) -> None:
         """Fill derived defaults and reject inconsistent combinations (ValueError)."""

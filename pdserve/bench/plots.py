@@ -96,6 +96,15 @@ def plot_ttft_cdf(
     return _save(fig, path)
 
 
+# The metric-vs-rate plots: name (also the PNG's file name) -> (RunSummary attributes with their legend
+# suffixes, title, y label, the SLO it draws as a line: "TTFT", "ITL" or None)
+RATE_PLOTS: dict[str, tuple[list[tuple[str, str]], str, str, str | None]] = {
+    "goodput_vs_rate": ([("goodput", "")], "Goodput vs request rate", "goodput (req/s)", None),
+    "p99_itl_vs_rate": ([("itl_p99", "")], "p99 inter-token latency vs request rate", "p99 ITL (ms)", "ITL"),
+    "ttft_vs_rate": ([("ttft_p50", "p50"), ("ttft_p99", "p99")], "TTFT vs request rate", "TTFT (ms)", "TTFT"),
+}
+
+
 def make_plots(
     runs: Sequence[RunSummary],
     targets: Sequence[str],
@@ -107,37 +116,11 @@ def make_plots(
 ) -> dict[str, str]:
     """Write the four plots; returns {name: path}."""
     os.makedirs(out_dir, exist_ok=True)
-    return {
-        "goodput_vs_rate": plot_metric_vs_rate(
-            runs,
-            targets,
-            rates,
-            [("goodput", "")],
-            "Goodput vs request rate",
-            "goodput (req/s)",
-            os.path.join(out_dir, "goodput_vs_rate.png"),
-        ),
-        "p99_itl_vs_rate": plot_metric_vs_rate(
-            runs,
-            targets,
-            rates,
-            [("itl_p99", "")],
-            "p99 inter-token latency vs request rate",
-            "p99 ITL (ms)",
-            os.path.join(out_dir, "p99_itl_vs_rate.png"),
-            itl_slo,
-            "ITL target",
-        ),
-        "ttft_vs_rate": plot_metric_vs_rate(
-            runs,
-            targets,
-            rates,
-            [("ttft_p50", "p50"), ("ttft_p99", "p99")],
-            "TTFT vs request rate",
-            "TTFT (ms)",
-            os.path.join(out_dir, "ttft_vs_rate.png"),
-            ttft_slo,
-            "TTFT target",
-        ),
-        "ttft_cdf": plot_ttft_cdf(runs, targets, cdf_rate, os.path.join(out_dir, "ttft_cdf.png"), ttft_slo),
-    }
+    slos = {"TTFT": ttft_slo, "ITL": itl_slo}
+    paths = {}
+    for name, (attrs, title, ylabel, slo) in RATE_PLOTS.items():
+        line = (slos[slo], f"{slo} target") if slo else (None, "target")
+        paths[name] = plot_metric_vs_rate(runs, targets, rates, attrs, title, ylabel,
+                                          os.path.join(out_dir, f"{name}.png"), *line)
+    paths["ttft_cdf"] = plot_ttft_cdf(runs, targets, cdf_rate, os.path.join(out_dir, "ttft_cdf.png"), ttft_slo)
+    return paths

@@ -365,8 +365,7 @@ async def run_multiturn(spec: BenchSpec, target: Target) -> dict[str, Any]:
     the JSON plus a TTFT-by-turn plot next to it."""
     from pdserve.bench import multiturn as mt
 
-    opts = mt.MultiTurnOptions(spec.multiturn_turns, spec.multiturn_system_len, spec.multiturn_user_len,
-                               spec.multiturn_answer_len, spec.multiturn_think_time)
+    opts = spec.multiturn_options()
     if spec.dataset_name == "sharegpt":
         assert spec.dataset_path is not None
         conversations = mt.load_sharegpt(spec.dataset_path, spec.num_prompts, opts)

@@ -6,13 +6,15 @@ counters (speculation off, or no /metrics) gives nothing."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
-from pdserve.bench.transfer import _LINE, metrics_url
+from pdserve.bench.transfer import metrics_url
 
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)(\s+\S+)?\s*$")  # name{labels} value [timestamp]
 _PREFIX = "vllm:spec_decode_"
 _POSITION = 'position="'
 

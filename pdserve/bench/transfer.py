@@ -4,92 +4,18 @@ The seed's rule: before trusting a disaggregated benchmark, read what real trans
 `vllm:nixl_xfer_time_seconds` (histogram) and `vllm:nixl_num_failed_transfers` (counter) on the decode
 instance(s) before and after a target's sweep and judge the difference: the check passes when transfers
 happened, none failed, and the mean transfer time is under `--max-xfer-ms` ("hundreds of milliseconds
-means fix the transport first").
+means fix the transport first"). The metrics are read as `pdserve preflight` reads them (pdserve/preflight/metrics.py).
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
 import aiohttp
 
 from pdserve.api import prometheus
-
-XFER = "vllm:nixl_xfer_time_seconds"
-FAILED = "vllm:nixl_num_failed_transfers"
-EXPIRED = "vllm:nixl_num_kv_expired_reqs"
-_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)(\s+\S+)?\s*$")
-_LE = re.compile(r'le="([^"]*)"')
-
-
-@dataclass
-class XferSnapshot:
-    """Sums over all label sets of the NIXL metrics of one or more instances."""
-
-    count: float = 0.0
-    total_s: float = 0.0
-    failed: float = 0.0
-    expired: float = 0.0
-    buckets: dict[float, float] = field(default_factory=dict)  # upper bound (s) -> cumulative count
-    found: bool = False
-
-    def __add__(self, other: XferSnapshot) -> XferSnapshot:
-        buckets = dict(self.buckets)
-        for le, c in other.buckets.items():
-            buckets[le] = buckets.get(le, 0.0) + c
-        return XferSnapshot(
-            self.count + other.count,
-            self.total_s + other.total_s,
-            self.failed + other.failed,
-            self.expired + other.expired,
-            buckets,
-            self.found or other.found,
-        )
-
-    def __sub__(self, other: XferSnapshot) -> XferSnapshot:
-        buckets = {le: c - other.buckets.get(le, 0.0) for le, c in self.buckets.items()}
-        return XferSnapshot(
-            self.count - other.count,
-            self.total_s - other.total_s,
-            self.failed - other.failed,
-            self.expired - other.expired,
-            buckets,
-            self.found,
-        )
-
-
-def parse_metrics(text: str) -> XferSnapshot:
-    snap = XferSnapshot()
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if m is None:
-            continue
-        name, labels, value_text = m.group(1), m.group(2) or "", m.group(3)
-        try:
-            value = float(value_text)
-        except ValueError:
-            continue
-        if name == f"{XFER}_count":
-            snap.count += value
-            snap.found = True
-        elif name == f"{XFER}_sum":
-            snap.total_s += value
-        elif name == f"{XFER}_bucket":
-            le = _LE.search(labels)
-            if le is not None:
-                bound = float(le.group(1))  # "+Inf" parses as inf
-                snap.buckets[bound] = snap.buckets.get(bound, 0.0) + value
-        elif name in (FAILED, f"{FAILED}_total"):
-            snap.failed += value
-            snap.found = True
-        elif name in (EXPIRED, f"{EXPIRED}_total"):
-            snap.expired += value
-    return snap
+from pdserve.preflight.metrics import EXPIRED, FAILED, XFER_TIME, NixlSnapshot, parse_nixl
 
 
 def histogram_quantile(q: float, buckets: dict[float, float]) -> float:
@@ -116,15 +42,16 @@ class TransferCheck:
 NOT_CHECKED = TransferCheck("not checked", "no --transfer-check-url given for this target")
 
 
-def judge(delta: XferSnapshot, max_avg_ms: float, urls: list[str]) -> TransferCheck:
+def judge(delta: NixlSnapshot, max_avg_ms: float, urls: list[str]) -> TransferCheck:
     """Pass/fail from the metrics difference over a sweep."""
-    if not delta.found:
+    if not delta.present:
         return TransferCheck("fail", "no vllm:nixl_* metrics at " + ", ".join(urls), urls)
-    n = int(round(delta.count))
-    failed = int(round(delta.failed))
-    expired = int(round(delta.expired))
-    avg_ms = delta.total_s / delta.count * 1000.0 if delta.count > 0 else None
-    p90 = histogram_quantile(0.9, delta.buckets)
+    count = delta.counts.get(XFER_TIME, 0.0)
+    n = int(round(count))
+    failed = int(round(delta.counter(FAILED)))
+    expired = int(round(delta.counter(EXPIRED)))
+    avg_ms = delta.sums.get(XFER_TIME, 0.0) / count * 1000.0 if count > 0 else None
+    p90 = histogram_quantile(0.9, delta.buckets.get(XFER_TIME, {}))
     p90_ms = None if math.isnan(p90) else p90 * 1000.0
     check = TransferCheck("pass", "", urls, n, failed, expired, avg_ms, p90_ms)
     if n <= 0:
@@ -142,14 +69,14 @@ def judge(delta: XferSnapshot, max_avg_ms: float, urls: list[str]) -> TransferCh
     return check
 
 
-async def snapshot(urls: list[str]) -> XferSnapshot:
+async def snapshot(urls: list[str]) -> NixlSnapshot:
     """Sum of the NIXL metrics of every decode instance URL (each read at URL/metrics)."""
-    total = XferSnapshot()
+    total = NixlSnapshot()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         for url in urls:
             async with session.get(metrics_url(url)) as resp:
                 resp.raise_for_status()
-                total = total + parse_metrics(await resp.text())
+                total = total + parse_nixl(await resp.text())
     return total
 
 

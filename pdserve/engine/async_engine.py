@@ -1,7 +1,9 @@
 """Runs LLMEngine's step loop in its own thread and hands outputs to asyncio callers.
 
 HTTP handling stays on the event loop; the engine thread spends its time in torch ops, which release
-the GIL, so neither starves the other.
+the GIL, so neither starves the other. The two sides share no engine state: the asyncio side asks through typed
+commands (engine/commands.py) on one queue, and reads the engine only through the stats snapshot the engine
+thread publishes once per turn of its loop (`stats`).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from typing import Any
 
 from pdserve.api.pd import HeldKVParams, KVTransferParams
 from pdserve.engine.commands import Abort, AddRequest, DeliverParams, EngineCommand, PinPrefix
-from pdserve.engine.engine import EngineStats, LLMEngine
-from pdserve.engine.pd.events import DeliveryRefused
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.events import DeliveryRefused
+from pdserve.engine.stats import EngineStats
 from pdserve.types.engine_config import EngineConfig
 from pdserve.types.outputs import RequestOutput
 from pdserve.types.sampling_params import SamplingParams
@@ -33,9 +36,12 @@ class QueueFullError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, connector_factory: Any = None, engine: LLMEngine | None = None):
-        self.engine = engine or LLMEngine(config, connector_factory)
+    def __init__(self, config: EngineConfig, extension_factory: Any = None, engine: LLMEngine | None = None):
+        self.engine = engine or LLMEngine(config, extension_factory)
         self.config = config
+        # the engine's counts as the engine thread last read them (once per turn of its loop, after the step and
+        # before its outputs go out): the asyncio side's one view of engine state
+        self._stats: EngineStats = self.engine.stats()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -70,7 +76,8 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        """The latest snapshot (metrics scrapes, the queue bound): never read across threads while a step runs."""
+        return self._stats
 
     # ---- requests ----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -79,7 +86,7 @@ class AsyncEngine:
         before the first yield. Cancelling the iteration (client gone) aborts the request."""
         self._check_alive()
         bound = self.config.max_waiting_requests
-        if bound is not None and self.engine.loop_state().num_queued + self._commands.qsize() >= bound:
+        if bound is not None and self._stats.num_queued + self._commands.qsize() >= bound:
             raise QueueFullError(f"the server's waiting queue is full ({bound} requests)")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
@@ -101,13 +108,13 @@ class AsyncEngine:
                 self._post(Abort(request_id), answered=False)
 
     async def deliver_params(self, key: str, kv_transfer_params: KVTransferParams) -> None:
-        """The prefill's params for a decode leg sent before them (`LLMEngine.deliver_params`); raises
+        """The prefill's params for a decode leg sent before them (`EnginePD.deliver_params`); raises
         ParamError when they are refused (the waiting leg then ends with the same 400)."""
         self._check_alive()
         await self._post(DeliverParams(key, kv_transfer_params))
 
     async def pin_cached_prefix(self, token_ids: list[int], min_tokens: int) -> HeldKVParams | None:
-        """`LLMEngine.pin_cached_prefix`, run on the engine thread (raises PinRefused)."""
+        """`EnginePD.pin_cached_prefix`, run on the engine thread (raises PinRefused)."""
         self._check_alive()
         return await self._post(PinPrefix(token_ids, min_tokens))
 
@@ -148,21 +155,23 @@ class AsyncEngine:
             case AddRequest(request_id, prompt, params, kv):
                 engine.add_request(request_id, prompt, params, kv)
                 return None, []
-            case DeliverParams(key, kv):
-                return None, engine.deliver_params(key, kv)
-            case PinPrefix(token_ids, min_tokens):
-                return engine.pin_cached_prefix(token_ids, min_tokens), []
+            case DeliverParams() | PinPrefix():  # the engine's extension's own (the P/D half's)
+                return engine.call_extension(command)
             case Abort(request_id):
                 out = engine.abort_request(request_id)
                 return None, [out] if out is not None else []
 
     def _drain_commands(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
+        ran = False
         while True:
             try:
                 command, fut = self._commands.get_nowait()
             except queue.Empty:
+                if ran:  # the requests added leave the command queue's count: the snapshot's count has them
+                    self._stats = self.engine.stats()
                 return outputs
+            ran = True
             result, err = None, None
             try:
                 result, made = self._run(command)
@@ -185,21 +194,21 @@ class AsyncEngine:
                 engine.check_health()
                 outputs = self._drain_commands()
                 state = engine.loop_state()
-                if state.unfinished or state.num_held or state.connector:
+                if state.unfinished or state.background:
                     outputs.extend(engine.step())
+                self._stats = engine.stats()  # before the outputs: who sees them sees at least this snapshot
                 if outputs:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
                 state = engine.loop_state()
                 if not state.unfinished:
                     engine.idle()  # e.g. the disk tier's writes that finished meanwhile
                     # Idle: sleep until a command arrives (bounded, so held leases still get reaped).
-                    self._wake.wait(0.01 if (state.num_held or state.num_loading) else 0.05)
+                    self._wake.wait(0.01 if state.idle_poll else 0.05)
                     self._wake.clear()
                 elif not state.schedulable:
                     # only remote or disk-tier loads in flight (polled; remote claims and outcomes also wake
                     # us), or decode legs waiting for their params (whose delivery is a command, which wakes us)
-                    polled = state.num_loading or state.parked_reads
-                    self._wake.wait(0.001 if polled else 0.05)
+                    self._wake.wait(0.001 if state.polled else 0.05)
                     self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - a dead engine must fail every waiting request
             log.exception("engine loop died")

@@ -20,12 +20,14 @@ class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    kv_transfer_params: KVTransferParams | None = None  # read once by the server's route
+    # read once by the server's route; to the engine an opaque payload for its extension (the P/D half)
+    kv_transfer_params: KVTransferParams | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class DeliverParams:
-    """`LLMEngine.deliver_params`: the prefill's params for a decode leg sent before them."""
+    """The prefill's params for a decode leg sent before them: a command of the engine's extension
+    (`LLMEngine.call_extension` -> `EnginePD.deliver_params`)."""
 
     key: str
     kv_transfer_params: KVTransferParams
@@ -33,7 +35,8 @@ class DeliverParams:
 
 @dataclass(frozen=True, slots=True)
 class PinPrefix:
-    """`LLMEngine.pin_cached_prefix`: a cached prefix held for a peer's prefill; the future has its params."""
+    """A cached prefix held for a peer's prefill, the future has its params: a command of the engine's extension
+    (`LLMEngine.call_extension` -> `EnginePD.pin_cached_prefix`)."""
 
     token_ids: list[int]
     min_tokens: int
@@ -55,8 +58,7 @@ class LoopState:
 
     num_queued: int  # requests waiting to be scheduled (the server's queue bound counts them)
     unfinished: bool  # requests in the engine, or a step launched ahead still to be taken in
-    num_held: int  # finished requests whose blocks are held for a peer (their leases are reaped by steps)
-    num_loading: int  # remote reads in flight
-    connector: bool  # a KV connector, whose side channel a step polls even with no request
-    schedulable: bool  # the scheduler has requests to run (not only loads or parked reads)
-    parked_reads: bool  # disk-tier reads in flight (KV offload)
+    schedulable: bool  # the scheduler has requests to run (not only work in flight elsewhere)
+    background: bool  # steps are wanted even with no request (the extension polls: a KV connector's side channel)
+    idle_poll: bool  # between requests, something a step takes in may come (held leases end, reads end): 10 ms
+    polled: bool  # work in flight that steps poll (remote reads, disk-tier reads): poll at 1 ms

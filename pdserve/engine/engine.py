@@ -5,32 +5,31 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.commands import LoopState
-from pdserve.engine.grammars import Grammars
-from pdserve.engine.pd.connector_protocol import KVConnectorProtocol
-from pdserve.engine.pd.engine_pd import EnginePD
-from pdserve.engine.pd.events import (
+from pdserve.engine.events import (
     DeliveryRefused,
     Emit,
+    EngineEvent,
     Finish,
     FirstTokenAdopted,
     LoadEnded,
     ParamsRefused,
-    PDEvent,
     Schedule,
 )
+from pdserve.engine.extension import EngineExtension, NoExtension
+from pdserve.engine.grammars import Grammars
 from pdserve.engine.request import Request, Status
 from pdserve.engine.runner.async_decode import DecodePipeline, InflightDecode, async_scheduling_enabled
 from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.spec_decode.decoder import SpecDecoder
 from pdserve.engine.spec_decode.metrics import SpecDecodeStats
+from pdserve.engine.stats import EngineStats
 from pdserve.engine.step_log import StepLog
 from pdserve.kv_events.events import KVEventBatch
 from pdserve.model.config import ModelConfig, derived_max_model_len, load_model_config, verify_max_model_len
@@ -42,9 +41,8 @@ from pdserve.types.sampling_params import ParamError, SamplingParams
 from pdserve.types.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
-    from pdserve.api.pd import HeldKVParams, KVTransferParams
-
-    ConnectorFactory = Callable[["LLMEngine"], KVConnectorProtocol]
+    # what builds the engine's extension (engine/extension.py), called once the KV pool exists
+    ExtensionFactory = Callable[["LLMEngine"], EngineExtension]
 
 log = logging.getLogger("pdserve.engine")
 PARKED_READ_WAIT_S = 0.001  # the longest a step waits for a disk-tier read when nothing else can run
@@ -52,28 +50,6 @@ PARKED_READ_WAIT_S = 0.001  # the longest a step waits for a disk-tier read when
 
 class PromptTooLongError(ParamError):
     pass
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_loading: int
-    num_held: int  # finished prefill legs whose blocks are held for a consumer
-    kv_cache_usage: float
-    num_blocks: int
-    num_free_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_history: int = 0  # finished decode legs whose conversation is held for the next turn
-    # decode legs sent before their prefill finished, waiting for their params: not queued work of this
-    # instance yet (its prefill runs elsewhere), so kept out of num_waiting, which autoscaling reads
-    num_awaiting_params: int = 0
-    external_prefix_cache_queries: int = 0  # tokens looked up in the offload tiers (vLLM's connector counters)
-    external_prefix_cache_hits: int = 0
-    kv_tiers: dict | None = None  # medium -> counters and usage of the offload tiers (None: no tiers)
-    spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters (None: speculation off)
 
 
 def read_eos_ids(model_dir: Path | None, model_cfg: ModelConfig) -> frozenset[int]:
@@ -89,7 +65,7 @@ def read_eos_ids(model_dir: Path | None, model_cfg: ModelConfig) -> frozenset[in
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, connector_factory: ConnectorFactory | None = None):
+    def __init__(self, config: EngineConfig, extension_factory: ExtensionFactory | None = None):
         self.config = config
         self.model_dir = resolve_model_dir(config.model, config.load_format)
         self.model_cfg = load_model_config(self.model_dir)
@@ -110,7 +86,7 @@ class LLMEngine:
             self.runner = ModelRunner(config, self.model_cfg, self.model_dir,
                                       extra_block_bytes=self._draft_block_bytes(config))
         try:
-            self._init_rest(config, connector_factory)
+            self._init_rest(config, extension_factory)
         except BaseException:
             self.runner.shutdown()  # tensor-parallel workers must not outlive a failed start
             raise
@@ -127,8 +103,8 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype, draft_cfg, resolve_device(config.device))
         return draft_block_bytes(draft_cfg, config.block_size, dtype)
 
-    def _init_rest(self, config: EngineConfig, connector_factory: ConnectorFactory | None) -> None:
-        self.connector: KVConnectorProtocol | None = None
+    def _init_rest(self, config: EngineConfig, extension_factory: ExtensionFactory | None) -> None:
+        self.extension: EngineExtension = NoExtension()
         self.grammars = Grammars(config.tokenizer or str(self.model_dir), self.model_cfg.vocab_size,
                                  self.eos_token_ids, config.structured_outputs_config)
         events_cfg = KVEventsConfig.from_json(config.kv_events_config)
@@ -160,31 +136,19 @@ class LLMEngine:
         self.tiers = None  # the KV offload tiers (host memory, disk) behind the pool, when configured
         self.tier_loader = None
         if config.kv_offloading:
-            from pdserve.engine.tier_loader import TierLoader
-            from pdserve.kv_offload.manager import GIB, KVTierManager
-            from pdserve.kv_transfer.config import digests_enabled
-            from pdserve.kv_transfer.digest import cpu_block_digest
+            from pdserve.engine.tier_loader import TierLoader  # the tiers' threads only where they are on
 
-            self.tiers = KVTierManager(
-                self.runner.kv_pool, config.block_size, int(config.kv_offloading_size * GIB),
-                config.kv_offloading_disk_path, int((config.kv_offloading_disk_size or 0) * GIB), events=publish,
-                kv_encoding=self.runner.layout if self.runner.kv_format is None
-                else f"{self.runner.kv_cache_dtype}/{self.runner.kv_scales}",
-                digest=cpu_block_digest if digests_enabled(config.kv_transfer_config) else None)
-            self.blocks.on_evict = self.tiers.on_device_evict
-            self.tier_loader = TierLoader(self.blocks, self.scheduler, self.tiers)
-            self.scheduler.count_external = True
+            self.tier_loader = TierLoader.start(config, self.runner, self.blocks, self.scheduler, events=publish)
+            self.tiers = self.tier_loader.tiers
         self.requests: dict[str, Request] = {}
-        try:
-            self.connector = connector_factory(self) if connector_factory else None
-        except BaseException:
-            self._shutdown_services()
-            raise
-        # the P/D half (pdserve.engine.pd): what requests' kv_transfer_params make the engine do
-        self.pd = EnginePD(self.connector, self.blocks, self.scheduler.loading, vocab_size=self.model_cfg.vocab_size,
-                           eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
-        if self.pd.layer_hook is not None:  # the model reports each finished layer of a step to it
-            self.runner.layer_hook = self.pd.layer_hook
+        if extension_factory is not None:
+            try:
+                self.extension = extension_factory(self)
+            except BaseException:
+                self._shutdown_services()
+                raise
+        if self.extension.layer_hook is not None:  # the model reports each finished layer of a step to it
+            self.runner.layer_hook = self.extension.layer_hook
         if publish:
             from pdserve.kv_events.publisher import ZmqEventPublisher  # pyzmq only where events are on
 
@@ -194,7 +158,7 @@ class LLMEngine:
                 self._shutdown_services()
                 raise
         self.num_finished = 0
-        self.step_log = StepLog.from_env((config.kv_transfer_config or {}).get("kv_role", "engine"))
+        self.step_log = StepLog.from_env(config.role)
         if config.warm_up or (config.warm_up is None and self.runner.device.type == "cuda"):
             try:
                 self._warm_up()
@@ -203,10 +167,9 @@ class LLMEngine:
                 raise
 
     def _shutdown_services(self) -> None:
-        """Stops what the engine started beside the model runner (the KV connector, the KV event publisher,
-        the offload tiers), each if it was started: on shutdown and when the constructor fails part-way."""
-        if self.connector is not None:
-            self.connector.shutdown()
+        """Stops what the engine started beside the model runner (its extension, the KV event publisher, the
+        offload tiers), each if it was started: on shutdown and when the constructor fails part-way."""
+        self.extension.shutdown()
         if self.kv_events is not None:
             self.kv_events.shutdown()
         if self.tiers is not None:
@@ -256,8 +219,9 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_transfer_params: KVTransferParams | None = None) -> None:
-        """Raises ParamError for a client mistake; the engine is unaffected."""
+                    payload: object | None = None) -> None:
+        """Raises ParamError for a client mistake; the engine is unaffected. `payload`: what the caller
+        attached for the engine's extension, passed on unread (`EngineExtension.on_added`)."""
         if request_id in self.requests:
             raise ParamError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -289,18 +253,18 @@ class LLMEngine:
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs is not None else None
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, self.max_model_len)
         req.grammar = grammar
-        events = self.pd.add(req, kv_transfer_params)  # raises ParamError before anything is registered
-        self.requests[request_id] = req  # a decode leg awaiting its params too: scheduled once they come
+        events = self.extension.on_added(req, payload)  # raises ParamError before anything is registered
+        self.requests[request_id] = req  # registered even when its events do not schedule it yet
         self._apply(events)
 
-    def deliver_params(self, key: str, kv_transfer_params: KVTransferParams) -> list[RequestOutput]:
-        """The prefill's params for the decode leg waiting under `key` (`pd.early_decode_params`), or kept
-        for a leg still to come. Raises ParamError for params this instance refuses; the waiting leg then
-        ends with the same 400 (DeliveryRefused: its response has not started, it waits for its first output)."""
-        return self._apply(self.pd.deliver_params(key, kv_transfer_params))
+    def call_extension(self, command: object) -> tuple[object, list[RequestOutput]]:
+        """One of the extension's own commands: its answer and the outputs its events made. Raises what the
+        extension raises (DeliveryRefused: a request ended because the command was refused, with its outputs)."""
+        result, events = self.extension.call(command)
+        return result, self._apply(events)
 
-    def _apply(self, events: Iterable[PDEvent]) -> list[RequestOutput]:
-        """What the P/D half asks of the loop (pdserve.engine.pd.events), in order; the outputs it makes."""
+    def _apply(self, events: Iterable[EngineEvent]) -> list[RequestOutput]:
+        """What the extension asks of the loop (engine/events.py), in order; the outputs it makes."""
         outputs: list[RequestOutput] = []
         for ev in events:
             match ev:
@@ -314,9 +278,9 @@ class LLMEngine:
                 case Emit(req):
                     outputs.append(self._emit(req))
                 case Finish(req):
-                    outputs.append(self._finish(req, hold=False))
+                    outputs.append(self._finish(req, completed=False))
                 case ParamsRefused(req, error):
-                    raise DeliveryRefused(str(error), [self._finish(req, hold=False)]) from error
+                    raise DeliveryRefused(str(error), [self._finish(req, completed=False)]) from error
         return outputs
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -324,12 +288,12 @@ class LLMEngine:
         if req is None or req.finished:
             return None
         req.finish_reason = "abort"
-        if self.pd.abort(req):  # the NIXL read may still be writing into its blocks: it finishes when it ends
+        if self.extension.on_aborted(req):  # e.g. a read still writing into its blocks: it finishes when it ends
             return None
         if self.tier_loader is not None:
             self.tier_loader.forget(request_id)
         self.scheduler.remove(req)
-        return self._finish(req, hold=False)
+        return self._finish(req, completed=False)
 
     def has_unfinished(self) -> bool:
         """Requests in the engine, or a step launched ahead still to be taken in (its rows may all have ended:
@@ -339,10 +303,10 @@ class LLMEngine:
     def loop_state(self) -> LoopState:
         """What a loop that steps this engine (AsyncEngine's thread) decides on, in one snapshot."""
         s = self.scheduler
-        return LoopState(num_queued=len(s.waiting), unfinished=self.has_unfinished(), num_held=self.num_held,
-                         num_loading=self.num_loading, connector=self.connector is not None,
-                         schedulable=s.has_work(),
-                         parked_reads=self.tier_loader is not None and bool(self.tier_loader.parked))
+        bg = self.extension.background()
+        parked = self.tier_loader is not None and bool(self.tier_loader.parked)
+        return LoopState(num_queued=len(s.waiting), unfinished=self.has_unfinished(), schedulable=s.has_work(),
+                         background=bg.steps, idle_poll=bg.keeps or bg.in_flight, polled=bg.in_flight or parked)
 
     def idle(self) -> None:
         """Between steps with nothing to run: publish what the tiers did meanwhile (the disk tier's writes end
@@ -351,9 +315,9 @@ class LLMEngine:
         self.runner.observe_idle()
 
     def on_background_event(self, wake: Callable[[], None]) -> None:
-        """`wake` is called (from any thread) when work a step must take in arrives between steps: a claimed
-        lease, an ended load; a loop sleeping between steps wakes at once instead of at its next poll."""
-        self.pd.set_notify(wake)
+        """`wake` is called (from any thread) when work a step must take in arrives between steps (the
+        extension's); a loop sleeping between steps wakes at once instead of at its next poll."""
+        self.extension.set_wake(wake)
 
     def check_health(self) -> None:
         """Raises when the engine cannot run another step (a tensor-parallel worker died)."""
@@ -375,9 +339,9 @@ class LLMEngine:
                 self.kv_events.publish(KVEventBatch(ts=time.time(), events=events))
 
     def _step(self) -> list[RequestOutput]:
-        outputs = self._apply(self.pd.poll())
+        outputs = self._apply(self.extension.poll())
         if any(o.new_token_ids for o in outputs):
-            # a load that ended gave an adopted first token: hand it out now rather than after this
+            # the extension gave tokens that did not need the model: hand them out now rather than after this
             # step's model run (~6 ms on an 8B model); the caller's next step runs the model
             return outputs
         t_start = time.perf_counter()
@@ -385,13 +349,13 @@ class LLMEngine:
         if self._inflight is not None:
             outputs.extend(self._advance(t_start, counters0))
             return outputs
-        self.pd.make_room(self.scheduler.running, self.scheduler.waiting)
+        self.extension.before_schedule(self.scheduler.running, self.scheduler.waiting)
         if self.tier_loader is not None:
             self.tier_loader.before_schedule()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
-        outputs.extend(self._apply(self.pd.start_loads(sched.start_loads, sched.dropped_loads)))
+        outputs.extend(self._apply(self.extension.after_schedule(sched)))
         if not sched.scheduled:
             if not outputs and self.tier_loader is not None and self.tier_loader.parked:
                 # only disk-tier reads are left: wait (briefly, bounded) for one instead of returning at once,
@@ -473,7 +437,7 @@ class LLMEngine:
         req.metrics.last_token_time = now
         if req.check_stop(tok) or (req.grammar is not None and self.grammars.advance(req, tok)):
             self.scheduler.remove(req)
-            outputs.append(self._finish(req, hold=True))
+            outputs.append(self._finish(req, completed=True))
             return True
         return False
 
@@ -512,7 +476,7 @@ class LLMEngine:
         prompt_lps = (req.prompt_logprobs if req.params.prompt_logprobs is not None and req.num_emitted == 0
                       and len(req.prompt_logprobs) == req.num_prompt_tokens else None)
         req.num_emitted = len(req.output_token_ids)
-        return RequestOutput(
+        out = RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             new_token_ids=new,
@@ -523,17 +487,16 @@ class LLMEngine:
             stop_reason=req.stop_reason if finished else None,
             error=req.error if finished else None,
             error_status=req.error_status,
-            kv_rejection=req.kv.rejection if finished else None,
             num_cached_tokens=max(req.num_cached_tokens, 0),
-            kv_transfer_params=req.result_kv_transfer_params if finished else None,
-            remote_cached_tokens=req.remote_cached_tokens,
             metrics=req.metrics,
             prompt_logprobs=prompt_lps,
         )
+        self.extension.on_output(req, out)
+        return out
 
-    def _finish(self, req: Request, hold: bool) -> RequestOutput:
-        """The request ends (its output with what was not yet emitted). hold: it ended by a stop or its
-        length, so its KV is kept when its params ask for it (pd.holds), else freed now."""
+    def _finish(self, req: Request, completed: bool) -> RequestOutput:
+        """The request ends (its output with what was not yet emitted); its blocks are freed unless the extension
+        keeps them (`completed`: it ended by a stop or its length, not aborted or failed)."""
         req.status = Status.FINISHED
         req.metrics.finished_time = time.monotonic()
         if self.step_log is not None:
@@ -544,43 +507,34 @@ class LLMEngine:
         self.requests.pop(req.request_id, None)
         self.runner.sampler.forget(req.request_id)
         self.num_finished += 1
-        self.pd.finished(req, hold)
+        if not self.extension.on_finished(req, completed):
+            self.blocks.release(req)
         return self._emit(req, finished=True)
-
-    def pin_cached_prefix(self, token_ids: Sequence[int], min_tokens: int = 1) -> HeldKVParams | None:
-        """A cached prefix held for a peer's prefill (issue 18 part 4): pdserve.engine.pd.holds."""
-        return self.pd.pin_cached_prefix(token_ids, min_tokens)
-
-    @property
-    def num_loading(self) -> int:
-        return len(self.scheduler.loading)
 
     @property
     def num_held(self) -> int:
-        """Finished prefill legs whose blocks are held for a consumer."""
-        return self.pd.num_held
+        """The stats snapshot's count of finished requests whose blocks are held for a peer (tests read it)."""
+        return self.stats().num_held
 
     # ---- introspection -----------------------------------------------------------------------
     def stats(self) -> EngineStats:
+        """One snapshot: the loop's counts, then its extension's."""
         s = self.scheduler
-        return EngineStats(
+        return self.extension.contribute(EngineStats(
             num_running=len(s.running),
-            num_waiting=len(s.waiting) + len(s.loading) + (len(self.tier_loader.parked) if self.tier_loader else 0),
-            num_awaiting_params=self.pd.num_awaiting_params,
-            num_loading=self.num_loading,
-            num_held=self.pd.num_held,
+            num_waiting=s.num_waiting + (len(self.tier_loader.parked) if self.tier_loader else 0),
             kv_cache_usage=self.blocks.usage,
             num_blocks=self.blocks.num_blocks,
             num_free_blocks=self.blocks.num_free_blocks,
             prefix_cache_queries=self.blocks.prefix_queries,
             prefix_cache_hits=self.blocks.prefix_hits,
             num_preemptions=s.num_preemptions,
-            num_history=self.pd.num_history,
             external_prefix_cache_queries=self.blocks.external_queries,
             external_prefix_cache_hits=self.blocks.external_hits,
             kv_tiers=self.tiers.stats() if self.tiers is not None else None,
             spec_decode=self.spec.stats.snapshot() if self.spec is not None else None,
-        )
+            num_queued=len(s.waiting),
+        ))
 
     def shutdown(self) -> None:
         self._shutdown_services()

@@ -56,6 +56,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_waiting(self) -> int:
+        """Admitted and not running: queued, or waiting for their KV (`loading`)."""
+        return len(self.waiting) + len(self.loading)
+
     def remove(self, req: Request) -> None:
         """Drop a request from whichever queue holds it (blocks are the caller's business)."""
         if req in self.running:
@@ -132,13 +137,14 @@ class Scheduler:
             cached = self.blocks.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
             if req.kv.needs_load and req.kv.prefix_tokens is not None:
                 # A peer's held prefix: worth a read only for what the local prefix cache lacks, and only
-                # from kv_recompute_threshold tokens on (vLLM's rule); else it is computed here.
+                # from prefix_min_tokens on (the proxy's break-even, else kv_recompute_threshold: vLLM's rule);
+                # else it is computed here.
                 left = req.kv.prefix_tokens - len(cached) * self.blocks.block_size
                 if left < max(1, req.kv.prefix_min_tokens):
                     log.info("request %s: a held prefix of %d tokens not read back: the local prefix cache has "
                              "%d of them, %d left %s; computing them here", req.request_id,
                              req.kv.prefix_tokens, len(cached) * self.blocks.block_size, left,
-                             "to read" if left < 1 else f"< kv_recompute_threshold {req.kv.prefix_min_tokens}")
+                             "to read" if left < 1 else f"< {req.kv.prefix_min_tokens} worth a read")
                     req.kv.drop_load()
                     out.dropped_loads.append(req)
             if req.kv.needs_load:

@@ -15,12 +15,16 @@ a recompute, never a wrong token.
 from __future__ import annotations
 
 from itertools import islice
+from typing import Any
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kv_events.events import MEDIUM_DISK, MEDIUM_HOST
-from pdserve.kv_offload.manager import KVTierManager
+from pdserve.kv_offload.manager import GIB, KVTierManager
+from pdserve.kv_transfer.config import digests_enabled
+from pdserve.kv_transfer.digest import cpu_block_digest
+from pdserve.types.engine_config import EngineConfig
 
 
 class TierLoader:
@@ -29,6 +33,21 @@ class TierLoader:
         self.scheduler = scheduler
         self.tiers = tiers
         self.parked: dict[str, Request] = {}  # requests whose disk-tier blocks are being read
+
+    @classmethod
+    def start(cls, config: EngineConfig, runner: Any, blocks: BlockManager, scheduler: Scheduler,
+              events: bool) -> TierLoader:
+        """The tiers of `config` behind the runner's pool (their reader and writer threads started), wired to the
+        pool's evictions and the scheduler's external-hit counters. `events`: they publish KV events. The host
+        tier keeps a digest per block when the KV transfer's digests are on (`enable_kv_digest`)."""
+        tiers = KVTierManager(
+            runner.kv_pool, config.block_size, int(config.kv_offloading_size * GIB),
+            config.kv_offloading_disk_path, int((config.kv_offloading_disk_size or 0) * GIB), events=events,
+            kv_encoding=runner.layout if runner.kv_format is None else f"{runner.kv_cache_dtype}/{runner.kv_scales}",
+            digest=cpu_block_digest if digests_enabled(config.kv_transfer_config) else None)
+        blocks.on_evict = tiers.on_device_evict
+        scheduler.count_external = True
+        return cls(blocks, scheduler, tiers)
 
     def forget(self, request_id: str) -> bool:
         """An aborted request: True when it was parked (its read's result is then ignored)."""

@@ -8,10 +8,13 @@ Block counts may differ between instances: they are not part of the dict.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from pdserve.kv_transfer.errors import CompatibilityError
 from pdserve.version import __version__
+
+# A compatibility field's value (what msgpack and JSON carry as a scalar), and the dict of them.
+CompatValue = str | int | float | bool | None
+Compat = dict[str, CompatValue]
 
 # Bumped whenever the side-channel messages or the transfer semantics change incompatibly.
 PROTOCOL_VERSION = 2  # 2: signed envelopes, lease tokens (issue 15)
@@ -36,7 +39,7 @@ def make_compat(
     kv_layout: str = POOL_LAYOUT,
     kv_cache_dtype: str | None = None,
     kv_scales: str = "none",
-) -> dict[str, Any]:
+) -> Compat:
     """Build the dict the engine passes to `KVConnector` (model = a stable identity of the weights).
 
     dtype is the model's compute dtype; kv_cache_dtype what the pool stores (default: dtype) and kv_scales
@@ -58,13 +61,19 @@ def make_compat(
     )
 
 
-def normalize_compat(compat: Mapping[str, Any]) -> dict[str, Any]:
-    """Validate the engine-provided fields and add the version fields this build speaks."""
+def normalize_compat(compat: Mapping[str, object]) -> Compat:
+    """Validate the engine-provided fields (`dtype` may be a torch.dtype) and add the version fields this build
+    speaks."""
     missing = [k for k in REQUIRED_FIELDS if k not in compat]
     if missing:
         raise ValueError(f"compatibility dict lacks {', '.join(missing)}")
-    out = dict(compat)
-    out["dtype"] = str(out["dtype"]).removeprefix("torch.")
+    out: Compat = {}
+    for key, value in compat.items():
+        if key == "dtype":
+            value = str(value).removeprefix("torch.")
+        if not isinstance(value, str | int | float | bool | None):
+            raise ValueError(f"compatibility field {key} must be a scalar, got {type(value).__name__}")
+        out[key] = value
     out.setdefault("kv_layout", POOL_LAYOUT)
     out.setdefault("kv_cache_dtype", out["dtype"])
     out.setdefault("kv_scales", "none")
@@ -82,7 +91,7 @@ def normalize_compat(compat: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def compat_differences(
-    ours: Mapping[str, Any], theirs: Mapping[str, Any], labels: tuple[str, str] = ("ours", "theirs")
+    ours: Mapping[str, CompatValue], theirs: Mapping[str, CompatValue], labels: tuple[str, str] = ("ours", "theirs")
 ) -> list[str]:
     """Human-readable `field: ours=X theirs=Y` entries for every field that differs."""
     diffs = []
@@ -94,8 +103,8 @@ def compat_differences(
 
 
 def check_compat(
-    ours: Mapping[str, Any],
-    theirs: Mapping[str, Any],
+    ours: Mapping[str, CompatValue],
+    theirs: Mapping[str, CompatValue],
     *,
     peer: str,
     labels: tuple[str, str] = ("ours", "theirs"),

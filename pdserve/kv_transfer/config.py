@@ -13,7 +13,6 @@ import os
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from pdserve.kv_transfer.auth import DEFAULT_MAX_SKEW_S, SECRET_ENV, SECRET_KEY, resolve_secret
 from pdserve.types.push_pipeline import (  # noqa: F401 - their home is torch-free (pdserve/sim reads it)
@@ -28,6 +27,24 @@ SUPPORTED_CONNECTORS = ("NixlConnector", "NixlPullConnector", "NixlPushConnector
 # vLLM's names (vllm/distributed/kv_transfer/kv_connector/v1/nixl/push_connector.py, pull_connector.py): the
 # decode READs (pull, NixlConnector's default) or the prefill WRITEs into blocks the decode registered (push).
 PUSH_CONNECTOR = "NixlPushConnector"
+
+# `enable_kv_digest` "auto" (the default) turns the per-block KV digests on where BENCHMARKS.md's measured cost
+# ("KV digests") is within the 3 % of the transfer time a default may cost. On a CPU pool it is not: a hash that
+# reads every byte costs 28-47 % of a CPU NIXL READ (XXH3, 1k-16k tokens), so off. On a GPU pool the fused lane
+# sums' cost is measured by `bench_kv_transfer.py --device cuda --digest both`; this stays False (off) until that
+# run shows <= 3 % at 4k tokens (LEAD: set from the H100/H200 row of BENCHMARKS.md, "KV digests").
+DIGESTS_AUTO_ON_GPU = False
+DIGEST_ALGOS = ("auto", "xxh3_128", "vllm_lanesum")  # kv_digest_algo; "auto": digest.default_algo(pool)
+
+
+def digests_on(setting: bool | str, mem_type: str) -> bool:
+    """Whether this instance digests (producer) and checks (consumer) KV blocks: `enable_kv_digest` true or
+    false as given; "auto" by where the pool lives (`DIGESTS_AUTO_ON_GPU` on a GPU pool, off on a CPU pool)."""
+    if setting == "auto":
+        return DIGESTS_AUTO_ON_GPU and mem_type == "VRAM"
+    return setting is True
+
+
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 FAILURE_POLICIES = ("fail", "recompute")
 BUFFER_DEVICES = ("cuda", "cpu")
@@ -90,6 +107,9 @@ _KNOWN_EXTRA_KEYS = frozenset(
         # also fails a load whose params carry no digests it can check
         "enable_kv_digest",
         "kv_digest_required",
+        # ours: the producer's digest algorithm ("auto": XXH3-128 on a CPU pool, vLLM's lane sums on a GPU pool);
+        # vllm_lanesum also lets a decode of a larger TP size check a CPU prefill's blocks (digest_split)
+        "kv_digest_algo",
         "push_layerwise_min_tokens",
         # vLLM keys that have no meaning here (single engine).
         "num_threads",
@@ -100,7 +120,7 @@ _KNOWN_EXTRA_KEYS = frozenset(
 )
 
 
-def _number(extra: Mapping[str, Any], key: str, default: float, *, minimum: float = 0.0) -> float:
+def _number(extra: Mapping[str, object], key: str, default: float, *, minimum: float = 0.0) -> float:
     value = extra.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"kv_connector_extra_config.{key} must be a number, got {value!r}")
@@ -109,7 +129,7 @@ def _number(extra: Mapping[str, Any], key: str, default: float, *, minimum: floa
     return float(value)
 
 
-def _port(value: Any, source: str) -> int:
+def _port(value: object, source: str) -> int:
     if isinstance(value, str):
         try:
             value = int(value.strip())
@@ -120,11 +140,12 @@ def _port(value: Any, source: str) -> int:
     return value
 
 
-def digests_enabled(raw: Mapping[str, Any] | None) -> bool:
-    """Whether a raw `--kv-transfer-config` turns the per-block KV digests on (`enable_kv_digest`): also what the
-    KV offload tiers follow for their host tier, with or without P/D."""
+def digests_enabled(raw: Mapping[str, object] | None) -> bool:
+    """Whether a raw `--kv-transfer-config` turns the per-block KV digests on for a CPU pool (`enable_kv_digest`
+    true; "auto" is off there): also what the KV offload tiers follow for their host tier (a CPU tensor), with
+    or without P/D."""
     extra = (raw or {}).get("kv_connector_extra_config") or {}
-    return isinstance(extra, Mapping) and extra.get("enable_kv_digest") is True
+    return isinstance(extra, Mapping) and digests_on(extra.get("enable_kv_digest", "auto"), "DRAM")
 
 
 def is_loopback_host(host: str) -> bool:
@@ -149,7 +170,7 @@ class KVTransferConfig:
     side_channel_host: str
     side_channel_port: int
     log_stats_interval_s: float = 10.0
-    extra_config: Mapping[str, Any] = field(default_factory=dict)  # without the secret
+    extra_config: Mapping[str, object] = field(default_factory=dict)  # without the secret
     # The deployment secret that authenticates side-channel messages (None: unauthenticated, loopback only
     # unless `insecure_side_channel`). Never in repr: configs get logged.
     side_channel_secret: str | None = field(default=None, repr=False)
@@ -169,10 +190,10 @@ class KVTransferConfig:
     peer_pin_max_leases: int = 8
     push_registration_timeout: float = 60.0
     push_pipeline: str = "auto"  # push_layer_by_layer: "layer" on CPU pools, "request" on GPU pools
-    # off by default: on the CPU a full-content digest costs ~20-40 % of the transfer time (BENCHMARKS.md, "KV
-    # digests"), over the 3 % the default may cost; the GPU's device-side digest has not been measured
-    enable_kv_digest: bool = False
+    # true, false, or "auto" (the default: `digests_on` decides by the pool's device, from BENCHMARKS.md's costs)
+    enable_kv_digest: bool | str = "auto"
     kv_digest_required: bool = False
+    kv_digest_algo: str = "auto"
     push_layerwise_min_tokens: int = DEFAULT_PUSH_LAYERWISE_MIN_TOKENS
 
     @property
@@ -200,7 +221,7 @@ class KVTransferConfig:
     @classmethod
     def from_json(
         cls,
-        raw: str | Mapping[str, Any],
+        raw: str | Mapping[str, object],
         *,
         side_channel_host: str | None = None,
         side_channel_port: int | str | None = None,
@@ -332,11 +353,18 @@ class KVTransferConfig:
                              "(prefill: reads held histories back) or kv_consumer (decode: holds them), not "
                              "kv_both")
 
-        digest = {k: extra.get(k, default) for k, default in (("enable_kv_digest", False),
+        digest = {k: extra.get(k, default) for k, default in (("enable_kv_digest", "auto"),
                                                                ("kv_digest_required", False))}
-        for key, value in digest.items():
-            if not isinstance(value, bool):
-                raise ValueError(f"kv_connector_extra_config.{key} must be true or false, got {value!r}")
+        if not isinstance(digest["enable_kv_digest"], bool) and digest["enable_kv_digest"] != "auto":
+            raise ValueError("kv_connector_extra_config.enable_kv_digest must be true, false or \"auto\", got "
+                             f"{digest['enable_kv_digest']!r}")
+        if not isinstance(digest["kv_digest_required"], bool):
+            raise ValueError("kv_connector_extra_config.kv_digest_required must be true or false, got "
+                             f"{digest['kv_digest_required']!r}")
+        digest_algo = extra.get("kv_digest_algo", "auto")
+        if digest_algo not in DIGEST_ALGOS:
+            raise ValueError(f"kv_connector_extra_config.kv_digest_algo must be one of {', '.join(DIGEST_ALGOS)}, "
+                             f"got {digest_algo!r}")
         if env.get(ENV_DIGEST_FAIL, "0") not in ("", "0"):
             digest["kv_digest_required"] = True
 
@@ -391,6 +419,8 @@ class KVTransferConfig:
             push_registration_timeout=_number(extra, "push_registration_timeout", 60.0),
             push_pipeline=pipeline,
             enable_kv_digest=digest["enable_kv_digest"],
-            kv_digest_required=digest["kv_digest_required"] and digest["enable_kv_digest"],
+            # only where digests are on (a consumer without a digester checks nothing, so requires nothing)
+            kv_digest_required=digest["kv_digest_required"] and digest["enable_kv_digest"] is not False,
+            kv_digest_algo=digest_algo,
             push_layerwise_min_tokens=min_tokens,
         )

@@ -30,37 +30,43 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from pdserve.api.pd import PUSH
 from pdserve.kv_transfer.auth import SECRET_ENV, MessageAuth, ReplayGuard
-from pdserve.kv_transfer.compat import HEAD_MAJOR_LAYOUT, POOL_LAYOUT, normalize_compat
-from pdserve.kv_transfer.config import KVTransferConfig, is_loopback_host, push_layer_by_layer
+from pdserve.kv_transfer.compat import HEAD_MAJOR_LAYOUT, POOL_LAYOUT, Compat, normalize_compat
+from pdserve.kv_transfer.config import KVTransferConfig, digests_on, is_loopback_host, push_layer_by_layer
 from pdserve.kv_transfer.consumer import KVConsumer
 from pdserve.kv_transfer.digest import BlockDigester
+from pdserve.kv_transfer.digest_split import SplitLayout
 from pdserve.kv_transfer.faults import KVFaults
 from pdserve.kv_transfer.head_split import block_geometry
 from pdserve.kv_transfer.local_kv import LocalKV
 from pdserve.kv_transfer.metrics import TransferMetrics
-from pdserve.kv_transfer.nixl_agent import NixlAgent, apply_env_defaults, load_nixl
-from pdserve.kv_transfer.pool import pretouch, region_of
+from pdserve.kv_transfer.nixl_agent import (
+    NixlAgent,
+    RankAgent,
+    WorkerRankAgent,
+    apply_env_defaults,
+    load_nixl,
+)
+from pdserve.kv_transfer.pool import KVPool, PoolRegion, pretouch, region_of
 from pdserve.kv_transfer.producer import KVProducer
 from pdserve.kv_transfer.pull_reader import PullReader
 from pdserve.kv_transfer.push_receiver import PushReceiver
-from pdserve.kv_transfer.push_sender import PushSender
+from pdserve.kv_transfer.push_sender import PushSender, StepRequest
 from pdserve.kv_transfer.side_channel import SideChannelServer
 from pdserve.types.tp_layout import kv_heads_per_rank
 
 # rank_agents(name prefix, backends, backend params, loopback, gpu) -> the agents of ranks 1..N-1
-RankAgentsFactory = Callable[[str, tuple[str, ...], dict, bool, bool], Sequence[Any]]
+RankAgentsFactory = Callable[[str, tuple[str, ...], dict, bool, bool], Sequence[WorkerRankAgent]]
 
 logger = logging.getLogger("pdserve.kv_transfer")
 
 
 def _check_pool_matches(
-    region_shape: tuple[int, ...], region_dtype: str, compat: Mapping[str, Any], block_size: int, tp_size: int = 1
+    region_shape: tuple[int, ...], region_dtype: str, compat: Compat, block_size: int, tp_size: int = 1
 ) -> None:
     if compat.get("kv_layout", POOL_LAYOUT) == HEAD_MAJOR_LAYOUT:
         _, layers, _, heads, bs, dim = region_shape
@@ -93,8 +99,8 @@ class KVConnector:
     def __init__(
         self,
         config: KVTransferConfig,
-        pool: Any,
-        compat: Mapping[str, Any],
+        pool: KVPool,
+        compat: Mapping[str, object],
         block_size: int,
         *,
         registry: CollectorRegistry | None = None,
@@ -133,7 +139,7 @@ class KVConnector:
         )
         self._server: SideChannelServer | None = None
         self._agent: NixlAgent | None = None
-        self._rank_agents: list[Any] = []  # ranks 1..N-1
+        self._rank_agents: list[WorkerRankAgent] = []  # ranks 1..N-1
         self.producer: KVProducer | None = None
         self.consumer: KVConsumer | None = None
         self.push_sender: PushSender | None = None
@@ -162,11 +168,18 @@ class KVConnector:
                     if agent.region.num_blocks != self.region.num_blocks:
                         raise ValueError(f"rank {r} has {agent.region.num_blocks} KV blocks, rank 0 "
                                          f"{self.region.num_blocks}")
-            ranks = [(self._agent, self.region), *((a, a.region) for a in self._rank_agents)]
+            ranks: list[tuple[RankAgent, PoolRegion]] = [(self._agent, self.region),
+                                                         *((a, a.region) for a in self._rank_agents)]
             kv = LocalKV(config, self._agent, self.region, self.compat, self.metrics, auth, ranks)
             local_heads = kv_heads_per_rank(tp_size, int(self.compat["num_kv_heads"]))
             push = config.transfer_mode == PUSH
-            digester = BlockDigester(pool, self._rank_agents) if config.enable_kv_digest else None
+            digester = None
+            if digests_on(config.enable_kv_digest, self.region.mem_type):
+                # the layout lets a consumer check a load from a producer of another TP size (digest_split)
+                layout = SplitLayout(block_geometry(self.compat, self.region.block_bytes, local_heads),
+                                     int(self.compat["num_kv_heads"]), int(self.compat["num_layers"]) * 2)
+                digester = BlockDigester(pool, self._rank_agents, layout=layout,
+                                         algo=None if config.kv_digest_algo == "auto" else config.kv_digest_algo)
             if config.is_producer:
                 assert self._server is not None
                 self.producer = KVProducer(
@@ -291,7 +304,7 @@ class KVConnector:
 
     # ---- both roles ---------------------------------------------------------------------------------
 
-    def step_hook(self, batch: Sequence[tuple[Any, int]]) -> Callable[[int], None] | None:
+    def step_hook(self, batch: Sequence[tuple[StepRequest, int]]) -> Callable[[int], None] | None:
         """Layer-pipelined push: the callback the model calls after each layer of this step (None: none)."""
         return self.push_sender.step_hook(batch) if self.push_sender is not None else None
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from pdserve.api.pd import InvalidKVTransferParams  # the wire contract's error, re-exported here
 
 __all__ = [
-    "CompatibilityError", "InvalidKVTransferParams", "KVTransferError", "NixlUnavailableError", "SideChannelError",
-    "SideChannelRefused", "SideChannelTimeout", "TransferFailed", "TransferTimeout",
+    "CompatibilityError", "InvalidKVTransferParams", "KVTransferError", "NixlUnavailableError", "ProtocolError",
+    "SideChannelError", "SideChannelRefused", "SideChannelTimeout", "TransferFailed", "TransferTimeout",
 ]
 
 
@@ -28,6 +28,10 @@ class CompatibilityError(KVTransferError):
 
 class SideChannelError(KVTransferError):
     """The side channel could not be used: connection refused or reset, protocol violation."""
+
+
+class ProtocolError(SideChannelError):
+    """A frame or message that does not follow the side channel's protocol (`messages.py`)."""
 
 
 class SideChannelTimeout(SideChannelError):

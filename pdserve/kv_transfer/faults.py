@@ -24,10 +24,13 @@ import random
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pdserve.kv_transfer.digest import BlockDigester
-from pdserve.kv_transfer.pool import PoolRegion, RemotePool, coalesce_block_runs, descriptor_arrays
+from pdserve.kv_transfer.pool import KVPool, PoolRegion, RemotePool, coalesce_block_runs, descriptor_arrays
+
+if TYPE_CHECKING:
+    from pdserve.kv_transfer.nixl_agent import NixlAgent
 
 logger = logging.getLogger("pdserve.kv_transfer")
 
@@ -35,14 +38,27 @@ ENV = "PDSERVE_TESTING_KV_FAULTS"
 KINDS = ("flip", "reassign", "stale_push")
 
 
+def _number(value: object, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{ENV}: {key} must be a number, got {value!r}")
+    return float(value)
+
+
 class KVFaults:
-    def __init__(self, spec: dict[str, Any], pool: Any, block_size: int, digester: BlockDigester | None) -> None:
+    def __init__(self, spec: dict[str, object], pool: KVPool, block_size: int, digester: BlockDigester | None) -> None:
+        """spec: the environment variable's JSON object (probabilities by kind, `seed`, `log`: a file)."""
         unknown = set(spec) - {*KINDS, "seed", "log"}
         if unknown:
             raise ValueError(f"{ENV}: unknown keys {sorted(unknown)}")
-        self._p = {k: float(spec.get(k, 0.0)) for k in KINDS}
-        self._rng = random.Random(spec.get("seed", 0))
-        self._log = spec.get("log")
+        self._p = {k: _number(spec.get(k, 0.0), k) for k in KINDS}
+        seed = spec.get("seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"{ENV}: seed must be an integer, got {seed!r}")
+        self._rng = random.Random(seed)
+        log = spec.get("log")
+        if log is not None and not isinstance(log, str):
+            raise ValueError(f"{ENV}: log must be a file name")
+        self._log = log
         self._pool = pool
         self._block_size = block_size
         self._digester = digester
@@ -53,7 +69,7 @@ class KVFaults:
         logger.warning("TEST FAULTS ON (%s=%s): this producer corrupts KV on purpose", ENV, json.dumps(spec))
 
     @classmethod
-    def from_env(cls, pool: Any, block_size: int, digester: BlockDigester | None) -> KVFaults | None:
+    def from_env(cls, pool: KVPool, block_size: int, digester: BlockDigester | None) -> KVFaults | None:
         raw = os.environ.get(ENV)
         if not raw:
             return None
@@ -66,7 +82,7 @@ class KVFaults:
         with self._lock:
             return self._p[kind] > 0 and self._rng.random() < self._p[kind]
 
-    def _record(self, kind: str, request_id: str, victim: bool, **extra: Any) -> None:
+    def _record(self, kind: str, request_id: str, victim: bool, **extra: object) -> None:
         logger.warning("TEST FAULT %s on request %s (victim: %s)", kind, request_id, victim)
         if self._log:
             line = json.dumps({"kind": kind, "request_id": request_id, "victim": victim, "t": time.time(), **extra})
@@ -120,7 +136,7 @@ class KVFaults:
         changed = tuple(self._digester.rank_digests(0, ids)) != before
         self._record("reassign", request_id, changed, phase="read")
 
-    def before_push_done(self, request_id: str, agent: Any, region: PoolRegion, local_blocks: Sequence[int],
+    def before_push_done(self, request_id: str, agent: NixlAgent, region: PoolRegion, local_blocks: Sequence[int],
                          remote_name: str, remote_pool: RemotePool, remote_blocks: Sequence[int]) -> None:
         """Push mode, every block landed, the notification not yet sent: maybe WRITE another pool block's bytes
         into the last registered block (a stale write that lands before the decode's check)."""
@@ -132,6 +148,9 @@ class KVFaults:
         if src is None:
             return
         local_descs, remote_descs = descriptor_arrays(coalesce_block_runs([src], [dst]), region, remote_pool)
+        if remote_pool.block_bytes != region.block_bytes:  # another TP size: blocks of other sizes, fill the smaller
+            remote_descs[0, 0] = remote_pool.base_addr + dst * remote_pool.block_bytes
+            local_descs[0, 1] = remote_descs[0, 1] = min(region.block_bytes, remote_pool.block_bytes)
         handle = agent.post_write(local_descs=local_descs, local_mem=region.mem_type, remote_descs=remote_descs,
                                   remote_mem=remote_pool.mem_type, remote_name=remote_name)
         deadline = time.monotonic() + 5.0

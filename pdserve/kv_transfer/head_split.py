@@ -28,11 +28,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from pdserve.kv_transfer.compat import HEAD_MAJOR_LAYOUT, POOL_LAYOUT
+from pdserve.kv_transfer.compat import HEAD_MAJOR_LAYOUT, POOL_LAYOUT, CompatValue
 from pdserve.kv_transfer.pool import PoolRegion, RemotePool, descriptor_arrays
 from pdserve.types.tp_layout import HeadSegment, head_sources, kv_heads_per_rank
 
@@ -55,7 +54,7 @@ class BlockGeometry:
         return self.units_per_block * self.unit_bytes(heads)
 
 
-def block_geometry(compat: Mapping[str, Any], block_bytes: int, heads: int) -> BlockGeometry:
+def block_geometry(compat: Mapping[str, CompatValue], block_bytes: int, heads: int) -> BlockGeometry:
     """The geometry a compatibility dict describes; `block_bytes` / `heads` (one local pool's) give the
     element size of a float pool."""
     layers, block_size = int(compat["num_layers"]), int(compat["block_size"])

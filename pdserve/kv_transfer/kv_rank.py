@@ -18,14 +18,15 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 
 from pdserve.kv_transfer.digest import digest_blocks
+from pdserve.kv_transfer.digest_split import Received, SplitLayout, received_digests
 from pdserve.kv_transfer.errors import TransferFailed, TransferTimeout
 from pdserve.kv_transfer.nixl_agent import NixlAgent, ReadStats, apply_env_defaults, load_nixl
-from pdserve.kv_transfer.pool import PoolRegion, bind_cuda_device, pretouch, region_of
+from pdserve.kv_transfer.pool import KVPool, PoolRegion, bind_cuda_device, pretouch, region_of
 from pdserve.parallel.rank_rpc import Handlers, RankCallError, RankClient
 
 log = logging.getLogger("pdserve.parallel")
@@ -50,6 +51,15 @@ class KvInit:
 
 
 @dataclass(frozen=True)
+class RankInfo:
+    """KvInit's answer: the rank's agent and its pool shard."""
+
+    agent_name: str
+    agent_metadata: bytes
+    region: PoolRegion
+
+
+@dataclass(frozen=True)
 class AddRemote:
     """Load a producer's agent metadata; answers its agent name."""
 
@@ -60,6 +70,14 @@ class AddRemote:
 @dataclass(frozen=True)
 class RemoveRemote:
     name: str
+
+
+class _Descs(TypedDict):
+    local_descs: np.ndarray
+    local_mem: str
+    remote_descs: np.ndarray
+    remote_mem: str
+    remote_name: str
 
 
 @dataclass(frozen=True)
@@ -73,7 +91,7 @@ class _Transfer:
     remote_name: str
     timeout_s: float
 
-    def descs(self) -> dict[str, Any]:
+    def descs(self) -> _Descs:
         """The descriptor arguments of NixlAgent.read/write."""
         return {"local_descs": self.local_descs, "local_mem": self.local_mem, "remote_descs": self.remote_descs,
                 "remote_mem": self.remote_mem, "remote_name": self.remote_name}
@@ -92,6 +110,19 @@ class BlockDigests:
 
     block_ids: tuple[int, ...]
     algo: str
+
+
+@dataclass(frozen=True)
+class ReceivedDigests:
+    """This rank's digests of what it received of `block_ids` from producer ranks of TP size `src_tp`
+    (kv_transfer/digest_split.py); answers a list of `Received`."""
+
+    block_ids: tuple[int, ...]
+    algo: str
+    layout: SplitLayout
+    dst_rank: int
+    dst_tp: int
+    src_tp: int
 
 
 @dataclass(frozen=True)
@@ -115,7 +146,7 @@ class KvClose:
 class RankKVService:
     """Runs in a worker: the handlers of the KV calls, over this rank's KV pool."""
 
-    def __init__(self, kv_pool: Any) -> None:
+    def __init__(self, kv_pool: KVPool) -> None:
         self._pool = kv_pool
         self.region: PoolRegion | None = None
         self.agent: NixlAgent | None = None
@@ -127,9 +158,12 @@ class RankKVService:
     def handlers(self) -> Handlers:
         return {KvInit: self.kv_init, AddRemote: self.add_remote, RemoveRemote: self.remove_remote,
                 Read: self.read, Write: self.write, Boost: self.boost, KvClose: lambda _: self.close(),
-                BlockDigests: lambda cmd: digest_blocks(self._pool, cmd.block_ids, cmd.algo)}
+                BlockDigests: lambda cmd: digest_blocks(self._pool, cmd.block_ids, cmd.algo),
+                ReceivedDigests: lambda cmd: received_digests(self._pool, cmd.block_ids, cmd.algo, cmd.layout,
+                                                              dst_rank=cmd.dst_rank, dst_tp=cmd.dst_tp,
+                                                              src_tp=cmd.src_tp)}
 
-    def kv_init(self, cmd: KvInit) -> dict[str, Any]:
+    def kv_init(self, cmd: KvInit) -> RankInfo:
         if self.agent is not None:
             raise RuntimeError("this rank's KV agent already exists")
         apply_env_defaults(loopback=cmd.loopback, gpu=cmd.gpu)
@@ -143,8 +177,7 @@ class RankKVService:
         self._progress = threading.Thread(target=self._progress_loop, name="pdserve-kv-rank-progress",
                                           daemon=True)
         self._progress.start()
-        return {"agent_name": agent.name, "agent_metadata": agent.metadata(), "pool": region.describe(),
-                "shape": list(region.shape), "dtype": region.dtype}
+        return RankInfo(agent.name, agent.metadata(), region)
 
     def _need(self) -> NixlAgent:
         if self.agent is None:
@@ -199,16 +232,12 @@ class RemoteRankAgent:
     """The engine process's handle on a worker rank's NIXL agent (the NixlAgent methods the connector
     uses), plus the rank's pool as a PoolRegion."""
 
-    def __init__(self, client: RankClient, info: dict[str, Any]) -> None:
+    def __init__(self, client: RankClient, info: RankInfo) -> None:
         self.client = client
         self.rank = client.rank
-        self.name: str = info["agent_name"]
-        self._metadata: bytes = info["agent_metadata"]
-        pool = info["pool"]
-        self.region = PoolRegion(base_addr=pool["base_addr"], length=pool["length"],
-                                 num_blocks=pool["num_blocks"], block_bytes=pool["block_bytes"],
-                                 mem_type=pool["mem_type"], device_id=pool["device_id"],
-                                 shape=tuple(info["shape"]), dtype=info["dtype"])
+        self.name = info.agent_name
+        self._metadata = info.agent_metadata
+        self.region = info.region
 
     @classmethod
     def start(cls, client: RankClient, name: str, backends: tuple[str, ...], backend_params: dict,
@@ -276,6 +305,11 @@ class RemoteRankAgent:
 
     def block_digests(self, block_ids: list[int], algo: str) -> list[str]:
         return self.client.call(BlockDigests(tuple(block_ids), algo), timeout_s=_SETUP_TIMEOUT_S)
+
+    def received_digests(self, block_ids: list[int], algo: str, layout: SplitLayout, dst_tp: int,
+                         src_tp: int) -> list[Received]:
+        return self.client.call(ReceivedDigests(tuple(block_ids), algo, layout, self.rank, dst_tp, src_tp),
+                                timeout_s=_SETUP_TIMEOUT_S)
 
     def close(self) -> None:
         try:

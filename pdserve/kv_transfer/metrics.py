@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -139,10 +138,10 @@ class TransferMetrics:
         values = (model_name, engine)
         reg = self.registry
 
-        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(*values)
 
-        def counter(name: str, doc: str) -> Any:
+        def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, labels, registry=reg).labels(*values)
 
         self._xfer = histogram("vllm:nixl_xfer_time_seconds",
@@ -230,8 +229,9 @@ class TransferMetrics:
                                         "KV blocks whose digest was checked after a READ or push and matched.")
         self._digest_unverified = Counter(
             "pdserve:kv_digest_unverified",
-            "KV loads that could not be checked against digests, by reason: absent (the producer sent none), "
-            "tp_mismatch (different tensor-parallel sizes), algo (an unknown algorithm).",
+            "KV loads that could not be (wholly) checked against digests, by reason: absent (the producer sent none), "
+            "tp_mismatch (one digest list per producer rank missing), tp_split (XXH3 digests of a producer rank "
+            "whose heads several consumer ranks hold), algo (an unknown algorithm).",
             [*labels, "reason"],
             registry=reg,
         )

@@ -18,12 +18,14 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Protocol, Union
 
 import numpy as np
 
+from pdserve.kv_transfer.digest import DigestingRank
 from pdserve.kv_transfer.errors import NixlUnavailableError, TransferFailed, TransferTimeout
 from pdserve.kv_transfer.pool import PoolRegion
 
@@ -74,18 +76,66 @@ def nixl_error_name(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+class NixlReleasable(Protocol):
+    """A NIXL transfer handle or prepared descriptor list: pdserve only passes it back to NIXL and releases it."""
+
+    def release(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class WriteHandle:
     """A posted WRITE: NIXL's handle and, for a strided one, the prepared lists it was made from."""
 
-    handle: Any
-    dlists: list[Any]
+    handle: NixlReleasable
+    dlists: list[NixlReleasable]
+
+
+# A WRITE in flight, as the agent that posted it tracks it (a worker rank's: the RPC's future, `kv_rank`); only
+# that agent reads it back (`xfer_state`, `release_handle`).
+PostedWrite = Union[WriteHandle, "Future[int]"]  # noqa: UP007 - a string part
 
 
 @dataclass(frozen=True)
 class ReadStats:
     post_s: float  # duration of the transfer() call (the whole copy on cma)
     xfer_s: float  # from posting to completion
+
+
+class RankAgent(Protocol):
+    """What the KV roles use of one tensor-parallel rank's NIXL agent: a `NixlAgent` (rank 0, in this process) or
+    a `kv_rank.RemoteRankAgent` (ranks 1..N-1, carried into their worker processes)."""
+
+    name: str
+
+    def metadata(self) -> bytes: ...
+
+    def add_remote(self, metadata: bytes, expected_name: str) -> str: ...
+
+    def remove_remote(self, name: str) -> None: ...
+
+    def read(self, *, local_descs: np.ndarray, local_mem: str, remote_descs: np.ndarray, remote_mem: str,
+             remote_name: str, notif: bytes, deadline: float) -> ReadStats: ...
+
+    def post_write(self, *, local_descs: np.ndarray, local_mem: str, remote_descs: np.ndarray, remote_mem: str,
+                   remote_name: str, timeout_s: float) -> PostedWrite: ...
+
+    def xfer_state(self, posted: PostedWrite) -> str: ...
+
+    def release_handle(self, posted: PostedWrite) -> None: ...
+
+    def send_notif(self, remote_name: str, message: bytes) -> None: ...
+
+
+class WorkerRankAgent(RankAgent, DigestingRank, Protocol):
+    """Ranks 1..N-1's (`kv_rank.RemoteRankAgent`): their agents progress in their own processes, fast on demand;
+    each has its own pool shard and digests it itself."""
+
+    @property
+    def region(self) -> PoolRegion: ...
+
+    def boost(self, seconds: float) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class NixlAgent:
@@ -116,7 +166,7 @@ class NixlAgent:
                 raise RuntimeError(
                     f"cannot create NIXL backend {backend}: {nixl_error_name(exc)}: {exc}{hint}"
                 ) from exc
-        self._reg: Any = None
+        self._reg: object | None = None  # NIXL's registration, only handed back to deregister_memory
         self._remotes: set[str] = set()
         self._lock = threading.Lock()
 
@@ -184,7 +234,7 @@ class NixlAgent:
         caller hands them back (after a timeout the caller also removes the remote agent, which disconnects).
         """
         agent = self._agent
-        dlists: list[Any] = []  # prepared lists of a strided READ, released with the handle
+        dlists: list[NixlReleasable] = []  # prepared lists of a strided READ, released with the handle
         try:
             if local_descs.shape[1] == 5:
                 handle = self._strided_xfer(local_descs, local_mem, remote_descs, remote_mem, remote_name, notif,
@@ -206,7 +256,7 @@ class NixlAgent:
             self._release_dlists(dlists)
 
     def _strided_xfer(self, local_descs: np.ndarray, local_mem: str, remote_descs: np.ndarray, remote_mem: str,
-                      remote_name: str, notif: bytes, dlists: list[Any]) -> Any:
+                      remote_name: str, notif: bytes, dlists: list[NixlReleasable]) -> NixlReleasable:
         """A READ of Nx5 (address, length, device, stride, count) rows: `count` pieces each, `stride` bytes
         apart (NIXL >= 1.5's compressed lists; used to move some KV heads of every token row)."""
         agent = self._agent
@@ -219,7 +269,7 @@ class NixlAgent:
         return agent.make_prepped_xfer("READ", dlists[0], idx, dlists[1], idx, notif)
 
     @staticmethod
-    def _release_dlists(dlists: list[Any]) -> None:
+    def _release_dlists(dlists: list[NixlReleasable]) -> None:
         for d in dlists:
             try:
                 d.release()
@@ -227,7 +277,7 @@ class NixlAgent:
                 logger.debug("releasing a NIXL descriptor list failed: %s", exc)
         dlists.clear()
 
-    def _wait(self, handle: Any, remote_name: str, deadline: float) -> ReadStats:
+    def _wait(self, handle: NixlReleasable, remote_name: str, deadline: float) -> ReadStats:
         agent = self._agent
         t0 = time.perf_counter()
         try:
@@ -257,7 +307,7 @@ class NixlAgent:
         return ReadStats(post_s=post_s, xfer_s=xfer_s)
 
     @staticmethod
-    def _release_handle(handle: Any) -> None:
+    def _release_handle(handle: NixlReleasable) -> None:
         try:
             handle.release()
         except Exception as exc:
@@ -271,7 +321,7 @@ class NixlAgent:
         (poll with `xfer_state`, then `release_handle`); raises TransferFailed when NIXL cannot prepare or post
         it. `timeout_s` is the caller's to enforce (a worker rank's `RemoteRankAgent.post_write` waits itself)."""
         agent = self._agent
-        dlists: list[Any] = []  # a strided WRITE's prepared lists live as long as its handle
+        dlists: list[NixlReleasable] = []  # a strided WRITE's prepared lists live as long as its handle
         try:
             if local_descs.shape[1] == 5:
                 n = int(local_descs[:, 4].sum())

@@ -12,11 +12,17 @@ import ctypes
 import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Union
 
+import msgspec
 import numpy as np
 
+if TYPE_CHECKING:
+    import torch
+
 POOL_NDIM = 6
+# The KV pool's memory: a torch tensor (CPU or CUDA) or a numpy array (tests, CPU tools).
+KVPool = Union["torch.Tensor", np.ndarray]  # noqa: UP007 - torch is only imported for type checking
 
 
 @dataclass(frozen=True)
@@ -30,19 +36,13 @@ class PoolRegion:
     shape: tuple[int, ...]
     dtype: str  # e.g. "bfloat16", "float16"
 
-    def describe(self) -> dict[str, Any]:
-        """The `pool` entry of the handshake reply."""
-        return {
-            "base_addr": self.base_addr,
-            "length": self.length,
-            "mem_type": self.mem_type,
-            "device_id": self.device_id,
-            "block_bytes": self.block_bytes,
-            "num_blocks": self.num_blocks,
-        }
+    def describe(self) -> RemotePool:
+        """This pool as a peer sees it (the `pool` of a handshake reply or a push registration)."""
+        return RemotePool(self.base_addr, self.length, self.mem_type, self.device_id, self.block_bytes,
+                          self.num_blocks)
 
 
-def region_of(pool: Any) -> PoolRegion:
+def region_of(pool: KVPool) -> PoolRegion:
     """Describe a contiguous torch tensor (CPU or CUDA) or numpy array holding the KV pool."""
     shape = tuple(int(s) for s in pool.shape)
     if len(shape) != POOL_NDIM:
@@ -109,34 +109,22 @@ def pretouch(region: PoolRegion) -> None:
     arr[:: mmap.PAGESIZE] = arr[:: mmap.PAGESIZE].copy()
 
 
-@dataclass(frozen=True)
-class RemotePool:
-    """The producer's pool as announced in its handshake reply."""
+class RemotePool(msgspec.Struct, frozen=True):
+    """A peer's pool (shard) as its side-channel messages describe it (`messages.py`); a geometry that cannot be
+    is refused when the message is decoded."""
 
     base_addr: int
     length: int
-    mem_type: str
+    mem_type: str  # "DRAM" | "VRAM"
     device_id: int
     block_bytes: int
     num_blocks: int
 
-    @classmethod
-    def from_handshake(cls, pool: dict[str, Any]) -> RemotePool:
-        remote = cls(
-            **{
-                k: pool[k]
-                for k in ("base_addr", "length", "mem_type", "device_id", "block_bytes", "num_blocks")
-            }
-        )
-        if remote.mem_type not in ("DRAM", "VRAM"):
-            raise ValueError(f"remote pool has unknown memory type {remote.mem_type!r}")
-        if (
-            remote.block_bytes <= 0
-            or remote.num_blocks <= 0
-            or remote.block_bytes * remote.num_blocks > remote.length
-        ):
-            raise ValueError(f"remote pool geometry is inconsistent: {pool}")
-        return remote
+    def __post_init__(self) -> None:
+        if self.mem_type not in ("DRAM", "VRAM"):
+            raise ValueError(f"remote pool has unknown memory type {self.mem_type!r}")
+        if self.block_bytes <= 0 or self.num_blocks <= 0 or self.block_bytes * self.num_blocks > self.length:
+            raise ValueError(f"remote pool geometry is inconsistent: {self}")
 
 
 def check_block_ids(ids: Sequence[int], num_blocks: int, side: str) -> None:

@@ -14,20 +14,42 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, cast
+
+import msgspec
 
 from pdserve.api.pd import FirstToken, HeldKVParams, KVTransferParams, PushParams
 from pdserve.kv_transfer.auth import MessageAuth
-from pdserve.kv_transfer.compat import compat_differences
+from pdserve.kv_transfer.compat import Compat, compat_differences
 from pdserve.kv_transfer.config import KVTransferConfig
 from pdserve.kv_transfer.digest import BlockDigester
 from pdserve.kv_transfer.errors import SideChannelRefused
 from pdserve.kv_transfer.leases import ClaimRefused, LeaseTable
+from pdserve.kv_transfer.messages import (
+    Abort,
+    AbortReply,
+    Claim,
+    ClaimReply,
+    Handshake,
+    HandshakeReply,
+    Heartbeat,
+    HeartbeatReply,
+    KvDigests,
+    KvDigestsReply,
+    PushCancel,
+    PushRegister,
+    PushStatus,
+    RankEntry,
+    Release,
+    ReleaseReply,
+    Reply,
+    Request,
+)
 from pdserve.kv_transfer.metrics import TransferMetrics
-from pdserve.kv_transfer.nixl_agent import NixlAgent
+from pdserve.kv_transfer.nixl_agent import NixlAgent, RankAgent, WorkerRankAgent
 from pdserve.kv_transfer.pool import PoolRegion, bind_cuda_device
-from pdserve.kv_transfer.side_channel import PEER_KEY, SideChannelServer
+from pdserve.kv_transfer.side_channel import SideChannelServer
 
 if TYPE_CHECKING:
     from pdserve.kv_transfer.faults import KVFaults
@@ -55,10 +77,10 @@ class KVProducer:
         server: SideChannelServer,
         agent: NixlAgent,
         region: PoolRegion,
-        compat: Mapping[str, Any],
+        compat: Compat,
         metrics: TransferMetrics,
         auth: MessageAuth | None = None,
-        ranks: Sequence[tuple[Any, PoolRegion]] | None = None,
+        ranks: Sequence[tuple[RankAgent, PoolRegion]] | None = None,
         digester: BlockDigester | None = None,
         faults: KVFaults | None = None,
     ) -> None:
@@ -90,14 +112,14 @@ class KVProducer:
         self.num_refused_handshakes = 0
         self._agent_metadata = agent.metadata()
         ranks = list(ranks) if ranks is not None else [(agent, region)]
-        self._worker_agents = [a for a, _ in ranks[1:]]  # their progress loops run in their processes
+        # ranks 1..N-1: their progress loops run in their processes
+        self._worker_agents = cast("list[WorkerRankAgent]", [a for a, _ in ranks[1:]])
         # What the handshake says about each rank: its agent and its pool shard.
-        self._ranks = [{"agent_name": a.name, "agent_metadata": a.metadata(), "pool": r.describe()}
-                       for a, r in ranks]
+        self._ranks = [RankEntry(a.name, a.metadata(), r.describe()) for a, r in ranks]
         self._boost_until = 0.0
         # push mode: its side-channel ops (push_sender.PushSender.handle), and where push completions a
         # co-located push receiver waits for go (kv_both: this loop reads the agent's notifications)
-        self.push_handler: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None
+        self.push_handler: Callable[[PushRegister | PushStatus | PushCancel], Reply] | None = None
         self.push_sender: PushSender | None = None  # push mode: WRITEs held blocks to their decode instance
         self.push_notif: Callable[[bytes], bool] | None = None
         self._wake = threading.Event()
@@ -232,51 +254,60 @@ class KVProducer:
 
     # ---- side channel ------------------------------------------------------------------------------
 
-    def _handle(self, op: str, msg: dict[str, Any]) -> dict[str, Any]:
-        if op == "handshake":
-            return self._handshake(msg)
-        if op == "kv_digests":
-            return self._serve_push_digests(msg["push_key"])
-        if op.startswith("push_"):
-            if self.push_handler is None:
-                raise SideChannelRefused("incompatible", "this prefill instance uses transfer_mode 'pull' "
-                                         "(NixlConnector); push requests need NixlPushConnector on both sides")
-            if op == "push_register" and msg["generation"] != self.generation:
-                raise SideChannelRefused("stale_generation", f"registration for generation {msg['generation']}, "
-                                         f"this producer is generation {self.generation}")
-            # No fast polling here: in push mode this instance is the WRITE initiator, progressed by its writer
-            # thread (which polls its WRITEs), never a target; and a decode asks push_status every 20 ms for the
-            # whole push, so a boost per call kept this loop spinning (a get_notifs call every 50 us, each taking
-            # the GIL) on the prefill's cores for as long as the prefill computed: the push prefill leg's
-            # slowness of issue 41.
-            return self.push_handler(op, msg)
-        try:
-            if op == "heartbeat":
-                return self._heartbeat(msg["request_ids"], msg["lease_tokens"], msg.get(PEER_KEY, "?"))
-            rid, token = msg["request_id"], msg["lease_token"]
-            if op == "claim":
-                if msg["generation"] != self.generation:
+    def _handle(self, request: Request[Reply], peer: str) -> Reply:
+        match request:
+            case Handshake():
+                return self._handshake(request)
+            case KvDigests():
+                return self._serve_push_digests(request.push_key)
+            case PushRegister() | PushStatus() | PushCancel():
+                return self._push_op(request)
+            case Claim() | Release() | Abort() | Heartbeat():
+                try:
+                    return self._lease_op(request, peer)
+                except ClaimRefused as exc:
+                    raise SideChannelRefused(exc.reason, str(exc)) from None
+        raise SideChannelRefused("bad_request", f"unsupported op {request.op!r}")
+
+    def _push_op(self, request: PushRegister | PushStatus | PushCancel) -> Reply:
+        if self.push_handler is None:
+            raise SideChannelRefused("incompatible", "this prefill instance uses transfer_mode 'pull' "
+                                     "(NixlConnector); push requests need NixlPushConnector on both sides")
+        if isinstance(request, PushRegister) and request.generation != self.generation:
+            raise SideChannelRefused("stale_generation", f"registration for generation {request.generation}, "
+                                     f"this producer is generation {self.generation}")
+        # No fast polling here: in push mode this instance is the WRITE initiator, progressed by its writer
+        # thread (which polls its WRITEs), never a target; and a decode asks push_status every 20 ms for the
+        # whole push, so a boost per call kept this loop spinning (a get_notifs call every 50 us, each taking
+        # the GIL) on the prefill's cores for as long as the prefill computed: the push prefill leg's
+        # slowness of issue 41.
+        return self.push_handler(request)
+
+    def _lease_op(self, request: Claim | Release | Abort | Heartbeat, peer: str) -> Reply:
+        match request:
+            case Heartbeat():
+                return self._heartbeat(request, peer)
+            case Claim():
+                if request.generation != self.generation:
                     raise SideChannelRefused(
                         "stale_generation",
-                        f"claim for generation {msg['generation']}, this producer is generation {self.generation}",
+                        f"claim for generation {request.generation}, this producer is generation {self.generation}",
                     )
-                block_ids, claim_token = self.leases.claim(rid, token, msg["timeout_s"])
+                block_ids, claim_token = self.leases.claim(request.request_id, request.lease_token,
+                                                           request.timeout_s)
                 self._wake.set()  # switch the progress loop to fast polling now
                 for worker in self._worker_agents:  # and the other ranks' loops, while the claim may last
-                    worker.boost(float(msg["timeout_s"]))
-                return {"block_ids": list(block_ids), "claim_token": claim_token}
-            if op == "release":
-                held = self.leases.release(rid, token, msg["claim_token"])
+                    worker.boost(request.timeout_s)
+                return ClaimReply(block_ids=tuple(block_ids), claim_token=claim_token)
+            case Release():
+                held = self.leases.release(request.request_id, request.lease_token, request.claim_token)
                 if self.faults is not None:
-                    self.faults.on_released(rid)
-                return {"held_throughout": held}
-            if op == "abort":
-                return {"freed": self.leases.abort(rid, token)}
-        except ClaimRefused as exc:
-            raise SideChannelRefused(exc.reason, str(exc)) from None
-        raise SideChannelRefused("bad_request", f"unsupported op {op!r}")
+                    self.faults.on_released(request.request_id)
+                return ReleaseReply(held_throughout=held)
+            case Abort():
+                return AbortReply(freed=self.leases.abort(request.request_id, request.lease_token))
 
-    def _serve_push_digests(self, push_key: str) -> dict[str, Any]:
+    def _serve_push_digests(self, push_key: str) -> KvDigestsReply:
         """A push's block digests, once, to the decode it WROTE to (the push key is the capability)."""
         with self._push_digests_lock:
             self._reap_push_digests_locked(time.monotonic())
@@ -284,13 +315,14 @@ class KVProducer:
         if entry is None:
             raise SideChannelRefused("unknown", "no KV digests for this push (digests off, or expired)")
         digests, algo, _ = entry
-        return {"digests": [list(rank) for rank in digests], "algo": algo}
+        return KvDigestsReply(digests=digests, algo=algo)
 
     def _reap_push_digests_locked(self, now: float) -> None:
         for key in [k for k, (_, _, until) in self._push_digests.items() if until < now]:
             del self._push_digests[key]
 
-    def _heartbeat(self, request_ids: list[str], tokens: list[str], peer: str) -> dict[str, Any]:
+    def _heartbeat(self, request: Heartbeat, peer: str) -> HeartbeatReply:
+        request_ids, tokens = request.request_ids, request.lease_tokens
         if len(request_ids) != len(tokens):
             raise SideChannelRefused(
                 "bad_request", f"heartbeat names {len(request_ids)} request ids but {len(tokens)} lease tokens"
@@ -299,34 +331,35 @@ class KVProducer:
         for rid in refused:
             # Counted and logged like any refusal; the consumer sees these leases as unknown (not extended).
             self._server.note_refusal("bad_token", peer, "heartbeat", f"wrong lease token for {rid!r}; not extended")
-        return {"unknown": unknown + refused}
+        return HeartbeatReply(unknown=tuple(unknown + refused))
 
-    def _handshake(self, msg: dict[str, Any]) -> dict[str, Any]:
-        diffs = compat_differences(self._compat, msg["compat"], ("producer", "consumer"))
+    def _handshake(self, request: Handshake) -> HandshakeReply:
+        diffs = compat_differences(self._compat, request.compat, ("producer", "consumer"))
         if diffs:
             self.num_refused_handshakes += 1
             text = "; ".join(diffs)
-            logger.error("Refusing KV handshake from consumer %s: incompatible (%s)", msg["engine_id"], text)
+            logger.error("Refusing KV handshake from consumer %s: incompatible (%s)", request.engine_id, text)
             raise SideChannelRefused("incompatible", f"incompatible KV layout/model: {text}")
         self._boost_until = time.monotonic() + _HANDSHAKE_BOOST_S
         self._wake.set()
-        metadatas = [r["agent_metadata"] for r in self._ranks]  # rank 0's is self._agent_metadata
+        metadatas = [r.agent_metadata for r in self._ranks]  # rank 0's is self._agent_metadata
         if self._auth is not None:
             # Readable only with the secret, even if the (signed) request was relayed by someone without it;
             # each rank's part is bound to this request, this generation and its rank index.
-            metadatas = self._auth.seal_parts(metadatas, msg["nonce"], self.generation)
-        return {
-            "engine_id": self._config.engine_id,
-            "agent_name": self._agent.name,
-            "agent_metadata": metadatas[0],
-            "generation": self.generation,
-            "compat": self._compat,
-            "pool": self._region.describe(),
-            "lease_duration_s": self._config.kv_lease_duration,
+            metadatas = self._auth.seal_parts(metadatas, request.nonce, self.generation)
+        return HandshakeReply(
+            engine_id=self._config.engine_id,
+            agent_name=self._agent.name,
+            agent_metadata=metadatas[0],
+            generation=self.generation,
+            compat=self._compat,
+            pool=self._region.describe(),
+            lease_duration_s=self._config.kv_lease_duration,
             # tensor parallelism: every rank's agent and pool shard (rank 0's are the fields above)
-            "tp_size": len(self._ranks),
-            "ranks": [dict(r, agent_metadata=md) for r, md in zip(self._ranks, metadatas, strict=True)],
-        }
+            tp_size=len(self._ranks),
+            ranks=tuple(msgspec.structs.replace(r, agent_metadata=md)
+                        for r, md in zip(self._ranks, metadatas, strict=True)),
+        )
 
     # ---- progress ----------------------------------------------------------------------------------
 

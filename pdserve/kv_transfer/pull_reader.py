@@ -29,10 +29,9 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 from pdserve.api.pd import LEASE_REJECTION_STATUS, KVTransferParams, LoadParams, RemotePrefillParams
 from pdserve.kv_transfer.auth import AuthRefused
@@ -48,10 +47,10 @@ from pdserve.kv_transfer.errors import (
 )
 from pdserve.kv_transfer.head_split import RankRead, block_geometry, plan_rank_reads, source_ranks
 from pdserve.kv_transfer.local_kv import LocalKV
+from pdserve.kv_transfer.messages import Abort, Claim, Handshake, Heartbeat, Release
 from pdserve.kv_transfer.nixl_agent import ReadStats
 from pdserve.kv_transfer.pool import RemotePool, bind_cuda_device, check_block_ids, coalesce_block_runs
 from pdserve.kv_transfer.producer import NOTIF_PREFIX
-from pdserve.kv_transfer.side_channel import ProtocolError, parse_ranks
 from pdserve.types.tp_layout import kv_heads_per_rank
 
 logger = logging.getLogger("pdserve.kv_transfer")
@@ -175,14 +174,12 @@ class PullReader:
         for (host, port, engine_id), group in by_producer.items():
             if stop.is_set():
                 return
-            fields = {
-                "request_ids": [p.remote_request_id for p in group],
-                "lease_tokens": [p.lease_token for p in group],
-            }
+            request = Heartbeat(request_ids=tuple(p.remote_request_id for p in group),
+                                lease_tokens=tuple(p.lease_token for p in group))
             try:
-                reply = self._kv.call(host, port, engine_id, "heartbeat", fields, min(_NOTIFY_TIMEOUT_S, interval))
-                if reply["unknown"]:
-                    logger.info("producer %s:%d no longer holds KV of %s", host, port, reply["unknown"][:8])
+                reply = self._kv.call(host, port, engine_id, request, min(_NOTIFY_TIMEOUT_S, interval))
+                if reply.unknown:
+                    logger.info("producer %s:%d no longer holds KV of %s", host, port, list(reply.unknown[:8]))
             except SideChannelError as exc:
                 logger.info("KV heartbeat to %s:%d failed: %s", host, port, exc)
 
@@ -357,17 +354,17 @@ class PullReader:
 
     def _claim(
         self, p: RemotePrefillParams, remote: _Remote, num_blocks: int
-    ) -> tuple[_Remote, list[int], str, float]:
+    ) -> tuple[_Remote, tuple[int, ...], str, float]:
         nbytes = num_blocks * self._kv.region.block_bytes * len(self._kv.ranks)
         # Big READs over a slow transport legitimately take longer than the base timeout.
         timeout_s = self._kv.config.transfer_timeout_s + nbytes / (self._kv.config.transfer_min_gbps * 1e9)
         for attempt in range(2):
             try:
-                fields = {"request_id": p.remote_request_id, "lease_token": p.lease_token,
-                          "generation": remote.generation, "timeout_s": timeout_s}
-                reply = self._kv.call(remote.host, remote.port, remote.engine_id, "claim", fields,
+                claim = Claim(request_id=p.remote_request_id, lease_token=p.lease_token,
+                              generation=remote.generation, timeout_s=timeout_s)
+                reply = self._kv.call(remote.host, remote.port, remote.engine_id, claim,
                                       self._kv.config.transfer_timeout_s)
-                return remote, reply["block_ids"], reply["claim_token"], timeout_s
+                return remote, reply.block_ids, reply.claim_token, timeout_s
             except SideChannelRefused as exc:
                 if exc.reason == "stale_generation" and attempt == 0:
                     # The producer restarted since we cached its metadata: handshake again, then retry.
@@ -391,9 +388,8 @@ class PullReader:
     ) -> bool:
         remote_request_id = p.remote_request_id
         try:
-            fields = {"request_id": remote_request_id, "lease_token": p.lease_token, "claim_token": claim_token}
-            reply = self._kv.call(remote.host, remote.port, remote.engine_id, "release", fields, timeout_s)
-            return bool(reply["held_throughout"])
+            release = Release(request_id=remote_request_id, lease_token=p.lease_token, claim_token=claim_token)
+            return self._kv.call(remote.host, remote.port, remote.engine_id, release, timeout_s).held_throughout
         except SideChannelError as exc:
             self._kv.metrics.record_failed_notification()
             if best_effort:
@@ -405,8 +401,8 @@ class PullReader:
 
     def _abort_remote(self, p: RemotePrefillParams) -> None:
         try:
-            self._kv.call(p.remote_host, p.remote_port, p.remote_engine_id, "abort",
-                          {"request_id": p.remote_request_id, "lease_token": p.lease_token}, _NOTIFY_TIMEOUT_S)
+            self._kv.call(p.remote_host, p.remote_port, p.remote_engine_id,
+                          Abort(request_id=p.remote_request_id, lease_token=p.lease_token), _NOTIFY_TIMEOUT_S)
         except SideChannelRefused as exc:
             if exc.reason not in LEASE_REJECTION_STATUS:
                 self._kv.metrics.record_failed_notification()
@@ -439,8 +435,8 @@ class PullReader:
     def _handshake(self, p: RemotePrefillParams) -> _Remote:
         where = f"{p.remote_host}:{p.remote_port}"
         try:
-            reply = self._kv.call(p.remote_host, p.remote_port, p.remote_engine_id, "handshake",
-                                  {"engine_id": self._kv.config.engine_id, "compat": self._kv.compat},
+            reply = self._kv.call(p.remote_host, p.remote_port, p.remote_engine_id,
+                                  Handshake(engine_id=self._kv.config.engine_id, compat=self._kv.compat),
                                   self._kv.config.handshake_timeout_s)
         except SideChannelRefused as exc:
             if exc.reason == "incompatible":
@@ -448,21 +444,20 @@ class PullReader:
             raise _LoadFailed(f"KV handshake with {where} refused ({exc.reason}): {exc}") from None
         except SideChannelError as exc:
             raise _LoadFailed(f"KV handshake with {where} failed: {exc}") from None
-        if reply["engine_id"] != p.remote_engine_id:
+        if reply.engine_id != p.remote_engine_id:
             raise _LoadFailed(
-                f"side channel {where} belongs to engine {reply['engine_id']!r}, the params name {p.remote_engine_id!r}",
+                f"side channel {where} belongs to engine {reply.engine_id!r}, the params name {p.remote_engine_id!r}",
                 abort=True,
             )
         try:
-            check_compat(
-                self._kv.compat, reply["compat"], peer=f"producer {where}", labels=("consumer", "producer")
-            )
-            pool = RemotePool.from_handshake(reply["pool"])
-            ranks = self._remote_ranks(reply, pool, p)
+            check_compat(self._kv.compat, reply.compat, peer=f"producer {where}", labels=("consumer", "producer"))
         except CompatibilityError as exc:
             raise _LoadFailed(str(exc), abort=True, incompatible=True) from None
-        except (KeyError, TypeError, ValueError, ProtocolError) as exc:
-            raise _LoadFailed(f"producer {where}: {exc}", abort=True) from None
+        entries = reply.all_ranks()  # checked as a message: rank 0 is the reply's own agent, names unique
+        if p.tp_size != len(entries):
+            raise _LoadFailed(f"producer {where}: the params say the producer has tensor-parallel size {p.tp_size}, "
+                              f"its handshake {len(entries)}", abort=True)
+        ranks = [_RemoteRank(e.agent_name, e.pool) for e in entries]
         src_heads = kv_heads_per_rank(len(ranks), self._kv.num_kv_heads)
         bad = [r for r, rank in enumerate(ranks) if rank.pool.block_bytes != self._geometry.block_bytes(src_heads)]
         if bad:
@@ -472,20 +467,20 @@ class PullReader:
                 abort=True,
                 incompatible=True,
             )
-        if p.generation is not None and reply["generation"] != p.generation:
+        if p.generation is not None and reply.generation != p.generation:
             raise _LoadFailed(
-                f"producer {where} restarted (generation {reply['generation']}) since it issued these params "
+                f"producer {where} restarted (generation {reply.generation}) since it issued these params "
                 f"(generation {p.generation}); their KV is gone"
             )
         # Every rank's agent metadata, in rank order; with a secret each is sealed (AEAD) by the producer.
-        entries = reply.get("ranks") or [{"agent_name": reply["agent_name"], "agent_metadata": reply["agent_metadata"]}]
-        blobs = [e["agent_metadata"] for e in entries]
+        blobs = [e.agent_metadata for e in entries]
         if self._kv.auth is not None:  # the reply is signed, so it came from a producer with the secret
+            assert reply.re is not None  # it answers our nonce (side_channel.call checked)
             try:
-                blobs = self._kv.auth.open_parts(blobs, reply["re"], reply["generation"])
+                blobs = self._kv.auth.open_parts(blobs, reply.re, reply.generation)
             except AuthRefused as exc:
                 raise _LoadFailed(f"producer {where}: {exc}", abort=True) from None
-        metadata = {e["agent_name"]: blob for e, blob in zip(entries, blobs, strict=True)}
+        metadata = {e.agent_name: blob for e, blob in zip(entries, blobs, strict=True)}
         loaded: list[list[str]] = [[] for _ in self._kv.ranks]
         try:
             for d, (agent, _) in enumerate(self._kv.ranks):
@@ -500,28 +495,12 @@ class PullReader:
             "KV handshake with %s done (engine %s, generation %d, %d rank(s) there, %d here)",
             where,
             p.remote_engine_id,
-            reply["generation"],
+            reply.generation,
             len(ranks),
             len(self._kv.ranks),
         )
-        return _Remote(p.remote_engine_id, reply["agent_name"], reply["generation"], p.remote_host, p.remote_port,
-                       pool, len(ranks), tuple(ranks), tuple(tuple(names) for names in loaded))
-
-    def _remote_ranks(self, reply: Mapping[str, Any], pool: RemotePool, p: RemotePrefillParams) -> list[_RemoteRank]:
-        """The producer's ranks from its handshake (a producer without tensor parallelism lists none: rank 0
-        is the reply's own agent and pool)."""
-        entries = reply.get("ranks")
-        if entries is None:
-            ranks = [_RemoteRank(reply["agent_name"], pool)]
-        else:
-            ranks = [_RemoteRank(*rank) for rank in parse_ranks(entries, reply["agent_name"], "handshake ranks")]
-        tp = reply.get("tp_size", 1)
-        if tp != len(ranks):
-            raise ValueError(f"handshake says tp_size {tp!r} but lists {len(ranks)} rank(s)")
-        if p.tp_size != len(ranks):
-            raise ValueError(f"the params say the producer has tensor-parallel size {p.tp_size}, its handshake "
-                             f"{len(ranks)}")
-        return ranks
+        return _Remote(p.remote_engine_id, reply.agent_name, reply.generation, p.remote_host, p.remote_port,
+                       reply.pool, len(ranks), tuple(ranks), tuple(tuple(names) for names in loaded))
 
     def _remove_loaded(self, loaded: Sequence[Sequence[str]]) -> None:
         for (agent, _), names in zip(self._kv.ranks, loaded, strict=True):

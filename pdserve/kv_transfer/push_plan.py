@@ -27,11 +27,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from pdserve.kv_transfer.head_split import BlockGeometry
+from pdserve.kv_transfer.pool import PoolRegion, RemotePool
 from pdserve.types.tp_layout import HeadSegment, head_sources, kv_heads_per_rank
 
 
@@ -72,12 +72,12 @@ def plan_rank_writes(
     num_layers: int,
     geometry: BlockGeometry,
     num_kv_heads: int,
-    local: Sequence[Any],
-    remote: Sequence[Any],
+    local: Sequence[PoolRegion],
+    remote: Sequence[RemotePool],
 ) -> list[RankWrite]:
     """The WRITEs of layers [lo, hi) of the blocks in `runs` ((prefill start, decode start, count)): one per
     (prefill rank, decode rank) pair that moves heads. `local`: the prefill ranks' pools, `remote`: the decode
-    ranks' (anything with `base_addr`, `block_bytes`, `device_id`)."""
+    ranks'."""
     lo, hi = layers
     if not 0 <= lo < hi <= num_layers or geometry.units_per_block % num_layers:
         raise ValueError(f"layer window [{lo}, {hi}) of {num_layers} layers")
@@ -112,8 +112,8 @@ def _dense_if_single(descs: np.ndarray) -> np.ndarray:
     return descs
 
 
-def _whole(runs: Sequence[tuple[int, int, int]], lo: int, hi: int, num_layers: int, src: Any,
-           dst: Any) -> tuple[np.ndarray, np.ndarray]:
+def _whole(runs: Sequence[tuple[int, int, int]], lo: int, hi: int, num_layers: int, src: PoolRegion,
+           dst: RemotePool) -> tuple[np.ndarray, np.ndarray]:
     bb = src.block_bytes  # == dst.block_bytes: same heads
     slab = bb // num_layers
     arr = np.asarray(runs, dtype=np.uint64).reshape(-1, 3)
@@ -136,7 +136,7 @@ def _whole(runs: Sequence[tuple[int, int, int]], lo: int, hi: int, num_layers: i
 
 
 def _sliced(runs: Sequence[tuple[int, int, int]], lo: int, hi: int, num_layers: int, g: BlockGeometry,
-            segments: Sequence[HeadSegment], src: Any, src_heads: int, dst: Any,
+            segments: Sequence[HeadSegment], src: PoolRegion, src_heads: int, dst: RemotePool,
             dst_heads: int) -> tuple[np.ndarray, np.ndarray]:
     upl = g.units_per_block // num_layers
     u0, width = lo * upl, (hi - lo) * upl  # the window's units within a block

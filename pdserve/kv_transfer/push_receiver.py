@@ -24,10 +24,9 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 from pdserve.api.pd import KVTransferParams, LoadParams, PushParams
 from pdserve.kv_transfer.auth import new_nonce
@@ -41,6 +40,16 @@ from pdserve.kv_transfer.errors import (
     SideChannelTimeout,
 )
 from pdserve.kv_transfer.local_kv import LocalKV
+from pdserve.kv_transfer.messages import (
+    Handshake,
+    KvDigests,
+    PushCancel,
+    PushRegister,
+    PushStatus,
+    R,
+    RankEntry,
+    Request,
+)
 from pdserve.kv_transfer.pool import bind_cuda_device
 from pdserve.kv_transfer.push_sender import first_token_from, parse_completion_notif
 
@@ -167,14 +176,13 @@ class PushReceiver:
 
     # ---- registration --------------------------------------------------------------------------------------
 
-    def _call(self, p: PushParams, op: str, fields: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
-        return self._kv.call(p.remote_host, p.remote_port, p.remote_engine_id, op, fields, timeout_s)
+    def _call(self, p: PushParams, request: Request[R], timeout_s: float) -> R:
+        return self._kv.call(p.remote_host, p.remote_port, p.remote_engine_id, request, timeout_s)
 
     def _verify(self, item: _Pending) -> str | None:
         """After a push: the prefill's digests of what it WROTE (side channel) against the blocks here."""
         p = item.params
-        return check_push(lambda: self._call(p, "kv_digests", {"push_key": p.push_key},
-                                             self._kv.config.handshake_timeout_s),
+        return check_push(lambda: self._call(p, KvDigests(push_key=p.push_key), self._kv.config.handshake_timeout_s),
                           self._sink.check_digests, item.request_id, item.blocks, item.first_block)
 
     def _generation(self, p: PushParams, *, force: bool = False) -> int:
@@ -184,14 +192,14 @@ class PushReceiver:
         with self._lock:
             known = self._generations.get(where)
         if known is None or force:
-            reply = self._call(p, "handshake", {"engine_id": self._kv.config.engine_id, "compat": self._kv.compat},
+            reply = self._call(p, Handshake(engine_id=self._kv.config.engine_id, compat=self._kv.compat),
                                self._kv.config.handshake_timeout_s)
-            if reply["engine_id"] != p.remote_engine_id:
+            if reply.engine_id != p.remote_engine_id:
                 raise CompatibilityError(f"side channel {p.remote_host}:{p.remote_port} belongs to engine "
-                                         f"{reply['engine_id']!r}, the params name {p.remote_engine_id!r}")
-            check_compat(self._kv.compat, reply["compat"], peer=f"prefill {p.remote_host}:{p.remote_port}",
+                                         f"{reply.engine_id!r}, the params name {p.remote_engine_id!r}")
+            check_compat(self._kv.compat, reply.compat, peer=f"prefill {p.remote_host}:{p.remote_port}",
                          labels=("decode", "prefill"))
-            known = (reply["generation"], int(reply.get("tp_size", 1)))
+            known = (reply.generation, reply.tp_size)
             with self._lock:
                 self._generations[where] = known
         generation, tp_size = known
@@ -210,15 +218,17 @@ class PushReceiver:
                 metadata = [a.metadata() for a, _ in self._kv.ranks]
                 if self._kv.auth is not None:
                     metadata = self._kv.auth.seal_parts(metadata, seal, generation)
-                fields = {"push_key": p.push_key, "generation": generation, "engine_id": self._kv.config.engine_id,
-                          "agent_name": self._kv.agent.name, "agent_metadata": metadata[0], "seal_nonce": seal,
-                          "pool": self._kv.region.describe(), "block_ids": blocks, "first_block": first_block,
-                          "num_tokens": num_tokens, "timeout_s": self._kv.config.push_registration_timeout}
+                ranks = None
                 if len(self._kv.ranks) > 1:  # tensor parallelism: each rank's agent and pool shard, rank 0 first
-                    fields["ranks"] = [{"agent_name": a.name, "agent_metadata": md, "pool": r.describe()}
-                                       for (a, r), md in zip(self._kv.ranks, metadata, strict=True)]
+                    ranks = tuple(RankEntry(a.name, md, r.describe())
+                                  for (a, r), md in zip(self._kv.ranks, metadata, strict=True))
+                register = PushRegister(
+                    push_key=p.push_key, generation=generation, engine_id=self._kv.config.engine_id,
+                    agent_name=self._kv.agent.name, agent_metadata=metadata[0], seal_nonce=seal,
+                    pool=self._kv.region.describe(), block_ids=tuple(blocks), first_block=first_block,
+                    num_tokens=num_tokens, timeout_s=self._kv.config.push_registration_timeout, ranks=ranks)
                 try:
-                    reply = self._call(p, "push_register", fields, self._kv.config.handshake_timeout_s)
+                    reply = self._call(p, register, self._kv.config.handshake_timeout_s)
                     break
                 except SideChannelRefused as exc:
                     if exc.reason != "stale_generation" or attempt:
@@ -238,11 +248,11 @@ class PushReceiver:
         with self._lock:
             item.registered = True
         self._wake.set()  # poll its status now (a job that already failed says why)
-        logger.debug("KV push %s registered: %s", p.push_key[:8], reply["state"])
+        logger.debug("KV push %s registered: %s", p.push_key[:8], reply.state)
 
     def _cancel_remote(self, p: PushParams) -> str | None:
         try:
-            return self._call(p, "push_cancel", {"push_key": p.push_key}, 1.0)["state"]
+            return self._call(p, PushCancel(push_key=p.push_key), 1.0).state
         except SideChannelError as exc:
             logger.info("KV push cancel of %s not delivered: %s", p.push_key[:8], exc)
             return None
@@ -317,7 +327,7 @@ class PushReceiver:
             # worker ranks progress their agents fast while WRITEs may land in them (a TCP transport needs the
             # target to progress); renewed while pushes are pending, so an idle decode does not spin
             self._next_boost = now + _BOOST_EVERY_S
-            for a, _ in self._kv.ranks[1:]:
+            for a in self._kv.worker_agents:
                 a.boost(2 * _BOOST_EVERY_S)
         by_prefill: dict[tuple[str, str, int], list[_Pending]] = {}
         for item in items:
@@ -330,9 +340,9 @@ class PushReceiver:
                     item.cancel_sent = True
                     if self._cancel_remote(item.params) is None and not item.registered:
                         self._end(item, LoadResult(item.request_id, False, "aborted"))
-            firsts: list[Any] = []
+            firsts: Sequence[object] = ()
             try:
-                reply = self._call(p, "push_status", {"push_keys": [i.params.push_key for i in group]}, 1.0)
+                reply = self._call(p, PushStatus(push_keys=tuple(i.params.push_key for i in group)), 1.0)
             except SideChannelTimeout:
                 states = errors = None  # frozen or slow: wait (it may still write) until the deadline
             except SideChannelError as exc:
@@ -343,8 +353,8 @@ class PushReceiver:
                                                    f"the push (gone: nothing more can land): {exc}"), failed=True)
                 continue
             else:
-                states, errors = reply["states"], reply["errors"]
-                firsts = reply.get("first_tokens") or []
+                states, errors = reply.states, reply.errors
+                firsts = reply.first_tokens
             for k, item in enumerate(group):
                 state = states[k] if states is not None and k < len(states) else None
                 if state is not None:

@@ -46,7 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from pdserve.api.pd import (
     PUSH_KEY,
@@ -61,8 +61,16 @@ from pdserve.kv_transfer.config import DEFAULT_PUSH_LAYERWISE_MIN_TOKENS
 from pdserve.kv_transfer.errors import KVTransferError, SideChannelRefused
 from pdserve.kv_transfer.head_split import BlockGeometry
 from pdserve.kv_transfer.layer_ready import READY, LayerReady, marker_for
+from pdserve.kv_transfer.messages import (
+    PushCancel,
+    PushRegister,
+    PushStateReply,
+    PushStatus,
+    PushStatusReply,
+    RankEntry,
+)
 from pdserve.kv_transfer.metrics import TransferMetrics
-from pdserve.kv_transfer.nixl_agent import NixlAgent
+from pdserve.kv_transfer.nixl_agent import NixlAgent, PostedWrite, RankAgent
 from pdserve.kv_transfer.pool import (
     PoolRegion,
     RemotePool,
@@ -72,8 +80,10 @@ from pdserve.kv_transfer.pool import (
 )
 from pdserve.kv_transfer.push_plan import plan_rank_writes, write_pairs
 from pdserve.kv_transfer.push_stats import PushStats, PushStatsCollector
-from pdserve.kv_transfer.side_channel import ProtocolError, parse_ranks
 from pdserve.types.tp_layout import kv_heads_per_rank
+
+if TYPE_CHECKING:
+    from pdserve.kv_transfer.faults import KVFaults
 
 logger = logging.getLogger("pdserve.kv_transfer")
 
@@ -83,7 +93,7 @@ PUSH_NOTIF_PREFIX = b"pdserve-push:"
 def completion_notif(push_key: str, first_token: FirstToken | None) -> bytes:
     """The completion notice a push's decode waits for: its key, and the token the prefill sampled (the decode
     adopts it, so the first token and the whole prompt's KV come from one forward, as in a pull)."""
-    body: dict[str, Any] = {PUSH_KEY: push_key}
+    body: dict[str, object] = {PUSH_KEY: push_key}
     if first_token is not None:
         body.update(first_token_fields(first_token))
     return PUSH_NOTIF_PREFIX + json.dumps(body, separators=(",", ":")).encode()
@@ -104,7 +114,7 @@ def parse_completion_notif(message: bytes) -> tuple[str, FirstToken | None] | No
     return body[PUSH_KEY], first_token_from(body)
 
 
-def first_token_from(fields: Any) -> FirstToken | None:
+def first_token_from(fields: object) -> FirstToken | None:
     """The first token in a completion's fields (notice or push_status), None when absent or malformed."""
     if not isinstance(fields, dict):
         return None
@@ -112,6 +122,36 @@ def first_token_from(fields: Any) -> FirstToken | None:
         return parse_first_token(fields)
     except InvalidKVTransferParams:
         return None
+
+
+class _KVHandoffView(Protocol):
+    @property
+    def send(self) -> bool: ...  # a prefill leg: its blocks go to a consumer
+
+    @property
+    def push(self) -> PushParams | None: ...  # push mode: its pairing key
+
+
+class StepRequest(Protocol):
+    """What `step_hook` reads of one request of a step: the engine's `Request` (engine/request.py, `kv` its
+    engine/pd/kv_handoff.py `KVHandoff`), which this layer cannot import."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def block_ids(self) -> list[int]: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def kv(self) -> _KVHandoffView: ...
+
+
 _KEEP_ENDED_S = 120.0  # ended jobs answer push_status this long (then "unknown")
 _IDLE_WAIT_S = 0.02
 
@@ -180,7 +220,7 @@ class _Job:
     lease: tuple[str, str] | None = None  # (request id, lease token) to end once nothing is in flight
     lease_cutoff: float = float("inf")  # monotonic: the lease ends soon after; no decode registered by then
     queued: int = 0
-    inflight: list[tuple[Any, float, int]] = field(default_factory=list)  # (handle, posted at, prefill rank)
+    inflight: list[tuple[PostedWrite, float, int]] = field(default_factory=list)  # (handle, posted at, prefill rank)
     ended_at: float | None = None
     bytes: int = 0
     finished_at: float | None = None  # monotonic: the prefill finished (every layer's K/V is computed)
@@ -197,7 +237,7 @@ class PushSender:
                  layerwise: bool, transfer_timeout_s: float, lease_duration_s: float,
                  release_lease: Callable[[str, str], None],
                  extend_lease: Callable[[str, str], None] | None = None, auth: MessageAuth | None,
-                 metrics: TransferMetrics | None = None, ranks: Sequence[tuple[Any, PoolRegion]] | None = None,
+                 metrics: TransferMetrics | None = None, ranks: Sequence[tuple[RankAgent, PoolRegion]] | None = None,
                  geometry: BlockGeometry | None = None, num_kv_heads: int | None = None,
                  layerwise_min_tokens: int = DEFAULT_PUSH_LAYERWISE_MIN_TOKENS,
                  layer_ready: Callable[[], LayerReady] | None = None) -> None:
@@ -229,7 +269,7 @@ class PushSender:
         self._next_extend = 0.0
         self._auth = auth
         self._metrics = metrics
-        self.faults: Any = None  # test-only (kv_transfer/faults.py): a stale WRITE before a job's notification
+        self.faults: KVFaults | None = None  # test-only (kv_transfer/faults.py): a stale WRITE before a job's notification
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
         self._by_request: dict[str, str] = {}
@@ -242,7 +282,7 @@ class PushSender:
 
     # ---- the engine's side ---------------------------------------------------------------------------------
 
-    def step_hook(self, batch: Sequence[tuple[Any, int]]) -> Callable[[int], None] | None:
+    def step_hook(self, batch: Sequence[tuple[StepRequest, int]]) -> Callable[[int], None] | None:
         """For a step about to run: a callback the model calls once each layer's K/V store is issued (None: no
         layer-by-layer push job in it). It records a readiness marker, progress and WRITE tasks; the writer
         thread does the rest."""
@@ -312,46 +352,48 @@ class PushSender:
 
     # ---- the side channel's side ---------------------------------------------------------------------------
 
-    def handle(self, op: str, msg: dict[str, Any]) -> dict[str, Any]:
-        if op == "push_register":
-            return {"state": self._register(msg)}
-        if op == "push_status":
-            with self._lock:
-                jobs = [self._jobs.get(k) for k in msg["push_keys"]]
-                # a decode that missed the completion notice learns the first token here
-                return {"states": [self._state_locked(j) for j in jobs],
-                        "errors": [j.error if j is not None else "" for j in jobs],
-                        "first_tokens": [first_token_fields(j.first_token)
-                                         if j is not None and j.first_token is not None else None for j in jobs]}
-        if op == "push_cancel":
-            with self._lock:
-                # a cancel before the registration leaves a tombstone, so a registration still on its way
-                # (sent before the cancel) finds the job ended and nothing is ever written for it
-                job = self._job_locked(msg["push_key"], None)
-                if job.state == "pending":
-                    self._end_locked(job, "cancelled", "cancelled by the decode instance")
-                return {"state": self._state_locked(job)}
-        raise SideChannelRefused("bad_request", f"unsupported op {op!r}")
+    def handle(self, request: PushRegister | PushStatus | PushCancel) -> PushStateReply | PushStatusReply:
+        match request:
+            case PushRegister():
+                return PushStateReply(state=self._register(request))
+            case PushStatus():
+                with self._lock:
+                    jobs = [self._jobs.get(k) for k in request.push_keys]
+                    # a decode that missed the completion notice learns the first token here
+                    return PushStatusReply(
+                        states=tuple(self._state_locked(j) for j in jobs),
+                        errors=tuple(j.error if j is not None else "" for j in jobs),
+                        first_tokens=tuple(first_token_fields(j.first_token)
+                                           if j is not None and j.first_token is not None else None for j in jobs))
+            case PushCancel():
+                with self._lock:
+                    # a cancel before the registration leaves a tombstone, so a registration still on its way
+                    # (sent before the cancel) finds the job ended and nothing is ever written for it
+                    job = self._job_locked(request.push_key, None)
+                    if job.state == "pending":
+                        self._end_locked(job, "cancelled", "cancelled by the decode instance")
+                    return PushStateReply(state=self._state_locked(job))
+        raise SideChannelRefused("bad_request", f"unsupported op {request.op!r}")
 
-    def _register(self, msg: dict[str, Any]) -> str:
-        block_ids = [int(b) for b in msg["block_ids"]]
-        entries, blobs = self._decode_ranks(msg)
-        ranks = [(name, pool) for name, pool, _ in entries]
+    def _register(self, msg: PushRegister) -> str:
+        block_ids = list(msg.block_ids)
+        ranks = self._decode_ranks(msg.all_ranks())
         try:
             check_block_ids(block_ids, ranks[0][1].num_blocks, "decode")
         except ValueError as exc:
             raise SideChannelRefused("bad_request", f"push_register: {exc}") from None
-        first, num_tokens = msg["first_block"], msg["num_tokens"]
+        first, num_tokens = msg.first_block, msg.num_tokens
         if first < 0 or num_tokens < 0 or first + len(block_ids) != -(-num_tokens // self._block_size):
             raise SideChannelRefused("bad_request", f"push_register: {len(block_ids)} blocks from block {first} do "
                                                     f"not cover {num_tokens} tokens")
+        blobs = [r.agent_metadata for r in msg.all_ranks()]
         if self._auth is not None:  # sealed: whoever holds it can WRITE into the decode's pool
             try:
-                blobs = self._auth.open_parts(blobs, msg["seal_nonce"], msg["generation"])
+                blobs = self._auth.open_parts(blobs, msg.seal_nonce, msg.generation)
             except AuthRefused as exc:  # altered or moved from another registration: the sender's fault
                 raise SideChannelRefused(exc.reason, f"push_register: {exc}") from None
         with self._lock:
-            job = self._jobs.get(msg["push_key"])
+            job = self._jobs.get(msg.push_key)
             if job is not None and job.reg is not None:
                 raise SideChannelRefused("already_claimed", "push_register: this push key is already registered")
         # each prefill rank loads the agents of the decode ranks it WRITEs heads to
@@ -369,9 +411,9 @@ class PushSender:
                     raise SideChannelRefused("bad_request", f"push_register: {exc}") from None
                 with self._lock:
                     self._remote_agents[s].add(name)
-        cutoff = time.monotonic() + float(msg["timeout_s"])
+        cutoff = time.monotonic() + msg.timeout_s
         with self._lock:
-            job = self._job_locked(msg["push_key"], None)
+            job = self._job_locked(msg.push_key, None)
             if job.reg is not None:
                 raise SideChannelRefused("already_claimed", "push_register: this push key is already registered")
             job.reg = _Registration(ranks, block_ids, first, num_tokens, cutoff)
@@ -384,29 +426,21 @@ class PushSender:
         self._tasks.put(None)
         return state
 
-    def _decode_ranks(self, msg: dict[str, Any]) -> tuple[list[tuple[str, RemotePool, None]], list[bytes]]:
-        """The decode's ranks from its registration (rank 0's agent and pool are the message's own fields; a
-        decode without tensor parallelism lists no `ranks`), checked against this model's KV heads; and their
-        agent metadata, sealed with the deployment secret (one part per rank)."""
-        try:
-            listed = msg.get("ranks")
-            if listed is None:
-                listed = [{"agent_name": msg["agent_name"], "agent_metadata": msg["agent_metadata"],
-                           "pool": msg["pool"]}]
-            entries = [(name, pool, None) for name, pool in parse_ranks(listed, msg["agent_name"], "ranks")]
-        except (KeyError, TypeError, ValueError, ProtocolError) as exc:
-            raise SideChannelRefused("bad_request", f"push_register: bad pool: {exc}") from None
-        tp, heads = len(entries), self._num_kv_heads
+    def _decode_ranks(self, listed: Sequence[RankEntry]) -> list[tuple[str, RemotePool]]:
+        """The decode's ranks from its registration (rank 0 first; checked as a message by `PushRegister`), checked
+        against this model's KV heads."""
+        tp, heads = len(listed), self._num_kv_heads
         if heads % tp and tp % heads:
             raise SideChannelRefused("incompatible", f"push_register: a decode of tensor-parallel size {tp} cannot "
                                                      f"split this model's {heads} KV heads")
         want = self._geometry.block_bytes(kv_heads_per_rank(tp, heads))
-        for d, (_, pool, _) in enumerate(entries):
-            if pool.block_bytes != want:
+        for d, entry in enumerate(listed):
+            if entry.pool.block_bytes != want:
                 raise SideChannelRefused("incompatible", f"push_register: decode rank {d} has blocks of "
-                                                         f"{pool.block_bytes} bytes, {kv_heads_per_rank(tp, heads)} "
-                                                         f"KV heads of this model take {want}")
-        return entries, [e["agent_metadata"] for e in listed]
+                                                         f"{entry.pool.block_bytes} bytes, "
+                                                         f"{kv_heads_per_rank(tp, heads)} KV heads of this model "
+                                                         f"take {want}")
+        return [(entry.agent_name, entry.pool) for entry in listed]
 
     def forget_agent(self, name: str, rank: int | None = None) -> None:
         """A decode agent is no longer loaded by `rank` (None: by any); a later registration loads it again."""
@@ -548,7 +582,7 @@ class PushSender:
             local = job.local_blocks[task.lo:task.hi]
             remote = reg.block_ids[task.lo - reg.first_block:task.hi - reg.first_block]
         error = ""
-        posted: list[tuple[Any, float, int]] = []
+        posted: list[tuple[PostedWrite, float, int]] = []
         nbytes = descriptors = 0
         t0 = time.perf_counter()
         try:
@@ -591,7 +625,7 @@ class PushSender:
         with self._lock:
             jobs = [j for j in self._jobs.values() if j.inflight or j.state == "pending" or j.lease is not None]
         for job in jobs:
-            done: list[Any] = []
+            done: list[PostedWrite] = []
             failed = ""
             for handle, posted, rank in list(job.inflight):
                 agent = self._ranks[rank][0]

@@ -1,24 +1,21 @@
 """The KV side channel: a small versioned RPC over TCP between a consumer and a producer.
 
-Wire format: each frame is a 4-byte big-endian length followed by a msgpack map (never pickle), the envelope
-`{"v": PROTOCOL_VERSION, "msg": <bytes>, "mac": <bytes or nil>}`. `msg` is itself a msgpack map:
+Each frame is a 4-byte big-endian length and an envelope (msgpack, never pickle); the envelope carries one
+message, a request or its reply, both typed structs of `messages.py`, whose codec is the only one either end
+uses (the wire form is described there).
 
-    request  {"op", "to": producer engine id, "ts": wall-clock seconds, "nonce": 16 random bytes, ...fields}
-    reply    {"re": the request's nonce, "ok": true, ...fields}  or  {"re", "ok": false, "reason", "error"}
+With a deployment secret (`pdserve.kv_transfer.auth`), the envelope's `mac` signs the message (HMAC-SHA256,
+direction-labelled): the producer acts only on requests that verify, are fresh and not replayed, and are
+addressed to it (`to`); the consumer accepts only replies that verify and answer its own nonce. Every field is
+type-checked on both ends (the structs are the schema); every refusal is counted (`on_refused`) and logged
+(rate-limited per reason).
 
-With a deployment secret (`pdserve.kv_transfer.auth`), `mac` signs `msg` (HMAC-SHA256, direction-labelled):
-the producer acts only on requests that verify, are fresh and not replayed, and are addressed to it (`to`);
-the consumer accepts only replies that verify and answer its own nonce. Every field is type-checked on both
-ends; every refusal is counted (`on_refused`) and logged (rate-limited per reason).
-
-Ops (consumer -> producer); every lease op names the lease's own token, which only the prefill response of
-that request carried (`remote_lease_token`):
-    handshake  {engine_id, compat}                                 -> {engine_id, agent_name, agent_metadata,
-                                                                       generation, compat, pool, lease_duration_s}
-    claim      {request_id, lease_token, generation, timeout_s}    -> {block_ids, claim_token}
-    release    {request_id, lease_token, claim_token}              -> {held_throughout}
-    abort      {request_id, lease_token}                           -> {freed}
-    heartbeat  {request_ids, lease_tokens}                         -> {unknown}
+Ops (consumer -> producer; `messages.py` has each request's and reply's fields); every lease op names the
+lease's own token, which only the prefill response of that request carried (`remote_lease_token`):
+    handshake  agent metadata (sealed), pool geometry, compatibility dict, generation, every TP rank
+    claim      -> the leased block ids and a claim token        release  -> whether the lease held throughout
+    abort      -> freed                                         heartbeat  -> the leases no longer known
+    push_register / push_status / push_cancel / kv_digests: push mode (push_receiver.py -> push_sender.py)
 
 The client opens one connection per call: calls are rare (a handshake per producer, two calls per request,
 a heartbeat batch every few seconds) and a fresh connection can never carry a stale reply or outlive a
@@ -35,15 +32,29 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
+from typing import cast
 
-import msgpack
+import msgspec
 
 from pdserve.kv_transfer.auth import REPLY, REQUEST, AuthRefused, MessageAuth, ReplayGuard, new_nonce
 from pdserve.kv_transfer.compat import PROTOCOL_VERSION
-from pdserve.kv_transfer.errors import SideChannelError, SideChannelRefused, SideChannelTimeout
-from pdserve.kv_transfer.pool import RemotePool
+from pdserve.kv_transfer.errors import ProtocolError, SideChannelError, SideChannelRefused, SideChannelTimeout
+from pdserve.kv_transfer.messages import (
+    MalformedMessage,
+    R,
+    Refusal,
+    Reply,
+    Request,
+    VersionMismatch,
+    decode_envelope,
+    decode_reply,
+    decode_request,
+    encode,
+    encode_envelope,
+)
+
+__all__ = ["MAX_FRAME_BYTES", "FrameDecoder", "ProtocolError", "SideChannelServer", "call", "encode_frame"]
 
 logger = logging.getLogger("pdserve.kv_transfer")
 
@@ -54,113 +65,21 @@ _MAX_CONNECTIONS = 512
 # The first bytes a ZeroMQ peer sends (ZMTP greeting): a vLLM NixlConnector side channel.
 _ZMTP_SIGNATURE = b"\xff\x00\x00\x00"
 
-_Number = (int, float)
-ENVELOPE_FIELDS: dict[str, Any] = {"v": int, "msg": bytes}
-COMMON_REQUEST_FIELDS: dict[str, Any] = {"op": str, "to": str, "ts": _Number, "nonce": bytes}
-REQUEST_FIELDS: dict[str, dict[str, Any]] = {
-    "handshake": {"engine_id": str, "compat": dict},
-    "claim": {"request_id": str, "lease_token": str, "generation": int, "timeout_s": _Number},
-    "release": {"request_id": str, "lease_token": str, "claim_token": str},
-    "abort": {"request_id": str, "lease_token": str},
-    "heartbeat": {"request_ids": (list, str), "lease_tokens": (list, str)},
-    # push mode (pdserve/kv_transfer/push_*.py): the decode registers the blocks it lacks, polls, cancels
-    "push_register": {"push_key": str, "generation": int, "engine_id": str, "agent_name": str,
-                      "agent_metadata": bytes, "seal_nonce": bytes, "pool": dict, "block_ids": (list, int),
-                      "first_block": int, "num_tokens": int, "timeout_s": _Number},
-    "push_status": {"push_keys": (list, str)},
-    "push_cancel": {"push_key": str},
-    # a push's per-block KV digests, fetched by its decode after the WRITEs (pdserve/kv_transfer/digest.py)
-    "kv_digests": {"push_key": str},
-}
-REPLY_FIELDS: dict[str, dict[str, Any]] = {
-    "handshake": {
-        "engine_id": str,
-        "agent_name": str,
-        "agent_metadata": bytes,
-        "generation": int,
-        "compat": dict,
-        "pool": dict,
-        "lease_duration_s": _Number,
-    },
-    "claim": {"block_ids": (list, int), "claim_token": str},
-    "release": {"held_throughout": bool},
-    "abort": {"freed": bool},
-    "heartbeat": {"unknown": (list, str)},
-    "push_register": {"state": str},
-    "push_status": {"states": (list, str), "errors": (list, str)},
-    "push_cancel": {"state": str},
-    "kv_digests": {"digests": list, "algo": str},
-}
-POOL_FIELDS: dict[str, Any] = {
-    "base_addr": int,
-    "length": int,
-    "mem_type": str,
-    "device_id": int,
-    "block_bytes": int,
-    "num_blocks": int,
-}
 
-
-class ProtocolError(SideChannelError):
-    """A frame or message that does not follow the protocol."""
-
-
-def _type_ok(value: Any, spec: Any) -> bool:
-    if isinstance(spec, tuple) and len(spec) == 2 and spec[0] is list:
-        return isinstance(value, list) and all(_type_ok(v, spec[1]) for v in value)
-    if (spec is int or spec == _Number) and isinstance(value, bool):
-        return False
-    return isinstance(value, spec)
-
-
-def check_fields(msg: Mapping[str, Any], spec: Mapping[str, Any], what: str) -> None:
-    for key, typ in spec.items():
-        if key not in msg:
-            raise ProtocolError(f"{what}: missing field {key!r}")
-        if not _type_ok(msg[key], typ):
-            raise ProtocolError(f"{what}: field {key!r} has the wrong type ({type(msg[key]).__name__})")
-
-
-# One tensor-parallel rank in a handshake reply or a push registration: its agent, metadata and pool shard.
-RANK_FIELDS: dict[str, Any] = {"agent_name": str, "agent_metadata": bytes, "pool": dict}
-
-
-def parse_ranks(listed: Any, own_agent: str, what: str) -> list[tuple[str, RemotePool]]:
-    """A message's `ranks` (every tensor-parallel rank of the sender, rank 0 first) as (agent name, pool shard):
-    rank 0 is the sender's own agent, names are unique and every shard has the same block count. ValueError or
-    ProtocolError naming what is wrong."""
-    if not isinstance(listed, list) or not listed:
-        raise ValueError(f"{what} must be a non-empty list")
-    ranks: list[tuple[str, RemotePool]] = []
-    for i, entry in enumerate(listed):
-        if not isinstance(entry, dict):
-            raise ValueError(f"{what}[{i}] is not a map")
-        check_fields(entry, RANK_FIELDS, f"{what}[{i}]")
-        check_fields(entry["pool"], POOL_FIELDS, f"{what}[{i}].pool")
-        ranks.append((entry["agent_name"], RemotePool.from_handshake(entry["pool"])))
-    if ranks[0][0] != own_agent:
-        raise ValueError(f"{what}[0] is not the sender's own agent")
-    if len({name for name, _ in ranks}) != len(ranks):
-        raise ValueError(f"{what} repeat an agent name")
-    if len({pool.num_blocks for _, pool in ranks}) != 1:
-        raise ValueError(f"{what} have different block counts")
-    return ranks
-
-
-def encode_frame(msg: Mapping[str, Any]) -> bytes:
-    payload = msgpack.packb(dict(msg), use_bin_type=True)
-    if len(payload) > MAX_FRAME_BYTES:
-        raise ProtocolError(f"message of {len(payload)} bytes exceeds the {MAX_FRAME_BYTES} byte limit")
-    return _HEADER.pack(len(payload)) + payload
+def encode_frame(envelope: bytes) -> bytes:
+    """An encoded envelope (`messages.encode_envelope`) with its length prefix."""
+    if len(envelope) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"message of {len(envelope)} bytes exceeds the {MAX_FRAME_BYTES} byte limit")
+    return _HEADER.pack(len(envelope)) + envelope
 
 
 class FrameDecoder:
-    """Incremental decoder: feed bytes, get complete messages."""
+    """Incremental framing: feed bytes, get each complete frame's bytes (an envelope: `messages.decode_envelope`)."""
 
     def __init__(self) -> None:
         self._buf = bytearray()
 
-    def feed(self, data: bytes) -> list[dict[str, Any]]:
+    def feed(self, data: bytes) -> list[bytes]:
         self._buf += data
         out = []
         while len(self._buf) >= _HEADER.size:
@@ -173,19 +92,14 @@ class FrameDecoder:
                 raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES} byte limit")
             if len(self._buf) < _HEADER.size + length:
                 break
-            payload = bytes(self._buf[_HEADER.size : _HEADER.size + length])
+            out.append(bytes(self._buf[_HEADER.size : _HEADER.size + length]))
             del self._buf[: _HEADER.size + length]
-            try:
-                msg = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-            except Exception as exc:  # msgpack raises several unrelated types
-                raise ProtocolError(f"undecodable frame: {exc}") from None
-            if not isinstance(msg, dict):
-                raise ProtocolError("frame is not a map")
-            out.append(msg)
         return out
 
 
-Handler = Callable[[str, dict[str, Any]], dict[str, Any]]
+# The producer's answer to a request from a peer (its address, for the handler's own refusal notes); raises
+# SideChannelRefused to refuse it.
+Handler = Callable[[Request[Reply], str], Reply]
 RefusalCounter = Callable[[str], None]
 
 # A refusal reason is logged at once the first time, then at most once per this many seconds (with a count of
@@ -382,12 +296,12 @@ class SideChannelServer:
                 try:
                     frames = conn.decoder.feed(data)
                 except ProtocolError as exc:
-                    conn.out += encode_frame(self._refuse(_Refusal("bad_request", str(exc)), conn.peer, None))
+                    conn.out += self._refuse(_Refusal("bad_request", str(exc)), conn.peer, None)
                     self._flush(sel, conn)
                     self._drop(sel, conn)
                     return
                 for frame in frames:
-                    conn.out += encode_frame(self._dispatch(frame, conn.peer))
+                    conn.out += self._dispatch(frame, conn.peer)
         self._flush(sel, conn)
 
     def _flush(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
@@ -406,27 +320,29 @@ class SideChannelServer:
 
     # ---- one request -------------------------------------------------------------------------------
 
-    def _seal(self, reply: Mapping[str, Any]) -> dict[str, Any]:
-        payload = msgpack.packb(dict(reply), use_bin_type=True)
+    def _seal(self, reply: Reply) -> bytes:
+        """A reply as the frame that carries it, signed with a secret."""
+        payload = encode(reply)
         mac = self._auth.sign(REPLY, payload) if self._auth is not None else None
-        return {"v": PROTOCOL_VERSION, "msg": payload, "mac": mac}
+        return encode_frame(encode_envelope(payload, mac))
 
-    def _refuse(self, refusal: _Refusal, peer: str, op: str | None) -> dict[str, Any]:
+    def _refuse(self, refusal: _Refusal, peer: str, op: str | None) -> bytes:
         self._refusals.note(refusal.reason, peer, op, str(refusal))
-        return self._seal({"re": refusal.nonce, "ok": False, "reason": refusal.reason, "error": str(refusal)})
+        return self._seal(Refusal(re=refusal.nonce, reason=refusal.reason, error=str(refusal)))
 
-    def _open(self, frame: dict[str, Any]) -> dict[str, Any]:
-        """The request inside an envelope, once it is known to be acceptable (else `_Refusal`)."""
-        version = frame.get("v")
-        if version != PROTOCOL_VERSION:
+    def _open(self, frame: bytes) -> Request[Reply]:
+        """The request inside a frame, once it is known to be acceptable (else `_Refusal`)."""
+        try:
+            envelope = decode_envelope(frame)
+        except VersionMismatch as exc:
             raise _Refusal(
                 "bad_request",
-                f"side channel protocol version mismatch: peer speaks {version!r}, this producer {PROTOCOL_VERSION}",
-            )
-        payload = frame.get("msg")
-        if not isinstance(payload, bytes):
-            raise _Refusal("bad_request", "envelope lacks the message bytes")
-        if self._auth is not None and not self._auth.verify(REQUEST, payload, frame.get("mac")):
+                f"side channel protocol version mismatch: peer speaks {exc.version!r}, this producer "
+                f"{PROTOCOL_VERSION}",
+            ) from None
+        except ProtocolError as exc:
+            raise _Refusal("bad_request", str(exc)) from None
+        if self._auth is not None and not self._auth.verify(REQUEST, envelope.msg, envelope.mac):
             # Says nothing about what would have been accepted: the peer does not hold the secret.
             raise _Refusal(
                 "unauthenticated",
@@ -434,45 +350,32 @@ class SideChannelServer:
                 "signed with it",
             )
         try:
-            msg = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-        except Exception as exc:  # msgpack raises several unrelated types
-            raise _Refusal("bad_request", f"undecodable message: {exc}") from None
-        if not isinstance(msg, dict):
-            raise _Refusal("bad_request", "message is not a map")
-        nonce = msg.get("nonce") if isinstance(msg.get("nonce"), bytes) else None
-        op = msg.get("op")
-        if op not in REQUEST_FIELDS:
-            raise _Refusal("bad_request", f"unknown op {op!r}", nonce)
-        try:
-            check_fields(msg, COMMON_REQUEST_FIELDS, f"{op} request")
-            check_fields(msg, REQUEST_FIELDS[op], f"{op} request")
-        except ProtocolError as exc:
-            raise _Refusal("bad_request", str(exc), nonce, op) from None
-        if msg["to"] != self._engine_id:
-            raise _Refusal(
-                "wrong_engine", f"this side channel serves engine {self._engine_id!r}, not {msg['to']!r}", nonce, op
-            )
+            request = decode_request(envelope.msg)
+        except MalformedMessage as exc:
+            raise _Refusal("bad_request", str(exc), exc.nonce, exc.op) from None
+        if request.to != self._engine_id:
+            raise _Refusal("wrong_engine", f"this side channel serves engine {self._engine_id!r}, not "
+                           f"{request.to!r}", request.nonce, request.op)
         if self._replay is not None:
             try:
-                self._replay.check(float(msg["ts"]), msg["nonce"])
+                self._replay.check(request.ts, request.nonce)
             except AuthRefused as exc:
-                raise _Refusal(exc.reason, str(exc), nonce, op) from None
-        return msg
+                raise _Refusal(exc.reason, str(exc), request.nonce, request.op) from None
+        return request
 
     def note_refusal(self, reason: str, peer: str, op: str | None, text: str) -> None:
         """Count and log (rate-limited) a refusal a handler answers inside a successful reply (e.g. the
         heartbeat pairs with a wrong lease token)."""
         self._refusals.note(reason, peer, op, text)
 
-    def _dispatch(self, frame: dict[str, Any], peer: str) -> dict[str, Any]:
+    def _dispatch(self, frame: bytes, peer: str) -> bytes:
         op: str | None = None
         nonce: bytes | None = None
         try:
-            msg = self._open(frame)
-            op, nonce = msg["op"], msg["nonce"]
-            msg[PEER_KEY] = peer  # for the handler's own refusal notes
+            request = self._open(frame)
+            op, nonce = request.op, request.nonce
             assert self._handler is not None
-            reply = self._handler(op, msg)
+            reply = self._handler(request, peer)
         except _Refusal as exc:
             return self._refuse(exc, peer, exc.op or op)
         except ProtocolError as exc:
@@ -482,12 +385,13 @@ class SideChannelServer:
         except Exception as exc:
             logger.exception("KV side channel handler failed for op %s", op)
             return self._refuse(_Refusal("internal", f"{type(exc).__name__}: {exc}", nonce), peer, op)
-        return self._seal({"re": nonce, "ok": True, **reply})
+        if not isinstance(reply, request.reply_type):
+            logger.error("KV side channel handler answered %s with a %s", op, type(reply).__name__)
+            return self._refuse(_Refusal("internal", f"no {request.reply_type.__name__} for {op}", nonce), peer, op)
+        return self._seal(msgspec.structs.replace(reply, re=nonce))
 
 
 _SECRET_HINT = "PDSERVE_KV_SECRET or kv_connector_extra_config.side_channel_secret"
-# The peer's address, added to a request's message for its handler (never a wire field: set after checks).
-PEER_KEY = "_peer"
 
 
 def _connect_host(host: str) -> str:
@@ -498,26 +402,25 @@ def _connect_host(host: str) -> str:
 def call(
     host: str,
     port: int,
-    op: str,
-    fields: Mapping[str, Any],
+    request: Request[R],
     timeout_s: float,
     *,
     to: str,
     auth: MessageAuth | None = None,
-) -> dict[str, Any]:
+) -> R:
     """One request/reply on a fresh connection to the producer `to`; the exchange is bounded by `timeout_s`.
+    The header (`to`, `ts`, a fresh nonce) is filled here; the request is checked as the producer will check it
+    (ProtocolError) before it is sent.
 
     With `auth` the request is signed and the reply must be signed with the same secret and answer this
     request's nonce; without it the producer must not require a secret (it refuses otherwise).
     """
-    if op not in REQUEST_FIELDS:
-        raise ValueError(f"unknown side channel op {op!r}")
+    op = request.op
     nonce = new_nonce()
-    request = {"op": op, "to": to, "ts": time.time(), "nonce": nonce, **fields}
-    check_fields(request, REQUEST_FIELDS[op], f"{op} request")
-    payload = msgpack.packb(request, use_bin_type=True)
+    payload = encode(msgspec.structs.replace(request, to=to, ts=time.time(), nonce=nonce))
+    decode_request(payload)  # our own mistake (a field of the wrong type) fails here, not as a refusal
     mac = auth.sign(REQUEST, payload) if auth is not None else None
-    frame = encode_frame({"v": PROTOCOL_VERSION, "msg": payload, "mac": mac})
+    frame = encode_frame(encode_envelope(payload, mac))
     where = f"{host}:{port}"
     deadline = time.monotonic() + timeout_s
     try:
@@ -538,9 +441,8 @@ def call(
             data = sock.recv(65536)
             if not data:
                 raise SideChannelError(f"KV side channel {where} closed the connection during {op}")
-            messages = decoder.feed(data)
-            if messages:
-                envelope = messages[0]
+            frames = decoder.feed(data)
+            if frames:
                 break
     except TimeoutError:
         raise SideChannelTimeout(
@@ -552,39 +454,35 @@ def call(
         raise SideChannelError(f"KV side channel {where} failed during {op}: {exc}") from None
     finally:
         sock.close()
-    return _open_reply(envelope, op, nonce, where, auth)
+    return open_reply(frames[0], request, nonce, where, auth)
 
 
-def _open_reply(
-    envelope: dict[str, Any], op: str, nonce: bytes, where: str, auth: MessageAuth | None
-) -> dict[str, Any]:
-    if envelope.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"KV side channel {where} speaks protocol {envelope.get('v')!r}, we speak {PROTOCOL_VERSION}"
-        )
-    check_fields(envelope, ENVELOPE_FIELDS, f"{op} reply envelope from {where}")
-    payload = envelope["msg"]
-    if auth is not None and not auth.verify(REPLY, payload, envelope.get("mac")):
+def open_reply(frame: bytes, request: Request[R], nonce: bytes, where: str, auth: MessageAuth | None) -> R:
+    """The reply in `frame` to `request` (sent with `nonce`): ProtocolError when it is malformed or answers
+    another request, SideChannelRefused when the producer refused, SideChannelError when it is not signed."""
+    op = request.op
+    try:
+        envelope = decode_envelope(frame)
+    except VersionMismatch as exc:
+        raise ProtocolError(f"KV side channel {where} speaks protocol {exc.version!r}, we speak {PROTOCOL_VERSION}") \
+            from None
+    except ProtocolError as exc:
+        raise ProtocolError(f"KV side channel {where}: {op} reply: {exc}") from None
+    if auth is not None and not auth.verify(REPLY, envelope.msg, envelope.mac):
         raise SideChannelError(
             f"KV side channel {where}: the reply to {op} is not signed with this deployment's secret (the producer "
             f"has no secret, or another one): give every instance the same {_SECRET_HINT}"
         )
     try:
-        reply = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise ProtocolError(f"KV side channel {where}: undecodable reply: {exc}") from None
-    if not isinstance(reply, dict):
-        raise ProtocolError(f"KV side channel {where}: reply is not a map")
-    answers = reply.get("re")
-    if reply.get("ok") is not True:
+        reply = decode_reply(envelope.msg, request.reply_type, f"{op} reply")
+    except ProtocolError as exc:
+        raise ProtocolError(f"KV side channel {where}: {exc}") from None
+    if isinstance(reply, Refusal):
         # An error names our nonce, or none when the producer could not read the request at all; either way it
         # only ever makes the call fail.
-        if answers is not None and answers != nonce:
+        if reply.re is not None and reply.re != nonce:
             raise ProtocolError(f"KV side channel {where}: the reply answers another request")
-        reason = reply.get("reason") if isinstance(reply.get("reason"), str) else "internal"
-        error = reply.get("error") if isinstance(reply.get("error"), str) else "no error text"
-        raise SideChannelRefused(reason, f"producer {where} refused {op}: {error}")
-    if answers != nonce:
+        raise SideChannelRefused(reply.reason, f"producer {where} refused {op}: {reply.error}")
+    if reply.re != nonce:
         raise ProtocolError(f"KV side channel {where}: the reply answers another request")
-    check_fields(reply, REPLY_FIELDS[op], f"{op} reply from {where}")
-    return reply
+    return cast(R, reply)  # decode_reply decoded request.reply_type, which R names

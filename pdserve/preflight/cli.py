@@ -92,20 +92,30 @@ def _pairs(target: Target, opts: Options) -> tuple[list[tuple[str, str]], str | 
     return sorted(pairs), None
 
 
+def _local_gpu_pairs(row: str, target: Target, opts: Options, collocated: str, on_cpu: str,
+                     other_hosts: str) -> list[tuple[str, str]] | Check:
+    """The (prefill GPU, decode GPU) pairs on this host that a GPU-path row checks, or the row's SKIP (with its
+    own wording of why) where KV moves by no GPU pair here: collocated, on CPU, across hosts, or GPUs unknown."""
+    if not target.disaggregated:
+        return Check(row, SKIP, collocated)
+    if target.device() == "cpu":
+        return Check(row, SKIP, on_cpu)
+    if not target.same_host():
+        return Check(row, SKIP, other_hosts)
+    pairs, why = _pairs(target, opts)
+    return Check(row, SKIP, why) if why else pairs
+
+
 def check_gpu_p2p(target: Target, opts: Options) -> Check:
     from pdserve.preflight.gpu import p2p_status
 
-    if not target.disaggregated:
-        return Check("gpu p2p", SKIP, "collocated deployment: no KV moves between instances")
-    if target.device() == "cpu":
-        return Check("gpu p2p", SKIP, "instances run on CPU (device=cpu): KV moves through host memory, there is "
-                     "no GPU peer-to-peer path to check")
-    if not target.same_host():
-        return Check("gpu p2p", SKIP, "prefill and decode are on different hosts: KV crosses the network (RDMA), "
-                     "not GPU peer-to-peer; see the kv transfer time row")
-    pairs, why = _pairs(target, opts)
-    if why:
-        return Check("gpu p2p", SKIP, why)
+    pairs = _local_gpu_pairs(
+        "gpu p2p", target, opts, "collocated deployment: no KV moves between instances",
+        "instances run on CPU (device=cpu): KV moves through host memory, there is no GPU peer-to-peer path to check",
+        "prefill and decode are on different hosts: KV crosses the network (RDMA), not GPU peer-to-peer; see the kv "
+        "transfer time row")
+    if isinstance(pairs, Check):
+        return pairs
     results = [(p, d, p2p_status(p, d)) for p, d in pairs]
     data = {"pairs": [{"prefill_gpu": p, "decode_gpu": d, "status": r.status, "source": r.source}
                       for p, d, r in results]}
@@ -120,18 +130,14 @@ def check_gpu_p2p(target: Target, opts: Options) -> Check:
 def check_ucx_transport(target: Target, opts: Options) -> Check:
     from pdserve.preflight.gpu import run_probe
 
-    if not target.disaggregated:
-        return Check("ucx transport", SKIP, "collocated deployment: no KV transfer")
-    if target.device() == "cpu":
-        return Check("ucx transport", SKIP, "instances run on CPU: UCX moves host memory (cma/shared memory or "
-                     "tcp); the kv transfer time row measures it")
     if opts.probe == "off":
         return Check("ucx transport", SKIP, "probe disabled (--probe off)")
-    if not target.same_host():
-        return Check("ucx transport", SKIP, "instances on different hosts: the probe runs on one host only")
-    pairs, why = _pairs(target, opts)
-    if why:
-        return Check("ucx transport", SKIP, why)
+    pairs = _local_gpu_pairs(
+        "ucx transport", target, opts, "collocated deployment: no KV transfer",
+        "instances run on CPU: UCX moves host memory (cma/shared memory or tcp); the kv transfer time row measures it",
+        "instances on different hosts: the probe runs on one host only")
+    if isinstance(pairs, Check):
+        return pairs
     env: dict[str, str] = {}
     info = next((i.info for i in target.role("decode") if i.info), {}) or {}
     if info.get("ucx_tls"):

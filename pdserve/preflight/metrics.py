@@ -1,6 +1,7 @@
 """KV transfer metrics of an instance: its Prometheus `vllm:nixl_*` series and its `KV Transfer metrics` log line.
 
-Used by `pdserve preflight` (deltas around a few long prompts) and `pdserve up --demo` (one request).
+Used by `pdserve preflight` (deltas around a few long prompts), `pdserve up --demo` (one request) and
+`pdserve bench compare`'s transfer check (deltas over a target's sweep, summed over its decode instances).
 Names as vLLM 0.33 exports them (reference: vllm-pd-protocol.md section 7).
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -28,19 +30,31 @@ LOG_MARKER = "KV Transfer metrics:"
 
 @dataclass
 class NixlSnapshot:
-    """Sums over all label sets (engines) of one instance's nixl series; `present` = any nixl series seen."""
+    """Sums over all label sets (engines) of one instance's nixl series (or, added up, of several instances');
+    `present` = any nixl series seen."""
 
     present: bool = False
     sums: dict[str, float] = field(default_factory=dict)  # histogram -> _sum
     counts: dict[str, float] = field(default_factory=dict)  # histogram -> _count
     counters: dict[str, float] = field(default_factory=dict)  # counter name (without _total) -> value
+    buckets: dict[str, dict[float, float]] = field(default_factory=dict)  # histogram -> {le: cumulative count}
 
     def delta(self, before: NixlSnapshot) -> NixlSnapshot:
         return NixlSnapshot(
             self.present,
-            {k: v - before.sums.get(k, 0.0) for k, v in self.sums.items()},
-            {k: v - before.counts.get(k, 0.0) for k, v in self.counts.items()},
-            {k: v - before.counters.get(k, 0.0) for k, v in self.counters.items()},
+            _minus(self.sums, before.sums),
+            _minus(self.counts, before.counts),
+            _minus(self.counters, before.counters),
+            {h: _minus(b, before.buckets.get(h, {})) for h, b in self.buckets.items()},
+        )
+
+    def __add__(self, other: NixlSnapshot) -> NixlSnapshot:
+        return NixlSnapshot(
+            self.present or other.present,
+            _plus(self.sums, other.sums),
+            _plus(self.counts, other.counts),
+            _plus(self.counters, other.counters),
+            {h: _plus(self.buckets.get(h, {}), other.buckets.get(h, {})) for h in {*self.buckets, *other.buckets}},
         )
 
     @property
@@ -81,6 +95,14 @@ class NixlSnapshot:
         return ", ".join(parts)
 
 
+def _minus(after: dict[Any, float], before: dict[Any, float]) -> dict[Any, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def _plus(a: dict[Any, float], b: dict[Any, float]) -> dict[Any, float]:
+    return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in {*a, *b}}
+
+
 def parse_nixl(text: str) -> NixlSnapshot:
     """Parse Prometheus text exposition into a NixlSnapshot (other series are ignored)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -96,6 +118,10 @@ def parse_nixl(text: str) -> NixlSnapshot:
                 snap.sums[name[:-4]] = snap.sums.get(name[:-4], 0.0) + value
             elif name.endswith("_count") and name[:-6] in HISTOGRAMS:
                 snap.counts[name[:-6]] = snap.counts.get(name[:-6], 0.0) + value
+            elif name.endswith("_bucket") and name[:-7] in HISTOGRAMS and "le" in sample.labels:
+                bucket = snap.buckets.setdefault(name[:-7], {})
+                le = float(sample.labels["le"])  # "+Inf" parses as inf
+                bucket[le] = bucket.get(le, 0.0) + value
             elif name.endswith("_total"):
                 base = name[: -len("_total")]
                 snap.counters[base] = snap.counters.get(base, 0.0) + value

@@ -285,8 +285,8 @@ def pull_or_recompute(tokens: int, bytes_per_token: float, bandwidth_bytes_per_s
                       recompute_s: float | None = None) -> PullChoice:
     """The arithmetic above applied to a prefix some peer holds: its KV over the link (plus `overhead_s` per
     read: the side-channel claim and release round trips) against recomputing it: `recompute_s` when the
-    caller priced it (the prefill instance's roofline at the margin, pdserve/preflight/roofline.py), else at
-    the prefill rate."""
+    caller priced it (at the margin from the prefill instance's measured cost, types/prefill_cost.py),
+    else at the prefill rate."""
     if tokens <= 0:
         return PullChoice(False, 0, 0.0, 0.0)
     wire = tokens * bytes_per_token / bandwidth_bytes_per_s + overhead_s

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import time
 import uuid
@@ -14,14 +15,15 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from pdserve.api.scale_out_routes import GENERATE_PATH
+from pdserve.api.scale_out_routes import ABORT_PATH, GENERATE_PATH
+from pdserve.proxy.abort import abort_requests
 from pdserve.proxy.config import ProxyConfig
 from pdserve.proxy.errors import error_response
 from pdserve.proxy.health import HealthChecker, probe
-from pdserve.proxy.legs import no_instance_response
-from pdserve.proxy.plan import decide, execute
+from pdserve.proxy.plan import serve
 from pdserve.proxy.pool import ROLES, Instance
-from pdserve.proxy.request import CHAT_COMPLETIONS, COMPLETIONS, read_request, upstream_headers
+from pdserve.proxy.readiness import no_instance_response
+from pdserve.proxy.request import CHAT_COMPLETIONS, COMPLETIONS, read_request, upstream
 from pdserve.proxy.state import ProxyState
 
 logger = logging.getLogger("pdserve.proxy")
@@ -99,7 +101,24 @@ class ProxyHandlers:
         req = await read_request(self.state, request, api_path)
         if isinstance(req, web.Response):
             return req
-        return await execute(self.state, request, req, await decide(self.state, req))
+        if api_path != GENERATE_PATH:
+            return await serve(self.state, request, req)
+        with self.state.requests.track(req.up):  # the tokens-only route's requests can be aborted by id
+            return await serve(self.state, request, req)
+
+    async def abort(self, request: web.Request) -> web.Response:
+        """`POST /inference/v1/abort_requests` `{"request_ids": [...]}`: abort.py."""
+        denied = self._unauthorized(request, self.config.api_key)
+        if denied is not None:
+            return denied
+        try:
+            body = json.loads(await request.read())
+        except ValueError as exc:
+            return error_response(400, f"request body is not valid JSON: {exc}", "BadRequestError")
+        ids = body.get("request_ids") if isinstance(body, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            return error_response(400, "the body must be {\"request_ids\": [string, ...]}", "BadRequestError")
+        return web.json_response({"request_ids": ids, "num_aborted": await abort_requests(self.state, ids)})
 
     # -- pass-through routes (served by a decode instance) ---------------------------------------
 
@@ -109,7 +128,7 @@ class ProxyHandlers:
             return denied
         state = self.state
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        headers = upstream_headers(state, request, rid)
+        headers = upstream(state, request, rid).headers
         data = await request.read() if request.can_read_body else None
         tried: list[Instance] = []
         last = "no decode instance available"
@@ -283,6 +302,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     app.router.add_post(COMPLETIONS, handlers.completions)
     app.router.add_post(CHAT_COMPLETIONS, handlers.chat_completions)
     app.router.add_post(GENERATE_PATH, handlers.tokens_generate)
+    app.router.add_post(ABORT_PATH, handlers.abort)
     app.router.add_get("/v1/models", handlers.passthrough)
     app.router.add_post("/tokenize", handlers.passthrough)
     app.router.add_post("/detokenize", handlers.passthrough)

@@ -206,9 +206,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-history-prefill-tps",
         type=float,
         default=s,
-        help="prefill tokens/s of one instance for the same arithmetic, where the prefill instance advertises no "
-             "roofline in its /pdserve/info (a CPU or vLLM instance; a GPU instance's recompute is priced at the "
-             f"margin from its roofline) (default {_D.kv_history_prefill_tps:g})",
+        help="prefill tokens/s of one instance for the same arithmetic, where no prefill instance advertises the "
+             "prefill_cost it measured in its /pdserve/info (CPU and vLLM instances; a GPU instance's recompute "
+             f"is priced at the margin from it) (default {_D.kv_history_prefill_tps:g})",
     )
     parser.add_argument(
         "--kv-history-choice",

@@ -28,6 +28,7 @@ from pdserve.proxy.errors import error_response, is_openai_error_body
 from pdserve.proxy.legs import DecodeLeg, unless_ejected
 from pdserve.proxy.pool import Instance
 from pdserve.proxy.state import ProxyState
+from pdserve.proxy.upstream import Upstream
 
 logger = logging.getLogger("pdserve.proxy")
 
@@ -38,32 +39,31 @@ class EarlyDecodeLeg:
     """A decode leg in flight before its params: `finish` delivers them and waits for its response headers,
     `cancel` drops it."""
 
-    def __init__(self, state: ProxyState, inst: Instance, key: str, headers: dict[str, str], tokens: int,
+    def __init__(self, state: ProxyState, inst: Instance, key: str, up: Upstream, tokens: int,
                  task: asyncio.Future[aiohttp.ClientResponse], started: float) -> None:
-        self.state, self.inst, self.key, self.headers, self.tokens = state, inst, key, headers, tokens
-        self.rid = headers["X-Request-Id"]
+        self.state, self.inst, self.key, self.up, self.tokens = state, inst, key, up, tokens
+        self.rid = up.rid
         self.task, self.started = task, started
         self._released = False
 
     @classmethod
-    def send(cls, state: ProxyState, inst: Instance, api_path: str, body: dict[str, Any],
-             headers: dict[str, str], tokens: int) -> EarlyDecodeLeg:
-        rid = headers["X-Request-Id"]
-        key = f"{rid}-{uuid.uuid4().hex[:12]}"  # unique even when clients reuse request ids
+    def send(cls, state: ProxyState, inst: Instance, api_path: str, body: dict[str, Any], up: Upstream,
+             tokens: int) -> EarlyDecodeLeg:
+        key = f"{up.rid}-{uuid.uuid4().hex[:12]}"  # unique even when clients reuse request ids
 
         async def post() -> aiohttp.ClientResponse:
             # serialised in the task, so that a prefill leg started just before goes out first
             payload = json.dumps(build_decode_body(body, early_decode_params(key))).encode()
             return await unless_ejected(inst, state.http().post(inst.endpoint(api_path), data=payload,
-                                                                 headers=headers, timeout=state.decode_timeout))
+                                                                 headers=up.headers, timeout=state.decode_timeout))
 
-        inst.acquire(tokens)
-        return cls(state, inst, key, headers, tokens, asyncio.ensure_future(post()), time.perf_counter())
+        up.hold(inst, tokens)
+        return cls(state, inst, key, up, tokens, asyncio.ensure_future(post()), time.perf_counter())
 
     def _release(self) -> None:
         if not self._released:
             self._released = True
-            self.inst.release(self.tokens)
+            self.up.release(self.inst, self.tokens)
 
     async def cancel(self) -> None:
         """Drop the leg (the prefill failed): its connection closes, which aborts it on the instance."""
@@ -81,7 +81,7 @@ class EarlyDecodeLeg:
         async def deliver() -> tuple[int, bytes]:
             async with state.http().post(
                 inst.endpoint(KV_PARAMS_PATH), data=json.dumps(params_delivery(self.key, kv_params)).encode(),
-                headers=self.headers, timeout=state.decode_timeout,
+                headers=self.up.headers, timeout=state.decode_timeout,
             ) as resp:
                 return resp.status, await resp.read()
 
@@ -128,4 +128,4 @@ class EarlyDecodeLeg:
                                   request_id=self.rid)
         self._released = True  # DecodeLeg.done() releases from here on
         state.metrics.early_decode_legs.inc()
-        return DecodeLeg(inst, leg, self.started, self.tokens)
+        return DecodeLeg(inst, leg, self.started, self.tokens, self.up)

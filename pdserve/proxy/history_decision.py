@@ -12,21 +12,22 @@ decision / reason:
   pull / cost_model           reading the held KV is predicted faster than recomputing the tokens it adds
   pull / size_unknown         the holder gave no block size in bytes (a vLLM decode instance): read, as vLLM
   recompute / cost_model      recomputing is predicted faster (`pull_or_recompute`, `pdserve plan`'s arithmetic)
-  recompute / threshold       fewer tokens than the prefill instance's `kv_recompute_threshold` (it would not read)
   pull|recompute / forced     `--kv-history-choice pull|recompute` (benchmarks; both predictions still shown)
   p_cache / prefill_cache     the prefill instances' own prefix cache holds all of it (nothing to read)
   none / no_history           no held history found for this conversation
 
-One decider (issue 42 part 4). The proxy's cost model decides whether a turn reads its history back; the prefill
-instance's `kv_recompute_threshold` keeps vLLM's meaning (the fewest held tokens worth a read) and the proxy
-applies it first, from the instance's /pdserve/info, so a read the proxy sends is declined for size only where
-the instance's own cache holds more than the proxy counted. The instance applies it alone only to reads no pdserve proxy priced (vLLM's proxy, a client
-sending held params itself). `recompute_ms` is priced at the margin when the prefill instance advertises its
-roofline (`priced_by=roofline`: recomputing the tokens in the same step as the turn's `new_tokens`,
-pdserve/preflight/roofline.py), else at `--kv-history-prefill-tps` (`priced_by=prefill_tps`).
+One decider (issue 42 part 4): the proxy's cost model. It prices the tokens the prefill instances lack both ways and
+also finds the turn's break-even, `min_read_tokens` (the fewest of them worth a read: pull iff tokens >=
+min_read_tokens), which a pull's prefill leg carries (`pdserve.api.pd.MIN_READ_TOKENS`); the reading instance
+applies it where it would apply its own `kv_recompute_threshold`, to the tokens left to read once its own prefix
+cache is counted (exact there, estimated here). The instance's configured threshold applies only to reads no
+pdserve proxy priced (vLLM's proxy, a client sending held params itself); the proxy does not read it.
+`recompute_ms` is priced at the margin when the prefill instances advertise their measured `prefill_cost`
+(`priced_by=measured`: the turn's `new_tokens` and the history in one step, pdserve/types/prefill_cost.py;
+the dearest instance's when several do), else at `--kv-history-prefill-tps` (`priced_by=prefill_tps`).
 `prefill_cached_tokens` (once the prefill leg answered): prompt tokens the prefill instance did not compute
 (its own cache plus what it read back); with `pull`, fewer than `held_tokens` means the prefill instance
-declined part of the read (its kv_recompute_threshold, or blocks that no longer match).
+declined part of the read (fewer than min_read_tokens left to read, or blocks that no longer match).
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pdserve.preflight.plan import pull_or_recompute
-from pdserve.preflight.roofline import Roofline
+from pdserve.preflight.plan import PullChoice, pull_or_recompute
 from pdserve.proxy.protocol import estimate_prompt_tokens
+from pdserve.types.prefill_cost import PrefillCost, dearest_marginal_s
 
 HEADER = "X-PDServe-KV-History"
 
@@ -44,13 +45,14 @@ HEADER = "X-PDServe-KV-History"
 @dataclass
 class HistoryDecision:
     decision: str  # pull | recompute | p_cache | none
-    reason: str  # cost_model | threshold | forced | size_unknown | prefill_cache | no_history
+    reason: str  # cost_model | forced | size_unknown | prefill_cache | no_history
     held_tokens: int | None = None  # tokens the decode instance holds (previous turn's prompt and answer)
     tokens: int | None = None  # of those, what the prefill instances lack: the tokens the choice is about
     pull_ms: float | None = None  # predicted: their KV over the link plus the per-read overhead
-    recompute_ms: float | None = None  # predicted: computing them (at the margin with a roofline)
+    recompute_ms: float | None = None  # predicted: computing them (at the margin with a measured prefill cost)
     new_tokens: int | None = None  # the turn's own new prompt tokens (estimated unless the ids are known)
-    priced_by: str | None = None  # roofline | prefill_tps
+    priced_by: str | None = None  # measured | prefill_tps
+    min_read_tokens: int | None = None  # a pull: the fewest tokens worth reading (the break-even), sent along
     prefill_cached_tokens: int | None = None  # measured: prompt tokens the prefill leg did not compute
 
     def as_dict(self) -> dict[str, Any]:
@@ -67,22 +69,52 @@ class HistoryDecision:
             self.prefill_cached_tokens = cached
 
 
-def price_history(held_tokens: int, tokens: int, new_tokens: int, bytes_per_token: float, bandwidth_bytes_per_s: float,
-                  overhead_s: float, prefill_tps: float, roofline: Roofline | None = None,
-                  threshold: int | None = None, choice: str = "cost") -> HistoryDecision:
-    """Pull or recompute the `tokens` of a held history of `held_tokens` that the prefill instances lack (> 0),
-    for a turn that adds `new_tokens` of its own. `roofline`/`threshold`: the prefill instance's, from its
-    /pdserve/info (None: not advertised). `choice`: `cost` decides; `pull`/`recompute` force the decision."""
-    recompute_s = roofline.marginal_s(tokens, new_tokens) if roofline is not None else None
-    est = pull_or_recompute(tokens, bytes_per_token, bandwidth_bytes_per_s, prefill_tps, overhead_s, recompute_s)
+@dataclass(frozen=True)
+class HistoryPricing:
+    """What one turn's read and recompute cost, as functions of how many held tokens are in question."""
+
+    new_tokens: int  # the turn's own prompt tokens, computed in the same step as a recomputed history
+    bytes_per_token: float
+    bandwidth_bytes_per_s: float
+    overhead_s: float  # per read
+    prefill_tps: float  # the rate without a measured prefill cost
+    costs: tuple[PrefillCost, ...] = ()  # the prefill instances' measured costs (empty: priced at prefill_tps)
+
+    def at(self, tokens: int) -> PullChoice:
+        recompute_s = dearest_marginal_s(self.costs, tokens, self.new_tokens) if self.costs else None
+        return pull_or_recompute(tokens, self.bytes_per_token, self.bandwidth_bytes_per_s, self.prefill_tps,
+                                 self.overhead_s, recompute_s)
+
+    def break_even(self, tokens: int) -> int | None:
+        """The fewest of `tokens` held tokens whose read is predicted faster than their recompute (None: not even
+        all of them). A read costs a fixed overhead plus a rate, a recompute (a convex step time's margin, or a
+        rate) nothing or more per token the more there are: their difference changes sign at most once, so a
+        bisection finds it."""
+        if tokens <= 0 or not self.at(tokens).pull:
+            return None
+        lo, hi = 0, tokens  # not worth it at lo (nothing to read), worth it at hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.at(mid).pull:
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
+
+def price_history(held_tokens: int, tokens: int, pricing: HistoryPricing, choice: str = "cost") -> HistoryDecision:
+    """Pull or recompute the `tokens` of a held history of `held_tokens` that the prefill instances lack (> 0).
+    `choice`: `cost` decides; `pull`/`recompute` force the decision. A pull carries its `min_read_tokens` (0 when
+    forced: read whatever is left)."""
+    est = pricing.at(tokens)
     if choice in ("pull", "recompute"):
         decision, reason = choice, "forced"
-    elif threshold is not None and tokens < threshold:
-        decision, reason = "recompute", "threshold"
+        min_read = 0 if choice == "pull" else None
     else:
         decision, reason = ("pull" if est.pull else "recompute"), "cost_model"
+        min_read = pricing.break_even(tokens) if est.pull else None
     return HistoryDecision(decision, reason, held_tokens, tokens, est.wire_s * 1e3, est.recompute_s * 1e3,
-                           new_tokens, "roofline" if roofline is not None else "prefill_tps")
+                           pricing.new_tokens, "measured" if pricing.costs else "prefill_tps", min_read)
 
 
 def new_turn_tokens(body: dict[str, Any], held_tokens: int, prompt_tokens: int | None = None) -> int:
@@ -100,26 +132,20 @@ def new_turn_tokens(body: dict[str, Any], held_tokens: int, prompt_tokens: int |
 
 @dataclass
 class RecomputeInfo:
-    """What a prefill instance's /pdserve/info says about recomputing a history there."""
+    """What a prefill instance's /pdserve/info says about recomputing a history there: its measured prefill
+    cost (None: not advertised: a CPU or vLLM instance, or one that reads no held history)."""
 
-    roofline: Roofline | None = None
-    threshold: int | None = None  # its kv_recompute_threshold (None: it reads no held history, or not pdserve)
+    cost: PrefillCost | None = None
 
     @classmethod
     def from_info(cls, info: Any) -> RecomputeInfo:
         if not isinstance(info, dict):
             return cls()
-        t = info.get("kv_recompute_threshold")
-        return cls(Roofline.from_info(info.get("roofline")), t if type(t) is int and t >= 0 else None)
+        return cls(PrefillCost.from_info(info.get("prefill_cost")))
 
 
-def fleet_recompute_info(instances: list[Any]) -> RecomputeInfo:
-    """The prefill fleet's figures for a turn whose prefill instance is not chosen yet: the advertised roofline
-    whose recompute is dearest at the margin (the highest cost per token past the ridge, then the fewest tokens
-    free under it: the choice errs towards reading) and the highest threshold (the strictest instance then
-    declines nothing the proxy sends)."""
-    infos = [i.recompute for i in instances if getattr(i, "recompute", None) is not None]
-    roofs = [x.roofline for x in infos if x.roofline is not None]
-    thresholds = [x.threshold for x in infos if x.threshold is not None]
-    roof = max(roofs, key=lambda r: (r.flops_per_token / r.peak_flops, -r.ridge_tokens()), default=None)
-    return RecomputeInfo(roof, max(thresholds) if thresholds else None)
+def fleet_prefill_costs(instances: list[Any]) -> tuple[PrefillCost, ...]:
+    """The prefill instances' advertised costs, for a turn whose prefill instance is not chosen yet (priced by the
+    dearest: `HistoryPricing.at`)."""
+    infos = [getattr(i, "recompute", None) for i in instances]
+    return tuple(x.cost for x in infos if x is not None and x.cost is not None)

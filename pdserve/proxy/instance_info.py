@@ -43,7 +43,7 @@ async def read_instance_info(session: aiohttp.ClientSession, inst: Instance, tim
 
 def apply_info(inst: Instance, info: Any) -> None:
     """`inst`'s fields from its /pdserve/info document (anything else: not a pdserve instance)."""
-    # a prefill's roofline and kv_recompute_threshold, for the multi-turn choice (history_decision.py)
+    # a prefill's measured prefill cost, for the multi-turn choice (history_decision.py)
     inst.recompute = RecomputeInfo.from_info(dict(info)) if inst.role == "prefill" and isinstance(info, Mapping) \
         else RecomputeInfo() if inst.role == "prefill" else None
     if not isinstance(info, Mapping):

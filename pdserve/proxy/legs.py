@@ -1,5 +1,6 @@
-"""The two legs of a request: the prefill call (with retries on other instances) and the decode call
-whose response is relayed to the client byte for byte."""
+"""The two legs of a request: the prefill call (with retries on other instances) and the decode call, up to its
+response headers (relay.py relays its body). Each leg takes the request's `Upstream` (upstream.py): its id and
+headers, and the record of the instances its legs are on, which an abort reads."""
 
 from __future__ import annotations
 
@@ -14,23 +15,17 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp import web
 
-from pdserve.api.pd import KV_HISTORY, prefill_kv_params
-from pdserve.proxy.errors import (
-    SSE_DONE,
-    error_payload,
-    error_response,
-    is_openai_error_body,
-    sse_error_event,
-)
-from pdserve.proxy.history_decision import HEADER as HISTORY_HEADER
+from pdserve.api.pd import prefill_kv_params
+from pdserve.proxy.errors import error_response
 from pdserve.proxy.history_decision import HistoryDecision
 from pdserve.proxy.instance_info import learn_from_params
 from pdserve.proxy.kv_routing import CachedPrefix
 from pdserve.proxy.peer_pull import with_peer_prefix
 from pdserve.proxy.pool import Instance
-from pdserve.proxy.readiness import retry_after_s
+from pdserve.proxy.readiness import no_instance_response, retry_after_s
 from pdserve.proxy.retry import parse_retry_after, retry_after_header
 from pdserve.proxy.state import ProxyState
+from pdserve.proxy.upstream import Upstream
 
 T = TypeVar("T")
 
@@ -38,7 +33,6 @@ logger = logging.getLogger("pdserve.proxy")
 
 # Called with the decode response's kv_transfer_params (a held history, for multi-turn) once they are seen.
 KVParamsSink = Callable[[dict[str, Any]], None]
-_KV_PARAMS_MARK = b'"kv_transfer_params"'
 
 # Upstream statuses that mean "try elsewhere" rather than "the client's request is wrong".
 _RETRYABLE_4XX = (408, 429)
@@ -47,7 +41,7 @@ _BACKOFF_STATUSES = (429, 503)
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
 
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
@@ -55,10 +49,10 @@ def _describe(exc: BaseException) -> str:
 def _leg_failure(leg: str, exc: BaseException) -> tuple[str, str]:
     """(error kind, reason) of a leg's exchange that raised: it never connected, timed out, or broke."""
     if isinstance(exc, _CONNECT_ERRORS):
-        return f"{leg}_connect", _describe(exc)
+        return f"{leg}_connect", describe(exc)
     if isinstance(exc, TimeoutError):
-        return f"{leg}_timeout", _describe(exc) or "timeout"
-    return f"{leg}_io", _describe(exc)
+        return f"{leg}_timeout", describe(exc) or "timeout"
+    return f"{leg}_io", describe(exc)
 
 
 @dataclass
@@ -80,7 +74,7 @@ class PrefillResult:
     retry_after: float | None = None
 
 
-def _backoff(inst: Instance, status: int, headers: Any) -> float | None:
+def backoff(inst: Instance, status: int, headers: Any) -> float | None:
     """Honour an upstream Retry-After on 429/503: the instance is passed over until then."""
     if status not in _BACKOFF_STATUSES:
         return None
@@ -136,8 +130,8 @@ def _cancelling() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-async def _prefill_once(
-    state: ProxyState, inst: Instance, api_path: str, payload: bytes, headers: dict[str, str], tokens: int
+async def prefill_once(
+    state: ProxyState, inst: Instance, api_path: str, payload: bytes, up: Upstream, tokens: int
 ) -> PrefillResult:
     started = time.perf_counter()
     kind: str | None = None
@@ -146,13 +140,13 @@ async def _prefill_once(
     data = b""
     ctype = "application/json"
     retry_after: float | None = None
-    inst.acquire(tokens)
+    up.hold(inst, tokens)
 
     async def exchange() -> tuple[int, str, float | None, bytes]:
         async with state.http().post(
-            inst.endpoint(api_path), data=payload, headers=headers, timeout=state.prefill_timeout
+            inst.endpoint(api_path), data=payload, headers=up.headers, timeout=state.prefill_timeout
         ) as resp:
-            return (resp.status, resp.headers.get("Content-Type", ctype), _backoff(inst, resp.status, resp.headers),
+            return (resp.status, resp.headers.get("Content-Type", ctype), backoff(inst, resp.status, resp.headers),
                     await resp.read())
 
     try:
@@ -160,15 +154,17 @@ async def _prefill_once(
     except (TimeoutError, aiohttp.ClientError) as exc:
         kind, reason = _leg_failure("prefill", exc)
     finally:
-        inst.release(tokens)
+        up.release(inst, tokens)
 
+    if up.aborted:  # the client aborted it meanwhile (app.py): its answer as it is, nothing blamed or retried
+        return PrefillResult(instance=inst, passthrough=up.aborted_response(status, ctype, data))
     counts_against_instance = True
     parsed: Any = None
     if kind is None:
         if 400 <= status < 500 and status not in _RETRYABLE_4XX:
             # The client's request is wrong (bad params, prompt too long, ...): say so verbatim.
             inst.record_success()
-            headers_out = {"Content-Type": ctype, "X-Request-Id": headers["X-Request-Id"]}
+            headers_out = {"Content-Type": ctype, "X-Request-Id": up.rid}
             return PrefillResult(
                 instance=inst, passthrough=web.Response(status=status, body=data, headers=headers_out)
             )
@@ -192,7 +188,7 @@ async def _prefill_once(
     state.metrics.error(kind)
     if counts_against_instance:
         inst.record_failure(reason, state.config.eject_after)
-    logger.warning("prefill leg of request %s failed on %s: %s", headers["X-Request-Id"], inst.url, reason)
+    logger.warning("prefill leg of request %s failed on %s: %s", up.rid, inst.url, reason)
     return PrefillResult(
         instance=inst, error=f"{inst.url}: {reason}", reached=kind != "prefill_connect", retry_after=retry_after
     )
@@ -202,7 +198,7 @@ async def run_prefill(
     state: ProxyState,
     api_path: str,
     payload: bytes,
-    headers: dict[str, str],
+    up: Upstream,
     tokens: int,
     affinity: str | None,
     prefix: CachedPrefix | None = None,
@@ -224,6 +220,8 @@ async def run_prefill(
     last = PrefillResult(error="no prefill instance available", unavailable=True)
     like = first[0] if first is not None else None
     for attempt in range(attempts):
+        if up.aborted:
+            return PrefillResult(passthrough=up.aborted_response())
         if attempt == 0 and first is not None:
             inst = first[0]
         else:
@@ -238,8 +236,8 @@ async def run_prefill(
         tried.append(inst)
         work = tokens if prefix is None else tokens - prefix.cached_tokens(inst)
         # `peer_pull`: a peer caching more of the prompt may pin it for this instance to read (peer_pull.py)
-        body = await with_peer_prefix(state, inst, payload, prefix, headers) if peer_pull else payload
-        result = await _prefill_once(state, inst, api_path, body, headers, work)
+        body = await with_peer_prefix(state, inst, payload, prefix, up) if peer_pull else payload
+        result = await prefill_once(state, inst, api_path, body, up, work)
         if result.kv_params is not None or result.passthrough is not None:
             return result
         last = result
@@ -256,84 +254,19 @@ class DecodeLeg:
     resp: aiohttp.ClientResponse
     started: float
     tokens: int
+    up: Upstream  # the request's, which holds the leg on `instance` until `done`
     on_kv_params: KVParamsSink | None = None  # gets the response's kv_transfer_params (multi-turn history)
     history_decision: HistoryDecision | None = None  # told to the client with the answer (history_decision.py)
 
     def done(self) -> None:
-        self.instance.release(self.tokens)
-
-
-async def relay_decode(
-    state: ProxyState,
-    request: web.Request,
-    api_path: str,
-    payload: bytes,
-    headers: dict[str, str],
-    *,
-    tokens: int,
-    kv_claimed: bool,
-    prefix: CachedPrefix | None = None,
-    role: str = "decode",
-) -> web.StreamResponse:
-    """Send the decode leg (`send_decode`) and relay its response to the client."""
-    leg = await send_decode(state, api_path, payload, headers, tokens=tokens, kv_claimed=kv_claimed, prefix=prefix,
-                            role=role)
-    if isinstance(leg, web.Response):
-        return leg
-    try:
-        return await relay_leg(state, request, leg, headers["X-Request-Id"])
-    finally:
-        leg.done()
-
-
-async def relay_leg(state: ProxyState, request: web.Request, leg: DecodeLeg, rid: str,
-                    on_kv_params: KVParamsSink | None = None) -> web.StreamResponse:
-    """A decode leg's response relayed to the client as it comes (whole or SSE); `on_kv_params` gets the
-    response's kv_transfer_params (the final chunk's, when streamed), as vLLM's decode instances return them."""
-    sink = on_kv_params if on_kv_params is not None else leg.on_kv_params
-    return await _relay_response(state, request, leg.instance, leg.resp, leg.started, rid, sink,
-                                 leg.history_decision)
-
-
-def _kv_params_of(data: bytes) -> dict[str, Any] | None:
-    """The non-null kv_transfer_params of a JSON response body or SSE event, or None."""
-    if _KV_PARAMS_MARK not in data:
-        return None
-    text = data.strip()
-    if text.startswith(b"data:"):
-        text = text[5:].strip()
-    try:
-        parsed = json.loads(text)
-    except ValueError:
-        return None
-    params = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
-    return params if isinstance(params, dict) else None
-
-
-class _EventScanner:
-    """Finds kv_transfer_params in an SSE stream relayed chunk by chunk (events may split across chunks);
-    only events that carry them are parsed."""
-
-    def __init__(self, sink: KVParamsSink) -> None:
-        self._sink = sink
-        self._pending = b""
-
-    def feed(self, chunk: bytes) -> None:
-        data = self._pending + chunk
-        *events, self._pending = data.split(b"\n\n")
-        if len(self._pending) > 4 * 1024 * 1024:  # no event is that long: not SSE we understand
-            self._pending = b""
-        for event in events:
-            params = _kv_params_of(event)
-            if params is not None:
-                self._sink(params)
+        self.up.release(self.instance, self.tokens)
 
 
 async def send_decode(
     state: ProxyState,
     api_path: str,
     payload: bytes,
-    headers: dict[str, str],
+    up: Upstream,
     *,
     tokens: int,
     kv_claimed: bool,
@@ -352,12 +285,14 @@ async def send_decode(
     pdserve.api.pd.scores_prompt), with the same retries. `pair_with`: the prefill instance whose KV the leg
     loads (only a decode instance that pairs with it is chosen: pairing.py)."""
     cfg = state.config
-    rid = headers["X-Request-Id"]
+    rid = up.rid
     tried: list[Instance] = []
     last_kind: str | None = None
     last_reason = ""
     last_retry_after: float | None = None
     for attempt in range(1 + cfg.decode_retries):
+        if up.aborted:  # the client aborted the request (app.py): no decode leg after it
+            return up.aborted_response()
         inst = await state.pairing.decode(tried, wait=attempt == 0, prefix=prefix, computes_prompt=not kv_claimed,
                                           role=role, pair_with=pair_with)
         if inst is None:
@@ -370,24 +305,24 @@ async def send_decode(
         may_retry = attempt < cfg.decode_retries
         last_retry_after = None
         work = tokens if prefix is None else tokens - prefix.cached_tokens(inst)
-        inst.acquire(work)
+        up.hold(inst, work)
         handed_over = False
         try:
             started = time.perf_counter()
             try:
                 resp = await unless_ejected(inst, state.http().post(
-                    inst.endpoint(api_path), data=payload, headers=headers, timeout=state.decode_timeout
+                    inst.endpoint(api_path), data=payload, headers=up.headers, timeout=state.decode_timeout
                 ))
             except (TimeoutError, aiohttp.ClientError) as exc:
                 last_kind, last_reason = _leg_failure("decode", exc)
             else:
                 if resp.status >= 500 and not kv_claimed and may_retry:
-                    last_retry_after = _backoff(inst, resp.status, resp.headers)
+                    last_retry_after = backoff(inst, resp.status, resp.headers)
                     body = await _read_quietly(resp)
                     last_kind, last_reason = "decode_status", f"status {resp.status}: {body[:200]!r}"
                 else:
                     handed_over = True
-                    return DecodeLeg(inst, resp, started, work)
+                    return DecodeLeg(inst, resp, started, work, up)
             state.metrics.error(last_kind)
             if last_retry_after is None:
                 inst.record_failure(last_reason, cfg.eject_after)
@@ -396,7 +331,7 @@ async def send_decode(
                 break
         finally:
             if not handed_over:
-                inst.release(work)
+                up.release(inst, work)
     if last_kind is None:
         return no_instance_response(state, role, rid)
     if last_retry_after is not None:
@@ -411,20 +346,6 @@ async def send_decode(
     return error_response(status, f"decode leg failed: {last_reason}", "BadGatewayError", request_id=rid)
 
 
-def no_instance_response(state: ProxyState, role: str, rid: str | None, seconds: float | None = None) -> web.Response:
-    """503 with Retry-After: no `role` instance became available within --instance-wait-timeout."""
-    state.metrics.error("no_instance")
-    if seconds is None:
-        seconds = retry_after_s(state.pool(role), state.config.health_interval)
-    return error_response(
-        503,
-        f"no {role} instance available (none became ready within {state.config.instance_wait_timeout:g}s)",
-        "ServiceUnavailableError",
-        request_id=rid,
-        headers={"Retry-After": retry_after_header(seconds)},
-    )
-
-
 async def _read_quietly(resp: aiohttp.ClientResponse) -> bytes:
     try:
         return await resp.read()
@@ -432,159 +353,3 @@ async def _read_quietly(resp: aiohttp.ClientResponse) -> bytes:
         return b""
     finally:
         resp.release()
-
-
-def _with_history_decision(data: bytes, history: HistoryDecision) -> bytes:
-    """A whole JSON answer with `kv_transfer_params.kv_history` set (anything else: unchanged)."""
-    try:
-        parsed = json.loads(data)
-    except ValueError:
-        return data
-    if not isinstance(parsed, dict):
-        return data
-    params = parsed.get("kv_transfer_params")
-    parsed["kv_transfer_params"] = {**(params if isinstance(params, dict) else {}), KV_HISTORY: history.as_dict()}
-    return json.dumps(parsed).encode()
-
-
-async def _relay_response(
-    state: ProxyState,
-    request: web.Request,
-    inst: Instance,
-    resp: aiohttp.ClientResponse,
-    started: float,
-    rid: str,
-    on_kv_params: KVParamsSink | None = None,
-    history: HistoryDecision | None = None,
-) -> web.StreamResponse:
-    metrics = state.metrics
-    status = resp.status
-    ctype = resp.headers.get("Content-Type", "application/json")
-    retry_after = _backoff(inst, status, resp.headers)
-    finished = False
-    # On an ejection, closing the upstream response makes the pending read fail now; the failure paths below
-    # answer the client (an error status, or an SSE error frame) naming the ejection.
-    with EjectionWatch(inst, resp.close) as watch:
-        try:
-            if status >= 400 or not ctype.startswith("text/event-stream"):
-                try:
-                    data = await resp.read()
-                except (TimeoutError, aiohttp.ClientError) as exc:
-                    kind = "decode_timeout" if isinstance(exc, asyncio.TimeoutError) else "decode_io"
-                    metrics.error(kind)
-                    reason = watch.reason or _describe(exc)
-                    if watch.reason is None:
-                        inst.record_failure(reason, state.config.eject_after)
-                    return error_response(
-                        504 if kind == "decode_timeout" else 502,
-                        f"decode leg failed while reading its response: {reason}",
-                        "BadGatewayError",
-                        request_id=rid,
-                    )
-                finished = True
-                metrics.decode_ttfb_seconds.observe(time.perf_counter() - started)
-                if status >= 500:
-                    metrics.error("decode_status")
-                    if retry_after is None:
-                        inst.record_failure(f"status {status}", state.config.eject_after)
-                    if not is_openai_error_body(data):
-                        data = json.dumps(
-                            error_payload(
-                                f"decode instance error: {data[:500].decode(errors='replace')}",
-                                "BadGatewayError",
-                                status,
-                            )
-                        ).encode()
-                        ctype = "application/json"
-                else:
-                    inst.record_success()
-                    if on_kv_params is not None and status == 200:
-                        params = _kv_params_of(data)
-                        if params is not None:
-                            on_kv_params(params)
-                    if history is not None and history.decision != "none" and status == 200:
-                        data = _with_history_decision(data, history)
-                out_headers = {"Content-Type": ctype, "X-Request-Id": rid}
-                if history is not None:
-                    out_headers[HISTORY_HEADER] = history.header()
-                if "Retry-After" in resp.headers:
-                    out_headers["Retry-After"] = resp.headers["Retry-After"]
-                return web.Response(status=status, body=data, headers=out_headers)
-            scanner = _EventScanner(on_kv_params) if on_kv_params is not None and status == 200 else None
-            extra = {HISTORY_HEADER: history.header()} if history is not None else {}
-            out, finished = await _relay_stream(state, request, inst, resp, started, rid, ctype, scanner, watch, extra)
-            return out
-        finally:
-            if finished:
-                resp.release()
-            else:
-                resp.close()  # closing the connection aborts the request on the decode instance
-
-
-async def _relay_stream(
-    state: ProxyState,
-    request: web.Request,
-    inst: Instance,
-    resp: aiohttp.ClientResponse,
-    started: float,
-    rid: str,
-    ctype: str,
-    scanner: _EventScanner | None = None,
-    watch: EjectionWatch | None = None,
-    extra_headers: dict[str, str] | None = None,
-) -> tuple[web.StreamResponse, bool]:
-    """Relays SSE bytes as they come; returns the response and whether the upstream body was read
-    to its end (so its connection can go back to the pool)."""
-    metrics = state.metrics
-    out = web.StreamResponse(
-        status=resp.status,
-        headers={"Content-Type": ctype, "Cache-Control": "no-cache", "X-Request-Id": rid, **(extra_headers or {})},
-    )
-    await out.prepare(request)
-    tail = b""
-    first = True
-    failure: str | None = None
-    try:
-        async for chunk in resp.content.iter_any():
-            if first:
-                metrics.decode_ttfb_seconds.observe(time.perf_counter() - started)
-                first = False
-            await out.write(chunk)
-            if scanner is not None:
-                scanner.feed(chunk)
-            tail = chunk[-16:] if len(chunk) >= 16 else (tail + chunk)[-16:]
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        if isinstance(exc, ConnectionResetError):  # our write to a client that went away
-            metrics.error("client_disconnect")
-            return out, False
-        failure = _describe(exc) or "timeout"
-    except ConnectionResetError:
-        metrics.error("client_disconnect")
-        return out, False
-    ejected = watch.reason if watch is not None else None
-    if ejected is not None:  # the read ended (raised, or found the closed body's end) because the instance was ejected
-        failure = ejected
-    elif failure is None and not tail.rstrip().endswith(b"[DONE]"):
-        failure = "stream ended without [DONE]"
-    if failure is None:
-        inst.record_success()
-    else:
-        metrics.error("decode_stream")
-        if ejected is None:
-            inst.record_failure(failure, state.config.eject_after)
-        logger.warning("decode stream of request %s from %s broke: %s", rid, inst.url, failure)
-        separator = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
-        try:
-            await out.write(
-                separator
-                + sse_error_event(f"decode instance failed mid-stream: {failure}", "BadGatewayError", 502)
-                + SSE_DONE
-            )
-        except ConnectionResetError:
-            metrics.error("client_disconnect")
-            return out, False
-    try:
-        await out.write_eof()
-    except ConnectionResetError:
-        metrics.error("client_disconnect")
-    return out, failure is None

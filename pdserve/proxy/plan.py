@@ -5,7 +5,7 @@ The plans:
 
 - `Local`: one instance serves the request whole: collocated (no prefill pool), prompt scoring on a prefill
   instance, conditional disaggregation (few uncached prompt tokens), or a request one lease cannot serve
-  (`pdserve.api.pd.local_only_reason`). legs.relay_decode, with its retries.
+  (`pdserve.api.pd.local_only_reason`). relay.relay_decode, with its retries.
 - `Split`: a completions request with several prompts: one `Pair` per prompt, merged (split.py).
 - `Pair`: one P/D pair, its prefill instance chosen first (its transfer mode decides the pair's shape and which
   decode instances pair with it), then what rides on it: the held history the prefill reads back (pull, multi-turn,
@@ -17,6 +17,7 @@ The plans:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass
@@ -27,11 +28,12 @@ from aiohttp import web
 from pdserve.api.pd import chat_prompt_ids_allowed, is_batch_prompt, local_only_reason, scores_prompt
 from pdserve.proxy.errors import error_response
 from pdserve.proxy.history_decision import HistoryDecision
-from pdserve.proxy.legs import DecodeLeg, relay_decode, relay_leg
+from pdserve.proxy.legs import DecodeLeg
 from pdserve.proxy.pool import Instance
 from pdserve.proxy.protocol import affinity_key
 from pdserve.proxy.pull_pair import open_pull_pair
 from pdserve.proxy.push_pair import start_push_pair
+from pdserve.proxy.relay import relay_decode, relay_leg
 from pdserve.proxy.request import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
@@ -39,7 +41,7 @@ from pdserve.proxy.request import (
     client_request,
     splittable_generate,
 )
-from pdserve.proxy.split import serve_batch
+from pdserve.proxy.split import merge, split_bodies
 from pdserve.proxy.state import ProxyState
 from pdserve.proxy.turn_history import history_for, keep_history
 
@@ -83,6 +85,11 @@ class Pair:
 
 
 Plan = Local | Split | Pair | Refused
+
+
+async def serve(state: ProxyState, request: web.Request, req: ClientRequest) -> web.StreamResponse:
+    """The request read, planned (`decide`) and done (`execute`): the client's response."""
+    return await execute(state, request, req, await decide(state, req))
 
 
 async def decide(state: ProxyState, req: ClientRequest) -> Plan:
@@ -139,20 +146,21 @@ async def decide_pair(state: ProxyState, req: ClientRequest, count_path: bool = 
 
 async def open_pair(state: ProxyState, req: ClientRequest, pair: Pair) -> DecodeLeg | web.Response:
     """The pair up to the decode leg's response headers, or the client's error response."""
-
-    def keep(leg: DecodeLeg | web.Response, prefill_response: dict[str, Any] | None) -> DecodeLeg | web.Response:
-        if not isinstance(leg, DecodeLeg):
-            return leg
-        return keep_history(state, leg, req, prefill_response, pair.decision)
-
     if not pair.push:
-        return await open_pull_pair(state, req, pair, keep)
+        return await open_pull_pair(state, req, pair)
     assert pair.prefill is not None
     if pair.count_path:
         state.metrics.path["disagg"].inc()
     # with a held history, the prefill reads it back (pull) and pushes the request's KV on
     leg, prefill_response = await start_push_pair(state, req, pair.prefill, pair.history)
-    return keep(leg, prefill_response)
+    return keep_history(state, leg, req, prefill_response, pair.decision) if isinstance(leg, DecodeLeg) else leg
+
+
+async def _open_prompt(state: ProxyState, req: ClientRequest, k: int, body: dict[str, Any]) -> DecodeLeg | web.Response:
+    """Prompt k of a split batch, as a request of its own (id `{rid}-{k}`), up to its decode leg's headers."""
+    sub = await client_request(state, req.api_path, body, json.dumps(body).encode(), req.up.prompt(k))
+    pair = await decide_pair(state, sub, count_path=False)
+    return pair.response if isinstance(pair, Refused) else await open_pair(state, sub, pair)
 
 
 async def execute(state: ProxyState, request: web.Request, req: ClientRequest, plan: Plan) -> web.StreamResponse:
@@ -162,21 +170,17 @@ async def execute(state: ProxyState, request: web.Request, req: ClientRequest, p
     if isinstance(plan, Local):
         state.metrics.path[plan.path].inc()
         logger.debug("request %s: %s (%s)", req.rid, plan.path, plan.reason)
-        return await relay_decode(state, request, req.api_path, req.raw, req.headers, tokens=req.decode_tokens,
+        return await relay_decode(state, request, req.api_path, req.raw, req.up, tokens=req.decode_tokens,
                                   kv_claimed=False, prefix=req.prefix, role=plan.role)
     if isinstance(plan, Split):
         state.metrics.path["disagg_split"].inc()
-
-        async def one_prompt(sub: dict[str, Any], headers: dict[str, str]) -> DecodeLeg | web.Response:
-            sub_req = await client_request(state, req.api_path, sub, json.dumps(sub).encode(), headers)
-            pair = await decide_pair(state, sub_req, count_path=False)
-            return pair.response if isinstance(pair, Refused) else await open_pair(state, sub_req, pair)
-
-        return await serve_batch(request, req.body, req.headers, one_prompt)
+        legs = await asyncio.gather(*(_open_prompt(state, req, k, body)
+                                      for k, body in enumerate(split_bodies(req.body))))
+        return await merge(request, req.body, req.rid, list(legs))
     leg = await open_pair(state, req, plan)
     if isinstance(leg, web.Response):
         return leg
     try:
-        return await relay_leg(state, request, leg, req.rid)
+        return await relay_leg(state, request, leg)
     finally:
         leg.done()

@@ -69,7 +69,7 @@ class Instance:
     params_later: bool | None = None
     # push mode: a prefill instance's side channel from its /pdserve/info (proxy/push_pair.py); None: unread
     push_info: dict[str, Any] | None = None
-    # a prefill instance's roofline and kv_recompute_threshold from its /pdserve/info, for the multi-turn
+    # a prefill instance's measured prefill cost from its /pdserve/info, for the multi-turn
     # pull-or-recompute choice (history_decision.RecomputeInfo); None until read (after each admission)
     recompute: Any = None
     # What the instance is (instance_info.py): a pdserve instance (it has /pdserve/info), and its KV transfer

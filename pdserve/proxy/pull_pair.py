@@ -1,45 +1,45 @@
 """One P/D pair in pull mode, up to the decode leg's response headers: the prefill leg (retried on other instances,
 legs.run_prefill), the decode leg sent with it when the plan chose one (early_leg.py), the failure policy
-(--on-prefill-failure), then the decode leg carrying the prefill's kv_transfer_params (legs.send_decode)."""
+(--on-prefill-failure), then the decode leg carrying the prefill's kv_transfer_params (legs.send_decode), which
+the multi-turn history's bookkeeping takes (turn_history.keep_history)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from pdserve.api.pd import build_decode_body, prefill_prompt_token_ids
 from pdserve.proxy.early_leg import EarlyDecodeLeg
 from pdserve.proxy.errors import error_response
-from pdserve.proxy.legs import DecodeLeg, no_instance_response, run_prefill, send_decode
+from pdserve.proxy.legs import DecodeLeg, run_prefill, send_decode
+from pdserve.proxy.readiness import no_instance_response
 from pdserve.proxy.request import ClientRequest, prefill_body
 from pdserve.proxy.retry import retry_after_header
 from pdserve.proxy.state import ProxyState
+from pdserve.proxy.turn_history import keep_history
 
 if TYPE_CHECKING:
     from pdserve.proxy.plan import Pair
 
 logger = logging.getLogger("pdserve.proxy")
 
-# What a pair's decode leg becomes before it is returned: the multi-turn history's bookkeeping (turn_history.py).
-Keep = Callable[[DecodeLeg | web.Response, dict[str, Any] | None], DecodeLeg | web.Response]
 
-
-async def open_pull_pair(state: ProxyState, req: ClientRequest, pair: Pair, keep: Keep) -> DecodeLeg | web.Response:
+async def open_pull_pair(state: ProxyState, req: ClientRequest, pair: Pair) -> DecodeLeg | web.Response:
     cfg = state.config
-    rid = req.rid
+    up = req.up
+    rid = up.rid
     payload = json.dumps(prefill_body(req.api_path, req.body, rid, chat_token_ids=pair.chat_token_ids,
                                       history=pair.history)).encode()
     prefill = asyncio.ensure_future(
-        run_prefill(state, req.api_path, payload, req.headers, req.tokens, pair.affinity, req.prefix,
+        run_prefill(state, req.api_path, payload, up, req.tokens, pair.affinity, req.prefix,
                     peer_pull=pair.history is None, first=(pair.prefill,)))
     # the prefill leg's task runs first (to its first wait on the network), then the decode leg's
-    early = None if pair.early is None else EarlyDecodeLeg.send(state, pair.early, req.api_path, req.body,
-                                                                req.headers, req.decode_tokens)
+    early = None if pair.early is None else EarlyDecodeLeg.send(state, pair.early, req.api_path, req.body, up,
+                                                                req.decode_tokens)
     try:
         result = await prefill  # cancelled with this request (client gone), which cancels the task too
     except BaseException:
@@ -54,8 +54,10 @@ async def open_pull_pair(state: ProxyState, req: ClientRequest, pair: Pair, keep
             if pair.count_path:
                 state.metrics.path["disagg"].inc()
             leg = await early.finish(result.kv_params)
+            if isinstance(leg, DecodeLeg):
+                return keep_history(state, leg, req, result.response, pair.decision)
             if leg is not None:
-                return keep(leg, result.response)
+                return leg
             # the early leg never reached its instance: the ordinary decode leg (the lease is unclaimed)
         else:
             await early.cancel()  # closing its connection aborts it on the decode instance
@@ -68,7 +70,7 @@ async def open_pull_pair(state: ProxyState, req: ClientRequest, pair: Pair, keep
                            "(--on-prefill-failure decode-local)", rid, result.error)
             if pair.count_path:
                 state.metrics.path["decode_local_fallback"].inc()
-            return await send_decode(state, req.api_path, req.raw, req.headers, tokens=req.decode_tokens,
+            return await send_decode(state, req.api_path, req.raw, up, tokens=req.decode_tokens,
                                      kv_claimed=False, prefix=req.prefix)
         if result.unavailable:
             return no_instance_response(state, "prefill", rid, result.retry_after)
@@ -86,6 +88,6 @@ async def open_pull_pair(state: ProxyState, req: ClientRequest, pair: Pair, keep
     if pair.count_path:
         state.metrics.path["disagg"].inc()
     logger.debug("request %s: disagg via %s", rid, result.instance.url)
-    leg = await send_decode(state, req.api_path, json.dumps(decode_body).encode(), req.headers,
+    leg = await send_decode(state, req.api_path, json.dumps(decode_body).encode(), up,
                             tokens=req.decode_tokens, kv_claimed=True, pair_with=result.instance)
-    return keep(leg, result.response)
+    return keep_history(state, leg, req, result.response, pair.decision) if isinstance(leg, DecodeLeg) else leg

@@ -30,8 +30,9 @@ from aiohttp import web
 from pdserve.api.pd import PUSH, build_decode_body, push_decode_params
 from pdserve.proxy.errors import error_response
 from pdserve.proxy.instance_info import read_instance_info
-from pdserve.proxy.legs import DecodeLeg, _prefill_once, no_instance_response, send_decode
+from pdserve.proxy.legs import DecodeLeg, prefill_once, send_decode
 from pdserve.proxy.pool import Instance
+from pdserve.proxy.readiness import no_instance_response
 from pdserve.proxy.request import ClientRequest, prefill_body
 from pdserve.proxy.state import ProxyState
 
@@ -59,13 +60,14 @@ async def start_push_pair(state: ProxyState, req: ClientRequest, prefill: Instan
     """The pair with `prefill` (chosen by pairing.py, a pdserve push instance) up to the decode leg's response
     headers, or the client's error response; and the prefill's answer (None without one). `history`: a decode
     instance's held history of this conversation, which the prefill reads back before pushing (multi-turn)."""
-    rid, api_path, headers, decode_tokens = req.rid, req.api_path, req.headers, req.decode_tokens
+    up, api_path, decode_tokens = req.up, req.api_path, req.decode_tokens
+    rid = up.rid
     local = state.config.on_prefill_failure == "decode-local"
 
     async def decode_locally(why: str) -> DecodeLeg | web.Response:
         logger.warning("request %s: %s; decode instance prefills locally (--on-prefill-failure decode-local)",
                        rid, why)
-        return await send_decode(state, api_path, req.raw, headers, tokens=decode_tokens, kv_claimed=False)
+        return await send_decode(state, api_path, req.raw, up, tokens=decode_tokens, kv_claimed=False)
 
     coords = await push_coordinates(state, prefill)
     if isinstance(coords, str):
@@ -75,22 +77,24 @@ async def start_push_pair(state: ProxyState, req: ClientRequest, prefill: Instan
     decode = await state.pairing.decode(wait=True, pair_with=prefill)
     if decode is None:
         return no_instance_response(state, "decode", rid), None
+    if up.aborted:  # the client aborted the request (app.py): no leg after it
+        return up.aborted_response(), None
     key = uuid.uuid4().hex
     decode_payload = json.dumps(build_decode_body(req.body, push_decode_params(key, **coords))).encode()
     prefill_payload = json.dumps(prefill_body(api_path, req.body, rid, history=history, push_key=key)).encode()
-    decode.acquire(decode_tokens)
+    up.hold(decode, decode_tokens)
     started = time.perf_counter()
     decode_task = asyncio.ensure_future(state.http().post(decode.endpoint(api_path), data=decode_payload,
-                                                          headers=headers, timeout=state.decode_timeout))
+                                                          headers=up.headers, timeout=state.decode_timeout))
 
     async def drop_decode() -> None:
         decode_task.cancel()
         with contextlib.suppress(asyncio.CancelledError, TimeoutError, aiohttp.ClientError):
             (await decode_task).close()  # closing the connection aborts the leg, which cancels the push
-        decode.release(decode_tokens)
+        up.release(decode, decode_tokens)
 
     try:
-        result = await _prefill_once(state, prefill, api_path, prefill_payload, headers, req.tokens)
+        result = await prefill_once(state, prefill, api_path, prefill_payload, up, req.tokens)
     except BaseException:
         await drop_decode()
         raise
@@ -106,9 +110,9 @@ async def start_push_pair(state: ProxyState, req: ClientRequest, prefill: Instan
     try:
         resp = await decode_task
     except (TimeoutError, aiohttp.ClientError) as exc:
-        decode.release(decode_tokens)
+        up.release(decode, decode_tokens)
         state.metrics.error("decode_io")
         decode.record_failure(f"{type(exc).__name__}: {exc}", state.config.eject_after)
         return error_response(502, f"decode leg failed: {type(exc).__name__}: {exc}", "BadGatewayError",
                               request_id=rid), None
-    return DecodeLeg(decode, resp, started, decode_tokens), result.response
+    return DecodeLeg(decode, resp, started, decode_tokens, up), result.response

@@ -11,8 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import TYPE_CHECKING
 
+from aiohttp import web
+
+from pdserve.proxy.errors import error_response
 from pdserve.proxy.pool import Pool
+from pdserve.proxy.retry import retry_after_header
+
+if TYPE_CHECKING:
+    from pdserve.proxy.state import ProxyState
 
 
 class Readiness:
@@ -39,3 +47,17 @@ def retry_after_s(pool: Pool, health_interval: float) -> float:
     back-off, else about one health-probe interval (when a recovering instance can be admitted)."""
     backoff = pool.backoff_left()
     return backoff if backoff is not None else min(health_interval, 5.0)
+
+
+def no_instance_response(state: ProxyState, role: str, rid: str | None, seconds: float | None = None) -> web.Response:
+    """503 with Retry-After: no `role` instance became available within --instance-wait-timeout."""
+    state.metrics.error("no_instance")
+    if seconds is None:
+        seconds = retry_after_s(state.pool(role), state.config.health_interval)
+    return error_response(
+        503,
+        f"no {role} instance available (none became ready within {state.config.instance_wait_timeout:g}s)",
+        "ServiceUnavailableError",
+        request_id=rid,
+        headers={"Retry-After": retry_after_header(seconds)},
+    )

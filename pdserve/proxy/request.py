@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +29,7 @@ from pdserve.proxy.kv_routing import CachedPrefix, lookup
 from pdserve.proxy.prompt_tokens import given_token_ids
 from pdserve.proxy.protocol import estimate_prompt_tokens, max_output_tokens
 from pdserve.proxy.state import ProxyState
+from pdserve.proxy.upstream import Upstream, request_id
 
 logger = logging.getLogger("pdserve.proxy")
 
@@ -73,20 +73,20 @@ def prefill_body(api_path: str, body: dict[str, Any], rid: str, *, chat_token_id
 
 @dataclass
 class ClientRequest:
-    """One generation request, read: `tokens` is exact when the prompt token ids are known (else the characters
-    / 4 estimate), `decode_tokens` adds the output asked for."""
+    """One generation request, read: `up` its id and upstream headers (derived once), `tokens` is exact when the
+    prompt token ids are known (else the characters / 4 estimate), `decode_tokens` adds the output asked for."""
 
     api_path: str
     body: dict[str, Any]
     raw: bytes
-    headers: dict[str, str]
+    up: Upstream
     prefix: CachedPrefix | None
     tokens: int
     decode_tokens: int
 
     @property
     def rid(self) -> str:
-        return self.headers["X-Request-Id"]
+        return self.up.rid
 
     @property
     def view(self) -> dict[str, Any]:
@@ -97,14 +97,16 @@ class ClientRequest:
         return self.api_path == GENERATE_PATH
 
 
-def upstream_headers(state: ProxyState, request: web.Request, rid: str) -> dict[str, str]:
+def upstream(state: ProxyState, request: web.Request, rid: str) -> Upstream:
+    """What the request's legs send: its id, and the instances' key (--upstream-api-key, else the client's own
+    Authorization when the proxy checks none)."""
     cfg = state.config
-    headers = {"Content-Type": "application/json", "X-Request-Id": rid}
+    auth = None
     if cfg.upstream_api_key:
-        headers["Authorization"] = f"Bearer {cfg.upstream_api_key}"
+        auth = f"Bearer {cfg.upstream_api_key}"
     elif cfg.api_key is None and "Authorization" in request.headers:
-        headers["Authorization"] = request.headers["Authorization"]
-    return headers
+        auth = request.headers["Authorization"]
+    return Upstream.of(rid, auth)
 
 
 async def read_request(state: ProxyState, request: web.Request, api_path: str) -> ClientRequest | web.Response:
@@ -118,18 +120,18 @@ async def read_request(state: ProxyState, request: web.Request, api_path: str) -
     if not isinstance(body, dict):
         state.metrics.error("bad_request")
         return error_response(400, "request body must be a JSON object", "BadRequestError")
-    rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-    return await client_request(state, api_path, body, raw, upstream_headers(state, request, rid))
+    rid = request_id(request.headers.get("X-Request-Id"), api_path, body, GENERATE_PATH)
+    return await client_request(state, api_path, body, raw, upstream(state, request, rid))
 
 
 async def client_request(state: ProxyState, api_path: str, body: dict[str, Any], raw: bytes,
-                         headers: dict[str, str]) -> ClientRequest:
+                         up: Upstream) -> ClientRequest:
     """`body` read for routing (several prompts: their prefixes are looked up per prompt, when split)."""
     view = routing_view(api_path, body)
     batch = api_path == COMPLETIONS and is_batch_prompt(body)
-    prefix = None if batch else await cached_prefix(state, api_path, body, headers)
+    prefix = None if batch else await cached_prefix(state, api_path, body, up.headers)
     tokens = prefix.prompt_tokens if prefix is not None else estimate_prompt_tokens(view)
-    return ClientRequest(api_path, body, raw, headers, prefix, tokens, tokens + max_output_tokens(view))
+    return ClientRequest(api_path, body, raw, up, prefix, tokens, tokens + max_output_tokens(view))
 
 
 async def cached_prefix(state: ProxyState, api_path: str, body: dict[str, Any],

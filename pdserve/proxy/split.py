@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -24,8 +23,6 @@ from pdserve.proxy.errors import SSE_DONE, error_response, sse_error_event
 from pdserve.proxy.legs import DecodeLeg
 
 logger = logging.getLogger("pdserve.proxy")
-
-StartPair = Callable[[dict[str, Any], dict[str, str]], Awaitable[DecodeLeg | web.Response]]
 
 
 def split_bodies(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -54,13 +51,11 @@ def _reindex(choices: Any, prompt_index: int, n: int) -> list[Any]:
     return out
 
 
-async def serve_batch(request: web.Request, body: dict[str, Any], headers: dict[str, str],
-                      start_pair: StartPair) -> web.StreamResponse:
-    rid = headers["X-Request-Id"]
+async def merge(request: web.Request, body: dict[str, Any], rid: str,
+                legs: list[DecodeLeg | web.Response]) -> web.StreamResponse:
+    """The prompts' pairs (`legs`, in prompt order, as plan.py opened them) as one response; every leg is done
+    afterwards."""
     n = body.get("n") if type(body.get("n")) is int else 1
-    bodies = split_bodies(body)
-    legs = await asyncio.gather(*(start_pair(b, {**headers, "X-Request-Id": f"{rid}-{k}"})
-                                  for k, b in enumerate(bodies)))
     try:
         failed = next((leg for leg in legs if isinstance(leg, web.Response)), None)
         if failed is None:

@@ -17,6 +17,7 @@ from pdserve.proxy.pool import Pool
 from pdserve.proxy.prompt_tokens import PromptTokenizer
 from pdserve.proxy.readiness import Readiness
 from pdserve.proxy.retry import RetryBudget
+from pdserve.proxy.upstream import InFlight
 
 # Below uvicorn's (and so vLLM's) 5 s server keep-alive: the proxy drops an idle pooled connection
 # before the server may close it under a request in flight.
@@ -31,6 +32,7 @@ class ProxyState:
     metrics: ProxyMetrics
     session: aiohttp.ClientSession | None = None
     in_flight: int = 0
+    requests: InFlight = field(default_factory=InFlight)  # what an abort can reach (the tokens-only route's)
     checker: HealthChecker | None = None
     readiness: Readiness = field(default_factory=Readiness)
     fleet: KVFleet | None = None  # routing by cached prefix (None: --no-kv-routing)

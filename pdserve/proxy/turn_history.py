@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from pdserve.api.pd import with_min_read_tokens
 from pdserve.preflight.plan import parse_bandwidth
 from pdserve.proxy.conversations import HeldHistory
 from pdserve.proxy.history_decision import (
     HistoryDecision,
-    fleet_recompute_info,
+    HistoryPricing,
+    fleet_prefill_costs,
     new_turn_tokens,
     price_history,
 )
@@ -27,9 +29,9 @@ logger = logging.getLogger("pdserve.proxy")
 
 def history_for(state: ProxyState, req: ClientRequest, prefill: Instance | None = None
                 ) -> tuple[dict[str, Any] | None, HistoryDecision | None]:
-    """The held-history params the prefill leg should read back (None: none held, or recomputing is cheaper by
-    `pdserve plan`'s arithmetic, or the prefill's own prefix cache should hold it), and the decision as the client
-    is told it (None without --kv-history)."""
+    """The held-history params the prefill leg should read back, with the cost model's `min_read_tokens` (None:
+    none held, or recomputing is cheaper by `pdserve plan`'s arithmetic, or the prefill's own prefix cache should
+    hold it), and the decision as the client is told it (None without --kv-history)."""
     if not state.config.kv_history or req.generate:
         return None, None
     held = state.history.take(req.api_path, req.body)
@@ -52,25 +54,27 @@ def history_for(state: ProxyState, req: ClientRequest, prefill: Instance | None 
     state.metrics.kv_history[decision.decision].inc()
     logger.info("request %s: held history of %d tokens on %s: %s (%s)", req.rid, held.num_tokens, held.decode_url,
                 decision.decision, decision.header())
-    return (held.params if decision.decision == "pull" else None), decision
+    if decision.decision != "pull":
+        return None, decision
+    return with_min_read_tokens(held.params, decision.min_read_tokens), decision
 
 
 def _pull_choice(state: ProxyState, held: HeldHistory, p_cached: int, new_tokens: int) -> HistoryDecision:
     """pull / p_cache / recompute. The tokens in question are the held ones a prefill instance lacks (`p_cached`:
-    what it holds; it reads only blocks it lacks), priced by `price_history` with the prefill fleet's advertised
-    roofline and kv_recompute_threshold. A holder that does not say its block size in bytes is read from (vLLM's
-    decode instances)."""
+    what it holds; it reads only blocks it lacks), priced by `price_history` with the prefill instances'
+    advertised prefill costs. A holder that does not say its block size in bytes is read from (vLLM's decode
+    instances), under the prefill instance's own threshold."""
     tokens = held.num_tokens - p_cached
     if tokens <= 0:
         return HistoryDecision("p_cache", "prefill_cache", held.num_tokens, 0)
     nblocks = held.num_blocks
     if held.block_bytes is None or nblocks == 0 or held.num_tokens == 0:
         return HistoryDecision("pull", "size_unknown", held.num_tokens, tokens)
-    fleet = fleet_recompute_info(state.prefill.instances)
     cfg = state.config
-    return price_history(held.num_tokens, tokens, new_tokens, held.block_bytes * nblocks / held.num_tokens,
-                         parse_bandwidth(cfg.kv_history_bandwidth), cfg.kv_history_overhead_s,
-                         cfg.kv_history_prefill_tps, fleet.roofline, fleet.threshold, cfg.kv_history_choice)
+    pricing = HistoryPricing(new_tokens, held.block_bytes * nblocks / held.num_tokens,
+                             parse_bandwidth(cfg.kv_history_bandwidth), cfg.kv_history_overhead_s,
+                             cfg.kv_history_prefill_tps, fleet_prefill_costs(state.prefill.instances))
+    return price_history(held.num_tokens, tokens, pricing, cfg.kv_history_choice)
 
 
 def keep_history(state: ProxyState, leg: DecodeLeg, req: ClientRequest, prefill_response: dict[str, Any] | None,

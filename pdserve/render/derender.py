@@ -32,6 +32,7 @@ from pdserve.api.http import parse_model
 from pdserve.api.openai.errors import bad_request
 from pdserve.api.openai.params import completion_prompt_logprobs, stop_list
 from pdserve.api.openai.protocol import ChatCompletionRequest, CompletionRequest, chat_role
+from pdserve.api.scale_out_routes import GENERATE_ID_PREFIX
 from pdserve.render.choice_stream import ChoiceStream, TextOptions, to_engine_logprobs
 from pdserve.render.context import RenderContext
 from pdserve.render.render import (
@@ -43,8 +44,6 @@ from pdserve.render.render import (
 from pdserve.text.chat import message_text
 from pdserve.text.logprobs import LogprobFormatter
 from pdserve.text.output_parsers import ChatOutputParser, ParserStateError, prompt_tail_text
-
-GENERATE_ID_PREFIX = "generate-tokens-"
 
 
 def response_id(generate_request_id: str) -> str:

@@ -25,12 +25,13 @@ from pdserve.api.openai.protocol import (
 )
 from pdserve.api.openai.tokenization import detokenize_body, tokenize_body
 from pdserve.api.openapi import document_json_bodies
+from pdserve.api.scale_out_routes import ABORT_PATH, GENERATE_PATH
 from pdserve.server.kv_params import deliver_kv_params
 from pdserve.server.kv_pin import pin_prefix
 from pdserve.server.serving_chat import create_chat_completion
 from pdserve.server.serving_completion import create_completion
 from pdserve.server.state import ServerState
-from pdserve.server.tokens_only import ABORT_PATH, GENERATE_PATH, TokenizerlessGuard, build_router
+from pdserve.server.tokens_only import TokenizerlessGuard, build_router
 from pdserve.version import __version__
 
 log = logging.getLogger("pdserve.server")

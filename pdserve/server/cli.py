@@ -212,19 +212,19 @@ def _json_object_problem(flag: str, text: str | None) -> str | None:
     return None
 
 
-def _roofline_info(runner: Any, cfg: Any) -> dict[str, Any] | None:
-    """The prefill roofline of this instance's model on its GPU, None on CPU or an unknown GPU."""
-    model = getattr(runner, "model", None)  # a tensor-parallel front holds no model of its own: not priced
-    if runner.device.type != "cuda" or model is None:
+def _prefill_cost_info(engine: Any, kv_cfg: Any) -> dict[str, Any] | None:
+    """What this instance's prefill steps cost, measured now (pdserve/engine/prefill_calibration.py), for the
+    proxy's multi-turn choice: only a GPU instance that prefills turns reading held histories back (CPU: None)."""
+    runner = engine.runner
+    if (runner.device.type != "cuda" or kv_cfg is None or not kv_cfg.bidirectional_kv_xfer
+            or kv_cfg.kv_role == "kv_consumer"):
         return None
     import torch
 
-    from pdserve.preflight.roofline import device_roofline, model_costs
+    from pdserve.engine.prefill_calibration import measure_prefill_cost
 
-    weight_bytes, flops = model_costs(model.named_parameters(), cfg.vocab_size, cfg.hidden_size)
-    roof = device_roofline(torch.cuda.get_device_name(runner.device), str(runner.dtype).removeprefix("torch."),
-                           weight_bytes, flops)
-    return roof.as_info() if roof is not None else None
+    cost = measure_prefill_cost(engine, torch.cuda.get_device_name(runner.device))
+    return cost.as_info() if cost is not None else None
 
 
 def _gpu_uuid(device: Any) -> str | None:
@@ -276,7 +276,7 @@ def build_state(args: argparse.Namespace) -> Any:
     from pdserve.api.openai.params import GenerationDefaults
     from pdserve.engine.async_engine import AsyncEngine
     from pdserve.model.default_model import DEFAULT_MODEL
-    from pdserve.server.kv import connector_factory, parse_kv_transfer_config
+    from pdserve.server.kv import parse_kv_transfer_config, pd_extension_factory
     from pdserve.server.metrics import ServerMetrics
     from pdserve.server.state import ServerState
     from pdserve.text.output_parsers import ParserConfig
@@ -289,13 +289,12 @@ def build_state(args: argparse.Namespace) -> Any:
     kv_cfg = parse_kv_transfer_config(args.kv_transfer_config, args.side_channel_host, args.side_channel_port,
                                       args.insecure_side_channel, args.host)
     registry = CollectorRegistry()
-    factory = connector_factory(kv_cfg, registry, names[0]) if kv_cfg is not None else None
-    engine = AsyncEngine(config, factory)
+    engine = AsyncEngine(config, pd_extension_factory(kv_cfg, registry, names[0]))
     inner = engine.engine
     tokenizer = None if args.tokens_only else load_tokenizer(config.tokenizer or inner.model_dir,
                                                               chat_template=args.chat_template)
     runner = inner.runner
-    connector = inner.connector
+    connector = inner.extension.connector  # the P/D half's (pd_extension_factory)
     cfg = inner.model_cfg
     info = {
         "version": __version__,
@@ -343,12 +342,13 @@ def build_state(args: argparse.Namespace) -> Any:
         # where a router subscribes to this instance's KV events (None: not published)
         "kv_events": kv_events_info(inner.kv_events, args.host, runner.block_size),
         # the KV tiers a prefix can be found in, fastest first (the pool, then host memory and disk)
-        # multi-turn: the fewest held tokens this prefill instance reads back (vLLM's rule; `pdserve proxy` applies
-        # it before pricing the read) and what recomputing them costs here (pdserve/preflight/roofline.py)
+        # multi-turn: the fewest held tokens this prefill instance reads back of a read no pdserve proxy priced
+        # (vLLM's rule; a pdserve proxy's read carries its own minimum), and what its prefill steps cost, which
+        # the proxy prices recomputing a history with (pdserve/types/prefill_cost.py)
         "kv_recompute_threshold": (connector.kv_recompute_threshold
                                    if connector is not None and kv_cfg is not None and kv_cfg.bidirectional_kv_xfer
                                    else None),
-        "roofline": _roofline_info(runner, cfg),
+        "prefill_cost": _prefill_cost_info(inner, kv_cfg),
         "kv_tiers": [{"medium": "GPU", "capacity_blocks": runner.num_blocks,
                       "capacity_bytes": runner.num_blocks * runner.block_bytes, "device": str(runner.device)},
                      *(inner.tiers.info() if inner.tiers is not None else [])],

@@ -37,6 +37,7 @@ from pdserve.api.http import CLIENT_CLOSED, ClientGone, parse_model, read_json, 
 from pdserve.api.openai.errors import APIError, bad_request, error_body, error_response, not_supported
 from pdserve.api.openai.params import MAX_N, resolve_max_tokens, stop_list, truncate_prompt
 from pdserve.api.pd import KVTransferParams
+from pdserve.api.scale_out_routes import ABORT_PATH, GENERATE_ID_PREFIX, GENERATE_PATH, LEGACY_ABORT_PATH
 from pdserve.server.generation import Choice, Generation
 from pdserve.server.pipeline import (
     Recorders,
@@ -51,10 +52,6 @@ from pdserve.server.pipeline import (
 from pdserve.server.state import ServerState
 from pdserve.text.logprobs import clamp
 
-GENERATE_PATH = "/inference/v1/generate"
-ABORT_PATH = "/inference/v1/abort_requests"
-LEGACY_ABORT_PATH = "/abort_requests"
-ID_PREFIX = "generate-tokens-"
 SAMPLING_PREFIX = "sampling_params."  # where this route's sampling fields live, for error params
 
 
@@ -130,7 +127,7 @@ class _Running:
             del self._ids[external]
 
     def lookup(self, request_id: str) -> list[str]:
-        return list(self._ids.get(request_id) or self._ids.get(ID_PREFIX + request_id) or [request_id])
+        return list(self._ids.get(request_id) or self._ids.get(GENERATE_ID_PREFIX + request_id) or [request_id])
 
 
 # ---- the route handlers ------------------------------------------------------------------------------
@@ -169,7 +166,7 @@ class TokensRoutes:
         ids = truncate_prompt(ids, sp.truncate_prompt_tokens, state.max_model_len)
         max_tokens = resolve_max_tokens(sp.max_tokens, len(ids), state.max_model_len, state.defaults,
                                         "sampling_params.max_tokens")
-        external = ID_PREFIX + (raw.headers.get("x-request-id") or req.request_id)
+        external = GENERATE_ID_PREFIX + (raw.headers.get("x-request-id") or req.request_id)
         raw.state.request_id = external
         choices = make_choices(state, sp, external, [ids], [max_tokens], sp.logprobs, kv, per_prompt_suffix=False,
                                param_prefix=SAMPLING_PREFIX, detokenize=text_mode)

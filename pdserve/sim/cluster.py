@@ -127,8 +127,7 @@ class Deployment:
                 inst.order = len(self.instances)
                 self.instances[name] = inst
                 pinst = pool.add(f"http://sim-{name}:{next(port)}", healthy=True)
-                SimProxy.learn(pinst, role if role != "collocated" else "decode", opts.kv_transfer_mode,
-                               opts.kv_recompute_threshold)
+                SimProxy.learn(pinst, role if role != "collocated" else "decode", opts.kv_transfer_mode)
                 pinst.sim_name = name  # type: ignore[attr-defined]
                 self._proxy_inst[name] = pinst
                 self._by_url[pinst.url] = inst
@@ -220,7 +219,7 @@ class Deployment:
             d_pinst = self.proxy.pair_decode(p_pinst)
             t.decode_inst, t.decode_work = d_pinst, sreq.req.decode_tokens
             d_pinst.acquire(t.decode_work)
-            t.prefill_work = sreq.req.tokens  # _prefill_once(..., req.tokens)
+            t.prefill_work = sreq.req.tokens  # prefill_once(..., req.tokens)
         else:  # pull_pair: the prefill leg counts its uncached tokens; the early leg, if any, its decode tokens
             t.prefill_work = self.proxy.work(sreq, p_pinst, sreq.req.tokens)
             if plan.early is not None:

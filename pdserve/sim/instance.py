@@ -148,8 +148,9 @@ class SimInstance:
                 self.scheduler.remove(req)
                 req.status = Status.FINISHED
                 # held for the consumer's read (a prefill leg), kept as a conversation (a decode leg with
-                # bidirectional_kv_xfer), or freed: LLMEngine._finish -> EnginePD.finished
-                self.holds.finished(req, hold=True)
+                # bidirectional_kv_xfer), or freed: LLMEngine._finish -> EnginePD.on_finished
+                if not self.holds.finished(req, completed=True):
+                    self.blocks.release(req)
                 res.finished.append(req)
 
     # ---- step skipping -------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from pdserve.proxy.prompt_tokens import PromptTokenizer
 from pdserve.proxy.protocol import CHARS_PER_TOKEN
 from pdserve.proxy.request import COMPLETIONS, ClientRequest, client_request
 from pdserve.proxy.state import ProxyState
+from pdserve.proxy.upstream import Upstream
 from pdserve.sim.workload import Job
 
 _TEXT: dict[int, str] = {}  # prompt length -> a text prompt the proxy estimates at that many tokens
@@ -109,15 +110,16 @@ class SimProxy:
         self._seq = 0
 
     @staticmethod
-    def learn(inst: Instance, role: str, mode: str, recompute_threshold: int | None) -> None:
+    def learn(inst: Instance, role: str, mode: str) -> None:
         """What the health checker reads from a pdserve instance's /pdserve/info on admission
         (instance_info.apply_info): a pdserve instance of this transfer mode; a decode instance takes its leg
-        before the params (kv_params_later); a prefill instance's kv_recompute_threshold (no roofline: the
-        profile is no roofline, the history decision prices recompute at --kv-history-prefill-tps)."""
+        before the params (kv_params_later); a prefill instance advertises no measured prefill cost (a CPU
+        instance's info has none), so the history decision prices recompute at --kv-history-prefill-tps. The
+        prefill's kv_recompute_threshold is the engine's own (the simulated instance's KV connector config)."""
         inst.pdserve = True
         inst.transfer_mode = mode if mode in (PULL, PUSH) else None
         inst.params_later = role == "decode"
-        inst.recompute = RecomputeInfo(None, recompute_threshold) if role == "prefill" else None
+        inst.recompute = RecomputeInfo() if role == "prefill" else None
 
     def read(self, job: Job) -> SimRequest:
         """The client's request, read and planned by the proxy."""
@@ -125,8 +127,8 @@ class SimProxy:
         body: dict[str, Any] = {"prompt": ids if ids is not None else text_prompt(job.prompt_len),
                                 "max_tokens": job.output_len}
         self._seq += 1
-        headers = {"Content-Type": "application/json", "X-Request-Id": f"sim-{job.index}-{self._seq}"}
-        req = self.run_now(client_request(self.state, COMPLETIONS, body, b"", headers))
+        up = Upstream.of(f"sim-{job.index}-{self._seq}", auth=None)
+        req = self.run_now(client_request(self.state, COMPLETIONS, body, b"", up))
         return SimRequest(body, req, self.run_now(decide(self.state, req)))
 
     # the legs' own choices, as they make them

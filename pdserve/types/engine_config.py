@@ -100,6 +100,12 @@ class EngineConfig:
     def kv_offloading(self) -> bool:
         return bool(self.kv_offloading_size)
 
+    @property
+    def role(self) -> str:
+        """The instance's role in a P/D pair (its kv_transfer_config's kv_role), "engine" without one: a label
+        for what it writes (the step log's file name)."""
+        return (self.kv_transfer_config or {}).get("kv_role", "engine")
+
     def _check_offloading(self) -> None:
         size, backend = self.kv_offloading_size, self.kv_offloading_backend
         if backend is not None and backend != "native":

@@ -8,8 +8,8 @@ import logging
 
 from pdserve.api import pd
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.events import EngineEvent, Finish, FirstTokenAdopted, ParamsRefused, Schedule
 from pdserve.engine.pd.connector_protocol import KVConnectorProtocol
-from pdserve.engine.pd.events import Finish, FirstTokenAdopted, ParamsRefused, PDEvent, Schedule
 from pdserve.engine.pd.first_token import adopt_first_token
 from pdserve.engine.pd.kv_handoff import KVHandoff
 from pdserve.engine.pd.params_mailbox import PARAMS_WAIT_S, ParamsMailbox
@@ -34,7 +34,7 @@ class Admission:
                                      can_send=conn is not None and conn.can_send,
                                      keeps_history=conn is not None and conn.keeps_history)
 
-    def add(self, req: Request, params: pd.KVTransferParams | None) -> list[PDEvent]:
+    def add(self, req: Request, params: pd.KVTransferParams | None) -> list[EngineEvent]:
         """A new request's P/D part into `req.kv`: its events (it is scheduled, or nothing while it awaits its
         params). Raises ParamError for a client mistake, before anything is registered."""
         conn = self.connector
@@ -87,8 +87,8 @@ class Admission:
                              f"(size {vocab})", "kv_transfer_params")
         return first
 
-    def _admit(self, req: Request, first: pd.FirstToken | None) -> list[PDEvent]:
-        events: list[PDEvent] = []
+    def _admit(self, req: Request, first: pd.FirstToken | None) -> list[EngineEvent]:
+        events: list[EngineEvent] = []
         if first is not None and adopt_first_token(req, first, self.eos_token_ids):
             events.append(FirstTokenAdopted(req))
         if req.kv.prefix:
@@ -101,7 +101,7 @@ class Admission:
         events.append(Schedule(req))
         return events
 
-    def deliver(self, key: str, params: pd.KVTransferParams) -> list[PDEvent]:
+    def deliver(self, key: str, params: pd.KVTransferParams) -> list[EngineEvent]:
         """The prefill's params for the decode leg waiting under `key` (`pd.early_decode_params`): its events,
         `ParamsRefused` for params this instance refuses; or kept for a leg still to come (no events). Raises
         ParamError when the delivery itself is refused (no leg is affected)."""
@@ -127,9 +127,9 @@ class Admission:
             req.remote_cached_tokens = params.remote_cached_tokens
         return self._admit(req, first)
 
-    def expired(self) -> list[PDEvent]:
+    def expired(self) -> list[EngineEvent]:
         """Decode legs whose params did not come in time: they end with a 504."""
-        events: list[PDEvent] = []
+        events: list[EngineEvent] = []
         for req in self.mailbox.expired():
             req.finish_reason, req.error_status = "error", 504
             req.error = f"the decode leg's kv_transfer_params did not arrive within {PARAMS_WAIT_S:.0f} s"
@@ -157,4 +157,7 @@ class Admission:
             self.connector.record_prefix_pull("declined")
             return
         req.kv.prefix_tokens = k * bs
-        req.kv.prefix_min_tokens = self.connector.kv_recompute_threshold
+        # the proxy's break-even when a pdserve proxy priced this read (one decider: its cost model), else this
+        # instance's kv_recompute_threshold (vLLM's rule for reads nobody priced)
+        req.kv.prefix_min_tokens = (remote.min_read_tokens if remote.min_read_tokens is not None
+                                    else self.connector.kv_recompute_threshold)

@@ -133,7 +133,8 @@ class KVConnectorProtocol(Protocol):
 
     @property
     def kv_recompute_threshold(self) -> int:
-        """A peer's prefix with fewer tokens left to read than this is recomputed instead."""
+        """A peer's prefix with fewer tokens left to read than this is recomputed instead, unless its params carry
+        the pricing proxy's own minimum (`pdserve.api.pd.MIN_READ_TOKENS`), which applies then."""
         ...
 
     @property

@@ -42,12 +42,12 @@ class Holds:
         # (the first evicted when the pool runs short)
         self.history: OrderedDict[str, Request] = OrderedDict()
 
-    def finished(self, req: Request, hold: bool) -> None:
-        """A request ended: with `hold` (it ended by a stop or its length), its blocks are held for a
-        consumer (`kv.send`) or as a conversation (`kv.keep_history`); else freed now."""
-        if hold and req.kv.keep_history and req.finish_reason in ("length", "stop") and req.block_ids:
-            self._hold_history(req)
-        elif hold and req.kv.send and req.finish_reason in ("length", "stop") and req.block_ids \
+    def finished(self, req: Request, completed: bool) -> bool:
+        """A request ended: when `completed` (by a stop or its length), its blocks are held for a consumer
+        (`kv.send`) or as a conversation (`kv.keep_history`). True when they are kept; False: the loop frees them."""
+        if completed and req.kv.keep_history and req.finish_reason in ("length", "stop") and req.block_ids:
+            return self._hold_history(req)
+        if completed and req.kv.send and req.finish_reason in ("length", "stop") and req.block_ids \
                 and self.producer is not None:
             first = None
             if len(req.output_token_ids) == 1 and req.num_computed_tokens == req.num_prompt_tokens:
@@ -63,10 +63,10 @@ class Holds:
             req.result_kv_transfer_params = params
             req.kv.hold()
             self.held[req.request_id] = req
-        else:
-            if req.kv.send and self.producer is not None:
-                self.producer.send_ended(req.request_id)  # a push job for it stops before the blocks go
-            self.blocks.release(req)
+            return True
+        if req.kv.send and self.producer is not None:
+            self.producer.send_ended(req.request_id)  # a push job for it stops before the blocks go
+        return False
 
     def released(self, lease_ids: Iterable[str]) -> None:
         """Leases that ended (read, expired, freed by the peer): their blocks go back to the pool."""
@@ -85,17 +85,17 @@ class Holds:
         req.kv.keep_as_history()
         self.history[lease_id] = req
 
-    def _hold_history(self, req: Request) -> None:
+    def _hold_history(self, req: Request) -> bool:
         """Keep the full blocks of a finished decode leg (prompt and answer: every token whose KV is
         computed) under a history lease; the partial last block is freed now. Its params go back in the
-        response for the next turn's prefill to read (vLLM's bidirectional_kv_xfer)."""
+        response for the next turn's prefill to read (vLLM's bidirectional_kv_xfer). False when nothing is
+        kept (the loop frees the blocks)."""
         assert self.producer is not None  # keep_history needs the producer role
         bs = self.blocks.block_size
         full = min(req.num_computed_tokens // bs, len(req.block_ids))
         lease_id = f"{req.request_id}-history"
         if full == 0 or lease_id in self.history:
-            self.blocks.release(req)
-            return
+            return False
         hashes = [pd.wire_block_hash(h) for h in self.blocks.block_hashes(req, full * bs)]
         self.blocks.free_blocks(req.block_ids[full:])
         req.block_ids = req.block_ids[:full]
@@ -103,10 +103,10 @@ class Holds:
             params = self.producer.hold_history(lease_id, list(req.block_ids), full * bs, hashes)
         except ValueError as e:  # e.g. an earlier request of the same id still holds its lease
             log.warning("request %s: its conversation's KV is not kept: %s", req.request_id, e)
-            self.blocks.release(req)
-            return
+            return False
         req.result_kv_transfer_params = params
         self._keep_history(lease_id, req)
+        return True
 
     def make_room(self, running: Sequence[Request], waiting: Sequence[Request]) -> None:
         """Held histories give their blocks back, oldest first, before this step's requests would wait or be

@@ -31,7 +31,8 @@ prefill's params name them (`pdserve.api.pd.KVTransferParams.prefix`): the same 
 PREFIX of its prompt (`prefix_tokens`, the leading blocks whose hashes match its own prompt's) and the rest is
 computed here as any prompt is. A prefix that is gone (expired, evicted, a dead holder refused) is recomputed,
 never the client's error; `drop_load` (WAITING -> NONE) is a prefix not worth reading once the local prefix
-cache is known (it covers it, or what is left is under `kv_recompute_threshold`).
+cache is known (it covers it, or what is left is under the params' `min_read_tokens`, else the instance's
+`kv_recompute_threshold`).
 
 First token (pdserve producers, pdserve/api/pd.py `first_token_fields`): a decode request that adopted the
 producer's sampled first token (`first_token`) loads the KV of the whole prompt and starts from that token;
@@ -80,7 +81,8 @@ class KVHandoff:
     keep_history: bool = False  # decode leg, bidirectional instance: hold prompt + answer for the next turn
     prefix: bool = False  # the params name a peer's held prefix of the prompt (not a decode leg's whole prompt)
     prefix_tokens: int | None = None  # a prefix load: how many leading prompt tokens it reads (whole blocks)
-    prefix_min_tokens: int = 0  # kv_recompute_threshold: fewer tokens left to read are recomputed instead
+    # fewer tokens left to read are recomputed instead: the proxy's min_read_tokens, else kv_recompute_threshold
+    prefix_min_tokens: int = 0
     params_key: str | None = None  # AWAITING_PARAMS: the key its params are delivered under
 
     def remote_tokens(self, num_prompt_tokens: int) -> int:

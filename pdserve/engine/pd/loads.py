@@ -11,8 +11,8 @@ from collections.abc import Iterable, Mapping
 
 from pdserve.api.pd import FirstToken, PushParams
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.events import Emit, EngineEvent, Finish, LoadEnded
 from pdserve.engine.pd.connector_protocol import KVConnectorProtocol, KVConsumerRole
-from pdserve.engine.pd.events import Emit, Finish, LoadEnded, PDEvent
 from pdserve.engine.pd.first_token import adopt_first_token
 from pdserve.engine.request import Request
 
@@ -38,10 +38,10 @@ class Loads:
             self.consumer.remove_waiting(req.request_id)
             self.connector.record_prefix_pull("declined")
 
-    def start(self, reqs: Iterable[Request]) -> list[PDEvent]:
+    def start(self, reqs: Iterable[Request]) -> list[EngineEvent]:
         """Start the reads of requests whose blocks the scheduler allocated; a read that cannot start ends
         at once (its events)."""
-        events: list[PDEvent] = []
+        events: list[EngineEvent] = []
         for req in reqs:
             assert req.kv.remote is not None  # parsed at admission
             first_block = req.num_computed_tokens // self.block_size
@@ -59,9 +59,9 @@ class Loads:
                 events += self._ended(req, ok=False, error=f"KV load could not start: {e}")
         return events
 
-    def poll(self) -> list[PDEvent]:
+    def poll(self) -> list[EngineEvent]:
         """Claims (an adopted first token goes out) and outcomes of the reads in flight."""
-        events: list[PDEvent] = []
+        events: list[EngineEvent] = []
         self._free_quarantined(time.monotonic())
         # results first, then claims: a load's claim is queued before its result, so every result polled
         # here has its claim polled too, and a claim is seen before the result of the same load
@@ -131,12 +131,12 @@ class Loads:
         adopt_first_token(req, first, self.eos_token_ids)
 
     @staticmethod
-    def _send_first_token(req: Request) -> list[PDEvent]:
+    def _send_first_token(req: Request) -> list[EngineEvent]:
         req.metrics.first_token_time = req.metrics.last_token_time = time.monotonic()
         req.kv.first_token_sent = True
         return [Emit(req)]
 
-    def _ended(self, req: Request, ok: bool, error: str, rejected: str | None = None) -> list[PDEvent]:
+    def _ended(self, req: Request, ok: bool, error: str, rejected: str | None = None) -> list[EngineEvent]:
         """The one place a remote read ends: loaded, aborted meanwhile, refused by the producer (the client's
         mistake: finished with the reason), or failed (then the policy, which is for transport failures)."""
         req.metrics.kv_load_done_time = time.monotonic()
@@ -167,7 +167,7 @@ class Loads:
             return [LoadEnded(req, ok, resume=False), Finish(req)]
         if ok:
             req.num_cached_tokens = req.kv.remote_tokens(req.num_prompt_tokens)
-            events: list[PDEvent] = [LoadEnded(req, ok=True, resume=True)]
+            events: list[EngineEvent] = [LoadEnded(req, ok=True, resume=True)]
             if req.kv.first_token is not None and not req.kv.first_token_sent:
                 events += self._send_first_token(req)
             return events

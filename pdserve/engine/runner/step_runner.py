@@ -41,6 +41,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.runner.decode_fusions import decode_fusions_from_env
 from pdserve.engine.runner.host_batch import BlockTableCache, EagerShape, HostBatch
 from pdserve.engine.runner.sampler import Sampler
+from pdserve.engine.runner.step_graphs import StepGraphs, capture_step_graphs, replay_step
 from pdserve.engine.runner.step_timing import StepTiming
 from pdserve.engine.runner.tp_messages import EagerStep, GraphStep, StepMessage
 from pdserve.engine.runner.verify_graphs import VerifyGraphs, verify_graph_sizes, verify_graphs_from_env
@@ -122,7 +123,7 @@ class GpuStepRunner:
         self._host = torch.empty(0, dtype=torch.int64)
         self._dev = torch.empty(0, dtype=torch.int64, device=self.device)
         self.graph_sizes: list[int] = []
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.graphs: StepGraphs = {}
         self.num_spec_tokens = num_spec_tokens
         self.verify: VerifyGraphs | None = None  # the verify steps' graphs (None: verify steps run eagerly)
         self.verify_graphs_on = True  # switched off at run time by benchmarks (A/B against the eager step)
@@ -178,15 +179,7 @@ class GpuStepRunner:
             return
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode():
-            for size in reversed(self.graph_sizes):
-                self._graph_forward(size)  # compiles the kernels for this shape outside the capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits, tokens = self._graph_forward(size)
-                self.graphs[size] = (graph, logits, tokens)
-        torch.cuda.synchronize()
+        self.graphs = capture_step_graphs(self._graph_forward, self.graph_sizes, pool)
         log.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(self.graphs), self.graph_sizes,
                  time.perf_counter() - t0)
         if self.verify is not None and not self.verify.capture(pool):
@@ -344,14 +337,7 @@ class GpuStepRunner:
             # above ran, which the next launch checks (_wait_staged)
             self._staged = torch.cuda.Event()
             self._staged.record()
-        if self.simulate_graphs:
-            logits, tokens = self._graph_forward(size)
-        else:
-            graph, logits, tokens = self.graphs[size]
-            t = time.perf_counter()
-            graph.replay()
-            self.timing.launch_s += time.perf_counter() - t
-        return logits, tokens
+        return replay_step(self.graphs, size, self._graph_forward, self.simulate_graphs, self.timing)
 
     # ---- async scheduling ----------------------------------------------------------------------
     @property

@@ -34,6 +34,7 @@ import torch
 from pdserve.attention.base import AttentionMetadata
 from pdserve.engine import prompt_logprobs
 from pdserve.engine.request import Request
+from pdserve.engine.runner.step_graphs import StepGraphs, capture_step_graphs, replay_step
 
 if TYPE_CHECKING:
     from pdserve.engine.runner.step_runner import GpuStepRunner
@@ -65,7 +66,7 @@ class VerifyGraphs:
         self.k = num_drafts
         self.rows = num_drafts + 1
         self.sizes = sizes
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.graphs: StepGraphs = {}
         self.steps = 0  # verify steps replayed from a graph
         bmax = sizes[-1]
         self._b = bmax
@@ -86,15 +87,7 @@ class VerifyGraphs:
         nothing is kept and verify steps stay eager; returns whether graphs were captured."""
         t0 = time.perf_counter()
         try:
-            with torch.inference_mode():
-                for size in reversed(self.sizes):
-                    self.forward(size)  # compiles this shape's kernels outside the capture
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        logits, tokens = self.forward(size)
-                    self.graphs[size] = (graph, logits, tokens)
-            torch.cuda.synchronize()
+            self.graphs = capture_step_graphs(self.forward, self.sizes, pool)
         except Exception:  # noqa: BLE001 - any capture failure: the eager verify step is always correct
             log.warning("capturing the speculative verify CUDA graphs failed; verify steps run eagerly",
                         exc_info=True)
@@ -199,13 +192,7 @@ class VerifyGraphs:
         buf[3 * n + self._b + len(batch) : 3 * n + self._b + size] = 0
         self._dev.copy_(self._host, non_blocking=True)
         r._write_table_updates(updates)
-        if r.simulate_graphs:
-            logits, tokens = self.forward(size)
-        else:
-            graph, logits, tokens = self.graphs[size]
-            t = time.perf_counter()
-            graph.replay()
-            r.timing.launch_s += time.perf_counter() - t
+        logits, tokens = replay_step(self.graphs, size, self.forward, r.simulate_graphs, r.timing)
         self.steps += 1
         argmax = None
         if want_argmax:

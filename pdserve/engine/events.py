@@ -1,5 +1,6 @@
-"""What the engine's P/D half asks the engine loop to do: it moves `Request.kv` and talks to the connector,
-the loop owns the scheduler's queues and a request's end (`LLMEngine._apply` applies these, in order)."""
+"""What an engine extension (engine/extension.py) asks the step loop to do, all that the loop's one `match`
+(`LLMEngine._apply`) knows: the loop owns the scheduler's queues and a request's end; the extension (the P/D half,
+engine/pd/) moves its own state (`Request.kv`) and talks to what it drives (the KV connector)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ class ParamsRefused(_RequestEvent):
     error: ParamError
 
 
-PDEvent = Schedule | FirstTokenAdopted | LoadEnded | Emit | Finish | ParamsRefused
+EngineEvent = Schedule | FirstTokenAdopted | LoadEnded | Emit | Finish | ParamsRefused
 
 
 class DeliveryRefused(ParamError):
