@@ -47,7 +47,6 @@ import dataclasses
 import heapq
 import itertools
 from array import array
-from bisect import bisect_right
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -321,7 +320,7 @@ class Deployment:
             return
         inst.run = run
         self._stretches.add(inst)
-        self._schedule_step_end(inst, run.ends[-1], lambda at: self._run_end(inst, run, at))
+        self._schedule_step_end(inst, run.end(len(run.ends)), lambda at: self._run_end(inst, run, at))
 
     # ---- skipped decode steps -----------------------------------------------------------------
     def _run_end(self, inst: SimInstance, run: DecodeRun, now: float) -> None:
@@ -342,10 +341,11 @@ class Deployment:
             return
         inst.run = None
         self._stretches.discard(inst)
-        done = bisect_right(run.ends, now)  # < len(run.ends): the run's own end event comes before `now`'s
+        # bisect_right: < len(run.ends), the run's own end event comes before `now`'s
+        done = int(run.ends.searchsorted(now, side="right"))
         self._apply(inst, run, done, done + 1)
         res = run.result(done + 1)
-        self._schedule_step_end(inst, run.ends[done], lambda at: self._step_end(inst, res, at))
+        self._schedule_step_end(inst, run.end(done + 1), lambda at: self._step_end(inst, res, at))
 
     def _apply(self, inst: SimInstance, run: DecodeRun, commits: int, allocs: int) -> None:
         """Skipped steps up to `commits` applied to the instance, and their tokens' times to the clients'; then
@@ -358,7 +358,7 @@ class Deployment:
         if commits <= first:
             return
         egress = inst.profile.overheads.egress_s
-        out = [at + egress for at in run.ends[first:commits]]
+        out = (run.ends[first:commits] + egress).tolist()  # each at + egress, as the step events add it
         for req in run.rows:
             t = self._legs.get(req.request_id)
             if t is not None and not req.kv.send:  # a prefill leg's tokens count only when it ends

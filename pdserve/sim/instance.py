@@ -61,15 +61,21 @@ class DecodeRun:
     rows: list[Request]
     tokens: list[int]  # the token each row samples
     start: list[int]  # each row's num_computed_tokens before step 1
-    seconds: list[float]  # step j's duration at index j - 1
-    ends: list[float]
+    # numpy arrays (float64: the same IEEE values as the step events' Python floats), read by the slices used: a
+    # stretch is planned up to MAX_RUN_STEPS ahead and usually cut after tens of steps by an outside event
+    seconds: np.ndarray  # step j's duration at index j - 1
+    ends: np.ndarray
     by_phase: dict[int, list[int]]  # start % block_size -> row indexes (running order): who crosses a block when
     committed: int = 0  # steps whose end (commit) is applied
     allocated: int = 1  # steps whose start (schedule: block allocation) is applied
 
     def result(self, step: int) -> StepResult:
         """Step `step` as the StepResult the engine's schedule() would have returned."""
-        return StepResult(SchedulerOutput(scheduled=[(r, 1) for r in self.rows]), self.seconds[step - 1])
+        return StepResult(SchedulerOutput(scheduled=[(r, 1) for r in self.rows]), float(self.seconds[step - 1]))
+
+    def end(self, step: int) -> float:
+        """When step `step` ends (1-based)."""
+        return float(self.ends[step - 1])
 
 
 class SimInstance:
@@ -205,8 +211,8 @@ class SimInstance:
         if secs[0] != res.seconds:
             return None  # not the features step_features gave step 1: do not guess
         # now + s1, then + s2, ...: the step events' sums (numpy's cumsum adds in order, one at a time)
-        ends = np.cumsum(np.concatenate(([now], secs)))[1:].tolist()
-        seconds = secs.tolist()
+        ends = np.cumsum(np.concatenate(([now], secs)))[1:]
+        seconds = secs
         by_phase: dict[int, list[int]] = {}
         bs = blocks.block_size
         for i, c in enumerate(start):
@@ -247,7 +253,7 @@ class SimInstance:
                     blocks.cache_full_blocks(rows[i])
         if allocs > run.allocated:
             self.steps += allocs - run.allocated
-            self.busy_s = reduce(add, run.seconds[run.allocated:allocs], self.busy_s)  # step by step's sums
+            self.busy_s = reduce(add, run.seconds[run.allocated:allocs].tolist(), self.busy_s)  # step by step's sums
             run.allocated = allocs
         if commits > run.committed:
             for req, c in zip(rows, start, strict=True):
