@@ -36,6 +36,24 @@ def tiny_model_factory(tmp_path_factory):
 def tiny_llama(tiny_model_factory) -> Path:
     return tiny_model_factory("llama")
 
+@pytest.fixture(scope="session")
+def pd_reference(tmp_path_factory):
+    """The collocated `pdserve serve` whose answers the P/D e2e files compare against: make_model_dir's tiny
+    model (seeded: every call writes the same bytes) with test_pd_e2e's flags. Its greedy answers do not depend
+    on what it served before, so one is started for the session instead of one per module (each start costs a
+    process's torch import and model load on the 2-core CI box). A module fixture lists it beside its own
+    servers and calls wait_ready(); it is stopped here, at the end of the session."""
+    from server_utils import make_model_dir
+    from test_pd_e2e import start  # skips where NIXL is missing, as the files that use it do
+
+    srv = start(make_model_dir(tmp_path_factory.mktemp("pd-reference-model")),
+                tmp_path_factory.mktemp("pd-reference-logs"), "collocated")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
 # CI runs property tests with a fixed seed, so a red build is reproducible and never a coin flip.
 try:
     from hypothesis import settings as _hyp_settings

@@ -47,10 +47,9 @@ def fault_log(logs: Path, name: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def pull(model_dir: Path, tmp_path_factory) -> Iterator[dict]:
+def pull(model_dir: Path, tmp_path_factory, pd_reference) -> Iterator[dict]:
     logs = tmp_path_factory.mktemp("digest-logs")
     servers = {
-        "collocated": start(model_dir, logs, "collocated"),
         "prefill_flip": start(model_dir, logs, "prefill_flip", "--kv-transfer-config",
                               kv_config("kv_producer", **DIGESTS), "--side-channel-port", "0", env=faulty(logs, "prefill_flip", flip=1.0)),
         # a small pool, so that a few other prompts reuse the blocks the fault handed back
@@ -64,7 +63,7 @@ def pull(model_dir: Path, tmp_path_factory) -> Iterator[dict]:
                              kv_config("kv_consumer", **DIGESTS)),
     }
     with all_ready(servers):
-        yield {**servers, "logs": logs}
+        yield {**servers, "collocated": pd_reference.wait_ready(), "logs": logs}  # conftest's, for the session
 
 
 def num_tokens(srv: ServerProcess, text: str) -> int:
@@ -171,17 +170,16 @@ def test_read_after_reassign_is_caught(pull):
 
 
 @pytest.fixture(scope="module")
-def push(model_dir: Path, tmp_path_factory) -> Iterator[dict]:
+def push(model_dir: Path, tmp_path_factory, pd_reference) -> Iterator[dict]:
     logs = tmp_path_factory.mktemp("digest-push-logs")
     servers = {
-        "collocated": start(model_dir, logs, "collocated"),
         "prefill": start(model_dir, logs, "prefill", "--kv-transfer-config", push_config("kv_producer", **DIGESTS),
                          "--side-channel-port", "0", env=faulty(logs, "prefill", stale_push=1.0)),
         "decode": start(model_dir, logs, "decode", "--kv-transfer-config",
                         push_config("kv_consumer", "recompute", push_registration_timeout=4.0, **DIGESTS)),
     }
     with all_ready(servers):
-        yield {**servers, "logs": logs}
+        yield {**servers, "collocated": pd_reference.wait_ready(), "logs": logs}  # conftest's, for the session
 
 
 def test_stale_push_write_is_caught(push):

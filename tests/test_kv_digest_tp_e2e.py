@@ -39,11 +39,10 @@ TP2 = ("--tensor-parallel-size", "2", "--device", "cpu")
 
 
 @pytest.fixture(scope="module")
-def pull(tmp_path_factory) -> Iterator[dict]:
+def pull(tmp_path_factory, pd_reference) -> Iterator[dict]:
     model_dir = make_model_dir(tmp_path_factory.mktemp("digest-tp-model"))  # 2 KV heads: one a TP=2 rank
     logs = tmp_path_factory.mktemp("digest-tp-logs")
     servers = {
-        "collocated": start(model_dir, logs, "collocated"),
         # flip=1: every prompt whose last block is partial gets a byte flipped there (prompt_with picks)
         "p2": start(model_dir, logs, "p2", "--kv-transfer-config", kv_config("kv_producer", **DIGESTS),
                     "--side-channel-port", "0", *TP2, env=faulty(logs, "p2", flip=1.0)),
@@ -54,7 +53,7 @@ def pull(tmp_path_factory) -> Iterator[dict]:
                     *TP2),
     }
     with all_ready(servers):
-        yield {**servers, "logs": logs}
+        yield {**servers, "collocated": pd_reference.wait_ready(), "logs": logs}  # conftest's, for the session
 
 
 PULL_PAIRS = [("p2", "d1", "xxh3_128"), ("p1", "d2", "vllm_lanesum"), ("p2", "d2", "xxh3_128")]

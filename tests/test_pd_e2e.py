@@ -51,10 +51,9 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dir: Path, tmp_path_factory) -> Iterator[dict[str, ServerProcess]]:
+def cluster(model_dir: Path, tmp_path_factory, pd_reference) -> Iterator[dict[str, ServerProcess]]:
     logs = tmp_path_factory.mktemp("pd-logs")
     servers = {
-        "collocated": start(model_dir, logs, "collocated"),
         "prefill": start(model_dir, logs, "prefill", "--kv-transfer-config",
                          kv_config("kv_producer", kv_lease_duration=LEASE_S), "--side-channel-port", "0"),
         "decode": start(model_dir, logs, "decode", "--kv-transfer-config", kv_config("kv_consumer", "fail")),
@@ -62,7 +61,7 @@ def cluster(model_dir: Path, tmp_path_factory) -> Iterator[dict[str, ServerProce
                                   kv_config("kv_consumer", "recompute")),
     }
     with all_ready(servers):
-        yield servers
+        yield {**servers, "collocated": pd_reference.wait_ready()}  # conftest's, for the session
 
 
 def prefill_leg(prefill: ServerProcess, route: str, body: dict, request_id: str) -> dict:
@@ -323,18 +322,18 @@ def test_dead_or_frozen_producer_fails_fast_or_recomputes(cluster, model_dir, tm
         victim.stop()
 
 
-def test_tcp_transport(model_dir, tmp_path):
+def test_tcp_transport(cluster, model_dir, tmp_path):
     """UCX_TLS=self,tcp: the asynchronous path a real network takes (posts return PROC, the target must
-    keep progressing)."""
+    keep progressing). The reference is the cluster's collocated instance (no NIXL: UCX_TLS changes nothing)."""
     env = {"UCX_TLS": "self,tcp", "UCX_NET_DEVICES": "lo"}
     servers = [start(model_dir, tmp_path, "tcp-prefill", "--kv-transfer-config", kv_config("kv_producer"),
                      "--side-channel-port", "0", env=env),
-               start(model_dir, tmp_path, "tcp-decode", "--kv-transfer-config", kv_config("kv_consumer"), env=env),
-               start(model_dir, tmp_path, "tcp-collocated")]
+               start(model_dir, tmp_path, "tcp-decode", "--kv-transfer-config", kv_config("kv_consumer"), env=env)]
     try:
         for s in servers:
             s.wait_ready()
-        prefill, decode, colo = servers
+        prefill, decode = servers
+        colo = cluster["collocated"]
         body = {"model": "tiny", "prompt": long_prompt(100, 4), "max_tokens": 10, "temperature": 0}
         ref = httpx.post(f"{colo.url}/v1/completions", json=body, timeout=60).json()
         params = prefill_leg(prefill, "completions", body, "tcp")

@@ -29,18 +29,17 @@ HEADERS = {"Authorization": "Bearer None"}
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[dict[str, ServerProcess]]:
+def cluster(tmp_path_factory, pd_reference) -> Iterator[dict[str, ServerProcess]]:
     model_dir = make_model_dir(tmp_path_factory.mktemp("pd-early-model"))
     logs = tmp_path_factory.mktemp("pd-early-logs")
     slack = {"transfer_timeout_s": 30.0, "handshake_timeout_s": 30.0}
     servers = {
-        "collocated": start(model_dir, logs, "collocated"),
         "prefill": start(model_dir, logs, "prefill", "--kv-transfer-config", kv_config("kv_producer", **slack),
                          "--side-channel-port", "0"),
         "decode": start(model_dir, logs, "decode", "--kv-transfer-config", kv_config("kv_consumer", "fail", **slack)),
     }
     with all_ready(servers):
-        yield servers
+        yield {**servers, "collocated": pd_reference.wait_ready()}  # conftest's, for the session
 
 
 def body(prompt_seed: int, **kw) -> dict:

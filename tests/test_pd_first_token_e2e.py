@@ -34,12 +34,11 @@ def logs(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dir: Path, logs: Path) -> Iterator[dict[str, ServerProcess]]:
+def cluster(model_dir: Path, logs: Path, pd_reference) -> Iterator[dict[str, ServerProcess]]:
     # generous transfer deadlines: these tests check outputs, not failure handling (test_pd_e2e does that),
     # and a heavily loaded CI box can take seconds for a DRAM transfer
     slack = {"transfer_timeout_s": 30.0, "handshake_timeout_s": 30.0}
     servers = {
-        "collocated": start(model_dir, logs, "collocated"),
         "prefill": start(model_dir, logs, "prefill", "--kv-transfer-config", kv_config("kv_producer", **slack),
                          "--side-channel-port", "0"),
         "decode": start(model_dir, logs, "decode", "--kv-transfer-config",
@@ -47,7 +46,7 @@ def cluster(model_dir: Path, logs: Path) -> Iterator[dict[str, ServerProcess]]:
                         env={"PDSERVE_STEP_LOG": str(logs / "decode-steps.jsonl")}),
     }
     with all_ready(servers):
-        yield servers
+        yield {**servers, "collocated": pd_reference.wait_ready()}  # conftest's, for the session
 
 
 def body(prompt_words: int = 60, prompt_seed: int = 1, **kw) -> dict:

@@ -27,18 +27,17 @@ DECODE_BLOCKS = "40"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[dict[str, ServerProcess]]:
+def cluster(tmp_path_factory, pd_reference) -> Iterator[dict[str, ServerProcess]]:
     model_dir: Path = make_model_dir(tmp_path_factory.mktemp("pd-preempt-model"))
     logs = tmp_path_factory.mktemp("pd-preempt-logs")
     servers = {
-        "collocated": start(model_dir, logs, "collocated"),
         "prefill": start(model_dir, logs, "prefill", "--kv-transfer-config", kv_config("kv_producer"),
                          "--side-channel-port", "0"),
         "decode": start(model_dir, logs, "decode", "--kv-transfer-config", kv_config("kv_consumer", "fail"),
                         "--num-gpu-blocks-override", DECODE_BLOCKS),
     }
     with all_ready(servers):
-        yield servers
+        yield {**servers, "collocated": pd_reference.wait_ready()}  # conftest's, for the session
 
 
 def bodies() -> list[dict]:

@@ -57,10 +57,9 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dir: Path, tmp_path_factory) -> Iterator[dict[str, ServerProcess]]:
+def cluster(model_dir: Path, tmp_path_factory, pd_reference) -> Iterator[dict[str, ServerProcess]]:
     logs = tmp_path_factory.mktemp("push-logs")
     servers = {
-        "collocated": start(model_dir, logs, "collocated"),
         # every prompt layer by layer (the tests' prompts are shorter than the default push_layerwise_min_tokens)
         "prefill": start(model_dir, logs, "prefill", "--kv-transfer-config",
                          push_config("kv_producer", push_layerwise_min_tokens=0), "--side-channel-port", "0"),
@@ -81,7 +80,8 @@ def cluster(model_dir: Path, tmp_path_factory) -> Iterator[dict[str, ServerProce
             "--decode", servers["decode"].url, "--kv-transfer-mode", "push"])
         try:
             proxy.wait_ready()
-            yield {**servers, "proxy": proxy, "logs": logs}  # type: ignore[dict-item]
+            yield {**servers, "collocated": pd_reference.wait_ready(),  # conftest's, for the session
+                   "proxy": proxy, "logs": logs}  # type: ignore[dict-item]
         finally:
             proxy.stop()
 

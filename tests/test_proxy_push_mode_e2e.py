@@ -35,11 +35,10 @@ PREFILL_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remot
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory) -> Iterator[dict[str, ServerProcess]]:
+def fleet(tmp_path_factory, pd_reference) -> Iterator[dict[str, ServerProcess]]:
     model_dir: Path = make_model_dir(tmp_path_factory.mktemp("mode-model"))
     logs = tmp_path_factory.mktemp("mode-logs")
     servers = {
-        "collocated": start(model_dir, logs, "collocated"),
         "push_prefill": start(model_dir, logs, "push_prefill", "--kv-transfer-config", push_config("kv_producer"),
                               "--side-channel-port", "0"),
         "push_decode": start(model_dir, logs, "push_decode", "--kv-transfer-config",
@@ -49,7 +48,8 @@ def fleet(tmp_path_factory) -> Iterator[dict[str, ServerProcess]]:
         "pull_decode": start(model_dir, logs, "pull_decode", "--kv-transfer-config", pull_config("kv_consumer")),
     }
     with all_ready(servers):
-        yield {**servers, "logs": logs}  # type: ignore[dict-item]
+        yield {**servers, "collocated": pd_reference.wait_ready(),  # conftest's, for the session
+               "logs": logs}  # type: ignore[dict-item]
 
 
 def proxy(fleet: dict, name: str, prefill: list[str], decode: list[str], *extra: str) -> PdserveProcess:
