@@ -187,7 +187,9 @@ class DecoderLM(nn.Module):
         self.tp = tp
         self.shard = shard_of(cfg, tp)
         vocab = self.shard.vocab_per_rank  # the whole vocabulary with one rank
-        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
+        # An uninitialised weight (the loader fills it): nn.Embedding's own random init, under the loader's meta
+        # device, runs through torch._refs and imports torch._dynamo (~3.5 CPU-s of every process start).
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size, _weight=torch.empty(vocab, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg)

@@ -36,7 +36,10 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)
+        # computed on the CPU whatever the default device: under the loader's meta device, the arithmetic runs
+        # through torch._refs, whose first call imports torch._dynamo (~3.5 CPU-s of every process start)
+        with torch.device("cpu"):
+            self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # float32 like HF, then cast to the activation dtype.
