@@ -32,7 +32,7 @@ PUSH_CONNECTOR = "NixlPushConnector"
 # ("KV digests") is within the 3 % of the transfer time a default may cost. On a CPU pool it is not: a hash that
 # reads every byte costs 28-47 % of a CPU NIXL READ (XXH3, 1k-16k tokens), so off. On a GPU pool the fused lane
 # sums' cost is measured by `bench_kv_transfer.py --device cuda --digest both`; this stays False (off) until that
-# run shows <= 3 % at 4k tokens (LEAD: set from the H100/H200 row of BENCHMARKS.md, "KV digests").
+# run shows <= 3 % at 4k tokens (BENCHMARKS.md, "KV digests": the GPU row is not measured yet).
 DIGESTS_AUTO_ON_GPU = False
 DIGEST_ALGOS = ("auto", "xxh3_128", "vllm_lanesum")  # kv_digest_algo; "auto": digest.default_algo(pool)
 
