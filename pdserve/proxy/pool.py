@@ -10,6 +10,7 @@ from typing import Any
 
 from yarl import URL
 
+from pdserve.api.pd import PARAMS_LATER, TRANSFER_MODE
 from pdserve.routing.choice import LoadBalancer, LoadIndex
 
 logger = logging.getLogger("pdserve.proxy")
@@ -18,7 +19,8 @@ ROLES = ("prefill", "decode")
 # What a pool keeps indexes of (Pool._changed): the load the choice weighs, and what makes an instance
 # available or pairable. An instance tells its pool whenever one of these is set, however it is set.
 _LOAD_FIELDS = frozenset({"in_flight", "outstanding_tokens"})
-_STATE_FIELDS = frozenset({"healthy", "backoff_until", "transfer_mode", "pdserve", "params_later"})
+# (the instance's attributes named after the kv_transfer_params fields they learn: spelled by pdserve.api.pd)
+_STATE_FIELDS = frozenset({"healthy", "backoff_until", TRANSFER_MODE, "pdserve", PARAMS_LATER})
 _WATCHED = _LOAD_FIELDS | _STATE_FIELDS
 
 # (transfer_mode, pdserve, params_later, healthy): all that pairing and availability read of an instance

@@ -51,7 +51,14 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.api.pd import FirstToken, HeldKVParams, KVTransferParams, PushParams, prefix_prefill_params
+from pdserve.api.pd import (
+    FirstToken,
+    HeldKVParams,
+    KVTransferParams,
+    LoadParams,
+    PushParams,
+    prefix_prefill_params,
+)
 from pdserve.engine.pd.kv_handoff import KVHandoff, KVState
 from pdserve.engine.request import Request
 from pdserve.kv_events.events import KVEventBatch
@@ -537,9 +544,9 @@ class Deployment:
             inst.holds.released([lease_id])
             self._kick(inst, at)
 
-    def _declined(self, params: Any) -> None:
+    def _declined(self, params: LoadParams) -> None:
         """A held prefix the reader will not read (no block matches, or not worth it): its holder frees it."""
-        holder = self._holder(getattr(params, "remote_engine_id", ""))
+        holder = self._holder(params.remote_engine_id)
         if holder is not None:
             self._end_history(holder, params.remote_request_id, self.now)
 
