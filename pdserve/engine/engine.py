@@ -175,6 +175,16 @@ class LLMEngine:
         if self.tiers is not None:
             self.tiers.shutdown()
 
+    def reset_client_counters(self) -> None:
+        """The counters a client sees back at zero, after work that was nobody's (the warm-up, the prefill cost
+        calibration): finished requests, prefix and external cache hits, the tiers' counters, step timing."""
+        self.num_finished = 0
+        self.blocks.prefix_queries = self.blocks.prefix_hits = 0
+        self.blocks.external_queries = self.blocks.external_hits = 0
+        if self.tiers is not None:
+            self.tiers.counters.clear()
+        self.runner.step_timing.reset()
+
     def _warm_up(self) -> None:
         """Requests through a full-budget prefill, a mixed prefill+decode step, decode graphs and the
         sampler before serving: the first clients would otherwise pay the kernels' JIT compilation and
@@ -208,12 +218,7 @@ class LLMEngine:
                                 chunk, self.max_model_len)
             if n_plans:
                 log.info("built %d attention plans for long prefill chunks", n_plans)
-        self.num_finished = 0
-        self.blocks.prefix_queries = self.blocks.prefix_hits = 0
-        self.blocks.external_queries = self.blocks.external_hits = 0
-        if self.tiers is not None:
-            self.tiers.counters.clear()
-        self.runner.step_timing.reset()
+        self.reset_client_counters()
         if self.spec is not None:
             self.spec.stats = SpecDecodeStats(self.spec.config.num_speculative_tokens)
 

@@ -95,9 +95,4 @@ def _forget(engine: Any) -> None:
         if not engine.has_unfinished():
             break
         engine.step()
-    engine.num_finished = 0
-    engine.blocks.prefix_queries = engine.blocks.prefix_hits = 0
-    engine.blocks.external_queries = engine.blocks.external_hits = 0
-    if engine.tiers is not None:
-        engine.tiers.counters.clear()
-    engine.runner.step_timing.reset()
+    engine.reset_client_counters()
